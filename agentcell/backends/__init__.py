@@ -1,0 +1,16 @@
+"""Isolation backends. `get_backend(name)` returns one by name; "linux" is the default."""
+
+from __future__ import annotations
+
+from agentcell.backends.base import Backend, Limits, RunningSandbox, SandboxSpec, SandboxStats
+
+
+def get_backend(name: str = "linux") -> Backend:
+    if name == "linux":
+        from agentcell.backends.linux.backend import LinuxBackend
+
+        return LinuxBackend()
+    raise ValueError(f"unknown backend {name!r}; available: linux")
+
+
+__all__ = ["Backend", "Limits", "RunningSandbox", "SandboxSpec", "SandboxStats", "get_backend"]
