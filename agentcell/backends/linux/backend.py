@@ -1,0 +1,354 @@
+"""LinuxBackend: sandboxes are namespaces + cgroups + Landlock + seccomp, forked from a zygote.
+
+The server never forks untrusted code itself: one zygote process per template (a subprocess of the
+server) forks each sandbox; see sandbox_init.py for what the child does. Here we only send spawn
+requests, read the child's handshake on the sandbox's socket, and kill/measure via pidfd and cgroups.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import json
+import os
+import re
+import select
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from typing import Any
+
+from agentcell.backends.base import Backend, RunningSandbox, SandboxSpec, SandboxStats
+from agentcell.backends.linux import cgroups, rootfs
+from agentcell.errors import BackendUnavailableError, InvalidArgumentError, SandboxError, SandboxGoneError
+
+DEFAULT_ENTRY = "agentcell.runtime.agent:serve"
+READY_TIMEOUT = 10.0
+_PREFIX = struct.Struct(">II")
+_ID_RE = re.compile(r"^[a-z0-9]{1,63}$")
+
+
+class LinuxSandbox(RunningSandbox):
+    def __init__(self, sandbox_id: str, sock: socket.socket, host_pid: int, pidfd: int, slot: int) -> None:
+        self.sandbox_id = sandbox_id
+        self.sock = sock
+        self.host_pid = host_pid
+        self.pidfd = pidfd
+        self.slot = slot
+        self.cgroups = cgroups.Cgroups.for_sandbox(sandbox_id)
+        self.killed = False
+        self.kill_lock = asyncio.Lock()
+
+    def alive(self) -> bool:
+        if self.killed or self.pidfd < 0:
+            return False
+        return not select.select([self.pidfd], [], [], 0)[0]  # readable = exited
+
+
+class _Zygote:
+    def __init__(self, template: str, entry: str, preload: bool) -> None:
+        self.template = template
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        env = dict(os.environ)
+        pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(rootfs.__file__)))
+        pkg_parent = os.path.dirname(os.path.dirname(pkg_parent))  # .../agentcell/backends/linux -> repo
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_parent, env.get("PYTHONPATH")) if p)
+        env.setdefault("OPENBLAS_NUM_THREADS", "1")  # keep the zygote single-threaded
+        argv = [sys.executable, "-m", "agentcell.backends.linux.zygote", "--fd", str(theirs.fileno()), "--entry", entry]
+        if not preload:
+            argv.append("--no-preload")
+        self.proc = subprocess.Popen(
+            argv,
+            pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, env=env, close_fds=True,
+        )
+        theirs.close()
+        self.ctl = ours
+        self.ready = False
+        self._ready_task: asyncio.Task[None] | None = None
+
+    async def wait_ready(self, timeout: float) -> None:
+        """Wait for the zygote's "ready" (it has imported everything); raise with a fix if it dies."""
+        if self.ready:
+            return
+        if self._ready_task is None:  # concurrent create() calls share one wait
+            self._ready_task = asyncio.get_running_loop().create_task(self._wait_ready(timeout))
+        await asyncio.shield(self._ready_task)
+
+    async def _wait_ready(self, timeout: float) -> None:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[bytes] = loop.create_future()
+
+        def on_readable() -> None:
+            if not fut.done():
+                try:
+                    fut.set_result(self.ctl.recv(16))
+                except OSError as e:
+                    fut.set_exception(e)
+
+        loop.add_reader(self.ctl.fileno(), on_readable)
+        try:
+            async with asyncio.timeout(timeout):
+                msg = await fut
+        except (TimeoutError, OSError) as e:
+            self.stop()
+            raise BackendUnavailableError(
+                f"the {self.template!r} zygote did not start within {timeout:g} s ({e!r}); see its stderr") from None
+        finally:
+            loop.remove_reader(self.ctl.fileno())
+        if msg != b"ready":
+            self.stop()
+            raise BackendUnavailableError(
+                f"the {self.template!r} zygote exited during startup (code {self.proc.poll()}); see its stderr")
+        self.ready = True
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def spawn(self, request: dict[str, Any], sock_fd: int) -> None:
+        socket.send_fds(self.ctl, [json.dumps(request).encode()], [sock_fd])
+
+    def stop(self) -> None:
+        with contextlib.suppress(OSError):
+            self.ctl.close()
+        try:
+            self.proc.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+async def _read_frame(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> dict[str, Any] | None:
+    """Read exactly one frame (never past it: the rest of the stream belongs to the server)."""
+
+    async def exact(n: int) -> bytes | None:
+        buf = bytearray()
+        while len(buf) < n:
+            chunk = await loop.sock_recv(sock, n - len(buf))
+            if not chunk:
+                return None
+            buf += chunk
+        return bytes(buf)
+
+    prefix = await exact(_PREFIX.size)
+    if prefix is None:
+        return None
+    head_len, payload_len = _PREFIX.unpack(prefix)
+    if head_len > 1 << 16 or payload_len:
+        raise SandboxError("the sandbox sent a malformed handshake")
+    head = await exact(head_len)
+    if head is None:
+        return None
+    header = json.loads(head)
+    if not isinstance(header, dict):
+        raise SandboxError("the sandbox sent a malformed handshake")
+    return header
+
+
+class LinuxBackend(Backend):
+    name = "linux"
+
+    def __init__(self, entry_point: str = DEFAULT_ENTRY, uid_base: int = 1_000_000, max_sandboxes: int = 60_000,
+                 staging: str = rootfs.STAGING, ready_timeout: float = READY_TIMEOUT,
+                 preload: bool | None = None, zygote_timeout: float = 120.0) -> None:
+        if uid_base < 1000 or uid_base + max_sandboxes >= 2**32 - 1:
+            raise ValueError("uid_base must leave room for max_sandboxes unprivileged ids")
+        self.entry_point = entry_point
+        self.uid_base = uid_base
+        self.max_sandboxes = max_sandboxes
+        self.staging = staging
+        self.ready_timeout = ready_timeout
+        # agent.preload() (numpy, pandas, IPython...) only helps the real agent
+        self.preload = entry_point.startswith("agentcell.runtime.agent:") if preload is None else preload
+        self.zygote_timeout = zygote_timeout
+        self._zygotes: dict[str, _Zygote] = {}
+        self._sandboxes: dict[str, LinuxSandbox] = {}
+        self._slots: set[int] = set()
+        self._next_slot = 0
+        self.last_create_ms = 0.0
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if os.geteuid() != 0:
+            raise BackendUnavailableError("the linux backend must run as root (it creates namespaces and cgroups)")
+        try:
+            with open("/proc/sys/user/max_user_namespaces") as f:
+                if int(f.read()) < 10:
+                    raise BackendUnavailableError("user namespaces are disabled: sysctl -w user.max_user_namespaces=65536")
+        except FileNotFoundError:
+            raise BackendUnavailableError("this kernel has no user namespaces (CONFIG_USER_NS)") from None
+        if os.path.exists("/proc/sys/kernel/unprivileged_userns_clone"):
+            with open("/proc/sys/kernel/unprivileged_userns_clone") as f:
+                if f.read().strip() == "0":
+                    raise BackendUnavailableError(
+                        "unprivileged user namespaces are off: sysctl -w kernel.unprivileged_userns_clone=1")
+        try:
+            cgroups.prepare_parents()
+        except cgroups.CgroupError as e:
+            raise BackendUnavailableError(str(e)) from e
+        os.makedirs(self.staging, mode=0o755, exist_ok=True)
+        os.chmod(self.staging, 0o755)
+        await self._zygote("base")
+
+    async def _zygote(self, template: str) -> _Zygote:
+        z = self._zygotes.get(template)
+        if z is None or not z.alive():
+            if z is not None:
+                z.stop()
+            z = _Zygote(template, self.entry_point, self.preload)
+            self._zygotes[template] = z
+        await z.wait_ready(self.zygote_timeout)
+        return z
+
+    async def close(self) -> None:
+        for sb in list(self._sandboxes.values()):
+            with contextlib.suppress(Exception):
+                await self.kill(sb)
+        for z in self._zygotes.values():
+            z.stop()
+        self._zygotes.clear()
+
+    # -- sandboxes -------------------------------------------------------------------------------
+
+    def _alloc_slot(self) -> int:
+        if len(self._slots) >= self.max_sandboxes:
+            raise SandboxError("too many sandboxes on this host", "resource_exhausted")
+        while self._next_slot in self._slots:
+            self._next_slot = (self._next_slot + 1) % self.max_sandboxes
+        slot = self._next_slot
+        self._slots.add(slot)
+        self._next_slot = (slot + 1) % self.max_sandboxes
+        return slot
+
+    async def create(self, spec: SandboxSpec) -> RunningSandbox:
+        t0 = time.perf_counter()
+        if not _ID_RE.match(spec.sandbox_id):
+            raise InvalidArgumentError(f"sandbox id must match {_ID_RE.pattern}, got {spec.sandbox_id!r}")
+        if spec.sandbox_id in self._sandboxes:
+            raise SandboxError(f"sandbox {spec.sandbox_id} already exists", "already_exists")
+        try:
+            spec.limits.validate()
+        except ValueError as e:
+            raise InvalidArgumentError(str(e)) from None
+        slot = self._alloc_slot()
+        host_id = self.uid_base + slot
+        request = {
+            "sandbox_id": spec.sandbox_id, "limits": asdict(spec.limits), "host_uid": host_id, "host_gid": host_id,
+            "envs": dict(spec.envs), "entry": self.entry_point, "staging": self.staging,
+        }
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        sandbox: LinuxSandbox | None = None
+        try:
+            try:
+                (await self._zygote(spec.template)).spawn(request, theirs.fileno())
+            except OSError:  # the zygote died between the check and the send: once more with a new one
+                dead = self._zygotes.pop(spec.template, None)
+                if dead is not None:
+                    dead.stop()
+                (await self._zygote(spec.template)).spawn(request, theirs.fileno())
+            theirs.close()
+            ours.setblocking(False)
+            loop = asyncio.get_running_loop()
+            async with asyncio.timeout(self.ready_timeout):
+                first = await _read_frame(loop, ours)
+                if first is None or first.get("event") != "spawned":
+                    raise SandboxError(_setup_error(spec.sandbox_id, first))
+                pid = int(first["host_pid"])
+                sandbox = LinuxSandbox(spec.sandbox_id, ours, pid, os.pidfd_open(pid), slot)
+                self._sandboxes[spec.sandbox_id] = sandbox
+                ready = await _read_frame(loop, ours)
+                if ready is None or ready.get("event") != "ready":
+                    raise SandboxError(_setup_error(spec.sandbox_id, ready))
+        except BaseException as e:
+            theirs.close()
+            if sandbox is not None:
+                await self.kill(sandbox)
+            else:
+                ours.close()
+                self._slots.discard(slot)
+                with contextlib.suppress(OSError):
+                    cg = cgroups.Cgroups.for_sandbox(spec.sandbox_id)
+                    cg.kill_all()
+                    cg.remove()
+            if isinstance(e, TimeoutError):
+                raise SandboxError(
+                    f"sandbox {spec.sandbox_id} did not become ready within {self.ready_timeout:g} s; "
+                    "check the server log for the agent's error") from None
+            raise
+        ours.setblocking(True)
+        self.last_create_ms = (time.perf_counter() - t0) * 1000
+        return sandbox
+
+    async def kill(self, sandbox: RunningSandbox) -> None:
+        assert isinstance(sandbox, LinuxSandbox)
+        async with sandbox.kill_lock:
+            if sandbox.killed:
+                return
+            if sandbox.pidfd >= 0:
+                with contextlib.suppress(ProcessLookupError, OSError):
+                    signal.pidfd_send_signal(sandbox.pidfd, signal.SIGKILL)  # pid 1 dies: the whole ns dies
+                await _wait_readable(sandbox.pidfd, timeout=5.0)
+            with contextlib.suppress(OSError):
+                sandbox.sock.close()
+            await _remove_cgroups(sandbox.cgroups)
+            if sandbox.pidfd >= 0:
+                os.close(sandbox.pidfd)
+                sandbox.pidfd = -1
+            sandbox.killed = True
+            self._slots.discard(sandbox.slot)
+            if self._sandboxes.get(sandbox.sandbox_id) is sandbox:
+                del self._sandboxes[sandbox.sandbox_id]
+
+    async def stats(self, sandbox: RunningSandbox) -> SandboxStats:
+        assert isinstance(sandbox, LinuxSandbox)
+        if sandbox.killed:
+            raise SandboxGoneError(f"sandbox {sandbox.sandbox_id} was killed")
+        try:
+            return sandbox.cgroups.stats()
+        except OSError as e:
+            raise SandboxGoneError(f"sandbox {sandbox.sandbox_id} has no cgroup any more: {e}") from e
+
+
+def _setup_error(sandbox_id: str, frame: dict[str, Any] | None) -> str:
+    if frame is None:
+        return f"sandbox {sandbox_id} exited during setup; check the server log"
+    if frame.get("event") == "error":
+        return f"sandbox {sandbox_id}: {frame.get('message')}"
+    return f"sandbox {sandbox_id} sent an unexpected handshake frame {frame!r}"
+
+
+async def _wait_readable(fd: int, timeout: float) -> None:
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[None] = loop.create_future()
+    loop.add_reader(fd, lambda: fut.done() or fut.set_result(None))
+    try:
+        async with asyncio.timeout(timeout):
+            await fut
+    except TimeoutError:
+        pass
+    finally:
+        loop.remove_reader(fd)
+
+
+async def _remove_cgroups(cg: cgroups.Cgroups) -> None:
+    """rmdir the cgroups; retry briefly while the dead tasks are still being reaped (EBUSY)."""
+    delay = 0.002
+    deadline = time.monotonic() + 5.0
+    while True:
+        try:
+            if cg.remove():
+                return
+        except OSError as e:
+            if e.errno not in (errno.EBUSY, errno.ENOTEMPTY):
+                raise
+        if time.monotonic() > deadline:
+            cg.kill_all()  # stragglers (should not happen: they all died with pid 1)
+            if time.monotonic() > deadline + 2:
+                raise SandboxError(f"cgroups of sandbox {cg.sandbox_id} stay busy; remove them by hand")
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 0.05)

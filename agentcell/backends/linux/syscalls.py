@@ -1,0 +1,127 @@
+"""Thin ctypes wrappers for the Linux syscalls Python 3.11 does not expose (x86_64 / aarch64 numbers).
+
+Every wrapper raises OSError with errno and the call's arguments, so a failure during sandbox setup
+says exactly which step broke.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import platform
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+
+CLONE_NEWNS = 0x00020000
+CLONE_NEWCGROUP = 0x02000000
+CLONE_NEWUTS = 0x04000000
+CLONE_NEWIPC = 0x08000000
+CLONE_NEWUSER = 0x10000000
+CLONE_NEWPID = 0x20000000
+CLONE_NEWNET = 0x40000000
+CLONE_NEW_ALL = (
+    CLONE_NEWNS | CLONE_NEWCGROUP | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWUSER | CLONE_NEWPID | CLONE_NEWNET
+)
+
+MS_RDONLY = 1
+MS_NOSUID = 2
+MS_NODEV = 4
+MS_NOEXEC = 8
+MS_REMOUNT = 32
+MS_NOATIME = 1024
+MS_NODIRATIME = 2048
+MS_BIND = 4096
+MS_REC = 16384
+MS_PRIVATE = 1 << 18
+MS_RELATIME = 1 << 21
+MNT_DETACH = 2
+
+PR_SET_PDEATHSIG = 1
+PR_SET_DUMPABLE = 4
+PR_CAPBSET_DROP = 24
+PR_SET_CHILD_SUBREAPER = 36
+PR_SET_NO_NEW_PRIVS = 38
+PR_CAP_AMBIENT = 47
+PR_CAP_AMBIENT_CLEAR_ALL = 4
+
+_MACHINE = platform.machine()
+_NR = {
+    "x86_64": {"pivot_root": 155, "capset": 126, "ptrace": 101},
+    "aarch64": {"pivot_root": 41, "capset": 91, "ptrace": 117},
+}.get(_MACHINE, {})
+
+
+def _check(res: int, what: str) -> int:
+    if res < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+    return res
+
+
+def _syscall_nr(name: str) -> int:
+    try:
+        return _NR[name]
+    except KeyError:
+        raise OSError(errno.ENOSYS, f"{name}: unsupported architecture {_MACHINE}") from None
+
+
+def unshare(flags: int) -> None:
+    _check(_libc.unshare(ctypes.c_int(flags)), f"unshare({flags:#x})")
+
+
+def mount(source: str | None, target: str, fstype: str | None, flags: int = 0, data: str | None = None) -> None:
+    res = _libc.mount(
+        source.encode() if source is not None else None,
+        target.encode(),
+        fstype.encode() if fstype is not None else None,
+        ctypes.c_ulong(flags),
+        data.encode() if data is not None else None,
+    )
+    _check(res, f"mount({source!r}, {target!r}, {fstype!r}, {flags:#x}, {data!r})")
+
+
+def umount2(target: str, flags: int = 0) -> None:
+    _check(_libc.umount2(target.encode(), ctypes.c_int(flags)), f"umount2({target!r})")
+
+
+def pivot_root(new_root: str, put_old: str) -> None:
+    res = _libc.syscall(ctypes.c_long(_syscall_nr("pivot_root")), new_root.encode(), put_old.encode())
+    _check(res, f"pivot_root({new_root!r}, {put_old!r})")
+
+
+def sethostname(name: str) -> None:
+    raw = name.encode()
+    _check(_libc.sethostname(raw, ctypes.c_size_t(len(raw))), f"sethostname({name!r})")
+
+
+def prctl(option: int, arg2: int = 0, arg3: int = 0, arg4: int = 0, arg5: int = 0) -> int:
+    res = _libc.prctl(
+        ctypes.c_int(option), ctypes.c_ulong(arg2), ctypes.c_ulong(arg3), ctypes.c_ulong(arg4), ctypes.c_ulong(arg5)
+    )
+    return _check(res, f"prctl({option}, {arg2})")
+
+
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+
+_LINUX_CAPABILITY_VERSION_3 = 0x20080522
+
+
+def capset_zero() -> None:
+    """Clear the effective, permitted and inheritable capability sets of the calling thread."""
+    header = _CapHeader(_LINUX_CAPABILITY_VERSION_3, 0)
+    data = (_CapData * 2)()
+    res = _libc.syscall(ctypes.c_long(_syscall_nr("capset")), ctypes.byref(header), ctypes.byref(data))
+    _check(res, "capset(0)")
+
+
+def ptrace_traceme() -> int:
+    """Only used by tests to check that ptrace is denied; returns the raw result."""
+    return int(_libc.syscall(ctypes.c_long(_syscall_nr("ptrace")), 0, 0, 0, 0))
