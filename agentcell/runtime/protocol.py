@@ -147,6 +147,8 @@ class AgentChannel:
         Leaving the loop early sends ``cancel`` for the call, so the agent can stop the work
         (a code run is interrupted; a process keeps running, only the subscription ends).
         """
+        if "id" in fields or "op" in fields:
+            raise ValueError("'id' and 'op' are reserved frame keys; name the field differently")
         call_id = next(self._ids)
         call = _Call()
         self._calls[call_id] = call

@@ -1,0 +1,355 @@
+"""The control plane: E2B's REST API for sandboxes (see shared/e2b-protocol.md §2).
+
+Every non-2xx answer is `{"code": <status>, "message": ...}` with a status the SDK lists for the path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from datetime import UTC, datetime
+from typing import Any
+from urllib.parse import parse_qs, unquote
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from agentcell.backends.base import Limits
+from agentcell.errors import BackendUnavailableError, InvalidArgumentError, SandboxError
+from agentcell.server.config import ServerConfig
+from agentcell.server.errors import HTTPError
+from agentcell.server.registry import CapacityError, SandboxManager, SandboxRecord
+
+ENVD_VERSION = "0.6.13"
+BUILTIN_TEMPLATE = "code-interpreter-v1"
+TEMPLATES = {"base": "base", "code-interpreter-v1": "code-interpreter-v1", "code-interpreter": "code-interpreter-v1"}
+_LIMIT_FIELDS = {
+    "memoryMB": ("memory_mb", int),
+    "pids": ("pids", int),
+    "cpuCount": ("cpu_count", float),
+    "diskMB": ("disk_mb", int),
+    "openFiles": ("open_files", int),
+}
+NO_NETWORK = "network access is not supported yet: sandboxes have loopback only"
+
+
+def rfc3339(dt: datetime) -> str:
+    return dt.astimezone(UTC).isoformat().replace("+00:00", "Z")
+
+
+# --- request parsing ------------------------------------------------------------------------------
+
+
+async def json_body(request: Request, *, required: bool = True) -> dict[str, Any]:
+    raw = await request.body()
+    if not raw.strip():
+        if required:
+            raise HTTPError(400, "the request body must be a JSON object")
+        return {}
+    try:
+        body = json.loads(raw)
+    except ValueError as e:
+        raise HTTPError(400, f"the request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise HTTPError(400, "the request body must be a JSON object")
+    return body
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _str_map(body: dict[str, Any], key: str) -> dict[str, str]:
+    value = body.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        raise HTTPError(400, f"'{key}' must be an object of string values")
+    return value
+
+
+def _timeout(cfg: ServerConfig, body: dict[str, Any], default: int) -> int:
+    value = body.get("timeout")
+    if value is None:
+        return default
+    if not _is_int(value):
+        raise HTTPError(400, "'timeout' must be an integer number of seconds")
+    if not 0 < value <= cfg.max_timeout:
+        raise HTTPError(400, f"'timeout' must be between 1 and {cfg.max_timeout} seconds, got {value}")
+    return value
+
+
+def _limits(cfg: ServerConfig, body: dict[str, Any]) -> Limits:
+    value = body.get("limits")
+    if value is None:
+        return cfg.limits
+    if not isinstance(value, dict):
+        raise HTTPError(400, "'limits' must be an object like {\"memoryMB\": 512, \"pids\": 256}")
+    changes: dict[str, Any] = {}
+    for key, v in value.items():
+        if key not in _LIMIT_FIELDS:
+            raise HTTPError(400, f"unknown limit '{key}'; known: {', '.join(_LIMIT_FIELDS)}")
+        name, typ = _LIMIT_FIELDS[key]
+        if isinstance(v, bool) or not isinstance(v, int | float) or (typ is int and not _is_int(v)):
+            raise HTTPError(400, f"limit '{key}' must be a{'n integer' if typ is int else ' number'}")
+        changes[name] = typ(v)
+    limits = dataclasses.replace(cfg.limits, **changes)
+    try:
+        limits.validate()
+    except ValueError as e:
+        camel = {snake: camel for camel, (snake, _) in _LIMIT_FIELDS.items()}
+        msg = str(e)
+        for snake, c in camel.items():
+            msg = msg.replace(snake, c)
+        raise HTTPError(400, f"invalid limits: {msg}") from None
+    return limits
+
+
+def _reject_unsupported(body: dict[str, Any]) -> None:
+    if body.get("allow_internet_access") is True:
+        raise HTTPError(400, NO_NETWORK)
+    network = body.get("network")
+    if network is not None:
+        if not isinstance(network, dict):
+            raise HTTPError(400, "'network' must be an object")
+        allow = network.get("allowOut")
+        if allow:
+            raise HTTPError(400, NO_NETWORK)
+    if body.get("autoPause") is True:
+        raise HTTPError(400, "autoPause is not supported by agentcell yet: sandboxes are killed at their timeout")
+    if body.get("volumeMounts"):
+        raise HTTPError(400, "volume mounts are not supported by agentcell yet")
+
+
+# --- response objects ----------------------------------------------------------------------------------
+
+
+class ControlPlane:
+    def __init__(self, cfg: ServerConfig, manager: SandboxManager) -> None:
+        self.cfg = cfg
+        self.manager = manager
+        self._cpu_samples: dict[str, tuple[float, float]] = {}
+
+    def _domain(self, request: Request) -> str | None:
+        return self.cfg.domain or request.headers.get("host") or None
+
+    def sandbox_json(self, rec: SandboxRecord, request: Request) -> dict[str, Any]:
+        return {
+            "templateID": rec.template_id,
+            "sandboxID": rec.sandbox_id,
+            "clientID": rec.client_id,
+            "alias": rec.alias,
+            "envdVersion": ENVD_VERSION,
+            "envdAccessToken": rec.access_token,
+            "trafficAccessToken": None,
+            "domain": self._domain(request),
+        }
+
+    def listed_json(self, rec: SandboxRecord) -> dict[str, Any]:
+        return {
+            "templateID": rec.template_id,
+            "alias": rec.alias,
+            "sandboxID": rec.sandbox_id,
+            "clientID": rec.client_id,
+            "startedAt": rfc3339(rec.started_at),
+            "endAt": rfc3339(rec.end_at),
+            "cpuCount": max(1, math.ceil(rec.limits.cpu_count)),
+            "memoryMB": rec.limits.memory_mb,
+            "diskSizeMB": rec.limits.disk_mb,
+            "state": "running",
+            "envdVersion": ENVD_VERSION,
+            "metadata": rec.metadata,
+            "volumeMounts": [],
+        }
+
+    def detail_json(self, rec: SandboxRecord, request: Request) -> dict[str, Any]:
+        return {
+            **self.listed_json(rec),
+            "envdAccessToken": rec.access_token,
+            "domain": self._domain(request),
+            "allowInternetAccess": False,
+            "lifecycle": {"autoResume": False, "onTimeout": "kill"},
+            "limits": {
+                "memoryMB": rec.limits.memory_mb,
+                "pids": rec.limits.pids,
+                "cpuCount": rec.limits.cpu_count,
+                "diskMB": rec.limits.disk_mb,
+                "openFiles": rec.limits.open_files,
+            },
+        }
+
+    def _record(self, request: Request) -> SandboxRecord:
+        sandbox_id = request.path_params["sandbox_id"]
+        rec = self.manager.get(sandbox_id)
+        if rec is None:
+            raise HTTPError(404, f"sandbox '{sandbox_id}' not found")
+        return rec
+
+    # --- handlers ------------------------------------------------------------------------------------
+
+    async def create(self, request: Request) -> Response:
+        body = await json_body(request)
+        template = body.get("templateID", "base")
+        if not isinstance(template, str):
+            raise HTTPError(400, "'templateID' must be a string")
+        if template not in TEMPLATES:
+            raise HTTPError(404, f"template '{template}' not found; available: base, code-interpreter-v1")
+        timeout = _timeout(self.cfg, body, self.cfg.default_timeout)
+        metadata = _str_map(body, "metadata")
+        envs = _str_map(body, "envVars")
+        limits = _limits(self.cfg, body)
+        _reject_unsupported(body)
+        try:
+            rec = await self.manager.create(
+                template_id=template, alias=template, timeout=timeout, metadata=metadata, envs=envs, limits=limits
+            )
+        except CapacityError as e:
+            raise HTTPError(429, str(e)) from None
+        except InvalidArgumentError as e:
+            raise HTTPError(400, e.message) from None
+        except (SandboxError, BackendUnavailableError) as e:
+            raise HTTPError(500, f"the sandbox could not be started: {e}") from None
+        return JSONResponse(self.sandbox_json(rec, request), status_code=201)
+
+    def _filtered(self, request: Request) -> list[SandboxRecord]:
+        q = request.query_params
+        records = self.manager.list()
+        meta_raw = q.get("metadata")
+        if meta_raw:
+            # The SDK encodes metadata as urlencode({quote(k): quote(v)}): decode twice.
+            wanted = {unquote(k): unquote(v) for k, vs in parse_qs(meta_raw, keep_blank_values=True).items() for v in vs[:1]}
+            records = [r for r in records if all(r.metadata.get(k) == v for k, v in wanted.items())]
+        template = q.get("template")
+        if template:
+            records = [r for r in records if template in (r.template_id, r.alias)]
+        started_after = q.get("startedAfter")
+        if started_after:
+            try:
+                after = datetime.fromisoformat(started_after.replace("Z", "+00:00"))
+                if after.tzinfo is None:
+                    after = after.replace(tzinfo=UTC)
+            except ValueError:
+                raise HTTPError(400, f"'startedAfter' is not an ISO 8601 time: {started_after!r}") from None
+            records = [r for r in records if r.started_at > after]
+        return records
+
+    async def list_v1(self, request: Request) -> Response:
+        return JSONResponse([self.listed_json(r) for r in self._filtered(request)])
+
+    async def list_v2(self, request: Request) -> Response:
+        q = request.query_params
+        states = {s.strip() for s in q.get("state", "running,paused").split(",") if s.strip()}
+        bad = states - {"running", "paused"}
+        if bad:
+            raise HTTPError(400, f"unknown state {sorted(bad)[0]!r}; use running and/or paused")
+        order = q.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise HTTPError(400, "'order' must be asc or desc")
+        try:
+            limit = int(q.get("limit", "100"))
+        except ValueError:
+            raise HTTPError(400, "'limit' must be an integer") from None
+        if not 1 <= limit <= 100:
+            raise HTTPError(400, "'limit' must be between 1 and 100")
+        records = self._filtered(request) if "running" in states else []
+        records.sort(key=lambda r: (r.started_at, r.sandbox_id), reverse=order == "desc")
+        token = q.get("nextToken")
+        if token:
+            # The token is the id of the last sandbox of the previous page.
+            ids = [r.sandbox_id for r in records]
+            if token in ids:
+                records = records[ids.index(token) + 1 :]
+            else:
+                raise HTTPError(400, "invalid 'nextToken' (the sandbox it points to is gone; list again)")
+        page = records[:limit]
+        headers = {"X-Total-Running": str(len(self.manager.list()))}
+        if len(records) > limit:
+            headers["X-Next-Token"] = page[-1].sandbox_id
+        return JSONResponse([self.listed_json(r) for r in page], headers=headers)
+
+    async def get(self, request: Request) -> Response:
+        return JSONResponse(self.detail_json(self._record(request), request))
+
+    async def kill(self, request: Request) -> Response:
+        sandbox_id = request.path_params["sandbox_id"]
+        if not await self.manager.kill(sandbox_id):
+            raise HTTPError(404, f"sandbox '{sandbox_id}' not found")
+        return Response(status_code=204)
+
+    async def set_timeout(self, request: Request) -> Response:
+        body = await json_body(request)
+        if "timeout" not in body:
+            raise HTTPError(400, "'timeout' is required")
+        timeout = _timeout(self.cfg, body, self.cfg.default_timeout)
+        self.manager.set_timeout(self._record(request), timeout)
+        return Response(status_code=204)
+
+    async def connect(self, request: Request) -> Response:
+        body = await json_body(request, required=False)
+        timeout = _timeout(self.cfg, body, self.cfg.default_timeout)
+        rec = self._record(request)
+        self.manager.extend_timeout(rec, timeout)
+        return JSONResponse(self.sandbox_json(rec, request), status_code=200)
+
+    async def resume(self, request: Request) -> Response:
+        await json_body(request, required=False)
+        sandbox_id = request.path_params["sandbox_id"]
+        if self.manager.get(sandbox_id) is not None:
+            raise HTTPError(409, f"sandbox '{sandbox_id}' is already running")
+        raise HTTPError(404, f"sandbox '{sandbox_id}' not found (agentcell cannot pause, so there is nothing to resume)")
+
+    def _unsupported(self, what: str):  # type: ignore[no-untyped-def]
+        async def handler(request: Request) -> Response:
+            self._record(request)  # an unknown sandbox is still a 404
+            # Any status >= 300 with a message becomes SandboxException("501: <message>") in the SDK;
+            # 409 is avoided for pause because the SDK reads it as "already paused" and returns False.
+            raise HTTPError(501, f"{what} is not supported by agentcell yet")
+
+        return handler
+
+    async def metrics(self, request: Request) -> Response:
+        rec = self._record(request)
+        try:
+            stats = await self.manager.backend.stats(rec.running)
+        except Exception as e:
+            raise HTTPError(500, f"could not read the sandbox's metrics: {e}") from None
+        now = time.time()
+        prev_t, prev_cpu = self._cpu_samples.get(rec.sandbox_id, (rec.started_at.timestamp(), 0.0))
+        self._cpu_samples[rec.sandbox_id] = (now, stats.cpu_seconds)
+        wall = max(now - prev_t, 1e-3)
+        cpus = max(rec.limits.cpu_count, 0.01)
+        pct = max(0.0, min(100.0, (stats.cpu_seconds - prev_cpu) / wall / cpus * 100))
+        metric = {
+            "timestamp": rfc3339(datetime.fromtimestamp(now, UTC)),
+            "timestampUnix": int(now),
+            "cpuCount": max(1, math.ceil(rec.limits.cpu_count)),
+            "cpuUsedPct": round(pct, 2),
+            "memUsed": stats.memory_bytes,
+            "memTotal": stats.memory_limit_bytes,
+            "memCache": 0,
+            "diskUsed": 0,
+            "diskTotal": rec.limits.disk_mb * 1024 * 1024,
+        }
+        return JSONResponse([metric])
+
+    def routes(self) -> list[Route]:
+        sid = "/sandboxes/{sandbox_id}"
+        return [
+            Route("/sandboxes", self.create, methods=["POST"]),
+            Route("/v2/sandboxes", self.create, methods=["POST"]),
+            Route("/sandboxes", self.list_v1, methods=["GET"]),
+            Route("/v2/sandboxes", self.list_v2, methods=["GET"]),
+            Route(sid, self.get, methods=["GET"]),
+            Route(sid, self.kill, methods=["DELETE"]),
+            Route(sid + "/timeout", self.set_timeout, methods=["POST"]),
+            Route(sid + "/connect", self.connect, methods=["POST"]),
+            Route("/v2" + sid + "/connect", self.connect, methods=["POST"]),
+            Route(sid + "/resume", self.resume, methods=["POST"]),
+            Route(sid + "/pause", self._unsupported("pause"), methods=["POST"]),
+            Route(sid + "/fork", self._unsupported("fork"), methods=["POST"]),
+            Route(sid + "/snapshots", self._unsupported("snapshots"), methods=["POST"]),
+            Route(sid + "/metrics", self.metrics, methods=["GET"]),
+        ]

@@ -1,0 +1,340 @@
+"""envd's Connect-RPC services (process.Process, filesystem.Filesystem) backed by agent ops.
+
+The transport is the e2b wheel's generated Connect server classes; this module only maps each method
+to the agent protocol (docs/internal-protocol.md). The sandbox comes from `current_sandbox`, set by
+the root router after it checked the access token.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from collections.abc import AsyncIterator
+from typing import Any
+
+from connectrpc.code import Code
+from connectrpc.codec import proto_binary_codec, proto_json_codec
+from connectrpc.errors import ConnectError
+from connectrpc.request import RequestContext
+from e2b.envd.filesystem import filesystem_pb as fs
+from e2b.envd.filesystem.filesystem_connect import FilesystemASGIApplication
+from e2b.envd.process import process_pb as pb
+from e2b.envd.process.process_connect import ProcessASGIApplication
+from protobuf import Oneof
+from protobuf.wkt.google.protobuf.timestamp_pb import Timestamp
+
+from agentcell.errors import SandboxError
+from agentcell.server.streams import KEEPALIVE, agent_call, current_sandbox, with_keepalive
+
+_CODES = {
+    "not_found": Code.NOT_FOUND,
+    "invalid_argument": Code.INVALID_ARGUMENT,
+    "already_exists": Code.ALREADY_EXISTS,
+    "permission_denied": Code.PERMISSION_DENIED,
+    "resource_exhausted": Code.RESOURCE_EXHAUSTED,
+    "deadline_exceeded": Code.DEADLINE_EXCEEDED,
+    "unavailable": Code.UNAVAILABLE,
+    "unimplemented": Code.UNIMPLEMENTED,
+    "internal": Code.INTERNAL,
+}
+DEFAULT_KEEPALIVE_S = 30.0
+MAX_LIST_DEPTH = 64
+
+
+def connect_error(e: SandboxError) -> ConnectError:
+    return ConnectError(_CODES.get(e.code, Code.INTERNAL), e.message)
+
+
+def check_user(ctx: RequestContext) -> None:
+    """Run-as user from `Authorization: Basic base64("<user>:")`; only `user` exists."""
+    auth = ctx.request_headers.get("authorization")
+    if not auth:
+        return
+    scheme, _, value = auth.partition(" ")
+    if scheme.lower() != "basic":
+        return
+    try:
+        user = base64.b64decode(value.strip(), validate=True).decode().partition(":")[0]
+    except (binascii.Error, UnicodeDecodeError):
+        raise ConnectError(Code.INVALID_ARGUMENT, "malformed Basic authorization header") from None
+    if user in ("", "user"):
+        return
+    if user == "root":
+        raise ConnectError(
+            Code.PERMISSION_DENIED,
+            "running as root is not supported: every process runs as the sandbox user 'user'",
+        )
+    raise ConnectError(Code.PERMISSION_DENIED, f"unknown user '{user}': the only user is 'user'")
+
+
+def _keepalive_interval(ctx: RequestContext) -> float:
+    raw = ctx.request_headers.get("keepalive-ping-interval")
+    try:
+        return min(max(float(raw), 1.0), 300.0) if raw else DEFAULT_KEEPALIVE_S
+    except ValueError:
+        return DEFAULT_KEEPALIVE_S
+
+
+def _selector(sel: pb.ProcessSelector | None) -> dict[str, Any]:
+    if sel is None or sel.selector is None:
+        raise ConnectError(Code.INVALID_ARGUMENT, "a process selector (pid or tag) is required")
+    if sel.selector.field == "pid":
+        return {"pid": int(sel.selector.value)}
+    return {"tag": str(sel.selector.value)}
+
+
+async def _call(op: str, payload: bytes = b"", **fields: Any) -> dict[str, Any]:
+    try:
+        return await agent_call(op, payload, **fields)
+    except SandboxError as e:
+        raise connect_error(e) from None
+
+
+def _event(header: dict[str, Any], payload: bytes) -> pb.ProcessEvent | None:
+    kind = header.get("event")
+    if kind == "start":
+        return pb.ProcessEvent(event=Oneof("start", pb.ProcessEvent.StartEvent(pid=int(header.get("pid", 0)))))
+    if kind in ("stdout", "stderr", "pty"):
+        return pb.ProcessEvent(event=Oneof("data", pb.ProcessEvent.DataEvent(output=Oneof(kind, payload))))
+    if kind == "end":
+        end = pb.ProcessEvent.EndEvent(
+            exit_code=int(header.get("exit_code", 0)),
+            exited=bool(header.get("exited", False)),
+            status=str(header.get("status", "")),
+        )
+        if header.get("error"):
+            end.error = str(header["error"])
+        return pb.ProcessEvent(event=Oneof("end", end))
+    return None  # unknown events are skipped
+
+
+_KEEPALIVE_EVENT = pb.ProcessEvent(event=Oneof("keepalive", pb.ProcessEvent.KeepAlive()))
+
+
+async def _process_stream(op: str, ctx: RequestContext, **fields: Any) -> AsyncIterator[pb.ProcessEvent]:
+    channel = current_sandbox.get().channel
+    try:
+        async for item in with_keepalive(channel.stream(op, **fields), _keepalive_interval(ctx)):
+            if item is KEEPALIVE:
+                yield _KEEPALIVE_EVENT
+                continue
+            event = _event(item.header, item.payload)  # type: ignore[union-attr]
+            if event is not None:
+                yield event
+    except SandboxError as e:
+        raise connect_error(e) from None
+
+
+class ProcessService:
+    async def start(self, request: pb.StartRequest, ctx: RequestContext) -> AsyncIterator[pb.StartResponse]:
+        check_user(ctx)
+        proc = request.process
+        if proc is None or not proc.cmd:
+            raise ConnectError(Code.INVALID_ARGUMENT, "process.cmd is required")
+        pty = None
+        if request.has_field("pty") and request.pty is not None:
+            size = request.pty.size
+            pty = {"cols": int(size.cols) if size else 80, "rows": int(size.rows) if size else 24}
+        remaining = ctx.timeout_ms
+        fields = {
+            "cmd": proc.cmd,
+            "args": list(proc.args),
+            "envs": dict(proc.envs),
+            "cwd": proc.cwd if proc.has_field("cwd") and proc.cwd else None,
+            "tag": request.tag if request.has_field("tag") and request.tag else None,
+            # A missing stdin flag means true (legacy SDKs).
+            "stdin": bool(request.stdin) if request.has_field("stdin") else True,
+            "pty": pty,
+            "timeout_ms": max(int(remaining), 1) if remaining is not None else 0,
+        }
+        async for event in _process_stream("proc.start", ctx, **fields):
+            yield pb.StartResponse(event=event)
+
+    async def connect(self, request: pb.ConnectRequest, ctx: RequestContext) -> AsyncIterator[pb.ConnectResponse]:
+        check_user(ctx)
+        sel = _selector(request.process)
+        async for event in _process_stream("proc.connect", ctx, **sel):
+            yield pb.ConnectResponse(event=event)
+
+    async def list(self, request: pb.ListRequest, ctx: RequestContext) -> pb.ListResponse:
+        check_user(ctx)
+        header = await _call("proc.list")
+        out = []
+        processes = header.get("processes")
+        for p in processes if isinstance(processes, list) else []:
+            if not isinstance(p, dict):
+                continue
+            info = pb.ProcessInfo(
+                pid=int(p.get("pid", 0)),
+                config=pb.ProcessConfig(
+                    cmd=str(p.get("cmd", "")),
+                    args=[str(a) for a in p.get("args", [])],
+                    envs={str(k): str(v) for k, v in (p.get("envs") or {}).items()},
+                    cwd=p.get("cwd") or None,
+                ),
+            )
+            if p.get("tag"):
+                info.tag = str(p["tag"])
+            out.append(info)
+        return pb.ListResponse(processes=out)
+
+    async def send_input(self, request: pb.SendInputRequest, ctx: RequestContext) -> pb.SendInputResponse:
+        check_user(ctx)
+        sel = _selector(request.process)
+        inp = request.input
+        if inp is None or inp.input is None:
+            return pb.SendInputResponse()
+        await _call("proc.input", bytes(inp.input.value), pty=inp.input.field == "pty", **sel)
+        return pb.SendInputResponse()
+
+    async def stream_input(self, request: AsyncIterator[pb.StreamInputRequest], ctx: RequestContext) -> pb.StreamInputResponse:
+        check_user(ctx)
+        sel: dict[str, Any] | None = None
+        async for msg in request:
+            ev = msg.event
+            if ev is None:
+                continue
+            if ev.field == "start":
+                sel = _selector(ev.value.process)
+            elif ev.field == "data":
+                if sel is None:
+                    raise ConnectError(Code.INVALID_ARGUMENT, "the stream must start with a start event")
+                inp = ev.value.input
+                if inp is not None and inp.input is not None:
+                    await _call("proc.input", bytes(inp.input.value), pty=inp.input.field == "pty", **sel)
+        return pb.StreamInputResponse()
+
+    async def send_signal(self, request: pb.SendSignalRequest, ctx: RequestContext) -> pb.SendSignalResponse:
+        check_user(ctx)
+        sel = _selector(request.process)
+        signal = int(request.signal)
+        if signal not in (9, 15):
+            raise ConnectError(Code.INVALID_ARGUMENT, "signal must be SIGNAL_SIGKILL or SIGNAL_SIGTERM")
+        await _call("proc.signal", signal=signal, **sel)
+        return pb.SendSignalResponse()
+
+    async def close_stdin(self, request: pb.CloseStdinRequest, ctx: RequestContext) -> pb.CloseStdinResponse:
+        check_user(ctx)
+        await _call("proc.close_stdin", **_selector(request.process))
+        return pb.CloseStdinResponse()
+
+    async def update(self, request: pb.UpdateRequest, ctx: RequestContext) -> pb.UpdateResponse:
+        check_user(ctx)
+        sel = _selector(request.process)
+        if request.pty is not None and request.pty.size is not None:
+            size = request.pty.size
+            await _call("proc.resize", cols=int(size.cols), rows=int(size.rows), **sel)
+        return pb.UpdateResponse()
+
+
+_FILE_TYPES = {"file": fs.FileType.FILE, "dir": fs.FileType.DIRECTORY, "symlink": fs.FileType.SYMLINK}
+
+
+def entry_info(e: Any) -> fs.EntryInfo:
+    if not isinstance(e, dict):
+        raise ConnectError(Code.INTERNAL, "the sandbox agent sent a malformed entry")
+    mtime = float(e.get("modified_time") or 0.0)
+    seconds = int(mtime)
+    info = fs.EntryInfo(
+        name=str(e.get("name", "")),
+        type=_FILE_TYPES.get(str(e.get("type")), fs.FileType.UNSPECIFIED),
+        path=str(e.get("path", "")),
+        size=int(e.get("size", 0)),
+        mode=int(e.get("mode", 0)),
+        permissions=str(e.get("permissions", "")),
+        owner=str(e.get("owner", "")),
+        group=str(e.get("group", "")),
+        modified_time=Timestamp(seconds=seconds, nanos=int((mtime - seconds) * 1e9)),
+        metadata={str(k): str(v) for k, v in (e.get("metadata") or {}).items()},
+        is_symlink=e.get("type") == "symlink",
+    )
+    if e.get("symlink_target"):
+        info.symlink_target = str(e["symlink_target"])
+    return info
+
+
+def _path(path: str) -> str:
+    if not path:
+        raise ConnectError(Code.INVALID_ARGUMENT, "path is required")
+    return path
+
+
+class FilesystemService:
+    async def stat(self, request: fs.StatRequest, ctx: RequestContext) -> fs.StatResponse:
+        check_user(ctx)
+        header = await _call("fs.stat", path=_path(request.path))
+        return fs.StatResponse(entry=entry_info(header.get("entry")))
+
+    async def make_dir(self, request: fs.MakeDirRequest, ctx: RequestContext) -> fs.MakeDirResponse:
+        check_user(ctx)
+        header = await _call("fs.mkdir", path=_path(request.path))
+        return fs.MakeDirResponse(entry=entry_info(header.get("entry")))
+
+    async def move(self, request: fs.MoveRequest, ctx: RequestContext) -> fs.MoveResponse:
+        check_user(ctx)
+        header = await _call("fs.move", source=_path(request.source), destination=_path(request.destination))
+        return fs.MoveResponse(entry=entry_info(header.get("entry")))
+
+    async def list_dir(self, request: fs.ListDirRequest, ctx: RequestContext) -> fs.ListDirResponse:
+        check_user(ctx)
+        depth = int(request.depth) or 1
+        if depth > MAX_LIST_DEPTH:
+            raise ConnectError(Code.INVALID_ARGUMENT, f"depth must be at most {MAX_LIST_DEPTH}")
+        header = await _call("fs.list", path=_path(request.path), depth=depth)
+        entries = header.get("entries")
+        return fs.ListDirResponse(entries=[entry_info(e) for e in entries] if isinstance(entries, list) else [])
+
+    async def remove(self, request: fs.RemoveRequest, ctx: RequestContext) -> fs.RemoveResponse:
+        check_user(ctx)
+        await _call("fs.remove", path=_path(request.path))
+        return fs.RemoveResponse()
+
+    # WatchDir / CreateWatcher / GetWatcherEvents / RemoveWatcher: not provided by the agent yet; the
+    # generated Protocol defaults answer `unimplemented`.
+    def watch_dir(self, request: fs.WatchDirRequest, ctx: RequestContext) -> AsyncIterator[fs.WatchDirResponse]:
+        raise ConnectError(Code.UNIMPLEMENTED, "watching directories is not supported by agentcell yet")
+
+    async def create_watcher(self, request: fs.CreateWatcherRequest, ctx: RequestContext) -> fs.CreateWatcherResponse:
+        raise ConnectError(Code.UNIMPLEMENTED, "watching directories is not supported by agentcell yet")
+
+    async def get_watcher_events(self, request: fs.GetWatcherEventsRequest, ctx: RequestContext) -> fs.GetWatcherEventsResponse:
+        raise ConnectError(Code.UNIMPLEMENTED, "watching directories is not supported by agentcell yet")
+
+    async def remove_watcher(self, request: fs.RemoveWatcherRequest, ctx: RequestContext) -> fs.RemoveWatcherResponse:
+        raise ConnectError(Code.UNIMPLEMENTED, "watching directories is not supported by agentcell yet")
+
+
+READ_MAX_BYTES = 16 << 20  # an RPC message is small; file data goes over /files
+
+
+class _StrictCodec:
+    """A codec whose decode failures are `invalid_argument` instead of an unhandled 500."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def name(self) -> str:
+        return self._inner.name()
+
+    def encode(self, message: Any) -> bytes:
+        return self._inner.encode(message)
+
+    def decode(self, data: bytes | bytearray, message_class: type[Any]) -> Any:
+        try:
+            return self._inner.decode(data, message_class)
+        except ConnectError:
+            raise
+        except Exception as e:
+            raise ConnectError(Code.INVALID_ARGUMENT, f"the request is not a valid {message_class.__name__}: {e}") from None
+
+
+def _codecs() -> list[Any]:
+    return [_StrictCodec(proto_binary_codec()), _StrictCodec(proto_json_codec())]
+
+
+def process_app() -> ProcessASGIApplication:
+    return ProcessASGIApplication(ProcessService(), read_max_bytes=READ_MAX_BYTES, codecs=_codecs())  # type: ignore[arg-type]
+
+
+def filesystem_app() -> FilesystemASGIApplication:
+    return FilesystemASGIApplication(FilesystemService(), read_max_bytes=READ_MAX_BYTES, codecs=_codecs())  # type: ignore[arg-type]

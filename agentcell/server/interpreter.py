@@ -1,0 +1,132 @@
+"""The code-interpreter API (port 49999): POST /execute (NDJSON stream) and /contexts."""
+
+from __future__ import annotations
+
+import hmac
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from agentcell.errors import SandboxError, SandboxGoneError
+from agentcell.server.control import json_body
+from agentcell.server.errors import HTTPError, from_sandbox_error
+from agentcell.server.streams import KEEPALIVE, agent_call, current_sandbox, with_keepalive
+
+KEEPALIVE_S = 5.0
+_LANGUAGES = {None: None, "": None, "python": "python", "js": "javascript", "ts": "typescript"}
+
+
+def _line(obj: dict[str, Any]) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode() + b"\n"
+
+
+def _opt_str(body: dict[str, Any], key: str) -> str | None:
+    value = body.get(key)
+    if value is not None and not isinstance(value, str):
+        raise HTTPError(400, f"'{key}' must be a string or null")
+    return value
+
+
+async def _call(op: str, **fields: Any) -> dict[str, Any]:
+    try:
+        return await agent_call(op, **fields)
+    except SandboxError as e:
+        raise from_sandbox_error(e) from None
+
+
+async def execute(request: Request) -> Response:
+    rec = current_sandbox.get()
+    token = request.headers.get("x-access-token")
+    if token is None or not hmac.compare_digest(token.encode(), rec.access_token.encode()):
+        raise HTTPError(401, "missing or invalid X-Access-Token")
+    body = await json_body(request)
+    code = body.get("code")
+    if not isinstance(code, str):
+        raise HTTPError(400, "'code' must be a string")
+    context_id = _opt_str(body, "context_id")
+    language = _opt_str(body, "language")
+    if context_id and language:
+        raise HTTPError(400, "Only one of context_id or language can be provided")
+    language = _LANGUAGES.get(language, language)
+    env_vars = body.get("env_vars")
+    if env_vars is not None and (
+        not isinstance(env_vars, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env_vars.items())
+    ):
+        raise HTTPError(400, "'env_vars' must be an object of string values or null")
+    stream = rec.channel.stream(
+        "code.run", code=code, context_id=context_id or None, language=language, env_vars=env_vars, timeout_ms=0
+    )
+    # The first frame decides the status: an unknown context is a 404, not a 200 stream.
+    lines = with_keepalive(stream, KEEPALIVE_S)
+    first: Any = None
+    try:
+        first = await anext(lines)
+    except StopAsyncIteration:
+        first = None
+    except SandboxError as e:
+        await lines.aclose()
+        raise from_sandbox_error(e) from None
+
+    async def body_iter() -> AsyncIterator[bytes]:
+        # Leaving early (the client went away) closes `lines`, which cancels the agent call and so
+        # interrupts the run.
+        try:
+            item = first
+            while item is not None:
+                if item is KEEPALIVE:
+                    yield _line({"type": "keepalive"})
+                else:
+                    line = item.header.get("line")
+                    if isinstance(line, dict):
+                        yield _line(line)
+                try:
+                    item = await anext(lines)
+                except StopAsyncIteration:
+                    item = None
+        except SandboxGoneError as e:
+            yield _line({"type": "error", "name": "UnexpectedEndOfExecution", "value": e.message, "traceback": ""})
+        except SandboxError as e:
+            yield _line({"type": "error", "name": type(e).__name__, "value": e.message, "traceback": ""})
+        finally:
+            await lines.aclose()
+        yield _line({"type": "end_of_execution"})
+
+    return StreamingResponse(body_iter(), media_type="application/x-ndjson")
+
+
+async def create_context(request: Request) -> Response:
+    body = await json_body(request, required=False)
+    language = _opt_str(body, "language")
+    cwd = _opt_str(body, "cwd")
+    header = await _call("code.context_create", language=_LANGUAGES.get(language, language), cwd=cwd)
+    return JSONResponse(header.get("context", {}))
+
+
+async def list_contexts(request: Request) -> Response:
+    header = await _call("code.context_list")
+    return JSONResponse(header.get("contexts", []))
+
+
+async def delete_context(request: Request) -> Response:
+    await _call("code.context_delete", context_id=request.path_params["context_id"])
+    return Response(status_code=204)
+
+
+async def restart_context(request: Request) -> Response:
+    await _call("code.context_restart", context_id=request.path_params["context_id"])
+    return Response(status_code=204)
+
+
+def routes() -> list[Route]:
+    return [
+        Route("/execute", execute, methods=["POST"]),
+        Route("/contexts", create_context, methods=["POST"]),
+        Route("/contexts", list_contexts, methods=["GET"]),
+        Route("/contexts/{context_id}", delete_context, methods=["DELETE"]),
+        Route("/contexts/{context_id}/restart", restart_context, methods=["POST"]),
+        Route("/health", lambda request: Response(status_code=204), methods=["GET"]),
+    ]

@@ -1,0 +1,204 @@
+"""The sandbox registry: creates, finds, times out and kills sandboxes.
+
+One record per live sandbox. A sandbox leaves the registry when it is killed, when its `endAt` passes
+(the reaper), or when its agent channel closes (the agent died); in every case the backend kills it.
+Killing one sandbox never touches another: each kill is its own task and errors are contained.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import string
+import uuid
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+
+from agentcell.backends.base import Backend, Limits, RunningSandbox, SandboxSpec
+from agentcell.runtime.protocol import AgentChannel
+
+log = logging.getLogger("agentcell.server")
+
+_ID_ALPHABET = string.ascii_lowercase + string.digits
+
+
+def new_sandbox_id() -> str:
+    return "".join(secrets.choice(_ID_ALPHABET) for _ in range(20))
+
+
+class CapacityError(Exception):
+    """max_sandboxes is reached."""
+
+
+@dataclass
+class SandboxRecord:
+    sandbox_id: str
+    template_id: str
+    alias: str | None
+    metadata: dict[str, str]
+    envs: dict[str, str]
+    limits: Limits
+    started_at: datetime
+    end_at: datetime
+    running: RunningSandbox
+    channel: AgentChannel
+    client_id: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
+    access_token: str = field(default_factory=lambda: secrets.token_urlsafe(24))
+
+    def alive(self) -> bool:
+        return not self.channel.closed.is_set()
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+class SandboxManager:
+    def __init__(self, backend: Backend, max_sandboxes: int = 1000) -> None:
+        self.backend = backend
+        self.max_sandboxes = max_sandboxes
+        self._sandboxes: dict[str, SandboxRecord] = {}
+        self._pending = 0  # creations in flight count against max_sandboxes
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._reaper: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+
+    # lifecycle -----------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._reaper = asyncio.get_running_loop().create_task(self._reap_loop())
+
+    async def close(self) -> None:
+        if self._reaper:
+            self._reaper.cancel()
+            with contextlib.suppress(BaseException):
+                await self._reaper
+        await asyncio.gather(*(self.kill(sid) for sid in list(self._sandboxes)), return_exceptions=True)
+        for t in list(self._tasks):
+            t.cancel()
+
+    # queries ---------------------------------------------------------------------------------------
+
+    def get(self, sandbox_id: str) -> SandboxRecord | None:
+        rec = self._sandboxes.get(sandbox_id)
+        if rec is None or not rec.alive() or rec.end_at <= _now():
+            return None
+        return rec
+
+    def list(self) -> list[SandboxRecord]:
+        return [r for r in self._sandboxes.values() if r.alive() and r.end_at > _now()]
+
+    # mutations -------------------------------------------------------------------------------------
+
+    async def create(
+        self,
+        *,
+        template_id: str,
+        alias: str | None,
+        timeout: int,
+        metadata: dict[str, str],
+        envs: dict[str, str],
+        limits: Limits,
+    ) -> SandboxRecord:
+        if len(self._sandboxes) + self._pending >= self.max_sandboxes:
+            raise CapacityError(f"the server already runs its maximum of {self.max_sandboxes} sandboxes")
+        self._pending += 1
+        try:
+            sandbox_id = new_sandbox_id()
+            while sandbox_id in self._sandboxes:
+                sandbox_id = new_sandbox_id()
+            spec = SandboxSpec(sandbox_id=sandbox_id, template="base", limits=limits, envs=dict(envs))
+            running = await self.backend.create(spec)
+            try:
+                running.sock.setblocking(False)
+                channel = await AgentChannel.open(running.sock)
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    await self.backend.kill(running)
+                raise
+        finally:
+            self._pending -= 1
+        now = _now()
+        rec = SandboxRecord(
+            sandbox_id=sandbox_id,
+            template_id=template_id,
+            alias=alias,
+            metadata=dict(metadata),
+            envs=dict(envs),
+            limits=limits,
+            started_at=now,
+            end_at=now + timedelta(seconds=timeout),
+            running=running,
+            channel=channel,
+        )
+        self._sandboxes[sandbox_id] = rec
+        self._spawn(self._watch_channel(rec))
+        self._wake.set()
+        return rec
+
+    async def kill(self, sandbox_id: str) -> bool:
+        """Kill a sandbox; False if there is no such live sandbox."""
+        rec = self._sandboxes.pop(sandbox_id, None)
+        if rec is None:
+            return False
+        was_alive = rec.alive() and rec.end_at > _now()
+        await self._destroy(rec, "the sandbox was killed")
+        return was_alive
+
+    def set_timeout(self, rec: SandboxRecord, timeout: int) -> None:
+        rec.end_at = _now() + timedelta(seconds=timeout)
+        self._wake.set()
+
+    def extend_timeout(self, rec: SandboxRecord, timeout: int) -> None:
+        """connect: extend endAt, never shorten it."""
+        new_end = _now() + timedelta(seconds=timeout)
+        if new_end > rec.end_at:
+            rec.end_at = new_end
+            self._wake.set()
+
+    # internals ---------------------------------------------------------------------------------------
+
+    def _spawn(self, coro) -> None:  # type: ignore[no-untyped-def]
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _destroy(self, rec: SandboxRecord, reason: str) -> None:
+        try:
+            await rec.channel.close(reason)
+        except Exception:
+            log.exception("closing the channel of %s failed", rec.sandbox_id)
+        try:
+            await self.backend.kill(rec.running)
+        except Exception:
+            log.exception("killing sandbox %s failed", rec.sandbox_id)
+
+    async def _watch_channel(self, rec: SandboxRecord) -> None:
+        await rec.channel.closed.wait()
+        if self._sandboxes.get(rec.sandbox_id) is rec:
+            log.warning("sandbox %s: agent channel closed (%s); removing it", rec.sandbox_id, rec.channel.close_reason)
+            del self._sandboxes[rec.sandbox_id]
+            await self._destroy(rec, rec.channel.close_reason)
+
+    async def _reap_loop(self) -> None:
+        while True:
+            try:
+                now = _now()
+                expired = [r for r in self._sandboxes.values() if r.end_at <= now]
+                for rec in expired:
+                    if self._sandboxes.get(rec.sandbox_id) is rec:
+                        del self._sandboxes[rec.sandbox_id]
+                        log.info("sandbox %s timed out", rec.sandbox_id)
+                        self._spawn(self._destroy(rec, "the sandbox timed out"))
+                upcoming = [r.end_at for r in self._sandboxes.values()]
+                delay = min(((min(upcoming) - now).total_seconds(), 1.0)) if upcoming else 1.0
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), max(delay, 0.05))
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("reaper iteration failed")
+                await asyncio.sleep(1)
