@@ -1,0 +1,507 @@
+"""Code contexts: each one is an IPython shell in its own process, forked from the agent.
+
+A context process (a "kernel") is a fork of the agent, so it starts with the shell, NumPy, pandas and
+Matplotlib already imported and costs a few milliseconds to make. User code there cannot block or crash
+the agent. Agent and kernel talk over a socketpair with the agent framing: the agent sends
+``{"code", "env_vars"}``; the kernel answers with ``{"line": <E2B line>}`` frames and ``{"done": true}``.
+The kernel's fds 1 and 2 are pipes the agent reads itself, so ``print`` and output of C code or
+subprocesses both stream as stdout/stderr lines. Before the kernel sends a frame it flushes its stdio,
+and the agent drains the pipes before it forwards the frame, so lines keep their order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import contextlib
+import ctypes
+import datetime
+import json
+import os
+import resource
+import signal
+import socket
+import struct
+import sys
+import traceback
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any, NoReturn
+
+from agentcell.errors import InvalidArgumentError, NotFoundError, SandboxError
+from agentcell.runtime import display
+from agentcell.runtime.processes import CHILD_OOM_SCORE_ADJ, set_oom_score_adj
+from agentcell.runtime.protocol import encode_frame, read_frame
+from agentcell.runtime.reaper import Reaper, describe_status
+
+LANGUAGES = {"python": "python", "python3": "python"}
+INTERRUPT_GRACE = 2.0  # seconds a run gets to stop after SIGINT before its kernel is killed
+_OUTPUT_READ = 64 * 1024
+_PREFIX = struct.Struct(">II")
+_PR_SET_DUMPABLE = 4
+
+Emit = Callable[[dict[str, Any]], None]
+
+_shell: display.ContextShell | None = None
+
+
+def preload() -> None:
+    """Build the shared shell once (in the zygote), before any fork."""
+    global _shell
+    if _shell is None:
+        _shell = display.build_shell()
+
+
+def normalize_language(language: str | None) -> str:
+    lang = (language or "python").lower()
+    if lang not in LANGUAGES:
+        raise InvalidArgumentError(f"language {language} is not supported; agentcell contexts run python")
+    return LANGUAGES[lang]
+
+
+def timestamp() -> str:
+    return datetime.datetime.now(datetime.UTC).isoformat()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Agent side
+# ---------------------------------------------------------------------------------------------------
+
+
+class _Kernel:
+    """One kernel process as the agent sees it. A restart makes a new one."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, reaper: Reaper, cwd: str, envs: dict[str, str],
+                 oom_score_adj: int) -> None:  # fmt: skip
+        self._loop = loop
+        self.status: int | None = None
+        self.exited: asyncio.Future[int] = loop.create_future()
+        self.sink: Emit | None = None
+        self.kill_reason = ""
+        self.reader: asyncio.StreamReader | None = None
+        self.congested: Callable[[], bool] | None = None  # is the agent's socket buffer too full?
+        self.drain_writer: Callable[[], Awaitable[Any]] | None = None
+        self._paused = False
+        self._resume_task: asyncio.Task[None] | None = None
+        self.writer: asyncio.StreamWriter | None = None
+        ours, theirs = socket.socketpair()
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        try:
+            pid = os.fork()
+        except OSError as e:
+            for fd in (out_r, out_w, err_r, err_w):
+                os.close(fd)
+            ours.close()
+            theirs.close()
+            raise SandboxError(f"cannot start a code context: {e.strerror} (process limit reached?)",
+                               "resource_exhausted") from None  # fmt: skip
+        if pid == 0:
+            _kernel_child(theirs.fileno(), out_w, err_w, cwd, envs, oom_score_adj)  # never returns
+        self.pid = pid
+        reaper.watch(pid, self._on_exit)
+        theirs.close()
+        os.close(out_w)
+        os.close(err_w)
+        self.sock = ours
+        self._decoders: dict[int, tuple[str, Any]] = {}
+        for fd, kind in ((out_r, "stdout"), (err_r, "stderr")):
+            os.set_blocking(fd, False)
+            self._decoders[fd] = (kind, codecs.getincrementaldecoder("utf-8")("replace"))
+            loop.add_reader(fd, self._read_output, fd)
+
+    @property
+    def alive(self) -> bool:
+        return self.status is None
+
+    def _on_exit(self, status: int) -> None:
+        self.status = status
+        if not self.exited.done():
+            self.exited.set_result(status)
+
+    async def connect(self) -> None:
+        if self.reader is None:
+            self.reader, self.writer = await asyncio.open_unix_connection(sock=self.sock)
+
+    def _read_output(self, fd: int) -> bool:
+        try:
+            data = os.read(fd, _OUTPUT_READ)
+        except BlockingIOError:
+            return False
+        except OSError:
+            data = b""
+        kind, decoder = self._decoders[fd]
+        if not data:
+            self._loop.remove_reader(fd)
+            del self._decoders[fd]
+            os.close(fd)
+            return False
+        text = decoder.decode(data)
+        if text and self.sink is not None:  # output between runs belongs to no run: dropped
+            self.sink({"type": kind, "text": text, "timestamp": timestamp()})
+            if self.congested is not None and self.congested() and not self._paused:
+                self._pause()
+                return False
+        return True
+
+    def _pause(self) -> None:
+        """The server reads slower than the code prints: stop reading (the kernel then blocks on its
+        full pipe) until the agent's socket buffer drains."""
+        self._paused = True
+        for fd in self._decoders:
+            self._loop.remove_reader(fd)
+        self._resume_task = self._loop.create_task(self._resume_after_drain())
+
+    async def _resume_after_drain(self) -> None:
+        try:
+            if self.drain_writer is not None:
+                await self.drain_writer()
+        finally:
+            self._paused = False
+            for fd in self._decoders:
+                self._loop.add_reader(fd, self._read_output, fd)
+
+    def drain(self) -> None:
+        """Forward everything already in the output pipes (it was written before the current frame)."""
+        for fd in list(self._decoders):
+            while fd in self._decoders and self._read_output(fd):
+                pass
+
+    def interrupt(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGINT)
+
+    def kill(self, reason: str = "") -> None:
+        if reason and not self.kill_reason:
+            self.kill_reason = reason
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+
+    def close(self) -> None:
+        self.kill()
+        for fd in list(self._decoders):
+            self._loop.remove_reader(fd)
+            os.close(fd)
+        self._decoders.clear()
+        if self.writer is not None:
+            self.writer.close()
+        else:
+            self.sock.close()
+
+
+class Context:
+    def __init__(self, manager: ContextManager, context_id: str, language: str, cwd: str) -> None:
+        self.id = context_id
+        self.language = language
+        self.cwd = cwd
+        self._manager = manager
+        self._lock = asyncio.Lock()
+        self.kernel: _Kernel | None = None
+
+    def info(self) -> dict[str, str]:
+        return {"id": self.id, "language": self.language, "cwd": self.cwd}
+
+    def start(self) -> None:
+        self.kernel = self._manager.spawn(self.cwd)
+
+    def restart(self) -> None:
+        old, self.kernel = self.kernel, None
+        if old is not None:
+            old.kill("the context was restarted")
+            old.close()
+        self.start()
+
+    def close(self) -> None:
+        if self.kernel is not None:
+            self.kernel.close()
+            self.kernel = None
+
+    async def run(self, code: str, env_vars: dict[str, str] | None, timeout_ms: int, emit: Emit,
+                  drain: Callable[[], Awaitable[Any]], congested: Callable[[], bool],
+                  on_interrupt: Callable[[Callable[[], None]], None]) -> None:  # fmt: skip
+        """Run `code`, calling `emit` with each E2B line. `on_interrupt` receives the function that
+        interrupts this run (the agent calls it when the caller cancels)."""
+        async with self._lock:
+            if self.kernel is None or not self.kernel.alive:
+                if self.kernel is not None:
+                    self.kernel.close()
+                self.start()
+            kernel = self.kernel
+            assert kernel is not None
+            await kernel.connect()
+            assert kernel.reader is not None and kernel.writer is not None
+            loop = asyncio.get_running_loop()
+            hard_kill: list[asyncio.TimerHandle] = []
+
+            def interrupt() -> None:
+                if hard_kill or not kernel.alive:
+                    return
+                kernel.interrupt()
+                hard_kill.append(loop.call_later(INTERRUPT_GRACE, kernel.kill,
+                                                 f"it did not stop within {INTERRUPT_GRACE:g} s of the interrupt"))  # fmt: skip
+
+            on_interrupt(interrupt)
+            deadline = loop.call_later(timeout_ms / 1000, interrupt) if timeout_ms > 0 else None
+            kernel.sink, kernel.congested, kernel.drain_writer = emit, congested, drain
+            try:
+                kernel.writer.write(encode_frame({"code": code, "env_vars": env_vars or {}}))
+                while True:
+                    try:
+                        frame = await read_frame(kernel.reader)
+                    except (OSError, ValueError):
+                        frame = None
+                    kernel.drain()
+                    if frame is None:
+                        await self._report_death(kernel, emit)
+                        break
+                    if frame.done:
+                        break
+                    emit(frame.header["line"])
+                    await drain()
+            finally:
+                kernel.sink = kernel.congested = None
+                if deadline is not None:
+                    deadline.cancel()
+                for handle in hard_kill:
+                    handle.cancel()
+            if not kernel.alive and self.kernel is kernel:
+                # Restart now, so the next run finds a warm kernel (it would restart anyway).
+                kernel.close()
+                self.kernel = None
+                with contextlib.suppress(SandboxError):
+                    self.start()
+
+    async def _report_death(self, kernel: _Kernel, emit: Emit) -> None:
+        kernel.kill()  # a kernel that closed its socket is of no use any more
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.shield(kernel.exited), 1.0)
+        kernel.drain()
+        how = describe_status(kernel.status)[2] if kernel.status is not None else "it closed its socket"
+        if kernel.status is not None and os.WIFSIGNALED(kernel.status) and os.WTERMSIG(kernel.status) == 9:
+            how += ", perhaps by the out-of-memory killer"
+        reason = kernel.kill_reason or f"the context process ended ({how})"
+        emit({"type": "error", "name": "UnexpectedEndOfExecution",
+              "value": f"{reason}; its state is lost and it restarts on the next run",
+              "traceback": ""})  # fmt: skip
+
+
+class ContextManager:
+    def __init__(self, reaper: Reaper, envs: dict[str, str], home: str,
+                 oom_score_adj: int = CHILD_OOM_SCORE_ADJ) -> None:  # fmt: skip
+        preload()
+        self._reaper = reaper
+        self._oom_score_adj = oom_score_adj
+        self._envs = dict(envs)
+        self._home = home
+        self._contexts: dict[str, Context] = {}
+        self._default: Context | None = None
+
+    def spawn(self, cwd: str) -> _Kernel:
+        return _Kernel(asyncio.get_running_loop(), self._reaper, cwd, self._envs, self._oom_score_adj)
+
+    def _resolve_cwd(self, cwd: str | None) -> str:
+        path = os.path.normpath(os.path.join(self._home, cwd)) if cwd else self._home
+        if not os.path.isdir(path):
+            raise InvalidArgumentError(f"cwd {path!r} is not an existing directory")
+        return path
+
+    def create(self, language: str | None = None, cwd: str | None = None) -> Context:
+        ctx = Context(self, str(uuid.uuid4()), normalize_language(language), self._resolve_cwd(cwd))
+        ctx.start()
+        self._contexts[ctx.id] = ctx
+        return ctx
+
+    def default(self) -> Context:
+        if self._default is None or self._default.id not in self._contexts:
+            self._default = self.create()
+        return self._default
+
+    def get(self, context_id: str | None, language: str | None = None) -> Context:
+        if context_id:
+            ctx = self._contexts.get(context_id)
+            if ctx is None:
+                raise NotFoundError(f"context {context_id!r} not found")
+            return ctx
+        normalize_language(language)
+        return self.default()
+
+    def list(self) -> list[dict[str, str]]:
+        return [c.info() for c in self._contexts.values()]
+
+    def delete(self, context_id: str) -> None:
+        ctx = self._contexts.pop(context_id, None)
+        if ctx is None:
+            raise NotFoundError(f"context {context_id!r} not found")
+        ctx.close()
+
+    def restart(self, context_id: str) -> None:
+        ctx = self._contexts.get(context_id)
+        if ctx is None:
+            raise NotFoundError(f"context {context_id!r} not found")
+        ctx.restart()
+
+    def close(self) -> None:
+        for ctx in self._contexts.values():
+            ctx.close()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Kernel side (runs in the forked context process)
+# ---------------------------------------------------------------------------------------------------
+
+_CTRL_FD = 3
+# SIGINT interrupts only user code: while it runs the handler is the C default_int_handler (so no
+# frame of ours shows in the KeyboardInterrupt traceback); between runs and while a frame is being
+# sent it is _defer_sigint, which only notes the interrupt (a half-sent frame would break the stream).
+_running = False
+_interrupt_pending = False
+
+
+def _defer_sigint(signum: int, frame: Any) -> None:
+    global _interrupt_pending
+    _interrupt_pending = True
+
+
+def _arm_sigint() -> None:
+    global _running
+    _running = True
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _disarm_sigint() -> None:
+    global _running
+    signal.signal(signal.SIGINT, _defer_sigint)
+    _running = False
+
+
+def _kernel_child(ctrl_fd: int, out_w: int, err_w: int, cwd: str, envs: dict[str, str],
+                  oom_score_adj: int) -> NoReturn:  # fmt: skip
+    try:
+        os.setsid()  # user code's killpg(0) or terminal signals cannot reach the agent
+        signal.set_wakeup_fd(-1)  # the agent's loop wakeup pipe is not ours
+        for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, _defer_sigint)
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        os.dup2(out_w, 1)
+        os.dup2(err_w, 2)
+        os.dup2(ctrl_fd, _CTRL_FD, inheritable=False)
+        os.closerange(_CTRL_FD + 1, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+        with contextlib.suppress(OSError):
+            ctypes.CDLL(None).prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0)  # user code; the agent stays closed
+        set_oom_score_adj("self", oom_score_adj)  # the OOM killer takes a context before the agent
+        os.chdir(cwd)
+        os.environ.clear()
+        os.environ.update(envs)
+        _scrub_inherited_environ()
+        asyncio.set_event_loop_policy(None)  # forget the agent's loop (its fds are gone here)
+        _serve_kernel(socket.socket(fileno=_CTRL_FD))
+    except BaseException:
+        with contextlib.suppress(BaseException):
+            os.write(2, traceback.format_exc().encode())
+    os._exit(1)
+
+
+def _scrub_inherited_environ() -> None:
+    """Zero the environment block this process inherited (the zygote's, from its exec).
+
+    /proc/self/environ shows that block, not os.environ, so without this user code could read the
+    host-side environment of the zygote. C getenv() no longer points into it: os.environ.update()
+    gave every variable a fresh heap copy.
+    """
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        start, end = int(fields[47]), int(fields[48])  # env_start, env_end (stat fields 50, 51)
+    except (OSError, IndexError, ValueError):
+        return
+    if 0 < start < end and end - start < (16 << 20):
+        ctypes.memset(start, 0, end - start)
+
+
+def _install_stdio() -> None:
+    sys.stdin = open(0, encoding="utf-8", closefd=False)  # noqa: SIM115
+    sys.stdout = open(1, "w", encoding="utf-8", errors="backslashreplace", closefd=False, buffering=1)  # noqa: SIM115
+    sys.stderr = open(2, "w", encoding="utf-8", errors="backslashreplace", closefd=False, buffering=1)  # noqa: SIM115
+    sys.__stdin__, sys.__stdout__, sys.__stderr__ = sys.stdin, sys.stdout, sys.stderr
+
+
+def _flush_stdio() -> None:
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+        with contextlib.suppress(Exception):
+            if stream is not None:
+                stream.flush()
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            return None
+        buf += chunk
+    return bytes(buf)
+
+
+def _recv(sock: socket.socket) -> dict[str, Any] | None:
+    prefix = _recv_exact(sock, _PREFIX.size)
+    if prefix is None:
+        return None
+    head_len, payload_len = _PREFIX.unpack(prefix)
+    head = _recv_exact(sock, head_len + payload_len)
+    if head is None:
+        return None
+    return json.loads(head[:head_len])
+
+
+def _send(sock: socket.socket, header: dict[str, Any]) -> None:
+    global _interrupt_pending
+    running = _running
+    if running:
+        signal.signal(signal.SIGINT, _defer_sigint)
+    try:
+        _flush_stdio()
+        head = json.dumps(header, separators=(",", ":"), default=repr).encode()
+        sock.sendall(_PREFIX.pack(len(head), 0) + head)
+    finally:
+        if running:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+    if running and _interrupt_pending:
+        _interrupt_pending = False
+        raise KeyboardInterrupt
+
+
+def _serve_kernel(sock: socket.socket) -> NoReturn:
+    global _interrupt_pending
+    _install_stdio()
+    shell = _shell
+    assert shell is not None
+    display.sink = lambda line: _send(sock, {"line": line})
+    while True:
+        req = _recv(sock)
+        if req is None:
+            os._exit(0)
+        env_vars = {str(k): str(v) for k, v in (req.get("env_vars") or {}).items()}
+        saved = {k: os.environ.get(k) for k in env_vars}
+        try:
+            os.environ.update(env_vars)
+            _send(sock, {"line": {"type": "number_of_executions", "execution_count": shell.execution_count}})
+            _interrupt_pending = False  # an interrupt that came between runs was for an earlier run
+            try:
+                _arm_sigint()
+                shell.run_cell(req.get("code") or "", store_history=True)
+            finally:
+                _disarm_sigint()
+        except KeyboardInterrupt:  # landed outside the user's code, in the shell's own machinery
+            _send(sock, {"line": {"type": "error", "name": "KeyboardInterrupt", "value": "",
+                                  "traceback": "KeyboardInterrupt"}})  # fmt: skip
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+        _send(sock, {"done": True})

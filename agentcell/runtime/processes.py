@@ -1,0 +1,417 @@
+"""The sandbox's process table: start, connect, list, input, signal, close stdin, resize.
+
+Processes are started with ``posix_spawn`` (vfork: cheap even though the agent holds NumPy, pandas and
+IPython in memory) in a new session, with every signal at its default. The agent's own fds are all
+close-on-exec, so a child gets only its stdio. Exit statuses come from the agent's single reaper; the
+output of a process fans out to any number of subscribers (the start call plus ``proc.connect`` calls).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import errno
+import fcntl
+import os
+import shutil
+import signal
+import struct
+import termios
+from dataclasses import dataclass, field
+from typing import Any
+
+from agentcell.errors import (
+    InvalidArgumentError,
+    NotFoundError,
+    PermissionDeniedError,
+    SandboxError,
+)
+from agentcell.runtime.reaper import Reaper, describe_status
+
+READ_SIZE = 256 * 1024  # per read(); well under the 1 MiB frame cap
+_HIGH_WATER = 8 << 20  # a subscriber this far behind pauses the process's output (backpressure)
+_LOW_WATER = 1 << 20
+_PTY_DRAIN_GRACE = 0.5  # pty output reaches the master a moment after the writer exits
+CHILD_OOM_SCORE_ADJ = 500  # user processes die before the agent (-900) when memory runs out
+_DEFAULT_SIGNALS = frozenset(signal.valid_signals()) - {signal.SIGKILL, signal.SIGSTOP}
+
+Event = tuple[dict[str, Any], bytes]
+
+
+def check_user(user: str | None) -> None:
+    if user not in (None, "", "user"):
+        if user == "root":
+            raise PermissionDeniedError("sandboxes have no root user; commands run as 'user' (uid 1000)")
+        raise InvalidArgumentError(f"unknown user {user!r}; the only user in a sandbox is 'user'")
+
+
+class Subscriber:
+    """One consumer of a process's events, with its own queue."""
+
+    def __init__(self, proc: Process) -> None:
+        self._proc = proc
+        self._items: collections.deque[Event | None] = collections.deque()
+        self._ready = asyncio.Event()
+        self.pending = 0  # payload bytes queued and not yet taken
+
+    def push(self, item: Event | None) -> None:
+        self._items.append(item)
+        if item is not None:
+            self.pending += len(item[1])
+        self._ready.set()
+
+    async def get(self) -> Event | None:
+        """The next event; None after the end event (the stream is over)."""
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        item = self._items.popleft()
+        if item is not None:
+            self.pending -= len(item[1])
+            if self.pending < _LOW_WATER:
+                self._proc.maybe_resume()
+        return item
+
+    def close(self) -> None:
+        self._proc.unsubscribe(self)
+
+
+class _InputPipe:
+    """A non-blocking writer for a child's stdin (or pty master) that never blocks the agent."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, fd: int, owns_fd: bool) -> None:
+        self._loop = loop
+        self.fd = fd
+        self._owns = owns_fd
+        self._buf = bytearray()
+        self._close_when_flushed = False
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        if self.closed or self._close_when_flushed:
+            raise InvalidArgumentError("stdin of this process is closed")
+        was_empty = not self._buf
+        self._buf += data
+        if was_empty:
+            self._flush()
+
+    def _flush(self) -> None:
+        while self._buf:
+            try:
+                n = os.write(self.fd, self._buf[:READ_SIZE])
+            except BlockingIOError:
+                self._loop.add_writer(self.fd, self._flush)
+                return
+            except OSError:  # the reader is gone (EPIPE, EIO): drop what it will never read
+                self._buf.clear()
+                break
+            del self._buf[:n]
+        self._loop.remove_writer(self.fd)
+        if self._close_when_flushed:
+            self.close(force=True)
+
+    def close(self, force: bool = False) -> None:
+        if self.closed:
+            return
+        if self._buf and not force:
+            self._close_when_flushed = True
+            return
+        self._loop.remove_writer(self.fd)
+        self.closed = True
+        if self._owns:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+
+
+@dataclass(eq=False)
+class Process:
+    pid: int
+    tag: str | None
+    cmd: str
+    args: list[str]
+    envs: dict[str, str]
+    cwd: str
+    pty: bool
+    loop: asyncio.AbstractEventLoop
+    table: ProcessTable
+    out_fds: dict[int, str] = field(default_factory=dict)  # fd -> event name (stdout/stderr/pty)
+    stdin: _InputPipe | None = None
+    subscribers: set[Subscriber] = field(default_factory=set)
+    status: int | None = None
+    timeout: asyncio.TimerHandle | None = None
+    ended: bool = False
+    paused: bool = False
+
+    def info(self) -> dict[str, Any]:
+        return {"pid": self.pid, "tag": self.tag, "cmd": self.cmd, "args": self.args,
+                "envs": self.envs, "cwd": self.cwd}  # fmt: skip
+
+    def subscribe(self) -> Subscriber:
+        sub = Subscriber(self)
+        sub.push(({"event": "start", "pid": self.pid}, b""))
+        self.subscribers.add(sub)
+        return sub
+
+    def unsubscribe(self, sub: Subscriber) -> None:
+        self.subscribers.discard(sub)
+        self.maybe_resume()
+
+    def _broadcast(self, header: dict[str, Any], payload: bytes = b"") -> None:
+        for sub in self.subscribers:
+            sub.push((header, payload))
+            if sub.pending > _HIGH_WATER and not self.paused:
+                self.paused = True
+                for fd in self.out_fds:
+                    self.loop.remove_reader(fd)
+
+    def maybe_resume(self) -> None:
+        if self.paused and all(s.pending < _LOW_WATER for s in self.subscribers):
+            self.paused = False
+            for fd in self.out_fds:
+                self.loop.add_reader(fd, self._on_readable, fd)
+
+    def watch_output(self) -> None:
+        for fd in self.out_fds:
+            os.set_blocking(fd, False)
+            self.loop.add_reader(fd, self._on_readable, fd)
+
+    def _on_readable(self, fd: int) -> None:
+        self._read_once(fd)
+
+    def _read_once(self, fd: int) -> bool:
+        """Forward one chunk; False when nothing more is readable now (EAGAIN) or ever (EOF)."""
+        try:
+            data = os.read(fd, READ_SIZE)
+        except BlockingIOError:
+            return False
+        except OSError as e:  # EIO: the pty's last slave fd closed
+            if e.errno != errno.EIO:
+                raise
+            data = b""
+        if not data:
+            self._close_output(fd)
+            if self.status is not None and not self.out_fds:
+                self._finish()
+            return False
+        self._broadcast({"event": self.out_fds[fd]}, data)
+        return True
+
+    def _close_output(self, fd: int) -> None:
+        self.loop.remove_reader(fd)
+        self.out_fds.pop(fd, None)
+        if self.stdin is not None and self.stdin.fd == fd:  # the pty master serves both directions
+            self.stdin.close(force=True)
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+    def on_exit(self, status: int) -> None:
+        self.status = status
+        if self.timeout is not None:
+            self.timeout.cancel()
+        # Everything the process wrote before exiting is in its pipes now; take it, then end. Output
+        # of leftover grandchildren is not waited for (as envd: Wait closes the pipes).
+        for fd in list(self.out_fds):
+            while fd in self.out_fds and self._read_once(fd):
+                pass
+        if self.out_fds and self.pty:
+            self.loop.call_later(_PTY_DRAIN_GRACE, self._finish)
+        else:
+            self._finish()
+
+    def _finish(self) -> None:
+        if self.ended:
+            return
+        self.ended = True
+        for fd in list(self.out_fds):
+            while fd in self.out_fds and self._read_once(fd):
+                pass
+            if fd in self.out_fds:
+                self._close_output(fd)
+        if self.stdin is not None:
+            self.stdin.close(force=True)
+        assert self.status is not None
+        exit_code, exited, text = describe_status(self.status)
+        self._broadcast({"event": "end", "exit_code": exit_code, "exited": exited, "status": text})
+        for sub in self.subscribers:
+            sub.push(None)
+        self.subscribers.clear()
+        self.table.forget(self)
+
+    def kill(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, sig)
+
+    def kill_group(self) -> None:
+        """Timeouts take the whole session's process group, not just the shell."""
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except OSError:
+            self.kill(signal.SIGKILL)
+
+
+class ProcessTable:
+    def __init__(self, reaper: Reaper, base_env: dict[str, str], home: str,
+                 oom_score_adj: int = CHILD_OOM_SCORE_ADJ) -> None:  # fmt: skip
+        self._reaper = reaper
+        self._oom_score_adj = oom_score_adj
+        self._base_env = dict(base_env)
+        self._home = home
+        self._procs: dict[int, Process] = {}
+
+    # -- lookup ---------------------------------------------------------------------------------
+    def find(self, pid: int | None = None, tag: str | None = None) -> Process:
+        if pid is not None:
+            proc = self._procs.get(int(pid))
+            if proc is not None:
+                return proc
+            raise NotFoundError(f"process with pid {pid} not found (it ended or never existed)")
+        if tag is not None:
+            for proc in self._procs.values():
+                if proc.tag == tag:
+                    return proc
+            raise NotFoundError(f"process with tag {tag!r} not found (it ended or never existed)")
+        raise InvalidArgumentError("give a pid or a tag")
+
+    def forget(self, proc: Process) -> None:
+        self._procs.pop(proc.pid, None)
+
+    def list(self) -> list[dict[str, Any]]:
+        return [p.info() for p in self._procs.values()]
+
+    # -- start ----------------------------------------------------------------------------------
+    def start(self, req: dict[str, Any]) -> Subscriber:
+        """Spawn the process of a ``proc.start`` request and return its first subscriber."""
+        check_user(req.get("user"))
+        cmd = req.get("cmd")
+        if not isinstance(cmd, str) or not cmd:
+            raise InvalidArgumentError("cmd must be a non-empty string")
+        args = [str(a) for a in req.get("args") or []]
+        envs = {str(k): str(v) for k, v in (req.get("envs") or {}).items()}
+        env = {**self._base_env, **envs}
+        cwd = self._resolve_cwd(req.get("cwd"))
+        exe = cmd if "/" in cmd else shutil.which(cmd, path=env.get("PATH", os.defpath))
+        if exe is None:
+            raise NotFoundError(f"command {cmd!r} not found in PATH {env.get('PATH', '')!r}")
+        pty_size = req.get("pty")
+        loop = asyncio.get_running_loop()
+
+        child_fds: list[int] = []  # our copies of the child's ends, closed once it runs
+        out_fds: dict[int, str] = {}
+        stdin: _InputPipe | None = None
+        try:
+            if pty_size:
+                master, slave = os.openpty()
+                child_fds.append(slave)
+                out_fds[master] = "pty"
+                _set_winsize(master, int(pty_size.get("cols") or 80), int(pty_size.get("rows") or 24))
+                stdin = _InputPipe(loop, master, owns_fd=False)
+                try:  # opening the slave by name after setsid makes it the controlling tty
+                    first = (os.POSIX_SPAWN_OPEN, 0, os.ttyname(slave), os.O_RDWR, 0)
+                except OSError:
+                    first = (os.POSIX_SPAWN_DUP2, slave, 0)
+                actions = [first, (os.POSIX_SPAWN_DUP2, 0, 1), (os.POSIX_SPAWN_DUP2, 0, 2)]
+            else:
+                out_r, out_w = os.pipe()
+                err_r, err_w = os.pipe()
+                child_fds += [out_w, err_w]
+                out_fds[out_r] = "stdout"
+                out_fds[err_r] = "stderr"
+                if req.get("stdin"):
+                    in_r, in_w = os.pipe()
+                    child_fds.append(in_r)
+                    os.set_blocking(in_w, False)
+                    stdin = _InputPipe(loop, in_w, owns_fd=True)
+                    first = (os.POSIX_SPAWN_DUP2, in_r, 0)
+                else:
+                    first = (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0)
+                actions = [first, (os.POSIX_SPAWN_DUP2, out_w, 1), (os.POSIX_SPAWN_DUP2, err_w, 2)]
+            pid = _spawn(exe, [cmd, *args], env, cwd, actions)
+        except BaseException:
+            for fd in [*child_fds, *out_fds]:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            if stdin is not None:
+                stdin.close(force=True)
+            raise
+        for fd in child_fds:
+            os.close(fd)
+        proc = Process(pid, req.get("tag"), cmd, args, envs, cwd, bool(pty_size), loop, self, out_fds, stdin)
+        self._reaper.watch(pid, proc.on_exit)
+        self._procs[pid] = proc
+        set_oom_score_adj(pid, self._oom_score_adj)
+        timeout_ms = int(req.get("timeout_ms") or 0)
+        if timeout_ms > 0:
+            proc.timeout = loop.call_later(timeout_ms / 1000, proc.kill_group)
+        sub = proc.subscribe()
+        proc.watch_output()
+        return sub
+
+    def _resolve_cwd(self, cwd: str | None) -> str:
+        path = os.path.normpath(os.path.join(self._home, cwd)) if cwd else self._home
+        if not os.path.isdir(path):
+            raise InvalidArgumentError(f"cwd {path!r} is not an existing directory")
+        return path
+
+    # -- control --------------------------------------------------------------------------------
+    def input(self, pid: int | None, tag: str | None, data: bytes) -> None:
+        proc = self.find(pid, tag)
+        if proc.stdin is None:
+            raise InvalidArgumentError(f"process {proc.pid} has no stdin pipe (start it with stdin=true)")
+        proc.stdin.write(data)
+
+    def close_stdin(self, pid: int | None, tag: str | None) -> None:
+        proc = self.find(pid, tag)
+        if proc.stdin is not None and not proc.pty:
+            proc.stdin.close()
+
+    def signal(self, pid: int | None, tag: str | None, sig: int) -> None:
+        proc = self.find(pid, tag)
+        if int(sig) not in signal.valid_signals():
+            raise InvalidArgumentError(f"invalid signal {sig}")
+        proc.kill(int(sig))
+
+    def resize(self, pid: int | None, tag: str | None, cols: int, rows: int) -> None:
+        proc = self.find(pid, tag)
+        if not proc.pty or proc.stdin is None or proc.stdin.closed:
+            raise InvalidArgumentError(f"process {proc.pid} has no pty to resize")
+        _set_winsize(proc.stdin.fd, int(cols), int(rows))
+
+    def kill_all(self) -> None:
+        for proc in list(self._procs.values()):
+            proc.kill_group()
+
+
+def _spawn(exe: str, argv: list[str], env: dict[str, str], cwd: str, actions: list[tuple]) -> int:
+    # posix_spawn has no chdir action in Python 3.11: switch the agent's cwd around the call. The agent
+    # is single-threaded and resolves every path itself, so nothing else sees the change.
+    old = os.getcwd()
+    os.chdir(cwd)
+    try:
+        return os.posix_spawn(exe, argv, env, file_actions=actions, setsid=True,
+                              setsigdef=_DEFAULT_SIGNALS, setsigmask=())  # fmt: skip
+    except PermissionError as e:
+        raise PermissionDeniedError(f"cannot execute {exe!r}: {e.strerror}") from None
+    except FileNotFoundError:
+        raise NotFoundError(f"command {exe!r} not found") from None
+    except OSError as e:
+        raise SandboxError(f"cannot start {exe!r}: {e.strerror}", "resource_exhausted"
+                           if e.errno in (errno.EAGAIN, errno.ENOMEM) else "internal") from None  # fmt: skip
+    finally:
+        os.chdir(old)
+
+
+def set_oom_score_adj(pid: int | str, value: int) -> None:
+    """Best effort: raising a score is always allowed; a child that already exited has no file."""
+    with contextlib.suppress(OSError):
+        fd = os.open(f"/proc/{pid}/oom_score_adj", os.O_WRONLY)
+        try:
+            os.write(fd, str(value).encode())
+        finally:
+            os.close(fd)
+
+
+def _set_winsize(fd: int, cols: int, rows: int) -> None:
+    if not (0 < cols < 65536 and 0 < rows < 65536):
+        raise InvalidArgumentError(f"pty size must be 1..65535, got {cols}x{rows}")
+    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
