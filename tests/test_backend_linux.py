@@ -18,6 +18,7 @@ import pytest
 
 from agentcell.backends.base import Limits, SandboxSpec
 from agentcell.backends.linux.backend import LinuxBackend, LinuxSandbox
+from agentcell.backends.linux.cgroups import Cgroups
 from agentcell.runtime.protocol import AgentChannel
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/proc/self/ns/user"),
@@ -284,3 +285,51 @@ def _is_ours(pid: int) -> bool:
             return any(line.startswith("Uid:") and int(line.split()[1]) >= UID_BASE for line in f)
     except OSError:
         return False
+
+
+_ORPHAN_SCRIPT = """
+import asyncio, json, sys, time
+from agentcell.backends.base import SandboxSpec
+from agentcell.backends.linux.backend import LinuxBackend
+
+async def main():
+    be = LinuxBackend(entry_point=%r, uid_base=%d)
+    await be.start()
+    sb = await be.create(SandboxSpec("orphan1"))
+    print(json.dumps({"pid": sb.host_pid, "cgroup": sb.cgroups.sandbox_id, "dirs": list(sb.cgroups.dirs.values()),
+                      "instance": be.cgroup_parent}), flush=True)
+    await asyncio.sleep(60)
+
+asyncio.run(main())
+"""
+
+
+async def test_sandboxes_die_with_the_server() -> None:
+    """A server that is SIGKILLed takes its zygote and every sandbox along; the next start cleans up."""
+    import json
+    import select
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", _ORPHAN_SCRIPT % (PROBE, UID_BASE + 60_000)],
+                            stdout=subprocess.PIPE, cwd=os.path.dirname(os.path.dirname(__file__)))
+    try:
+        assert proc.stdout is not None
+        info = json.loads(proc.stdout.readline())
+        pidfd = os.pidfd_open(info["pid"])
+        assert all(os.path.isdir(d) for d in info["dirs"])
+    finally:
+        proc.kill()
+        proc.wait()
+    try:
+        assert select.select([pidfd], [], [], 5.0)[0], "the sandbox outlived its server"
+    finally:
+        os.close(pidfd)
+    be = LinuxBackend(entry_point=PROBE, uid_base=UID_BASE + 61_000)
+    await be.start()  # finds the dead server's instance and removes it
+    try:
+        assert not any(os.path.exists(d) for d in info["dirs"])
+        assert not any(os.path.exists(os.path.dirname(d)) for d in info["dirs"])
+    finally:
+        await be.close()
+    assert not Cgroups.at(be.cgroup_parent).exists()  # close() removes its own instance too

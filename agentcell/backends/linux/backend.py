@@ -29,18 +29,20 @@ from agentcell.errors import BackendUnavailableError, InvalidArgumentError, Sand
 
 DEFAULT_ENTRY = "agentcell.runtime.agent:serve"
 READY_TIMEOUT = 10.0
+TIMING = os.environ.get("AGENTCELL_TIMING") == "1"  # debug: per-step create() stamps on stderr
 _PREFIX = struct.Struct(">II")
 _ID_RE = re.compile(r"^[a-z0-9]{1,63}$")
 
 
 class LinuxSandbox(RunningSandbox):
-    def __init__(self, sandbox_id: str, sock: socket.socket, host_pid: int, pidfd: int, slot: int) -> None:
+    def __init__(self, sandbox_id: str, sock: socket.socket, host_pid: int, pidfd: int, slot: int,
+                 cgroup: str) -> None:
         self.sandbox_id = sandbox_id
         self.sock = sock
         self.host_pid = host_pid
         self.pidfd = pidfd
         self.slot = slot
-        self.cgroups = cgroups.Cgroups.for_sandbox(sandbox_id)
+        self.cgroups = cgroups.Cgroups.at(cgroup)
         self.killed = False
         self.kill_lock = asyncio.Lock()
 
@@ -51,7 +53,7 @@ class LinuxSandbox(RunningSandbox):
 
 
 class _Zygote:
-    def __init__(self, template: str, entry: str, preload: bool) -> None:
+    def __init__(self, template: str, entry: str, preload: bool, cgroup_parent: str, staging: str) -> None:
         self.template = template
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         env = dict(os.environ)
@@ -59,7 +61,8 @@ class _Zygote:
         pkg_parent = os.path.dirname(os.path.dirname(pkg_parent))  # .../agentcell/backends/linux -> repo
         env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_parent, env.get("PYTHONPATH")) if p)
         env.setdefault("OPENBLAS_NUM_THREADS", "1")  # keep the zygote single-threaded
-        argv = [sys.executable, "-m", "agentcell.backends.linux.zygote", "--fd", str(theirs.fileno()), "--entry", entry]
+        argv = [sys.executable, "-m", "agentcell.backends.linux.zygote", "--fd", str(theirs.fileno()), "--entry", entry,
+                "--cgroup", cgroup_parent, "--staging", staging, "--parent", str(os.getpid())]
         if not preload:
             argv.append("--no-preload")
         self.proc = subprocess.Popen(
@@ -170,6 +173,8 @@ class LinuxBackend(Backend):
         self._slots: set[int] = set()
         self._next_slot = 0
         self.last_create_ms = 0.0
+        self.instance = cgroups.new_instance_id()  # cgroups live in agentcell/<instance>/...
+        self.cgroup_parent = f"{cgroups.GROUP}/{self.instance}"
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -188,7 +193,11 @@ class LinuxBackend(Backend):
                     raise BackendUnavailableError(
                         "unprivileged user namespaces are off: sysctl -w kernel.unprivileged_userns_clone=1")
         try:
-            cgroups.prepare_parents()
+            stale = await asyncio.to_thread(cgroups.remove_stale_instances)  # servers that died
+            if stale:
+                print(f"agentcell: removed the cgroups of {len(stale)} dead server(s): {', '.join(stale)}",
+                      file=sys.stderr)
+            cgroups.prepare_instance(self.instance)
         except cgroups.CgroupError as e:
             raise BackendUnavailableError(str(e)) from e
         os.makedirs(self.staging, mode=0o755, exist_ok=True)
@@ -200,7 +209,7 @@ class LinuxBackend(Backend):
         if z is None or not z.alive():
             if z is not None:
                 z.stop()
-            z = _Zygote(template, self.entry_point, self.preload)
+            z = _Zygote(template, self.entry_point, self.preload, self.cgroup_parent, self.staging)
             self._zygotes[template] = z
         await z.wait_ready(self.zygote_timeout)
         return z
@@ -210,8 +219,10 @@ class LinuxBackend(Backend):
             with contextlib.suppress(Exception):
                 await self.kill(sb)
         for z in self._zygotes.values():
-            z.stop()
+            z.stop()  # EOF: the zygote kills its standby (and any sandbox we lost track of)
         self._zygotes.clear()
+        with contextlib.suppress(OSError):
+            await asyncio.to_thread(cgroups.remove_tree, self.cgroup_parent)
 
     # -- sandboxes -------------------------------------------------------------------------------
 
@@ -227,6 +238,7 @@ class LinuxBackend(Backend):
 
     async def create(self, spec: SandboxSpec) -> RunningSandbox:
         t0 = time.perf_counter()
+        t0_ns = time.perf_counter_ns()
         if not _ID_RE.match(spec.sandbox_id):
             raise InvalidArgumentError(f"sandbox id must match {_ID_RE.pattern}, got {spec.sandbox_id!r}")
         if spec.sandbox_id in self._sandboxes:
@@ -239,8 +251,10 @@ class LinuxBackend(Backend):
         host_id = self.uid_base + slot
         request = {
             "sandbox_id": spec.sandbox_id, "limits": asdict(spec.limits), "host_uid": host_id, "host_gid": host_id,
-            "envs": dict(spec.envs), "entry": self.entry_point, "staging": self.staging,
+            "envs": dict(spec.envs), "entry": self.entry_point,
         }
+        if TIMING:
+            request["t0_ns"] = t0_ns
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         sandbox: LinuxSandbox | None = None
         try:
@@ -258,8 +272,12 @@ class LinuxBackend(Backend):
                 first = await _read_frame(loop, ours)
                 if first is None or first.get("event") != "spawned":
                     raise SandboxError(_setup_error(spec.sandbox_id, first))
+                t_spawned = time.perf_counter_ns()
                 pid = int(first["host_pid"])
-                sandbox = LinuxSandbox(spec.sandbox_id, ours, pid, os.pidfd_open(pid), slot)
+                cgroup = str(first.get("cgroup", ""))
+                if not _cgroup_re(self.cgroup_parent).match(cgroup):
+                    raise SandboxError(f"sandbox {spec.sandbox_id}: the zygote named a foreign cgroup {cgroup!r}")
+                sandbox = LinuxSandbox(spec.sandbox_id, ours, pid, os.pidfd_open(pid), slot, cgroup)
                 self._sandboxes[spec.sandbox_id] = sandbox
                 ready = await _read_frame(loop, ours)
                 if ready is None or ready.get("event") != "ready":
@@ -268,19 +286,19 @@ class LinuxBackend(Backend):
             theirs.close()
             if sandbox is not None:
                 await self.kill(sandbox)
-            else:
+            else:  # nothing was forked for it (or the zygote's frame was bad)
                 ours.close()
                 self._slots.discard(slot)
-                with contextlib.suppress(OSError):
-                    cg = cgroups.Cgroups.for_sandbox(spec.sandbox_id)
-                    cg.kill_all()
-                    cg.remove()
             if isinstance(e, TimeoutError):
                 raise SandboxError(
                     f"sandbox {spec.sandbox_id} did not become ready within {self.ready_timeout:g} s; "
                     "check the server log for the agent's error") from None
             raise
         ours.setblocking(True)
+        if TIMING:
+            t_ready = time.perf_counter_ns()
+            print(f"agentcell timing {spec.sandbox_id}: spawned={(t_spawned - t0_ns) / 1e6:.2f} "
+                  f"ready={(t_ready - t0_ns) / 1e6:.2f}", file=sys.stderr, flush=True)
         self.last_create_ms = (time.perf_counter() - t0) * 1000
         return sandbox
 
@@ -312,6 +330,10 @@ class LinuxBackend(Backend):
             return sandbox.cgroups.stats()
         except OSError as e:
             raise SandboxGoneError(f"sandbox {sandbox.sandbox_id} has no cgroup any more: {e}") from e
+
+
+def _cgroup_re(parent: str) -> re.Pattern[str]:
+    return re.compile("^" + re.escape(parent) + r"/s[0-9]+-[0-9]+$")
 
 
 def _setup_error(sandbox_id: str, frame: dict[str, Any] | None) -> str:

@@ -1,14 +1,24 @@
 """Per-sandbox cgroups: memory, pids and CPU limits, on cgroup v1 or v2 (detected at runtime).
 
-v1 (hybrid hosts): one directory per controller, /sys/fs/cgroup/<controller>/agentcell/<id>.
-v2 (unified): one directory, /sys/fs/cgroup/agentcell/<id>, with the controllers enabled in the
+Every backend instance owns one directory, agentcell/<instance>, where <instance> is
+"<server pid>-<its start time in clock ticks>-<n>": a later server can tell whether the owner is
+gone (pid dead or reused) and then kill and remove what it left (`remove_stale_instances`).
+Sandboxes live in agentcell/<instance>/<name>, named by the zygote that forked them.
+
+v1 (hybrid hosts): one directory per controller, /sys/fs/cgroup/<controller>/agentcell/....
+v2 (unified): one directory tree, /sys/fs/cgroup/agentcell/..., with the controllers enabled in the
 parents' cgroup.subtree_control.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
+import itertools
 import os
+import re
+import signal
+import time
 from dataclasses import dataclass
 
 from agentcell.backends.base import Limits, SandboxStats
@@ -17,6 +27,8 @@ ROOT = "/sys/fs/cgroup"
 GROUP = "agentcell"
 _CPU_PERIOD_US = 100_000
 _V1_CONTROLLERS = ("memory", "pids", "cpu", "cpuacct")
+_INSTANCE_RE = re.compile(r"^(\d+)-(\d+)-(\d+)$")
+_instance_seq = itertools.count()
 
 
 class CgroupError(OSError):
@@ -54,26 +66,42 @@ def _v1_bases() -> dict[str, str]:
 class Cgroups:
     """The cgroup directories of one sandbox."""
 
-    sandbox_id: str
+    sandbox_id: str  # the relative path under ROOT/<controller>, e.g. agentcell/<instance>/<name>
     v2: bool
     dirs: dict[str, str]  # controller (or "unified") -> directory
 
     @classmethod
-    def for_sandbox(cls, sandbox_id: str) -> Cgroups:
+    def at(cls, rel: str) -> Cgroups:
+        """The cgroups at `rel` (a path below each hierarchy's root, e.g. "agentcell/<inst>/<name>")."""
         if is_v2():
-            return cls(sandbox_id, True, {"unified": os.path.join(ROOT, GROUP, sandbox_id)})
-        dirs: dict[str, str] = {}
-        for name, base in _v1_bases().items():
-            dirs[name] = os.path.join(base, GROUP, sandbox_id)
-        return cls(sandbox_id, False, dirs)
+            return cls(rel, True, {"unified": os.path.join(ROOT, rel)})
+        return cls(rel, False, {name: os.path.join(base, rel) for name, base in _v1_bases().items()})
 
     def _unique_dirs(self) -> list[str]:
         return list(dict.fromkeys(self.dirs.values()))
 
-    def create_and_join(self, limits: Limits, pid: int) -> None:
-        """Create the directories, set the limits and move `pid` in (runs as host root)."""
+    def create_and_join(self, pid: int) -> None:
+        """Create the directories and move `pid` in (host root). The first move of a process costs a
+        whole RCU grace period on v1 (~10 ms), which is why standby children do it before a request."""
         for d in self._unique_dirs():
             os.makedirs(d, exist_ok=True)
+        for d in self._unique_dirs():
+            _write(f"{d}/cgroup.procs", str(pid))
+
+    def opened(self, min_fd: int = 3) -> tuple[Cgroups, list[int]]:
+        """The same cgroups reached through open directory fds (numbered >= min_fd, via
+        /proc/self/fd), for a process that pivots away from /sys; close the fds once done."""
+        fds: dict[str, int] = {}
+        for d in self._unique_dirs():
+            fd = os.open(d, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+            if fd < min_fd:
+                fd, old = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, min_fd), fd
+                os.close(old)
+            fds[d] = fd
+        dirs = {k: f"/proc/self/fd/{fds[d]}" for k, d in self.dirs.items()}
+        return Cgroups(self.sandbox_id, self.v2, dirs), list(fds.values())
+
+    def set_limits(self, limits: Limits) -> None:
         mem = limits.memory_mb << 20
         quota = max(1000, int(limits.cpu_count * _CPU_PERIOD_US))
         if self.v2:
@@ -95,8 +123,6 @@ class Cgroups:
             _write(f"{p}/pids.max", str(limits.pids))
             _write(f"{c}/cpu.cfs_period_us", str(_CPU_PERIOD_US))
             _write(f"{c}/cpu.cfs_quota_us", str(quota))
-        for d in self._unique_dirs():
-            _write(f"{d}/cgroup.procs", str(pid))
 
     def remove(self) -> bool:
         """rmdir every directory; False while some are still busy (tasks not reaped yet)."""
@@ -160,13 +186,103 @@ class Cgroups:
         )
 
 
-def prepare_parents() -> None:
-    """Create the agentcell parent groups (and enable v2 controllers). Raises CgroupError with a fix."""
+def _start_ticks(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: start time
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def new_instance_id() -> str:
+    """A name for this backend instance's cgroup directory, unique on this host and checkable."""
+    pid = os.getpid()
+    return f"{pid}-{_start_ticks(pid)}-{next(_instance_seq)}"
+
+
+def instance_alive(instance: str) -> bool:
+    m = _INSTANCE_RE.match(instance)
+    if m is None:
+        return True  # not ours to judge
+    return _start_ticks(int(m.group(1))) == int(m.group(2))
+
+
+def _subdirs(path: str) -> list[str]:
+    try:
+        return [e.path for e in os.scandir(path) if e.is_dir(follow_symlinks=False)]
+    except OSError:
+        return []
+
+
+def kill_tree(rel: str) -> int:
+    """SIGKILL every task in the cgroups at `rel` and below, on every hierarchy. Returns how many."""
+    n = 0
+    for base in _bases():
+        for dirpath, _dirs, _files in os.walk(os.path.join(base, rel)):
+            try:
+                pids = _read(f"{dirpath}/cgroup.procs").split()
+            except OSError:
+                continue
+            for pid in pids:
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                    n += 1
+                except OSError:
+                    pass
+    return n
+
+
+def remove_tree(rel: str, timeout: float = 3.0) -> bool:
+    """rmdir the cgroups at `rel` and below (children first), retrying while dying tasks go away."""
+    deadline = time.monotonic() + timeout
+    while True:
+        busy = False
+        for base in _bases():
+            top = os.path.join(base, rel)
+            for dirpath, _dirs, _files in sorted(os.walk(top), key=lambda w: -len(w[0])):
+                try:
+                    os.rmdir(dirpath)
+                except FileNotFoundError:
+                    pass
+                except OSError as e:
+                    if e.errno not in (errno.EBUSY, errno.ENOTEMPTY):
+                        raise
+                    busy = True
+        if not busy:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        kill_tree(rel)
+        time.sleep(0.02)
+
+
+def _bases() -> list[str]:
+    if is_v2():
+        return [ROOT]
+    return list(dict.fromkeys(_v1_bases().values()))
+
+
+def remove_stale_instances() -> list[str]:
+    """Kill and remove what servers that are gone left under agentcell/. Returns the instances."""
+    stale = set()
+    for base in _bases():
+        for d in _subdirs(os.path.join(base, GROUP)):
+            name = os.path.basename(d)
+            if _INSTANCE_RE.match(name) and not instance_alive(name):
+                stale.add(name)
+    for name in sorted(stale):
+        kill_tree(f"{GROUP}/{name}")
+        remove_tree(f"{GROUP}/{name}")
+    return sorted(stale)
+
+
+def prepare_instance(instance: str) -> None:
+    """Create agentcell/<instance> (and enable v2 controllers). Raises CgroupError with a fix."""
     if is_v2():
         parent = os.path.join(ROOT, GROUP)
         try:
-            os.makedirs(parent, exist_ok=True)
-            for d in (ROOT, parent):
+            os.makedirs(os.path.join(parent, instance), exist_ok=True)
+            for d in (ROOT, parent, os.path.join(parent, instance)):
                 _write(f"{d}/cgroup.subtree_control", "+memory +pids +cpu")
         except OSError as e:
             raise CgroupError(
@@ -181,6 +297,6 @@ def prepare_parents() -> None:
         )
     for base in set(bases.values()):
         try:
-            os.makedirs(os.path.join(base, GROUP), exist_ok=True)
+            os.makedirs(os.path.join(base, GROUP, instance), exist_ok=True)
         except OSError as e:
             raise CgroupError(e.errno, f"cannot create {base}/{GROUP} ({e}); is {base} mounted read-write?") from e

@@ -1,23 +1,31 @@
-"""What a freshly forked zygote child does to become a sandbox.
+"""What a zygote child does to become a sandbox.
 
-A (host root, host namespaces): joins the sandbox's cgroups, builds the root filesystem in a private
-mount namespace, becomes the sandbox's unprivileged host id, unshares every namespace, maps id 1000,
-forks B, reports B's host pid and exits.
+The zygote keeps one *standby* child ready per template. A standby is forked straight into a new pid
+namespace (it is the sandbox's pid 1 from the start) and, as host root, does everything that does not
+depend on the request: it joins its own cgroup (on cgroup v1 the first move of a process costs an RCU
+grace period, ~10 ms), takes a private copy of the zygote's mount namespace and pivots into the
+template root (rootfs.enter). Then it waits for a spawn request on its socket to the zygote.
 
-B (pid 1 of the new pid namespace): enters the root, sets hostname/loopback/rlimits, confines itself
-(Landlock, no capabilities, no_new_privs, seccomp) and only then runs the entry point, which is the
-sandbox's agent. Nothing the sandbox runs ever has a capability or the host's view of anything.
+With the request (and the sandbox's socket) it sets the cgroup limits, mounts the private parts of
+the root (rootfs.finish), becomes the sandbox's unprivileged host id, unshares user+mount+net+ipc+
+uts+cgroup namespaces (the mounts are copied into a namespace owned by the new user namespace, so
+the kernel locks them), maps id 1000, and confines itself (Landlock, no capabilities, no_new_privs,
+seccomp) before it runs the entry point, which is the sandbox's agent. Nothing the sandbox runs ever
+has a capability or the host's view of anything.
 """
 
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import resource
+import select
 import signal
 import socket
 import struct
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any, NoReturn
@@ -28,9 +36,17 @@ from agentcell.backends.linux import syscalls as sc
 from agentcell.backends.linux.cgroups import Cgroups
 from agentcell.runtime.protocol import encode_frame
 
-SOCK_FD = 3
+SOCK_FD = 3  # the sandbox's socket, from the request on
+CTL_FD = 4  # the standby's socket to the zygote
+ZYGOTE_FD = 5  # a pidfd of the zygote: readable once it is gone
+MAX_REQUEST = 1 << 20
 _SIOCGIFFLAGS, _SIOCSIFFLAGS = 0x8913, 0x8914
 _IFF_UP, _IFF_RUNNING = 0x1, 0x40
+_marks: list[tuple[str, int]] = []  # (step, perf_counter_ns), printed when the request asks for timing
+
+
+def _mark(step: str) -> None:
+    _marks.append((step, time.perf_counter_ns()))
 
 
 def _send(fd: int, header: dict[str, Any]) -> None:
@@ -42,7 +58,7 @@ def _send(fd: int, header: dict[str, Any]) -> None:
 def _fail(fd: int, step: str, exc: BaseException) -> NoReturn:
     msg = f"sandbox setup failed at {step}: {exc}"
     try:
-        traceback.print_exc(file=sys.stderr)
+        traceback.print_exception(exc, file=sys.stderr)
         _send(fd, {"id": 0, "event": "error", "message": msg})
     finally:
         os._exit(1)
@@ -111,69 +127,104 @@ def default_envs(sandbox_id: str) -> dict[str, str]:
     }
 
 
-def run_child_a(sock_fd: int, req: dict[str, Any], entry: Callable[..., Any], seccomp_filter: Any) -> NoReturn:
-    """Runs in the zygote's fresh child. Never returns."""
+def _place_fds(ctl_fd: int, zygote_pidfd: int) -> None:
+    """ctl -> CTL_FD, the zygote's pidfd -> ZYGOTE_FD, stdin/stdout -> /dev/null, nothing else open.
+    fd 2 stays the zygote's stderr until the entry point runs."""
+    high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 64) for fd in (ctl_fd, zygote_pidfd)]
+    for fd, want in zip(high, (CTL_FD, ZYGOTE_FD), strict=True):
+        os.dup2(fd, want, inheritable=False)
+    os.closerange(SOCK_FD, CTL_FD)
+    os.closerange(ZYGOTE_FD + 1, 1 << 16)  # every zygote fd, incl. the two copies above
+    devnull = os.open("/dev/null", os.O_RDWR | os.O_CLOEXEC)
+    os.dup2(devnull, 0)
+    os.dup2(devnull, 1)
+    os.close(devnull)
+
+
+def run_standby(ctl_fd: int, zygote_pidfd: int, cgroup: str, staging: str,
+                resolve_entry: Callable[[str | None], Callable[..., Any]], seccomp_filter: Any) -> NoReturn:
+    """Runs in the zygote's fresh child (pid 1 of a new pid namespace). Never returns."""
     step = "start"
+    early: tuple[str, BaseException] | None = None
+    child_oom = 0
+    cg: Cgroups | None = None
+    cg_fds: list[int] = []
     try:
         for sig in (signal.SIGCHLD, signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, signal.SIG_DFL)
-        if sock_fd != SOCK_FD:
-            os.dup2(sock_fd, SOCK_FD)
-        os.closerange(SOCK_FD + 1, 1 << 16)
-        os.set_inheritable(SOCK_FD, False)
-        devnull = os.open("/dev/null", os.O_RDWR)
-        os.dup2(devnull, 0)
-        os.dup2(devnull, 1)  # fd 2 stays the zygote's stderr until B runs the entry point
-        os.close(devnull)
-    except BaseException as e:  # noqa: BLE001 - the child must report, never unwind into the zygote
-        _fail(sock_fd, step, e)
-    fd = SOCK_FD
+        sc.prctl(sc.PR_SET_PDEATHSIG, signal.SIGKILL)  # cleared by the id change below; set again
+        _place_fds(ctl_fd, zygote_pidfd)
+        step = "cgroups"
+        cg = Cgroups.at(cgroup)
+        cg.create_and_join(0)  # 0: the writer itself
+        cg, cg_fds = cg.opened(ZYGOTE_FD + 1)  # limits are written after the pivot, when /sys is out of sight
+        step = "oom_score_adj"
+        child_oom = _lower_oom_score()
+        step = "root filesystem"
+        sc.unshare(sc.CLONE_NEWNS)
+        rootfs.enter(staging)
+        _mark("standby ready")
+    except BaseException as e:  # noqa: BLE001 - reported on the request's socket, never unwinds
+        early = (step, e)
+    # park until the zygote hands over a request (or goes away)
+    try:
+        ctl = socket.socket(fileno=CTL_FD)
+        ctl.send(b"standby")  # the zygote waits for this before its first "ready"
+        raw, fds, _flags, _addr = socket.recv_fds(ctl, MAX_REQUEST, 1)
+    except BaseException as e:  # noqa: BLE001
+        print(f"agentcell standby: lost the zygote: {e!r}", file=sys.stderr, flush=True)
+        os._exit(1)
+    if not fds:
+        os._exit(0)  # the zygote closed the socket: not needed any more
+    if fds[0] != SOCK_FD:
+        os.dup2(fds[0], SOCK_FD, inheritable=False)
+        os.close(fds[0])
+    ctl.close()
+    _mark("request")
+    if early is not None:
+        _fail(SOCK_FD, *early)
+    try:
+        req = json.loads(raw)
+        entry = resolve_entry(req.get("entry"))
+    except BaseException as e:  # noqa: BLE001
+        _fail(SOCK_FD, "request", e)
+    req["child_oom_score_adj"] = child_oom
+    assert cg is not None
+    _run_sandbox(SOCK_FD, req, cg, cg_fds, entry, seccomp_filter)
+
+
+def _run_sandbox(fd: int, req: dict[str, Any], cg: Cgroups, cg_fds: list[int], entry: Callable[..., Any],
+                 seccomp_filter: Any) -> NoReturn:
+    step = "request"
     try:
         sandbox_id: str = req["sandbox_id"]
         limits = Limits(**req["limits"])
         uid, gid = int(req["host_uid"]), int(req["host_gid"])
         if uid <= 0 or gid <= 0:
             raise ValueError("refusing to run a sandbox as host root")
-        step = "cgroups"
-        Cgroups.for_sandbox(sandbox_id).create_and_join(limits, os.getpid())
-        step = "oom_score_adj"
-        child_oom = _lower_oom_score()
-        step = "root filesystem"
-        sc.unshare(sc.CLONE_NEWNS)
-        rootfs.build(sandbox_id, limits.disk_mb, uid, gid, req.get("staging", rootfs.STAGING))
+        step = "cgroup limits"
+        cg.set_limits(limits)
+        for cg_fd in cg_fds:
+            os.close(cg_fd)
+        step = "private mounts"
+        _mark(step)
+        rootfs.finish(sandbox_id, limits.disk_mb, uid, gid)
         step = "drop to the sandbox's host id"
+        _mark(step)
         os.setgroups([])
         os.setresgid(gid, gid, gid)
         os.setresuid(uid, uid, uid)
         sc.prctl(sc.PR_SET_DUMPABLE, 1)  # else /proc/self/uid_map belongs to root and is not writable
         step = "unshare"
-        sc.unshare(sc.CLONE_NEW_ALL)
+        _mark(step)
+        sc.unshare(sc.CLONE_NEW_ALL & ~sc.CLONE_NEWPID)  # already pid 1 of its own pid namespace
         step = "id maps"
+        _mark(step)
         _write_file("/proc/self/setgroups", "deny")
         _write_file("/proc/self/uid_map", f"{rootfs.SANDBOX_UID} {uid} 1")
         _write_file("/proc/self/gid_map", f"{rootfs.SANDBOX_UID} {gid} 1")
-        step = "fork pid 1"
-        release_r, release_w = os.pipe()
-        pid = os.fork()
-        if pid == 0:
-            os.close(release_w)
-            req["child_oom_score_adj"] = child_oom
-            _run_b(fd, release_r, req, limits, entry, seccomp_filter)
-        os.close(release_r)
-        _send(fd, {"id": 0, "event": "spawned", "host_pid": pid})
-        os.write(release_w, b"go")
-        os._exit(0)
-    except BaseException as e:  # noqa: BLE001
-        _fail(fd, step, e)
-
-
-def _run_b(fd: int, release_fd: int, req: dict[str, Any], limits: Limits, entry: Callable[..., Any],
-           seccomp_filter: Any) -> NoReturn:
-    step = "enter root"
-    sandbox_id = req["sandbox_id"]
-    try:
-        rootfs.enter(req.get("staging", rootfs.STAGING))
         step = "hostname"
+        _mark(step)
         sc.sethostname(sandbox_id)
         step = "loopback"
         _lo_up()
@@ -184,23 +235,32 @@ def _run_b(fd: int, release_fd: int, req: dict[str, Any], limits: Limits, entry:
         step = "no_new_privs"
         sc.prctl(sc.PR_SET_NO_NEW_PRIVS, 1)
         step = "landlock"
+        _mark(step)
         landlock_abi = landlock.restrict()
         step = "capabilities"
+        _mark(step)
         _drop_capabilities()
         step = "seccomp"
+        _mark(step)
         seccomp_filter.load()
+        step = "die with the zygote"
+        sc.prctl(sc.PR_SET_PDEATHSIG, signal.SIGKILL)  # the id change cleared the earlier one
+        if select.select([ZYGOTE_FD], [], [], 0)[0]:
+            raise RuntimeError("the zygote exited")  # before PDEATHSIG was set again
+        os.close(ZYGOTE_FD)
     except BaseException as e:  # noqa: BLE001
-        os.read(release_fd, 2)  # A's "spawned" frame goes first
         _fail(fd, step, e)
     step = "entry point"
     try:
-        os.read(release_fd, 2)
-        os.close(release_fd)
+        _mark("fenced")
+        if req.get("t0_ns"):
+            t0 = int(req["t0_ns"])
+            print("agentcell timing " + " ".join(f"{n.replace(' ', '_')}={(t - t0) / 1e6:.2f}" for n, t in _marks),
+                  file=sys.stderr, flush=True)
         devnull = os.open("/dev/null", os.O_RDWR)
         for i in (0, 1, 2):
             os.dup2(devnull, i)
         os.close(devnull)
-        os.closerange(SOCK_FD + 1, 1 << 16)
         envs = default_envs(sandbox_id)
         envs.update(req.get("envs") or {})
         os.environ.clear()

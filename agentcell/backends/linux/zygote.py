@@ -1,19 +1,26 @@
-"""The per-template zygote: imports everything once, then forks one child per sandbox.
+"""The per-template zygote: imports everything once, builds the read-only root once, forks sandboxes.
 
-Run as ``python -m agentcell.backends.linux.zygote --fd N``. fd N is a SOCK_SEQPACKET socket to the
-backend; each message is a JSON spawn request with the sandbox's socket attached (SCM_RIGHTS).
-The zygote never answers on the control socket: the child reports (spawned / error) on the
-sandbox's own socket. It must stay single-threaded (unshare(CLONE_NEWUSER) refuses threaded callers
-and fork keeps only the calling thread), and it reaps every child: it is a child subreaper, so each
-sandbox's pid 1 is re-parented here when its short-lived parent exits.
+Run as ``python -m agentcell.backends.linux.zygote --fd N --cgroup agentcell/<instance>``. fd N is a
+SOCK_SEQPACKET socket to the backend; each message is a JSON spawn request with the sandbox's socket
+attached (SCM_RIGHTS). The zygote answers on the sandbox's socket: a "spawned" frame with the
+sandbox's host pid and cgroup, after which the child itself reports (error, or the agent's ready).
+
+At start it takes its own mount namespace and builds the template root there (rootfs.build_template),
+so each sandbox only copies it. It keeps one standby child (sandbox_init.run_standby) forked and
+prepared ahead of the next request, so a create() pays neither the fork nor the cgroup move.
+
+It must stay single-threaded (fork keeps only the calling thread). It dies with the server
+(PR_SET_PDEATHSIG), and on control-socket EOF or SIGTERM it SIGKILLs every sandbox it forked (each is
+pid 1 of its pid namespace, so its whole namespace goes); every sandbox also has PR_SET_PDEATHSIG
+against the zygote, so a SIGKILLed zygote takes them along as well.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import importlib
-import json
 import os
 import signal
 import socket
@@ -22,11 +29,12 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from agentcell.backends.linux import sandbox_init, seccomp_filter
+from agentcell.backends.linux import rootfs, sandbox_init, seccomp_filter
 from agentcell.backends.linux import syscalls as sc
 
 MAX_REQUEST = 1 << 20
 _entries: dict[str, Callable[..., Any]] = {}
+_children: set[int] = set()  # standby + sandboxes we forked and have not reaped yet
 
 
 def resolve_entry(spec: str) -> Callable[..., Any]:
@@ -46,6 +54,20 @@ def _reap(_signum: int = 0, _frame: Any = None) -> None:
             return
         if pid == 0:
             return
+        _children.discard(pid)
+
+
+def _kill_children() -> None:
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for pid in list(_children):
+        try:
+            os.kill(pid, signal.SIGKILL)  # unreaped children: the pid cannot have been reused
+        except OSError:
+            pass
+
+
+def _on_sigterm(_signum: int, _frame: Any) -> None:
+    raise SystemExit(0)
 
 
 def _preload(default_entry: str) -> None:
@@ -61,61 +83,139 @@ def _preload(default_entry: str) -> None:
         print(f"agentcell zygote: cannot import entry point {default_entry}: {e!r}", file=sys.stderr)
 
 
-def _spawn(raw: bytes, fds: list[int], seccomp: Any, default_entry: str) -> None:
-    if not fds:
-        return
-    sock_fd = fds[0]
-    for extra in fds[1:]:
-        os.close(extra)
-    try:
-        req = json.loads(raw)
-        entry = resolve_entry(req.get("entry") or default_entry)
-        pid = os.fork()
-    except Exception as e:  # noqa: BLE001 - report on the sandbox's socket, keep serving others
+class Zygote:
+    def __init__(self, cgroup_parent: str, staging: str, default_entry: str, seccomp: Any) -> None:
+        self.cgroup_parent = cgroup_parent
+        self.staging = staging
+        self.default_entry = default_entry
+        self.seccomp = seccomp
+        self.pidns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
+        self.self_pidfd = os.pidfd_open(os.getpid())
+        self.seq = 0
+        self.standby: tuple[int, socket.socket, str] | None = None  # pid, its socket, its cgroup
+        self.standby_ready = False
+
+    def _entry(self, spec: str | None) -> Callable[..., Any]:
+        return resolve_entry(spec or self.default_entry)
+
+    def fork_standby(self) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.seq += 1
+        cgroup = f"{self.cgroup_parent}/s{os.getpid()}-{self.seq}"
+        sc.unshare(sc.CLONE_NEWPID)  # the next child is pid 1 of a new pid namespace
         try:
-            sandbox_init._send(sock_fd, {"id": 0, "event": "error", "message": f"zygote could not spawn: {e}"})
+            pid = os.fork()
+            if pid == 0:
+                sandbox_init.run_standby(theirs.fileno(), self.self_pidfd, cgroup, self.staging, self._entry,
+                                         self.seccomp)
+        finally:
+            # only the zygote gets here: its later children must not land in that namespace too
+            sc.setns(self.pidns, sc.CLONE_NEWPID)
+        _children.add(pid)
+        theirs.close()
+        self.standby = (pid, ours, cgroup)
+        self.standby_ready = False
+
+    def wait_standby(self, timeout: float) -> bool:
+        """Block until the standby is prepared; False if it died. Its "standby" message must be read
+        before our end is closed: closing with unread data would reset the connection (ECONNRESET)."""
+        if self.standby is None:
+            return False
+        if self.standby_ready:
+            return True
+        ctl = self.standby[1]
+        ctl.settimeout(timeout)
+        try:
+            self.standby_ready = ctl.recv(16) == b"standby"
         except OSError:
-            pass
-        os.close(sock_fd)
-        return
-    if pid == 0:
-        sandbox_init.run_child_a(sock_fd, req, entry, seccomp)
-    os.close(sock_fd)
+            self.standby_ready = False
+        ctl.settimeout(None)
+        return self.standby_ready
+
+    def spawn(self, raw: bytes, fds: list[int]) -> None:
+        if not fds:
+            return
+        sock_fd = fds[0]
+        for extra in fds[1:]:
+            os.close(extra)
+        try:
+            for attempt in (0, 1):
+                if self.standby is None:
+                    self.fork_standby()
+                assert self.standby is not None
+                ok = self.wait_standby(timeout=10.0)
+                pid, ctl, cgroup = self.standby
+                self.standby = None
+                if ok:
+                    try:
+                        # "spawned" goes first, so every frame of the child comes after it
+                        sandbox_init._send(sock_fd, {"id": 0, "event": "spawned", "host_pid": pid, "cgroup": cgroup})
+                        socket.send_fds(ctl, [raw], [sock_fd])
+                        ctl.close()
+                        return
+                    except OSError:
+                        if attempt:
+                            raise
+                ctl.close()  # the standby died: a fresh one
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+        except Exception as e:  # noqa: BLE001 - report on the sandbox's socket, keep serving others
+            with contextlib.suppress(OSError):
+                sandbox_init._send(sock_fd, {"id": 0, "event": "error", "message": f"zygote could not spawn: {e}"})
+        finally:
+            os.close(sock_fd)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="agentcell-zygote")
     parser.add_argument("--fd", type=int, required=True)
     parser.add_argument("--entry", default="agentcell.runtime.agent:serve")
+    parser.add_argument("--cgroup", required=True, help="cgroup parent of the sandboxes, e.g. agentcell/<instance>")
+    parser.add_argument("--staging", default=rootfs.STAGING)
+    parser.add_argument("--parent", type=int, default=0, help="the server's pid (exit if it is gone already)")
     parser.add_argument("--no-preload", action="store_true", help="skip agent.preload() (probe-only zygotes)")
     args = parser.parse_args(argv)
     ctl = socket.socket(fileno=args.fd)
     ctl.setblocking(True)
     sc.prctl(sc.PR_SET_PDEATHSIG, signal.SIGKILL)  # the server died: the zygote goes with it
-    sc.prctl(sc.PR_SET_CHILD_SUBREAPER, 1)
+    if args.parent and os.getppid() != args.parent:
+        return 1  # ... and it already had
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C on the server: the backend closes us
-    if args.no_preload:
-        resolve_entry(args.entry)
-    else:
-        _preload(args.entry)
-    seccomp = seccomp_filter.build()
-    if threading.active_count() > 1:
-        print("agentcell zygote: preload started threads; forks keep only the main one", file=sys.stderr)
-    gc.collect()
-    gc.freeze()  # keep the preloaded heap shared copy-on-write with every sandbox
+    signal.signal(signal.SIGTERM, _on_sigterm)
     signal.signal(signal.SIGCHLD, _reap)
-    ctl.send(b"ready")  # start() waits for this, so the first create() is as fast as the others
-    while True:
-        try:
-            raw, fds, _flags, _addr = socket.recv_fds(ctl, MAX_REQUEST, 4)
-        except OSError as e:
-            print(f"agentcell zygote: control socket failed: {e}", file=sys.stderr)
-            return 1
-        if not raw and not fds:
-            return 0  # the backend closed the control socket
-        _spawn(raw, fds, seccomp, args.entry)
-        _reap()
+    try:
+        os.setgroups([])  # root's supplementary groups must not reach any child
+        sc.unshare(sc.CLONE_NEWNS)
+        rootfs.build_template(args.staging)
+        if args.no_preload:
+            resolve_entry(args.entry)
+        else:
+            _preload(args.entry)
+        seccomp = seccomp_filter.build()
+        if threading.active_count() > 1:
+            print("agentcell zygote: preload started threads; forks keep only the main one", file=sys.stderr)
+        gc.collect()
+        gc.freeze()  # keep the preloaded heap shared copy-on-write with every sandbox
+        zygote = Zygote(args.cgroup, args.staging, args.entry, seccomp)
+        zygote.fork_standby()
+        zygote.wait_standby(timeout=10.0)
+        ctl.send(b"ready")  # start() waits for this, so the first create() is as fast as the others
+        while True:
+            try:
+                raw, fds, _flags, _addr = socket.recv_fds(ctl, MAX_REQUEST, 4)
+            except OSError as e:
+                print(f"agentcell zygote: control socket failed: {e}", file=sys.stderr)
+                return 1
+            if not raw and not fds:
+                return 0  # the backend closed the control socket
+            sandbox_init._marks.clear()
+            zygote.spawn(raw, fds)
+            zygote.fork_standby()  # off the critical path: the request is already handed over
+            _reap()
+    finally:
+        _kill_children()
 
 
 if __name__ == "__main__":
     sys.exit(main())
+
