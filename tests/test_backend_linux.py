@@ -270,8 +270,7 @@ async def test_kill_neighbour_idempotent(backend: LinuxBackend) -> None:
     print(f"kill took {(time.perf_counter() - t0) * 1000:.1f} ms")
     assert not a.sandbox.alive() and not cg.exists()
     await backend.kill(a.sandbox)  # idempotent
-    with pytest.raises(OSError):
-        os.kill(a.sandbox.host_pid, 0) if _is_ours(a.sandbox.host_pid) else (_ for _ in ()).throw(OSError())
+    assert not _is_ours(a.sandbox.host_pid)  # gone, or at most a zombie the zygote has yet to reap
     assert (await b.run("echo", "still here"))[1] == "still here\n"
     assert (await b.run("hostname"))[1].strip() == b.sandbox.sandbox_id
     await backend.kill(b.sandbox)
@@ -282,7 +281,8 @@ def _is_ours(pid: int) -> bool:
     """The pid may already be reused by another process; only check it if it is still a sandbox's."""
     try:
         with open(f"/proc/{pid}/status") as f:
-            return any(line.startswith("Uid:") and int(line.split()[1]) >= UID_BASE for line in f)
+            status = dict(line.split(":", 1) for line in f if ":" in line)
+        return not status["State"].strip().startswith("Z") and int(status["Uid"].split()[0]) >= UID_BASE
     except OSError:
         return False
 

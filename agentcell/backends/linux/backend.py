@@ -52,11 +52,16 @@ class LinuxSandbox(RunningSandbox):
         return not select.select([self.pidfd], [], [], 0)[0]  # readable = exited
 
 
+_ZYGOTE_ENV = {"PATH", "LANG", "LC_ALL", "PYTHONPATH", "TZ", "AGENTCELL_TIMING"}
+
+
 class _Zygote:
     def __init__(self, template: str, entry: str, preload: bool, cgroup_parent: str, staging: str) -> None:
         self.template = template
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        env = dict(os.environ)
+        # The zygote's memory is copied into every sandbox, so it gets none of the server's environment
+        # (API keys, cloud credentials ...), only what Python and the numeric libraries need.
+        env = {k: v for k, v in os.environ.items() if k in _ZYGOTE_ENV or k.startswith(("OPENBLAS_", "OMP_"))}
         pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(rootfs.__file__)))
         pkg_parent = os.path.dirname(os.path.dirname(pkg_parent))  # .../agentcell/backends/linux -> repo
         env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_parent, env.get("PYTHONPATH")) if p)
