@@ -111,7 +111,7 @@ class AgentcellApp:
             return app
 
         async def with_auth(scope: Any, receive: Any, send: Any) -> None:
-            if scope["type"] == "http" and _header(scope, b"x-api-key") != api_key:
+            if scope["type"] == "http" and scope["path"] != "/health" and _header(scope, b"x-api-key") != api_key:
                 await json_error(401, "invalid or missing X-API-KEY")(scope, receive, send)
                 return
             await app(scope, receive, send)

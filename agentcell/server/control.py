@@ -335,9 +335,14 @@ class ControlPlane:
         }
         return JSONResponse([metric])
 
+    async def health(self, request: Request) -> Response:
+        """Liveness for embedded mode and operators; needs no API key and reveals only a count."""
+        return JSONResponse({"status": "ok", "sandboxes": len(self.manager.list())})
+
     def routes(self) -> list[Route]:
         sid = "/sandboxes/{sandbox_id}"
         return [
+            Route("/health", self.health, methods=["GET"]),
             Route("/sandboxes", self.create, methods=["POST"]),
             Route("/v2/sandboxes", self.create, methods=["POST"]),
             Route("/sandboxes", self.list_v1, methods=["GET"]),
