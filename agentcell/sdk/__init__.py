@@ -1,0 +1,27 @@
+"""agentcell's Python SDK: E2B's API shapes over E2B's wire protocol, plus an embedded local server."""
+
+from agentcell.sdk.commands_async import AsyncCommandHandle
+from agentcell.sdk.commands_sync import CommandHandle
+from agentcell.sdk.models import (
+    CommandResult,
+    Context,
+    EntryInfo,
+    Execution,
+    ExecutionError,
+    FileType,
+    Logs,
+    OutputMessage,
+    ProcessInfo,
+    Result,
+    SandboxInfo,
+    SandboxQuery,
+    WriteInfo,
+)
+from agentcell.sdk.sandbox_async import AsyncSandbox
+from agentcell.sdk.sandbox_sync import Sandbox
+
+__all__ = [
+    "AsyncCommandHandle", "AsyncSandbox", "CommandHandle", "CommandResult", "Context", "EntryInfo", "Execution",
+    "ExecutionError", "FileType", "Logs", "OutputMessage", "ProcessInfo", "Result", "Sandbox", "SandboxInfo",
+    "SandboxQuery", "WriteInfo",
+]

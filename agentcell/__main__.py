@@ -1,0 +1,5 @@
+"""`python -m agentcell ...` is the `agentcell` command."""
+
+from agentcell.cli import main
+
+main()

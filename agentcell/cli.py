@@ -1,0 +1,140 @@
+"""The `agentcell` command: serve, demo, ls, kill."""
+
+from __future__ import annotations
+
+import base64
+import os
+import signal
+import sys
+import threading
+import time
+
+import click
+
+DEFAULT_PORT = 49982
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _watch_lifeline() -> None:
+    """Embedded mode: exit when the SDK process that started us dies (its end of the pipe closes)."""
+    raw = os.environ.pop("AGENTCELL_LIFELINE_FD", None)
+    if raw is None:
+        return
+    try:
+        fd = int(raw)
+        os.set_inheritable(fd, False)  # sandboxes and other children must not hold it
+    except (ValueError, OSError):
+        return
+
+    def watch() -> None:
+        try:
+            while os.read(fd, 4096):
+                pass
+        except OSError:
+            pass
+        os.kill(os.getpid(), signal.SIGTERM)  # graceful shutdown: the sandboxes are killed
+        time.sleep(20)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="agentcell-lifeline", daemon=True).start()
+
+
+@click.group()
+@click.version_option(package_name="agentcell")
+def main() -> None:
+    """agentcell: self-hostable E2B-compatible sandboxes for code that AI agents write."""
+
+
+@main.command()
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", default=DEFAULT_PORT, show_default=True, type=int, help="TCP port.")
+@click.option("--uds", default=None, help="Listen on this unix socket instead of host:port.")
+@click.option("--api-key", default=None, envvar="AGENTCELL_SERVER_API_KEY",
+              help="Require this X-API-KEY on the control plane (default: accept any).")
+@click.option("--max-sandboxes", default=1000, show_default=True, type=int, help="Most sandboxes alive at once.")
+@click.option("--log-level", default="info", show_default=True,
+              type=click.Choice(["critical", "error", "warning", "info", "debug"]))
+def serve(host: str, port: int, uds: str | None, api_key: str | None, max_sandboxes: int, log_level: str) -> None:
+    """Run the server (control plane and every sandbox's data plane on one port). Needs root."""
+    from agentcell.server import ServerConfig
+    from agentcell.server import serve as run_server
+
+    _watch_lifeline()
+    run_server(ServerConfig(host=host, port=port, uds=uds, api_key=api_key, max_sandboxes=max_sandboxes,
+                            log_level=log_level))
+
+
+def _opts(f):  # type: ignore[no-untyped-def]
+    f = click.option("--api-url", default=None, help="Server URL (default: AGENTCELL_URL, else an embedded server).")(f)
+    return click.option("--api-key", default=None, help="API key (default: AGENTCELL_API_KEY / E2B_API_KEY).")(f)
+
+
+@main.command()
+@_opts
+def demo(api_url: str | None, api_key: str | None) -> None:
+    """Create a sandbox and run the README quick start in it."""
+    from agentcell import Sandbox
+
+    t0 = time.perf_counter()
+    with Sandbox.create(api_url=api_url, api_key=api_key) as sbx:
+        click.echo(f"sandbox {sbx.sandbox_id} ready in {(time.perf_counter() - t0) * 1000:.0f} ms")
+        sbx.run_code("x = 41")
+        t1 = time.perf_counter()
+        text = sbx.run_code("x + 1").text
+        click.echo(f'run_code("x + 1").text -> {text!r}  ({(time.perf_counter() - t1) * 1000:.1f} ms)')
+        r = sbx.run_code("import matplotlib.pyplot as plt; plt.plot([1, 3, 2]); plt.show()")
+        png = next((res.png for res in r.results if res.png), None)
+        if png:
+            data = base64.b64decode(png)
+            valid = data[:8] == PNG_MAGIC
+            click.echo(f"chart -> PNG, {len(data)} bytes (valid PNG header: {valid})")
+        else:
+            click.echo(f"chart -> no PNG result ({r})")
+        err = sbx.run_code("1/0").error
+        click.echo(f'run_code("1/0").error -> {err.name}: {err.value}' if err else "run_code('1/0') -> no error?!")
+        out = sbx.commands.run("echo hi")
+        click.echo(f'commands.run("echo hi") -> stdout={out.stdout!r} exit_code={out.exit_code}')
+        sbx.files.write("/home/user/a.csv", "a,b\n1,2\n")
+        click.echo(f'files.read("/home/user/a.csv") -> {sbx.files.read("/home/user/a.csv")!r}')
+    click.echo("sandbox killed; done")
+
+
+@main.command(name="ls")
+@_opts
+def ls_cmd(api_url: str | None, api_key: str | None) -> None:
+    """List running sandboxes."""
+    from agentcell import Sandbox
+
+    if not (api_url or os.environ.get("AGENTCELL_URL")):
+        raise click.UsageError("ls needs a running server: pass --api-url or set AGENTCELL_URL")
+    rows = list(Sandbox.list(api_url=api_url, api_key=api_key))
+    if not rows:
+        click.echo("no sandboxes")
+        return
+    click.echo(f"{'SANDBOX ID':<22} {'TEMPLATE':<20} {'STARTED':<26} {'ENDS':<26} METADATA")
+    for s in rows:
+        click.echo(f"{s.sandbox_id:<22} {s.template_id:<20} {s.started_at.isoformat(timespec='seconds'):<26} "
+                   f"{s.end_at.isoformat(timespec='seconds'):<26} {s.metadata or ''}")
+
+
+@main.command()
+@click.argument("sandbox_ids", nargs=-1, required=True)
+@_opts
+def kill(sandbox_ids: tuple[str, ...], api_url: str | None, api_key: str | None) -> None:
+    """Kill sandboxes by id."""
+    from agentcell import Sandbox
+
+    if not (api_url or os.environ.get("AGENTCELL_URL")):
+        raise click.UsageError("kill needs a running server: pass --api-url or set AGENTCELL_URL")
+    failed = False
+    for sid in sandbox_ids:
+        if Sandbox.kill(sid, api_key=api_key, api_url=api_url):
+            click.echo(f"killed {sid}")
+        else:
+            click.echo(f"{sid}: not found", err=True)
+            failed = True
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""Control-plane REST calls (sandbox create / connect / list / info / timeout / kill), sync and async."""
+
+from __future__ import annotations
+
+import urllib.parse
+from typing import Any
+
+import httpx
+
+from agentcell.errors import NotFoundException, SandboxException, SandboxNotFoundException
+from agentcell.sdk.config import ConnectionConfig
+from agentcell.sdk.transport import async_client, error_from_http, error_from_transport, sync_client, timeout
+
+
+def create_body(template: str, timeout_s: int | None, metadata: dict[str, str] | None, envs: dict[str, str] | None,
+                limits: dict[str, Any] | None) -> dict[str, Any]:
+    body: dict[str, Any] = {"templateID": template, "metadata": metadata or {}, "envVars": envs or {}}
+    if timeout_s is not None:
+        body["timeout"] = int(timeout_s)
+    if limits:
+        body["limits"] = limits  # agentcell extension: memoryMB, pids, cpuCount, diskMB, openFiles
+    return body
+
+
+def list_params(metadata: dict[str, str] | None, state: list[str] | None, limit: int | None,
+                next_token: str | None) -> dict[str, str]:
+    params: dict[str, str] = {}
+    if metadata:
+        params["metadata"] = urllib.parse.urlencode({urllib.parse.quote(k): urllib.parse.quote(v) for k, v in metadata.items()})
+    if state:
+        params["state"] = ",".join(state)
+    if limit:
+        params["limit"] = str(limit)
+    if next_token:
+        params["nextToken"] = next_token
+    return params
+
+
+def _check(r: httpx.Response, ok: tuple[int, ...], what: str, sandbox_id: str | None) -> httpx.Response:
+    if r.status_code in ok:
+        return r
+    e = error_from_http(r.status_code, r.content, sandbox_id, what)
+    if isinstance(e, NotFoundException) and sandbox_id:
+        raise SandboxNotFoundException(f"sandbox {sandbox_id} not found (killed, timed out, or never existed): {e}")
+    raise e
+
+
+def call(config: ConnectionConfig, method: str, path: str, *, json: Any = None, params: dict[str, str] | None = None,
+         ok: tuple[int, ...] = (200,), sandbox_id: str | None = None, request_timeout: float | None = None,
+         ) -> httpx.Response:
+    what = f"{method} {path}"
+    try:
+        r = sync_client(config.endpoint).request(
+            method, path, json=json, params=params, headers=config.control_headers(),
+            timeout=timeout(request_timeout or config.request_timeout))
+    except httpx.HTTPError as e:
+        raise error_from_transport(e, what) from None
+    return _check(r, ok, what, sandbox_id)
+
+
+async def acall(config: ConnectionConfig, method: str, path: str, *, json: Any = None,
+                params: dict[str, str] | None = None, ok: tuple[int, ...] = (200,), sandbox_id: str | None = None,
+                request_timeout: float | None = None) -> httpx.Response:
+    what = f"{method} {path}"
+    try:
+        r = await async_client(config.endpoint).request(
+            method, path, json=json, params=params, headers=config.control_headers(),
+            timeout=timeout(request_timeout or config.request_timeout))
+    except httpx.HTTPError as e:
+        raise error_from_transport(e, what) from None
+    return _check(r, ok, what, sandbox_id)
+
+
+def sandbox_fields(data: Any) -> tuple[str, str | None]:
+    if not isinstance(data, dict) or "sandboxID" not in data:
+        raise SandboxException(f"the server's sandbox response has no sandboxID: {data!r}")
+    return data["sandboxID"], data.get("envdAccessToken")

@@ -1,0 +1,158 @@
+"""A small Connect-protocol JSON client on httpx: unary calls and server streams (sync and async).
+
+Unary: POST application/json, bare JSON message; errors are `{"code": "<name>", "message"}`.
+Server stream: POST application/connect+json with one envelope (flags u8, big-endian u32 length, JSON);
+the response is envelopes, the last with flags 0x02 holding `{}` or `{"error": {...}}`.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import httpx
+
+from agentcell.errors import SandboxException
+from agentcell.sdk.transport import error_from_connect, error_from_http, error_from_transport
+
+_END_STREAM = 0x02
+_HEADER = struct.Struct(">BI")
+_UNARY_HEADERS = {"Content-Type": "application/json", "Connect-Protocol-Version": "1", "Accept-Encoding": "identity"}
+_STREAM_HEADERS = {
+    "Content-Type": "application/connect+json",
+    "Connect-Protocol-Version": "1",
+    "Connect-Accept-Encoding": "identity",
+}
+
+
+def _dumps(message: dict[str, Any]) -> bytes:
+    return json.dumps(message, separators=(",", ":")).encode()
+
+
+def envelope(message: dict[str, Any]) -> bytes:
+    data = _dumps(message)
+    return _HEADER.pack(0, len(data)) + data
+
+
+def _headers(base: dict[str, str], extra: dict[str, str], timeout_ms: int | None) -> dict[str, str]:
+    h = {**base, **extra}
+    if timeout_ms:
+        h["Connect-Timeout-Ms"] = str(timeout_ms)
+    return h
+
+
+class _Decoder:
+    """Splits a byte stream into envelopes; raises on the end-stream error."""
+
+    def __init__(self, sandbox_id: str | None) -> None:
+        self.buf = bytearray()
+        self.sandbox_id = sandbox_id
+        self.ended = False
+
+    def feed(self, chunk: bytes) -> list[dict[str, Any]]:
+        self.buf += chunk
+        out: list[dict[str, Any]] = []
+        while len(self.buf) >= 5:
+            flags, size = _HEADER.unpack_from(self.buf)
+            if len(self.buf) < 5 + size:
+                break
+            msg = json.loads(bytes(self.buf[5 : 5 + size])) if size else {}
+            del self.buf[: 5 + size]
+            if flags & _END_STREAM:
+                self.ended = True
+                err = msg.get("error") if isinstance(msg, dict) else None
+                if err:
+                    raise error_from_connect(str(err.get("code", "unknown")), str(err.get("message", "")), self.sandbox_id)
+                return out
+            out.append(msg)
+        return out
+
+    def finish(self, what: str) -> None:
+        if not self.ended:
+            raise SandboxException(f"{what}: the stream ended before its end-of-stream message (server or sandbox died?)")
+
+
+def unary(
+    client: httpx.Client, path: str, message: dict[str, Any], headers: dict[str, str],
+    timeout: httpx.Timeout, sandbox_id: str | None = None, timeout_ms: int | None = None,
+) -> dict[str, Any]:
+    try:
+        r = client.post(path, content=_dumps(message), headers=_headers(_UNARY_HEADERS, headers, timeout_ms), timeout=timeout)
+    except httpx.HTTPError as e:
+        raise error_from_transport(e, path) from None
+    if r.status_code != 200:
+        raise error_from_http(r.status_code, r.content, sandbox_id, path)
+    return r.json() if r.content else {}
+
+
+def stream(
+    client: httpx.Client, path: str, message: dict[str, Any], headers: dict[str, str],
+    timeout: httpx.Timeout, sandbox_id: str | None = None, timeout_ms: int | None = None,
+) -> Iterator[dict[str, Any]]:
+    """A generator of the stream's messages; the request is sent on the first next(). close() drops it."""
+    req = client.build_request(
+        "POST", path, content=envelope(message), headers=_headers(_STREAM_HEADERS, headers, timeout_ms), timeout=timeout
+    )
+    try:
+        r = client.send(req, stream=True)
+    except httpx.HTTPError as e:
+        raise error_from_transport(e, path) from None
+    try:
+        if r.status_code != 200:
+            raise error_from_http(r.status_code, r.read(), sandbox_id, path)
+        dec = _Decoder(sandbox_id)
+        try:
+            for chunk in r.iter_raw():
+                yield from dec.feed(chunk)
+                if dec.ended:
+                    return
+        except httpx.HTTPError as e:
+            raise error_from_transport(e, path) from None
+        dec.finish(path)
+    finally:
+        r.close()
+
+
+async def aunary(
+    client: httpx.AsyncClient, path: str, message: dict[str, Any], headers: dict[str, str],
+    timeout: httpx.Timeout, sandbox_id: str | None = None, timeout_ms: int | None = None,
+) -> dict[str, Any]:
+    try:
+        r = await client.post(
+            path, content=_dumps(message), headers=_headers(_UNARY_HEADERS, headers, timeout_ms), timeout=timeout
+        )
+    except httpx.HTTPError as e:
+        raise error_from_transport(e, path) from None
+    if r.status_code != 200:
+        raise error_from_http(r.status_code, r.content, sandbox_id, path)
+    return r.json() if r.content else {}
+
+
+async def astream(
+    client: httpx.AsyncClient, path: str, message: dict[str, Any], headers: dict[str, str],
+    timeout: httpx.Timeout, sandbox_id: str | None = None, timeout_ms: int | None = None,
+) -> AsyncIterator[dict[str, Any]]:
+    req = client.build_request(
+        "POST", path, content=envelope(message), headers=_headers(_STREAM_HEADERS, headers, timeout_ms), timeout=timeout
+    )
+    try:
+        r = await client.send(req, stream=True)
+    except httpx.HTTPError as e:
+        raise error_from_transport(e, path) from None
+    try:
+        if r.status_code != 200:
+            raise error_from_http(r.status_code, await r.aread(), sandbox_id, path)
+        dec = _Decoder(sandbox_id)
+        try:
+            async for chunk in r.aiter_raw():
+                for msg in dec.feed(chunk):
+                    yield msg
+                if dec.ended:
+                    return
+        except httpx.HTTPError as e:
+            raise error_from_transport(e, path) from None
+        dec.finish(path)
+    finally:
+        await r.aclose()

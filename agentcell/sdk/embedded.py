@@ -1,0 +1,150 @@
+"""Embedded mode: with neither `api_url` nor AGENTCELL_URL, the SDK starts one private local server per
+process (`python -m agentcell serve --uds <0700 dir>/agentcell.sock`), shared by Sandbox and AsyncSandbox.
+
+It stops at interpreter exit (atexit), and also when this process dies without running atexit: the server
+holds the read end of a "lifeline" pipe (AGENTCELL_LIFELINE_FD) and shuts down when it reads EOF.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import httpx
+
+from agentcell.errors import EmbeddedServerError
+from agentcell.sdk.config import Endpoint
+
+START_TIMEOUT_S = 60.0
+LIFELINE_ENV = "AGENTCELL_LIFELINE_FD"
+
+
+class EmbeddedServer:
+    def __init__(self) -> None:
+        self.dir = tempfile.mkdtemp(prefix="agentcell-")  # mode 0700: only this user reaches the socket
+        self.socket = os.path.join(self.dir, "agentcell.sock")
+        self.log_path = os.path.join(self.dir, "server.log")
+        self.endpoint = Endpoint("http://localhost", self.socket)
+        self.owner_pid = os.getpid()
+        read_end, self._lifeline = os.pipe()
+        env = {**os.environ, LIFELINE_ENV: str(read_end), "PYTHONUNBUFFERED": "1"}
+        env.pop("AGENTCELL_SERVER_API_KEY", None)  # the 0700 socket is the access control here
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "agentcell", "serve", "--uds", self.socket],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env, pass_fds=(read_end,),
+                # Its own session: a Ctrl-C meant for this program must not kill the server before atexit
+                # has cleaned up.
+                start_new_session=True,
+            )
+        os.close(read_end)
+
+    def log_tail(self, n: int = 4000) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                return f.read().decode("utf-8", "replace")[-n:]
+        except OSError:
+            return "(no server log)"
+
+    def wait_ready(self) -> None:
+        transport = httpx.HTTPTransport(uds=self.socket)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        delay = 0.01
+        with httpx.Client(transport=transport, base_url="http://localhost", timeout=2) as client:
+            while True:
+                if self.proc.poll() is not None:
+                    raise EmbeddedServerError(self._failure(f"exited with code {self.proc.returncode}"))
+                if os.path.exists(self.socket):
+                    try:
+                        if client.get("/health").status_code < 500:
+                            return
+                    except httpx.TransportError:
+                        pass
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise EmbeddedServerError(self._failure(f"did not answer within {START_TIMEOUT_S:.0f} s"))
+                time.sleep(delay)
+                delay = min(delay * 1.5, 0.1)
+
+    def _failure(self, what: str) -> str:
+        if hasattr(os, "geteuid") and os.geteuid() != 0:
+            fix = ("The server needs root (it creates cgroups and maps each sandbox to its own host user id). "
+                   "Run this program as root, or start a server as root (`sudo agentcell serve --port 49982`) "
+                   "and point the SDK at it: AGENTCELL_URL=http://127.0.0.1:49982 or api_url=.")
+        else:
+            fix = ("Start a server yourself to see the full error (`agentcell serve --port 49982`) and point the "
+                   "SDK at it with AGENTCELL_URL=http://127.0.0.1:49982 or api_url=.")
+        return f"the embedded agentcell server {what}. {fix}\n--- server log (tail) ---\n{self.log_tail()}"
+
+    def stop(self) -> None:
+        if os.getpid() != self.owner_pid:
+            return  # a forked child must not stop its parent's server
+        try:
+            os.close(self._lifeline)
+        except OSError:
+            pass
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)  # graceful: the server kills its sandboxes
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+_lock = threading.Lock()
+_server: EmbeddedServer | None = None
+
+
+def running_endpoint() -> Endpoint | None:
+    s = _server
+    return s.endpoint if s is not None and s.proc.poll() is None else None
+
+
+def ensure_server() -> Endpoint:
+    """The embedded server's endpoint, starting the server on first use (blocking, thread-safe)."""
+    global _server
+    s = _server
+    if s is not None and s.proc.poll() is None:
+        return s.endpoint
+    with _lock:
+        s = _server
+        if s is not None and s.proc.poll() is None:
+            return s.endpoint
+        if s is not None:  # it died: report it once, then allow a fresh start
+            _server = None
+            s.stop()
+            raise EmbeddedServerError(s._failure(f"stopped unexpectedly (exit code {s.proc.returncode})"))
+        s = EmbeddedServer()
+        try:
+            s.wait_ready()
+        except BaseException:
+            s.stop()
+            raise
+        _server = s
+        atexit.register(_stop_at_exit)
+        return s.endpoint
+
+
+def _stop_at_exit() -> None:
+    global _server
+    s, _server = _server, None
+    if s is None:
+        return
+    from agentcell.sdk.transport import close_sync_clients
+
+    close_sync_clients()
+    s.stop()
+
+
+def stop_server() -> None:
+    """Stop the embedded server now (it is started again on the next use)."""
+    _stop_at_exit()

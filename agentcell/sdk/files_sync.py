@@ -1,0 +1,162 @@
+"""`sbx.files` for the sync Sandbox: /files for content, filesystem.Filesystem RPC for the rest."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import IO, Any, Literal
+
+import httpx
+
+from agentcell.errors import NotFoundException
+from agentcell.sdk import files as f
+from agentcell.sdk.config import SandboxConnection
+from agentcell.sdk.connect_rpc import unary
+from agentcell.sdk.models import EntryInfo, WriteInfo, entry_from_json, write_info_from_json
+from agentcell.sdk.transport import (
+    ConnectCodeError,
+    error_from_http,
+    error_from_transport,
+    sync_client,
+    timeout,
+)
+
+
+class Filesystem:
+    def __init__(self, conn: SandboxConnection) -> None:
+        self._conn = conn
+        self._client = sync_client(conn.config.endpoint)
+
+    def _t(self, request_timeout: float | None) -> httpx.Timeout:
+        return timeout(request_timeout or self._conn.config.request_timeout)
+
+    def _rpc(self, path: str, msg: dict[str, Any], request_timeout: float | None) -> dict[str, Any]:
+        return unary(
+            self._client, path, msg, self._conn.envd_headers, self._t(request_timeout), self._conn.sandbox_id
+        )
+
+    def read(
+        self,
+        path: str,
+        format: Literal["text", "bytes", "stream"] = "text",
+        user: str | None = None,
+        request_timeout: float | None = None,
+    ) -> Any:
+        """The file's content: str (text), bytearray (bytes) or an iterator of bytes chunks (stream)."""
+        headers = self._conn.envd_user_headers(user)
+        params = {"path": path}
+        if format == "stream":
+            return self._read_stream(params, headers, request_timeout)
+        try:
+            r = self._client.get("/files", params=params, headers=headers, timeout=self._t(request_timeout))
+        except httpx.HTTPError as e:
+            raise error_from_transport(e, f"read {path}") from None
+        if r.status_code != 200:
+            raise self._error(r.status_code, r.content, path)
+        return r.text if format == "text" else bytearray(r.content)
+
+    def _read_stream(
+        self, params: dict[str, str], headers: dict[str, str], request_timeout: float | None
+    ) -> Iterator[bytes]:
+        req = self._client.build_request(
+            "GET", "/files", params=params, headers=headers, timeout=self._t(request_timeout)
+        )
+        r = self._client.send(req, stream=True)
+        try:
+            if r.status_code != 200:
+                raise self._error(r.status_code, r.read(), params["path"])
+            yield from r.iter_bytes()
+        finally:
+            r.close()
+
+    def _error(self, status: int, content: bytes, path: str) -> Exception:
+        e = error_from_http(status, content, self._conn.sandbox_id, f"file {path}")
+        return f.file_not_found(e, path) if isinstance(e, NotFoundException) else e
+
+    def write(
+        self,
+        path: str,
+        data: str | bytes | IO[Any],
+        user: str | None = None,
+        request_timeout: float | None = None,
+    ) -> WriteInfo:
+        """Write (create or replace) one file; parent directories are created."""
+        headers = {**self._conn.envd_user_headers(user), "Content-Type": "application/octet-stream"}
+        try:
+            r = self._client.post(
+                "/files",
+                params={"path": path},
+                content=f.to_bytes(data),
+                headers=headers,
+                timeout=self._t(request_timeout),
+            )
+        except httpx.HTTPError as e:
+            raise error_from_transport(e, f"write {path}") from None
+        if r.status_code != 200:
+            raise self._error(r.status_code, r.content, path)
+        return write_info_from_json(r.json()[0])
+
+    def write_files(
+        self, files: list[dict[str, Any]], user: str | None = None, request_timeout: float | None = None
+    ) -> list[WriteInfo]:
+        """Write several files ([{"path", "data"}]) in one multipart request."""
+        if not files:
+            return []
+        try:
+            r = self._client.post(
+                "/files",
+                files=f.multipart(files),
+                headers=self._conn.envd_user_headers(user),
+                timeout=self._t(request_timeout),
+            )
+        except httpx.HTTPError as e:
+            raise error_from_transport(e, "write_files") from None
+        if r.status_code != 200:
+            raise self._error(r.status_code, r.content, ", ".join(x["path"] for x in files))
+        return [write_info_from_json(x) for x in r.json()]
+
+    def list(
+        self, path: str, depth: int | None = 1, user: str | None = None, request_timeout: float | None = None
+    ) -> list[EntryInfo]:
+        try:
+            res = self._rpc(f.LIST_DIR, {"path": path, "depth": f.check_depth(depth)}, request_timeout)
+        except NotFoundException as e:
+            raise f.file_not_found(e, path) from None
+        return [entry_from_json(e) for e in res.get("entries", [])]
+
+    def exists(self, path: str, user: str | None = None, request_timeout: float | None = None) -> bool:
+        try:
+            self._rpc(f.STAT, {"path": path}, request_timeout)
+        except NotFoundException:
+            return False
+        return True
+
+    def get_info(self, path: str, user: str | None = None, request_timeout: float | None = None) -> EntryInfo:
+        try:
+            return entry_from_json(self._rpc(f.STAT, {"path": path}, request_timeout)["entry"])
+        except NotFoundException as e:
+            raise f.file_not_found(e, path) from None
+
+    def remove(self, path: str, user: str | None = None, request_timeout: float | None = None) -> None:
+        try:
+            self._rpc(f.REMOVE, {"path": path}, request_timeout)
+        except NotFoundException as e:
+            raise f.file_not_found(e, path) from None
+
+    def rename(
+        self, old_path: str, new_path: str, user: str | None = None, request_timeout: float | None = None
+    ) -> EntryInfo:
+        try:
+            res = self._rpc(f.MOVE, {"source": old_path, "destination": new_path}, request_timeout)
+        except NotFoundException as e:
+            raise f.file_not_found(e, old_path) from None
+        return entry_from_json(res["entry"])
+
+    def make_dir(self, path: str, user: str | None = None, request_timeout: float | None = None) -> bool:
+        """Create a directory (and parents); False if it already exists."""
+        try:
+            self._rpc(f.MAKE_DIR, {"path": path}, request_timeout)
+        except ConnectCodeError as e:
+            if e.code == "already_exists":
+                return False
+            raise
+        return True

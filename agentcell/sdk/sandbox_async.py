@@ -1,0 +1,195 @@
+"""`AsyncSandbox`: the asyncio SDK entry point, mirroring e2b / e2b-code-interpreter's AsyncSandbox."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import httpx
+
+from agentcell.sdk import api
+from agentcell.sdk.code_async import AsyncCodeInterpreter
+from agentcell.sdk.commands_async import AsyncCommands
+from agentcell.sdk.config import ConnectionConfig, SandboxConnection, aresolve
+from agentcell.sdk.files_async import AsyncFilesystem
+from agentcell.sdk.methods import hybrid
+from agentcell.sdk.models import Context, Execution, SandboxInfo, SandboxQuery
+from agentcell.sdk.transport import async_client, error_from_http, error_from_transport, timeout
+
+
+class AsyncSandboxPaginator:
+    """Pages of AsyncSandbox.list(): `while p.has_next: await p.next_items()`; `async for` walks every page."""
+
+    def __init__(self, resolve_args: tuple[str | None, str | None, float | None], query: SandboxQuery | None,
+                 limit: int | None, next_token: str | None) -> None:
+        self._resolve_args = resolve_args
+        self._config: ConnectionConfig | None = None
+        self._query = query or SandboxQuery()
+        self._limit = limit
+        self.next_token = next_token
+        self.has_next = True
+
+    async def next_items(self) -> list[SandboxInfo]:
+        if not self.has_next:
+            raise StopIteration("no more sandboxes to list")
+        if self._config is None:
+            self._config = await aresolve(*self._resolve_args)
+        params = api.list_params(self._query.metadata, self._query.state, self._limit, self.next_token)
+        r = await api.acall(self._config, "GET", "/v2/sandboxes", params=params)
+        self.next_token = r.headers.get("x-next-token") or None
+        self.has_next = self.next_token is not None
+        return [SandboxInfo.from_json(d) for d in r.json()]
+
+    async def __aiter__(self) -> AsyncIterator[SandboxInfo]:
+        while self.has_next:
+            for item in await self.next_items():
+                yield item
+
+
+class AsyncSandbox:
+    """A sandbox: run_code, commands, files. Create with `await AsyncSandbox.create()`; `async with` kills it."""
+
+    def __init__(self, conn: SandboxConnection) -> None:
+        self._conn = conn
+        self._files = AsyncFilesystem(conn)
+        self._commands = AsyncCommands(conn)
+        self._code = AsyncCodeInterpreter(conn)
+
+    def __repr__(self) -> str:
+        return f"AsyncSandbox(sandbox_id={self.sandbox_id!r}, url={self._conn.config.base_url!r})"
+
+    @property
+    def sandbox_id(self) -> str:
+        return self._conn.sandbox_id
+
+    @property
+    def files(self) -> AsyncFilesystem:
+        return self._files
+
+    @property
+    def commands(self) -> AsyncCommands:
+        return self._commands
+
+    @property
+    def connection_config(self) -> ConnectionConfig:
+        return self._conn.config
+
+    # --- lifecycle --------------------------------------------------------------------------------
+
+    @classmethod
+    async def create(cls, template: str = "base", timeout: int | None = 300, metadata: dict[str, str] | None = None,
+               envs: dict[str, str] | None = None, api_key: str | None = None, api_url: str | None = None,
+               request_timeout: float | None = None, limits: dict[str, Any] | None = None) -> AsyncSandbox:
+        """Create a sandbox living `timeout` seconds (extend with set_timeout). Without api_url or
+        AGENTCELL_URL an embedded local server is started for this process."""
+        config = await aresolve(api_url, api_key, request_timeout)
+        body = api.create_body(template, timeout, metadata, envs, limits)
+        r = await api.acall(config, "POST", "/v2/sandboxes", json=body, ok=(201, 200))
+        sandbox_id, token = api.sandbox_fields(r.json())
+        return cls(SandboxConnection(config, sandbox_id, token))
+
+    @classmethod
+    async def _cls_connect(cls, sandbox_id: str, timeout: int | None = None, api_key: str | None = None,
+                     api_url: str | None = None, request_timeout: float | None = None) -> AsyncSandbox:
+        config = await aresolve(api_url, api_key, request_timeout)
+        body = {"timeout": int(timeout)} if timeout else {}
+        r = await api.acall(config, "POST", f"/v2/sandboxes/{sandbox_id}/connect", json=body, ok=(200, 201),
+                     sandbox_id=sandbox_id)
+        sid, token = api.sandbox_fields(r.json())
+        return cls(SandboxConnection(config, sid, token))
+
+    @hybrid("_cls_connect")
+    async def connect(self, timeout: int | None = None, request_timeout: float | None = None) -> AsyncSandbox:
+        """AsyncSandbox.connect(sandbox_id) attaches to a running sandbox; sbx.connect() refreshes its timeout."""
+        body = {"timeout": int(timeout)} if timeout else {}
+        await api.acall(self._conn.config, "POST", f"/v2/sandboxes/{self.sandbox_id}/connect", json=body, ok=(200, 201),
+                 sandbox_id=self.sandbox_id, request_timeout=request_timeout)
+        return self
+
+    @staticmethod
+    def list(query: SandboxQuery | None = None, limit: int | None = None, next_token: str | None = None,
+             api_key: str | None = None, api_url: str | None = None,
+             request_timeout: float | None = None) -> AsyncSandboxPaginator:
+        return AsyncSandboxPaginator((api_url, api_key, request_timeout), query, limit, next_token)
+
+    @staticmethod
+    async def _cls_kill(sandbox_id: str, api_key: str | None = None, api_url: str | None = None,
+                  request_timeout: float | None = None) -> bool:
+        r = await api.acall(await aresolve(api_url, api_key, request_timeout), "DELETE", f"/sandboxes/{sandbox_id}", ok=(204, 200, 404))
+        return r.status_code != 404
+
+    @hybrid("_cls_kill")
+    async def kill(self, request_timeout: float | None = None) -> bool:
+        """Kill the sandbox; False if it was already gone. Also AsyncSandbox.kill(sandbox_id)."""
+        r = await api.acall(self._conn.config, "DELETE", f"/sandboxes/{self.sandbox_id}", ok=(204, 200, 404),
+                     request_timeout=request_timeout)
+        return r.status_code != 404
+
+    @staticmethod
+    async def _cls_set_timeout(sandbox_id: str, timeout: int, api_key: str | None = None, api_url: str | None = None,
+                         request_timeout: float | None = None) -> None:
+        await api.acall(await aresolve(api_url, api_key, request_timeout), "POST", f"/sandboxes/{sandbox_id}/timeout",
+                 json={"timeout": int(timeout)}, ok=(204, 200), sandbox_id=sandbox_id)
+
+    @hybrid("_cls_set_timeout")
+    async def set_timeout(self, timeout: int, request_timeout: float | None = None) -> None:
+        """The sandbox now ends `timeout` seconds from now (may shorten its life)."""
+        await api.acall(self._conn.config, "POST", f"/sandboxes/{self.sandbox_id}/timeout", json={"timeout": int(timeout)},
+                 ok=(204, 200), sandbox_id=self.sandbox_id, request_timeout=request_timeout)
+
+    @staticmethod
+    async def _cls_get_info(sandbox_id: str, api_key: str | None = None, api_url: str | None = None,
+                      request_timeout: float | None = None) -> SandboxInfo:
+        r = await api.acall(await aresolve(api_url, api_key, request_timeout), "GET", f"/sandboxes/{sandbox_id}", sandbox_id=sandbox_id)
+        return SandboxInfo.from_json(r.json())
+
+    @hybrid("_cls_get_info")
+    async def get_info(self, request_timeout: float | None = None) -> SandboxInfo:
+        r = await api.acall(self._conn.config, "GET", f"/sandboxes/{self.sandbox_id}", sandbox_id=self.sandbox_id,
+                     request_timeout=request_timeout)
+        return SandboxInfo.from_json(r.json())
+
+    async def is_running(self, request_timeout: float | None = None) -> bool:
+        """True while the sandbox answers; False once it was killed or timed out."""
+        try:
+            r = await async_client(self._conn.config.endpoint).get(
+                "/health", headers=self._conn.envd_headers,
+                timeout=timeout(request_timeout or self._conn.config.request_timeout))
+        except httpx.HTTPError as e:
+            raise error_from_transport(e, "is_running") from None
+        if r.status_code == 502:
+            return False
+        if r.status_code >= 300:
+            raise error_from_http(r.status_code, r.content, self.sandbox_id, "is_running")
+        return True
+
+    async def __aenter__(self) -> AsyncSandbox:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.kill()
+
+    # --- code interpreter -------------------------------------------------------------------------
+
+    async def run_code(self, code: str, language: str | None = None, context: Context | None = None,
+                 on_stdout: Callable | None = None, on_stderr: Callable | None = None,
+                 on_result: Callable | None = None, on_error: Callable | None = None,
+                 envs: dict[str, str] | None = None, timeout: float | None = None,
+                 request_timeout: float | None = None) -> Execution:
+        """Run code in a stateful context (default: the sandbox's Python). An error in the code is returned
+        in Execution.error, not raised. `timeout` seconds (default 300, 0 = none) interrupts the run."""
+        return await self._code.run_code(code, language, context, on_stdout, on_stderr, on_result, on_error, envs,
+                                   timeout, request_timeout)
+
+    async def create_code_context(self, cwd: str | None = None, language: str | None = None,
+                            request_timeout: float | None = None) -> Context:
+        return await self._code.create_code_context(cwd, language, request_timeout)
+
+    async def list_code_contexts(self, request_timeout: float | None = None) -> list[Context]:
+        return await self._code.list_code_contexts(request_timeout)
+
+    async def remove_code_context(self, context: Context | str, request_timeout: float | None = None) -> None:
+        await self._code.remove_code_context(context, request_timeout)
+
+    async def restart_code_context(self, context: Context | str, request_timeout: float | None = None) -> None:
+        await self._code.restart_code_context(context, request_timeout)
