@@ -66,14 +66,19 @@ class _Zygote:
         pkg_parent = os.path.dirname(os.path.dirname(pkg_parent))  # .../agentcell/backends/linux -> repo
         env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_parent, env.get("PYTHONPATH")) if p)
         env.setdefault("OPENBLAS_NUM_THREADS", "1")  # keep the zygote single-threaded
-        argv = [sys.executable, "-m", "agentcell.backends.linux.zygote", "--fd", str(theirs.fileno()), "--entry", entry,
-                "--cgroup", cgroup_parent, "--staging", staging, "--parent", str(os.getpid())]
+        args = ["--fd", str(theirs.fileno()), "--entry", entry, "--cgroup", cgroup_parent, "--staging", staging,
+                "--parent", str(os.getpid())]
         if not preload:
-            argv.append("--no-preload")
+            args.append("--no-preload")
+        # The arguments go through stdin, not argv: every sandbox is a fork of the zygote, and its
+        # /proc/<pid>/cmdline would show them (server pid, cgroup and staging paths) to user code.
         self.proc = subprocess.Popen(
-            argv,
-            pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, env=env, close_fds=True,
+            [sys.executable, "-m", "agentcell.backends.linux.zygote"],
+            pass_fds=[theirs.fileno()], stdin=subprocess.PIPE, env=env, close_fds=True,
         )
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(args).encode())
+        self.proc.stdin.close()
         theirs.close()
         self.ctl = ours
         self.ready = False

@@ -1,6 +1,7 @@
 """The per-template zygote: imports everything once, builds the read-only root once, forks sandboxes.
 
-Run as ``python -m agentcell.backends.linux.zygote --fd N --cgroup agentcell/<instance>``. fd N is a
+Run as ``python -m agentcell.backends.linux.zygote`` with its arguments (``--fd N --cgroup
+agentcell/<instance> ...``) as a JSON list on stdin, so that no sandbox's cmdline shows them. fd N is a
 SOCK_SEQPACKET socket to the backend; each message is a JSON spawn request with the sandbox's socket
 attached (SCM_RIGHTS). The zygote answers on the sandbox's socket: a "spawned" frame with the
 sandbox's host pid and cgroup, after which the child itself reports (error, or the agent's ready).
@@ -21,6 +22,7 @@ import argparse
 import contextlib
 import gc
 import importlib
+import json
 import os
 import signal
 import socket
@@ -174,6 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--staging", default=rootfs.STAGING)
     parser.add_argument("--parent", type=int, default=0, help="the server's pid (exit if it is gone already)")
     parser.add_argument("--no-preload", action="store_true", help="skip agent.preload() (probe-only zygotes)")
+    if argv is None and len(sys.argv) == 1:
+        argv = json.loads(sys.stdin.read())  # how the backend passes them (see backend._Zygote)
+    sys.stdin.close()
     args = parser.parse_args(argv)
     ctl = socket.socket(fileno=args.fd)
     ctl.setblocking(True)
