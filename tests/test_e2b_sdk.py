@@ -9,7 +9,7 @@ import base64
 from collections.abc import Iterator
 
 import pytest
-from e2b import CommandExitException, FileType, NotFoundException, Sandbox, SandboxException
+from e2b import CommandExitException, FileType, NotFoundException, Sandbox, SandboxException, TimeoutException
 from e2b_code_interpreter import Sandbox as CodeSandbox
 
 
@@ -36,6 +36,12 @@ def test_commands(sbx: Sandbox) -> None:
     assert sbx.commands.run("pwd").stdout == "/home/user\n"
     assert sbx.commands.run("pwd", cwd="/tmp").stdout == "/tmp\n"
     assert sbx.commands.run("echo $X", envs={"X": "y"}).stdout == "y\n"
+
+
+def test_command_timeout_raises_timeout_and_kills(sbx: Sandbox) -> None:
+    with pytest.raises(TimeoutException):
+        sbx.commands.run("sleep 30; echo late", timeout=1)
+    assert "sleep 30" not in sbx.commands.run("ps -eo args").stdout
 
 
 def test_background_commands(sbx: Sandbox) -> None:

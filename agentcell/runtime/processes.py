@@ -142,6 +142,7 @@ class Process:
     timeout: asyncio.TimerHandle | None = None
     ended: bool = False
     paused: bool = False
+    timed_out: bool = False
 
     def info(self) -> dict[str, Any]:
         return {"pid": self.pid, "tag": self.tag, "cmd": self.cmd, "args": self.args,
@@ -232,7 +233,11 @@ class Process:
             self.stdin.close(force=True)
         assert self.status is not None
         exit_code, exited, text = describe_status(self.status)
-        self._broadcast({"event": "end", "exit_code": exit_code, "exited": exited, "status": text})
+        end: dict[str, Any] = {"event": "end", "exit_code": exit_code, "exited": exited, "status": text}
+        if self.timed_out:  # the server turns this into Connect deadline_exceeded, as envd does
+            end["timed_out"] = True
+            end["error"] = "the command ran past its timeout and was killed"
+        self._broadcast(end)
         for sub in self.subscribers:
             sub.push(None)
         self.subscribers.clear()
@@ -241,6 +246,10 @@ class Process:
     def kill(self, sig: int) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.pid, sig)
+
+    def kill_on_deadline(self) -> None:
+        self.timed_out = True
+        self.kill_group()
 
     def kill_group(self) -> None:
         """Timeouts take the whole session's process group, not just the shell."""
@@ -342,7 +351,7 @@ class ProcessTable:
         set_oom_score_adj(pid, self._oom_score_adj)
         timeout_ms = int(req.get("timeout_ms") or 0)
         if timeout_ms > 0:
-            proc.timeout = loop.call_later(timeout_ms / 1000, proc.kill_group)
+            proc.timeout = loop.call_later(timeout_ms / 1000, proc.kill_on_deadline)
         sub = proc.subscribe()
         proc.watch_output()
         return sub

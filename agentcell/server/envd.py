@@ -118,6 +118,10 @@ async def _process_stream(op: str, ctx: RequestContext, **fields: Any) -> AsyncI
             if item is KEEPALIVE:
                 yield _KEEPALIVE_EVENT
                 continue
+            if item.header.get("timed_out"):  # type: ignore[union-attr]
+                # envd ends a stream past its Connect-Timeout-Ms with deadline_exceeded; SDKs raise
+                # TimeoutException on it (not CommandExitException).
+                raise ConnectError(Code.DEADLINE_EXCEEDED, str(item.header.get("error", "deadline exceeded")))  # type: ignore[union-attr]
             event = _event(item.header, item.payload)  # type: ignore[union-attr]
             if event is not None:
                 yield event
