@@ -188,8 +188,14 @@ def create_app(config: ServerConfig, backend: Backend | None = None) -> Agentcel
 
 def serve(config: ServerConfig) -> None:
     """Run the server in the foreground with uvicorn until interrupted."""
+    import resource
+
     import uvicorn
 
+    # Each sandbox holds a socket and a pidfd in the server: a 1024-fd soft limit would cap density.
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 1 << 20, hard))
     uv = uvicorn.Config(
         create_app(config),
         host=config.host,
