@@ -67,6 +67,10 @@ def preload() -> None:
     except ZeroDivisionError:
         shell.InteractiveTB.structured_traceback(*sys.exc_info())
     shell.transform_cell("1 + 1\n")
+    # One silent cell runs IPython's lazy first-run setup here, once, instead of in every sandbox's
+    # first run_code (measured: ~8 ms). Silent cells touch no history, count or output.
+    shell.run_cell("_agentcell_warm = [i * 2 for i in range(3)]", silent=True)
+    shell.user_ns.pop("_agentcell_warm", None)
     gc.collect()
 
 

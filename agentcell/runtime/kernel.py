@@ -480,6 +480,10 @@ def _serve_kernel(sock: socket.socket) -> NoReturn:
     shell = _shell
     assert shell is not None
     display.sink = lambda line: _send(sock, {"line": line})
+    # Touch the shell's run path once while the sandbox's creation is still being answered, so the
+    # copy-on-write faults of the first run are not paid by the user's first run_code.
+    shell.run_cell("_agentcell_warm = [i * 2 for i in range(3)]", silent=True)
+    shell.user_ns.pop("_agentcell_warm", None)
     while True:
         req = _recv(sock)
         if req is None:
