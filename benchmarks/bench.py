@@ -60,20 +60,26 @@ def start_server(max_sandboxes: int) -> tuple[subprocess.Popen[bytes], str]:
     raise SystemExit("server did not start within 60 s")
 
 
-def sandbox_pss_kib() -> tuple[int, int]:
-    """(total PSS in KiB, process count) of every process running as a sandbox user."""
-    total = count = 0
+def sandbox_memory_kib() -> tuple[int, int, int]:
+    """(PSS KiB, private dirty KiB, process count) of every process running as a sandbox user.
+
+    PSS charges each sandbox its share of the zygote pages it still shares; private dirty is what
+    the sandbox alone costs.
+    """
+    pss = private = count = 0
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             if os.stat(f"/proc/{pid}").st_uid < SANDBOX_UID_MIN:
                 continue
             for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
                 if line.startswith("Pss:"):
-                    total += int(line.split()[1])
+                    pss += int(line.split()[1])
                     count += 1
+                elif line.startswith("Private_Dirty:"):
+                    private += int(line.split()[1])
         except (FileNotFoundError, ProcessLookupError, PermissionError):
             continue
-    return total, count
+    return pss, private, count
 
 
 def bench_create_to_first_result(url: str, runs: int) -> None:
@@ -115,14 +121,15 @@ def bench_e2b_sdk(url: str, runs: int) -> None:
 
 
 def bench_density(url: str, idle_sample: int, max_sandboxes: int) -> None:
-    base_kib, _ = sandbox_pss_kib()
+    base_pss, base_private, _ = sandbox_memory_kib()
     sandboxes = [Sandbox.create(api_url=url, timeout=900) for _ in range(idle_sample)]
     for s in sandboxes:
         s.run_code("1")  # an idle sandbox that has run code once: agent + default context
     time.sleep(1)
-    kib, procs = sandbox_pss_kib()
-    per = (kib - base_kib) / idle_sample / 1024
-    print(f"memory per idle sandbox (PSS, {idle_sample} sandboxes, {procs} processes): {per:.2f} MiB")
+    pss, private, procs = sandbox_memory_kib()
+    print(f"memory per idle sandbox ({idle_sample} sandboxes, {procs} processes): "
+          f"PSS {(pss - base_pss) / idle_sample / 1024:.2f} MiB, "
+          f"private dirty {(private - base_private) / idle_sample / 1024:.2f} MiB")
 
     reason = f"reached the benchmark's cap of {max_sandboxes}"
     t = time.perf_counter()
