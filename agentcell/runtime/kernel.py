@@ -21,7 +21,6 @@ import os
 import resource
 import signal
 import socket
-import struct
 import sys
 import traceback
 import uuid
@@ -31,13 +30,12 @@ from typing import Any, NoReturn
 from agentcell.errors import InvalidArgumentError, NotFoundError, SandboxError
 from agentcell.runtime import display
 from agentcell.runtime.processes import CHILD_OOM_SCORE_ADJ, set_oom_score_adj
-from agentcell.runtime.protocol import encode_frame, read_frame
+from agentcell.runtime.protocol import PREFIX, encode_frame, read_frame, recv_frame
 from agentcell.runtime.reaper import Reaper, describe_status
 
 LANGUAGES = {"python": "python", "python3": "python"}
 INTERRUPT_GRACE = 2.0  # seconds a run gets to stop after SIGINT before its kernel is killed
 _OUTPUT_READ = 64 * 1024
-_PREFIX = struct.Struct(">II")
 _PR_SET_DUMPABLE = 4
 
 Emit = Callable[[dict[str, Any]], None]
@@ -436,25 +434,9 @@ def _flush_stdio() -> None:
                 stream.flush()
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            return None
-        buf += chunk
-    return bytes(buf)
-
-
 def _recv(sock: socket.socket) -> dict[str, Any] | None:
-    prefix = _recv_exact(sock, _PREFIX.size)
-    if prefix is None:
-        return None
-    head_len, payload_len = _PREFIX.unpack(prefix)
-    head = _recv_exact(sock, head_len + payload_len)
-    if head is None:
-        return None
-    return json.loads(head[:head_len])
+    frame = recv_frame(sock)
+    return None if frame is None else frame.header
 
 
 def _send(sock: socket.socket, header: dict[str, Any]) -> None:
@@ -465,7 +447,7 @@ def _send(sock: socket.socket, header: dict[str, Any]) -> None:
     try:
         _flush_stdio()
         head = json.dumps(header, separators=(",", ":"), default=repr).encode()
-        sock.sendall(_PREFIX.pack(len(head), 0) + head)
+        sock.sendall(PREFIX.pack(len(head), 0) + head)
     finally:
         if running:
             signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+import socket
 import struct
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ from typing import Any
 
 from agentcell.errors import SandboxGoneError, error_from_code
 
-_PREFIX = struct.Struct(">II")
+PREFIX = struct.Struct(">II")  # header length, payload length
 MAX_HEADER = 1 << 20  # 1 MiB of JSON is far more than any legitimate header
 MAX_PAYLOAD = 1 << 30  # hard cap on one frame's bytes; file chunks are much smaller
 CHUNK = 1 << 20  # file data and process output travel in frames of at most this size
@@ -49,18 +50,18 @@ class Frame:
 
 def encode_frame(header: dict[str, Any], payload: bytes = b"") -> bytes:
     head = json.dumps(header, separators=(",", ":")).encode()
-    return _PREFIX.pack(len(head), len(payload)) + head + payload
+    return PREFIX.pack(len(head), len(payload)) + head + payload
 
 
 async def read_frame(reader: asyncio.StreamReader, max_payload: int = MAX_PAYLOAD) -> Frame | None:
     """Read one frame; None at a clean end of stream."""
     try:
-        prefix = await reader.readexactly(_PREFIX.size)
+        prefix = await reader.readexactly(PREFIX.size)
     except asyncio.IncompleteReadError as e:
         if e.partial:
             raise ProtocolError("truncated frame prefix") from None
         return None
-    head_len, payload_len = _PREFIX.unpack(prefix)
+    head_len, payload_len = PREFIX.unpack(prefix)
     if head_len > MAX_HEADER or payload_len > max_payload:
         raise ProtocolError(f"frame too large ({head_len}+{payload_len} bytes)")
     try:
@@ -75,6 +76,33 @@ async def read_frame(reader: asyncio.StreamReader, max_payload: int = MAX_PAYLOA
     if not isinstance(header, dict):
         raise ProtocolError("frame header is not a JSON object")
     return Frame(header, payload)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            return None
+        buf += chunk
+    return bytes(buf)
+
+
+def recv_frame(sock: socket.socket) -> Frame | None:
+    """Blocking read of one frame (for single-threaded peers without an event loop); None at EOF."""
+    prefix = _recv_exact(sock, PREFIX.size)
+    if prefix is None:
+        return None
+    head_len, payload_len = PREFIX.unpack(prefix)
+    if head_len > MAX_HEADER or payload_len > MAX_PAYLOAD:
+        raise ProtocolError(f"frame too large ({head_len}+{payload_len} bytes)")
+    data = _recv_exact(sock, head_len + payload_len)
+    if data is None:
+        return None
+    header = json.loads(data[:head_len])
+    if not isinstance(header, dict):
+        raise ProtocolError("frame header is not a JSON object")
+    return Frame(header, data[head_len:])
 
 
 @dataclass

@@ -16,7 +16,6 @@ import re
 import select
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import time
@@ -26,11 +25,11 @@ from typing import Any
 from agentcell.backends.base import Backend, RunningSandbox, SandboxSpec, SandboxStats
 from agentcell.backends.linux import cgroups, rootfs
 from agentcell.errors import BackendUnavailableError, InvalidArgumentError, SandboxError, SandboxGoneError
+from agentcell.runtime.protocol import PREFIX
 
 DEFAULT_ENTRY = "agentcell.runtime.agent:serve"
 READY_TIMEOUT = 10.0
 TIMING = os.environ.get("AGENTCELL_TIMING") == "1"  # debug: per-step create() stamps on stderr
-_PREFIX = struct.Struct(">II")
 _ID_RE = re.compile(r"^[a-z0-9]{1,63}$")
 
 
@@ -147,10 +146,10 @@ async def _read_frame(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> d
             buf += chunk
         return bytes(buf)
 
-    prefix = await exact(_PREFIX.size)
+    prefix = await exact(PREFIX.size)
     if prefix is None:
         return None
-    head_len, payload_len = _PREFIX.unpack(prefix)
+    head_len, payload_len = PREFIX.unpack(prefix)
     if head_len > 1 << 16 or payload_len:
         raise SandboxError("the sandbox sent a malformed handshake")
     head = await exact(head_len)

@@ -7,27 +7,13 @@ purpose: it only has to prove what a sandbox can and cannot do.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
-import struct
 import subprocess
 from typing import Any
 
-from agentcell.runtime.protocol import encode_frame
-
-_PREFIX = struct.Struct(">II")
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            return None
-        buf += chunk
-    return bytes(buf)
+from agentcell.runtime.protocol import encode_frame, recv_frame
 
 
 def _child_setup(score: int) -> None:
@@ -70,14 +56,10 @@ def serve(sock: socket.socket, config: dict[str, Any]) -> None:
     sock.setblocking(True)
     sock.sendall(encode_frame({"id": 0, "event": "ready"}))
     while True:
-        prefix = _recv_exact(sock, _PREFIX.size)
-        if prefix is None:
+        frame = recv_frame(sock)
+        if frame is None:
             return
-        head_len, payload_len = _PREFIX.unpack(prefix)
-        head = _recv_exact(sock, head_len)
-        if head is None or (payload_len and _recv_exact(sock, payload_len) is None):
-            return
-        req = json.loads(head)
+        req = frame.header
         answer: dict[str, Any] = {}
         if req.get("op") == "exec":
             answer = _exec(req, config)
