@@ -22,6 +22,7 @@ import httpx
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+SERVER_ENV_CANARY = "canary-" + os.urandom(8).hex()
 
 
 def _free_port() -> int:
@@ -49,7 +50,9 @@ def server_url(server_log: Path) -> Iterator[str]:
         cwd=REPO,
         stdout=log,
         stderr=subprocess.STDOUT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        # The canary stands for the secrets an operator's server environment holds (API keys,
+        # cloud credentials); tests check that no sandbox can find it.
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "AGENTCELL_TEST_CANARY": SERVER_ENV_CANARY},
     )
     try:
         deadline = time.monotonic() + 60
