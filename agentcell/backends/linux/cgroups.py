@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 
 from agentcell.backends.base import Limits, SandboxStats
+from agentcell.backends.linux import syscalls as sc
 
 ROOT = "/sys/fs/cgroup"
 GROUP = "agentcell"
@@ -37,14 +38,6 @@ class CgroupError(OSError):
 
 def is_v2() -> bool:
     return os.path.exists(os.path.join(ROOT, "cgroup.controllers"))
-
-
-def _write(path: str, value: str) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
-    try:
-        os.write(fd, value.encode())
-    finally:
-        os.close(fd)
 
 
 def _read(path: str) -> str:
@@ -86,7 +79,7 @@ class Cgroups:
         for d in self._unique_dirs():
             os.makedirs(d, exist_ok=True)
         for d in self._unique_dirs():
-            _write(f"{d}/cgroup.procs", str(pid))
+            sc.write_file(f"{d}/cgroup.procs", str(pid))
 
     def opened(self, min_fd: int = 3) -> tuple[Cgroups, list[int]]:
         """The same cgroups reached through open directory fds (numbered >= min_fd, via
@@ -106,23 +99,23 @@ class Cgroups:
         quota = max(1000, int(limits.cpu_count * _CPU_PERIOD_US))
         if self.v2:
             d = self.dirs["unified"]
-            _write(f"{d}/memory.max", str(mem))
+            sc.write_file(f"{d}/memory.max", str(mem))
             if os.path.exists(f"{d}/memory.swap.max"):
-                _write(f"{d}/memory.swap.max", "0")
-            _write(f"{d}/pids.max", str(limits.pids))
-            _write(f"{d}/cpu.max", f"{quota} {_CPU_PERIOD_US}")
+                sc.write_file(f"{d}/memory.swap.max", "0")
+            sc.write_file(f"{d}/pids.max", str(limits.pids))
+            sc.write_file(f"{d}/cpu.max", f"{quota} {_CPU_PERIOD_US}")
         else:
             m = self.dirs.get("memory")
             p = self.dirs.get("pids")
             c = self.dirs.get("cpu")
             if not (m and p and c):
                 raise CgroupError(errno.ENOENT, "cgroup v1 needs the memory, pids and cpu controllers mounted")
-            _write(f"{m}/memory.limit_in_bytes", str(mem))
+            sc.write_file(f"{m}/memory.limit_in_bytes", str(mem))
             if os.path.exists(f"{m}/memory.memsw.limit_in_bytes"):  # no swap either
-                _write(f"{m}/memory.memsw.limit_in_bytes", str(mem))
-            _write(f"{p}/pids.max", str(limits.pids))
-            _write(f"{c}/cpu.cfs_period_us", str(_CPU_PERIOD_US))
-            _write(f"{c}/cpu.cfs_quota_us", str(quota))
+                sc.write_file(f"{m}/memory.memsw.limit_in_bytes", str(mem))
+            sc.write_file(f"{p}/pids.max", str(limits.pids))
+            sc.write_file(f"{c}/cpu.cfs_period_us", str(_CPU_PERIOD_US))
+            sc.write_file(f"{c}/cpu.cfs_quota_us", str(quota))
 
     def remove(self) -> bool:
         """rmdir every directory; False while some are still busy (tasks not reaped yet)."""
@@ -145,7 +138,7 @@ class Cgroups:
         """SIGKILL every task still in the cgroup (a safety net; pid 1's death normally does it)."""
         if self.v2 and os.path.exists(f"{self.dirs['unified']}/cgroup.kill"):
             try:
-                _write(f"{self.dirs['unified']}/cgroup.kill", "1")
+                sc.write_file(f"{self.dirs['unified']}/cgroup.kill", "1")
             except OSError:
                 pass
             return
@@ -283,7 +276,7 @@ def prepare_instance(instance: str) -> None:
         try:
             os.makedirs(os.path.join(parent, instance), exist_ok=True)
             for d in (ROOT, parent, os.path.join(parent, instance)):
-                _write(f"{d}/cgroup.subtree_control", "+memory +pids +cpu")
+                sc.write_file(f"{d}/cgroup.subtree_control", "+memory +pids +cpu")
         except OSError as e:
             raise CgroupError(
                 e.errno, f"cannot set up cgroup v2 at {parent} ({e}); mount cgroup2 read-write and run as root"

@@ -64,14 +64,6 @@ def _fail(fd: int, step: str, exc: BaseException) -> NoReturn:
         os._exit(1)
 
 
-def _write_file(path: str, text: str) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
-    try:
-        os.write(fd, text.encode())
-    finally:
-        os.close(fd)
-
-
 def _lower_oom_score() -> int:
     """Make the agent the OOM killer's last choice; returns what its children should set.
 
@@ -79,7 +71,7 @@ def _lower_oom_score() -> int:
     its score and its children raise theirs instead (raising is always allowed).
     """
     try:
-        _write_file("/proc/self/oom_score_adj", "-900")
+        sc.write_file("/proc/self/oom_score_adj", "-900")
         return 0
     except PermissionError:
         return 500
@@ -220,9 +212,9 @@ def _run_sandbox(fd: int, req: dict[str, Any], cg: Cgroups, cg_fds: list[int], e
         sc.unshare(sc.CLONE_NEW_ALL & ~sc.CLONE_NEWPID)  # already pid 1 of its own pid namespace
         step = "id maps"
         _mark(step)
-        _write_file("/proc/self/setgroups", "deny")
-        _write_file("/proc/self/uid_map", f"{rootfs.SANDBOX_UID} {uid} 1")
-        _write_file("/proc/self/gid_map", f"{rootfs.SANDBOX_UID} {gid} 1")
+        sc.write_file("/proc/self/setgroups", "deny")
+        sc.write_file("/proc/self/uid_map", f"{rootfs.SANDBOX_UID} {uid} 1")
+        sc.write_file("/proc/self/gid_map", f"{rootfs.SANDBOX_UID} {gid} 1")
         step = "hostname"
         _mark(step)
         sc.sethostname(sandbox_id)

@@ -129,3 +129,15 @@ def capset_zero() -> None:
 def ptrace_traceme() -> int:
     """Only used by tests to check that ptrace is denied; returns the raw result."""
     return int(_libc.syscall(ctypes.c_long(_syscall_nr("ptrace")), 0, 0, 0, 0))
+
+
+def write_file(path: str, text: str) -> None:
+    """One write(2) to an existing kernel interface file (cgroup knobs, /proc/self/uid_map ...).
+
+    Such files take a value in a single write, so no buffering layer may split it.
+    """
+    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
