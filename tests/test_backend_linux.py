@@ -147,7 +147,9 @@ async def test_write_places(box: Box) -> None:
     for path in ("/usr/agentcell-x", "/etc/agentcell-x", "/agentcell-x", "/dev/agentcell-x", "/var/x"):
         code, _, err = await box.run("sh", "-c", f"echo hi > {path}")
         assert code != 0, path
-    for path in ("/home/user/x", "/tmp/x", "/dev/shm/x"):
+    # Names no checkout is likely to have: a Python tree under /tmp (a CI clone, say) is bound back
+    # into the sandbox's /tmp at its own path.
+    for path in ("/home/user/agentcell-w", "/tmp/agentcell-w", "/dev/shm/agentcell-w"):
         code, out, err = await box.run("sh", "-c", f"echo hi > {path} && cat {path}")
         assert (code, out) == (0, "hi\n"), (path, err)
     config = (await box.channel.call("config")).header["config"]
