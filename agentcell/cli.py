@@ -51,17 +51,22 @@ def main() -> None:
 @click.option("--uds", default=None, help="Listen on this unix socket instead of host:port.")
 @click.option("--api-key", default=None, envvar="AGENTCELL_SERVER_API_KEY",
               help="Require this X-API-KEY on the control plane (default: accept any).")
-@click.option("--max-sandboxes", default=1000, show_default=True, type=int, help="Most sandboxes alive at once.")
+@click.option("--max-sandboxes", default=1000, show_default=True, type=click.IntRange(1, 1 << 20),
+              help="Most sandboxes alive at once.")
+@click.option("--uid-base", default=None, type=click.IntRange(1000, (1 << 31) - 1),
+              help="First host uid of this server's sandboxes (default: a free range, disjoint from other servers').")
+@click.option("--backend", default="linux", show_default=True, type=click.Choice(["linux"]), help="Isolation backend.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
-def serve(host: str, port: int, uds: str | None, api_key: str | None, max_sandboxes: int, log_level: str) -> None:
+def serve(host: str, port: int, uds: str | None, api_key: str | None, max_sandboxes: int, uid_base: int | None,
+          backend: str, log_level: str) -> None:
     """Run the server (control plane and every sandbox's data plane on one port). Needs root."""
     from agentcell.server import ServerConfig
     from agentcell.server import serve as run_server
 
     _watch_lifeline()
     run_server(ServerConfig(host=host, port=port, uds=uds, api_key=api_key, max_sandboxes=max_sandboxes,
-                            log_level=log_level))
+                            uid_base=uid_base, backend=backend, log_level=log_level))
 
 
 def _opts(f):  # type: ignore[no-untyped-def]

@@ -36,45 +36,74 @@ def server_log() -> Path:
     return Path(tempfile.gettempdir()) / f"agentcell-test-server-{os.getpid()}.log"
 
 
-@pytest.fixture(scope="session")
-def server_url(server_log: Path) -> Iterator[str]:
-    external = os.environ.get("AGENTCELL_TEST_SERVER_URL")
-    if external:
-        yield external.rstrip("/")
-        return
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = server_log.open("wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "agentcell.server", "--host", "127.0.0.1", "--port", str(port)],
-        cwd=REPO,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        # The canary stands for the secrets an operator's server environment holds (API keys,
-        # cloud credentials); tests check that no sandbox can find it.
-        env={**os.environ, "PYTHONUNBUFFERED": "1", "AGENTCELL_TEST_CANARY": SERVER_ENV_CANARY},
-    )
-    try:
-        deadline = time.monotonic() + 60
+class ServerProcess:
+    """A real `python -m agentcell.server` on a free loopback port, for tests that need one of their own."""
+
+    def __init__(self, log_path: Path, *args: str, env: dict[str, str] | None = None) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self._log = log_path.open("wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "agentcell.server", "--host", "127.0.0.1", "--port", str(self.port), *args],
+            cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self, timeout: float = 90) -> None:
+        deadline = time.monotonic() + timeout
         while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {proc.returncode}:\n{server_log.read_text()[-4000:]}")
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
             try:
-                httpx.get(f"{url}/sandboxes", timeout=1)
-                break
+                httpx.get(f"{self.url}/health", timeout=1)
+                return
             except httpx.TransportError:
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"the server did not start:\n{server_log.read_text()[-4000:]}") from None
+                    raise RuntimeError(f"the server did not start:\n{self.log()[-4000:]}") from None
                 time.sleep(0.1)
-        yield url
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+@pytest.fixture(scope="session")
+def server(server_log: Path) -> Iterator[ServerProcess | None]:
+    """The session's server; None when the tests run against AGENTCELL_TEST_SERVER_URL."""
+    if os.environ.get("AGENTCELL_TEST_SERVER_URL"):
+        yield None
+        return
+    # The canary stands for the secrets an operator's server environment holds (API keys, cloud
+    # credentials); tests check that no sandbox can find it.
+    srv = ServerProcess(server_log, env={"AGENTCELL_TEST_CANARY": SERVER_ENV_CANARY})
+    try:
+        srv.wait_ready()
+        yield srv
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+        srv.stop()
+
+
+@pytest.fixture(scope="session")
+def server_url(server: ServerProcess | None) -> str:
+    external = os.environ.get("AGENTCELL_TEST_SERVER_URL")
+    if external:
+        return external.rstrip("/")
+    assert server is not None
+    return server.url
 
 
 @pytest.fixture(scope="session")

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from agentcell.backends.base import Backend, Limits, RunningSandbox, SandboxSpec, SandboxStats
 
 
-def get_backend(name: str = "linux") -> Backend:
+def get_backend(name: str = "linux", **options: Any) -> Backend:
+    """The backend `name`, built with `options` (for linux: uid_base, max_sandboxes, ...)."""
     if name == "linux":
         from agentcell.backends.linux.backend import LinuxBackend
 
-        return LinuxBackend()
+        return LinuxBackend(**options)
     raise ValueError(f"unknown backend {name!r}; available: linux")
 
 

@@ -117,6 +117,11 @@ async def _serve(sock: socket.socket, config: dict[str, Any]) -> None:
     with contextlib.suppress(OSError):
         os.chdir(home)
     loop = asyncio.get_running_loop()
+    server_pidfd = config.get("server_pidfd")
+    if isinstance(server_pidfd, int):
+        # The sandbox dies with its server even if its socket were somehow kept open: pid 1 exits,
+        # and the kernel kills the whole pid namespace.
+        loop.add_reader(server_pidfd, os._exit, 1)
     the_reaper = Reaper()
     the_reaper.install(loop)
     reader, writer = await asyncio.open_unix_connection(sock=sock, limit=protocol.MAX_HEADER)

@@ -88,7 +88,8 @@ def _route_target(scope: dict[str, Any]) -> tuple[str, int] | None:
 class AgentcellApp:
     def __init__(self, config: ServerConfig, backend: Backend | None = None) -> None:
         self.config = config
-        self.backend = backend or get_backend(config.backend)
+        self.backend = backend or get_backend(config.backend, uid_base=config.uid_base,
+                                              max_sandboxes=config.max_sandboxes)
         self.manager = SandboxManager(self.backend, config.max_sandboxes)
         self.control = self._control_app()
         self.envd_http = Starlette(

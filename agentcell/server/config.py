@@ -18,6 +18,7 @@ class ServerConfig:
     default_timeout: int = 300  # seconds, when the create request has none
     max_timeout: int = 24 * 3600  # seconds
     backend: str = "linux"
+    uid_base: int | None = None  # first host uid of this server's sandboxes; None = a free range
     # The `domain` reported to SDKs. None = the Host the request came to, so an SDK without
     # E2B_SANDBOX_URL never falls back to E2B's own cloud domain.
     domain: str | None = None

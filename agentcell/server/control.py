@@ -19,6 +19,7 @@ from starlette.routing import Route
 
 from agentcell.backends.base import Limits
 from agentcell.errors import BackendUnavailableError, InvalidArgumentError, SandboxError
+from agentcell.server import validate
 from agentcell.server.config import ServerConfig
 from agentcell.server.errors import HTTPError
 from agentcell.server.registry import CapacityError, SandboxManager, SandboxRecord
@@ -60,15 +61,6 @@ async def json_body(request: Request, *, required: bool = True) -> dict[str, Any
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _str_map(body: dict[str, Any], key: str) -> dict[str, str]:
-    value = body.get(key)
-    if value is None:
-        return {}
-    if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
-        raise HTTPError(400, f"'{key}' must be an object of string values")
-    return value
 
 
 def _timeout(cfg: ServerConfig, body: dict[str, Any], default: int) -> int:
@@ -198,8 +190,11 @@ class ControlPlane:
         if template not in TEMPLATES:
             raise HTTPError(404, f"template '{template}' not found; available: base, code-interpreter-v1")
         timeout = _timeout(self.cfg, body, self.cfg.default_timeout)
-        metadata = _str_map(body, "metadata")
-        envs = _str_map(body, "envVars")
+        try:
+            metadata = validate.string_map(body.get("metadata"), "metadata", validate.MAX_METADATA_BYTES)
+            envs = validate.env_map(body.get("envVars"), "envVars")
+        except InvalidArgumentError as e:
+            raise HTTPError(400, e.message) from None
         limits = _limits(self.cfg, body)
         _reject_unsupported(body)
         try:

@@ -23,7 +23,8 @@ from e2b.envd.process.process_connect import ProcessASGIApplication
 from protobuf import Oneof
 from protobuf.wkt.google.protobuf.timestamp_pb import Timestamp
 
-from agentcell.errors import SandboxError
+from agentcell.errors import InvalidArgumentError, SandboxError
+from agentcell.server import validate
 from agentcell.server.streams import KEEPALIVE, agent_call, current_sandbox, with_keepalive
 
 _CODES = {
@@ -140,10 +141,14 @@ class ProcessService:
             size = request.pty.size
             pty = {"cols": int(size.cols) if size else 80, "rows": int(size.rows) if size else 24}
         remaining = ctx.timeout_ms
+        try:
+            envs = validate.env_map(dict(proc.envs), "process.envs")
+        except InvalidArgumentError as e:
+            raise ConnectError(Code.INVALID_ARGUMENT, e.message) from None
         fields = {
             "cmd": proc.cmd,
             "args": list(proc.args),
-            "envs": dict(proc.envs),
+            "envs": envs,
             "cwd": proc.cwd if proc.has_field("cwd") and proc.cwd else None,
             "tag": request.tag if request.has_field("tag") and request.tag else None,
             # A missing stdin flag means true (legacy SDKs).

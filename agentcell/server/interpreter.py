@@ -11,7 +11,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from agentcell.errors import SandboxError, SandboxGoneError
+from agentcell.errors import InvalidArgumentError, SandboxError, SandboxGoneError
+from agentcell.server import validate
 from agentcell.server.control import json_body
 from agentcell.server.errors import HTTPError, from_sandbox_error
 from agentcell.server.streams import KEEPALIVE, agent_call, current_sandbox, with_keepalive
@@ -52,11 +53,10 @@ async def execute(request: Request) -> Response:
     if context_id and language:
         raise HTTPError(400, "Only one of context_id or language can be provided")
     language = _LANGUAGES.get(language, language)
-    env_vars = body.get("env_vars")
-    if env_vars is not None and (
-        not isinstance(env_vars, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env_vars.items())
-    ):
-        raise HTTPError(400, "'env_vars' must be an object of string values or null")
+    try:
+        env_vars = validate.env_map(body.get("env_vars"), "env_vars") or None
+    except InvalidArgumentError as e:
+        raise HTTPError(400, e.message) from None
     stream = rec.channel.stream(
         "code.run", code=code, context_id=context_id or None, language=language, env_vars=env_vars, timeout_ms=0
     )

@@ -23,9 +23,9 @@ from dataclasses import asdict
 from typing import Any
 
 from agentcell.backends.base import Backend, RunningSandbox, SandboxSpec, SandboxStats
-from agentcell.backends.linux import cgroups, rootfs
+from agentcell.backends.linux import cgroups, rootfs, uids
 from agentcell.errors import BackendUnavailableError, InvalidArgumentError, SandboxError, SandboxGoneError
-from agentcell.runtime.protocol import PREFIX
+from agentcell.runtime.protocol import PREFIX, encode_frame
 
 DEFAULT_ENTRY = "agentcell.runtime.agent:serve"
 READY_TIMEOUT = 10.0
@@ -51,6 +51,7 @@ class LinuxSandbox(RunningSandbox):
         return not select.select([self.pidfd], [], [], 0)[0]  # readable = exited
 
 
+SPAWN = b"spawn"  # see zygote.SPAWN
 _ZYGOTE_ENV = {"PATH", "LANG", "LC_ALL", "PYTHONPATH", "TZ", "AGENTCELL_TIMING"}
 
 
@@ -121,8 +122,9 @@ class _Zygote:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def spawn(self, request: dict[str, Any], sock_fd: int) -> None:
-        socket.send_fds(self.ctl, [json.dumps(request).encode()], [sock_fd])
+    def spawn(self, sock_fd: int) -> None:
+        """Ask for a sandbox on `sock_fd`. The request itself never goes through the zygote."""
+        socket.send_fds(self.ctl, [SPAWN], [sock_fd])
 
     def stop(self) -> None:
         with contextlib.suppress(OSError):
@@ -164,13 +166,15 @@ async def _read_frame(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> d
 class LinuxBackend(Backend):
     name = "linux"
 
-    def __init__(self, entry_point: str = DEFAULT_ENTRY, uid_base: int = 1_000_000, max_sandboxes: int = 60_000,
+    def __init__(self, entry_point: str = DEFAULT_ENTRY, uid_base: int | None = None, max_sandboxes: int = 1000,
                  staging: str = rootfs.STAGING, ready_timeout: float = READY_TIMEOUT,
                  preload: bool | None = None, zygote_timeout: float = 120.0) -> None:
-        if uid_base < 1000 or uid_base + max_sandboxes >= 2**32 - 1:
-            raise ValueError("uid_base must leave room for max_sandboxes unprivileged ids")
+        if max_sandboxes < 1:
+            raise ValueError("max_sandboxes must be at least 1")
         self.entry_point = entry_point
-        self.uid_base = uid_base
+        self.requested_uid_base = uid_base  # None: the lowest free range (see uids.reserve)
+        self.uid_base = -1  # known once start() reserved the range
+        self._uid_range: uids.UidRange | None = None
         self.max_sandboxes = max_sandboxes
         self.staging = staging
         self.ready_timeout = ready_timeout
@@ -202,6 +206,12 @@ class LinuxBackend(Backend):
                     raise BackendUnavailableError(
                         "unprivileged user namespaces are off: sysctl -w kernel.unprivileged_userns_clone=1")
         try:
+            # One host id per sandbox slot, disjoint from every other server's on this host.
+            self._uid_range = uids.reserve(self.max_sandboxes, self.requested_uid_base)
+        except uids.UidRangeError as e:
+            raise BackendUnavailableError(str(e)) from None
+        self.uid_base = self._uid_range.base
+        try:
             stale = await asyncio.to_thread(cgroups.remove_stale_instances)  # servers that died
             if stale:
                 print(f"agentcell: removed the cgroups of {len(stale)} dead server(s): {', '.join(stale)}",
@@ -212,6 +222,20 @@ class LinuxBackend(Backend):
         os.makedirs(self.staging, mode=0o755, exist_ok=True)
         os.chmod(self.staging, 0o755)
         await self._zygote("base")
+
+    async def _spawn(self, template: str, sock_fd: int) -> None:
+        z = await self._zygote(template)
+        try:
+            z.spawn(sock_fd)
+            return
+        except OSError as e:
+            if z.alive():  # a live zygote refused the message: this create fails, nothing else
+                raise SandboxError(f"the {template!r} zygote refused the spawn request: {e}") from None
+        # The zygote died since the last create: a new one. Sandboxes it forked keep running.
+        if self._zygotes.get(template) is z:
+            del self._zygotes[template]
+        z.stop()
+        (await self._zygote(template)).spawn(sock_fd)
 
     async def _zygote(self, template: str) -> _Zygote:
         z = self._zygotes.get(template)
@@ -228,10 +252,13 @@ class LinuxBackend(Backend):
             with contextlib.suppress(Exception):
                 await self.kill(sb)
         for z in self._zygotes.values():
-            z.stop()  # EOF: the zygote kills its standby (and any sandbox we lost track of)
+            z.stop()  # EOF: the zygote kills its standby
         self._zygotes.clear()
         with contextlib.suppress(OSError):
             await asyncio.to_thread(cgroups.remove_tree, self.cgroup_parent)
+        if self._uid_range is not None:
+            self._uid_range.release()
+            self._uid_range = None
 
     # -- sandboxes -------------------------------------------------------------------------------
 
@@ -267,17 +294,14 @@ class LinuxBackend(Backend):
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         sandbox: LinuxSandbox | None = None
         try:
-            try:
-                (await self._zygote(spec.template)).spawn(request, theirs.fileno())
-            except OSError:  # the zygote died between the check and the send: once more with a new one
-                dead = self._zygotes.pop(spec.template, None)
-                if dead is not None:
-                    dead.stop()
-                (await self._zygote(spec.template)).spawn(request, theirs.fileno())
+            await self._spawn(spec.template, theirs.fileno())
             theirs.close()
             ours.setblocking(False)
             loop = asyncio.get_running_loop()
             async with asyncio.timeout(self.ready_timeout):
+                # The request goes straight to the forked child: the zygote, whose memory every later
+                # sandbox inherits, never sees a tenant's id, limits or env vars.
+                await loop.sock_sendall(ours, encode_frame(request))
                 first = await _read_frame(loop, ours)
                 if first is None or first.get("event") != "spawned":
                     raise SandboxError(_setup_error(spec.sandbox_id, first))

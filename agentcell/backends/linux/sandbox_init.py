@@ -4,9 +4,12 @@ The zygote keeps one *standby* child ready per template. A standby is forked str
 namespace (it is the sandbox's pid 1 from the start) and, as host root, does everything that does not
 depend on the request: it joins its own cgroup (on cgroup v1 the first move of a process costs an RCU
 grace period, ~10 ms), takes a private copy of the zygote's mount namespace and pivots into the
-template root (rootfs.enter). Then it waits for a spawn request on its socket to the zygote.
+template root (rootfs.enter). Then it waits on its socket to the zygote, which hands it the sandbox's
+socket and nothing else: the request itself (sandbox id, limits, host id, the tenant's env vars) comes
+from the server on that socket, after the fork. The zygote never holds a request, so nothing of one
+tenant's request is in the memory the next standby inherits.
 
-With the request (and the sandbox's socket) it sets the cgroup limits, mounts the private parts of
+With the request it sets the cgroup limits, mounts the private parts of
 the root (rootfs.finish), becomes the sandbox's unprivileged host id, unshares user+mount+net+ipc+
 uts+cgroup namespaces (the mounts are copied into a namespace owned by the new user namespace, so
 the kernel locks them), maps id 1000, and confines itself (Landlock, no capabilities, no_new_privs,
@@ -17,7 +20,6 @@ has a capability or the host's view of anything.
 from __future__ import annotations
 
 import fcntl
-import json
 import os
 import resource
 import select
@@ -34,12 +36,13 @@ from agentcell.backends.base import Limits
 from agentcell.backends.linux import landlock, rootfs
 from agentcell.backends.linux import syscalls as sc
 from agentcell.backends.linux.cgroups import Cgroups
-from agentcell.runtime.protocol import encode_frame
+from agentcell.runtime.protocol import encode_frame, recv_frame
 
-SOCK_FD = 3  # the sandbox's socket, from the request on
+SOCK_FD = 3  # the sandbox's socket, from the hand-over on
 CTL_FD = 4  # the standby's socket to the zygote
-ZYGOTE_FD = 5  # a pidfd of the zygote: readable once it is gone
-MAX_REQUEST = 1 << 20
+ZYGOTE_FD = 5  # a pidfd of the zygote: readable once it is gone (a standby dies with its zygote)
+SERVER_FD = 6  # a pidfd of the server: readable once it is gone (a sandbox dies with its server)
+HANDOVER = b"go"  # the zygote's message to a standby, with the sandbox's socket attached
 _SIOCGIFFLAGS, _SIOCSIFFLAGS = 0x8913, 0x8914
 _IFF_UP, _IFF_RUNNING = 0x1, 0x40
 _marks: list[tuple[str, int]] = []  # (step, perf_counter_ns), printed when the request asks for timing
@@ -119,21 +122,21 @@ def default_envs(sandbox_id: str) -> dict[str, str]:
     }
 
 
-def _place_fds(ctl_fd: int, zygote_pidfd: int) -> None:
-    """ctl -> CTL_FD, the zygote's pidfd -> ZYGOTE_FD, stdin/stdout -> /dev/null, nothing else open.
-    fd 2 stays the zygote's stderr until the entry point runs."""
-    high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 64) for fd in (ctl_fd, zygote_pidfd)]
-    for fd, want in zip(high, (CTL_FD, ZYGOTE_FD), strict=True):
+def _place_fds(ctl_fd: int, zygote_pidfd: int, server_pidfd: int) -> None:
+    """ctl -> CTL_FD, the zygote's pidfd -> ZYGOTE_FD, the server's -> SERVER_FD, stdin/stdout ->
+    /dev/null, nothing else open. fd 2 stays the zygote's stderr until the entry point runs."""
+    high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 64) for fd in (ctl_fd, zygote_pidfd, server_pidfd)]
+    for fd, want in zip(high, (CTL_FD, ZYGOTE_FD, SERVER_FD), strict=True):
         os.dup2(fd, want, inheritable=False)
     os.closerange(SOCK_FD, CTL_FD)
-    os.closerange(ZYGOTE_FD + 1, 1 << 16)  # every zygote fd, incl. the two copies above
+    os.closerange(SERVER_FD + 1, 1 << 16)  # every zygote fd, incl. the copies above
     devnull = os.open("/dev/null", os.O_RDWR | os.O_CLOEXEC)
     os.dup2(devnull, 0)
     os.dup2(devnull, 1)
     os.close(devnull)
 
 
-def run_standby(ctl_fd: int, zygote_pidfd: int, cgroup: str, staging: str,
+def run_standby(ctl_fd: int, zygote_pidfd: int, server_pidfd: int, cgroup: str, staging: str,
                 resolve_entry: Callable[[str | None], Callable[..., Any]], seccomp_filter: Any) -> NoReturn:
     """Runs in the zygote's fresh child (pid 1 of a new pid namespace). Never returns."""
     step = "start"
@@ -144,12 +147,16 @@ def run_standby(ctl_fd: int, zygote_pidfd: int, cgroup: str, staging: str,
     try:
         for sig in (signal.SIGCHLD, signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, signal.SIG_DFL)
-        sc.prctl(sc.PR_SET_PDEATHSIG, signal.SIGKILL)  # cleared by the id change below; set again
-        _place_fds(ctl_fd, zygote_pidfd)
+        # An unused standby dies with its zygote. The id change at hand-over clears this, on purpose:
+        # a live sandbox outlives its zygote (a replaced zygote must not take sandboxes along).
+        sc.prctl(sc.PR_SET_PDEATHSIG, signal.SIGKILL)
+        _place_fds(ctl_fd, zygote_pidfd, server_pidfd)
+        if select.select([ZYGOTE_FD], [], [], 0)[0]:
+            os._exit(1)  # the zygote was gone before PDEATHSIG was set
         step = "cgroups"
         cg = Cgroups.at(cgroup)
         cg.create_and_join(0)  # 0: the writer itself
-        cg, cg_fds = cg.opened(ZYGOTE_FD + 1)  # limits are written after the pivot, when /sys is out of sight
+        cg, cg_fds = cg.opened(SERVER_FD + 1)  # limits are written after the pivot, when /sys is out of sight
         step = "oom_score_adj"
         child_oom = _lower_oom_score()
         step = "root filesystem"
@@ -158,25 +165,31 @@ def run_standby(ctl_fd: int, zygote_pidfd: int, cgroup: str, staging: str,
         _mark("standby ready")
     except BaseException as e:  # noqa: BLE001 - reported on the request's socket, never unwinds
         early = (step, e)
-    # park until the zygote hands over a request (or goes away)
+    # park until the zygote hands over a sandbox's socket (or goes away)
     try:
         ctl = socket.socket(fileno=CTL_FD)
         ctl.send(b"standby")  # the zygote waits for this before its first "ready"
-        raw, fds, _flags, _addr = socket.recv_fds(ctl, MAX_REQUEST, 1)
+        msg, fds, _flags, _addr = socket.recv_fds(ctl, 16, 1)
     except BaseException as e:  # noqa: BLE001
         print(f"agentcell standby: lost the zygote: {e!r}", file=sys.stderr, flush=True)
         os._exit(1)
-    if not fds:
+    if msg != HANDOVER or not fds:
         os._exit(0)  # the zygote closed the socket: not needed any more
     if fds[0] != SOCK_FD:
         os.dup2(fds[0], SOCK_FD, inheritable=False)
         os.close(fds[0])
     ctl.close()
-    _mark("request")
+    os.close(ZYGOTE_FD)
+    _mark("handed over")
     if early is not None:
         _fail(SOCK_FD, *early)
     try:
-        req = json.loads(raw)
+        # The request comes from the server itself, on the sandbox's own socket.
+        with socket.socket(fileno=os.dup(SOCK_FD)) as sock:
+            frame = recv_frame(sock)
+        if frame is None:
+            os._exit(0)  # the server gave up on this sandbox before sending it
+        req = frame.header
         entry = resolve_entry(req.get("entry"))
     except BaseException as e:  # noqa: BLE001
         _fail(SOCK_FD, "request", e)
@@ -206,6 +219,7 @@ def _run_sandbox(fd: int, req: dict[str, Any], cg: Cgroups, cg_fds: list[int], e
         os.setgroups([])
         os.setresgid(gid, gid, gid)
         os.setresuid(uid, uid, uid)
+        sc.prctl(sc.PR_SET_PDEATHSIG, 0)  # (the id change cleared it too): the sandbox outlives its zygote
         sc.prctl(sc.PR_SET_DUMPABLE, 1)  # else /proc/self/uid_map belongs to root and is not writable
         step = "unshare"
         _mark(step)
@@ -235,11 +249,9 @@ def _run_sandbox(fd: int, req: dict[str, Any], cg: Cgroups, cg_fds: list[int], e
         step = "seccomp"
         _mark(step)
         seccomp_filter.load()
-        step = "die with the zygote"
-        sc.prctl(sc.PR_SET_PDEATHSIG, signal.SIGKILL)  # the id change cleared the earlier one
-        if select.select([ZYGOTE_FD], [], [], 0)[0]:
-            raise RuntimeError("the zygote exited")  # before PDEATHSIG was set again
-        os.close(ZYGOTE_FD)
+        step = "server alive"
+        if select.select([SERVER_FD], [], [], 0)[0]:
+            raise RuntimeError("the server exited")  # the agent watches SERVER_FD from now on
     except BaseException as e:  # noqa: BLE001
         _fail(fd, step, e)
     step = "entry point"
@@ -260,7 +272,7 @@ def _run_sandbox(fd: int, req: dict[str, Any], cg: Cgroups, cg_fds: list[int], e
         os.chdir(rootfs.HOME)
         sock = socket.socket(fileno=fd)
         config = {"sandbox_id": sandbox_id, "envs": envs, "home": rootfs.HOME, "landlock_abi": landlock_abi,
-                  "child_oom_score_adj": req["child_oom_score_adj"]}
+                  "child_oom_score_adj": req["child_oom_score_adj"], "server_pidfd": SERVER_FD}
         entry(sock, config)
         os._exit(0)
     except SystemExit as e:

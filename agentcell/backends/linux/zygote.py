@@ -2,18 +2,20 @@
 
 Run as ``python -m agentcell.backends.linux.zygote`` with its arguments (``--fd N --cgroup
 agentcell/<instance> ...``) as a JSON list on stdin, so that no sandbox's cmdline shows them. fd N is a
-SOCK_SEQPACKET socket to the backend; each message is a JSON spawn request with the sandbox's socket
-attached (SCM_RIGHTS). The zygote answers on the sandbox's socket: a "spawned" frame with the
-sandbox's host pid and cgroup, after which the child itself reports (error, or the agent's ready).
+SOCK_SEQPACKET socket to the backend; each message is ``spawn`` with one sandbox's socket attached
+(SCM_RIGHTS), and nothing else: the request itself (id, limits, env vars) goes from the server to the
+child on that socket, after the fork, so no tenant's data is ever in the zygote's memory (which every
+later sandbox inherits). The zygote answers on the sandbox's socket with a "spawned" frame (the
+sandbox's host pid and cgroup), after which the child itself reports (error, or the agent's ready).
 
 At start it takes its own mount namespace and builds the template root there (rootfs.build_template),
 so each sandbox only copies it. It keeps one standby child (sandbox_init.run_standby) forked and
 prepared ahead of the next request, so a create() pays neither the fork nor the cgroup move.
 
 It must stay single-threaded (fork keeps only the calling thread). It dies with the server
-(PR_SET_PDEATHSIG), and on control-socket EOF or SIGTERM it SIGKILLs every sandbox it forked (each is
-pid 1 of its pid namespace, so its whole namespace goes); every sandbox also has PR_SET_PDEATHSIG
-against the zygote, so a SIGKILLed zygote takes them along as well.
+(PR_SET_PDEATHSIG); on control-socket EOF or SIGTERM it SIGKILLs its standby. Sandboxes it handed
+over do not depend on it: a zygote that dies or is replaced leaves them running (the server owns
+them: each one's agent exits when the server's socket closes or its pidfd of the server fires).
 """
 
 from __future__ import annotations
@@ -34,9 +36,9 @@ from typing import Any
 from agentcell.backends.linux import rootfs, sandbox_init, seccomp_filter
 from agentcell.backends.linux import syscalls as sc
 
-MAX_REQUEST = 1 << 20
+SPAWN = b"spawn"  # the backend's only message: one sandbox's socket attached
 _entries: dict[str, Callable[..., Any]] = {}
-_children: set[int] = set()  # standby + sandboxes we forked and have not reaped yet
+_standby_pid = 0  # the unused standby, killed when the zygote goes
 
 
 def resolve_entry(spec: str) -> Callable[..., Any]:
@@ -56,14 +58,14 @@ def _reap(_signum: int = 0, _frame: Any = None) -> None:
             return
         if pid == 0:
             return
-        _children.discard(pid)
 
 
-def _kill_children() -> None:
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    for pid in list(_children):
+def _kill_standby() -> None:
+    """Only the standby: sandboxes already handed over belong to the server, not to the zygote."""
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # nobody reaps after us
+    if _standby_pid:
         try:
-            os.kill(pid, signal.SIGKILL)  # unreaped children: the pid cannot have been reused
+            os.kill(_standby_pid, signal.SIGKILL)  # not reaped yet: the pid cannot have been reused
         except OSError:
             pass
 
@@ -86,13 +88,14 @@ def _preload(default_entry: str) -> None:
 
 
 class Zygote:
-    def __init__(self, cgroup_parent: str, staging: str, default_entry: str, seccomp: Any) -> None:
+    def __init__(self, cgroup_parent: str, staging: str, default_entry: str, seccomp: Any, server_pidfd: int) -> None:
         self.cgroup_parent = cgroup_parent
         self.staging = staging
         self.default_entry = default_entry
         self.seccomp = seccomp
         self.pidns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
         self.self_pidfd = os.pidfd_open(os.getpid())
+        self.server_pidfd = server_pidfd
         self.seq = 0
         self.standby: tuple[int, socket.socket, str] | None = None  # pid, its socket, its cgroup
         self.standby_ready = False
@@ -101,6 +104,7 @@ class Zygote:
         return resolve_entry(spec or self.default_entry)
 
     def fork_standby(self) -> None:
+        global _standby_pid
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.seq += 1
         cgroup = f"{self.cgroup_parent}/s{os.getpid()}-{self.seq}"
@@ -108,12 +112,12 @@ class Zygote:
         try:
             pid = os.fork()
             if pid == 0:
-                sandbox_init.run_standby(theirs.fileno(), self.self_pidfd, cgroup, self.staging, self._entry,
-                                         self.seccomp)
+                sandbox_init.run_standby(theirs.fileno(), self.self_pidfd, self.server_pidfd, cgroup, self.staging,
+                                         self._entry, self.seccomp)
         finally:
             # only the zygote gets here: its later children must not land in that namespace too
             sc.setns(self.pidns, sc.CLONE_NEWPID)
-        _children.add(pid)
+        _standby_pid = pid
         theirs.close()
         self.standby = (pid, ours, cgroup)
         self.standby_ready = False
@@ -134,33 +138,37 @@ class Zygote:
         ctl.settimeout(None)
         return self.standby_ready
 
-    def spawn(self, raw: bytes, fds: list[int]) -> None:
+    def spawn(self, fds: list[int]) -> None:
+        """Hand the sandbox socket in `fds` to the standby (a fresh one if it died)."""
+        global _standby_pid
         if not fds:
             return
         sock_fd = fds[0]
         for extra in fds[1:]:
             os.close(extra)
         try:
-            for attempt in (0, 1):
+            for _attempt in (0, 1):
                 if self.standby is None:
                     self.fork_standby()
                 assert self.standby is not None
-                ok = self.wait_standby(timeout=10.0)
-                pid, ctl, cgroup = self.standby
+                if self.wait_standby(timeout=10.0):
+                    break
+                pid, ctl, _cgroup = self.standby
                 self.standby = None
-                if ok:
-                    try:
-                        # "spawned" goes first, so every frame of the child comes after it
-                        sandbox_init._send(sock_fd, {"id": 0, "event": "spawned", "host_pid": pid, "cgroup": cgroup})
-                        socket.send_fds(ctl, [raw], [sock_fd])
-                        ctl.close()
-                        return
-                    except OSError:
-                        if attempt:
-                            raise
                 ctl.close()  # the standby died: a fresh one
                 with contextlib.suppress(OSError):
                     os.kill(pid, signal.SIGKILL)
+            else:
+                raise RuntimeError("no standby child could be prepared; see the server log")
+            pid, ctl, cgroup = self.standby
+            self.standby = None
+            _standby_pid = 0
+            # "spawned" goes first, so every frame of the child comes after it
+            sandbox_init._send(sock_fd, {"id": 0, "event": "spawned", "host_pid": pid, "cgroup": cgroup})
+            try:
+                socket.send_fds(ctl, [sandbox_init.HANDOVER], [sock_fd])
+            finally:
+                ctl.close()
         except Exception as e:  # noqa: BLE001 - report on the sandbox's socket, keep serving others
             with contextlib.suppress(OSError):
                 sandbox_init._send(sock_fd, {"id": 0, "event": "error", "message": f"zygote could not spawn: {e}"})
@@ -185,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     sc.prctl(sc.PR_SET_PDEATHSIG, signal.SIGKILL)  # the server died: the zygote goes with it
     if args.parent and os.getppid() != args.parent:
         return 1  # ... and it already had
+    # Every sandbox watches this pidfd of the server: it is how a sandbox dies with its server
+    # without depending on the zygote's life.
+    server_pidfd = os.pidfd_open(os.getppid())
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C on the server: the backend closes us
     signal.signal(signal.SIGTERM, _on_sigterm)
     signal.signal(signal.SIGCHLD, _reap)
@@ -201,24 +212,28 @@ def main(argv: list[str] | None = None) -> int:
             print("agentcell zygote: preload started threads; forks keep only the main one", file=sys.stderr)
         gc.collect()
         gc.freeze()  # keep the preloaded heap shared copy-on-write with every sandbox
-        zygote = Zygote(args.cgroup, args.staging, args.entry, seccomp)
+        zygote = Zygote(args.cgroup, args.staging, args.entry, seccomp, server_pidfd)
         zygote.fork_standby()
         zygote.wait_standby(timeout=10.0)
         ctl.send(b"ready")  # start() waits for this, so the first create() is as fast as the others
         while True:
             try:
-                raw, fds, _flags, _addr = socket.recv_fds(ctl, MAX_REQUEST, 4)
+                msg, fds, _flags, _addr = socket.recv_fds(ctl, 64, 4)
             except OSError as e:
                 print(f"agentcell zygote: control socket failed: {e}", file=sys.stderr)
                 return 1
-            if not raw and not fds:
+            if not msg and not fds:
                 return 0  # the backend closed the control socket
+            if msg != SPAWN:
+                for fd in fds:
+                    os.close(fd)
+                continue
             sandbox_init._marks.clear()
-            zygote.spawn(raw, fds)
-            zygote.fork_standby()  # off the critical path: the request is already handed over
+            zygote.spawn(fds)
+            zygote.fork_standby()  # off the critical path: the socket is already handed over
             _reap()
     finally:
-        _kill_children()
+        _kill_standby()
 
 
 if __name__ == "__main__":
