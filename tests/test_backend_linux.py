@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/proc/s
                                 reason="the linux backend needs root and user namespaces")
 
 PROBE = "agentcell.backends.linux.probe:serve"
-UID_BASE = 1_500_000  # away from a server that may run on the same machine
+UID_BASE = 1 << 20  # the lowest host id any backend reserves (uids.AUTO_START); ranges are picked free
 
 
 class Box:
@@ -44,7 +44,7 @@ class Box:
 
 @pytest.fixture(scope="module")
 async def backend() -> AsyncIterator[LinuxBackend]:
-    be = LinuxBackend(entry_point=PROBE, uid_base=UID_BASE, max_sandboxes=1000)
+    be = LinuxBackend(entry_point=PROBE, max_sandboxes=1000)
     await be.start()
     yield be
     await be.close()
@@ -83,7 +83,7 @@ async def test_create_is_fast(backend: LinuxBackend) -> None:
 
 async def test_create_timing_with_agent_preload() -> None:
     """The zygote preloads the real agent's imports (numpy, pandas, IPython): forks get bigger."""
-    be = LinuxBackend(entry_point=PROBE, uid_base=UID_BASE + 50_000, max_sandboxes=1000, preload=True)
+    be = LinuxBackend(entry_point=PROBE, max_sandboxes=1000, preload=True)
     t0 = time.perf_counter()
     await be.start()
     print(f"preloaded zygote ready in {(time.perf_counter() - t0) * 1000:.0f} ms")
@@ -295,7 +295,7 @@ from agentcell.backends.base import SandboxSpec
 from agentcell.backends.linux.backend import LinuxBackend
 
 async def main():
-    be = LinuxBackend(entry_point=%r, uid_base=%d, max_sandboxes=1000)
+    be = LinuxBackend(entry_point=%r, max_sandboxes=1000)
     await be.start()
     sb = await be.create(SandboxSpec("orphan1"))
     print(json.dumps({"pid": sb.host_pid, "cgroup": sb.cgroups.sandbox_id, "dirs": list(sb.cgroups.dirs.values()),
@@ -313,7 +313,7 @@ async def test_sandboxes_die_with_the_server() -> None:
     import subprocess
     import sys
 
-    proc = subprocess.Popen([sys.executable, "-c", _ORPHAN_SCRIPT % (PROBE, UID_BASE + 60_000)],
+    proc = subprocess.Popen([sys.executable, "-c", _ORPHAN_SCRIPT % (PROBE,)],
                             stdout=subprocess.PIPE, cwd=os.path.dirname(os.path.dirname(__file__)))
     try:
         assert proc.stdout is not None
@@ -327,7 +327,7 @@ async def test_sandboxes_die_with_the_server() -> None:
         assert select.select([pidfd], [], [], 5.0)[0], "the sandbox outlived its server"
     finally:
         os.close(pidfd)
-    be = LinuxBackend(entry_point=PROBE, uid_base=UID_BASE + 61_000, max_sandboxes=1000)
+    be = LinuxBackend(entry_point=PROBE, max_sandboxes=1000)
     await be.start()  # finds the dead server's instance and removes it
     try:
         assert not any(os.path.exists(d) for d in info["dirs"])
