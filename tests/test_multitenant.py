@@ -125,7 +125,7 @@ def test_sandboxes_survive_their_zygotes_death(server: ServerProcess, server_url
 
 
 def host_uid(sbx: Sandbox) -> int:
-    inside, outside, count = sbx.files.read("/proc/self/uid_map").split()
+    inside, outside, count = sbx.commands.run("cat /proc/self/uid_map").stdout.split()
     assert (inside, count) == ("1000", "1")
     return int(outside)
 

@@ -26,7 +26,7 @@ from agentcell.errors import (
     NotFoundError,
     PermissionDeniedError,
 )
-from agentcell.runtime.protocol import AgentChannel, Frame, read_frame
+from agentcell.runtime.protocol import CHUNK, AgentChannel, Frame, line_dicts, read_frame
 
 ROOT = Path(__file__).resolve().parents[1]
 BOOT = (
@@ -64,16 +64,12 @@ class Agent:
                 end = f.header
         return out, err, end
 
+    def run_stream(self, code: str, **fields: Any) -> AsyncIterator[dict[str, Any]]:
+        req = {"context_id": None, "language": None, "env_vars": None, "timeout_ms": 0, **fields}
+        return line_dicts(self.ch.stream("code.run", code.encode(), **req))
+
     async def run(self, code: str, **fields: Any) -> list[dict[str, Any]]:
-        req = {
-            "code": code,
-            "context_id": None,
-            "language": None,
-            "env_vars": None,
-            "timeout_ms": 0,
-            **fields,
-        }
-        return [f.header["line"] async for f in self.ch.stream("code.run", **req)]
+        return [line async for line in self.run_stream(code, **fields)]
 
 
 def _one(lines: list[dict[str, Any]], kind: str) -> dict[str, Any]:
@@ -248,7 +244,7 @@ async def test_files_write_read_stat(agent: Agent) -> None:
     await agent.ch.call("fs.write", big, path="big.bin", metadata=None)
     frames = [f async for f in agent.ch.stream("fs.read", path="big.bin")]
     data = [f for f in frames if f.header.get("event") == "data"]
-    assert len(data) == 4 and all(len(f.payload) <= 1 << 20 for f in data)
+    assert len(data) == -(-len(big) // CHUNK) and all(len(f.payload) <= CHUNK for f in data)
     assert b"".join(f.payload for f in data) == big
 
     os.symlink("a/b/hello.txt", agent.home / "link")
@@ -356,10 +352,9 @@ async def test_code_streams_output_as_it_happens(agent: Agent) -> None:
     code = "import time\nprint('first')\ntime.sleep(0.7)\nprint('second')"
     start = time.monotonic()
     arrivals = []
-    async for f in agent.ch.stream("code.run", code=code, context_id=None, language=None, env_vars=None,
-                                   timeout_ms=0):  # fmt: skip
-        if f.header["line"]["type"] == "stdout":
-            arrivals.append((f.header["line"]["text"], time.monotonic() - start))
+    async for line in agent.run_stream(code):
+        if line["type"] == "stdout":
+            arrivals.append((line["text"], time.monotonic() - start))
     assert [a[0] for a in arrivals] == ["first\n", "second\n"]
     assert arrivals[0][1] < 0.5 <= arrivals[1][1]
 
@@ -411,8 +406,7 @@ async def test_code_timeout_interrupts(agent: Agent) -> None:
     assert _main_text(await agent.run("kept")) == "7"  # interrupted, not restarted
 
     # A cancelled run (the client went away) is interrupted too.
-    stream = agent.ch.stream("code.run", code="import time\ntime.sleep(30)", context_id=None, language=None,
-                             env_vars=None, timeout_ms=0)  # fmt: skip
+    stream = agent.run_stream("import time\ntime.sleep(30)")
     await anext(stream)
     await stream.aclose()
     t = time.monotonic()

@@ -12,6 +12,7 @@ import contextlib
 import ctypes
 import gc
 import io
+import json
 import os
 import signal
 import socket
@@ -21,7 +22,7 @@ import traceback
 from collections.abc import Awaitable, Callable
 from typing import Any, NoReturn
 
-from agentcell.errors import InvalidArgumentError, SandboxError
+from agentcell.errors import InvalidArgumentError, ResourceExhaustedError, SandboxError
 from agentcell.runtime import display, filesystem, kernel, processes, protocol, reaper
 from agentcell.runtime.filesystem import FileSystem, os_error
 from agentcell.runtime.kernel import ContextManager
@@ -33,7 +34,6 @@ __all__ = ["preload", "serve"]
 
 _PR_SET_DUMPABLE = 4
 _PR_SET_CHILD_SUBREAPER = 36
-_CONGESTED = 16 << 20  # bytes queued for the server beyond which code output is read no further
 _AGENT_MODULES = (display, filesystem, kernel, processes, protocol, reaper)  # imported now, never lazily
 
 
@@ -141,27 +141,90 @@ async def _serve(sock: socket.socket, config: dict[str, Any]) -> None:
 
 
 class Call:
-    """One request being answered: streams frames for its id, and knows how to stop."""
+    """One request being answered: streams frames for its id within its flow-control window."""
 
     def __init__(self, agent: Agent, call_id: int) -> None:
         self.agent = agent
         self.id = call_id
+        self.credit = protocol.CALL_WINDOW  # bytes of stream frames the server will still take
         self.cancelled = False
         self.task: asyncio.Task[None] | None = None
         self.on_cancel: Callable[[], None] | None = None  # default: cancel the task
+        self._on_data: Callable[[Frame], None] | None = None  # takes the request's ``data`` frames
+        self._early_data: list[Frame] = []  # data frames that came before the handler took them
+        self._line_open = False
+
+    def take_data(self, on_data: Callable[[Frame], None] | None) -> None:
+        """Hand the request's ``data`` frames (an upload's content) to `on_data`, those that already
+        arrived first. They can arrive before the handler task runs, so none may be lost."""
+        self._on_data = on_data
+        early, self._early_data = self._early_data, []
+        for frame in early:
+            if on_data is not None:
+                on_data(frame)
+
+    def data(self, frame: Frame) -> None:
+        if self._on_data is not None:
+            self._on_data(frame)
+        else:
+            self._early_data.append(frame)
+
+    def has_credit(self) -> bool:
+        return self.credit > 0 and self.agent.conn_credit > 0
+
+    async def wait_credit(self) -> None:
+        """Until the server takes more of this call's frames (or lost interest in it)."""
+        while not self.cancelled and not self.has_credit():
+            await self.agent.credit_changed()
 
     def emit(self, header: dict[str, Any], payload: bytes = b"") -> None:
-        if not self.cancelled:
-            self.agent.write({"id": self.id, **header}, payload)
+        """Write a frame now. A stream frame spends credit; callers wait for credit before emitting
+        (sync emitters such as output readers pause while has_credit() is false)."""
+        if self.cancelled:
+            return
+        size = self.agent.write({"id": self.id, **header}, payload)
+        if not header.get("done"):
+            self.credit -= size
+            self.agent.conn_credit -= size
 
     async def send(self, header: dict[str, Any], payload: bytes = b"") -> None:
+        """A stream frame, once the server has room for it."""
+        await self.wait_credit()
         self.emit(header, payload)
         await self.agent.drain()
+
+    # Lines of a code run: one line's frames must never interleave with another's, so a line sent in
+    # several frames holds the "line slot" while it waits for credit between them.
+    def can_emit_line(self) -> bool:
+        return self.has_credit() and not self._line_open
+
+    async def wait_line_slot(self) -> None:
+        while not self.cancelled and not self.can_emit_line():
+            await self.agent.credit_changed()
+
+    def emit_line(self, line: bytes) -> None:
+        """One E2B NDJSON line (JSON bytes) now, in ``line`` frames of at most CHUNK bytes each."""
+        parts = protocol.pieces(line)
+        for i, part in enumerate(parts):
+            self.emit({"event": "line", "more": i < len(parts) - 1}, part)
+
+    async def send_line(self, line: bytes) -> None:
+        """The same, each frame once the server has room for it."""
+        await self.wait_line_slot()
+        parts = protocol.pieces(line)
+        self._line_open = len(parts) > 1
+        try:
+            for i, part in enumerate(parts):
+                await self.send({"event": "line", "more": i < len(parts) - 1}, part)
+        finally:
+            self._line_open = False
+            self.agent.wake_credit_waiters()
 
     def cancel(self) -> None:
         if self.cancelled:
             return
         self.cancelled = True
+        self.agent.wake_credit_waiters()
         if self.on_cancel is not None:
             self.on_cancel()
         elif self.task is not None:
@@ -170,6 +233,7 @@ class Call:
 
 Handler = Callable[["Agent", Call, Frame], Awaitable[dict[str, Any] | None]]
 _HANDLERS: dict[str, Handler] = {}
+_INLINE_ANSWER = 64 << 10  # answers bigger than this go in ``part`` frames (flow-controlled)
 
 
 def op(name: str) -> Callable[[Handler], Handler]:
@@ -188,14 +252,26 @@ class Agent:
         self.fs = fs
         self.contexts = contexts
         self._calls: dict[int, Call] = {}
+        self.conn_credit = protocol.CONN_WINDOW  # of all calls together
+        self._credit_waiters: list[asyncio.Future[None]] = []
 
-    def write(self, header: dict[str, Any], payload: bytes = b"") -> None:
+    def write(self, header: dict[str, Any], payload: bytes = b"") -> int:
+        """Write one frame; returns its size (header + payload)."""
+        data = encode_frame(header, payload)
         if not self._writer.is_closing():
-            self._writer.write(encode_frame(header, payload))
+            self._writer.write(data)
+        return len(data) - protocol.PREFIX.size
 
-    def congested(self) -> bool:
-        transport = self._writer.transport
-        return transport.get_write_buffer_size() > _CONGESTED
+    async def credit_changed(self) -> None:
+        fut = asyncio.get_running_loop().create_future()
+        self._credit_waiters.append(fut)
+        await fut
+
+    def wake_credit_waiters(self) -> None:
+        waiters, self._credit_waiters = self._credit_waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
 
     async def drain(self) -> None:
         with contextlib.suppress(ConnectionError):
@@ -213,14 +289,29 @@ class Agent:
             name = frame.header.get("op")
             if not isinstance(call_id, int):
                 continue
-            if name == "cancel":
-                target = self._calls.get(frame.header.get("target"))  # type: ignore[arg-type]
+            if call_id == 0:  # control frames for other calls
+                self._control(str(name), frame.header)
+                continue
+            if name == "data":  # a piece of an earlier request's data (an upload)
+                target = self._calls.get(call_id)
                 if target is not None:
-                    target.cancel()
+                    target.data(frame)
                 continue
             call = Call(self, call_id)
             self._calls[call_id] = call
             call.task = asyncio.get_running_loop().create_task(self._handle(call, str(name), frame))
+
+    def _control(self, name: str, header: dict[str, Any]) -> None:
+        target = self._calls.get(header.get("target"))  # type: ignore[arg-type]
+        if name == "credit":
+            nbytes = header.get("bytes")
+            if isinstance(nbytes, int) and nbytes > 0:
+                self.conn_credit += nbytes
+                if target is not None:
+                    target.credit += nbytes
+                self.wake_credit_waiters()
+        elif name == "cancel" and target is not None:
+            target.cancel()
 
     async def _handle(self, call: Call, name: str, frame: Frame) -> None:
         try:
@@ -228,7 +319,7 @@ class Agent:
             if handler is None:
                 raise SandboxError(f"unknown op {name!r}", "unimplemented")
             result = await handler(self, call, frame)
-            call.emit({**(result or {}), "done": True})
+            await self._answer(call, result or {})
         except asyncio.CancelledError:
             pass  # the server lost interest; it expects no answer
         except SandboxError as e:
@@ -241,6 +332,16 @@ class Agent:
         finally:
             self._calls.pop(call.id, None)
         await self.drain()
+
+    async def _answer(self, call: Call, result: dict[str, Any]) -> None:
+        """The final frame; a big answer (a long listing) goes first in flow-controlled parts."""
+        data = json.dumps(result, separators=(",", ":")).encode()
+        if len(data) <= _INLINE_ANSWER:
+            call.emit({**result, "done": True})
+            return
+        for part in protocol.pieces(data):
+            await call.send({"event": "part"}, part)
+        call.emit({"done": True, "parts": True})
 
 
 def _field(frame: Frame, name: str, kind: type | tuple[type, ...], default: Any = None) -> Any:
@@ -265,7 +366,9 @@ async def _stream(call: Call, sub: Subscriber) -> None:
             item = await sub.get()
             if item is None:
                 return
-            await call.send(*item)
+            header, payload = item
+            for part in protocol.pieces(payload) if payload else [b""]:
+                await call.send(header, part)
     finally:
         sub.close()
 
@@ -344,6 +447,7 @@ async def _fs_read(agent: Agent, call: Call, frame: Frame) -> dict[str, Any]:
     size = 0
     try:
         while True:
+            await call.wait_credit()  # read no further than the client takes
             try:
                 chunk = os.read(fd, CHUNK)
             except OSError as e:
@@ -351,6 +455,9 @@ async def _fs_read(agent: Agent, call: Call, frame: Frame) -> dict[str, Any]:
             if not chunk:
                 return {"size": size}
             size += len(chunk)
+            if size > filesystem.MAX_READ:
+                raise ResourceExhaustedError(
+                    f"{path} grew past {filesystem.MAX_READ >> 20} MiB, the most files.read returns")
             await call.send({"event": "data"}, chunk)
     finally:
         os.close(fd)
@@ -359,21 +466,44 @@ async def _fs_read(agent: Agent, call: Call, frame: Frame) -> dict[str, Any]:
 @op("fs.write")
 async def _fs_write(agent: Agent, call: Call, frame: Frame) -> dict[str, Any]:
     metadata = _field(frame, "metadata", dict)
-    return {"entry": agent.fs.write(frame.header.get("path"), frame.payload, metadata)}
+    path = frame.header.get("path")
+    if not frame.header.get("stream"):
+        return {"entry": agent.fs.write(path, frame.payload, metadata)}
+    # The content follows in ``data`` frames, written as they arrive: nothing is held in memory.
+    upload = agent.fs.open_upload(path)
+    done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def on_data(piece: Frame) -> None:
+        if done.done():
+            return
+        try:
+            upload.write(piece.payload)
+        except SandboxError as e:
+            done.set_exception(e)
+            return
+        if piece.header.get("eof"):
+            done.set_result(None)
+
+    call.take_data(on_data)
+    try:
+        await done
+        return {"entry": upload.finish(metadata)}
+    finally:
+        call.take_data(None)
+        upload.close()
 
 
 # -- code contexts ----------------------------------------------------------------------------------
 @op("code.run")
 async def _code_run(agent: Agent, call: Call, frame: Frame) -> None:
-    code = _field(frame, "code", str, "")
+    code = frame.payload.decode("utf-8", "replace") if frame.payload else _field(frame, "code", str, "")
     env_vars = _field(frame, "env_vars", dict)
     ctx = agent.contexts.get(_field(frame, "context_id", str), _field(frame, "language", str))
 
     def set_interrupt(interrupt: Callable[[], None]) -> None:
         call.on_cancel = interrupt  # a cancelled run is interrupted, and finishes quietly
 
-    await ctx.run(code, env_vars, _field(frame, "timeout_ms", int, 0),
-                  lambda line: call.emit({"line": line}), agent.drain, agent.congested, set_interrupt)  # fmt: skip
+    await ctx.run(code, env_vars, _field(frame, "timeout_ms", int, 0), call, set_interrupt)
 
 
 @op("code.context_create")

@@ -11,6 +11,7 @@ import errno
 import os
 import shutil
 import stat
+import tempfile
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,6 +25,8 @@ from agentcell.errors import (
 )
 
 CHUNK = 1 << 20
+MAX_READ = 2 << 30  # the largest file files.read returns (the disk of a sandbox is far smaller)
+MAX_LIST_ENTRIES = 100_000  # a listing stops here: list a smaller directory or a lower depth
 XATTR_PREFIX = "user.e2b."
 _NAMES = {0: "root", 1000: "user"}
 
@@ -82,7 +85,14 @@ class FileSystem:
         try:
             if not stat.S_ISDIR(os.stat(p).st_mode):
                 raise InvalidArgumentError(f"{p} is not a directory")
-            return list(self._walk(p, depth))
+            entries = []
+            for entry in self._walk(p, depth):
+                entries.append(entry)
+                if len(entries) > MAX_LIST_ENTRIES:
+                    raise ResourceExhaustedError(
+                        f"{p} holds more than {MAX_LIST_ENTRIES} entries at depth {depth}; "
+                        "list a smaller directory or a lower depth")
+            return entries
         except OSError as e:
             raise os_error(e, p) from None
 
@@ -131,35 +141,118 @@ class FileSystem:
             raise os_error(e) from None
 
     def open_for_read(self, path: str) -> tuple[str, int]:
-        """(resolved path, fd) of a regular file to stream; typed errors for the rest."""
+        """(resolved path, fd) of a regular file to stream; typed errors for the rest.
+
+        O_NONBLOCK: opening a FIFO must not wait for a writer (it would hang the agent), and only
+        regular files are read at all: a device such as /dev/zero would stream forever.
+        """
         p = self.resolve(path)
         try:
-            fd = os.open(p, os.O_RDONLY | os.O_CLOEXEC)
+            fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError as e:
             raise os_error(e, p) from None
-        if stat.S_ISDIR(os.fstat(fd).st_mode):
+        try:
+            st = os.fstat(fd)
+            _check_regular(p, st.st_mode, fd, "read")
+            if st.st_size > MAX_READ:
+                raise ResourceExhaustedError(
+                    f"{p} is {st.st_size} bytes; files.read returns at most {MAX_READ >> 20} MiB: "
+                    "read it in pieces with a command (e.g. split, head -c)")
+        except BaseException:
             os.close(fd)
-            raise InvalidArgumentError(f"{p} is a directory; list it instead of reading it")
+            raise
         return p, fd
 
-    def write(self, path: str, data: bytes, metadata: dict[str, str] | None = None) -> dict[str, Any]:
+    def open_upload(self, path: str) -> Upload:
+        """A new file for content that arrives in pieces. It is written beside its destination and
+        renamed over it only once complete: a failed upload (a full disk, a client gone) leaves the
+        old file as it was and no partial one behind."""
         p = self.resolve(path)
+        target = os.path.realpath(p)  # writes go through a symlink, as they always did
         try:
-            if os.path.isdir(p):
-                raise InvalidArgumentError(f"{p} is a directory; cannot write a file over it")
-            os.makedirs(os.path.dirname(p), exist_ok=True)
-            fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
             try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view[:CHUNK]) :]
-            finally:
-                os.close(fd)
-            if metadata is not None:
-                set_metadata(p, metadata)
+                mode = os.stat(target).st_mode
+            except FileNotFoundError:
+                pass
+            else:
+                _check_regular(p, mode, None, "write")
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), prefix=f".{os.path.basename(target)}.",
+                                       suffix=".upload")
+            os.fchmod(fd, 0o644)
         except OSError as e:
             raise os_error(e, p) from None
-        return self.stat(p)
+        return Upload(self, p, target, tmp, fd)
+
+    def write(self, path: str, data: bytes, metadata: dict[str, str] | None = None) -> dict[str, Any]:
+        upload = self.open_upload(path)
+        try:
+            upload.write(data)
+            return upload.finish(metadata)
+        finally:
+            upload.close()
+
+
+class Upload:
+    """A file being written by the files API; every error is a typed SandboxError."""
+
+    def __init__(self, fs: FileSystem, path: str, target: str, tmp: str, fd: int) -> None:
+        self._fs = fs
+        self.path = path
+        self._target = target
+        self._tmp = tmp
+        self._fd = fd
+
+    def write(self, data: bytes) -> None:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self._fd, view[:CHUNK]) :]
+        except OSError as e:
+            raise os_error(e, self.path) from None
+
+    def finish(self, metadata: dict[str, str] | None) -> dict[str, Any]:
+        try:
+            os.close(self._fd)
+            self._fd = -1
+            if metadata is not None:
+                set_metadata(self._tmp, metadata)
+            os.replace(self._tmp, self._target)
+        except OSError as e:
+            raise os_error(e, self.path) from None
+        self._tmp = ""
+        return self._fs.stat(self.path)
+
+    def close(self) -> None:
+        """Done with it: a file that was not finished is removed."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        if self._tmp:
+            with contextlib.suppress(OSError):
+                os.unlink(self._tmp)
+            self._tmp = ""
+
+
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def _check_regular(path: str, mode: int, fd: int | None, what: str) -> None:
+    """Only regular files, and none of the agent's own /proc files (the agent would be a confused
+    deputy: its /proc entries are closed to the sandbox's code, which runs as the same user)."""
+    if not stat.S_ISREG(mode):
+        kind = next((name for test, name in _KINDS if test(mode)), "not a regular file")
+        hint = "; list it instead" if stat.S_ISDIR(mode) else ""
+        raise InvalidArgumentError(f"{path} is {kind}: the files API can only {what} regular files{hint}")
+    if fd is None:
+        return
+    try:
+        real = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return
+    if real.startswith(f"/proc/{os.getpid()}/"):
+        raise PermissionDeniedError(f"{path}: the sandbox agent's own /proc files are not readable")
 
 
 def _name(ident: int) -> str:

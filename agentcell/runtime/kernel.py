@@ -3,7 +3,9 @@
 A context process (a "kernel") is a fork of the agent, so it starts with the shell, NumPy, pandas and
 Matplotlib already imported and costs a few milliseconds to make. User code there cannot block or crash
 the agent. Agent and kernel talk over a socketpair with the agent framing: the agent sends
-``{"code", "env_vars"}``; the kernel answers with ``{"line": <E2B line>}`` frames and ``{"done": true}``.
+``{"env_vars"}`` with the code as payload; the kernel answers with ``{"line": true}`` frames whose
+payload is one E2B line as JSON, and ``{"done": true}``. User code can write to that socket too, so
+the agent treats what it reads there as hostile: a malformed frame ends the context, nothing else.
 The kernel's fds 1 and 2 are pipes the agent reads itself, so ``print`` and output of C code or
 subprocesses both stream as stdout/stderr lines. Before the kernel sends a frame it flushes its stdio,
 and the agent drains the pipes before it forwards the frame, so lines keep their order.
@@ -24,21 +26,37 @@ import socket
 import sys
 import traceback
 import uuid
-from collections.abc import Awaitable, Callable
-from typing import Any, NoReturn
+from collections.abc import Callable
+from typing import Any, NoReturn, Protocol
 
 from agentcell.errors import InvalidArgumentError, NotFoundError, SandboxError
 from agentcell.runtime import display
 from agentcell.runtime.processes import CHILD_OOM_SCORE_ADJ, set_oom_score_adj
-from agentcell.runtime.protocol import PREFIX, encode_frame, read_frame, recv_frame
+from agentcell.runtime.protocol import ProtocolError, encode_frame, read_frame, recv_frame
 from agentcell.runtime.reaper import Reaper, describe_status
 
 LANGUAGES = {"python": "python", "python3": "python"}
 INTERRUPT_GRACE = 2.0  # seconds a run gets to stop after SIGINT before its kernel is killed
+MAX_LINE = 32 << 20  # the largest single output line (a result, e.g. a PNG or HTML) a run may produce
 _OUTPUT_READ = 64 * 1024
+_DRAIN_MAX = 2 * _OUTPUT_READ  # output taken ahead of a result frame, to keep print/result order
 _PR_SET_DUMPABLE = 4
 
-Emit = Callable[[dict[str, Any]], None]
+
+
+class LineSink(Protocol):
+    """The run's call (agent.Call): where the lines of a run go, within the call's flow control."""
+
+    cancelled: bool
+
+    def can_emit_line(self) -> bool: ...
+    async def wait_line_slot(self) -> None: ...
+    def emit_line(self, line: bytes) -> None: ...
+    async def send_line(self, line: bytes) -> None: ...
+
+
+def encode_line(line: dict[str, Any]) -> bytes:
+    return json.dumps(line, separators=(",", ":"), default=repr).encode()
 
 _shell: display.ContextShell | None = None
 
@@ -74,13 +92,10 @@ class _Kernel:
         self._loop = loop
         self.status: int | None = None
         self.exited: asyncio.Future[int] = loop.create_future()
-        self.sink: Emit | None = None
+        self.sink: LineSink | None = None  # the current run; output between runs is dropped
         self.kill_reason = ""
         self.reader: asyncio.StreamReader | None = None
-        self.congested: Callable[[], bool] | None = None  # is the agent's socket buffer too full?
-        self.drain_writer: Callable[[], Awaitable[Any]] | None = None
         self._paused = False
-        self._resume_task: asyncio.Task[None] | None = None
         self.writer: asyncio.StreamWriter | None = None
         ours, theirs = socket.socketpair()
         out_r, out_w = os.pipe()
@@ -122,6 +137,10 @@ class _Kernel:
             self.reader, self.writer = await asyncio.open_unix_connection(sock=self.sock)
 
     def _read_output(self, fd: int) -> bool:
+        sink = self.sink
+        if sink is not None and not sink.cancelled and not sink.can_emit_line():
+            self._pause(sink)  # the client reads slower than the code prints: let the pipe fill up
+            return False
         try:
             data = os.read(fd, _OUTPUT_READ)
         except BlockingIOError:
@@ -135,35 +154,33 @@ class _Kernel:
             os.close(fd)
             return False
         text = decoder.decode(data)
-        if text and self.sink is not None:  # output between runs belongs to no run: dropped
-            self.sink({"type": kind, "text": text, "timestamp": timestamp()})
-            if self.congested is not None and self.congested() and not self._paused:
-                self._pause()
-                return False
+        if text and sink is not None:
+            sink.emit_line(encode_line({"type": kind, "text": text, "timestamp": timestamp()}))
         return True
 
-    def _pause(self) -> None:
-        """The server reads slower than the code prints: stop reading (the kernel then blocks on its
-        full pipe) until the agent's socket buffer drains."""
+    def _pause(self, sink: LineSink) -> None:
+        """Stop reading the output pipes (the kernel then blocks writing) until the call has room."""
+        if self._paused:
+            return
         self._paused = True
         for fd in self._decoders:
             self._loop.remove_reader(fd)
-        self._resume_task = self._loop.create_task(self._resume_after_drain())
+        self._loop.create_task(self._resume(sink))
 
-    async def _resume_after_drain(self) -> None:
+    async def _resume(self, sink: LineSink) -> None:
         try:
-            if self.drain_writer is not None:
-                await self.drain_writer()
+            await sink.wait_line_slot()
         finally:
             self._paused = False
             for fd in self._decoders:
                 self._loop.add_reader(fd, self._read_output, fd)
 
     def drain(self) -> None:
-        """Forward everything already in the output pipes (it was written before the current frame)."""
+        """Forward what is in the output pipes now: it was written before the frame being handled."""
         for fd in list(self._decoders):
-            while fd in self._decoders and self._read_output(fd):
-                pass
+            taken = 0
+            while fd in self._decoders and taken < _DRAIN_MAX and self._read_output(fd):
+                taken += _OUTPUT_READ
 
     def interrupt(self) -> None:
         with contextlib.suppress(ProcessLookupError):
@@ -216,10 +233,9 @@ class Context:
             self.kernel.close()
             self.kernel = None
 
-    async def run(self, code: str, env_vars: dict[str, str] | None, timeout_ms: int, emit: Emit,
-                  drain: Callable[[], Awaitable[Any]], congested: Callable[[], bool],
+    async def run(self, code: str, env_vars: dict[str, str] | None, timeout_ms: int, sink: LineSink,
                   on_interrupt: Callable[[Callable[[], None]], None]) -> None:  # fmt: skip
-        """Run `code`, calling `emit` with each E2B line. `on_interrupt` receives the function that
+        """Run `code`, sending each E2B line to `sink`. `on_interrupt` receives the function that
         interrupts this run (the agent calls it when the caller cancels)."""
         async with self._lock:
             if self.kernel is None or not self.kernel.alive:
@@ -240,26 +256,32 @@ class Context:
                 hard_kill.append(loop.call_later(INTERRUPT_GRACE, kernel.kill,
                                                  f"it did not stop within {INTERRUPT_GRACE:g} s of the interrupt"))  # fmt: skip
 
+            def deadline_passed() -> None:
+                note = f"Execution timed out after {timeout_ms / 1000:g} s: interrupting it\n"
+                if sink.can_emit_line():
+                    sink.emit_line(encode_line({"type": "stderr", "text": note, "timestamp": timestamp()}))
+                interrupt()
+
             on_interrupt(interrupt)
-            deadline = loop.call_later(timeout_ms / 1000, interrupt) if timeout_ms > 0 else None
-            kernel.sink, kernel.congested, kernel.drain_writer = emit, congested, drain
+            deadline = loop.call_later(timeout_ms / 1000, deadline_passed) if timeout_ms > 0 else None
+            kernel.sink = sink
             try:
-                kernel.writer.write(encode_frame({"code": code, "env_vars": env_vars or {}}))
+                kernel.writer.write(encode_frame({"env_vars": env_vars or {}}, code.encode("utf-8", "surrogatepass")))
                 while True:
                     try:
-                        frame = await read_frame(kernel.reader)
-                    except (OSError, ValueError):
-                        frame = None
+                        frame = await read_frame(kernel.reader, MAX_LINE + (1 << 10))
+                    except (OSError, ValueError, ProtocolError):
+                        frame = None  # the socket broke, or user code wrote junk to it
+                    await sink.wait_line_slot()
                     kernel.drain()
                     if frame is None:
-                        await self._report_death(kernel, emit)
+                        await self._report_death(kernel, sink)
                         break
                     if frame.done:
                         break
-                    emit(frame.header["line"])
-                    await drain()
+                    await sink.send_line(frame.payload)
             finally:
-                kernel.sink = kernel.congested = None
+                kernel.sink = None
                 if deadline is not None:
                     deadline.cancel()
                 for handle in hard_kill:
@@ -271,7 +293,7 @@ class Context:
                 with contextlib.suppress(SandboxError):
                     self.start()
 
-    async def _report_death(self, kernel: _Kernel, emit: Emit) -> None:
+    async def _report_death(self, kernel: _Kernel, sink: LineSink) -> None:
         kernel.kill()  # a kernel that closed its socket is of no use any more
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(asyncio.shield(kernel.exited), 1.0)
@@ -280,9 +302,9 @@ class Context:
         if kernel.status is not None and os.WIFSIGNALED(kernel.status) and os.WTERMSIG(kernel.status) == 9:
             how += ", perhaps by the out-of-memory killer"
         reason = kernel.kill_reason or f"the context process ended ({how})"
-        emit({"type": "error", "name": "UnexpectedEndOfExecution",
-              "value": f"{reason}; its state is lost and it restarts on the next run",
-              "traceback": ""})  # fmt: skip
+        await sink.send_line(encode_line({"type": "error", "name": "UnexpectedEndOfExecution",
+                                          "value": f"{reason}; its state is lost and it restarts on the next run",
+                                          "traceback": ""}))  # fmt: skip
 
 
 class ContextManager:
@@ -434,20 +456,14 @@ def _flush_stdio() -> None:
                 stream.flush()
 
 
-def _recv(sock: socket.socket) -> dict[str, Any] | None:
-    frame = recv_frame(sock)
-    return None if frame is None else frame.header
-
-
-def _send(sock: socket.socket, header: dict[str, Any]) -> None:
+def _send(sock: socket.socket, header: dict[str, Any], payload: bytes = b"") -> None:
     global _interrupt_pending
     running = _running
     if running:
         signal.signal(signal.SIGINT, _defer_sigint)
     try:
         _flush_stdio()
-        head = json.dumps(header, separators=(",", ":"), default=repr).encode()
-        sock.sendall(PREFIX.pack(len(head), 0) + head)
+        sock.sendall(encode_frame(header, payload))
     finally:
         if running:
             signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -456,38 +472,56 @@ def _send(sock: socket.socket, header: dict[str, Any]) -> None:
         raise KeyboardInterrupt
 
 
+def _send_line(sock: socket.socket, line: dict[str, Any]) -> None:
+    data = encode_line(line)
+    if len(data) > MAX_LINE:
+        # Too big for one line: the run goes on and says so, instead of breaking the context.
+        what = line.get("type", "output")
+        data = encode_line({"type": "error", "name": "OutputTooLarge",
+                            "value": f"a {what} of {len(data)} bytes is over the {MAX_LINE >> 20} MiB limit of one "
+                                     "output; write it to a file and read it with files.read",
+                            "traceback": ""})  # fmt: skip
+    _send(sock, {"line": True}, data)
+
+
 def _serve_kernel(sock: socket.socket) -> NoReturn:
     global _interrupt_pending
     _install_stdio()
     shell = _shell
     assert shell is not None
-    display.sink = lambda line: _send(sock, {"line": line})
+    display.sink = lambda line: _send_line(sock, line)
     # Touch the shell's run path once while the sandbox's creation is still being answered, so the
     # copy-on-write faults of the first run are not paid by the user's first run_code.
     shell.run_cell("_agentcell_warm = [i * 2 for i in range(3)]", silent=True)
     shell.user_ns.pop("_agentcell_warm", None)
     while True:
-        req = _recv(sock)
-        if req is None:
+        frame = recv_frame(sock)
+        if frame is None:
             os._exit(0)
-        env_vars = {str(k): str(v) for k, v in (req.get("env_vars") or {}).items()}
+        code = frame.payload.decode("utf-8", "replace")
+        env_vars = {str(k): str(v) for k, v in (frame.header.get("env_vars") or {}).items()}
         saved = {k: os.environ.get(k) for k in env_vars}
         try:
-            os.environ.update(env_vars)
-            _send(sock, {"line": {"type": "number_of_executions", "execution_count": shell.execution_count}})
+            try:
+                os.environ.update(env_vars)
+            except ValueError as e:  # a NUL or '=' the server let through: this run fails, the context lives
+                _send_line(sock, {"type": "error", "name": "ValueError", "value": f"invalid env_vars: {e}",
+                                  "traceback": ""})  # fmt: skip
+                continue
+            _send_line(sock, {"type": "number_of_executions", "execution_count": shell.execution_count})
             _interrupt_pending = False  # an interrupt that came between runs was for an earlier run
             try:
                 _arm_sigint()
-                shell.run_cell(req.get("code") or "", store_history=True)
+                shell.run_cell(code, store_history=True)
             finally:
                 _disarm_sigint()
         except KeyboardInterrupt:  # landed outside the user's code, in the shell's own machinery
-            _send(sock, {"line": {"type": "error", "name": "KeyboardInterrupt", "value": "",
-                                  "traceback": "KeyboardInterrupt"}})  # fmt: skip
+            _send_line(sock, {"type": "error", "name": "KeyboardInterrupt", "value": "",
+                              "traceback": "KeyboardInterrupt"})  # fmt: skip
         finally:
             for key, value in saved.items():
                 if value is None:
                     os.environ.pop(key, None)
                 else:
                     os.environ[key] = value
-        _send(sock, {"done": True})
+            _send(sock, {"done": True})

@@ -21,12 +21,24 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentcell.errors import SandboxGoneError, error_from_code
+from agentcell.errors import ResourceExhaustedError, SandboxGoneError, error_from_code
 
 PREFIX = struct.Struct(">II")  # header length, payload length
 MAX_HEADER = 1 << 20  # 1 MiB of JSON is far more than any legitimate header
-MAX_PAYLOAD = 1 << 30  # hard cap on one frame's bytes; file chunks are much smaller
-CHUNK = 1 << 20  # file data and process output travel in frames of at most this size
+MAX_PAYLOAD = 64 << 20  # what the agent accepts from the server (code, upload chunks); the server is trusted
+CHUNK = 256 << 10  # most bytes of data one frame carries (file data, output, parts of a line or an answer)
+MAX_AGENT_FRAME_PAYLOAD = CHUNK  # the server refuses bigger frames from an agent: it chunks everything
+# Flow control: the agent may have at most CALL_WINDOW bytes (header + payload) of stream frames of
+# one call, and CONN_WINDOW bytes of all its calls together, that the server has not credited back.
+# The server credits a frame once its consumer (an HTTP client) has taken it, or when it drops it, so a
+# slow reader slows the producer inside the sandbox instead of growing the server.
+CALL_WINDOW = 512 << 10
+CONN_WINDOW = 4 << 20
+CREDIT_BATCH = CALL_WINDOW // 4  # credits go back in batches of at least this many bytes
+# Slack for frames the agent emits without waiting (one read of process output, JSON-escaped).
+_WINDOW_SLACK = 1 << 20
+MAX_ANSWER = 16 << 20  # a unary answer sent in parts (e.g. a long directory listing) is capped here
+_MAX_ASSEMBLING = 32 << 20  # ... and all answers of one sandbox being assembled at once
 
 
 class ProtocolError(Exception):
@@ -37,6 +49,7 @@ class ProtocolError(Exception):
 class Frame:
     header: dict[str, Any]
     payload: bytes = b""
+    size: int = 0  # header + payload bytes on the wire: what flow control counts
 
     @property
     def done(self) -> bool:
@@ -51,6 +64,11 @@ class Frame:
 def encode_frame(header: dict[str, Any], payload: bytes = b"") -> bytes:
     head = json.dumps(header, separators=(",", ":")).encode()
     return PREFIX.pack(len(head), len(payload)) + head + payload
+
+
+def pieces(data: bytes, size: int = CHUNK) -> list[bytes]:
+    """`data` cut into pieces of at most `size` bytes (one empty piece for empty data)."""
+    return [data[i:i + size] for i in range(0, len(data), size)] or [b""]
 
 
 async def read_frame(reader: asyncio.StreamReader, max_payload: int = MAX_PAYLOAD) -> Frame | None:
@@ -75,7 +93,7 @@ async def read_frame(reader: asyncio.StreamReader, max_payload: int = MAX_PAYLOA
         raise ProtocolError("frame header is not JSON") from None
     if not isinstance(header, dict):
         raise ProtocolError("frame header is not a JSON object")
-    return Frame(header, payload)
+    return Frame(header, payload, head_len + payload_len)
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
@@ -102,16 +120,23 @@ def recv_frame(sock: socket.socket) -> Frame | None:
     header = json.loads(data[:head_len])
     if not isinstance(header, dict):
         raise ProtocolError("frame header is not a JSON object")
-    return Frame(header, data[head_len:])
+    return Frame(header, data[head_len:], head_len + payload_len)
 
 
-@dataclass
+@dataclass(eq=False)
 class _Call:
     queue: asyncio.Queue[Frame | None] = field(default_factory=asyncio.Queue)
+    uncredited: int = 0  # bytes of this call's frames consumed but not yet credited back
 
 
 class AgentChannel:
-    """Server side of the socket to one sandbox's agent: concurrent calls multiplexed by id."""
+    """Server side of the socket to one sandbox's agent: concurrent calls multiplexed by id.
+
+    Everything the agent sends is treated as hostile: frames are size-capped, and an agent that ignores
+    flow control (more un-credited bytes than CONN_WINDOW allows) is cut off, which only ends its own
+    sandbox. The server's memory per sandbox is thus bounded by CONN_WINDOW plus the answers being
+    assembled (_MAX_ASSEMBLING), whatever the sandbox prints or however slowly clients read.
+    """
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._reader = reader
@@ -119,6 +144,8 @@ class AgentChannel:
         self._ids = itertools.count(1)
         self._calls: dict[int, _Call] = {}
         self._write_lock = asyncio.Lock()
+        self.buffered = 0  # bytes of stream frames received and not yet consumed or dropped
+        self._assembling = 0
         self.closed = asyncio.Event()
         self.close_reason = "the sandbox was stopped"
         self._pump = asyncio.get_running_loop().create_task(self._read_loop())
@@ -131,12 +158,21 @@ class AgentChannel:
     async def _read_loop(self) -> None:
         try:
             while True:
-                frame = await read_frame(self._reader)
+                frame = await read_frame(self._reader, MAX_AGENT_FRAME_PAYLOAD)
                 if frame is None:
                     break
-                call = self._calls.get(frame.header.get("id"))  # unknown ids (late frames) are dropped
-                if call is not None:
-                    call.queue.put_nowait(frame)
+                call = self._calls.get(frame.header.get("id"))  # type: ignore[arg-type]
+                if frame.done:
+                    if call is not None:
+                        call.queue.put_nowait(frame)
+                    continue
+                if call is None:  # a late frame of a call we dropped: credit it back at once
+                    self._credit(frame.header.get("id"), frame.size)
+                    continue
+                self.buffered += frame.size
+                if self.buffered > CONN_WINDOW + _WINDOW_SLACK:
+                    raise ProtocolError(f"it sent {self.buffered} bytes beyond what the server credited")
+                call.queue.put_nowait(frame)
         except (ProtocolError, OSError) as e:
             self.close_reason = f"the sandbox agent broke the protocol: {e}"
         finally:
@@ -158,6 +194,37 @@ class AgentChannel:
         with contextlib.suppress(BaseException):
             await self._pump
 
+    def _control(self, header: dict[str, Any]) -> None:
+        """A small control frame (credit, cancel), written without waiting: it never blocks a caller,
+        and frames are whole bytes objects, so it cannot interleave with another frame."""
+        if not self.closed.is_set():
+            with contextlib.suppress(Exception):
+                self._writer.write(encode_frame({"id": 0, **header}))
+
+    def _credit(self, call_id: Any, nbytes: int) -> None:
+        if nbytes > 0 and isinstance(call_id, int):
+            self._control({"op": "credit", "target": call_id, "bytes": nbytes})
+
+    def _consumed(self, call_id: int, call: _Call, frame: Frame) -> None:
+        self.buffered -= frame.size
+        call.uncredited += frame.size
+        if call.uncredited >= CREDIT_BATCH:
+            self._credit(call_id, call.uncredited)
+            call.uncredited = 0
+
+    def _release(self, call_id: int, call: _Call, finished: bool) -> None:
+        """The call is over for the server: credit back all it still holds, cancel it if it runs."""
+        self._calls.pop(call_id, None)
+        held = call.uncredited
+        while not call.queue.empty():
+            frame = call.queue.get_nowait()
+            if frame is not None and not frame.done:
+                self.buffered -= frame.size
+                held += frame.size
+        if not finished:
+            self._control({"op": "cancel", "target": call_id})
+        self._credit(call_id, held)
+
     async def _send(self, header: dict[str, Any], payload: bytes = b"") -> None:
         if self.closed.is_set():
             raise SandboxGoneError(self.close_reason)
@@ -169,20 +236,18 @@ class AgentChannel:
                 self._shutdown()
                 raise SandboxGoneError(self.close_reason) from e
 
-    async def stream(self, op: str, payload: bytes = b"", **fields: Any) -> AsyncIterator[Frame]:
-        """Send a request and yield its non-final frames; raise the typed error the agent reports.
-
-        Leaving the loop early sends ``cancel`` for the call, so the agent can stop the work
-        (a code run is interrupted; a process keeps running, only the subscription ends).
-        """
+    def _new_call(self, fields: dict[str, Any]) -> tuple[int, _Call]:
         if "id" in fields or "op" in fields:
             raise ValueError("'id' and 'op' are reserved frame keys; name the field differently")
         call_id = next(self._ids)
         call = _Call()
         self._calls[call_id] = call
+        return call_id, call
+
+    async def _frames(self, call_id: int, call: _Call) -> AsyncIterator[Frame]:
+        """The call's frames, the final one last (with its error raised); credits what is consumed."""
         finished = False
         try:
-            await self._send({"id": call_id, "op": op, **fields}, payload)
             while True:
                 frame = await call.queue.get()
                 if frame is None:
@@ -190,19 +255,93 @@ class AgentChannel:
                 if frame.done:
                     finished = True
                     frame.raise_for_error()
-                    if frame.header.keys() - {"id", "done"} or frame.payload:
-                        yield frame
+                    yield frame
                     return
                 yield frame
+                self._consumed(call_id, call, frame)  # the consumer came back for more: it took this one
         finally:
-            self._calls.pop(call_id, None)
-            if not finished and not self.closed.is_set():
-                with contextlib.suppress(Exception):
-                    await asyncio.shield(self._send({"id": next(self._ids), "op": "cancel", "target": call_id}))
+            self._release(call_id, call, finished)
+
+    async def stream(self, op: str, payload: bytes = b"", **fields: Any) -> AsyncIterator[Frame]:
+        """Send a request and yield its non-final frames; raise the typed error the agent reports.
+
+        Leaving the loop early sends ``cancel`` for the call, so the agent can stop the work
+        (a code run is interrupted; a process keeps running, only the subscription ends).
+        """
+        call_id, call = self._new_call(fields)
+        frames = self._frames(call_id, call)
+        try:
+            await self._send({"id": call_id, "op": op, **fields}, payload)
+            async for frame in frames:
+                if not frame.done:
+                    yield frame
+                elif frame.header.keys() - {"id", "done"} or frame.payload:
+                    yield frame
+        finally:
+            await frames.aclose()
 
     async def call(self, op: str, payload: bytes = b"", **fields: Any) -> Frame:
-        """A unary request: the agent answers with one final frame."""
-        last = Frame({})
-        async for frame in self.stream(op, payload, **fields):
-            last = frame
-        return last
+        """A unary request: the agent answers with one final frame, or a long answer in parts."""
+        call_id, call = self._new_call(fields)
+        return await self._answer(call_id, call, self._send({"id": call_id, "op": op, **fields}, payload))
+
+    async def upload(self, op: str, chunks: AsyncIterator[bytes], **fields: Any) -> Frame:
+        """A request whose data comes in pieces (``data`` frames, then ``eof``), e.g. a file upload.
+
+        The chunks are sent as the socket takes them, so a big upload never sits in the server's
+        memory. An agent that answers early (an error, e.g. the disk is full) stops the sending.
+        """
+        call_id, call = self._new_call(fields)
+
+        async def send_all() -> None:
+            await self._send({"id": call_id, "op": op, "stream": True, **fields})
+            async for chunk in chunks:
+                for piece in pieces(chunk):
+                    if not call.queue.empty():
+                        return  # answered already: no use sending the rest
+                    await self._send({"id": call_id, "op": "data"}, piece)
+            await self._send({"id": call_id, "op": "data", "eof": True})
+
+        return await self._answer(call_id, call, send_all())
+
+    async def _answer(self, call_id: int, call: _Call, request: Any) -> Frame:
+        frames = self._frames(call_id, call)
+        parts: list[bytes] = []
+        assembled = 0
+        try:
+            await request
+            async for frame in frames:
+                if frame.done:
+                    if not frame.header.get("parts"):
+                        return frame
+                    try:
+                        answer = json.loads(b"".join(parts))
+                    except ValueError:
+                        raise ProtocolError("the agent sent an answer in parts that is not JSON") from None
+                    if not isinstance(answer, dict):
+                        raise ProtocolError("the agent sent an answer in parts that is not a JSON object")
+                    return Frame({**answer, "id": call_id, "done": True})
+                if frame.header.get("event") == "part":
+                    assembled += len(frame.payload)
+                    self._assembling += len(frame.payload)
+                    if assembled > MAX_ANSWER or self._assembling > _MAX_ASSEMBLING:
+                        raise ResourceExhaustedError(
+                            f"the sandbox's answer to this call is over {MAX_ANSWER >> 20} MiB; ask for less "
+                            "(e.g. list a smaller directory or a lower depth)")
+                    parts.append(frame.payload)
+            raise ProtocolError("the call ended without an answer")
+        finally:
+            self._assembling -= assembled
+            await frames.aclose()
+
+
+async def line_dicts(frames: AsyncIterator[Frame]) -> AsyncIterator[dict[str, Any]]:
+    """The E2B lines of a ``code.run`` stream as dicts (lines may come in several ``line`` frames)."""
+    buf = bytearray()
+    async for frame in frames:
+        if frame.header.get("event") != "line":
+            continue
+        buf += frame.payload
+        if not frame.header.get("more"):
+            yield json.loads(buf)
+            buf.clear()

@@ -94,8 +94,10 @@ def error_from_http(status: int, content: bytes, sandbox_id: str | None = None, 
         return error_from_connect(body["code"], message, sandbox_id)
     if status == 502 and "was not found" in message:
         return SandboxNotRunningException(GONE_MESSAGE.format(sid=sandbox_id or (body or {}).get("sandboxId", "?")))
-    if status in (401, 403):
+    if status == 401:
         return AuthenticationException(f"{what} refused ({status}): {message}; check the API key (api_key= / AGENTCELL_API_KEY)")
+    if status == 403:
+        return AuthenticationException(f"{what} refused ({status}): {message}")
     if status == 404:
         return NotFoundException(message)
     if status == 400 or status == 422:

@@ -96,7 +96,8 @@ class AgentcellApp:
             routes=[
                 Route("/health", files.health, methods=["GET"]),
                 Route("/files", files.download, methods=["GET"]),
-                Route("/files", files.upload_handler(config.max_upload_mb << 20), methods=["POST"]),
+                Route("/files", files.upload_handler(config.max_upload_mb << 20, files.UploadSlots(
+                    config.max_uploads, config.max_uploads_per_sandbox)), methods=["POST"]),
             ],
             exception_handlers=_HANDLERS,
         )

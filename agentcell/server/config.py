@@ -22,5 +22,7 @@ class ServerConfig:
     # The `domain` reported to SDKs. None = the Host the request came to, so an SDK without
     # E2B_SANDBOX_URL never falls back to E2B's own cloud domain.
     domain: str | None = None
-    max_upload_mb: int = 512  # largest /files upload body held in memory
+    max_upload_mb: int = 4096  # largest /files upload (streamed into the sandbox, never held whole)
+    max_uploads: int = 64  # uploads in progress server-wide; more wait their turn
+    max_uploads_per_sandbox: int = 8
     log_level: str = "info"

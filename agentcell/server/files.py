@@ -2,22 +2,25 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import contextlib
 import hashlib
 import hmac
 import time
 import zlib
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
-from starlette.datastructures import UploadFile
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from agentcell.errors import SandboxError
 from agentcell.runtime.protocol import Frame
-from agentcell.server.errors import HTTPError, from_sandbox_error
-from agentcell.server.streams import agent_call, current_sandbox
+from agentcell.server.errors import HTTPError, from_sandbox_error, json_error
+from agentcell.server.streams import HTTP_PIECE, current_sandbox
+from agentcell.server.uploads import MultipartStream, boundary_of, capped, gunzipped, too_large
 
 
 def signature(path: str, operation: str, user: str, token: str, expiration: int | None) -> str:
@@ -90,7 +93,9 @@ async def download(request: Request) -> Response:
             frame = first
             while frame is not None:
                 if frame.header.get("event") == "data" and frame.payload:
-                    yield compressor.compress(frame.payload) if compressor else frame.payload
+                    data = compressor.compress(frame.payload) if compressor else frame.payload
+                    for i in range(0, len(data), HTTP_PIECE):
+                        yield data[i:i + HTTP_PIECE]
                 try:
                     frame = await anext(stream)
                 except StopAsyncIteration:
@@ -117,34 +122,9 @@ def _metadata(request: Request) -> dict[str, str] | None:
     return meta or None
 
 
-async def _bounded_body(request: Request, limit: int) -> bytes:
-    length = request.headers.get("content-length")
-    if length and length.isdigit() and int(length) > limit:
-        raise HTTPError(413, f"the upload is larger than the server's limit of {limit >> 20} MiB")
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise HTTPError(413, f"the upload is larger than the server's limit of {limit >> 20} MiB")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def _gunzip(data: bytes, limit: int) -> bytes:
-    d = zlib.decompressobj(47)  # gzip or zlib header
+async def _write(path: str, chunks: AsyncIterator[bytes], metadata: dict[str, str] | None) -> dict[str, Any]:
     try:
-        out = d.decompress(data, limit + 1)
-    except zlib.error as e:
-        raise HTTPError(400, f"the body is not valid gzip: {e}") from None
-    if len(out) > limit or d.unconsumed_tail:
-        raise HTTPError(413, f"the decompressed upload is larger than the server's limit of {limit >> 20} MiB")
-    return out
-
-
-async def _write(path: str, data: bytes, metadata: dict[str, str] | None) -> dict[str, Any]:
-    try:
-        header = await agent_call("fs.write", data, path=path, metadata=metadata)
+        header = (await current_sandbox.get().channel.upload("fs.write", chunks, path=path, metadata=metadata)).header
     except SandboxError as e:
         raise from_sandbox_error(e) from None
     entry: Any = header.get("entry") or {}
@@ -154,40 +134,75 @@ async def _write(path: str, data: bytes, metadata: dict[str, str] | None) -> dic
     return info
 
 
-def upload_handler(max_bytes: int):  # type: ignore[no-untyped-def]
+@dataclass
+class _SandboxSlots:
+    sem: asyncio.Semaphore
+    users: int = 0
+
+
+class UploadSlots:
+    """Bounds uploads in progress, server-wide and per sandbox; a request over the bound waits (its
+    body is not read meanwhile, so a waiting upload costs the server nothing but the connection)."""
+
+    def __init__(self, total: int, per_sandbox: int) -> None:
+        self._total = asyncio.Semaphore(total)
+        self._per_sandbox = per_sandbox
+        self._sandboxes: dict[str, _SandboxSlots] = {}
+
+    @contextlib.asynccontextmanager
+    async def take(self, sandbox_id: str) -> AsyncIterator[None]:
+        slots = self._sandboxes.setdefault(sandbox_id, _SandboxSlots(asyncio.Semaphore(self._per_sandbox)))
+        slots.users += 1
+        try:
+            async with slots.sem, self._total:
+                yield
+        finally:
+            slots.users -= 1
+            if slots.users == 0:  # nobody uploads to it: forget it, so the dict does not grow
+                del self._sandboxes[sandbox_id]
+
+
+def upload_handler(max_bytes: int, slots: UploadSlots):  # type: ignore[no-untyped-def]
     async def upload(request: Request) -> Response:
+        try:
+            return await _upload(request)
+        except HTTPError as e:
+            # The rest of the body may be unread: the connection cannot carry another request.
+            response = json_error(e.status, e.message)
+            response.headers["Connection"] = "close"
+            return response
+
+    async def _upload(request: Request) -> Response:
         query_path = request.query_params.get("path")
         _check_auth(request, query_path or "", "write")
         _check_user(request)
         metadata = _metadata(request)
         content_type = request.headers.get("content-type", "")
-        raw = await _bounded_body(request, max_bytes)
-        if content_type.startswith("multipart/form-data"):
-            request._body = raw  # request.form() re-reads the (already bounded) body
-            try:
-                form = await request.form(max_files=1000, max_fields=1000)
-            except Exception as e:
-                raise HTTPError(400, f"invalid multipart body: {e}") from None
-            try:
-                parts = [v for _, v in form.multi_items() if isinstance(v, UploadFile)]
-                if not parts:
-                    raise HTTPError(400, "the multipart body has no file parts")
+        length = request.headers.get("content-length")
+        if length and length.isdigit() and int(length) > max_bytes:
+            raise too_large(max_bytes)
+        async with slots.take(current_sandbox.get().sandbox_id):
+            body = capped(request.stream(), max_bytes)
+            if content_type.startswith("multipart/form-data"):
                 results = []
-                for part in parts:
-                    dest = query_path if (query_path and len(parts) == 1) else part.filename
+                async for part in MultipartStream(body, boundary_of(content_type)).parts():
+                    if part.filename is None:
+                        continue  # a plain form field, not a file
+                    # The path query parameter names the destination of a single-file upload.
+                    dest = query_path if (query_path and not results) else part.filename
                     if not dest:
                         raise HTTPError(400, "each file part needs a filename (the destination path)")
-                    results.append(await _write(dest, await part.read(), metadata))
-            finally:
-                await form.close()
-            return JSONResponse(results)
-        if not query_path:
-            raise HTTPError(400, "the 'path' query parameter is required for an octet-stream upload")
-        encoding = request.headers.get("content-encoding", "identity").lower()
-        if encoding == "gzip":
-            raw = _gunzip(raw, max_bytes)
-        elif encoding not in ("", "identity"):
-            raise HTTPError(400, f"unsupported Content-Encoding {encoding!r}; use gzip or none")
-        return JSONResponse([await _write(query_path, raw, metadata)])
+                    results.append(await _write(dest, part.data(), metadata))
+                if not results:
+                    raise HTTPError(400, "the multipart body has no file parts")
+                return JSONResponse(results)
+            if not query_path:
+                raise HTTPError(400, "the 'path' query parameter is required for an octet-stream upload")
+            encoding = request.headers.get("content-encoding", "identity").lower()
+            if encoding == "gzip":
+                body = gunzipped(body, max_bytes)
+            elif encoding not in ("", "identity"):
+                raise HTTPError(400, f"unsupported Content-Encoding {encoding!r}; use gzip or none")
+            return JSONResponse([await _write(query_path, body, metadata)])
 
     return upload

@@ -15,14 +15,18 @@ from agentcell.errors import InvalidArgumentError, SandboxError, SandboxGoneErro
 from agentcell.server import validate
 from agentcell.server.control import json_body
 from agentcell.server.errors import HTTPError, from_sandbox_error
-from agentcell.server.streams import KEEPALIVE, agent_call, current_sandbox, with_keepalive
+from agentcell.server.streams import HTTP_PIECE, KEEPALIVE, agent_call, current_sandbox, with_keepalive
 
 KEEPALIVE_S = 5.0
+MAX_RUN_TIMEOUT_S = 24 * 3600
 _LANGUAGES = {None: None, "": None, "python": "python", "js": "javascript", "ts": "typescript"}
 
 
 def _line(obj: dict[str, Any]) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode() + b"\n"
+
+
+_KEEPALIVE_LINE = _line({"type": "keepalive"})
 
 
 def _opt_str(body: dict[str, Any], key: str) -> str | None:
@@ -37,6 +41,16 @@ async def _call(op: str, **fields: Any) -> dict[str, Any]:
         return await agent_call(op, **fields)
     except SandboxError as e:
         raise from_sandbox_error(e) from None
+
+
+def _timeout_ms(body: dict[str, Any]) -> int:
+    """agentcell's `timeout` (seconds, 0 or absent = none): a total deadline enforced in the sandbox."""
+    value = body.get("timeout")
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= MAX_RUN_TIMEOUT_S:
+        raise HTTPError(400, f"'timeout' must be a number of seconds between 0 and {MAX_RUN_TIMEOUT_S}")
+    return int(value * 1000)
 
 
 async def execute(request: Request) -> Response:
@@ -57,9 +71,8 @@ async def execute(request: Request) -> Response:
         env_vars = validate.env_map(body.get("env_vars"), "env_vars") or None
     except InvalidArgumentError as e:
         raise HTTPError(400, e.message) from None
-    stream = rec.channel.stream(
-        "code.run", code=code, context_id=context_id or None, language=language, env_vars=env_vars, timeout_ms=0
-    )
+    stream = rec.channel.stream("code.run", code.encode("utf-8", "surrogatepass"), context_id=context_id or None,
+                                language=language, env_vars=env_vars, timeout_ms=_timeout_ms(body))
     # The first frame decides the status: an unknown context is a 404, not a 200 stream.
     lines = with_keepalive(stream, KEEPALIVE_S)
     first: Any = None
@@ -72,28 +85,39 @@ async def execute(request: Request) -> Response:
         raise from_sandbox_error(e) from None
 
     async def body_iter() -> AsyncIterator[bytes]:
-        # Leaving early (the client went away) closes `lines`, which cancels the agent call and so
-        # interrupts the run.
+        # Lines arrive as JSON text in one or more frames and go out as they come: the server never
+        # holds a whole result. Leaving early (the client went away) closes `lines`, which cancels
+        # the agent call and so interrupts the run.
+        line_open = False
         try:
             item = first
             while item is not None:
                 if item is KEEPALIVE:
-                    yield _line({"type": "keepalive"})
-                else:
-                    line = item.header.get("line")
-                    if isinstance(line, dict):
-                        yield _line(line)
+                    if not line_open:  # never in the middle of a line
+                        yield _KEEPALIVE_LINE
+                elif item.header.get("event") == "line":
+                    # json.dumps never writes a raw newline; one from a broken agent must not split lines
+                    data = item.payload.replace(b"\n", b" ")
+                    for i in range(0, len(data), HTTP_PIECE):
+                        yield data[i:i + HTTP_PIECE]
+                    line_open = bool(item.header.get("more"))
+                    if not line_open:
+                        yield b"\n"
                 try:
                     item = await anext(lines)
                 except StopAsyncIteration:
                     item = None
         except SandboxGoneError as e:
-            yield _line({"type": "error", "name": "UnexpectedEndOfExecution", "value": e.message, "traceback": ""})
+            yield (b"\n" if line_open else b"") + _line(
+                {"type": "error", "name": "UnexpectedEndOfExecution", "value": e.message, "traceback": ""})
+            line_open = False
         except SandboxError as e:
-            yield _line({"type": "error", "name": type(e).__name__, "value": e.message, "traceback": ""})
+            yield (b"\n" if line_open else b"") + _line(
+                {"type": "error", "name": type(e).__name__, "value": e.message, "traceback": ""})
+            line_open = False
         finally:
             await lines.aclose()
-        yield _line({"type": "end_of_execution"})
+        yield (b"\n" if line_open else b"") + _line({"type": "end_of_execution"})
 
     return StreamingResponse(body_iter(), media_type="application/x-ndjson")
 

@@ -19,50 +19,41 @@ current_sandbox: contextvars.ContextVar[SandboxRecord] = contextvars.ContextVar(
 AGENT_CALL_TIMEOUT_S = 120.0  # a unary agent op that takes longer means a wedged agent, not slow work
 
 KEEPALIVE = object()  # yielded by with_keepalive when the source was idle for `interval` seconds
-_END = object()
+HTTP_PIECE = 64 << 10  # data goes to uvicorn in pieces this big, so its write buffer stays small
 
 
 async def with_keepalive(source: AsyncIterator[T], interval: float) -> AsyncIterator[T | object]:
     """Yield the items of `source`, and KEEPALIVE whenever it stays quiet for `interval` seconds.
 
-    The source runs in its own task, so a keepalive never cancels a pending read of it. Leaving the
-    loop early cancels that task, which closes `source` (its finally blocks run: the agent call is
-    cancelled).
+    Nothing is read ahead: the one pending read of `source` completes only when the source has an
+    item, which is yielded at once, so flow control reaches back to the producer in the sandbox.
+    A keepalive never cancels that pending read. Leaving the loop early closes `source` (its finally
+    blocks run: the agent call is cancelled).
     """
-    queue: asyncio.Queue[object] = asyncio.Queue(maxsize=16)  # bounded: a slow client slows the pump
-
-    async def pump() -> None:
-        try:
-            async for item in source:
-                await queue.put(item)
-            await queue.put(_END)
-        except asyncio.CancelledError:
-            raise
-        except BaseException as e:  # handed to the consumer, which re-raises it
-            await queue.put(e)
-        finally:
-            aclose = getattr(source, "aclose", None)
-            if aclose is not None:
-                with contextlib.suppress(BaseException):
-                    await aclose()
-
-    task = asyncio.get_running_loop().create_task(pump())
+    pending: asyncio.Task[T] | None = None
     try:
         while True:
-            try:
-                item = await asyncio.wait_for(queue.get(), interval)
-            except TimeoutError:
+            if pending is None:
+                pending = asyncio.ensure_future(anext(source))
+            done, _ = await asyncio.wait({pending}, timeout=interval)
+            if not done:
                 yield KEEPALIVE
                 continue
-            if item is _END:
+            task, pending = pending, None
+            try:
+                item = task.result()
+            except StopAsyncIteration:
                 return
-            if isinstance(item, BaseException):
-                raise item
-            yield item  # type: ignore[misc]
+            yield item
     finally:
-        task.cancel()
-        with contextlib.suppress(BaseException):
-            await task
+        if pending is not None:
+            pending.cancel()
+            with contextlib.suppress(BaseException):
+                await pending
+        aclose = getattr(source, "aclose", None)
+        if aclose is not None:
+            with contextlib.suppress(BaseException):
+                await aclose()
 
 
 async def agent_call(op: str, payload: bytes = b"", **fields: object) -> dict[str, object]:
