@@ -56,17 +56,44 @@ def main() -> None:
 @click.option("--uid-base", default=None, type=click.IntRange(1000, (1 << 31) - 1),
               help="First host uid of this server's sandboxes (default: a free range, disjoint from other servers').")
 @click.option("--backend", default="linux", show_default=True, type=click.Choice(["linux"]), help="Isolation backend.")
+@click.option("--max-memory-mb", type=click.IntRange(32), default=None,
+              help="Most memory one sandbox may ask for (default 8192).")
+@click.option("--max-pids", type=click.IntRange(8), default=None, help="Most processes+threads per sandbox (default 1024).")
+@click.option("--max-cpus", type=click.FloatRange(0.05), default=None, help="Most CPUs per sandbox (default: the host's).")
+@click.option("--max-disk-mb", type=click.IntRange(1), default=None, help="Most disk per sandbox (default 8192).")
+@click.option("--max-open-files", type=click.IntRange(64), default=None, help="Most open files per process (default 65536).")
+@click.option("--max-timeout", type=click.IntRange(1), default=3600, show_default=True,
+              help="Longest sandbox lifetime a client may ask for, in seconds.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 def serve(host: str, port: int, uds: str | None, api_key: str | None, max_sandboxes: int, uid_base: int | None,
-          backend: str, log_level: str) -> None:
+          backend: str, max_memory_mb: int | None, max_pids: int | None, max_cpus: float | None,
+          max_disk_mb: int | None, max_open_files: int | None, max_timeout: int, log_level: str) -> None:
     """Run the server (control plane and every sandbox's data plane on one port). Needs root."""
+    import dataclasses
+
+    from agentcell.backends.base import Limits
     from agentcell.server import ServerConfig
     from agentcell.server import serve as run_server
+    from agentcell.server.config import default_max_limits
 
+    ceilings = {"memory_mb": max_memory_mb, "pids": max_pids, "cpu_count": max_cpus, "disk_mb": max_disk_mb,
+                "open_files": max_open_files}
+    max_limits = dataclasses.replace(default_max_limits(), **{k: v for k, v in ceilings.items() if v is not None})
+    # A lowered maximum lowers the default with it.
+    limits = Limits(**{f.name: min(getattr(Limits(), f.name), getattr(max_limits, f.name))
+                       for f in dataclasses.fields(Limits)})
     _watch_lifeline()
-    run_server(ServerConfig(host=host, port=port, uds=uds, api_key=api_key, max_sandboxes=max_sandboxes,
-                            uid_base=uid_base, backend=backend, log_level=log_level))
+    try:
+        config = ServerConfig(host=host, port=port, uds=uds, api_key=api_key, max_sandboxes=max_sandboxes,
+                              uid_base=uid_base, backend=backend, limits=limits, max_limits=max_limits,
+                              default_timeout=min(300, max_timeout), max_timeout=max_timeout, log_level=log_level)
+        from agentcell.server.config import check
+
+        check(config)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    run_server(config)
 
 
 def _opts(f):  # type: ignore[no-untyped-def]

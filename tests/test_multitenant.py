@@ -7,10 +7,13 @@ Each test attacks through the public API of a real server, then checks that a ne
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import secrets
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +22,7 @@ import httpx
 import pytest
 from conftest import REPO, ServerProcess
 
-from agentcell import Sandbox
+from agentcell import InvalidArgumentException, Sandbox, SandboxException, TimeoutException
 
 pytestmark = pytest.mark.skipif(bool(os.environ.get("AGENTCELL_TEST_SERVER_URL")),
                                 reason="these tests start, inspect and kill server processes of their own")
@@ -166,3 +169,285 @@ def test_uid_range_refuses_real_users_and_subordinate_ranges(tmp_path: Path) -> 
     assert lines[0].startswith("refused 60000") and "/etc/passwd" in lines[0], p.stdout + p.stderr
     assert lines[1].startswith("refused 500") and "1000-" in lines[1], p.stdout
     assert int(lines[2].split()[1]) >= 1 << 20
+
+
+# --- 6, 7. server memory stays bounded whatever a sandbox prints or a client sends ---------------------
+
+
+def rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+class RssWatch:
+    """The peak RSS of a process, sampled in a thread while the `with` block runs."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.base = rss_mib(pid)
+        self.peak = self.base
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.05):
+            self.peak = max(self.peak, rss_mib(self.pid))
+
+    def __enter__(self) -> RssWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    @property
+    def growth(self) -> float:
+        return self.peak - self.base
+
+
+def slow_read(url: str, path: str, body: bytes, headers: dict[str, str], seconds: float) -> int:
+    """POST `body` to `path` and read the response at ~40 KB/s for `seconds`; returns bytes read."""
+    host, port = url.removeprefix("http://").split(":")
+    head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+    with socket.create_connection((host, int(port))) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\n{head}Content-Length: {len(body)}\r\n\r\n".encode()
+                  + body)
+        got = 0
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            got += len(s.recv(4096))
+            time.sleep(0.1)
+        return got
+
+
+def test_slow_readers_do_not_grow_the_server(server: ServerProcess, server_url: str, neighbour: Sandbox) -> None:
+    sbx = Sandbox.create(api_url=server_url, timeout=300)
+    try:
+        sbx.files.write("/home/user/big.bin", b"\0" * (1 << 20))
+        sbx.commands.run("for i in $(seq 300); do cat /home/user/big.bin; done > /home/user/huge.bin")
+        auth = {"E2b-Sandbox-Id": sbx.sandbox_id, "X-Access-Token": sbx._conn.access_token}
+        code = json.dumps({"code": "import sys\nn = 0\nwhile True:\n    sys.stdout.write('x' * 65535 + '\\n'); n += 1\n"
+                                   "    open('/tmp/printed', 'w').write(str(n))\n"}).encode()
+        with RssWatch(server.pid) as watch:
+            threads = [
+                # a code run printing without end, a command printing without end, a 300 MB download
+                threading.Thread(target=slow_read, args=(server_url, "/execute", code, {
+                    **auth, "E2b-Sandbox-Port": "49999", "Content-Type": "application/json"}, 15)),
+                threading.Thread(target=slow_read, args=(server_url, "/process.Process/Start", json.dumps(
+                    {"process": {"cmd": "/bin/sh", "args": ["-c", "yes $(head -c 4000 /dev/zero | tr '\\0' x)"]}}
+                ).encode(), {**auth, "E2b-Sandbox-Port": "49983", "Content-Type": "application/connect+json"}, 15)),
+            ]
+            for t in threads:
+                t.start()
+            with httpx.Client(base_url=server_url, timeout=60) as c, c.stream(
+                    "GET", "/files", params={"path": "/home/user/huge.bin"}, headers=auth) as r:
+                assert r.status_code == 200
+                got = 0
+                for chunk in r.iter_raw(4096):
+                    got += len(chunk)
+                    time.sleep(0.01)
+                    if got > 4 << 20:
+                        break
+            for t in threads:
+                t.join()
+        # The code in the sandbox was slowed down to the reader's pace, not buffered in the server.
+        printed = int(sbx.files.read("/tmp/printed")) * 64 << 10
+        assert printed < 64 << 20, f"the sandbox printed {printed >> 20} MiB for a reader that took 600 KiB"
+        assert watch.growth < 64, f"the server grew by {watch.growth:.0f} MiB"
+        print(f"\nslow readers: server RSS {watch.base:.0f} -> peak {watch.peak:.0f} MiB; "
+              f"the code printed {printed >> 20} MiB in 15 s")
+        assert sbx.run_code("1 + 1").text == "2"  # the abandoned run was interrupted, the sandbox is fine
+    finally:
+        sbx.kill()
+    assert_neighbour_and_server_fine(neighbour, server_url)
+
+
+def test_uploads_stream_through_the_server(server: ServerProcess, server_url: str, neighbour: Sandbox) -> None:
+    sbx = Sandbox.create(api_url=server_url, timeout=300, limits={"memoryMB": 1536, "diskMB": 1024})
+    auth = {"E2b-Sandbox-Id": sbx.sandbox_id, "X-Access-Token": sbx._conn.access_token}
+    chunk = os.urandom(1 << 20)
+
+    def body(mib: int) -> Iterator[bytes]:
+        for _ in range(mib):
+            yield chunk
+
+    try:
+        with RssWatch(server.pid) as watch, httpx.Client(base_url=server_url, headers=auth, timeout=120) as c:
+            r = c.post("/files", params={"path": "/home/user/one.bin"}, content=body(400),
+                       headers={"Content-Type": "application/octet-stream"})
+            assert r.status_code == 200, r.text
+            parallel = [threading.Thread(target=lambda i=i: c.post(
+                "/files", params={"path": f"/home/user/p{i}.bin"}, content=body(100),
+                headers={"Content-Type": "application/octet-stream"})) for i in range(4)]
+            for t in parallel:
+                t.start()
+            for t in parallel:
+                t.join()
+            r = c.post("/files", files={"file": ("/home/user/multi.bin", _FileOf(body(100)))})
+            assert r.status_code == 200, r.text
+        sizes = sbx.commands.run("stat -c %s /home/user/one.bin /home/user/p*.bin /home/user/multi.bin").stdout.split()
+        assert sizes == [str(400 << 20)] + [str(100 << 20)] * 4 + [str(100 << 20)]
+        assert sbx.commands.run("head -c 1048576 /home/user/one.bin | md5sum").stdout.split()[0] == \
+            hashlib.md5(chunk).hexdigest()
+        assert watch.growth < 64, f"uploading 900 MiB grew the server by {watch.growth:.0f} MiB"
+        print(f"\nuploads: server RSS {watch.base:.0f} -> peak {watch.peak:.0f} MiB for 900 MiB uploaded")
+        # A failed upload (the disk fills up) leaves the old file as it was and nothing half-written.
+        sbx.files.write("/home/user/keep.txt", "old")
+        with httpx.Client(base_url=server_url, headers=auth, timeout=120) as c:
+            r = c.post("/files", params={"path": "/home/user/keep.txt"}, content=body(600),
+                       headers={"Content-Type": "application/octet-stream"})
+        assert r.status_code == 507, r.text
+        assert sbx.files.read("/home/user/keep.txt") == "old"
+        assert "upload" not in sbx.commands.run("ls -a /home/user").stdout
+    finally:
+        sbx.kill()
+    assert_neighbour_and_server_fine(neighbour, server_url)
+
+
+class _FileOf:
+    """A binary file-like object over an iterator of chunks (httpx streams it in a multipart body)."""
+
+    def __init__(self, chunks: Iterator[bytes]) -> None:
+        self._chunks = chunks
+        self._buf = b""
+
+    def read(self, n: int = -1) -> bytes:
+        while n < 0 or len(self._buf) < n:
+            piece = next(self._chunks, None)
+            if piece is None:
+                break
+            self._buf += piece
+        out, self._buf = (self._buf, b"") if n < 0 else (self._buf[:n], self._buf[n:])
+        return out
+
+
+# --- 10. big payloads are chunked; an oversized one fails only its own call ----------------------------
+
+
+def test_big_results_code_and_listings(server_url: str, neighbour: Sandbox) -> None:
+    with Sandbox.create(api_url=server_url, limits={"memoryMB": 1024, "diskMB": 512}) as sbx:
+        sbx.run_code("state = 'kept'")
+        assert len(sbx.run_code("'a' * 2_000_000").text) == 2_000_002  # a 2 MB result
+        png = sbx.run_code(
+            "import numpy as np, matplotlib.pyplot as plt\n"
+            "fig = plt.figure(figsize=(20, 20), dpi=100); plt.imshow(np.random.rand(2000, 2000)); plt.show()"
+        ).results[0].png
+        assert len(png) > 2_500_000  # a PNG over 2.5 MB, whole
+        code = "x = '" + "y" * 1_100_000 + "'\nprint(len(x))"
+        assert sbx.run_code(code).logs.stdout == ["1100000\n"]  # 1.1 MB of code
+        sbx.commands.run("mkdir /home/user/many && cd /home/user/many && "
+                         "for i in $(seq 6000); do : > file-with-a-long-name-to-make-it-big-$i; done")
+        assert len(sbx.files.list("/home/user/many")) == 6000
+        r = sbx.run_code("'z' * (40 << 20)")  # over the 32 MiB limit of one output
+        assert r.error is not None and r.error.name == "OutputTooLarge", r
+        assert sbx.run_code("state").text == "'kept'"  # the context lived through all of it
+        assert sbx.commands.run("echo fine").stdout == "fine\n"
+    assert_neighbour_and_server_fine(neighbour, server_url)
+
+
+def test_junk_on_the_context_socket_restarts_only_that_context(server_url: str, neighbour: Sandbox) -> None:
+    with Sandbox.create(api_url=server_url) as sbx:
+        r = sbx.run_code("import os; os.write(3, b'\\xff' * 64)")  # user code can reach its context's socket
+        assert r.error is not None and r.error.name == "UnexpectedEndOfExecution"
+        assert sbx.run_code("1 + 2").text == "3"
+    assert_neighbour_and_server_fine(neighbour, server_url)
+
+
+# --- 11. the files API reads only regular files ---------------------------------------------------------
+
+
+def test_files_api_refuses_fifos_devices_and_the_agents_proc(server_url: str, neighbour: Sandbox) -> None:
+    with Sandbox.create(api_url=server_url) as sbx:
+        sbx.commands.run("mkfifo /home/user/fifo; ln -s /dev/zero /home/user/zero; ln -s /dev/urandom /tmp/rnd")
+        for path in ("/home/user/fifo", "/home/user/zero", "/tmp/rnd", "/dev/zero", "/dev/tty"):
+            t = time.monotonic()
+            with pytest.raises(InvalidArgumentException, match="regular file|No such device"):
+                sbx.files.read(path)
+            assert time.monotonic() - t < 5
+        t = time.monotonic()
+        with pytest.raises(InvalidArgumentException, match="regular file"):
+            sbx.files.write("/home/user/fifo", "x")  # a FIFO without a reader would block a plain open
+        assert time.monotonic() - t < 5
+        for path in ("/proc/1/environ", "/proc/self/environ", "/proc/thread-self/environ", "/proc/1/cmdline"):
+            with pytest.raises(SandboxException, match="agent's own /proc|Permission denied"):
+                sbx.files.read(path)
+        assert sbx.files.read("/proc/version").startswith("Linux")  # other /proc files read fine
+        assert sbx.commands.run("echo alive").stdout == "alive\n"
+    assert_neighbour_and_server_fine(neighbour, server_url)
+
+
+# --- 12. a run's timeout is a total deadline, enforced in the sandbox -----------------------------------
+
+
+def test_run_code_timeout_is_a_total_deadline(server_url: str, e2b_env: str, neighbour: Sandbox) -> None:
+    from e2b_code_interpreter import Sandbox as E2BSandbox
+
+    with Sandbox.create(api_url=server_url) as sbx:
+        sbx.run_code("kept = 5")
+        t = time.monotonic()
+        with pytest.raises(TimeoutException):
+            sbx.run_code("import time\nfor _ in range(600):\n    print('tick', flush=True); time.sleep(0.1)", timeout=6)
+        assert 5.5 < time.monotonic() - t < 9
+        t = time.monotonic()
+        assert sbx.run_code("kept").text == "5" and time.monotonic() - t < 2  # interrupted, not restarted
+        # The deadline holds in the sandbox too, for a client that never gives up itself.
+        auth = {"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "49999", "X-Access-Token": sbx._conn.access_token}
+        t = time.monotonic()
+        r = httpx.post(f"{server_url}/execute", headers=auth, timeout=60,
+                       json={"code": "import time\ntime.sleep(60)", "timeout": 3})
+        assert 2.5 < time.monotonic() - t < 6
+        assert '"KeyboardInterrupt"' in r.text and "timed out after 3" in r.text
+    e2b = E2BSandbox.create()
+    try:
+        e2b.run_code("kept = 6")
+        t = time.monotonic()
+        with pytest.raises(Exception, match="(?i)time"):
+            e2b.run_code("import time\nwhile True:\n    print('tick', flush=True); time.sleep(0.1)", timeout=6)
+        # The official SDK keeps its deadline client-side (its transport allows up to twice the
+        # timeout); when it gives up, the run in the sandbox is interrupted, not left running.
+        assert 5.5 < time.monotonic() - t < 15
+        t = time.monotonic()
+        assert e2b.run_code("kept").text == "6" and time.monotonic() - t < 3
+    finally:
+        e2b.kill()
+    assert_neighbour_and_server_fine(neighbour, server_url)
+
+
+# --- 8. client-chosen limits have an operator's ceiling ------------------------------------------------
+
+
+@pytest.mark.parametrize(("body", "fragment"), [
+    ({"limits": {"memoryMB": 65536}}, "memoryMB must be between 32 and 8192"),
+    ({"limits": {"pids": 32768}}, "pids must be between 8 and 1024"),
+    ({"limits": {"cpuCount": 256}}, "cpuCount must be between 0.05 and"),
+    ({"limits": {"diskMB": 1 << 20}}, "diskMB must be between 1 and"),
+    ({"limits": {"openFiles": 1 << 20}}, "openFiles must be between 64 and 65536"),
+    ({"timeout": 24 * 3600}, "between 1 and 3600 seconds"),
+])
+def test_limits_over_the_ceiling_are_refused(server_url: str, body: dict[str, object], fragment: str) -> None:
+    before = len(httpx.get(f"{server_url}/sandboxes", timeout=30).json())
+    r = httpx.post(f"{server_url}/v2/sandboxes", json={"templateID": "base", **body}, timeout=30)
+    assert r.status_code == 400 and fragment in r.json()["message"], r.text
+    assert len(httpx.get(f"{server_url}/sandboxes", timeout=30).json()) == before
+
+
+def test_operator_sets_the_ceilings(tmp_path: Path) -> None:
+    srv = ServerProcess(tmp_path / "small.log", "--max-memory-mb", "256", "--max-pids", "64", "--max-timeout", "60",
+                        "--max-sandboxes", "20")
+    try:
+        srv.wait_ready()
+        r = httpx.post(f"{srv.url}/v2/sandboxes", json={"templateID": "base", "limits": {"memoryMB": 512}}, timeout=30)
+        assert r.status_code == 400 and "between 32 and 256" in r.json()["message"]
+        r = httpx.post(f"{srv.url}/v2/sandboxes", json={"templateID": "base", "timeout": 61}, timeout=30)
+        assert r.status_code == 400 and "between 1 and 60" in r.json()["message"]
+        with Sandbox.create(api_url=srv.url, timeout=60) as sbx:  # the defaults came down to the ceilings
+            info = httpx.get(f"{srv.url}/sandboxes/{sbx.sandbox_id}", timeout=30).json()
+            assert info["limits"]["memoryMB"] == 256 and info["limits"]["pids"] == 64
+            assert sbx.run_code("1 + 1").text == "2"
+    finally:
+        srv.stop()

@@ -25,17 +25,21 @@ class Limits:
     file_size_mb: int = 1024  # RLIMIT_FSIZE: no single file bigger than this
 
     def validate(self) -> None:
-        for name, low, high in (
-            ("memory_mb", 32, 65536),
-            ("pids", 8, 32768),
-            ("cpu_count", 0.05, 256),
-            ("disk_mb", 1, 1 << 20),
-            ("open_files", 64, 1 << 20),
-            ("file_size_mb", 1, 1 << 20),
-        ):
+        for name, (low, high) in LIMIT_RANGES.items():
             value = getattr(self, name)
             if not low <= value <= high:
                 raise ValueError(f"{name} must be between {low} and {high}, got {value}")
+
+
+# What the backend can enforce at all; a server's operator sets its own, lower maximums.
+LIMIT_RANGES: dict[str, tuple[float, float]] = {
+    "memory_mb": (32, 65536),
+    "pids": (8, 32768),
+    "cpu_count": (0.05, 256),
+    "disk_mb": (1, 1 << 20),
+    "open_files": (64, 1 << 20),
+    "file_size_mb": (1, 1 << 20),
+}
 
 
 @dataclass(frozen=True, slots=True)

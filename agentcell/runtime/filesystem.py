@@ -45,7 +45,16 @@ _ERRNO_ERRORS: dict[int, type[SandboxError]] = {
     errno.ELOOP: InvalidArgumentError,
     errno.ENOTEMPTY: InvalidArgumentError,
     errno.EXDEV: InvalidArgumentError,
+    errno.ENXIO: InvalidArgumentError,  # e.g. /dev/tty with no terminal, a FIFO with no reader
+    errno.ENODEV: InvalidArgumentError,
+    errno.EINVAL: InvalidArgumentError,
+    errno.EBUSY: InvalidArgumentError,
+    errno.ETXTBSY: InvalidArgumentError,
+    errno.EMFILE: ResourceExhaustedError,
+    errno.ENFILE: ResourceExhaustedError,
+    errno.ENOMEM: ResourceExhaustedError,
 }
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
 def os_error(e: OSError, path: str | None = None) -> SandboxError:
@@ -53,7 +62,7 @@ def os_error(e: OSError, path: str | None = None) -> SandboxError:
     cls = _ERRNO_ERRORS.get(e.errno or 0, SandboxError)
     where = path or e.filename
     reason = e.strerror or str(e)
-    if cls is ResourceExhaustedError:
+    if e.errno in _DISK_FULL:
         reason += " (the sandbox's disk or file size limit was reached)"
     return cls(f"{where}: {reason}" if where else reason)
 

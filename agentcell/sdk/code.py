@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -13,15 +14,35 @@ DEFAULT_TIMEOUT = 300.0  # seconds, like e2b-code-interpreter
 
 
 def execute_body(code: str, language: str | None, context: Context | str | None,
-                 envs: dict[str, str] | None) -> dict[str, Any]:
+                 envs: dict[str, str] | None, timeout: float | None) -> dict[str, Any]:
     if language and context:
         raise InvalidArgumentException("You can provide context or language, but not both at the same time.")
     context_id = context.id if isinstance(context, Context) else context
-    return {"code": code, "context_id": context_id, "language": language, "env_vars": envs}
+    body = {"code": code, "context_id": context_id, "language": language, "env_vars": envs}
+    if timeout is not None:
+        body["timeout"] = timeout  # agentcell: the sandbox interrupts the run at this total deadline
+    return body
 
 
 def exec_timeout(timeout: float | None) -> float | None:
     return None if timeout == 0 else (timeout or DEFAULT_TIMEOUT)
+
+
+class Deadline:
+    """The run's total deadline. The server interrupts the run at it (keepalive lines would keep a
+    read timeout from ever firing); the client raises TimeoutException once it is past."""
+
+    def __init__(self, timeout: float | None) -> None:
+        self.timeout = timeout
+        self._end = time.monotonic() + timeout if timeout is not None else None
+
+    def read_timeout(self) -> float | None:
+        # a backstop for servers that do not enforce the deadline and send no keepalives
+        return self.timeout + 10 if self.timeout is not None else None
+
+    def check(self) -> None:
+        if self._end is not None and time.monotonic() >= self._end:
+            raise execution_timeout_error()
 
 
 def execution_timeout_error() -> TimeoutException:

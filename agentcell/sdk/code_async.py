@@ -23,9 +23,10 @@ class AsyncCodeInterpreter:
                        on_result: Callable | None = None, on_error: Callable | None = None,
                        envs: dict[str, str] | None = None, timeout: float | None = None,
                        request_timeout: float | None = None) -> Execution:
-        body = c.execute_body(code, language, context, envs)
+        deadline = c.Deadline(c.exec_timeout(timeout))
+        body = c.execute_body(code, language, context, envs, deadline.timeout)
         cbs = c.callbacks(on_stdout, on_stderr, on_result, on_error)
-        t = httpx.Timeout(c.exec_timeout(timeout), connect=request_timeout or self._conn.config.request_timeout)
+        t = httpx.Timeout(deadline.read_timeout(), connect=request_timeout or self._conn.config.request_timeout)
         client = async_client(self._conn.config.endpoint)
         execution = Execution()
         try:
@@ -35,11 +36,13 @@ class AsyncCodeInterpreter:
                 if r.status_code != 200:
                     raise error_from_http(r.status_code, await r.aread(), self._conn.sandbox_id, "run_code")
                 async for line in r.aiter_lines():
+                    deadline.check()
                     due = c.parse_line(execution, line)
                     if due is not None and due[0] in cbs:
                         res = cbs[due[0]](due[1])
                         if inspect.isawaitable(res):
                             await res
+                deadline.check()  # a run the server interrupted at the deadline ends this way
             finally:
                 await r.aclose()
         except httpx.ReadTimeout:

@@ -23,9 +23,10 @@ class CodeInterpreter:
                  on_result: Callable | None = None, on_error: Callable | None = None,
                  envs: dict[str, str] | None = None, timeout: float | None = None,
                  request_timeout: float | None = None) -> Execution:
-        body = c.execute_body(code, language, context, envs)
+        deadline = c.Deadline(c.exec_timeout(timeout))
+        body = c.execute_body(code, language, context, envs, deadline.timeout)
         cbs = c.callbacks(on_stdout, on_stderr, on_result, on_error)
-        t = httpx.Timeout(c.exec_timeout(timeout), connect=request_timeout or self._conn.config.request_timeout)
+        t = httpx.Timeout(deadline.read_timeout(), connect=request_timeout or self._conn.config.request_timeout)
         client = self._client
         execution = Execution()
         try:
@@ -35,9 +36,11 @@ class CodeInterpreter:
                 if r.status_code != 200:
                     raise error_from_http(r.status_code, r.read(), self._conn.sandbox_id, "run_code")
                 for line in r.iter_lines():
+                    deadline.check()
                     due = c.parse_line(execution, line)
                     if due is not None and due[0] in cbs:
                         cbs[due[0]](due[1])
+                deadline.check()  # a run the server interrupted at the deadline ends this way
             finally:
                 r.close()
         except httpx.ReadTimeout:

@@ -22,6 +22,7 @@ from agentcell.backends import get_backend
 from agentcell.backends.base import Backend
 from agentcell.server import files, interpreter
 from agentcell.server.config import ServerConfig
+from agentcell.server.config import check as check_config
 from agentcell.server.control import ControlPlane
 from agentcell.server.envd import filesystem_app, process_app
 from agentcell.server.errors import HTTPError, json_error, sandbox_not_found
@@ -87,6 +88,7 @@ def _route_target(scope: dict[str, Any]) -> tuple[str, int] | None:
 
 class AgentcellApp:
     def __init__(self, config: ServerConfig, backend: Backend | None = None) -> None:
+        check_config(config)
         self.config = config
         self.backend = backend or get_backend(config.backend, uid_base=config.uid_base,
                                               max_sandboxes=config.max_sandboxes)

@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from dataclasses import dataclass, field
 
 from agentcell.backends.base import Limits
+
+
+def default_max_limits() -> Limits:
+    """The most a client may ask for one sandbox unless the operator says otherwise."""
+    return Limits(memory_mb=8192, pids=1024, cpu_count=float(os.cpu_count() or 1), disk_mb=8192,
+                  open_files=65536, file_size_mb=8192)
 
 
 @dataclass
@@ -15,8 +23,9 @@ class ServerConfig:
     api_key: str | None = None  # None = accept any X-API-KEY (the SDK always sends one)
     max_sandboxes: int = 1000
     limits: Limits = field(default_factory=Limits)  # default limits of a new sandbox
+    max_limits: Limits = field(default_factory=default_max_limits)  # the most a create request may ask
     default_timeout: int = 300  # seconds, when the create request has none
-    max_timeout: int = 24 * 3600  # seconds
+    max_timeout: int = 3600  # seconds: a sandbox's lifetime (create, set_timeout, connect)
     backend: str = "linux"
     uid_base: int | None = None  # first host uid of this server's sandboxes; None = a free range
     # The `domain` reported to SDKs. None = the Host the request came to, so an SDK without
@@ -26,3 +35,15 @@ class ServerConfig:
     max_uploads: int = 64  # uploads in progress server-wide; more wait their turn
     max_uploads_per_sandbox: int = 8
     log_level: str = "info"
+
+
+def check(config: ServerConfig) -> None:
+    """Refuse a configuration whose defaults exceed its own maximums (raises ValueError)."""
+    config.limits.validate()
+    config.max_limits.validate()
+    for f in dataclasses.fields(Limits):
+        default, most = getattr(config.limits, f.name), getattr(config.max_limits, f.name)
+        if default > most:
+            raise ValueError(f"the default {f.name} ({default}) is above the maximum ({most})")
+    if not 0 < config.default_timeout <= config.max_timeout:
+        raise ValueError(f"the default timeout ({config.default_timeout} s) must be within 1..{config.max_timeout} s")

@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from agentcell.backends.base import Limits
+from agentcell.backends.base import LIMIT_RANGES, Limits
 from agentcell.errors import BackendUnavailableError, InvalidArgumentError, SandboxError
 from agentcell.server import validate
 from agentcell.server.config import ServerConfig
@@ -87,6 +87,10 @@ def _limits(cfg: ServerConfig, body: dict[str, Any]) -> Limits:
         name, typ = _LIMIT_FIELDS[key]
         if isinstance(v, bool) or not isinstance(v, int | float) or (typ is int and not _is_int(v)):
             raise HTTPError(400, f"limit '{key}' must be a{'n integer' if typ is int else ' number'}")
+        low, most = LIMIT_RANGES[name][0], getattr(cfg.max_limits, name)
+        if not low <= v <= most:
+            raise HTTPError(400, f"invalid limits: {key} must be between {low:g} and {most:g} on this server "
+                                 f"(its operator's maximum), got {v:g}")
         changes[name] = typ(v)
     limits = dataclasses.replace(cfg.limits, **changes)
     try:
