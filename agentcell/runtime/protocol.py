@@ -39,6 +39,7 @@ CREDIT_BATCH = CALL_WINDOW // 4  # credits go back in batches of at least this m
 _WINDOW_SLACK = 1 << 20
 MAX_ANSWER = 16 << 20  # a unary answer sent in parts (e.g. a long directory listing) is capped here
 _MAX_ASSEMBLING = 32 << 20  # ... and all answers of one sandbox being assembled at once
+_MAX_UNREAD = 1 << 20  # control frames the agent has not read yet
 
 
 class ProtocolError(Exception):
@@ -196,10 +197,16 @@ class AgentChannel:
 
     def _control(self, header: dict[str, Any]) -> None:
         """A small control frame (credit, cancel), written without waiting: it never blocks a caller,
-        and frames are whole bytes objects, so it cannot interleave with another frame."""
-        if not self.closed.is_set():
-            with contextlib.suppress(Exception):
-                self._writer.write(encode_frame({"id": 0, **header}))
+        and frames are whole bytes objects, so it cannot interleave with another frame. An agent that
+        makes the server write without ever reading (frames of made-up calls, each credited back)
+        would grow the write buffer: past _MAX_UNREAD it is cut off."""
+        if self.closed.is_set():
+            return
+        with contextlib.suppress(Exception):
+            self._writer.write(encode_frame({"id": 0, **header}))
+            if self._writer.transport.get_write_buffer_size() > _MAX_UNREAD:
+                self.close_reason = "the sandbox agent broke the protocol: it stopped reading its socket"
+                self._shutdown()
 
     def _credit(self, call_id: Any, nbytes: int) -> None:
         if nbytes > 0 and isinstance(call_id, int):

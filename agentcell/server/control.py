@@ -127,7 +127,6 @@ class ControlPlane:
     def __init__(self, cfg: ServerConfig, manager: SandboxManager) -> None:
         self.cfg = cfg
         self.manager = manager
-        self._cpu_samples: dict[str, tuple[float, float]] = {}
 
     def _domain(self, request: Request) -> str | None:
         return self.cfg.domain or request.headers.get("host") or None
@@ -316,8 +315,8 @@ class ControlPlane:
         except Exception as e:
             raise HTTPError(500, f"could not read the sandbox's metrics: {e}") from None
         now = time.time()
-        prev_t, prev_cpu = self._cpu_samples.get(rec.sandbox_id, (rec.started_at.timestamp(), 0.0))
-        self._cpu_samples[rec.sandbox_id] = (now, stats.cpu_seconds)
+        prev_t, prev_cpu = rec.cpu_sample or (rec.started_at.timestamp(), 0.0)
+        rec.cpu_sample = (now, stats.cpu_seconds)  # on the record: it goes when the sandbox goes
         wall = max(now - prev_t, 1e-3)
         cpus = max(rec.limits.cpu_count, 0.01)
         pct = max(0.0, min(100.0, (stats.cpu_seconds - prev_cpu) / wall / cpus * 100))

@@ -46,6 +46,7 @@ class SandboxRecord:
     channel: AgentChannel
     client_id: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
     access_token: str = field(default_factory=lambda: secrets.token_urlsafe(24))
+    cpu_sample: tuple[float, float] | None = None  # (time, cpu seconds) of the last metrics call
 
     def alive(self) -> bool:
         return not self.channel.closed.is_set()
