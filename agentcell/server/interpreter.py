@@ -1,8 +1,10 @@
-"""The code-interpreter API (port 49999): POST /execute (NDJSON stream) and /contexts."""
+"""The code-interpreter API (port 49999): POST /execute (NDJSON stream) and /contexts.
+
+The root router has already checked the sandbox's token and the JSON content type.
+"""
 
 from __future__ import annotations
 
-import hmac
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -12,7 +14,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from agentcell.errors import InvalidArgumentError, SandboxError, SandboxGoneError
+from agentcell.runtime.protocol import MAX_HEADER
 from agentcell.server import validate
+from agentcell.server.bodies import EXECUTE_LIMIT
 from agentcell.server.control import json_body
 from agentcell.server.errors import HTTPError, from_sandbox_error
 from agentcell.server.streams import KEEPALIVE, agent_call, current_sandbox, with_keepalive
@@ -41,10 +45,7 @@ async def _call(op: str, **fields: Any) -> dict[str, Any]:
 
 async def execute(request: Request) -> Response:
     rec = current_sandbox.get()
-    token = request.headers.get("x-access-token")
-    if token is None or not hmac.compare_digest(token.encode(), rec.access_token.encode()):
-        raise HTTPError(401, "missing or invalid X-Access-Token")
-    body = await json_body(request)
+    body = await json_body(request, limit=EXECUTE_LIMIT)
     code = body.get("code")
     if not isinstance(code, str):
         raise HTTPError(400, "'code' must be a string")
@@ -57,9 +58,15 @@ async def execute(request: Request) -> Response:
         env_vars = validate.env_map(body.get("env_vars"), "env_vars") or None
     except InvalidArgumentError as e:
         raise HTTPError(400, e.message) from None
-    stream = rec.channel.stream(
-        "code.run", code=code, context_id=context_id or None, language=language, env_vars=env_vars, timeout_ms=0
-    )
+    fields = {"code": code, "context_id": context_id or None, "language": language, "env_vars": env_vars,
+              "timeout_ms": 0}
+    # The agent reads the code from the frame's JSON header, capped at MAX_HEADER; a bigger header would
+    # make the agent drop the connection, i.e. kill the sandbox. Until code travels as the frame's
+    # payload, that is the real limit under the 8 MiB body cap.
+    if len(_line(fields)) + 256 > MAX_HEADER:
+        raise HTTPError(413, f"the code and env_vars must be under {MAX_HEADER >> 20} MiB as JSON "
+                             "(the sandbox protocol's limit for one run)")
+    stream = rec.channel.stream("code.run", **fields)
     # The first frame decides the status: an unknown context is a 404, not a 200 stream.
     lines = with_keepalive(stream, KEEPALIVE_S)
     first: Any = None
