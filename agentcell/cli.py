@@ -46,11 +46,29 @@ def main() -> None:
 
 
 @main.command()
-@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on. Any non-loopback address needs --api-key (or --insecure-no-auth).")
 @click.option("--port", default=DEFAULT_PORT, show_default=True, type=int, help="TCP port.")
 @click.option("--uds", default=None, help="Listen on this unix socket instead of host:port.")
 @click.option("--api-key", default=None, envvar="AGENTCELL_SERVER_API_KEY",
               help="Require this X-API-KEY on the control plane (default: accept any).")
+@click.option("--insecure-no-auth", is_flag=True,
+              help="Allow a non-loopback --host without --api-key: anyone who reaches it can run code.")
+@click.option("--domain", default=None,
+              help="Domain reported to SDKs; sandbox hosts are {port}-{id}.<domain> (default: the request's Host).")
+@click.option("--allowed-host", "allowed_hosts", multiple=True, metavar="NAME",
+              help="Also accept this Host header (repeatable; '*.example.com' for subdomains, '*' for any). "
+                   "Loopback names, --domain and the --host address are always accepted.")
+@click.option("--allowed-origin", "allowed_origins", multiple=True, metavar="ORIGIN",
+              help="Also accept browser requests from this origin, e.g. https://app.example.com (repeatable).")
+@click.option("--header-timeout", default=10.0, show_default=True, type=click.FloatRange(min=0.1),
+              help="Seconds a client has to send a request's line and headers.")
+@click.option("--body-timeout", default=30.0, show_default=True, type=click.FloatRange(min=0.1),
+              help="Seconds a request body may stall (it must also average 1 KiB/s).")
+@click.option("--max-connections", default=1024, show_default=True, type=click.IntRange(1, 1 << 20),
+              help="Open client connections; past it new ones get 503 and are closed.")
+@click.option("--max-body-memory-mb", default=64, show_default=True, type=click.IntRange(8, 1 << 20),
+              help="JSON request bodies held in memory at once, server-wide; more requests wait.")
 @click.option("--max-sandboxes", default=1000, show_default=True, type=click.IntRange(1, 1 << 20),
               help="Most sandboxes alive at once.")
 @click.option("--uid-base", default=None, type=click.IntRange(1000, (1 << 31) - 1),
@@ -66,16 +84,20 @@ def main() -> None:
               help="Longest sandbox lifetime a client may ask for, in seconds.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
-def serve(host: str, port: int, uds: str | None, api_key: str | None, max_sandboxes: int, uid_base: int | None,
-          backend: str, max_memory_mb: int | None, max_pids: int | None, max_cpus: float | None,
-          max_disk_mb: int | None, max_open_files: int | None, max_timeout: int, log_level: str) -> None:
+def serve(host: str, port: int, uds: str | None, api_key: str | None, insecure_no_auth: bool, domain: str | None,
+          allowed_hosts: tuple[str, ...], allowed_origins: tuple[str, ...], header_timeout: float,
+          body_timeout: float, max_connections: int, max_body_memory_mb: int, max_sandboxes: int,
+          uid_base: int | None, backend: str, max_memory_mb: int | None, max_pids: int | None,
+          max_cpus: float | None, max_disk_mb: int | None, max_open_files: int | None, max_timeout: int,
+          log_level: str) -> None:
     """Run the server (control plane and every sandbox's data plane on one port). Needs root."""
     import dataclasses
 
     from agentcell.backends.base import Limits
     from agentcell.server import ServerConfig
     from agentcell.server import serve as run_server
-    from agentcell.server.config import default_max_limits
+    from agentcell.server.config import check, default_max_limits
+    from agentcell.server.hosts import HostPolicy, check_exposure
 
     ceilings = {"memory_mb": max_memory_mb, "pids": max_pids, "cpu_count": max_cpus, "disk_mb": max_disk_mb,
                 "open_files": max_open_files}
@@ -83,16 +105,20 @@ def serve(host: str, port: int, uds: str | None, api_key: str | None, max_sandbo
     # A lowered maximum lowers the default with it.
     limits = Limits(**{f.name: min(getattr(Limits(), f.name), getattr(max_limits, f.name))
                        for f in dataclasses.fields(Limits)})
-    _watch_lifeline()
+    config = ServerConfig(
+        host=host, port=port, uds=uds, api_key=api_key, max_sandboxes=max_sandboxes, uid_base=uid_base,
+        backend=backend, log_level=log_level, domain=domain, insecure_no_auth=insecure_no_auth,
+        allowed_hosts=allowed_hosts, allowed_origins=allowed_origins, header_timeout=header_timeout,
+        body_timeout=body_timeout, max_connections=max_connections, max_body_memory_mb=max_body_memory_mb,
+        limits=limits, max_limits=max_limits, default_timeout=min(300, max_timeout), max_timeout=max_timeout,
+    )
     try:
-        config = ServerConfig(host=host, port=port, uds=uds, api_key=api_key, max_sandboxes=max_sandboxes,
-                              uid_base=uid_base, backend=backend, limits=limits, max_limits=max_limits,
-                              default_timeout=min(300, max_timeout), max_timeout=max_timeout, log_level=log_level)
-        from agentcell.server.config import check
-
         check(config)
+        check_exposure(config)
+        HostPolicy.from_config(config)
     except ValueError as e:
-        raise click.UsageError(str(e)) from None
+        raise click.ClickException(str(e)) from None
+    _watch_lifeline()
     run_server(config)
 
 

@@ -90,9 +90,10 @@ def test_create_validation(http: httpx.Client, body: dict[str, Any], fragment: s
 
 
 def test_invalid_json_is_400(http: httpx.Client, sbx: dict[str, Any]) -> None:
+    as_json = {"Content-Type": "application/json"}
     for path in ("/v2/sandboxes", "/sandboxes", f"/sandboxes/{sbx['sandboxID']}/timeout"):
-        assert_error(http.post(path, content=b"{not json"), 400, "JSON")
-        assert_error(http.post(path, content=b"[1,2]"), 400)
+        assert_error(http.post(path, content=b"{not json", headers=as_json), 400, "JSON")
+        assert_error(http.post(path, content=b"[1,2]", headers=as_json), 400)
 
 
 def test_limits_are_reported(http: httpx.Client) -> None:
@@ -223,13 +224,13 @@ def test_unknown_sandbox_is_502_on_every_data_plane_path(http: httpx.Client) -> 
         r = http.request(method, path, headers=envd(fake, port))
         assert r.status_code == 502 and "was not found" in r.json()["message"]
     # Host-based routing too
-    r = http.get("/health", headers={"Host": "49983-zzzzzzzzzzzzzzzzzzzz.agentcell.test"})
+    r = http.get("/health", headers={"Host": "49983-zzzzzzzzzzzzzzzzzzzz.localhost"})
     assert r.status_code == 502
 
 
 def test_health_and_host_routing(http: httpx.Client, sbx: dict[str, Any]) -> None:
     assert http.get("/health", headers=envd(sbx, token=False)).status_code == 204
-    r = http.get("/health", headers={"Host": f"49983-{sbx['sandboxID']}.agentcell.test"})
+    r = http.get("/health", headers={"Host": f"49983-{sbx['sandboxID']}.localhost"})
     assert r.status_code == 204
     r = http.get("/", headers=envd(sbx, port=8080))
     assert r.status_code == 502 and "port is not open" in r.json()["message"]
@@ -391,7 +392,7 @@ def test_execute_errors(http: httpx.Client, sbx: dict[str, Any]) -> None:
     assert execute(http, sbx, {"code": "1", "context_id": "x", "language": "python"})[0] == 400
     assert execute(http, sbx, {"code": "1", "context_id": "nope"})[0] == 404
     assert execute(http, sbx, {"code": 5})[0] == 400
-    r = http.post("/execute", content=b"nope", headers=envd(sbx, 49999))
+    r = http.post("/execute", content=b"nope", headers={**envd(sbx, 49999), "Content-Type": "application/json"})
     assert r.status_code == 400
 
 
@@ -409,7 +410,8 @@ def test_execute_keepalive_and_disconnect(http: httpx.Client, sbx: dict[str, Any
 
 
 def test_contexts(http: httpx.Client, sbx: dict[str, Any]) -> None:
-    h = envd(sbx, 49999, token=False)  # the SDK sends no token on /contexts
+    # The official SDK sends the traffic token, not the access token, on /contexts.
+    h = {**envd(sbx, 49999, token=False), "E2B-Traffic-Access-Token": sbx["trafficAccessToken"]}
     r = http.post("/contexts", json={"language": "python", "cwd": "/tmp"}, headers=h)
     assert r.status_code == 200, r.text
     ctx = r.json()
@@ -503,7 +505,7 @@ async def test_api_key_is_enforced_when_configured() -> None:
     from agentcell.server import ServerConfig, create_app
 
     app = create_app(ServerConfig(api_key="sekret"))
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost") as c:
         r = await c.get("/v2/sandboxes")
         assert r.status_code == 401 and r.json()["code"] == 401
         assert (await c.get("/v2/sandboxes", headers={"X-API-KEY": "wrong"})).status_code == 401

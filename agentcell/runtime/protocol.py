@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentcell.errors import ResourceExhaustedError, SandboxGoneError, error_from_code
+from agentcell.errors import InvalidArgumentError, ResourceExhaustedError, SandboxGoneError, error_from_code
 
 PREFIX = struct.Struct(">II")  # header length, payload length
 MAX_HEADER = 1 << 20  # 1 MiB of JSON is far more than any legitimate header
@@ -235,9 +235,13 @@ class AgentChannel:
     async def _send(self, header: dict[str, Any], payload: bytes = b"") -> None:
         if self.closed.is_set():
             raise SandboxGoneError(self.close_reason)
+        data = encode_frame(header, payload)
+        if PREFIX.unpack_from(data)[0] > MAX_HEADER or len(payload) > MAX_PAYLOAD:
+            # the agent would drop the connection: this call fails, the sandbox lives
+            raise InvalidArgumentError(f"the request is too large for the sandbox ({len(data)} bytes); send less at once")
         async with self._write_lock:
             try:
-                self._writer.write(encode_frame(header, payload))
+                self._writer.write(data)
                 await self._writer.drain()
             except (OSError, RuntimeError) as e:
                 self._shutdown()

@@ -7,32 +7,34 @@ control plane. This mirrors E2B's own proxy, so `E2B_SANDBOX_URL` pointing here 
 
 from __future__ import annotations
 
-import hmac
 import logging
 import re
 from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from agentcell.backends import get_backend
 from agentcell.backends.base import Backend
-from agentcell.server import files, interpreter
+from agentcell.server import auth, files, interpreter
+from agentcell.server.asgi import header, is_connect_rpc
+from agentcell.server.auth import ENVD_PORT, INTERPRETER_PORT
+from agentcell.server.bodies import BodyBudget, json_content_type_refusal
 from agentcell.server.config import ServerConfig
 from agentcell.server.config import check as check_config
 from agentcell.server.control import ControlPlane
+from agentcell.server.edge import EdgeGuard
 from agentcell.server.envd import filesystem_app, process_app
-from agentcell.server.errors import HTTPError, json_error, sandbox_not_found
+from agentcell.server.errors import HTTPError, internal_error, json_error, sandbox_not_found
+from agentcell.server.hosts import HostPolicy, check_exposure
 from agentcell.server.registry import SandboxManager
 from agentcell.server.streams import current_sandbox
 
 log = logging.getLogger("agentcell.server")
 
-ENVD_PORT = 49983
-INTERPRETER_PORT = 49999
 _HOST_RE = re.compile(r"^(\d+)-([a-z0-9]+)\.")
 _SANDBOX_ID_RE = re.compile(r"^[a-z0-9]{1,64}$")
 
@@ -51,35 +53,34 @@ async def _starlette_error(request: Request, exc: Exception) -> Response:
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:
-    log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-    return json_error(500, f"internal server error: {type(exc).__name__}: {exc}")
+    err = internal_error(f"{request.method} {request.url.path}", exc)
+    return json_error(err.status, err.message)
+
+
+async def _client_gone(request: Request, exc: Exception) -> Response:
+    # The client left mid-body (or edge.py answered 408 for it): nobody reads this response.
+    return Response(status_code=400)
 
 
 _HANDLERS: dict[Any, Any] = {
     HTTPError: _http_error,
     StarletteHTTPException: _starlette_error,
+    ClientDisconnect: _client_gone,
     Exception: _internal_error,
 }
 
 
-def _header(scope: dict[str, Any], name: bytes) -> str | None:
-    for key, value in scope.get("headers", ()):
-        if key.lower() == name:
-            return value.decode("latin-1")
-    return None
-
-
 def _route_target(scope: dict[str, Any]) -> tuple[str, int] | None:
     """(sandbox id, port) if this request is for a sandbox's data plane."""
-    sandbox_id = _header(scope, b"e2b-sandbox-id")
+    sandbox_id = header(scope, b"e2b-sandbox-id")
     if sandbox_id is not None:
-        raw_port = _header(scope, b"e2b-sandbox-port") or str(ENVD_PORT)
+        raw_port = header(scope, b"e2b-sandbox-port") or str(ENVD_PORT)
         try:
             port = int(raw_port)
         except ValueError:
             port = -1
         return sandbox_id.strip(), port
-    host = _header(scope, b"host") or ""
+    host = header(scope, b"host") or ""
     m = _HOST_RE.match(host)
     if m:
         return m.group(2), int(m.group(1))
@@ -87,13 +88,15 @@ def _route_target(scope: dict[str, Any]) -> tuple[str, int] | None:
 
 
 class AgentcellApp:
+    """The root ASGI app: lifespan, the edge checks (edge.py), then the router below."""
+
     def __init__(self, config: ServerConfig, backend: Backend | None = None) -> None:
         check_config(config)
         self.config = config
         self.backend = backend or get_backend(config.backend, uid_base=config.uid_base,
                                               max_sandboxes=config.max_sandboxes)
         self.manager = SandboxManager(self.backend, config.max_sandboxes)
-        self.control = self._control_app()
+        self.control = Starlette(routes=ControlPlane(config, self.manager).routes(), exception_handlers=_HANDLERS)
         self.envd_http = Starlette(
             routes=[
                 Route("/health", files.health, methods=["GET"]),
@@ -106,21 +109,8 @@ class AgentcellApp:
         self.process = process_app()
         self.filesystem = filesystem_app()
         self.interpreter = Starlette(routes=interpreter.routes(), exception_handlers=_HANDLERS)
-
-    def _control_app(self) -> Starlette:
-        plane = ControlPlane(self.config, self.manager)
-        app = Starlette(routes=plane.routes(), exception_handlers=_HANDLERS)
-        api_key = self.config.api_key
-        if api_key is None:
-            return app
-
-        async def with_auth(scope: Any, receive: Any, send: Any) -> None:
-            if scope["type"] == "http" and scope["path"] != "/health" and _header(scope, b"x-api-key") != api_key:
-                await json_error(401, "invalid or missing X-API-KEY")(scope, receive, send)
-                return
-            await app(scope, receive, send)
-
-        return with_auth  # type: ignore[return-value]
+        budget = BodyBudget(config.max_body_memory_mb << 20, wait_timeout=config.body_timeout)
+        self.edge = EdgeGuard(self._route, HostPolicy.from_config(config), config.body_timeout, budget)
 
     async def _lifespan(self, receive: Any, send: Any) -> None:
         while True:
@@ -149,8 +139,19 @@ class AgentcellApp:
             return
         if scope["type"] != "http":
             return  # websockets are not part of the protocol
+        await self.edge(scope, receive, send)
+
+    async def _route(self, scope: Any, receive: Any, send: Any) -> None:
+        """Credentials and content type are checked here, once, before any handler reads the body."""
         target = _route_target(scope)
         if target is None:
+            api_key = self.config.api_key
+            if api_key is not None and scope["path"] != "/health" and not auth.api_key_ok(scope, api_key):
+                await json_error(401, "invalid or missing X-API-KEY")(scope, receive, send)
+                return
+            if refusal := json_content_type_refusal(scope):
+                await json_error(415, refusal)(scope, receive, send)
+                return
             await self.control(scope, receive, send)
             return
         sandbox_id, port = target
@@ -158,10 +159,23 @@ class AgentcellApp:
         if rec is None:
             await sandbox_not_found(sandbox_id)(scope, receive, send)
             return
+        if refusal := auth.data_plane_refusal(scope, rec.access_token, port):
+            if is_connect_rpc(scope["path"]) and port == ENVD_PORT:
+                body = {"code": "unauthenticated", "message": refusal}
+                await JSONResponse(body, status_code=401)(scope, receive, send)
+            else:
+                await json_error(401, refusal)(scope, receive, send)
+            return
+        if port == INTERPRETER_PORT and (refusal := json_content_type_refusal(scope)):
+            await json_error(415, refusal)(scope, receive, send)
+            return
         token = current_sandbox.set(rec)
         try:
             if port == ENVD_PORT:
-                await self._envd(scope, receive, send)
+                app = self.envd_http
+                if is_connect_rpc(scope["path"]):
+                    app = self.process if scope["path"].startswith("/process.") else self.filesystem
+                await app(scope, receive, send)
             elif port == INTERPRETER_PORT:
                 await self.interpreter(scope, receive, send)
             else:
@@ -170,19 +184,6 @@ class AgentcellApp:
                 await JSONResponse(body, status_code=502)(scope, receive, send)
         finally:
             current_sandbox.reset(token)
-
-    async def _envd(self, scope: Any, receive: Any, send: Any) -> None:
-        path: str = scope.get("path", "")
-        if path.startswith(("/process.Process/", "/filesystem.Filesystem/")):
-            given = _header(scope, b"x-access-token") or ""
-            if not hmac.compare_digest(given.encode(), current_sandbox.get().access_token.encode()):
-                body = {"code": "unauthenticated", "message": "missing or invalid X-Access-Token"}
-                await JSONResponse(body, status_code=401)(scope, receive, send)
-                return
-            app = self.process if path.startswith("/process.") else self.filesystem
-            await app(scope, receive, send)
-            return
-        await self.envd_http(scope, receive, send)
 
 
 def create_app(config: ServerConfig, backend: Backend | None = None) -> AgentcellApp:
@@ -196,6 +197,9 @@ def serve(config: ServerConfig) -> None:
 
     import uvicorn
 
+    from agentcell.server.http_protocol import guarded_protocol
+
+    check_exposure(config)  # before anything binds
     # Each sandbox holds a socket and a pidfd in the server: a 1024-fd soft limit would cap density.
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
@@ -208,5 +212,6 @@ def serve(config: ServerConfig) -> None:
         log_level=config.log_level,
         lifespan="on",
         timeout_graceful_shutdown=5,
+        http=guarded_protocol(config.header_timeout, config.max_connections),
     )
     uvicorn.Server(uv).run()

@@ -35,6 +35,14 @@ class ServerConfig:
     max_uploads: int = 64  # uploads in progress server-wide; more wait their turn
     max_uploads_per_sandbox: int = 8
     log_level: str = "info"
+    # --- the HTTP edge (docs/architecture.md, "The HTTP edge") ---
+    insecure_no_auth: bool = False  # allow a non-loopback address without an API key
+    allowed_hosts: tuple[str, ...] = ()  # extra Host names ("*.example.com" = any subdomain; "*" = any)
+    allowed_origins: tuple[str, ...] = ()  # extra browser origins, e.g. "https://app.example.com"
+    header_timeout: float = 10.0  # seconds to send a request's line and headers
+    body_timeout: float = 30.0  # seconds a request body may stall
+    max_connections: int = 1024  # open client connections, server-wide
+    max_body_memory_mb: int = 64  # JSON request bodies held in memory at once, server-wide
 
 
 def check(config: ServerConfig) -> None:

@@ -6,7 +6,6 @@ Every non-2xx answer is `{"code": <status>, "message": ...}` with a status the S
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import time
 from datetime import UTC, datetime
@@ -20,8 +19,10 @@ from starlette.routing import Route
 from agentcell.backends.base import LIMIT_RANGES, Limits
 from agentcell.errors import BackendUnavailableError, InvalidArgumentError, SandboxError
 from agentcell.server import validate
+from agentcell.server.auth import traffic_token
+from agentcell.server.bodies import JSON_LIMIT, read_json
 from agentcell.server.config import ServerConfig
-from agentcell.server.errors import HTTPError
+from agentcell.server.errors import HTTPError, internal_error
 from agentcell.server.registry import CapacityError, SandboxManager, SandboxRecord
 
 ENVD_VERSION = "0.6.13"
@@ -44,16 +45,13 @@ def rfc3339(dt: datetime) -> str:
 # --- request parsing ------------------------------------------------------------------------------
 
 
-async def json_body(request: Request, *, required: bool = True) -> dict[str, Any]:
-    raw = await request.body()
-    if not raw.strip():
+async def json_body(request: Request, *, required: bool = True, limit: int = JSON_LIMIT) -> dict[str, Any]:
+    """The body as a JSON object, read with a size cap and within the server's body budget (bodies.py)."""
+    body = await read_json(request, limit)
+    if body is None:
         if required:
             raise HTTPError(400, "the request body must be a JSON object")
         return {}
-    try:
-        body = json.loads(raw)
-    except ValueError as e:
-        raise HTTPError(400, f"the request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise HTTPError(400, "the request body must be a JSON object")
     return body
@@ -139,7 +137,8 @@ class ControlPlane:
             "alias": rec.alias,
             "envdVersion": ENVD_VERSION,
             "envdAccessToken": rec.access_token,
-            "trafficAccessToken": None,
+            # The official code-interpreter SDK sends it (not the access token) on /contexts.
+            "trafficAccessToken": traffic_token(rec.access_token),
             "domain": self._domain(request),
         }
 
@@ -209,7 +208,10 @@ class ControlPlane:
         except InvalidArgumentError as e:
             raise HTTPError(400, e.message) from None
         except (SandboxError, BackendUnavailableError) as e:
-            raise HTTPError(500, f"the sandbox could not be started: {e}") from None
+            if isinstance(e, SandboxError) and e.code == "resource_exhausted":  # a full host: nothing to hide
+                raise HTTPError(500, f"the sandbox could not be started: {e.message}") from None
+            # Backend errors name zygotes, cgroups, uids and paths: they go to the log only.
+            raise internal_error("creating a sandbox", e, "the sandbox could not be started") from None
         return JSONResponse(self.sandbox_json(rec, request), status_code=201)
 
     def _filtered(self, request: Request) -> list[SandboxRecord]:
@@ -313,7 +315,7 @@ class ControlPlane:
         try:
             stats = await self.manager.backend.stats(rec.running)
         except Exception as e:
-            raise HTTPError(500, f"could not read the sandbox's metrics: {e}") from None
+            raise internal_error(f"reading the metrics of {rec.sandbox_id}", e, "could not read the sandbox's metrics") from None
         now = time.time()
         prev_t, prev_cpu = rec.cpu_sample or (rec.started_at.timestamp(), 0.0)
         rec.cpu_sample = (now, stats.cpu_seconds)  # on the record: it goes when the sandbox goes

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import base64
 import binascii
-from collections.abc import AsyncIterator
+import contextlib
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from connectrpc.code import Code
@@ -25,6 +26,7 @@ from protobuf.wkt.google.protobuf.timestamp_pb import Timestamp
 
 from agentcell.errors import InvalidArgumentError, SandboxError
 from agentcell.server import validate
+from agentcell.server.errors import log_incident
 from agentcell.server.streams import KEEPALIVE, agent_call, current_sandbox, with_keepalive
 
 _CODES = {
@@ -316,6 +318,36 @@ class FilesystemService:
 READ_MAX_BYTES = 16 << 20  # an RPC message is small; file data goes over /files
 
 
+@contextlib.contextmanager
+def _hide_internal_errors(ctx: RequestContext) -> Iterator[None]:
+    try:
+        yield
+    except ConnectError:
+        raise
+    except Exception as e:
+        incident = log_incident(f"{ctx.method.service_name}/{ctx.method.name}", e)
+        raise ConnectError(Code.INTERNAL, f"internal error (incident {incident}; the server log has the details)") from None
+
+
+class HideInternalErrors:
+    """connectrpc answers an unexpected exception with `unknown` and the exception's text, which can
+    name host internals. This interceptor logs it under an incident id and answers `internal` instead.
+    """
+
+    async def intercept_unary(self, call_next: Any, request: Any, ctx: RequestContext) -> Any:
+        with _hide_internal_errors(ctx):
+            return await call_next(request, ctx)
+
+    async def intercept_client_stream(self, call_next: Any, request: Any, ctx: RequestContext) -> Any:
+        with _hide_internal_errors(ctx):
+            return await call_next(request, ctx)
+
+    async def intercept_server_stream(self, call_next: Any, request: Any, ctx: RequestContext) -> AsyncIterator[Any]:
+        with _hide_internal_errors(ctx):
+            async for item in call_next(request, ctx):
+                yield item
+
+
 class _StrictCodec:
     """A codec whose decode failures are `invalid_argument` instead of an unhandled 500."""
 
@@ -342,8 +374,10 @@ def _codecs() -> list[Any]:
 
 
 def process_app() -> ProcessASGIApplication:
-    return ProcessASGIApplication(ProcessService(), read_max_bytes=READ_MAX_BYTES, codecs=_codecs())  # type: ignore[arg-type]
+    return ProcessASGIApplication(ProcessService(), read_max_bytes=READ_MAX_BYTES, codecs=_codecs(),  # type: ignore[arg-type]
+                                  interceptors=[HideInternalErrors()])
 
 
 def filesystem_app() -> FilesystemASGIApplication:
-    return FilesystemASGIApplication(FilesystemService(), read_max_bytes=READ_MAX_BYTES, codecs=_codecs())  # type: ignore[arg-type]
+    return FilesystemASGIApplication(FilesystemService(), read_max_bytes=READ_MAX_BYTES, codecs=_codecs(),  # type: ignore[arg-type]
+                                     interceptors=[HideInternalErrors()])

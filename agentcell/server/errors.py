@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+import secrets
+
 from starlette.responses import JSONResponse
 
 from agentcell.errors import SandboxError
@@ -28,6 +31,25 @@ class HTTPError(Exception):
         super().__init__(message)
         self.status = status
         self.message = message
+
+
+log = logging.getLogger("agentcell.server")
+
+
+def log_incident(what: str, exc: BaseException) -> str:
+    """Log `exc` with its traceback under a fresh incident id, and return the id for the client.
+
+    Exception text can name host paths, cgroups, uids or internals: it goes to the log, never to the
+    client, who gets the id to quote to the operator.
+    """
+    incident = secrets.token_hex(6)
+    log.error("incident %s: %s failed", incident, what, exc_info=exc)
+    return incident
+
+
+def internal_error(what: str, exc: BaseException, prefix: str = "internal server error") -> HTTPError:
+    incident = log_incident(what, exc)
+    return HTTPError(500, f"{prefix} (incident {incident}; the server log has the details)")
 
 
 def json_error(status: int, message: str, **extra: object) -> JSONResponse:

@@ -1,13 +1,12 @@
-"""envd's plain HTTP endpoints: GET /health, GET /files (download), POST /files (upload)."""
+"""envd's plain HTTP endpoints: GET /health, GET /files (download), POST /files (upload).
+
+The root router has already checked the access token or the URL signature (auth.py).
+"""
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
-import hashlib
-import hmac
-import time
 import zlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -21,36 +20,6 @@ from agentcell.runtime.protocol import Frame
 from agentcell.server.errors import HTTPError, from_sandbox_error, json_error
 from agentcell.server.streams import HTTP_PIECE, current_sandbox
 from agentcell.server.uploads import MultipartStream, boundary_of, capped, gunzipped, too_large
-
-
-def signature(path: str, operation: str, user: str, token: str, expiration: int | None) -> str:
-    raw = f"{path}:{operation}:{user}:{token}" + (f":{expiration}" if expiration is not None else "")
-    return "v1_" + base64.b64encode(hashlib.sha256(raw.encode()).digest()).rstrip(b"=").decode()
-
-
-def _check_auth(request: Request, path: str, operation: str) -> None:
-    """X-Access-Token, or the v1 signature the SDK puts in download/upload URLs."""
-    token = current_sandbox.get().access_token
-    header = request.headers.get("x-access-token")
-    if header is not None and hmac.compare_digest(header.encode(), token.encode()):
-        return
-    q = request.query_params
-    sig = q.get("signature")
-    if sig:
-        expiration: int | None = None
-        raw_exp = q.get("signature_expiration")
-        if raw_exp:
-            try:
-                expiration = int(raw_exp)
-            except ValueError:
-                raise HTTPError(401, "invalid signature_expiration") from None
-            if expiration < time.time():
-                raise HTTPError(401, "the signature has expired")
-        expected = signature(path, operation, q.get("username") or "", token, expiration)
-        if hmac.compare_digest(sig.encode(), expected.encode()):
-            return
-        raise HTTPError(401, "invalid signature")
-    raise HTTPError(401, "missing or invalid X-Access-Token")
 
 
 def _check_user(request: Request) -> None:
@@ -75,7 +44,6 @@ async def health(request: Request) -> Response:
 
 async def download(request: Request) -> Response:
     path = _required_path(request)
-    _check_auth(request, path, "read")
     _check_user(request)
     stream = current_sandbox.get().channel.stream("fs.read", path=path)
     # Wait for the first frame so that not_found / a directory become proper HTTP errors.
@@ -174,7 +142,6 @@ def upload_handler(max_bytes: int, slots: UploadSlots):  # type: ignore[no-untyp
 
     async def _upload(request: Request) -> Response:
         query_path = request.query_params.get("path")
-        _check_auth(request, query_path or "", "write")
         _check_user(request)
         metadata = _metadata(request)
         content_type = request.headers.get("content-type", "")

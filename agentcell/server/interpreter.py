@@ -1,8 +1,10 @@
-"""The code-interpreter API (port 49999): POST /execute (NDJSON stream) and /contexts."""
+"""The code-interpreter API (port 49999): POST /execute (NDJSON stream) and /contexts.
+
+The root router has already checked the sandbox's token and the JSON content type.
+"""
 
 from __future__ import annotations
 
-import hmac
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -13,6 +15,7 @@ from starlette.routing import Route
 
 from agentcell.errors import InvalidArgumentError, SandboxError, SandboxGoneError
 from agentcell.server import validate
+from agentcell.server.bodies import EXECUTE_LIMIT
 from agentcell.server.control import json_body
 from agentcell.server.errors import HTTPError, from_sandbox_error
 from agentcell.server.streams import HTTP_PIECE, KEEPALIVE, agent_call, current_sandbox, with_keepalive
@@ -55,10 +58,7 @@ def _timeout_ms(body: dict[str, Any]) -> int:
 
 async def execute(request: Request) -> Response:
     rec = current_sandbox.get()
-    token = request.headers.get("x-access-token")
-    if token is None or not hmac.compare_digest(token.encode(), rec.access_token.encode()):
-        raise HTTPError(401, "missing or invalid X-Access-Token")
-    body = await json_body(request)
+    body = await json_body(request, limit=EXECUTE_LIMIT)
     code = body.get("code")
     if not isinstance(code, str):
         raise HTTPError(400, "'code' must be a string")

@@ -1,0 +1,160 @@
+"""uvicorn's h11 protocol plus the connection limits uvicorn lacks.
+
+- Header deadline: a connection must deliver a complete request line and headers within
+  `header_timeout` seconds of being opened, and of the previous response ending on a keep-alive
+  connection (408, or a plain close if it sent nothing). uvicorn only times out idle keep-alive
+  connections after a response, so a client that connects and trickles header bytes (slowloris) would
+  otherwise hold its connection forever.
+- Connection cap: at most `max_connections` open connections (uvicorn's `limit_concurrency` is checked
+  per request, so idle connections would still pile up). At the cap, a new connection takes the place
+  of the connection that has waited longest for its request headers (slow, idle, or idle keep-alive),
+  if that one has waited at least EVICT_AFTER seconds; only when every connection is busy with a
+  request is the new one answered 503 and closed. So a flood of slow or idle connections cannot lock
+  out clients that send whole requests.
+- Body bytes are read from the socket only once the app asks for them, 64 KiB at a time; a body that
+  waits (for the router's checks, or for the body budget) stays in the kernel, not in the server.
+
+The server always uses this class (`serve()` passes it as uvicorn's `http=`), whether or not httptools
+is installed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import Any, ClassVar
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+log = logging.getLogger("agentcell.server")
+READ_SIZE = 64 << 10
+# Seconds a connection must have waited for its headers before a newcomer may replace it: far longer
+# than a real client takes to send them once connected, far shorter than an attacker's flood can
+# refill (it would need max_connections / EVICT_AFTER new connections per second).
+EVICT_AFTER = 0.1
+
+
+def _raw_response(status: str, message: str) -> bytes:
+    code = int(status.split()[0])
+    body = json.dumps({"code": code, "message": message}).encode()
+    head = (f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+            "connection: close\r\n")
+    if code == 503:
+        head += "retry-after: 1\r\n"
+    return head.encode() + b"\r\n" + body
+
+
+class _Throttled:
+    """Log a line at most once per `interval` seconds (an attack must not flood the log)."""
+
+    def __init__(self, interval: float = 10.0) -> None:
+        self.interval = interval
+        self.last = -interval
+
+    def warning(self, msg: str, *args: Any) -> None:
+        now = time.monotonic()
+        if now - self.last >= self.interval:
+            self.last = now
+            log.warning(msg, *args)
+
+
+class GuardedH11Protocol(H11Protocol):
+    header_timeout: ClassVar[float] = 10.0
+    max_connections: ClassVar[int] = 1024
+    # This server's connections that wait for request headers, longest-waiting first (set per server
+    # by guarded_protocol()).
+    waiting: ClassVar[dict[GuardedH11Protocol, float]] = {}
+    at_cap_log: ClassVar[_Throttled] = _Throttled()
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._header_timer: asyncio.TimerHandle | None = None
+        self._refused = False
+        self._held_cycle: object | None = None
+
+    # --- connection lifecycle ---
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        if len(self.connections) >= self.max_connections and not self._evict_one():
+            self._refused = True
+            self.transport = transport
+            transport.write(_raw_response(
+                "503 Service Unavailable",
+                f"the server has too many open connections (limit {self.max_connections}); retry shortly"))
+            transport.close()
+            self.at_cap_log.warning("refusing new connections: %d open (--max-connections)", len(self.connections))
+            return
+        if hasattr(transport, "max_size"):
+            transport.max_size = READ_SIZE  # type: ignore[attr-defined]  # asyncio's default: 256 KiB
+        super().connection_made(transport)
+        self._arm_header_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_header_timer()
+        if not self._refused:
+            super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if not self._refused:
+            super().data_received(data)
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        if self._header_timer is not None and self.conn.their_state is not h11.IDLE:
+            self._cancel_header_timer()  # the request line and headers are in
+        if self.cycle is not self._held_cycle and self.conn.their_state is h11.SEND_BODY:
+            # A new request with a body: stop reading until the app asks for the body (uvicorn's
+            # receive() resumes reading). Otherwise uvicorn buffers 64 KiB+ of every body that waits
+            # for an auth check or for the body budget (bodies.py), per connection.
+            self._held_cycle = self.cycle
+            self.flow.pause_reading()
+
+    def on_response_complete(self) -> None:
+        # Armed first: the base class may parse a pipelined request right away (which cancels it).
+        if not self.transport.is_closing():
+            self._arm_header_timer()
+        super().on_response_complete()
+
+    # --- waiting for request headers ---
+
+    def _arm_header_timer(self) -> None:
+        self._cancel_header_timer()
+        self._header_timer = self.loop.call_later(self.header_timeout, self._stop_waiting)
+        self.waiting[self] = time.monotonic()
+
+    def _cancel_header_timer(self) -> None:
+        self.waiting.pop(self, None)
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _stop_waiting(self) -> None:
+        """Close a connection that did not send its request headers in time (or was evicted)."""
+        self._cancel_header_timer()
+        if self.transport.is_closing() or self.conn.their_state is not h11.IDLE:
+            return
+        partial, _ = self.conn.trailing_data
+        if partial:  # a request was begun: say why it is cut off (an idle connection just closes)
+            self.transport.write(_raw_response(
+                "408 Request Timeout", "the request line and headers did not arrive in time"))
+        self.transport.close()
+
+    def _evict_one(self) -> bool:
+        """Close the connection that has waited longest for headers, if it waited long enough."""
+        oldest = next(iter(self.waiting.items()), None)
+        if oldest is None or time.monotonic() - oldest[1] < EVICT_AFTER:
+            return False  # nobody, or the longest-waiting one is still young (so are the rest)
+        self.at_cap_log.warning("at the connection limit (%d): closing connections that send no request",
+                                self.max_connections)
+        oldest[0]._stop_waiting()
+        return True
+
+
+def guarded_protocol(header_timeout: float, max_connections: int) -> type[GuardedH11Protocol]:
+    """The protocol class for uvicorn's `http=`, with these limits and its own bookkeeping."""
+    attrs = {"header_timeout": header_timeout, "max_connections": max_connections, "waiting": {},
+             "at_cap_log": _Throttled()}
+    return type("GuardedH11Protocol", (GuardedH11Protocol,), attrs)
