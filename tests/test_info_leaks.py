@@ -90,6 +90,10 @@ def test_process_views_name_no_host_path(sbx: Sandbox) -> None:
     for name, text in views.items():
         assert not leaks(text), (name, leaks(text), text[:3000])
     assert "/opt/agentcell/" in views["sys"]  # the runtime is there, at its neutral path
+    # ... and the files the zygote mapped are named by the paths a sandbox has (not by their bare
+    # paths inside a mount that is gone): /proc/self/exe is the interpreter sys.executable names.
+    exe = sbx.run_code("import os, sys; os.readlink('/proc/self/exe'), os.path.realpath(sys.executable)").text
+    assert eval(exe)[0] == eval(exe)[1], exe
     # ... an IPython traceback through library code ...
     err = sbx.run_code("import pandas; pandas.DataFrame({'a': [1]}).loc['missing']").error
     assert err is not None and "pandas" in err.traceback and not leaks(err.traceback), err.traceback

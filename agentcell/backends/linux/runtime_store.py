@@ -587,6 +587,14 @@ def running_paths() -> tuple[str, ...]:
         if not _under(path, [NEUTRAL_ROOT, *_SYSTEM]):
             raise RuntimeStoreError(f"{what} is {path}: the zygote must run from the runtime store under "
                                     f"{NEUTRAL_ROOT} (start it through LinuxBackend), or sandboxes would see host paths")
+    if _under(sys.base_prefix, [NEUTRAL_ROOT]):
+        # a RUNPATH the store could not rewrite makes the loader fall back to the system's libpython
+        with open("/proc/self/maps") as f:
+            wrong = {line.split()[-1] for line in f if "/libpython" in line and NEUTRAL_ROOT not in line}
+        if wrong:
+            raise RuntimeStoreError(f"the interpreter in {sys.base_prefix} loaded {', '.join(sorted(wrong))}, not its "
+                                    "own libpython: its RUNPATH names a host path too short to be rewritten; "
+                                    "use a Python installed under a longer prefix")
     return (NEUTRAL_ROOT,)
 
 
@@ -595,7 +603,8 @@ def running_paths() -> tuple[str, ...]:
 
 def launch(spec: dict[str, Any]) -> NoReturn:
     """Become the zygote, from the neutral paths: a private mount namespace with the store's parts
-    on NEUTRAL_ROOT, an empty network namespace, a neutral host name, then exec the interpreter."""
+    on NEUTRAL_ROOT, an empty network namespace, a neutral host name, then exec the interpreter.
+    The zygote stays in this mount namespace: its interpreter and libpython are mapped from it."""
     sc.unshare(sc.CLONE_NEWNS | sc.CLONE_NEWUTS | sc.CLONE_NEWNET)
     sc.mount(None, "/", None, sc.MS_REC | sc.MS_PRIVATE)
     sc.sethostname(ZYGOTE_HOSTNAME)
