@@ -133,7 +133,7 @@ async def test_host_files_hidden(box: Box) -> None:
         for d in dirs:
             code, out, _ = await box.run("cat", f"{d}/secret")
             assert code != 0 and token not in out
-        assert (await box.run("ls", "-A", "/root"))[1].split() == [".pyenv"] or not os.path.isdir("/root/.pyenv")
+        assert (await box.run("test", "-e", "/root"))[0] != 0  # the runtime is at neutral paths, not under /root
         for secret in ("/etc/shadow", "/etc/gshadow", "/etc/sudoers", "/etc/ssh", "/sys/kernel", "/root/.bashrc"):
             assert (await box.run("test", "-e", secret))[0] != 0, secret
         code, out, _ = await box.run("cat", "/etc/passwd")

@@ -13,5 +13,8 @@ def test_shell_commands_get_the_template_python(server_url: str) -> None:
         out = sbx.commands.run(
             "command -v python3; python3 -c 'import numpy, pandas, matplotlib, IPython; print(\"imports ok\")'"
         ).stdout.split("\n")
-        assert out[0].startswith(sys.prefix) and out[1] == "imports ok"
+        # the template's Python, at its neutral path inside the sandbox (not the host's sys.prefix)
+        prefix = sbx.run_code("import sys; sys.prefix").text.strip("'")
+        assert out[0].startswith(prefix + "/bin/") and out[1] == "imports ok"
+        assert prefix != sys.prefix or prefix.startswith("/usr")
         assert sbx.run_code("import os; os.environ['HOME'], os.getcwd()").text == "('/home/user', '/home/user')"

@@ -17,13 +17,12 @@ import os
 import signal
 import socket
 import sys
-import tempfile
 import traceback
 from collections.abc import Awaitable, Callable
 from typing import Any, NoReturn
 
 from agentcell.errors import InvalidArgumentError, ResourceExhaustedError, SandboxError
-from agentcell.runtime import display, filesystem, kernel, processes, protocol, reaper
+from agentcell.runtime import display, filesystem, kernel, processes, protocol, reaper, statedir
 from agentcell.runtime.filesystem import FileSystem, os_error
 from agentcell.runtime.kernel import ContextManager
 from agentcell.runtime.processes import ProcessTable, Subscriber
@@ -39,10 +38,10 @@ _AGENT_MODULES = (display, filesystem, kernel, processes, protocol, reaper)  # i
 
 def preload() -> None:
     """Import and build everything sandboxes share, so a sandbox start is a cheap fork."""
-    state = os.path.join(tempfile.gettempdir(), f"agentcell-{os.getuid()}")
     for var, sub in (("IPYTHONDIR", "ipython"), ("MPLCONFIGDIR", "matplotlib")):
         if var not in os.environ:  # matplotlib's font cache survives zygote restarts here
-            os.environ[var] = os.path.join(state, sub)
+            # not /tmp: any local user could pre-create it there (a symlink, a poisoned font cache)
+            os.environ[var] = os.path.join(statedir.private_dir(statedir.default_state_dir("agent")), sub)
         os.makedirs(os.environ[var], exist_ok=True)
     import matplotlib
 

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from typing import Any, NoReturn, Protocol
 
 from agentcell.errors import InvalidArgumentError, NotFoundError, SandboxError
-from agentcell.runtime import display
+from agentcell.runtime import display, forkstate
 from agentcell.runtime.processes import CHILD_OOM_SCORE_ADJ, set_oom_score_adj
 from agentcell.runtime.protocol import ProtocolError, encode_frame, read_frame, recv_frame
 from agentcell.runtime.reaper import Reaper, describe_status
@@ -417,6 +417,7 @@ def _kernel_child(ctrl_fd: int, out_w: int, err_w: int, cwd: str, envs: dict[str
         os.environ.clear()
         os.environ.update(envs)
         _scrub_inherited_environ()
+        forkstate.refresh()  # PRNG seeds and caches of the zygote: not the same in every sandbox
         asyncio.set_event_loop_policy(None)  # forget the agent's loop (its fds are gone here)
         _serve_kernel(socket.socket(fileno=_CTRL_FD))
     except BaseException:

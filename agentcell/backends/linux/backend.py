@@ -23,8 +23,9 @@ from dataclasses import asdict
 from typing import Any
 
 from agentcell.backends.base import Backend, RunningSandbox, SandboxSpec, SandboxStats
-from agentcell.backends.linux import cgroups, rootfs, uids
+from agentcell.backends.linux import cgroups, rootfs, runtime_store, uids
 from agentcell.errors import BackendUnavailableError, InvalidArgumentError, SandboxError, SandboxGoneError
+from agentcell.runtime import statedir
 from agentcell.runtime.protocol import PREFIX, encode_frame
 
 DEFAULT_ENTRY = "agentcell.runtime.agent:serve"
@@ -56,25 +57,28 @@ _ZYGOTE_ENV = {"PATH", "LANG", "LC_ALL", "PYTHONPATH", "TZ", "AGENTCELL_TIMING"}
 
 
 class _Zygote:
-    def __init__(self, template: str, entry: str, preload: bool, cgroup_parent: str, staging: str) -> None:
+    def __init__(self, template: str, entry: str, preload: bool, cgroup_parent: str, staging: str,
+                 runtime: runtime_store.Store, state_dir: str) -> None:
         self.template = template
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         # The zygote's memory is copied into every sandbox, so it gets none of the server's environment
         # (API keys, cloud credentials ...), only what Python and the numeric libraries need.
         env = {k: v for k, v in os.environ.items() if k in _ZYGOTE_ENV or k.startswith(("OPENBLAS_", "OMP_"))}
-        pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(rootfs.__file__)))
-        pkg_parent = os.path.dirname(os.path.dirname(pkg_parent))  # .../agentcell/backends/linux -> repo
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_parent, env.get("PYTHONPATH")) if p)
         env.setdefault("OPENBLAS_NUM_THREADS", "1")  # keep the zygote single-threaded
+        # No host path either: PATH and PYTHONPATH name the runtime store's neutral tree, and the
+        # caches live in a private directory (root's, 0700), not in /tmp.
+        env.update(runtime.zygote_env())
+        env.update(IPYTHONDIR=f"{state_dir}/ipython", MPLCONFIGDIR=f"{state_dir}/matplotlib")
         args = ["--fd", str(theirs.fileno()), "--entry", entry, "--cgroup", cgroup_parent, "--staging", staging,
                 "--parent", str(os.getpid())]
         if not preload:
             args.append("--no-preload")
         # The arguments go through stdin, not argv: every sandbox is a fork of the zygote, and its
         # /proc/<pid>/cmdline would show them (server pid, cgroup and staging paths) to user code.
+        # The launcher execs the zygote from the runtime store's neutral paths (runtime_store.launch).
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "agentcell.backends.linux.zygote"],
-            pass_fds=[theirs.fileno()], stdin=subprocess.PIPE, env=env, close_fds=True,
+            runtime.launcher_command(),
+            pass_fds=[theirs.fileno()], stdin=subprocess.PIPE, env=env, close_fds=True, cwd="/",
         )
         assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps(args).encode())
@@ -182,6 +186,8 @@ class LinuxBackend(Backend):
         self.preload = entry_point.startswith("agentcell.runtime.agent:") if preload is None else preload
         self.zygote_timeout = zygote_timeout
         self._zygotes: dict[str, _Zygote] = {}
+        self._runtime: runtime_store.Store | None = None  # held from start() to close()
+        self._state_dir = ""
         self._sandboxes: dict[str, LinuxSandbox] = {}
         self._slots: set[int] = set()
         self._next_slot = 0
@@ -221,6 +227,9 @@ class LinuxBackend(Backend):
             raise BackendUnavailableError(str(e)) from e
         os.makedirs(self.staging, mode=0o755, exist_ok=True)
         os.chmod(self.staging, 0o755)
+        if self._runtime is None:  # the Python runtime at neutral paths: built once, checked in ~0.2 s
+            self._state_dir = statedir.private_dir(statedir.default_state_dir("zygote"))
+            self._runtime = await asyncio.to_thread(runtime_store.ensure)
         await self._zygote("base")
 
     async def _spawn(self, template: str, sock_fd: int) -> None:
@@ -242,7 +251,9 @@ class LinuxBackend(Backend):
         if z is None or not z.alive():
             if z is not None:
                 z.stop()
-            z = _Zygote(template, self.entry_point, self.preload, self.cgroup_parent, self.staging)
+            assert self._runtime is not None, "start() first"
+            z = _Zygote(template, self.entry_point, self.preload, self.cgroup_parent, self.staging, self._runtime,
+                        self._state_dir)
             self._zygotes[template] = z
         await z.wait_ready(self.zygote_timeout)
         return z
@@ -259,6 +270,9 @@ class LinuxBackend(Backend):
         if self._uid_range is not None:
             self._uid_range.release()
             self._uid_range = None
+        if self._runtime is not None:
+            self._runtime.close()
+            self._runtime = None
 
     # -- sandboxes -------------------------------------------------------------------------------
 

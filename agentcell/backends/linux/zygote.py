@@ -8,9 +8,10 @@ child on that socket, after the fork, so no tenant's data is ever in the zygote'
 later sandbox inherits). The zygote answers on the sandbox's socket with a "spawned" frame (the
 sandbox's host pid and cgroup), after which the child itself reports (error, or the agent's ready).
 
-At start it takes its own mount namespace and builds the template root there (rootfs.build_template),
-so each sandbox only copies it. It keeps one standby child (sandbox_init.run_standby) forked and
-prepared ahead of the next request, so a create() pays neither the fork nor the cgroup move.
+Its launcher (runtime_store.launch) gives it its own mount namespace; it builds the template root
+there (rootfs.build_template), so each sandbox only copies it. It keeps one standby child
+(sandbox_init.run_standby) forked and prepared ahead of the next request, so a create() pays
+neither the fork nor the cgroup move.
 
 It must stay single-threaded (fork keeps only the calling thread). It dies with the server
 (PR_SET_PDEATHSIG); on control-socket EOF or SIGTERM it SIGKILLs its standby. Sandboxes it handed
@@ -201,7 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGCHLD, _reap)
     try:
         os.setgroups([])  # root's supplementary groups must not reach any child
-        sc.unshare(sc.CLONE_NEWNS)
+        # No unshare here: the launcher (runtime_store.launch) gave us a mount namespace of our own,
+        # with the runtime mounted. Leaving it would detach the mounts our interpreter and libpython
+        # were mapped from, and sandboxes' /proc/self/exe and maps would name them by their bare paths.
         rootfs.build_template(args.staging)
         if args.no_preload:
             resolve_entry(args.entry)

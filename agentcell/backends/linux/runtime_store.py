@@ -1,0 +1,627 @@
+"""The sandbox's Python runtime at neutral paths, so that nothing in a sandbox names a host path.
+
+Binding the host's Python prefixes and the agentcell checkout into each sandbox would show where
+they live on the host, in /proc/self/mountinfo (both the mount point and the mount's root inside its
+filesystem), in every ``__file__``, ``sys.path`` entry, traceback and ``/proc/self/maps`` line, and
+in file contents (pyvenv.cfg, script shebangs, editable-install finders, .pyc files, ELF RUNPATHs).
+Instead the server keeps a *runtime store* and every zygote and sandbox sees it at fixed paths:
+
+  /opt/agentcell/python         the interpreter and its standard library (``sys.base_prefix``),
+                                unless it lives under /usr (bound into every sandbox as it is)
+  /opt/agentcell/venv           the virtualenv (``sys.prefix``), if the server runs from one
+  /opt/agentcell/lib/agentcell  the agentcell package alone, not the repository around it
+
+Each of these *parts* is built once into /var/lib/agentcell/runtime/<part>-<key>/ (root's, 0700
+above the parts), from hard links to the host's files where their content can stay (the same
+filesystem; copies otherwise) and rewritten copies where it names a host path: text files get the
+neutral path instead, .pyc files get their code objects' file names and constants rewritten (their
+headers still match the sources, so they stay valid), and binaries are patched in place without
+moving a byte (see _Rewriter.binary: ELF RUNPATHs become the neutral path, padded with slashes). The
+package is copied, and compiled for its neutral path. The key hashes the part's file list (names,
+sizes, mtimes, inodes) and the layout, so a server start finds an unchanged part in ~0.1 s and
+rebuilds only what changed (``pip install``, an edit of the package). A server holds a shared lock
+on each part it uses; parts no server has used for a day are removed at the next start.
+
+The zygote runs from the neutral paths too (``launch``): its launcher takes a private mount
+namespace, puts the parts on /opt/agentcell (a tmpfs over /opt, in that namespace only) and execs
+the interpreter from there, so the zygote's memory, and every sandbox forked from it, never held a
+host path. The launcher also gives it an empty network namespace and a UTS namespace named
+"agentcell", so no host interface address or host name can be cached in it either.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import fnmatch
+import functools
+import hashlib
+import importlib.util
+import json
+import marshal
+import os
+import py_compile
+import re
+import shutil
+import stat
+import struct
+import sys
+import time
+import types
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, NoReturn
+
+import agentcell
+from agentcell.backends.linux import syscalls as sc
+from agentcell.errors import BackendUnavailableError
+from agentcell.runtime import statedir
+
+NEUTRAL_ROOT = "/opt/agentcell"
+STORE_DIR = "/var/lib/agentcell/runtime"
+ZYGOTE_HOSTNAME = "agentcell"
+FORMAT = 1  # bump whenever the layout or a rewriting rule changes: every part is rebuilt
+KEEP_UNUSED_S = 24 * 3600  # an unused part is removed at a start this long after its last use
+_SYSTEM = ("/usr",)  # bound into every sandbox at its own path: nothing there needs hiding
+_VERSION = f"python{sys.version_info.major}.{sys.version_info.minor}"
+_ZYGOTE_MODULE = "agentcell.backends.linux.zygote"
+_LAUNCH_MODULE = "agentcell.backends.linux.runtime_store"
+_DROPPED_FILES = ("__editable__*", "direct_url.json", "*.egg-link")  # name the host checkouts they point to
+
+
+_DROPPED_RX = re.compile("|".join(fnmatch.translate(p) for p in _DROPPED_FILES))
+
+
+@functools.cache
+def _glob_rx(patterns: tuple[str, ...]) -> re.Pattern[str]:
+    return re.compile("|".join(fnmatch.translate(p) for p in patterns))
+
+
+class RuntimeStoreError(BackendUnavailableError):
+    """The runtime store cannot be built or used."""
+
+
+def _under(path: str, roots: tuple[str, ...] | list[str]) -> bool:
+    return any(path == r or path.startswith(r.rstrip("/") + "/") for r in roots)
+
+
+@dataclass(frozen=True)
+class Part:
+    name: str  # python | venv | agentcell
+    source: str  # the host directory (real path)
+    target: str  # where the zygote and every sandbox see it
+    copy: bool = False  # copy instead of hard-linking (the checkout: later edits must not leak in)
+    drop_dirs: frozenset[str] = frozenset()  # relative paths left out
+    drop_files: tuple[str, ...] = ()  # fnmatch patterns on relative paths
+    bin_keep: tuple[str, ...] | None = None  # keep only bin/ entries starting with one of these
+
+    def keeps(self, rel: str, name: str) -> bool:
+        if rel in self.drop_dirs or _DROPPED_RX.match(name) or (self.drop_files and _glob_rx(self.drop_files).match(rel)):
+            return False
+        if self.bin_keep is not None and rel.startswith("bin/") and "/" not in rel[4:]:
+            return name.startswith(self.bin_keep)
+        return not (self.copy and name == "__pycache__")
+
+
+@dataclass(frozen=True)
+class Layout:
+    parts: tuple[Part, ...]
+    executable: str  # the interpreter, at its neutral path
+    pythonpath: str  # the directory holding the agentcell package, neutral
+    mapping: tuple[tuple[str, str], ...]  # host path -> neutral path, longest first
+    pth: tuple[str, str] | None  # (part, site-packages dir in it): gets a .pth naming `pythonpath`
+
+
+def _venv_config(prefix: str) -> dict[str, str]:
+    conf: dict[str, str] = {}
+    with contextlib.suppress(OSError), open(os.path.join(prefix, "pyvenv.cfg")) as f:
+        for line in f:
+            key, sep, value = line.partition("=")
+            if sep:
+                conf[key.strip()] = value.strip()
+    return conf
+
+
+def plan() -> Layout:
+    """The layout for the interpreter and agentcell package this process runs from."""
+    pkg_abs = os.path.dirname(os.path.abspath(agentcell.__file__))
+    pkg = os.path.realpath(pkg_abs)
+    base, prefix = os.path.realpath(sys.base_prefix), os.path.realpath(sys.prefix)
+    venv = prefix != base
+    system_site = not venv or _venv_config(prefix).get("include-system-site-packages", "false").lower() == "true"
+    site = f"lib/{_VERSION}/site-packages"
+    parts: list[Part] = []
+    pth: tuple[str, str] | None = None
+    if not _under(base, _SYSTEM):
+        drop = {f"lib/{_VERSION}/test"}  # the standard library's own test suite: 120 MB nobody imports
+        if not system_site:
+            drop.add(site)  # the venv does not see the base's packages
+        parts.append(Part(
+            "python", base, f"{NEUTRAL_ROOT}/python", drop_dirs=frozenset(drop),
+            drop_files=(f"lib/{_VERSION}/config-*/*.a",),  # the static libpython, for embedding only
+            # without the base's packages their console scripts are dead; keep the interpreter's own
+            bin_keep=None if system_site else ("python", "pydoc", "2to3", "idle"),
+        ))
+        if not venv:
+            pth = ("python", site)
+    if venv and not _under(prefix, _SYSTEM):
+        parts.append(Part("venv", prefix, f"{NEUTRAL_ROOT}/venv"))
+        pth = ("venv", site)
+    parts.append(Part("agentcell", pkg, f"{NEUTRAL_ROOT}/lib/agentcell", copy=True))
+    # each part by its real path and by the paths this process was given (they differ by symlinks,
+    # pyenv's "3.11" alias, say, which the venv's pyvenv.cfg may name)
+    given = {"python": [sys.base_prefix], "venv": [sys.prefix], "agentcell": [pkg_abs]}
+    if venv:
+        given["python"] += [os.path.dirname(_venv_config(prefix).get("home", "/"))]
+    mapping: dict[str, str] = {}
+    for part in parts:
+        mapping[part.source] = part.target
+        for path in given[part.name]:
+            path = os.path.abspath(path)
+            if os.path.realpath(path) == part.source and not _under(path, _SYSTEM):
+                mapping.setdefault(path, part.target)
+    # the checkout around the package (named by editable installs, say), unless a part holds it
+    checkout = os.path.dirname(pkg)
+    if not _under(checkout, _SYSTEM) and not any(_under(checkout, [p.source]) for p in parts):
+        mapping.setdefault(checkout, f"{NEUTRAL_ROOT}/lib")
+    ordered = tuple(sorted(mapping.items(), key=lambda kv: len(kv[0]), reverse=True))
+    executable = _map_path(os.path.abspath(sys.executable), ordered)
+    return Layout(tuple(parts), executable, f"{NEUTRAL_ROOT}/lib", ordered, pth)
+
+
+def _map_path(path: str, mapping: tuple[tuple[str, str], ...]) -> str:
+    for host, neutral in mapping:
+        if _under(path, [host]):
+            return neutral + path[len(host):]
+    return path
+
+
+# -- rewriting ------------------------------------------------------------------------------------
+
+
+class _Rewriter:
+    """Replaces host paths by neutral ones in text, binaries and code objects."""
+
+    def __init__(self, mapping: tuple[tuple[str, str], ...]) -> None:
+        self.pairs = [(h.encode(), n.encode()) for h, n in mapping]
+        self.table = dict(self.pairs)
+        # a whole path: the host prefix, then anything but more of a file name
+        self.rx = re.compile(b"(?:" + b"|".join(re.escape(h) for h, _ in self.pairs) + rb")(?![\w.+-])")
+        self.unfit = 0  # host paths in binaries shorter than their neutral path (left as they are)
+
+    def maybe(self, data: bytes) -> bool:
+        """Fast: may `data` name a host path (substring search, no boundary check)?"""
+        return any(h in data for h, _ in self.pairs)
+
+    def names(self, data: bytes) -> bool:
+        return self.rx.search(data) is not None
+
+    def _sub(self, m: re.Match[bytes]) -> bytes:
+        return self.table[m.group()]
+
+    def text(self, data: bytes) -> bytes:
+        return self.rx.sub(self._sub, data)
+
+    def string(self, s: str) -> str:
+        if not self.maybe(s.encode("utf-8", "surrogateescape")):
+            return s
+        return self.text(s.encode("utf-8", "surrogateescape")).decode("utf-8", "surrogateescape")
+
+    def binary(self, data: bytes) -> bytes:
+        """Rewrite host paths in a binary without moving a byte.
+
+        Linkers merge a string constant into the tail of a longer one ("3.11.7" is the tail of
+        libpython's ".../versions/3.11.7") and code refers to it by address, so only the host path's
+        own bytes change, and only where no other string can start inside them:
+        * in the ELF dynamic string table (RUNPATH, RPATH), where every reference is known: the
+          neutral path padded with slashes to the same length ("/opt/agentcell/python///////lib" is
+          the same directory), unless some other name starts inside it;
+        * anywhere else: all but the host path's last component, which stays where it was
+          (".../versions/3.11.7" becomes "/opt/agentcell/python/3.11.7": no host path, and not used
+          either: such strings are build-time fallbacks, like libpython's configured prefix).
+        """
+        out = bytearray(data)
+        dynstr = _elf_dynstr(data)
+        for m in self.rx.finditer(data):
+            host, new = m.group(), self.table[m.group()]
+            if dynstr is not None and dynstr[0] <= m.start() < dynstr[0] + dynstr[1] and len(new) <= len(host):
+                inside = range(m.start() - dynstr[0] + 1, m.end() - dynstr[0])
+                if dynstr[2] is not None and not any(r in inside for r in dynstr[2]):
+                    out[m.start():m.end()] = new.ljust(len(host), b"/")
+                    continue
+            head = host.rindex(b"/") + 1
+            if len(new) + 1 > head:
+                self.unfit += 1  # the neutral path has no spelling this short
+                continue
+            out[m.start():m.start() + head] = (new + b"/").ljust(head, b"/")
+        return bytes(out)
+
+    def code(self, code: types.CodeType) -> types.CodeType:
+        return code.replace(co_filename=self.string(code.co_filename),
+                            co_consts=tuple(self._const(c) for c in code.co_consts))
+
+    def _const(self, c: Any) -> Any:
+        if isinstance(c, types.CodeType):
+            return self.code(c)
+        if isinstance(c, str):
+            return self.string(c)
+        if isinstance(c, bytes):
+            return self.text(c) if self.maybe(c) else c
+        if isinstance(c, tuple):
+            return tuple(self._const(x) for x in c)
+        if isinstance(c, frozenset):
+            return frozenset(self._const(x) for x in c)
+        return c
+
+    def pth(self, data: bytes) -> bytes:
+        """A .pth file: host paths mapped; absolute paths the sandbox does not have dropped."""
+        keep = []
+        for line in self.text(data).splitlines(keepends=True):
+            path = line.strip().decode("utf-8", "surrogateescape")
+            if path.startswith("/") and not _under(path, [NEUTRAL_ROOT, *_SYSTEM]):
+                continue
+            keep.append(line)
+        return b"".join(keep)
+
+
+def _elf_dynstr(data: bytes) -> tuple[int, int, set[int] | None] | None:
+    """The dynamic string table of a 64-bit little-endian ELF file: (file offset, size, the offsets
+    into it that something refers to, or None if the section headers are gone)."""
+    if len(data) < 64 or data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
+        return None
+    try:
+        phoff, shoff = struct.unpack_from("<QQ", data, 0x20)
+        phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", data, 0x36)
+        loads, dyn = [], None
+        for i in range(phnum):
+            p_type, _fl, p_offset, p_vaddr, _pa, p_filesz = struct.unpack_from("<IIQQQQ", data, phoff + i * phentsize)
+            if p_type == 1:  # PT_LOAD
+                loads.append((p_vaddr, p_offset, p_filesz))
+            elif p_type == 2:  # PT_DYNAMIC
+                dyn = (p_offset, p_filesz)
+        if dyn is None:
+            return None
+        tags: dict[int, int] = {}
+        refs: set[int] = set()
+        for j in range(dyn[1] // 16):
+            tag, val = struct.unpack_from("<qQ", data, dyn[0] + 16 * j)
+            if tag == 0:
+                break
+            tags.setdefault(tag, val)
+            if tag in (1, 14, 15, 29, 0x7FFFFFFD, 0x7FFFFFFF):  # NEEDED SONAME RPATH RUNPATH AUXILIARY FILTER
+                refs.add(val)
+        strtab, strsz = tags.get(5), tags.get(10, 0)  # DT_STRTAB (an address), DT_STRSZ
+        start = next((strtab - v + o for v, o, n in loads if strtab is not None and v <= strtab < v + n), None)
+        if start is None:
+            return None
+        if not shnum:
+            return start, strsz, None
+        for k in range(shnum):
+            sh_type, = struct.unpack_from("<I", data, shoff + k * shentsize + 4)
+            sh_offset, sh_size = struct.unpack_from("<QQ", data, shoff + k * shentsize + 0x18)
+            if sh_type == 11:  # SHT_DYNSYM: st_name of each symbol
+                refs.update(struct.unpack_from("<I", data, sh_offset + e)[0] for e in range(0, sh_size, 24))
+            elif sh_type == 0x6FFFFFFE:  # SHT_GNU_verneed: file names and version names
+                refs.update(_version_names(data, sh_offset, need=True))
+            elif sh_type == 0x6FFFFFFD:  # SHT_GNU_verdef
+                refs.update(_version_names(data, sh_offset, need=False))
+        return start, strsz, refs
+    except (struct.error, ValueError):
+        return None
+
+
+def _version_names(data: bytes, offset: int, need: bool) -> Iterator[int]:
+    while True:
+        if need:  # Elf64_Verneed: version, count, file, aux, next; Elf64_Vernaux: hash, flags, other, name, next
+            _v, count, file, aux, nxt = struct.unpack_from("<HHIII", data, offset)
+            yield file
+            a = offset + aux
+            for _ in range(count):
+                _h, _f, _o, name, anext = struct.unpack_from("<IHHII", data, a)
+                yield name
+                a += anext
+        else:  # Elf64_Verdef: version, flags, ndx, count, hash, aux, next; Elf64_Verdaux: name, next
+            _v, _f, _n, count, _h, aux, nxt = struct.unpack_from("<HHHHIII", data, offset)
+            a = offset + aux
+            for _ in range(count):
+                name, anext = struct.unpack_from("<II", data, a)
+                yield name
+                a += anext
+        if not nxt:
+            return
+        offset += nxt
+
+
+# -- building -------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Stats:
+    linked: int = 0
+    rewritten: int = 0
+    dropped_pyc: int = 0
+    bytes_written: int = 0
+    sources: dict[str, bytes] = field(default_factory=dict)  # rewritten .py files (for .pyc headers)
+
+
+def _key(part: Part, layout: Layout) -> str:
+    h = hashlib.sha256()
+    h.update(json.dumps([FORMAT, sys.version, importlib.util.MAGIC_NUMBER.hex(), part.__dict__ | {
+        "drop_dirs": sorted(part.drop_dirs)}, layout.mapping, layout.pth]).encode())
+    for rel, st, link in _walk(part):
+        h.update(f"{rel}\0{st.st_mode}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}\0{link}\n".encode(
+            "utf-8", "surrogateescape"))
+    return h.hexdigest()[:16]
+
+
+def _walk(part: Part) -> Iterator[tuple[str, os.stat_result, str]]:
+    """(relative path, lstat, symlink target) of everything the part keeps, parents first."""
+    stack = [""]
+    while stack:
+        rel_dir = stack.pop()
+        with os.scandir(os.path.join(part.source, rel_dir)) as it:
+            entries = sorted(it, key=lambda e: e.name)
+        for e in entries:
+            rel = f"{rel_dir}/{e.name}" if rel_dir else e.name
+            if not part.keeps(rel, e.name):
+                continue
+            st = e.stat(follow_symlinks=False)
+            link = os.readlink(e.path) if e.is_symlink() else ""
+            yield rel, st, link
+            if e.is_dir(follow_symlinks=False):
+                stack.append(rel)
+
+
+def _write(path: str, data: bytes, st: os.stat_result) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fchmod(fd, st.st_mode & 0o755)  # never setuid, never writable by others
+    finally:
+        os.close(fd)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))  # .pyc headers compare the source's mtime
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst, follow_symlinks=False)
+    except OSError:  # another filesystem (EXDEV), too many links, an immutable file ...
+        shutil.copy2(src, dst, follow_symlinks=False)
+        os.chmod(dst, os.lstat(src).st_mode & 0o755)
+
+
+def _pyc_header(header: bytes, source: bytes | None) -> bytes:
+    """A .pyc header valid for the rewritten `source` (same mtime, new size or hash)."""
+    if source is None:
+        return header
+    flags = int.from_bytes(header[4:8], "little")
+    if flags == 0:  # timestamp-based: mtime, then the source's size
+        return header[:12] + (len(source) & 0xFFFFFFFF).to_bytes(4, "little")
+    if flags & 0b10:  # checked hash-based
+        return header[:8] + importlib.util.source_hash(source)
+    return header
+
+
+def _place_file(src: str, dst: str, rel: str, st: os.stat_result, part: Part, rw: _Rewriter,
+                stats: _Stats) -> None:
+    name = os.path.basename(rel)
+    with open(src, "rb") as f:
+        data = f.read()
+    if name.endswith(".pyc"):
+        if data[:4] != importlib.util.MAGIC_NUMBER:
+            return  # another Python version's: never loaded
+        module = name.split(".", 1)[0]
+        source = stats.sources.get(os.path.join(os.path.dirname(os.path.dirname(dst)), module + ".py"))
+        if not rw.maybe(data) and source is None:
+            _link_or_copy(src, dst)
+            stats.linked += 1
+            return
+        try:
+            body = marshal.dumps(rw.code(marshal.loads(memoryview(data)[16:])))
+        except (ValueError, EOFError, TypeError):
+            stats.dropped_pyc += 1
+            return
+        if rw.names(body):  # a host path rewriting could not reach: Python compiles the source instead
+            stats.dropped_pyc += 1
+            return
+        new = _pyc_header(data[:16], source) + body
+    else:
+        new = data
+        if name.endswith(".pth"):
+            new = rw.pth(data)
+        elif rw.maybe(data):
+            new = rw.binary(data) if b"\0" in data else rw.text(data)
+        if new == data and not part.copy:
+            _link_or_copy(src, dst)
+            stats.linked += 1
+            return
+        if new != data and name.endswith(".py"):
+            stats.sources[dst] = new
+    _write(dst, new, st)
+    stats.rewritten += 1
+    stats.bytes_written += len(new)
+
+
+def _build(part: Part, layout: Layout, dest: str) -> _Stats:
+    rw = _Rewriter(layout.mapping)
+    stats = _Stats()
+    os.mkdir(dest, 0o755)
+    for rel, st, link in _walk(part):
+        src, dst = os.path.join(part.source, rel), os.path.join(dest, rel)
+        if link:
+            os.symlink(_map_path(link, layout.mapping) if link.startswith("/") else link, dst)
+        elif stat.S_ISDIR(st.st_mode):
+            os.mkdir(dst, 0o755)
+            os.chmod(dst, st.st_mode & 0o755)
+        elif stat.S_ISREG(st.st_mode):
+            _place_file(src, dst, rel, st, part, rw, stats)  # sockets, fifos, devices: left out
+    if part.copy:  # the package: compiled here, for the path it has in the sandbox
+        for rel, _st, link in list(_walk(part)):
+            if rel.endswith(".py") and not link:
+                path = os.path.join(dest, rel)
+                py_compile.compile(path, cfile=importlib.util.cache_from_source(path),
+                                   dfile=f"{part.target}/{rel}", doraise=True,
+                                   invalidation_mode=py_compile.PycInvalidationMode.TIMESTAMP)
+    if layout.pth is not None and layout.pth[0] == part.name and os.path.isdir(os.path.join(dest, layout.pth[1])):
+        # agentcell stays importable in the sandbox's Python (the editable install's finder is gone)
+        with open(os.path.join(dest, layout.pth[1], "_agentcell_runtime.pth"), "w") as f:
+            f.write(layout.pythonpath + "\n")
+    if rw.unfit:
+        print(f"agentcell: runtime store: {rw.unfit} host path(s) in binaries of {part.source} are shorter than "
+              "their neutral path and stay as they are: sandboxes can read them there (and the interpreter "
+              "may not find its libpython); a Python installed under a longer prefix avoids this",
+              file=sys.stderr)
+    return stats
+
+
+# -- the store ------------------------------------------------------------------------------------
+
+
+class Store:
+    """The parts one server uses, held (shared locks) until close()."""
+
+    def __init__(self, layout: Layout, mounts: list[tuple[str, str]], locks: list[int]) -> None:
+        self.layout = layout
+        self.mounts = mounts  # (store directory, neutral path)
+        self._locks = locks
+
+    def close(self) -> None:
+        for fd in self._locks:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._locks = []
+
+    def zygote_env(self) -> dict[str, str]:
+        """What the zygote's environment must say (no host path in it, since every sandbox inherits
+        its memory). PYTHONPATH is the launcher's: it sets the neutral one before the exec."""
+        bin_dirs = [os.path.dirname(self.layout.executable), "/usr/local/bin", "/usr/bin", "/bin"]
+        return {"PATH": ":".join(dict.fromkeys(bin_dirs)),
+                "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(agentcell.__file__)))}
+
+    def launcher_command(self) -> list[str]:
+        """Starts the zygote, through the launcher (see launch())."""
+        spec = {"mounts": self.mounts, "pythonpath": self.layout.pythonpath,
+                "argv": [self.layout.executable, "-s", "-P", "-m", _ZYGOTE_MODULE]}
+        return [sys.executable, "-s", "-P", "-m", _LAUNCH_MODULE, json.dumps(spec)]
+
+
+def _hold(lock_path: str) -> int:
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    os.utime(fd)  # the part's last use, for the garbage collection
+    return fd
+
+
+@contextlib.contextmanager
+def _exclusive(path: str) -> Iterator[None]:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def ensure(layout: Layout | None = None, root: str = STORE_DIR,
+           log: Callable[[str], None] | None = None) -> Store:
+    """Build what is missing of the runtime store and hold its parts. Raises RuntimeStoreError."""
+    layout = layout or plan()
+    log = log or (lambda msg: print(f"agentcell: {msg}", file=sys.stderr, flush=True))
+    try:
+        statedir.private_dir(root)
+        mounts: list[tuple[str, str]] = []
+        locks: list[int] = []
+        with _exclusive(os.path.join(root, ".build.lock")):  # one builder at a time, and no collector
+            for part in layout.parts:
+                dest = os.path.join(root, f"{part.name}-{_key(part, layout)}")
+                locks.append(_hold(dest + ".lock"))
+                if not os.path.isdir(dest):
+                    t0 = time.perf_counter()
+                    tmp = dest + ".tmp"
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    stats = _build(part, layout, tmp)
+                    os.rename(tmp, dest)
+                    log(f"runtime store: built {part.target} from {part.source} in {time.perf_counter() - t0:.1f} s "
+                        f"({stats.linked} files linked, {stats.rewritten} rewritten, "
+                        f"{stats.bytes_written >> 20} MiB written)")
+                mounts.append((dest, part.target))
+            _collect(root, {os.path.basename(d) for d, _ in mounts})
+    except statedir.UnsafeDirectoryError as e:
+        raise RuntimeStoreError(str(e)) from None
+    except OSError as e:
+        raise RuntimeStoreError(f"cannot build the runtime store in {root}: {e}; it needs root and about "
+                                "200 MB of disk (hard links where it can)") from e
+    return Store(layout, mounts, locks)
+
+
+def _collect(root: str, keep: set[str]) -> None:
+    """Remove parts no server holds and none used for KEEP_UNUSED_S, and unfinished builds."""
+    for name in os.listdir(root):
+        path = os.path.join(root, name)
+        if name.endswith(".tmp"):
+            shutil.rmtree(path, ignore_errors=True)
+        elif name in keep or name.endswith(".lock") or not os.path.isdir(path):
+            continue
+        else:
+            fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue  # a running server uses it
+            try:
+                if time.time() - os.fstat(fd).st_mtime > KEEP_UNUSED_S:
+                    shutil.rmtree(path, ignore_errors=True)
+                    os.unlink(path + ".lock")
+            finally:
+                os.close(fd)
+
+
+def running_paths() -> tuple[str, ...]:
+    """In the zygote: the runtime tree every sandbox root binds (at the same path). Refuses to hand
+    out host paths: the zygote must run from the store (LinuxBackend starts it through launch())."""
+    pkg = os.path.dirname(os.path.abspath(agentcell.__file__))
+    for what, path in (("the agentcell package", pkg), ("sys.prefix", sys.prefix), ("sys.base_prefix", sys.base_prefix)):
+        if not _under(path, [NEUTRAL_ROOT, *_SYSTEM]):
+            raise RuntimeStoreError(f"{what} is {path}: the zygote must run from the runtime store under "
+                                    f"{NEUTRAL_ROOT} (start it through LinuxBackend), or sandboxes would see host paths")
+    if _under(sys.base_prefix, [NEUTRAL_ROOT]):
+        # a RUNPATH the store could not rewrite makes the loader fall back to the system's libpython
+        with open("/proc/self/maps") as f:
+            wrong = {line.split()[-1] for line in f if "/libpython" in line and NEUTRAL_ROOT not in line}
+        if wrong:
+            raise RuntimeStoreError(f"the interpreter in {sys.base_prefix} loaded {', '.join(sorted(wrong))}, not its "
+                                    "own libpython: its RUNPATH names a host path too short to be rewritten; "
+                                    "use a Python installed under a longer prefix")
+    return (NEUTRAL_ROOT,)
+
+
+# -- the launcher ---------------------------------------------------------------------------------
+
+
+def launch(spec: dict[str, Any]) -> NoReturn:
+    """Become the zygote, from the neutral paths: a private mount namespace with the store's parts
+    on NEUTRAL_ROOT, an empty network namespace, a neutral host name, then exec the interpreter.
+    The zygote stays in this mount namespace: its interpreter and libpython are mapped from it."""
+    sc.unshare(sc.CLONE_NEWNS | sc.CLONE_NEWUTS | sc.CLONE_NEWNET)
+    sc.mount(None, "/", None, sc.MS_REC | sc.MS_PRIVATE)
+    sc.sethostname(ZYGOTE_HOSTNAME)
+    top = os.path.dirname(NEUTRAL_ROOT)  # the host's /opt is out of sight in this namespace only
+    os.makedirs(top, mode=0o755, exist_ok=True)
+    base = sc.MS_NOSUID | sc.MS_NODEV
+    sc.mount("tmpfs", top, "tmpfs", base, "size=64k,mode=0755")
+    for src, dst in spec["mounts"]:
+        os.makedirs(dst, mode=0o755, exist_ok=True)
+        sc.mount(src, dst, None, sc.MS_BIND)
+        sc.mount(None, dst, None, sc.MS_REMOUNT | sc.MS_BIND | sc.MS_RDONLY | base)
+    sc.mount(None, top, None, sc.MS_REMOUNT | sc.MS_RDONLY | base)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = spec["pythonpath"]
+    argv = spec["argv"]
+    os.execve(argv[0], argv, env)
+
+
+if __name__ == "__main__":
+    launch(json.loads(sys.argv[1]))
