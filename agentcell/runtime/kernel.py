@@ -496,6 +496,9 @@ def _serve_kernel(sock: socket.socket) -> NoReturn:
     shell.run_cell("_agentcell_warm = [i * 2 for i in range(3)]", silent=True)
     shell.user_ns.pop("_agentcell_warm", None)
     while True:
+        # An interrupt from here on is for the run about to come (its deadline may pass before the
+        # code even starts, under load); one that came before was for a run that has ended.
+        _interrupt_pending = False
         frame = recv_frame(sock)
         if frame is None:
             os._exit(0)
@@ -510,9 +513,11 @@ def _serve_kernel(sock: socket.socket) -> NoReturn:
                                   "traceback": ""})  # fmt: skip
                 continue
             _send_line(sock, {"type": "number_of_executions", "execution_count": shell.execution_count})
-            _interrupt_pending = False  # an interrupt that came between runs was for an earlier run
             try:
                 _arm_sigint()
+                if _interrupt_pending:  # it came before the code started: the code never starts
+                    _interrupt_pending = False
+                    raise KeyboardInterrupt
                 shell.run_cell(code, store_history=True)
             finally:
                 _disarm_sigint()
