@@ -273,6 +273,10 @@ async def test_no_nested_namespaces_even_without_seccomp(attacker: Box) -> None:
     assert (await attacker.run("sh", "-c", "echo 9 > /proc/sys/user/max_user_namespaces"))[0] != 0  # no way back
     pid = attacker.sandbox.host_pid
     uid = os.stat(f"/proc/{pid}").st_uid
+    # the setup's handle on the unmasked /proc/sys (how those limits were written) is gone: pid 1
+    # holds no path but /dev/null (sockets and pidfds are not paths)
+    held = {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
+    assert {h for h in held if h.startswith("/")} == {"/dev/null"}, held
     r = subprocess.run([sys.executable, "-c", _JOIN_USERNS, str(pid), str(uid)], capture_output=True, text=True,
                        timeout=30)
     # user, net, pid, ipc, uts, mount, cgroup

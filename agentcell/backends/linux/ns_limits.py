@@ -8,7 +8,8 @@ Two steps, both in `sandbox_init._run_sandbox` after the unshare and before the 
   behind seccomp's unshare/clone/setns rules and the dropped capabilities), no fanotify, a per-sandbox
   number of inotify instances and watches. The new network namespace has its own TCP buffer sizes:
   smaller ones bound what one socket can queue before the memory cgroup's socket limit does.
-  These are ~15 writes to /proc/sys, ~0.2 ms in a fresh namespace.
+  These are 14 writes to /proc/sys (through rootfs.PROC_SYS_FD: /proc/sys itself may be mounted
+  read-only by then), ~0.15 ms in a fresh namespace.
 * `set_rlimits(limits)`: every rlimit set explicitly, so that nothing of the server's leaks in.
   RLIMIT_NPROC, _SIGPENDING, _MSGQUEUE and _MEMLOCK are counted per (user namespace, uid) and up the
   chain, so they bound the sandbox's host uid as well.
@@ -24,6 +25,7 @@ import os
 import resource
 
 from agentcell.backends.base import Limits
+from agentcell.backends.linux import rootfs
 
 INOTIFY_INSTANCES = 64  # per sandbox (the host's fs.inotify.max_user_instances is 128 per uid)
 INOTIFY_WATCHES = 65536  # per sandbox; each is ~1 KiB of kernel memory, and pins an inode
@@ -52,8 +54,8 @@ SIGPENDING = 4096  # queued signals and POSIX timers (each holds a preallocated 
 MSGQUEUE_BYTES = 819200  # POSIX message queue bytes: the kernel's default
 
 
-def _write(path: str, value: str) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+def _write(sys_fd: int, path: str, value: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC, dir_fd=sys_fd)
     try:
         os.write(fd, value.encode())
     finally:
@@ -62,11 +64,21 @@ def _write(path: str, value: str) -> None:
 
 def confine_namespaces() -> None:
     """In the new user+net namespaces, before the capabilities are dropped. Raises OSError: a sandbox
-    without these caps must not start (say, if /proc/sys were read-only by then)."""
-    for name, value in USERNS_LIMITS.items():
-        _write(f"/proc/sys/user/{name}", str(value))
-    for name, text in NETNS_SYSCTLS.items():
-        _write(f"/proc/sys/{name}", text)
+    without these caps must not start.
+
+    Which namespace a /proc/sys file belongs to is decided when it is opened, by the opener's
+    namespaces; the directory is the standby's own proc, opened before anything covered it
+    (rootfs.PROC_SYS_FD: /proc/sys is mounted read-only for the sandbox), and closed here."""
+    sys_fd, rootfs.PROC_SYS_FD = rootfs.PROC_SYS_FD, -1
+    if sys_fd < 0:
+        sys_fd = os.open("/proc/sys", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for name, value in USERNS_LIMITS.items():
+            _write(sys_fd, f"user/{name}", str(value))
+        for name, text in NETNS_SYSCTLS.items():
+            _write(sys_fd, name, text)
+    finally:
+        os.close(sys_fd)
 
 
 def rlimits(limits: Limits) -> dict[int, tuple[int, int]]:

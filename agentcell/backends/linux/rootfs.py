@@ -21,6 +21,7 @@ so not even the sandbox's namespace root could undo them.
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import os
 
@@ -42,6 +43,10 @@ _WRITABLE = ((HOME, "home", 0o755), ("/tmp", "tmp", 0o1777), ("/dev/shm", "shm",
 # tmpfs inodes are memory the size= limit does not count (~1 KiB each with the dentry): one per 8 KiB of
 # disk keeps a flood of empty files within an eighth of the disk, and ENOSPC rather than the OOM killer.
 _DISK_KIB_PER_INODE = 8
+# ns_limits writes the sandbox's own sysctls (its user and network namespaces' limits) through this fd
+# to the standby's /proc/sys, opened right after proc is mounted: whatever is later mounted over /proc/sys
+# (read-only) does not cover the fd. ns_limits closes it before any sandbox code runs.
+PROC_SYS_FD = -1
 # PTYs of a sandbox's own devpts instance (its `max=`): all non-initial instances share kernel.pty.max
 # minus kernel.pty.reserve, so one sandbox must not take them all. The zygote sets it (--ptys).
 PTYS_PER_SANDBOX = 64
@@ -160,6 +165,10 @@ def enter(staging: str = STAGING) -> None:
     """In a standby child (host root, pid 1 of its pid ns, fresh copy of the zygote's mount ns)."""
     # proc for this child's own pid namespace; mounted as host root, so no visibility rule applies
     sc.mount("proc", f"{staging}/proc", "proc", _BASE | sc.MS_NOEXEC)
+    global PROC_SYS_FD
+    fd = os.open(f"{staging}/proc/sys", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    PROC_SYS_FD = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 64)  # above the fds the standby places later
+    os.close(fd)
     sc.mount("devpts", f"{staging}/dev/pts", "devpts", sc.MS_NOSUID | sc.MS_NOEXEC,
              f"newinstance,ptmxmode=0666,mode=0620,max={PTYS_PER_SANDBOX}")
     os.chdir(staging)
