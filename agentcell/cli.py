@@ -82,6 +82,11 @@ def main() -> None:
 @click.option("--max-open-files", type=click.IntRange(64), default=None, help="Most open files per process (default 65536).")
 @click.option("--max-timeout", type=click.IntRange(1), default=3600, show_default=True,
               help="Longest sandbox lifetime a client may ask for, in seconds.")
+@click.option("--host-sysctls/--no-host-sysctls", default=True, show_default=True,
+              help="Raise fs.file-max, kernel.pid_max and kernel.pty.max at start when too small for "
+                   "--max-sandboxes (without: log what stays unprotected).")
+@click.option("--ptys-per-sandbox", default=64, show_default=True, type=click.IntRange(1, 4096),
+              help="PTYs each sandbox may open.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 def serve(host: str, port: int, uds: str | None, api_key: str | None, insecure_no_auth: bool, domain: str | None,
@@ -89,7 +94,7 @@ def serve(host: str, port: int, uds: str | None, api_key: str | None, insecure_n
           body_timeout: float, max_connections: int, max_body_memory_mb: int, max_sandboxes: int,
           uid_base: int | None, backend: str, max_memory_mb: int | None, max_pids: int | None,
           max_cpus: float | None, max_disk_mb: int | None, max_open_files: int | None, max_timeout: int,
-          log_level: str) -> None:
+          host_sysctls: bool, ptys_per_sandbox: int, log_level: str) -> None:
     """Run the server (control plane and every sandbox's data plane on one port). Needs root."""
     import dataclasses
 
@@ -102,8 +107,9 @@ def serve(host: str, port: int, uds: str | None, api_key: str | None, insecure_n
     ceilings = {"memory_mb": max_memory_mb, "pids": max_pids, "cpu_count": max_cpus, "disk_mb": max_disk_mb,
                 "open_files": max_open_files}
     max_limits = dataclasses.replace(default_max_limits(), **{k: v for k, v in ceilings.items() if v is not None})
-    # A lowered maximum lowers the default with it.
-    limits = Limits(**{f.name: min(getattr(Limits(), f.name), getattr(max_limits, f.name))
+    # A lowered maximum lowers the default with it (disk_mb None: the default disk follows the memory).
+    defaults = Limits()
+    limits = Limits(**{f.name: d if (d := getattr(defaults, f.name)) is None else min(d, getattr(max_limits, f.name))
                        for f in dataclasses.fields(Limits)})
     config = ServerConfig(
         host=host, port=port, uds=uds, api_key=api_key, max_sandboxes=max_sandboxes, uid_base=uid_base,
@@ -111,6 +117,7 @@ def serve(host: str, port: int, uds: str | None, api_key: str | None, insecure_n
         allowed_hosts=allowed_hosts, allowed_origins=allowed_origins, header_timeout=header_timeout,
         body_timeout=body_timeout, max_connections=max_connections, max_body_memory_mb=max_body_memory_mb,
         limits=limits, max_limits=max_limits, default_timeout=min(300, max_timeout), max_timeout=max_timeout,
+        tune_sysctls=host_sysctls, ptys_per_sandbox=ptys_per_sandbox,
     )
     try:
         check(config)

@@ -12,21 +12,53 @@ import abc
 import socket
 from dataclasses import dataclass, field
 
+# The disk is a tmpfs: its pages are memory, charged to the sandbox's memory cgroup. A full disk must
+# leave this much of the memory limit to the agent (~30 MiB with a Python context) and the user's
+# processes, so that a writer gets ENOSPC instead of the OOM killer taking the agent.
+DISK_HEADROOM_MB = 128
+
+
+def disk_headroom_mb(memory_mb: int) -> int:
+    """The memory a full disk leaves free: DISK_HEADROOM_MB, or half the memory of a smaller sandbox."""
+    return min(DISK_HEADROOM_MB, memory_mb // 2)
+
 
 @dataclass(frozen=True, slots=True)
 class Limits:
     """Per-sandbox resource limits. Every one is enforced by the kernel, not by the agent."""
 
-    memory_mb: int = 512  # cgroup memory limit (tmpfs pages count too)
+    memory_mb: int = 512  # cgroup memory limit (the disk's tmpfs pages count too)
     pids: int = 256  # cgroup pids limit: processes + threads
     cpu_count: float = 1.0  # CPU quota in cores (cfs quota / cpu.max)
-    disk_mb: int = 1024  # size of the writable tmpfs for /home/user and of /tmp each
+    # size of the one memory-backed tmpfs behind /home/user, /tmp and /dev/shm together;
+    # None: memory_mb - disk_headroom_mb(memory_mb) (384 for the default 512)
+    disk_mb: int | None = None
     open_files: int = 1024  # RLIMIT_NOFILE
     file_size_mb: int = 1024  # RLIMIT_FSIZE: no single file bigger than this
 
+    @property
+    def disk_limit_mb(self) -> int:
+        """The disk size in effect (disk_mb, or what the memory leaves when disk_mb is None)."""
+        if self.disk_mb is not None:
+            return self.disk_mb
+        return max(1, self.memory_mb - disk_headroom_mb(self.memory_mb))
+
     def validate(self) -> None:
+        """What one sandbox may have: every value in range, and the disk inside the memory."""
+        self.validate_ranges()
+        most = self.memory_mb - disk_headroom_mb(self.memory_mb)
+        if self.disk_limit_mb > most:
+            raise ValueError(
+                f"disk_mb must be at most memory_mb - {disk_headroom_mb(self.memory_mb)} = {most}, got "
+                f"{self.disk_limit_mb}: the disk is held in the sandbox's memory, and a full disk must leave "
+                "room for its processes (raise memory_mb for a bigger disk)")
+
+    def validate_ranges(self) -> None:
+        """Every value within what the backend can enforce (LIMIT_RANGES); disk_mb may be None."""
         for name, (low, high) in LIMIT_RANGES.items():
             value = getattr(self, name)
+            if value is None and name == "disk_mb":
+                continue
             if not low <= value <= high:
                 raise ValueError(f"{name} must be between {low} and {high}, got {value}")
 

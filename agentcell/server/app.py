@@ -94,7 +94,8 @@ class AgentcellApp:
         check_config(config)
         self.config = config
         self.backend = backend or get_backend(config.backend, uid_base=config.uid_base,
-                                              max_sandboxes=config.max_sandboxes)
+                                              max_sandboxes=config.max_sandboxes, tune_sysctls=config.tune_sysctls,
+                                              ptys_per_sandbox=config.ptys_per_sandbox)
         self.manager = SandboxManager(self.backend, config.max_sandboxes)
         self.control = Starlette(routes=ControlPlane(config, self.manager).routes(), exception_handlers=_HANDLERS)
         self.envd_http = Starlette(

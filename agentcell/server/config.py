@@ -34,6 +34,11 @@ class ServerConfig:
     max_upload_mb: int = 4096  # largest /files upload (streamed into the sandbox, never held whole)
     max_uploads: int = 64  # uploads in progress server-wide; more wait their turn
     max_uploads_per_sandbox: int = 8
+    # host-wide kernel pools (backends/linux/host.py): raise fs.file-max, kernel.pid_max and
+    # kernel.pty.max at start when they are too small for max_sandboxes; False leaves them (and logs
+    # what is then not protected)
+    tune_sysctls: bool = True
+    ptys_per_sandbox: int = 64  # each sandbox's own PTY pool (its devpts max=)
     log_level: str = "info"
     # --- the HTTP edge (docs/architecture.md, "The HTTP edge") ---
     insecure_no_auth: bool = False  # allow a non-loopback address without an API key
@@ -48,10 +53,10 @@ class ServerConfig:
 def check(config: ServerConfig) -> None:
     """Refuse a configuration whose defaults exceed its own maximums (raises ValueError)."""
     config.limits.validate()
-    config.max_limits.validate()
+    config.max_limits.validate_ranges()  # ceilings, not a sandbox: the disk-in-memory rule is per sandbox
     for f in dataclasses.fields(Limits):
         default, most = getattr(config.limits, f.name), getattr(config.max_limits, f.name)
-        if default > most:
+        if default is not None and most is not None and default > most:  # disk_mb None: follows memory
             raise ValueError(f"the default {f.name} ({default}) is above the maximum ({most})")
     if not 0 < config.default_timeout <= config.max_timeout:
         raise ValueError(f"the default timeout ({config.default_timeout} s) must be within 1..{config.max_timeout} s")

@@ -72,10 +72,17 @@ def _timeout(cfg: ServerConfig, body: dict[str, Any], default: int) -> int:
     return value
 
 
+def _disk_within_ceiling(cfg: ServerConfig, limits: Limits) -> Limits:
+    """A disk that follows the memory (disk_mb None) stays within the operator's disk maximum too."""
+    if limits.disk_mb is None and limits.disk_limit_mb > cfg.max_limits.disk_mb:
+        return dataclasses.replace(limits, disk_mb=cfg.max_limits.disk_mb)
+    return limits
+
+
 def _limits(cfg: ServerConfig, body: dict[str, Any]) -> Limits:
     value = body.get("limits")
     if value is None:
-        return cfg.limits
+        return _disk_within_ceiling(cfg, cfg.limits)
     if not isinstance(value, dict):
         raise HTTPError(400, "'limits' must be an object like {\"memoryMB\": 512, \"pids\": 256}")
     changes: dict[str, Any] = {}
@@ -90,7 +97,7 @@ def _limits(cfg: ServerConfig, body: dict[str, Any]) -> Limits:
             raise HTTPError(400, f"invalid limits: {key} must be between {low:g} and {most:g} on this server "
                                  f"(its operator's maximum), got {v:g}")
         changes[name] = typ(v)
-    limits = dataclasses.replace(cfg.limits, **changes)
+    limits = _disk_within_ceiling(cfg, dataclasses.replace(cfg.limits, **changes))
     try:
         limits.validate()
     except ValueError as e:
@@ -152,7 +159,7 @@ class ControlPlane:
             "endAt": rfc3339(rec.end_at),
             "cpuCount": max(1, math.ceil(rec.limits.cpu_count)),
             "memoryMB": rec.limits.memory_mb,
-            "diskSizeMB": rec.limits.disk_mb,
+            "diskSizeMB": rec.limits.disk_limit_mb,
             "state": "running",
             "envdVersion": ENVD_VERSION,
             "metadata": rec.metadata,
@@ -170,7 +177,7 @@ class ControlPlane:
                 "memoryMB": rec.limits.memory_mb,
                 "pids": rec.limits.pids,
                 "cpuCount": rec.limits.cpu_count,
-                "diskMB": rec.limits.disk_mb,
+                "diskMB": rec.limits.disk_limit_mb,
                 "openFiles": rec.limits.open_files,
             },
         }
@@ -331,7 +338,7 @@ class ControlPlane:
             "memTotal": stats.memory_limit_bytes,
             "memCache": 0,
             "diskUsed": 0,
-            "diskTotal": rec.limits.disk_mb * 1024 * 1024,
+            "diskTotal": rec.limits.disk_limit_mb * 1024 * 1024,
         }
         return JSONResponse([metric])
 

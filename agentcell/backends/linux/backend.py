@@ -23,7 +23,7 @@ from dataclasses import asdict
 from typing import Any
 
 from agentcell.backends.base import Backend, RunningSandbox, SandboxSpec, SandboxStats
-from agentcell.backends.linux import cgroups, rootfs, runtime_store, uids
+from agentcell.backends.linux import cgroups, host, rootfs, runtime_store, uids
 from agentcell.errors import BackendUnavailableError, InvalidArgumentError, SandboxError, SandboxGoneError
 from agentcell.runtime import statedir
 from agentcell.runtime.protocol import PREFIX, encode_frame
@@ -58,7 +58,7 @@ _ZYGOTE_ENV = {"PATH", "LANG", "LC_ALL", "PYTHONPATH", "TZ", "AGENTCELL_TIMING"}
 
 class _Zygote:
     def __init__(self, template: str, entry: str, preload: bool, cgroup_parent: str, staging: str,
-                 runtime: runtime_store.Store, state_dir: str) -> None:
+                 runtime: runtime_store.Store, state_dir: str, ptys: int = host.PTYS_PER_SANDBOX) -> None:
         self.template = template
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         # The zygote's memory is copied into every sandbox, so it gets none of the server's environment
@@ -70,7 +70,7 @@ class _Zygote:
         env.update(runtime.zygote_env())
         env.update(IPYTHONDIR=f"{state_dir}/ipython", MPLCONFIGDIR=f"{state_dir}/matplotlib")
         args = ["--fd", str(theirs.fileno()), "--entry", entry, "--cgroup", cgroup_parent, "--staging", staging,
-                "--parent", str(os.getpid())]
+                "--parent", str(os.getpid()), "--ptys", str(ptys)]
         if not preload:
             args.append("--no-preload")
         # The arguments go through stdin, not argv: every sandbox is a fork of the zygote, and its
@@ -172,7 +172,8 @@ class LinuxBackend(Backend):
 
     def __init__(self, entry_point: str = DEFAULT_ENTRY, uid_base: int | None = None, max_sandboxes: int = 1000,
                  staging: str = rootfs.STAGING, ready_timeout: float = READY_TIMEOUT,
-                 preload: bool | None = None, zygote_timeout: float = 120.0) -> None:
+                 preload: bool | None = None, zygote_timeout: float = 120.0,
+                 host_tuning: host.HostTuning | None = None, **host_options: Any) -> None:
         if max_sandboxes < 1:
             raise ValueError("max_sandboxes must be at least 1")
         self.entry_point = entry_point
@@ -194,6 +195,10 @@ class LinuxBackend(Backend):
         self.last_create_ms = 0.0
         self.instance = cgroups.new_instance_id()  # cgroups live in agentcell/<instance>/...
         self.cgroup_parent = f"{cgroups.GROUP}/{self.instance}"
+        # host_options: HostTuning's fields (tune_sysctls, ptys_per_sandbox ...), as the server passes them
+        self.host_tuning = host_tuning or host.HostTuning(**host_options)
+        # what all sandboxes together may use (the parent cgroup's limits), known once start() set them
+        self.host_budget: host.HostBudget | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -225,6 +230,11 @@ class LinuxBackend(Backend):
             cgroups.prepare_instance(self.instance)
         except cgroups.CgroupError as e:
             raise BackendUnavailableError(str(e)) from e
+        try:  # host-wide pools and the parent cgroup's limits (see host.py)
+            self.host_budget = await asyncio.to_thread(host.prepare, self.cgroup_parent, self.max_sandboxes,
+                                                       self.host_tuning)
+        except OSError as e:
+            raise BackendUnavailableError(f"cannot limit what sandboxes take from the host: {e}") from e
         os.makedirs(self.staging, mode=0o755, exist_ok=True)
         os.chmod(self.staging, 0o755)
         if self._runtime is None:  # the Python runtime at neutral paths: built once, checked in ~0.2 s
@@ -253,7 +263,7 @@ class LinuxBackend(Backend):
                 z.stop()
             assert self._runtime is not None, "start() first"
             z = _Zygote(template, self.entry_point, self.preload, self.cgroup_parent, self.staging, self._runtime,
-                        self._state_dir)
+                        self._state_dir, self.host_tuning.ptys_per_sandbox)
             self._zygotes[template] = z
         await z.wait_ready(self.zygote_timeout)
         return z
@@ -295,6 +305,7 @@ class LinuxBackend(Backend):
             raise SandboxError(f"sandbox {spec.sandbox_id} already exists", "already_exists")
         try:
             spec.limits.validate()
+            host.check_limits(spec.limits, self.host_budget)
         except ValueError as e:
             raise InvalidArgumentError(str(e)) from None
         slot = self._alloc_slot()

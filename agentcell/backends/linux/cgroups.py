@@ -8,6 +8,13 @@ Sandboxes live in agentcell/<instance>/<name>, named by the zygote that forked t
 v1 (hybrid hosts): one directory per controller, /sys/fs/cgroup/<controller>/agentcell/....
 v2 (unified): one directory tree, /sys/fs/cgroup/agentcell/..., with the controllers enabled in the
 parents' cgroup.subtree_control.
+
+Socket buffers: v2 charges them to memory.current, inside memory.max. v1 charges them only once
+`memory.kmem.tcp.limit_in_bytes` has been written for the cgroup (then to a separate counter, for
+TCP, UDP and every protocol with memory accounting): without it a 64 MiB sandbox queued gigabytes in
+loopback sockets. So on v1 every sandbox gets a socket limit of its own (`socket_limit_bytes`), and
+the instance directory one for all of them (`set_parent_limits`). TCP can still go past the limit by
+its forced minimum per socket (one skb each way), which the kernel never refuses.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from agentcell.backends.linux import syscalls as sc
 ROOT = "/sys/fs/cgroup"
 GROUP = "agentcell"
 _CPU_PERIOD_US = 100_000
+_MIN_SOCKET_BYTES = 4 << 20
 _V1_CONTROLLERS = ("memory", "pids", "cpu", "cpuacct")
 _INSTANCE_RE = re.compile(r"^(\d+)-(\d+)-(\d+)$")
 _instance_seq = itertools.count()
@@ -43,6 +51,11 @@ def is_v2() -> bool:
 def _read(path: str) -> str:
     with open(path) as f:
         return f.read()
+
+
+def socket_limit_bytes(memory_mb: int) -> int:
+    """v1: the socket buffers one sandbox may hold, beside its memory limit (an eighth of it)."""
+    return max(_MIN_SOCKET_BYTES, (memory_mb << 20) // 8)
 
 
 def _v1_bases() -> dict[str, str]:
@@ -113,6 +126,8 @@ class Cgroups:
             sc.write_file(f"{m}/memory.limit_in_bytes", str(mem))
             if os.path.exists(f"{m}/memory.memsw.limit_in_bytes"):  # no swap either
                 sc.write_file(f"{m}/memory.memsw.limit_in_bytes", str(mem))
+            # turns on socket accounting for this cgroup (see the module's docstring)
+            sc.write_file(f"{m}/memory.kmem.tcp.limit_in_bytes", str(socket_limit_bytes(limits.memory_mb)))
             sc.write_file(f"{p}/pids.max", str(limits.pids))
             sc.write_file(f"{c}/cpu.cfs_period_us", str(_CPU_PERIOD_US))
             sc.write_file(f"{c}/cpu.cfs_quota_us", str(quota))
@@ -293,3 +308,41 @@ def prepare_instance(instance: str) -> None:
             os.makedirs(os.path.join(base, GROUP, instance), exist_ok=True)
         except OSError as e:
             raise CgroupError(e.errno, f"cannot create {base}/{GROUP} ({e}); is {base} mounted read-write?") from e
+
+
+def _limit_value(path: str) -> int:
+    """A cgroup limit file's value; "max" (v2, pids) is unlimited."""
+    text = _read(path).strip()
+    return (1 << 63) - 1 if text == "max" else int(text)
+
+
+def set_parent_limits(rel: str, memory_bytes: int, pids: int, socket_bytes: int, only_lower: bool = False) -> None:
+    """Limits on a directory above the sandboxes (agentcell/<instance>, agentcell): what all of them
+    together may use. v1 counts socket buffers apart from memory (`socket_bytes`); v2 within it.
+    only_lower: keep a value that is already at or below ours (a directory other servers share)."""
+    if is_v2():
+        d = os.path.join(ROOT, rel)
+        writes = [(f"{d}/memory.max", memory_bytes), (f"{d}/pids.max", pids)]
+    else:
+        bases = _v1_bases()
+        m, p = os.path.join(bases["memory"], rel), os.path.join(bases["pids"], rel)
+        writes = [(f"{m}/memory.limit_in_bytes", memory_bytes)]
+        if os.path.exists(f"{m}/memory.memsw.limit_in_bytes"):  # memsw >= memory: written after it
+            writes.append((f"{m}/memory.memsw.limit_in_bytes", memory_bytes))
+        writes += [(f"{m}/memory.kmem.tcp.limit_in_bytes", socket_bytes), (f"{p}/pids.max", pids)]
+    for path, value in writes:
+        if only_lower and _limit_value(path) <= value:
+            continue
+        sc.write_file(path, str(value))
+
+
+def parent_limits(rel: str) -> dict[str, int]:
+    """The limits set_parent_limits wrote (for logs and tests): memory, sockets (v1), pids."""
+    if is_v2():
+        d = os.path.join(ROOT, rel)
+        return {"memory": _limit_value(f"{d}/memory.max"), "pids": _limit_value(f"{d}/pids.max")}
+    bases = _v1_bases()
+    m, p = os.path.join(bases["memory"], rel), os.path.join(bases["pids"], rel)
+    return {"memory": _limit_value(f"{m}/memory.limit_in_bytes"),
+            "sockets": _limit_value(f"{m}/memory.kmem.tcp.limit_in_bytes"),
+            "pids": _limit_value(f"{p}/pids.max")}

@@ -11,8 +11,8 @@ Three steps, so that only a handful of mounts happen per sandbox:
   the zygote's mount namespace): a fresh /proc and /dev/pts, then pivot_root into the template and
   detach the host's tree, then cover what /proc tells about the host (procfs.py). Done before any
   request arrives.
-* `finish(...)` runs once the request is known: tmpfs /home/user, /tmp, /dev/shm and the generated
-  /etc/hosts and /etc/hostname.
+* `finish(...)` runs once the request is known: one tmpfs, the sandbox's disk, behind /home/user,
+  /tmp and /dev/shm, and the generated /etc/hosts and /etc/hostname.
 
 All of these mounts are made by host root; when the child then unshares into the sandbox's user
 namespace the kernel copies them and *locks* their flags (and locks every mount onto its parent),
@@ -21,6 +21,7 @@ so not even the sandbox's namespace root could undo them.
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import os
 
@@ -37,6 +38,18 @@ _SCRATCH = "/run"  # finish() stages the generated files on a tmpfs here, then u
 # by it: the template keeps them here, and finish() binds them back on top of the private mount.
 _SHADOWED_BY = ("/tmp", HOME, "/dev")
 _HELD = "/opt/agentcell-held"
+# The places a sandbox can write, all directories of its one disk tmpfs: (mount point, dir, mode).
+_WRITABLE = ((HOME, "home", 0o755), ("/tmp", "tmp", 0o1777), ("/dev/shm", "shm", 0o1777))
+# tmpfs inodes are memory the size= limit does not count (~1 KiB each with the dentry): one per 8 KiB of
+# disk keeps a flood of empty files within an eighth of the disk, and ENOSPC rather than the OOM killer.
+_DISK_KIB_PER_INODE = 8
+# ns_limits writes the sandbox's own sysctls (its user and network namespaces' limits) through this fd
+# to the standby's /proc/sys, opened right after proc is mounted: whatever is later mounted over /proc/sys
+# (read-only) does not cover the fd. ns_limits closes it before any sandbox code runs.
+PROC_SYS_FD = -1
+# PTYs of a sandbox's own devpts instance (its `max=`): all non-initial instances share kernel.pty.max
+# minus kernel.pty.reserve, so one sandbox must not take them all. The zygote sets it (--ptys).
+PTYS_PER_SANDBOX = 64
 
 _BASE = sc.MS_NOSUID | sc.MS_NODEV
 _ST_TO_MS = (
@@ -152,8 +165,12 @@ def enter(staging: str = STAGING) -> None:
     """In a standby child (host root, pid 1 of its pid ns, fresh copy of the zygote's mount ns)."""
     # proc for this child's own pid namespace; mounted as host root, so no visibility rule applies
     sc.mount("proc", f"{staging}/proc", "proc", _BASE | sc.MS_NOEXEC)
+    global PROC_SYS_FD
+    fd = os.open(f"{staging}/proc/sys", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    PROC_SYS_FD = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 64)  # above the fds the standby places later
+    os.close(fd)
     sc.mount("devpts", f"{staging}/dev/pts", "devpts", sc.MS_NOSUID | sc.MS_NOEXEC,
-             "newinstance,ptmxmode=0666,mode=0620")
+             f"newinstance,ptmxmode=0666,mode=0620,max={PTYS_PER_SANDBOX}")
     os.chdir(staging)
     sc.pivot_root(".", ".")
     sc.umount2(".", sc.MNT_DETACH)  # the host's tree is gone from this namespace
@@ -163,10 +180,17 @@ def enter(staging: str = STAGING) -> None:
 
 def finish(sandbox_id: str, disk_mb: int, host_uid: int, host_gid: int) -> None:
     """In the child, after enter() and once the request is known: the writable, private parts."""
-    size = f"size={disk_mb}m"
-    sc.mount("tmpfs", HOME, "tmpfs", _BASE, f"{size},mode=0755,uid={host_uid},gid={host_gid}")
-    sc.mount("tmpfs", "/tmp", "tmpfs", _BASE, f"{size},mode=1777")
-    sc.mount("tmpfs", "/dev/shm", "tmpfs", _BASE, f"{size},mode=1777")
+    # One tmpfs of disk_mb for every writable place, so that together they hold at most disk_mb of the
+    # sandbox's memory and a full disk is ENOSPC (Limits.validate keeps disk_mb below the memory limit).
+    inodes = max(1024, disk_mb * 1024 // _DISK_KIB_PER_INODE)
+    sc.mount("tmpfs", _SCRATCH, "tmpfs", _BASE, f"size={disk_mb}m,nr_inodes={inodes},mode=0755")
+    for target, name, mode in _WRITABLE:
+        os.mkdir(f"{_SCRATCH}/{name}")
+        os.chmod(f"{_SCRATCH}/{name}", mode)  # mkdir's mode goes through the umask
+        if target == HOME:
+            os.chown(f"{_SCRATCH}/{name}", host_uid, host_gid)
+        sc.mount(f"{_SCRATCH}/{name}", target, None, sc.MS_BIND)  # keeps the tmpfs's nosuid, nodev
+    sc.umount2(_SCRATCH, sc.MNT_DETACH)  # the binds keep the tmpfs; its root is out of reach
     for i, path in enumerate(python_paths()):
         if _under(path, list(_SHADOWED_BY)):
             _mountpoint_for(f"{_HELD}/{i}", path)

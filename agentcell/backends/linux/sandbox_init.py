@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import fcntl
 import os
-import resource
 import select
 import signal
 import socket
@@ -33,7 +32,7 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 from agentcell.backends.base import Limits
-from agentcell.backends.linux import landlock, rootfs
+from agentcell.backends.linux import landlock, ns_limits, rootfs
 from agentcell.backends.linux import syscalls as sc
 from agentcell.backends.linux.cgroups import Cgroups
 from agentcell.runtime.protocol import encode_frame, recv_frame
@@ -85,13 +84,6 @@ def _lo_up() -> None:
         ifreq = struct.pack("16sH14x", b"lo", 0)
         flags = struct.unpack("16sH14x", fcntl.ioctl(s, _SIOCGIFFLAGS, ifreq))[1]
         fcntl.ioctl(s, _SIOCSIFFLAGS, struct.pack("16sH14x", b"lo", flags | _IFF_UP | _IFF_RUNNING))
-
-
-def _set_rlimit(which: int, value: int) -> None:
-    _, hard = resource.getrlimit(which)
-    if hard != resource.RLIM_INFINITY:
-        value = min(value, hard)
-    resource.setrlimit(which, (value, value))
 
 
 def _drop_capabilities() -> None:
@@ -213,7 +205,7 @@ def _run_sandbox(fd: int, req: dict[str, Any], cg: Cgroups, cg_fds: list[int], e
             os.close(cg_fd)
         step = "private mounts"
         _mark(step)
-        rootfs.finish(sandbox_id, limits.disk_mb, uid, gid)
+        rootfs.finish(sandbox_id, limits.disk_limit_mb, uid, gid)
         step = "drop to the sandbox's host id"
         _mark(step)
         os.setgroups([])
@@ -234,10 +226,11 @@ def _run_sandbox(fd: int, req: dict[str, Any], cg: Cgroups, cg_fds: list[int], e
         sc.sethostname(sandbox_id)
         step = "loopback"
         _lo_up()
+        step = "namespace limits"
+        _mark(step)
+        ns_limits.confine_namespaces()
         step = "rlimits"
-        _set_rlimit(resource.RLIMIT_NOFILE, limits.open_files)
-        _set_rlimit(resource.RLIMIT_FSIZE, limits.file_size_mb << 20)
-        _set_rlimit(resource.RLIMIT_CORE, 0)
+        ns_limits.set_rlimits(limits)
         step = "no_new_privs"
         sc.prctl(sc.PR_SET_NO_NEW_PRIVS, 1)
         step = "landlock"

@@ -185,10 +185,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--staging", default=rootfs.STAGING)
     parser.add_argument("--parent", type=int, default=0, help="the server's pid (exit if it is gone already)")
     parser.add_argument("--no-preload", action="store_true", help="skip agent.preload() (probe-only zygotes)")
+    parser.add_argument("--ptys", type=int, default=rootfs.PTYS_PER_SANDBOX, help="each sandbox's devpts max=")
     if argv is None and len(sys.argv) == 1:
         argv = json.loads(sys.stdin.read())  # how the backend passes them (see backend._Zygote)
     sys.stdin.close()
     args = parser.parse_args(argv)
+    rootfs.PTYS_PER_SANDBOX = args.ptys
     ctl = socket.socket(fileno=args.fd)
     ctl.setblocking(True)
     sc.prctl(sc.PR_SET_PDEATHSIG, signal.SIGKILL)  # the server died: the zygote goes with it
