@@ -8,6 +8,7 @@ import signal
 import sys
 import threading
 import time
+from typing import Any
 
 import click
 
@@ -87,14 +88,16 @@ def main() -> None:
                    "--max-sandboxes (without: log what stays unprotected).")
 @click.option("--ptys-per-sandbox", default=64, show_default=True, type=click.IntRange(1, 4096),
               help="PTYs each sandbox may open.")
+@click.option("--memory-reserve-mb", default=None, type=click.IntRange(0),
+              help="Host memory all sandboxes together may never take (default: max(1 GiB, 10%)).")
+@click.option("--memory-overcommit", default=32.0, show_default=True, type=click.FloatRange(min=0.1),
+              help="The sandboxes' memory limits together may add up to this many times the memory all of "
+                   "them may use at once (the host's memory minus a reserve).")
+@click.option("--pids-overcommit", default=4.0, show_default=True, type=click.FloatRange(min=0.1),
+              help="The same for their pids limits, against the host's task budget.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
-def serve(host: str, port: int, uds: str | None, api_key: str | None, insecure_no_auth: bool, domain: str | None,
-          allowed_hosts: tuple[str, ...], allowed_origins: tuple[str, ...], header_timeout: float,
-          body_timeout: float, max_connections: int, max_body_memory_mb: int, max_sandboxes: int,
-          uid_base: int | None, backend: str, max_memory_mb: int | None, max_pids: int | None,
-          max_cpus: float | None, max_disk_mb: int | None, max_open_files: int | None, max_timeout: int,
-          host_sysctls: bool, ptys_per_sandbox: int, log_level: str) -> None:
+def serve(**opts: Any) -> None:
     """Run the server (control plane and every sandbox's data plane on one port). Needs root."""
     import dataclasses
 
@@ -104,21 +107,17 @@ def serve(host: str, port: int, uds: str | None, api_key: str | None, insecure_n
     from agentcell.server.config import check, default_max_limits
     from agentcell.server.hosts import HostPolicy, check_exposure
 
-    ceilings = {"memory_mb": max_memory_mb, "pids": max_pids, "cpu_count": max_cpus, "disk_mb": max_disk_mb,
-                "open_files": max_open_files}
+    ceilings = {name: opts.pop(f"max_{flag}") for name, flag in (
+        ("memory_mb", "memory_mb"), ("pids", "pids"), ("cpu_count", "cpus"), ("disk_mb", "disk_mb"),
+        ("open_files", "open_files"))}
     max_limits = dataclasses.replace(default_max_limits(), **{k: v for k, v in ceilings.items() if v is not None})
     # A lowered maximum lowers the default with it (disk_mb None: the default disk follows the memory).
     defaults = Limits()
     limits = Limits(**{f.name: d if (d := getattr(defaults, f.name)) is None else min(d, getattr(max_limits, f.name))
                        for f in dataclasses.fields(Limits)})
-    config = ServerConfig(
-        host=host, port=port, uds=uds, api_key=api_key, max_sandboxes=max_sandboxes, uid_base=uid_base,
-        backend=backend, log_level=log_level, domain=domain, insecure_no_auth=insecure_no_auth,
-        allowed_hosts=allowed_hosts, allowed_origins=allowed_origins, header_timeout=header_timeout,
-        body_timeout=body_timeout, max_connections=max_connections, max_body_memory_mb=max_body_memory_mb,
-        limits=limits, max_limits=max_limits, default_timeout=min(300, max_timeout), max_timeout=max_timeout,
-        tune_sysctls=host_sysctls, ptys_per_sandbox=ptys_per_sandbox,
-    )
+    opts["tune_sysctls"] = opts.pop("host_sysctls")
+    config = ServerConfig(**opts, limits=limits, max_limits=max_limits,
+                          default_timeout=min(300, opts["max_timeout"]))
     try:
         check(config)
         check_exposure(config)

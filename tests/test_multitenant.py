@@ -451,3 +451,63 @@ def test_operator_sets_the_ceilings(tmp_path: Path) -> None:
             assert sbx.run_code("1 + 1").text == "2"
     finally:
         srv.stop()
+
+
+# --- 8. admission control on what all sandboxes together promise and use ------------------------------
+
+
+def host_mem_mib() -> int:
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) // 1024 for line in f if line.startswith("MemTotal:"))
+
+
+def small_server(tmp_path: Path, budget_mib: int, *args: str) -> ServerProcess:
+    """A server whose sandboxes together may use about `budget_mib` of memory (its parent cgroup)."""
+    srv = ServerProcess(tmp_path / "budget.log", "--memory-reserve-mb", str(host_mem_mib() - budget_mib),
+                        "--max-sandboxes", "20", *args)
+    srv.wait_ready()
+    return srv
+
+
+def test_admission_refuses_what_the_host_cannot_promise(tmp_path: Path, neighbour: Sandbox, server_url: str) -> None:
+    srv = small_server(tmp_path, 2048, "--memory-overcommit", "1")
+    try:
+        a = Sandbox.create(api_url=srv.url, limits={"memoryMB": 1024})
+        r = httpx.post(f"{srv.url}/v2/sandboxes", json={"templateID": "base", "limits": {"memoryMB": 1024}}, timeout=30)
+        assert r.status_code == 429 and "ask for less memoryMB" in r.json()["message"], r.text
+        a.kill()
+        with Sandbox.create(api_url=srv.url, limits={"memoryMB": 1024}) as b:
+            assert b.run_code("1").text == "1"
+        # What the sandboxes use counts too: past 90 % of the budget, no new sandbox starts.
+        with Sandbox.create(api_url=srv.url, limits={"memoryMB": 1700, "diskMB": 64}) as hog:
+            hog.run_code("import numpy as np\nx = np.ones(1650 << 17)")  # 1650 MiB, touched
+            r = httpx.post(f"{srv.url}/v2/sandboxes", json={"templateID": "base", "limits": {"memoryMB": 64}},
+                           timeout=30)
+            assert r.status_code == 429 and "no new sandbox" in r.json()["message"], r.text
+            hog.run_code("del x")
+            with Sandbox.create(api_url=srv.url, limits={"memoryMB": 64, "diskMB": 16}) as small:
+                assert small.run_code("2").text == "2"
+    finally:
+        srv.stop()
+    assert_neighbour_and_server_fine(neighbour, server_url)
+
+
+def test_all_sandboxes_together_stay_inside_the_parent_cgroup(tmp_path: Path, neighbour: Sandbox,
+                                                               server_url: str) -> None:
+    srv = small_server(tmp_path, 1536, "--memory-overcommit", "4")
+    try:
+        a = Sandbox.create(api_url=srv.url, limits={"memoryMB": 1024})
+        b = Sandbox.create(api_url=srv.url, limits={"memoryMB": 1024})
+        a.run_code("mine = 'a'")
+        b.run_code("mine = 'b'")
+        a.run_code("import numpy as np\nx = np.ones(800 << 17)")  # 800 MiB: within a's limit
+        r = b.run_code("import numpy as np\ny = np.ones(800 << 17)")  # within b's, not within both together
+        a_holds = a.run_code("'x' in globals()").text == "True"
+        # The kernel took memory back inside the server's budget: one of the two lost its array.
+        assert not (r.error is None and a_holds), (r, a_holds)
+        assert a.commands.run("echo a").stdout == "a\n" and b.commands.run("echo b").stdout == "b\n"
+        a.kill()
+        b.kill()
+    finally:
+        srv.stop()
+    assert_neighbour_and_server_fine(neighbour, server_url)

@@ -90,6 +90,17 @@ class SandboxStats:
     pids: int
 
 
+@dataclass(frozen=True, slots=True)
+class Capacity:
+    """What all sandboxes of one backend together may use (enforced by the backend, e.g. a parent
+    cgroup) and what they use now: the server's admission control compares requests against it."""
+
+    memory_bytes: int
+    pids: int
+    memory_used: int
+    pids_used: int
+
+
 class RunningSandbox(abc.ABC):
     """A live sandbox as its backend sees it."""
 
@@ -124,3 +135,7 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     async def close(self) -> None:
         """Kill every sandbox and stop helper processes."""
+
+    async def capacity(self) -> Capacity | None:
+        """The budget all sandboxes share and its use now; None if the backend cannot tell."""
+        return None

@@ -30,7 +30,7 @@ from agentcell.server.edge import EdgeGuard
 from agentcell.server.envd import filesystem_app, process_app
 from agentcell.server.errors import HTTPError, internal_error, json_error, sandbox_not_found
 from agentcell.server.hosts import HostPolicy, check_exposure
-from agentcell.server.registry import SandboxManager
+from agentcell.server.registry import Admission, SandboxManager
 from agentcell.server.streams import current_sandbox
 
 log = logging.getLogger("agentcell.server")
@@ -95,8 +95,11 @@ class AgentcellApp:
         self.config = config
         self.backend = backend or get_backend(config.backend, uid_base=config.uid_base,
                                               max_sandboxes=config.max_sandboxes, tune_sysctls=config.tune_sysctls,
-                                              ptys_per_sandbox=config.ptys_per_sandbox)
-        self.manager = SandboxManager(self.backend, config.max_sandboxes)
+                                              ptys_per_sandbox=config.ptys_per_sandbox,
+                                              memory_reserve_bytes=config.memory_reserve_mb << 20
+                                              if config.memory_reserve_mb is not None else None)
+        self.manager = SandboxManager(self.backend, config.max_sandboxes,
+                                      Admission(config.memory_overcommit, config.pids_overcommit))
         self.control = Starlette(routes=ControlPlane(config, self.manager).routes(), exception_handlers=_HANDLERS)
         self.envd_http = Starlette(
             routes=[

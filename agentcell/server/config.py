@@ -26,6 +26,10 @@ class ServerConfig:
     max_limits: Limits = field(default_factory=default_max_limits)  # the most a create request may ask
     default_timeout: int = 300  # seconds, when the create request has none
     max_timeout: int = 3600  # seconds: a sandbox's lifetime (create, set_timeout, connect)
+    # Admission (registry.Admission): how far the sandboxes' limits together may exceed what all of
+    # them may use at once (the parent cgroup's memory and pids limits).
+    memory_overcommit: float = 32.0
+    pids_overcommit: float = 4.0
     backend: str = "linux"
     uid_base: int | None = None  # first host uid of this server's sandboxes; None = a free range
     # The `domain` reported to SDKs. None = the Host the request came to, so an SDK without
@@ -39,6 +43,7 @@ class ServerConfig:
     # what is then not protected)
     tune_sysctls: bool = True
     ptys_per_sandbox: int = 64  # each sandbox's own PTY pool (its devpts max=)
+    memory_reserve_mb: int | None = None  # host memory no sandbox may take; None: max(1 GiB, 10%)
     log_level: str = "info"
     # --- the HTTP edge (docs/architecture.md, "The HTTP edge") ---
     insecure_no_auth: bool = False  # allow a non-loopback address without an API key

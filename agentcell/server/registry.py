@@ -29,7 +29,19 @@ def new_sandbox_id() -> str:
 
 
 class CapacityError(Exception):
-    """max_sandboxes is reached."""
+    """The server cannot take another sandbox now (count, committed limits, or use)."""
+
+
+@dataclass(frozen=True)
+class Admission:
+    """How much the sandboxes' limits together may promise, against what the backend enforces for all
+    of them (the parent cgroup). Limits are promises most sandboxes never use (an idle sandbox holds
+    ~10 MiB of its 512), so they may add up to more than the budget; the budget itself is enforced by
+    the kernel, and no new sandbox starts while the ones running use most of it."""
+
+    memory_overcommit: float = 32.0  # sum of memory limits <= this x the memory budget
+    pids_overcommit: float = 4.0  # sum of pids limits <= this x the pids budget
+    high_water: float = 0.9  # no new sandbox while all of them use more than this share of a budget
 
 
 @dataclass
@@ -57,11 +69,12 @@ def _now() -> datetime:
 
 
 class SandboxManager:
-    def __init__(self, backend: Backend, max_sandboxes: int = 1000) -> None:
+    def __init__(self, backend: Backend, max_sandboxes: int = 1000, admission: Admission | None = None) -> None:
         self.backend = backend
         self.max_sandboxes = max_sandboxes
+        self.admission = admission or Admission()
         self._sandboxes: dict[str, SandboxRecord] = {}
-        self._pending = 0  # creations in flight count against max_sandboxes
+        self._pending: list[Limits] = []  # creations in flight count as if they ran
         self._tasks: set[asyncio.Task[None]] = set()
         self._reaper: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
@@ -103,9 +116,10 @@ class SandboxManager:
         envs: dict[str, str],
         limits: Limits,
     ) -> SandboxRecord:
-        if len(self._sandboxes) + self._pending >= self.max_sandboxes:
+        if len(self._sandboxes) + len(self._pending) >= self.max_sandboxes:
             raise CapacityError(f"the server already runs its maximum of {self.max_sandboxes} sandboxes")
-        self._pending += 1
+        await self._admit(limits)
+        self._pending.append(limits)
         try:
             sandbox_id = new_sandbox_id()
             while sandbox_id in self._sandboxes:
@@ -120,7 +134,7 @@ class SandboxManager:
                     await self.backend.kill(running)
                 raise
         finally:
-            self._pending -= 1
+            self._pending.remove(limits)
         now = _now()
         rec = SandboxRecord(
             sandbox_id=sandbox_id,
@@ -138,6 +152,33 @@ class SandboxManager:
         self._spawn(self._watch_channel(rec))
         self._wake.set()
         return rec
+
+    async def _admit(self, limits: Limits) -> None:
+        """Raise CapacityError if a sandbox with `limits` would promise or take too much."""
+        cap = await self.backend.capacity()
+        if cap is None:
+            return
+        adm = self.admission
+        held = [r.limits for r in self._sandboxes.values()] + self._pending
+        memory = (sum(x.memory_mb for x in held) + limits.memory_mb) << 20
+        pids = sum(x.pids for x in held) + limits.pids
+        mib = 1 << 20
+        if memory > cap.memory_bytes * adm.memory_overcommit:
+            raise CapacityError(
+                f"the sandboxes on this server already hold {(memory >> 20) - limits.memory_mb} MiB of memory "
+                f"limits, the most it promises is {int(cap.memory_bytes * adm.memory_overcommit) // mib} MiB: "
+                "ask for less memoryMB, or retry once sandboxes are killed")
+        if pids > cap.pids * adm.pids_overcommit:
+            raise CapacityError(
+                f"the sandboxes on this server already hold {pids - limits.pids} pids of limits, the most it "
+                f"promises is {int(cap.pids * adm.pids_overcommit)}: ask for fewer pids, or retry later")
+        if cap.memory_used > cap.memory_bytes * adm.high_water:
+            raise CapacityError(
+                f"this server's sandboxes use {cap.memory_used // mib} MiB of the {cap.memory_bytes // mib} MiB "
+                "they may share: no new sandbox until some are killed or use less")
+        if cap.pids_used > cap.pids * adm.high_water:
+            raise CapacityError(f"this server's sandboxes run {cap.pids_used} of the {cap.pids} tasks they may "
+                                "share: no new sandbox until some are killed")
 
     async def kill(self, sandbox_id: str) -> bool:
         """Kill a sandbox; False if there is no such live sandbox."""

@@ -22,7 +22,7 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-from agentcell.backends.base import Backend, RunningSandbox, SandboxSpec, SandboxStats
+from agentcell.backends.base import Backend, Capacity, RunningSandbox, SandboxSpec, SandboxStats
 from agentcell.backends.linux import cgroups, host, rootfs, runtime_store, uids
 from agentcell.errors import BackendUnavailableError, InvalidArgumentError, SandboxError, SandboxGoneError
 from agentcell.runtime import statedir
@@ -379,6 +379,15 @@ class LinuxBackend(Backend):
             self._slots.discard(sandbox.slot)
             if self._sandboxes.get(sandbox.sandbox_id) is sandbox:
                 del self._sandboxes[sandbox.sandbox_id]
+
+    async def capacity(self) -> Capacity | None:
+        if self.host_budget is None:
+            return None
+        try:
+            used = cgroups.Cgroups.at(self.cgroup_parent).stats()
+        except OSError:
+            return None
+        return Capacity(self.host_budget.memory_bytes, self.host_budget.pids, used.memory_bytes, used.pids)
 
     async def stats(self, sandbox: RunningSandbox) -> SandboxStats:
         assert isinstance(sandbox, LinuxSandbox)

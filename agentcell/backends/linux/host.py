@@ -135,14 +135,20 @@ def budget_for(tuning: HostTuning) -> tuple[int, int, int]:
     return memory - sockets, sockets, pids
 
 
+def _host_bound() -> tuple[int, int, int]:
+    memory, sockets, pids = budget_for(HostTuning())
+    return memory, pids, sockets
+
+
 def prepare(instance_rel: str, max_sandboxes: int, tuning: HostTuning) -> HostBudget:
     """At server start (root): host sysctls, then the parent cgroups' limits. `instance_rel` is
     agentcell/<instance>, already created (cgroups.prepare_instance)."""
     unprotected = _raise_sysctls(max_sandboxes, tuning)
     memory, sockets, pids = budget_for(tuning)
     cgroups.set_parent_limits(instance_rel, memory, pids, sockets)
-    try:  # the same bound on what every server's sandboxes together hold
-        cgroups.set_parent_limits(cgroups.GROUP, memory, pids, sockets, only_lower=True)
+    try:  # the host's bound on what every server's sandboxes together hold: the default reserve, so
+        # one server's own smaller budget (--memory-reserve-mb) never lowers it for the others
+        cgroups.set_parent_limits(cgroups.GROUP, *_host_bound(), only_lower=True)
     except OSError as e:
         _log(f"could not limit {cgroups.GROUP}/ (shared by every server on this host): {e}")
     budget = HostBudget(memory, sockets, pids, tuning.ptys_per_sandbox, max_open_files(), tuple(unprotected))
