@@ -661,6 +661,9 @@ class _HostileBackend:
 
     async def close(self) -> None: ...
 
+    async def capacity(self) -> None:
+        return None
+
     async def kill(self, sandbox: Any) -> None: ...
 
     async def stats(self, sandbox: Any) -> Any:
