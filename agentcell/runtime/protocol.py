@@ -146,6 +146,7 @@ class AgentChannel:
         self._calls: dict[int, _Call] = {}
         self._write_lock = asyncio.Lock()
         self.buffered = 0  # bytes of stream frames received and not yet consumed or dropped
+        self._owed = 0  # connection credit of ended calls, not yet returned
         self._assembling = 0
         self.closed = asyncio.Event()
         self.close_reason = "the sandbox was stopped"
@@ -230,7 +231,12 @@ class AgentChannel:
                 held += frame.size
         if not finished:
             self._control({"op": "cancel", "target": call_id})
-        self._credit(call_id, held)
+        # What an ended call still holds only matters to the connection's window: return it in batches
+        # (most calls end with a few small frames, and a frame per call would double the writes).
+        self._owed += held
+        if self._owed >= CREDIT_BATCH:
+            self._credit(0, self._owed)
+            self._owed = 0
 
     async def _send(self, header: dict[str, Any], payload: bytes = b"") -> None:
         if self.closed.is_set():

@@ -98,11 +98,11 @@ async def execute(request: Request) -> Response:
                 elif item.header.get("event") == "line":
                     # json.dumps never writes a raw newline; one from a broken agent must not split lines
                     data = item.payload.replace(b"\n", b" ")
-                    for i in range(0, len(data), HTTP_PIECE):
-                        yield data[i:i + HTTP_PIECE]
                     line_open = bool(item.header.get("more"))
                     if not line_open:
-                        yield b"\n"
+                        data += b"\n"
+                    for i in range(0, len(data), HTTP_PIECE):
+                        yield data[i:i + HTTP_PIECE]
                 try:
                     item = await anext(lines)
                 except StopAsyncIteration:
