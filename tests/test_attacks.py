@@ -6,7 +6,6 @@ the neighbour (created before the attack) still computes and the server still cr
 
 from __future__ import annotations
 
-import hashlib
 import os
 import socket
 import threading
@@ -16,17 +15,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from helpers import secret_scan_code, sh
 
-from agentcell import CommandExitException, Sandbox
-
-
-def sh(sbx: Sandbox, cmd: str, timeout: float = 30) -> tuple[int, str, str]:
-    """Run a shell command; return (exit code, stdout, stderr) whatever the exit code."""
-    try:
-        r = sbx.commands.run(cmd, timeout=timeout)
-        return r.exit_code, r.stdout, r.stderr
-    except CommandExitException as e:
-        return e.exit_code, e.stdout, e.stderr
+from agentcell import Sandbox
 
 
 @pytest.fixture(scope="module")
@@ -255,23 +246,6 @@ def test_server_environment_never_reaches_a_sandbox(attacker: Sandbox) -> None:
         pytest.skip("an external server was not started with the canary")
     _, out, _ = sh(attacker, "env; cat /proc/1/environ /proc/self/environ; tr '\\0' '\\n' < /proc/1/cmdline")
     assert SERVER_ENV_CANARY not in out
-    # Sandboxes are forks of a zygote: scan the code context's whole memory for the secret. The code
-    # carries only its hash, so the search cannot find itself.
-    digest = hashlib.sha256(SERVER_ENV_CANARY.encode()).hexdigest()
-    r = attacker.run_code(
-        "import hashlib, re\n"
-        "pattern = re.compile(rb'canary-[0-9a-f]{16}')\n"
-        "found, scanned = False, 0\n"
-        "with open('/proc/self/maps') as maps, open('/proc/self/mem', 'rb', 0) as mem:\n"
-        "    for line in maps:\n"
-        "        addr, perms = line.split()[:2]\n"
-        "        if 'r' not in perms or '[vvar' in line or '[vsyscall' in line: continue\n"
-        "        lo, hi = (int(x, 16) for x in addr.split('-'))\n"
-        "        try:\n"
-        "            mem.seek(lo); data = mem.read(hi - lo)\n"
-        "        except (OSError, ValueError, OverflowError): continue\n"
-        "        scanned += len(data)\n"
-        f"        found = found or any(hashlib.sha256(m.group()).hexdigest() == {digest!r} for m in pattern.finditer(data))\n"
-        "(found, scanned > 50_000_000)"
-    )
+    # Sandboxes are forks of a zygote: scan the code context's whole memory for the secret.
+    r = attacker.run_code(secret_scan_code(SERVER_ENV_CANARY.encode(), rb"canary-[0-9a-f]{16}"))
     assert r.text == "(False, True)", r

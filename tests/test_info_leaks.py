@@ -24,8 +24,9 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO
+from helpers import memory_scan_code, sh
 
-from agentcell import CommandExitException, Sandbox
+from agentcell import Sandbox
 
 
 def _host_paths() -> list[str]:
@@ -44,14 +45,6 @@ NEEDLES = [*HOST_PATHS, "/root", ".pyenv"]
 
 def leaks(text: str) -> list[str]:
     return [n for n in NEEDLES if n in text]
-
-
-def sh(sbx: Sandbox, cmd: str, timeout: float = 60) -> tuple[int, str, str]:
-    try:
-        r = sbx.commands.run(cmd, timeout=timeout)
-        return r.exit_code, r.stdout, r.stderr
-    except CommandExitException as e:
-        return e.exit_code, e.stdout, e.stderr
 
 
 @pytest.fixture(scope="module")
@@ -109,21 +102,10 @@ def _scan_code(needles: list[str]) -> str:
     """Code that scans the context's whole readable memory for any of `needles`. Every letter of the
     pattern is a one-letter class, so neither the code nor the compiled pattern contains a needle."""
     pattern = "|".join("".join(f"[{c}]" if c.isalnum() else re.escape(c) for c in n) for n in needles)
-    return (
-        "import re\n"
-        f"pattern = re.compile({pattern!r}.encode())\n"
-        "found, scanned = set(), 0\n"
-        "with open('/proc/self/maps') as maps, open('/proc/self/mem', 'rb', 0) as mem:\n"
-        "    for line in maps:\n"
-        "        addr, perms = line.split()[:2]\n"
-        "        if 'r' not in perms or '[vvar' in line or '[vsyscall' in line: continue\n"
-        "        lo, hi = (int(x, 16) for x in addr.split('-'))\n"
-        "        try:\n"
-        "            mem.seek(lo); data = mem.read(hi - lo)\n"
-        "        except (OSError, ValueError, OverflowError): continue\n"
-        "        scanned += len(data)\n"
-        "        found.update(line.split(None, 5)[-1].strip() + ' ' + str(len(m.group())) for m in pattern.finditer(data))\n"
-        "(sorted(found)[:20], scanned > 50_000_000)"
+    return memory_scan_code(
+        f"import re\npattern = re.compile({pattern!r}.encode())\nfound = set()",
+        "found.update(line.split(None, 5)[-1].strip() + ' ' + str(len(m.group())) for m in pattern.finditer(data))",
+        "(sorted(found)[:20], scanned > 50_000_000)",
     )
 
 

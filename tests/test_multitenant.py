@@ -21,6 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import REPO, ServerProcess
+from helpers import secret_scan_code
 
 from agentcell import InvalidArgumentException, Sandbox, SandboxException, TimeoutException
 
@@ -43,32 +44,6 @@ def assert_neighbour_and_server_fine(neighbour: Sandbox, server_url: str) -> Non
         assert fresh.run_code("6 * 7").text == "42"
 
 
-def memory_scan_code(needle: bytes) -> str:
-    """Code that scans the running process's whole readable memory for `needle`.
-
-    The code carries only the needle's hash and a pattern, so the scan cannot find its own source.
-    """
-    digest = hashlib.sha256(needle).hexdigest()
-    prefix = needle[:7].decode()
-    return (
-        "import hashlib, re\n"
-        f"pattern = re.compile(rb'{prefix}' + rb'[0-9a-f]{{{len(needle) - 7}}}')\n"
-        "found, scanned = False, 0\n"
-        "with open('/proc/self/maps') as maps, open('/proc/self/mem', 'rb', 0) as mem:\n"
-        "    for line in maps:\n"
-        "        addr, perms = line.split()[:2]\n"
-        "        if 'r' not in perms or '[vvar' in line or '[vsyscall' in line: continue\n"
-        "        lo, hi = (int(x, 16) for x in addr.split('-'))\n"
-        "        try:\n"
-        "            mem.seek(lo); data = mem.read(hi - lo)\n"
-        "        except (OSError, ValueError, OverflowError): continue\n"
-        "        scanned += len(data)\n"
-        f"        found = found or any(hashlib.sha256(m.group()).hexdigest() == {digest!r}"
-        " for m in pattern.finditer(data))\n"
-        "(found, scanned > 50_000_000)"
-    )
-
-
 def server_children(pid: int, name: str) -> list[int]:
     out = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(pid)], capture_output=True, text=True).stdout
     return [int(line.split()[0]) for line in out.splitlines() if name in line]
@@ -82,10 +57,10 @@ def test_previous_tenants_env_vars_are_not_in_the_next_sandboxs_memory(server_ur
     a = Sandbox.create(api_url=server_url, envs={"OPENAI_API_KEY": secret.decode()}, metadata={"tenant": "a"})
     try:
         # The scan finds what is there: A's own context does hold its env var.
-        assert a.run_code(memory_scan_code(secret)).text == "(True, True)"
+        assert a.run_code(secret_scan_code(secret, rb"sk-[0-9a-f]{32}")).text == "(True, True)"
         for _ in range(3):  # B, C, D: the standbys forked after A's request
             with Sandbox.create(api_url=server_url) as b:
-                assert b.run_code(memory_scan_code(secret)).text == "(False, True)"
+                assert b.run_code(secret_scan_code(secret, rb"sk-[0-9a-f]{32}")).text == "(False, True)"
     finally:
         a.kill()
     assert_neighbour_and_server_fine(neighbour, server_url)

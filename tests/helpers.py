@@ -1,0 +1,52 @@
+"""Small helpers several test files share (fixtures live in conftest.py)."""
+
+from __future__ import annotations
+
+from agentcell import CommandExitException, Sandbox
+
+
+def sh(sbx: Sandbox, cmd: str, timeout: float = 60) -> tuple[int, str, str]:
+    """Run a shell command; return (exit code, stdout, stderr) whatever the exit code."""
+    try:
+        r = sbx.commands.run(cmd, timeout=timeout)
+        return r.exit_code, r.stdout, r.stderr
+    except CommandExitException as e:
+        return e.exit_code, e.stdout, e.stderr
+
+
+def memory_scan_code(prelude: str, on_chunk: str, result: str) -> str:
+    """Python for a code context that reads its own process's whole readable memory.
+
+    `prelude` sets things up, `on_chunk` runs for each readable mapping with `data` (its bytes) and
+    `line` (its /proc/self/maps line), and `result` is the cell's last expression; `scanned` counts the
+    bytes read. Callers search for what they look for without spelling it out (a hash, a pattern of
+    one-letter classes), so the scan cannot find its own source.
+    """
+    return (
+        f"{prelude}\n"
+        "scanned = 0\n"
+        "with open('/proc/self/maps') as maps, open('/proc/self/mem', 'rb', 0) as mem:\n"
+        "    for line in maps:\n"
+        "        addr, perms = line.split()[:2]\n"
+        "        if 'r' not in perms or '[vvar' in line or '[vsyscall' in line: continue\n"
+        "        lo, hi = (int(x, 16) for x in addr.split('-'))\n"
+        "        try:\n"
+        "            mem.seek(lo); data = mem.read(hi - lo)\n"
+        "        except (OSError, ValueError, OverflowError): continue\n"
+        "        scanned += len(data)\n"
+        f"        {on_chunk}\n"
+        f"{result}"
+    )
+
+
+def secret_scan_code(secret: bytes, pattern: str) -> str:
+    """Code whose result is (secret found in memory, more than 50 MB scanned). `pattern` is a bytes
+    regex matching the secret's shape; the code carries only the secret's hash."""
+    import hashlib
+
+    digest = hashlib.sha256(secret).hexdigest()
+    return memory_scan_code(
+        f"import hashlib, re\npattern = re.compile({pattern!r})\nfound = False",
+        f"found = found or any(hashlib.sha256(m.group()).hexdigest() == {digest!r} for m in pattern.finditer(data))",
+        "(found, scanned > 50_000_000)",
+    )
