@@ -643,6 +643,35 @@ def test_many_concurrent_bodies_stay_within_the_memory_budget(edge_server: Serve
     assert grew_mib < 64, f"peak RSS grew by {grew_mib:.1f} MiB with 150 MiB of bodies in flight"
 
 
+def test_connect_rpc_bodies_are_under_the_memory_budget(edge_server: ServerProcess) -> None:
+    """A tenant's token opens envd's Connect services, which read a whole message (up to 16 MiB) into
+    memory: 40 clients each send 8 MiB - 1 byte of an 8 MiB SendInput message and stall."""
+    with httpx.Client(base_url=edge_server.url, timeout=60) as c:
+        s = create(c)
+    pid, port, n = edge_server.pid, port_of(edge_server.url), 40
+    head = request_head("POST", "/process.Process/SendInput", {
+        **data_plane(s, 49983, s["envdAccessToken"]), "Host": "localhost", "Content-Type": "application/proto",
+        "Content-Length": str(8 * MIB)})
+    payload = head + b"\0" * (8 * MIB - 1)
+    reset_peak(pid)
+    base = mem_kib(pid)
+    socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(n)]
+    try:
+        senders = [threading.Thread(target=_send_quietly, args=(sock, payload)) for sock in socks]
+        for t in senders:
+            t.start()
+        time.sleep(1)
+        answers = [status_of(read_until_closed(sock, 30)[0]) for sock in socks]
+        for t in senders:
+            t.join(10)
+    finally:
+        for sock in socks:
+            sock.close()
+    grew_mib = (mem_kib(pid, "VmHWM") - base) / 1024
+    assert set(answers) <= {408, 503}, answers
+    assert grew_mib < 96, f"peak RSS grew by {grew_mib:.1f} MiB with 320 MiB of Connect bodies in flight"
+
+
 # --- 5. no internals in error messages ------------------------------------------------------------------
 
 SECRET = "/sys/fs/cgroup/agentcell-i0000/s7-1048577 uid 1048577 /root/.ssh/id_ed25519"

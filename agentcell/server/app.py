@@ -20,14 +20,14 @@ from starlette.routing import Route
 from agentcell.backends import get_backend
 from agentcell.backends.base import Backend
 from agentcell.server import auth, files, interpreter
-from agentcell.server.asgi import header, is_connect_rpc
+from agentcell.server.asgi import declared_length, has_body, header, is_connect_rpc
 from agentcell.server.auth import ENVD_PORT, INTERPRETER_PORT
-from agentcell.server.bodies import BodyBudget, json_content_type_refusal
+from agentcell.server.bodies import BUDGET_KEY, BodyBudget, json_content_type_refusal
 from agentcell.server.config import ServerConfig
 from agentcell.server.config import check as check_config
 from agentcell.server.control import ControlPlane
 from agentcell.server.edge import EdgeGuard
-from agentcell.server.envd import filesystem_app, process_app
+from agentcell.server.envd import READ_MAX_BYTES, filesystem_app, process_app
 from agentcell.server.errors import HTTPError, internal_error, json_error, sandbox_not_found
 from agentcell.server.hosts import HostPolicy, check_exposure
 from agentcell.server.registry import Admission, SandboxManager
@@ -176,10 +176,10 @@ class AgentcellApp:
         token = current_sandbox.set(rec)
         try:
             if port == ENVD_PORT:
-                app = self.envd_http
                 if is_connect_rpc(scope["path"]):
-                    app = self.process if scope["path"].startswith("/process.") else self.filesystem
-                await app(scope, receive, send)
+                    await self._connect_rpc(scope, receive, send)
+                else:
+                    await self.envd_http(scope, receive, send)
             elif port == INTERPRETER_PORT:
                 await self.interpreter(scope, receive, send)
             else:
@@ -188,6 +188,36 @@ class AgentcellApp:
                 await JSONResponse(body, status_code=502)(scope, receive, send)
         finally:
             current_sandbox.reset(token)
+
+
+    async def _connect_rpc(self, scope: Any, receive: Any, send: Any) -> None:
+        """envd's Connect services. connectrpc reads a whole message into memory (up to 16 MiB), so
+        its body is under the same server-wide budget as JSON bodies (bodies.py)."""
+        app = self.process if scope["path"].startswith("/process.") else self.filesystem
+        budget: BodyBudget | None = scope.get(BUDGET_KEY)
+        if budget is None or not has_body(scope):
+            await app(scope, receive, send)
+            return
+        declared = declared_length(scope)
+        try:
+            taken = await budget.acquire(declared if declared is not None else READ_MAX_BYTES)
+        except HTTPError as e:  # the budget stayed spent for too long
+            await JSONResponse({"code": "unavailable", "message": e.message}, status_code=e.status)(scope, receive, send)
+            return
+        held = [taken]
+
+        async def receive_then_release() -> Any:
+            # The message is parsed once its body is in: a stream that runs for hours holds no budget.
+            message = await receive()
+            if held and not (message.get("type") == "http.request" and message.get("more_body")):
+                await budget.release(held.pop())
+            return message
+
+        try:
+            await app(scope, receive_then_release, send)
+        finally:
+            if held:
+                await budget.release(held.pop())
 
 
 def create_app(config: ServerConfig, backend: Backend | None = None) -> AgentcellApp:

@@ -44,8 +44,9 @@ class BodyBudget:
         self.used = 0
         self._freed = asyncio.Condition()
 
-    @contextlib.asynccontextmanager
-    async def reserve(self, n: int) -> AsyncIterator[None]:
+    async def acquire(self, n: int) -> int:
+        """Wait until `n` bytes (at most the whole budget) are free and take them; returns what was
+        taken, for release(). 503 after `wait_timeout`."""
         n = min(n, self.total)
         async with self._freed:
             try:
@@ -53,12 +54,20 @@ class BodyBudget:
             except TimeoutError:
                 raise HTTPError(503, "the server is busy receiving other requests; retry shortly") from None
             self.used += n
+        return n
+
+    async def release(self, n: int) -> None:
+        async with self._freed:
+            self.used -= n
+            self._freed.notify_all()
+
+    @contextlib.asynccontextmanager
+    async def reserve(self, n: int) -> AsyncIterator[None]:
+        taken = await self.acquire(n)
         try:
             yield
         finally:
-            async with self._freed:
-                self.used -= n
-                self._freed.notify_all()
+            await self.release(taken)
 
 
 def json_content_type_refusal(scope: dict[str, Any]) -> str | None:
