@@ -366,7 +366,7 @@ async def _stream(call: Call, sub: Subscriber) -> None:
             if item is None:
                 return
             header, payload = item
-            for part in protocol.pieces(payload) if payload else [b""]:
+            for part in protocol.pieces(payload):
                 await call.send(header, part)
     finally:
         sub.close()
