@@ -616,29 +616,39 @@ def test_execute_body_cap_and_code_size(http: httpx.Client, sbx: dict[str, Any])
     assert r.status_code == 413 and "1 MiB" in r.json()["message"]
 
 
-def test_many_concurrent_bodies_stay_within_the_memory_budget(edge_server: ServerProcess) -> None:
-    """150 clients each send 1 MiB - 1 byte of a 1 MiB JSON body and stall: 150 MiB in flight."""
-    pid, port, n = edge_server.pid, port_of(edge_server.url), 150
-    head = request_head("POST", "/v2/sandboxes", {"Host": "localhost", "Content-Type": "application/json",
-                                                    "Content-Length": str(MIB)})
-    payload = head + b'{"templateID": "base", "metadata": {"x": "' + b"a" * (MIB - 60)
+def _stalled_bodies(server: ServerProcess, payload: bytes, n: int, meanwhile: Any = None) -> tuple[list[int], float]:
+    """`n` clients each send `payload` (a request whose body lacks its last byte) and stall; returns
+    their answers and the server's peak RSS growth in MiB. `meanwhile()` runs during the flood."""
+    pid, port = server.pid, port_of(server.url)
     reset_peak(pid)
     base = mem_kib(pid)
     socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(n)]
     try:
-        senders = [threading.Thread(target=_send_quietly, args=(s, payload)) for s in socks]
+        senders = [threading.Thread(target=_send_quietly, args=(sock, payload)) for sock in socks]
         for t in senders:
             t.start()
         time.sleep(1)
-        # bodyless requests need no budget: the server answers them during the flood
-        assert httpx.get(f"{edge_server.url}/v2/sandboxes", timeout=5).status_code == 200
-        answers = [status_of(read_until_closed(s, 30)[0]) for s in socks]
+        if meanwhile is not None:
+            meanwhile()
+        answers = [status_of(read_until_closed(sock, 30)[0]) for sock in socks]
         for t in senders:
             t.join(10)
     finally:
-        for s in socks:
-            s.close()
-    grew_mib = (mem_kib(pid, "VmHWM") - base) / 1024
+        for sock in socks:
+            sock.close()
+    return answers, (mem_kib(pid, "VmHWM") - base) / 1024
+
+
+def test_many_concurrent_bodies_stay_within_the_memory_budget(edge_server: ServerProcess) -> None:
+    """150 clients each send 1 MiB - 1 byte of a 1 MiB JSON body and stall: 150 MiB in flight."""
+    head = request_head("POST", "/v2/sandboxes", {"Host": "localhost", "Content-Type": "application/json",
+                                                    "Content-Length": str(MIB)})
+    payload = head + b'{"templateID": "base", "metadata": {"x": "' + b"a" * (MIB - 60)
+
+    def bodyless_requests_need_no_budget() -> None:  # the server answers them during the flood
+        assert httpx.get(f"{edge_server.url}/v2/sandboxes", timeout=5).status_code == 200
+
+    answers, grew_mib = _stalled_bodies(edge_server, payload, 150, bodyless_requests_need_no_budget)
     assert set(answers) <= {408, 503}, answers  # stalled bodies time out; queued ones give up
     assert grew_mib < 64, f"peak RSS grew by {grew_mib:.1f} MiB with 150 MiB of bodies in flight"
 
@@ -648,26 +658,10 @@ def test_connect_rpc_bodies_are_under_the_memory_budget(edge_server: ServerProce
     memory: 40 clients each send 8 MiB - 1 byte of an 8 MiB SendInput message and stall."""
     with httpx.Client(base_url=edge_server.url, timeout=60) as c:
         s = create(c)
-    pid, port, n = edge_server.pid, port_of(edge_server.url), 40
     head = request_head("POST", "/process.Process/SendInput", {
         **data_plane(s, 49983, s["envdAccessToken"]), "Host": "localhost", "Content-Type": "application/proto",
         "Content-Length": str(8 * MIB)})
-    payload = head + b"\0" * (8 * MIB - 1)
-    reset_peak(pid)
-    base = mem_kib(pid)
-    socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(n)]
-    try:
-        senders = [threading.Thread(target=_send_quietly, args=(sock, payload)) for sock in socks]
-        for t in senders:
-            t.start()
-        time.sleep(1)
-        answers = [status_of(read_until_closed(sock, 30)[0]) for sock in socks]
-        for t in senders:
-            t.join(10)
-    finally:
-        for sock in socks:
-            sock.close()
-    grew_mib = (mem_kib(pid, "VmHWM") - base) / 1024
+    answers, grew_mib = _stalled_bodies(edge_server, head + b"\0" * (8 * MIB - 1), 40)
     assert set(answers) <= {408, 503}, answers
     print(f"\n40 stalled 8 MiB Connect messages: peak RSS +{grew_mib:.1f} MiB")
     assert grew_mib < 96, f"peak RSS grew by {grew_mib:.1f} MiB with 320 MiB of Connect bodies in flight"
