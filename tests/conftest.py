@@ -21,6 +21,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from agentcell import Sandbox
+
 REPO = Path(__file__).resolve().parent.parent
 SERVER_ENV_CANARY = "canary-" + os.urandom(8).hex()
 
@@ -104,6 +106,15 @@ def server_url(server: ServerProcess | None) -> str:
         return external.rstrip("/")
     assert server is not None
     return server.url
+
+
+@pytest.fixture(scope="module")
+def neighbour(server_url: str) -> Iterator[Sandbox]:
+    """A sandbox created before a module's attacks, holding state they must not disturb."""
+    sbx = Sandbox.create(api_url=server_url, timeout=900)
+    sbx.run_code("canary = 'alive'")
+    yield sbx
+    sbx.kill()
 
 
 @pytest.fixture(scope="session")

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import uuid
+
 from agentcell import CommandExitException, Sandbox
+from agentcell.backends.base import Limits, SandboxSpec
+from agentcell.backends.linux.backend import LinuxBackend, LinuxSandbox
+from agentcell.runtime.protocol import AgentChannel
+
+PROBE = "agentcell.backends.linux.probe:serve"  # the backend tests' stand-in agent
 
 
 def sh(sbx: Sandbox, cmd: str, timeout: float = 60) -> tuple[int, str, str]:
@@ -50,3 +57,21 @@ def secret_scan_code(secret: bytes, pattern: str) -> str:
         f"found = found or any(hashlib.sha256(m.group()).hexdigest() == {digest!r} for m in pattern.finditer(data))",
         "(found, scanned > 50_000_000)",
     )
+
+
+class ProbeBox:
+    """A sandbox of a probe-agent backend (agentcell.backends.linux.probe), driven by exec calls."""
+
+    def __init__(self, sandbox: LinuxSandbox, channel: AgentChannel) -> None:
+        self.sandbox = sandbox
+        self.channel = channel
+
+    @classmethod
+    async def create(cls, backend: LinuxBackend, prefix: str = "t", **limits: int | float) -> ProbeBox:
+        sb = await backend.create(SandboxSpec(prefix + uuid.uuid4().hex[:12], limits=Limits(**limits)))
+        assert isinstance(sb, LinuxSandbox)
+        return cls(sb, await AgentChannel.open(sb.sock))
+
+    async def run(self, *argv: str, timeout: float = 60) -> tuple[int, str, str]:
+        h = (await self.channel.call("exec", argv=list(argv), timeout=timeout)).header
+        return h["exit_code"], h["stdout"], h["stderr"]

@@ -20,14 +20,6 @@ from helpers import secret_scan_code, sh
 from agentcell import Sandbox
 
 
-@pytest.fixture(scope="module")
-def neighbour(server_url: str) -> Iterator[Sandbox]:
-    sbx = Sandbox.create(api_url=server_url, timeout=600)
-    sbx.run_code("canary = 'alive'")
-    yield sbx
-    sbx.kill()
-
-
 @pytest.fixture
 def attacker(server_url: str, neighbour: Sandbox) -> Iterator[Sandbox]:
     sbx = Sandbox.create(

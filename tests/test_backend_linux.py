@@ -15,29 +15,19 @@ import uuid
 from collections.abc import AsyncIterator
 
 import pytest
+from helpers import PROBE, ProbeBox
 
-from agentcell.backends.base import Limits, SandboxSpec
-from agentcell.backends.linux.backend import LinuxBackend, LinuxSandbox
+from agentcell.backends.base import SandboxSpec
+from agentcell.backends.linux.backend import LinuxBackend
 from agentcell.backends.linux.cgroups import Cgroups
-from agentcell.runtime.protocol import AgentChannel
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/proc/self/ns/user"),
                                 reason="the linux backend needs root and user namespaces")
 
-PROBE = "agentcell.backends.linux.probe:serve"
 UID_BASE = 1 << 20  # the lowest host id any backend reserves (uids.AUTO_START); ranges are picked free
 
 
-class Box:
-    def __init__(self, sandbox: LinuxSandbox, channel: AgentChannel) -> None:
-        self.sandbox = sandbox
-        self.channel = channel
-
-    async def run(self, *argv: str, timeout: float = 20) -> tuple[int, str, str]:
-        frame = await self.channel.call("exec", argv=list(argv), timeout=timeout)
-        h = frame.header
-        return h["exit_code"], h["stdout"], h["stderr"]
-
+class Box(ProbeBox):
     async def py(self, code: str, timeout: float = 20) -> tuple[int, str, str]:
         return await self.run("python3", "-c", textwrap.dedent(code), timeout=timeout)
 
@@ -51,12 +41,10 @@ async def backend() -> AsyncIterator[LinuxBackend]:
 
 
 async def new_box(backend: LinuxBackend, **limits: int | float) -> Box:
-    sid = "t" + uuid.uuid4().hex[:12]
     t0 = time.perf_counter()
-    sb = await backend.create(SandboxSpec(sid, limits=Limits(**limits)))
-    print(f"create({sid}) took {(time.perf_counter() - t0) * 1000:.1f} ms")
-    assert isinstance(sb, LinuxSandbox)
-    return Box(sb, await AgentChannel.open(sb.sock))
+    b = await Box.create(backend, **limits)
+    print(f"create({b.sandbox.sandbox_id}) took {(time.perf_counter() - t0) * 1000:.1f} ms")
+    return b
 
 
 @pytest.fixture(scope="module")

@@ -15,32 +15,22 @@ import subprocess
 import sys
 import textwrap
 import time
-import uuid
 from collections.abc import AsyncIterator
 
 import pytest
+from helpers import PROBE, ProbeBox
 
 from agentcell import CommandExitException, Sandbox
 from agentcell.backends.base import Limits, SandboxSpec
 from agentcell.backends.linux import cgroups, host, ns_limits, rootfs
-from agentcell.backends.linux.backend import LinuxBackend, LinuxSandbox
-from agentcell.runtime.protocol import AgentChannel
+from agentcell.backends.linux.backend import LinuxBackend
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or platform.machine() != "x86_64",
                                 reason="needs root, user namespaces and x86_64 syscall numbers")
 
-PROBE = "agentcell.backends.linux.probe:serve"
 
 
-class Box:
-    def __init__(self, sandbox: LinuxSandbox, channel: AgentChannel) -> None:
-        self.sandbox = sandbox
-        self.channel = channel
-
-    async def run(self, *argv: str, timeout: float = 60) -> tuple[int, str, str]:
-        h = (await self.channel.call("exec", argv=list(argv), timeout=timeout)).header
-        return h["exit_code"], h["stdout"], h["stderr"]
-
+class Box(ProbeBox):
     async def py(self, code: str, prelude: str = "", timeout: float = 60) -> str:
         """Run Python in the sandbox; its stdout (the test fails on a traceback)."""
         code_, out, err = await self.run("python3", "-c", prelude + textwrap.dedent(code), timeout=timeout)
@@ -73,9 +63,7 @@ async def backend() -> AsyncIterator[LinuxBackend]:
 
 
 async def new_box(backend: LinuxBackend, **limits: int) -> Box:
-    sb = await backend.create(SandboxSpec("k" + uuid.uuid4().hex[:12], limits=Limits(**limits)))
-    assert isinstance(sb, LinuxSandbox)
-    return Box(sb, await AgentChannel.open(sb.sock))
+    return await Box.create(backend, "k", **limits)
 
 
 @pytest.fixture(scope="module")

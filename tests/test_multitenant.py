@@ -29,14 +29,6 @@ pytestmark = pytest.mark.skipif(bool(os.environ.get("AGENTCELL_TEST_SERVER_URL")
                                 reason="these tests start, inspect and kill server processes of their own")
 
 
-@pytest.fixture(scope="module")
-def neighbour(server_url: str) -> Iterator[Sandbox]:
-    sbx = Sandbox.create(api_url=server_url, timeout=900)
-    sbx.run_code("canary = 'alive'")
-    yield sbx
-    sbx.kill()
-
-
 def assert_neighbour_and_server_fine(neighbour: Sandbox, server_url: str) -> None:
     assert neighbour.run_code("canary").text == "'alive'"
     assert neighbour.commands.run("echo ok").stdout == "ok\n"
