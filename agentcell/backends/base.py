@@ -9,7 +9,9 @@ speaks the agent protocol over the socket.
 from __future__ import annotations
 
 import abc
+import secrets
 import socket
+import string
 from dataclasses import dataclass, field
 
 # The disk is a tmpfs: its pages are memory, charged to the sandbox's memory cgroup. A full disk must
@@ -74,9 +76,17 @@ LIMIT_RANGES: dict[str, tuple[float, float]] = {
 }
 
 
+_ID_ALPHABET = string.ascii_lowercase + string.digits
+
+
+def new_sandbox_id() -> str:
+    """A fresh, unguessable sandbox id (E2B's shape: 20 lowercase letters and digits)."""
+    return "".join(secrets.choice(_ID_ALPHABET) for _ in range(20))
+
+
 @dataclass(frozen=True, slots=True)
 class SandboxSpec:
-    sandbox_id: str  # ^[a-z0-9]+$, also the sandbox's hostname
+    sandbox_id: str = ""  # ^[a-z0-9]+$, also the sandbox's hostname; "": the backend picks one
     template: str = "base"
     limits: Limits = field(default_factory=Limits)
     envs: dict[str, str] = field(default_factory=dict)  # default environment of every process and context

@@ -26,7 +26,7 @@ from agentcell.runtime import display, filesystem, kernel, processes, protocol, 
 from agentcell.runtime.filesystem import FileSystem, os_error
 from agentcell.runtime.kernel import ContextManager
 from agentcell.runtime.processes import ProcessTable, Subscriber
-from agentcell.runtime.protocol import CHUNK, Frame, encode_frame, read_frame
+from agentcell.runtime.protocol import CHUNK, Frame, ProtocolError, encode_frame, read_frame
 from agentcell.runtime.reaper import Reaper
 
 __all__ = ["preload", "serve"]
@@ -34,6 +34,7 @@ __all__ = ["preload", "serve"]
 _PR_SET_DUMPABLE = 4
 _PR_SET_CHILD_SUBREAPER = 36
 _AGENT_MODULES = (display, filesystem, kernel, processes, protocol, reaper)  # imported now, never lazily
+_WARM_TIMEOUT = 10.0  # seconds the default context gets to start before the sandbox says ready anyway
 
 
 def preload() -> None:
@@ -129,10 +130,17 @@ async def _serve(sock: socket.socket, config: dict[str, Any]) -> None:
     agent = Agent(writer, ProcessTable(the_reaper, envs, home, oom), FileSystem(home),
                   ContextManager(the_reaper, envs, home, oom))  # fmt: skip
     try:
-        with contextlib.suppress(SandboxError):
-            agent.contexts.default()  # forked now so the first run_code is fast
+        with contextlib.suppress(SandboxError, OSError, ProtocolError, TimeoutError):
+            # Forked and warmed now, while the sandbox is a standby, so the first run_code is fast.
+            async with asyncio.timeout(_WARM_TIMEOUT):
+                await agent.contexts.default().warm()
         writer.write(encode_frame({"id": 0, "event": "ready"}))
         await writer.drain()
+        # A standby until the server claims it for a tenant: the claim brings the tenant's env vars.
+        claim = await read_frame(reader)
+        if claim is None or claim.header.get("op") != "claim":
+            return
+        agent.claim({str(k): str(v) for k, v in (claim.header.get("envs") or {}).items()})
         await agent.run(reader)
     finally:
         agent.processes.kill_all()
@@ -253,6 +261,12 @@ class Agent:
         self._calls: dict[int, Call] = {}
         self.conn_credit = protocol.CONN_WINDOW  # of all calls together
         self._credit_waiters: list[asyncio.Future[None]] = []
+
+    def claim(self, envs: dict[str, str]) -> None:
+        """The sandbox now serves one tenant: its env vars join every process's and context's."""
+        os.environ.update(envs)
+        self.processes.update_envs(envs)
+        self.contexts.update_envs(envs)
 
     def write(self, header: dict[str, Any], payload: bytes = b"") -> int:
         """Write one frame; returns its size (header + payload)."""

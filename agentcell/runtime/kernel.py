@@ -97,6 +97,7 @@ class _Kernel:
         self.reader: asyncio.StreamReader | None = None
         self._paused = False
         self.writer: asyncio.StreamWriter | None = None
+        self._envs: dict[str, str] | None = None  # for connect() to send
         ours, theirs = socket.socketpair()
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
@@ -133,8 +134,25 @@ class _Kernel:
             self.exited.set_result(status)
 
     async def connect(self) -> None:
+        """Open the streams; the kernel's first frame says its warm-up is done (_serve_kernel)."""
         if self.reader is None:
             self.reader, self.writer = await asyncio.open_unix_connection(sock=self.sock)
+            if self._envs is not None:  # env vars that came while it warmed up (the claim's)
+                self.writer.write(encode_frame({"set_env": self._envs}))
+                self._envs = None
+            try:
+                warm = await read_frame(self.reader, 1 << 10)
+            except (OSError, ValueError, ProtocolError):
+                warm = None
+            if warm is None or not warm.header.get("warm"):
+                self.kill("it broke its protocol while starting")
+
+    def set_envs(self, envs: dict[str, str]) -> None:
+        """Replace the kernel's os.environ before its next run."""
+        if self.writer is not None:
+            self.writer.write(encode_frame({"set_env": envs}))
+        else:
+            self._envs = dict(envs)  # sent by connect(), which may be waiting for the warm frame now
 
     def _read_output(self, fd: int) -> bool:
         sink = self.sink
@@ -220,6 +238,12 @@ class Context:
 
     def start(self) -> None:
         self.kernel = self._manager.spawn(self.cwd)
+
+    async def warm(self) -> None:
+        """Until the kernel has run its warm-up (a standby's context is ready before its claim)."""
+        async with self._lock:
+            if self.kernel is not None:
+                await self.kernel.connect()
 
     def restart(self) -> None:
         old, self.kernel = self.kernel, None
@@ -317,6 +341,13 @@ class ContextManager:
         self._home = home
         self._contexts: dict[str, Context] = {}
         self._default: Context | None = None
+
+    def update_envs(self, envs: dict[str, str]) -> None:
+        """Env vars for every context from now on, and for the running ones before their next run."""
+        self._envs.update(envs)
+        for ctx in self._contexts.values():
+            if ctx.kernel is not None and ctx.kernel.alive:
+                ctx.kernel.set_envs(self._envs)
 
     def spawn(self, cwd: str) -> _Kernel:
         return _Kernel(asyncio.get_running_loop(), self._reaper, cwd, self._envs, self._oom_score_adj)
@@ -495,6 +526,7 @@ def _serve_kernel(sock: socket.socket) -> NoReturn:
     # copy-on-write faults of the first run are not paid by the user's first run_code.
     shell.run_cell("_agentcell_warm = [i * 2 for i in range(3)]", silent=True)
     shell.user_ns.pop("_agentcell_warm", None)
+    sock.sendall(encode_frame({"warm": True}))  # the agent's connect() waits for this
     while True:
         # An interrupt from here on is for the run about to come (its deadline may pass before the
         # code even starts, under load); one that came before was for a run that has ended.
@@ -502,6 +534,10 @@ def _serve_kernel(sock: socket.socket) -> NoReturn:
         frame = recv_frame(sock)
         if frame is None:
             os._exit(0)
+        if "set_env" in frame.header:  # the claim's env vars (ContextManager.update_envs)
+            os.environ.clear()
+            os.environ.update({str(k): str(v) for k, v in frame.header["set_env"].items()})
+            continue
         code = frame.payload.decode("utf-8", "replace")
         env_vars = {str(k): str(v) for k, v in (frame.header.get("env_vars") or {}).items()}
         saved = {k: os.environ.get(k) for k in env_vars}

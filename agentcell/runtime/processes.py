@@ -268,6 +268,10 @@ class ProcessTable:
         self._home = home
         self._procs: dict[int, Process] = {}
 
+    def update_envs(self, envs: dict[str, str]) -> None:
+        """Env vars every process started from now on gets (the tenant's, at the claim)."""
+        self._base_env.update(envs)
+
     # -- lookup ---------------------------------------------------------------------------------
     def find(self, pid: int | None = None, tag: str | None = None) -> Process:
         if pid is not None:

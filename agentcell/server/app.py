@@ -96,6 +96,7 @@ class AgentcellApp:
         self.backend = backend or get_backend(config.backend, uid_base=config.uid_base,
                                               max_sandboxes=config.max_sandboxes, tune_sysctls=config.tune_sysctls,
                                               ptys_per_sandbox=config.ptys_per_sandbox,
+                                              standbys=config.standbys, standby_limits=config.limits,
                                               memory_reserve_bytes=config.memory_reserve_mb << 20
                                               if config.memory_reserve_mb is not None else None)
         self.manager = SandboxManager(self.backend, config.max_sandboxes,

@@ -22,6 +22,7 @@ class ServerConfig:
     uds: str | None = None  # serve on this unix socket instead of host:port
     api_key: str | None = None  # None = accept any X-API-KEY (the SDK always sends one)
     max_sandboxes: int = 1000
+    standbys: int = 4  # sandboxes kept prepared ahead of creates (with the default limits)
     limits: Limits = field(default_factory=Limits)  # default limits of a new sandbox
     max_limits: Limits = field(default_factory=default_max_limits)  # the most a create request may ask
     default_timeout: int = 300  # seconds, when the create request has none

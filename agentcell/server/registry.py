@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import logging
 import secrets
-import string
 import uuid
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -20,13 +19,6 @@ from agentcell.backends.base import Backend, Limits, RunningSandbox, SandboxSpec
 from agentcell.runtime.protocol import AgentChannel
 
 log = logging.getLogger("agentcell.server")
-
-_ID_ALPHABET = string.ascii_lowercase + string.digits
-
-
-def new_sandbox_id() -> str:
-    return "".join(secrets.choice(_ID_ALPHABET) for _ in range(20))
-
 
 class CapacityError(Exception):
     """The server cannot take another sandbox now (count, committed limits, or use)."""
@@ -121,11 +113,10 @@ class SandboxManager:
         await self._admit(limits)
         self._pending.append(limits)
         try:
-            sandbox_id = new_sandbox_id()
-            while sandbox_id in self._sandboxes:
-                sandbox_id = new_sandbox_id()
-            spec = SandboxSpec(sandbox_id=sandbox_id, template="base", limits=limits, envs=dict(envs))
+            # The backend picks the id: it is a standby's, prepared before this request.
+            spec = SandboxSpec(sandbox_id="", template="base", limits=limits, envs=dict(envs))
             running = await self.backend.create(spec)
+            sandbox_id = running.sandbox_id
             try:
                 running.sock.setblocking(False)
                 channel = await AgentChannel.open(running.sock)

@@ -19,25 +19,37 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
-from agentcell.backends.base import Backend, Capacity, RunningSandbox, SandboxSpec, SandboxStats
+from agentcell.backends.base import (
+    Backend,
+    Capacity,
+    Limits,
+    RunningSandbox,
+    SandboxSpec,
+    SandboxStats,
+    new_sandbox_id,
+)
 from agentcell.backends.linux import cgroups, host, rootfs, runtime_store, uids
+from agentcell.backends.pool import StandbyPool
 from agentcell.errors import BackendUnavailableError, InvalidArgumentError, SandboxError, SandboxGoneError
 from agentcell.runtime import statedir
 from agentcell.runtime.protocol import PREFIX, encode_frame
 
 DEFAULT_ENTRY = "agentcell.runtime.agent:serve"
 READY_TIMEOUT = 10.0
+STANDBYS = 4  # prepared sandboxes kept ready per template (--standbys)
+PREPARE_PARALLEL = 4  # standbys prepared at once: enough to overlap each one's cgroup-join wait
 TIMING = os.environ.get("AGENTCELL_TIMING") == "1"  # debug: per-step create() stamps on stderr
 _ID_RE = re.compile(r"^[a-z0-9]{1,63}$")
 
 
 class LinuxSandbox(RunningSandbox):
     def __init__(self, sandbox_id: str, sock: socket.socket, host_pid: int, pidfd: int, slot: int,
-                 cgroup: str) -> None:
+                 cgroup: str, limits: Limits) -> None:
         self.sandbox_id = sandbox_id
+        self.limits = limits  # as prepared; a claim may change memory and CPU (cgroups.retune)
         self.sock = sock
         self.host_pid = host_pid
         self.pidfd = pidfd
@@ -173,9 +185,18 @@ class LinuxBackend(Backend):
     def __init__(self, entry_point: str = DEFAULT_ENTRY, uid_base: int | None = None, max_sandboxes: int = 1000,
                  staging: str = rootfs.STAGING, ready_timeout: float = READY_TIMEOUT,
                  preload: bool | None = None, zygote_timeout: float = 120.0,
-                 host_tuning: host.HostTuning | None = None, **host_options: Any) -> None:
+                 host_tuning: host.HostTuning | None = None, standbys: int = STANDBYS,
+                 standby_limits: Limits | None = None, prepare_parallel: int = PREPARE_PARALLEL,
+                 **host_options: Any) -> None:
         if max_sandboxes < 1:
             raise ValueError("max_sandboxes must be at least 1")
+        if standbys < 0 or prepare_parallel < 1:
+            raise ValueError("standbys must be at least 0 and prepare_parallel at least 1")
+        self.standbys = standbys
+        self.standby_limits = standby_limits or Limits()  # what a create without limits asks for
+        self.prepare_parallel = prepare_parallel
+        self._pools: dict[str, StandbyPool[LinuxSandbox]] = {}
+        self._owned: dict[str, LinuxSandbox] = {}  # every sandbox with a process: standbys and claimed
         self.entry_point = entry_point
         self.requested_uid_base = uid_base  # None: the lowest free range (see uids.reserve)
         self.uid_base = -1  # known once start() reserved the range
@@ -218,7 +239,7 @@ class LinuxBackend(Backend):
                         "unprivileged user namespaces are off: sysctl -w kernel.unprivileged_userns_clone=1")
         try:
             # One host id per sandbox slot, disjoint from every other server's on this host.
-            self._uid_range = uids.reserve(self.max_sandboxes, self.requested_uid_base)
+            self._uid_range = uids.reserve(self._slot_count, self.requested_uid_base)
         except uids.UidRangeError as e:
             raise BackendUnavailableError(str(e)) from None
         self.uid_base = self._uid_range.base
@@ -241,6 +262,26 @@ class LinuxBackend(Backend):
             self._state_dir = statedir.private_dir(statedir.default_state_dir("zygote"))
             self._runtime = await asyncio.to_thread(runtime_store.ensure)
         await self._zygote("base")
+        self._pool("base").fill()
+
+    @property
+    def _slot_count(self) -> int:
+        """Host ids needed: one per sandbox, plus the standbys ready or being prepared."""
+        return self.max_sandboxes + self.standbys + self.prepare_parallel
+
+    def _pool(self, template: str) -> StandbyPool[LinuxSandbox]:
+        pool = self._pools.get(template)
+        if pool is None:
+            pool = StandbyPool(lambda: self._prepare(template, self.standby_limits, self._new_id()),
+                               self.kill, LinuxSandbox.alive, self.standbys, self.prepare_parallel)
+            self._pools[template] = pool
+        return pool
+
+    def _new_id(self) -> str:
+        sandbox_id = new_sandbox_id()
+        while sandbox_id in self._owned:
+            sandbox_id = new_sandbox_id()
+        return sandbox_id
 
     async def _spawn(self, template: str, sock_fd: int) -> None:
         z = await self._zygote(template)
@@ -269,7 +310,10 @@ class LinuxBackend(Backend):
         return z
 
     async def close(self) -> None:
-        for sb in list(self._sandboxes.values()):
+        for pool in self._pools.values():
+            await pool.close()
+        self._pools.clear()
+        for sb in list(self._owned.values()):
             with contextlib.suppress(Exception):
                 await self.kill(sb)
         for z in self._zygotes.values():
@@ -287,59 +331,86 @@ class LinuxBackend(Backend):
     # -- sandboxes -------------------------------------------------------------------------------
 
     def _alloc_slot(self) -> int:
-        if len(self._slots) >= self.max_sandboxes:
+        count = self._slot_count
+        if len(self._slots) >= count:
             raise SandboxError("too many sandboxes on this host", "resource_exhausted")
         while self._next_slot in self._slots:
-            self._next_slot = (self._next_slot + 1) % self.max_sandboxes
+            self._next_slot = (self._next_slot + 1) % count
         slot = self._next_slot
         self._slots.add(slot)
-        self._next_slot = (slot + 1) % self.max_sandboxes
+        self._next_slot = (slot + 1) % count
         return slot
 
     async def create(self, spec: SandboxSpec) -> RunningSandbox:
+        """A standby of the pool, claimed for `spec`; or, for an id or limits no standby has, one
+        prepared for it now (the same steps, on the request's path)."""
         t0 = time.perf_counter()
-        t0_ns = time.perf_counter_ns()
-        if not _ID_RE.match(spec.sandbox_id):
+        if spec.sandbox_id and not _ID_RE.match(spec.sandbox_id):
             raise InvalidArgumentError(f"sandbox id must match {_ID_RE.pattern}, got {spec.sandbox_id!r}")
-        if spec.sandbox_id in self._sandboxes:
+        if spec.sandbox_id in self._owned:
             raise SandboxError(f"sandbox {spec.sandbox_id} already exists", "already_exists")
         try:
             spec.limits.validate()
             host.check_limits(spec.limits, self.host_budget)
         except ValueError as e:
             raise InvalidArgumentError(str(e)) from None
+        if len(self._sandboxes) >= self.max_sandboxes:
+            raise SandboxError("too many sandboxes on this host", "resource_exhausted")
+        sandbox = None
+        if not spec.sandbox_id and self.standbys and _claimable(self.standby_limits, spec.limits):
+            sandbox = await self._pool(spec.template).take()
+            try:
+                sandbox.cgroups.retune(sandbox.limits, spec.limits)
+            except OSError:  # e.g. less memory than the standby already uses: prepare one instead
+                await self.kill(sandbox)
+                sandbox = None
+        if sandbox is None:
+            sandbox = await self._prepare(spec.template, spec.limits, spec.sandbox_id or self._new_id())
+        try:
+            sandbox.limits = spec.limits
+            # The claim: the tenant's env vars go to this sandbox's agent and nowhere else.
+            await asyncio.get_running_loop().sock_sendall(
+                sandbox.sock, encode_frame({"id": 0, "op": "claim", "envs": dict(spec.envs)}))
+        except BaseException:
+            await self.kill(sandbox)
+            raise
+        sandbox.sock.setblocking(True)
+        self._sandboxes[sandbox.sandbox_id] = sandbox
+        self.last_create_ms = (time.perf_counter() - t0) * 1000
+        return sandbox
+
+    async def _prepare(self, template: str, limits: Limits, sandbox_id: str) -> LinuxSandbox:
+        """Fork and prepare a sandbox up to its agent's "ready"; it waits for its claim."""
+        t0_ns = time.perf_counter_ns()
         slot = self._alloc_slot()
         host_id = self.uid_base + slot
-        request = {
-            "sandbox_id": spec.sandbox_id, "limits": asdict(spec.limits), "host_uid": host_id, "host_gid": host_id,
-            "envs": dict(spec.envs), "entry": self.entry_point,
-        }
+        # Nothing of a tenant's here: the server picked the id, the slot picked the host id.
+        request = {"sandbox_id": sandbox_id, "limits": asdict(limits), "host_uid": host_id, "host_gid": host_id,
+                   "entry": self.entry_point}  # fmt: skip
         if TIMING:
             request["t0_ns"] = t0_ns
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         sandbox: LinuxSandbox | None = None
         try:
-            await self._spawn(spec.template, theirs.fileno())
+            await self._spawn(template, theirs.fileno())
             theirs.close()
             ours.setblocking(False)
             loop = asyncio.get_running_loop()
             async with asyncio.timeout(self.ready_timeout):
-                # The request goes straight to the forked child: the zygote, whose memory every later
-                # sandbox inherits, never sees a tenant's id, limits or env vars.
                 await loop.sock_sendall(ours, encode_frame(request))
                 first = await _read_frame(loop, ours)
                 if first is None or first.get("event") != "spawned":
-                    raise SandboxError(_setup_error(spec.sandbox_id, first))
+                    raise SandboxError(_setup_error(sandbox_id, first))
                 t_spawned = time.perf_counter_ns()
                 pid = int(first["host_pid"])
                 cgroup = str(first.get("cgroup", ""))
                 if not _cgroup_re(self.cgroup_parent).match(cgroup):
-                    raise SandboxError(f"sandbox {spec.sandbox_id}: the zygote named a foreign cgroup {cgroup!r}")
-                sandbox = LinuxSandbox(spec.sandbox_id, ours, pid, os.pidfd_open(pid), slot, cgroup)
-                self._sandboxes[spec.sandbox_id] = sandbox
+                    raise SandboxError(f"sandbox {sandbox_id}: the zygote named a foreign cgroup {cgroup!r}")
+                sandbox = LinuxSandbox(sandbox_id, ours, pid, os.pidfd_open(pid), slot, cgroup, limits)
+                self._owned[sandbox_id] = sandbox
                 ready = await _read_frame(loop, ours)
                 if ready is None or ready.get("event") != "ready":
-                    raise SandboxError(_setup_error(spec.sandbox_id, ready))
+                    raise SandboxError(_setup_error(sandbox_id, ready))
         except BaseException as e:
             theirs.close()
             if sandbox is not None:
@@ -349,15 +420,13 @@ class LinuxBackend(Backend):
                 self._slots.discard(slot)
             if isinstance(e, TimeoutError):
                 raise SandboxError(
-                    f"sandbox {spec.sandbox_id} did not become ready within {self.ready_timeout:g} s; "
+                    f"sandbox {sandbox_id} did not become ready within {self.ready_timeout:g} s; "
                     "check the server log for the agent's error") from None
             raise
-        ours.setblocking(True)
         if TIMING:
             t_ready = time.perf_counter_ns()
-            print(f"agentcell timing {spec.sandbox_id}: spawned={(t_spawned - t0_ns) / 1e6:.2f} "
+            print(f"agentcell timing {sandbox_id}: spawned={(t_spawned - t0_ns) / 1e6:.2f} "
                   f"ready={(t_ready - t0_ns) / 1e6:.2f}", file=sys.stderr, flush=True)
-        self.last_create_ms = (time.perf_counter() - t0) * 1000
         return sandbox
 
     async def kill(self, sandbox: RunningSandbox) -> None:
@@ -377,8 +446,9 @@ class LinuxBackend(Backend):
                 sandbox.pidfd = -1
             sandbox.killed = True
             self._slots.discard(sandbox.slot)
-            if self._sandboxes.get(sandbox.sandbox_id) is sandbox:
-                del self._sandboxes[sandbox.sandbox_id]
+            for table in (self._sandboxes, self._owned):
+                if table.get(sandbox.sandbox_id) is sandbox:
+                    del table[sandbox.sandbox_id]
 
     async def capacity(self) -> Capacity | None:
         if self.host_budget is None:
@@ -397,6 +467,13 @@ class LinuxBackend(Backend):
             return sandbox.cgroups.stats()
         except OSError as e:
             raise SandboxGoneError(f"sandbox {sandbox.sandbox_id} has no cgroup any more: {e}") from e
+
+
+def _claimable(prepared: Limits, wanted: Limits) -> bool:
+    """Whether a standby prepared with `prepared` can serve `wanted`: memory and CPU are cgroup
+    settings the claim can change; the disk's size, rlimits and pids (also an rlimit) are not."""
+    same_rest = replace(wanted, memory_mb=prepared.memory_mb, cpu_count=prepared.cpu_count, disk_mb=None)
+    return same_rest == replace(prepared, disk_mb=None) and wanted.disk_limit_mb == prepared.disk_limit_mb
 
 
 def _cgroup_re(parent: str) -> re.Pattern[str]:

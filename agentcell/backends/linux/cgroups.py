@@ -132,6 +132,30 @@ class Cgroups:
             sc.write_file(f"{c}/cpu.cfs_period_us", str(_CPU_PERIOD_US))
             sc.write_file(f"{c}/cpu.cfs_quota_us", str(quota))
 
+    def retune(self, old: Limits, new: Limits) -> None:
+        """Change a live sandbox's memory and CPU limits from `old` to `new` (a standby's claim)."""
+        if new.cpu_count != old.cpu_count:
+            quota = max(1000, int(new.cpu_count * _CPU_PERIOD_US))
+            if self.v2:
+                sc.write_file(f"{self.dirs['unified']}/cpu.max", f"{quota} {_CPU_PERIOD_US}")
+            else:
+                sc.write_file(f"{self.dirs['cpu']}/cpu.cfs_quota_us", str(quota))
+        if new.memory_mb == old.memory_mb:
+            return
+        mem = str(new.memory_mb << 20)
+        if self.v2:
+            sc.write_file(f"{self.dirs['unified']}/memory.max", mem)
+            return
+        m = self.dirs["memory"]
+        # memory + swap may never be below memory: raise it first, lower it last
+        order = ["memory.memsw.limit_in_bytes", "memory.limit_in_bytes"]
+        if new.memory_mb < old.memory_mb:
+            order.reverse()
+        for name in order:
+            if name == "memory.limit_in_bytes" or os.path.exists(f"{m}/{name}"):
+                sc.write_file(f"{m}/{name}", mem)
+        sc.write_file(f"{m}/memory.kmem.tcp.limit_in_bytes", str(socket_limit_bytes(new.memory_mb)))
+
     def remove(self) -> bool:
         """rmdir every directory; False while some are still busy (tasks not reaped yet)."""
         busy = False

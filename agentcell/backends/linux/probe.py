@@ -60,6 +60,9 @@ def serve(sock: socket.socket, config: dict[str, Any]) -> None:
         if frame is None:
             return
         req = frame.header
+        if req.get("op") == "claim":  # the server's claim of this standby: the tenant's env vars, no answer
+            config["envs"] = {**config["envs"], **(req.get("envs") or {})}
+            continue
         answer: dict[str, Any] = {}
         if req.get("op") == "exec":
             answer = _exec(req, config)

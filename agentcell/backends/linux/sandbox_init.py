@@ -1,20 +1,23 @@
 """What a zygote child does to become a sandbox.
 
-The zygote keeps one *standby* child ready per template. A standby is forked straight into a new pid
-namespace (it is the sandbox's pid 1 from the start) and, as host root, does everything that does not
-depend on the request: it joins its own cgroup (on cgroup v1 the first move of a process costs an RCU
-grace period, ~10 ms), takes a private copy of the zygote's mount namespace and pivots into the
-template root (rootfs.enter). Then it waits on its socket to the zygote, which hands it the sandbox's
-socket and nothing else: the request itself (sandbox id, limits, host id, the tenant's env vars) comes
-from the server on that socket, after the fork. The zygote never holds a request, so nothing of one
-tenant's request is in the memory the next standby inherits.
+The zygote forks one child per ``spawn`` message, straight into a new pid namespace (the child is the
+sandbox's pid 1 from the start), and goes back to waiting: everything else happens in the child, so
+children of a burst prepare in parallel. The child reports itself (a "spawned" frame with its host pid
+and cgroup) on the sandbox's socket, then, as host root, does what does not depend on the sandbox: it
+joins its own cgroup (on cgroup v1 the first move of a process costs an RCU grace period, ~10 ms),
+takes a private copy of the zygote's mount namespace and pivots into the template root (rootfs.enter).
 
-With the request it sets the cgroup limits, mounts the private parts of
-the root (rootfs.finish), becomes the sandbox's unprivileged host id, unshares user+mount+net+ipc+
-uts+cgroup namespaces (the mounts are copied into a namespace owned by the new user namespace, so
-the kernel locks them), maps id 1000, and confines itself (Landlock, no capabilities, no_new_privs,
-seccomp) before it runs the entry point, which is the sandbox's agent. Nothing the sandbox runs ever
-has a capability or the host's view of anything.
+Then it reads the *preparation* from the server on its socket: the sandbox id the server picked, the
+host id of its slot, the limits, the entry point. None of it is a tenant's: the server prepares
+standbys (backend.StandbyPool) before any request names them. With it the child sets the cgroup limits,
+mounts the private parts of the root (rootfs.finish), becomes the sandbox's unprivileged host id,
+unshares user+mount+net+ipc+uts+cgroup namespaces (the mounts are copied into a namespace owned by the
+new user namespace, so the kernel locks them), maps id 1000, and confines itself (Landlock, no
+capabilities, no_new_privs, seccomp) before it runs the entry point, the sandbox's agent. The agent
+starts its default code context, says "ready", and waits for the server's ``claim`` (the tenant's env
+vars), which only ever reaches this one sandbox: the zygote never holds a request, so nothing of one
+tenant's request is in the memory another sandbox inherits. Nothing the sandbox runs ever has a
+capability or the host's view of anything.
 """
 
 from __future__ import annotations
@@ -37,11 +40,8 @@ from agentcell.backends.linux import syscalls as sc
 from agentcell.backends.linux.cgroups import Cgroups
 from agentcell.runtime.protocol import encode_frame, recv_frame
 
-SOCK_FD = 3  # the sandbox's socket, from the hand-over on
-CTL_FD = 4  # the standby's socket to the zygote
-ZYGOTE_FD = 5  # a pidfd of the zygote: readable once it is gone (a standby dies with its zygote)
-SERVER_FD = 6  # a pidfd of the server: readable once it is gone (a sandbox dies with its server)
-HANDOVER = b"go"  # the zygote's message to a standby, with the sandbox's socket attached
+SOCK_FD = 3  # the sandbox's socket to the server
+SERVER_FD = 4  # a pidfd of the server: readable once it is gone (a sandbox dies with its server)
 _SIOCGIFFLAGS, _SIOCSIFFLAGS = 0x8913, 0x8914
 _IFF_UP, _IFF_RUNNING = 0x1, 0x40
 _marks: list[tuple[str, int]] = []  # (step, perf_counter_ns), printed when the request asks for timing
@@ -114,13 +114,12 @@ def default_envs(sandbox_id: str) -> dict[str, str]:
     }
 
 
-def _place_fds(ctl_fd: int, zygote_pidfd: int, server_pidfd: int) -> None:
-    """ctl -> CTL_FD, the zygote's pidfd -> ZYGOTE_FD, the server's -> SERVER_FD, stdin/stdout ->
-    /dev/null, nothing else open. fd 2 stays the zygote's stderr until the entry point runs."""
-    high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 64) for fd in (ctl_fd, zygote_pidfd, server_pidfd)]
-    for fd, want in zip(high, (CTL_FD, ZYGOTE_FD, SERVER_FD), strict=True):
+def _place_fds(sock_fd: int, server_pidfd: int) -> None:
+    """The sandbox's socket -> SOCK_FD, the server's pidfd -> SERVER_FD, stdin/stdout -> /dev/null,
+    nothing else open. fd 2 stays the zygote's stderr until the entry point runs."""
+    high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 64) for fd in (sock_fd, server_pidfd)]
+    for fd, want in zip(high, (SOCK_FD, SERVER_FD), strict=True):
         os.dup2(fd, want, inheritable=False)
-    os.closerange(SOCK_FD, CTL_FD)
     os.closerange(SERVER_FD + 1, 1 << 16)  # every zygote fd, incl. the copies above
     devnull = os.open("/dev/null", os.O_RDWR | os.O_CLOEXEC)
     os.dup2(devnull, 0)
@@ -128,23 +127,34 @@ def _place_fds(ctl_fd: int, zygote_pidfd: int, server_pidfd: int) -> None:
     os.close(devnull)
 
 
-def run_standby(ctl_fd: int, zygote_pidfd: int, server_pidfd: int, cgroup: str, staging: str,
-                resolve_entry: Callable[[str | None], Callable[..., Any]], seccomp_filter: Any) -> NoReturn:
+def _host_pid() -> int:
+    """Our pid as the host sees it: /proc is still the host's here (the zygote's mount namespace)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("NSpid:"):
+                return int(line.split()[1])
+    raise RuntimeError("/proc/self/status has no NSpid line")
+
+
+def run_child(sock_fd: int, zygote_pid: int, server_pidfd: int, cgroup: str, staging: str,
+              resolve_entry: Callable[[str | None], Callable[..., Any]], seccomp_filter: Any) -> NoReturn:
     """Runs in the zygote's fresh child (pid 1 of a new pid namespace). Never returns."""
     step = "start"
-    early: tuple[str, BaseException] | None = None
-    child_oom = 0
-    cg: Cgroups | None = None
-    cg_fds: list[int] = []
     try:
         for sig in (signal.SIGCHLD, signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, signal.SIG_DFL)
-        # An unused standby dies with its zygote. The id change at hand-over clears this, on purpose:
-        # a live sandbox outlives its zygote (a replaced zygote must not take sandboxes along).
+        # A child still being prepared dies with its zygote. The id change clears this, on purpose: a
+        # prepared sandbox outlives its zygote (a replaced zygote must not take sandboxes along).
         sc.prctl(sc.PR_SET_PDEATHSIG, signal.SIGKILL)
-        _place_fds(ctl_fd, zygote_pidfd, server_pidfd)
-        if select.select([ZYGOTE_FD], [], [], 0)[0]:
+        _place_fds(sock_fd, server_pidfd)
+        if os.getppid() != zygote_pid:
             os._exit(1)  # the zygote was gone before PDEATHSIG was set
+        _send(SOCK_FD, {"id": 0, "event": "spawned", "host_pid": _host_pid(), "cgroup": cgroup})
+    except BaseException:  # noqa: BLE001 - nobody to tell: the server sees the socket close
+        os._exit(1)
+    cg: Cgroups | None = None
+    cg_fds: list[int] = []
+    try:
         step = "cgroups"
         cg = Cgroups.at(cgroup)
         cg.create_and_join(0)  # 0: the writer itself
@@ -154,39 +164,19 @@ def run_standby(ctl_fd: int, zygote_pidfd: int, server_pidfd: int, cgroup: str, 
         step = "root filesystem"
         sc.unshare(sc.CLONE_NEWNS)
         rootfs.enter(staging)
-        _mark("standby ready")
-    except BaseException as e:  # noqa: BLE001 - reported on the request's socket, never unwinds
-        early = (step, e)
-    # park until the zygote hands over a sandbox's socket (or goes away)
-    try:
-        ctl = socket.socket(fileno=CTL_FD)
-        ctl.send(b"standby")  # the zygote waits for this before its first "ready"
-        msg, fds, _flags, _addr = socket.recv_fds(ctl, 16, 1)
-    except BaseException as e:  # noqa: BLE001
-        print(f"agentcell standby: lost the zygote: {e!r}", file=sys.stderr, flush=True)
-        os._exit(1)
-    if msg != HANDOVER or not fds:
-        os._exit(0)  # the zygote closed the socket: not needed any more
-    if fds[0] != SOCK_FD:
-        os.dup2(fds[0], SOCK_FD, inheritable=False)
-        os.close(fds[0])
-    ctl.close()
-    os.close(ZYGOTE_FD)
-    _mark("handed over")
-    if early is not None:
-        _fail(SOCK_FD, *early)
-    try:
-        # The request comes from the server itself, on the sandbox's own socket.
+        _mark("root entered")
+        step = "preparation"
+        # The preparation comes from the server itself, on the sandbox's own socket.
         with socket.socket(fileno=os.dup(SOCK_FD)) as sock:
             frame = recv_frame(sock)
         if frame is None:
             os._exit(0)  # the server gave up on this sandbox before sending it
         req = frame.header
+        _mark("prepared")
         entry = resolve_entry(req.get("entry"))
     except BaseException as e:  # noqa: BLE001
-        _fail(SOCK_FD, "request", e)
+        _fail(SOCK_FD, step, e)
     req["child_oom_score_adj"] = child_oom
-    assert cg is not None
     _run_sandbox(SOCK_FD, req, cg, cg_fds, entry, seccomp_filter)
 
 
@@ -258,8 +248,7 @@ def _run_sandbox(fd: int, req: dict[str, Any], cg: Cgroups, cg_fds: list[int], e
         for i in (0, 1, 2):
             os.dup2(devnull, i)
         os.close(devnull)
-        envs = default_envs(sandbox_id)
-        envs.update(req.get("envs") or {})
+        envs = default_envs(sandbox_id)  # the tenant's own come with the server's claim (agent.serve)
         os.environ.clear()
         os.environ.update(envs)
         os.chdir(rootfs.HOME)

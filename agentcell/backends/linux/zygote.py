@@ -3,20 +3,19 @@
 Run as ``python -m agentcell.backends.linux.zygote`` with its arguments (``--fd N --cgroup
 agentcell/<instance> ...``) as a JSON list on stdin, so that no sandbox's cmdline shows them. fd N is a
 SOCK_SEQPACKET socket to the backend; each message is ``spawn`` with one sandbox's socket attached
-(SCM_RIGHTS), and nothing else: the request itself (id, limits, env vars) goes from the server to the
-child on that socket, after the fork, so no tenant's data is ever in the zygote's memory (which every
-later sandbox inherits). The zygote answers on the sandbox's socket with a "spawned" frame (the
-sandbox's host pid and cgroup), after which the child itself reports (error, or the agent's ready).
+(SCM_RIGHTS), and nothing else. The zygote forks a child for it (sandbox_init.run_child) and goes
+straight back to waiting: the child reports itself on its socket and prepares itself, in parallel with
+the children of other spawns. What the child becomes (its id, limits, later the tenant's env vars)
+comes from the server on that socket, after the fork, so no tenant's data is ever in the zygote's
+memory (which every later sandbox inherits).
 
 Its launcher (runtime_store.launch) gives it its own mount namespace; it builds the template root
-there (rootfs.build_template), so each sandbox only copies it. It keeps one standby child
-(sandbox_init.run_standby) forked and prepared ahead of the next request, so a create() pays
-neither the fork nor the cgroup move.
+there (rootfs.build_template), so each sandbox only copies it.
 
 It must stay single-threaded (fork keeps only the calling thread). It dies with the server
-(PR_SET_PDEATHSIG); on control-socket EOF or SIGTERM it SIGKILLs its standby. Sandboxes it handed
-over do not depend on it: a zygote that dies or is replaced leaves them running (the server owns
-them: each one's agent exits when the server's socket closes or its pidfd of the server fires).
+(PR_SET_PDEATHSIG); children still being prepared die with it. Sandboxes past their preparation do not
+depend on it: a zygote that dies or is replaced leaves them running (the server owns them: each one's
+agent exits when the server's socket closes or its pidfd of the server fires).
 """
 
 from __future__ import annotations
@@ -39,7 +38,6 @@ from agentcell.backends.linux import syscalls as sc
 
 SPAWN = b"spawn"  # the backend's only message: one sandbox's socket attached
 _entries: dict[str, Callable[..., Any]] = {}
-_standby_pid = 0  # the unused standby, killed when the zygote goes
 
 
 def resolve_entry(spec: str) -> Callable[..., Any]:
@@ -59,16 +57,6 @@ def _reap(_signum: int = 0, _frame: Any = None) -> None:
             return
         if pid == 0:
             return
-
-
-def _kill_standby() -> None:
-    """Only the standby: sandboxes already handed over belong to the server, not to the zygote."""
-    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # nobody reaps after us
-    if _standby_pid:
-        try:
-            os.kill(_standby_pid, signal.SIGKILL)  # not reaped yet: the pid cannot have been reused
-        except OSError:
-            pass
 
 
 def _on_sigterm(_signum: int, _frame: Any) -> None:
@@ -95,81 +83,31 @@ class Zygote:
         self.default_entry = default_entry
         self.seccomp = seccomp
         self.pidns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
-        self.self_pidfd = os.pidfd_open(os.getpid())
         self.server_pidfd = server_pidfd
         self.seq = 0
-        self.standby: tuple[int, socket.socket, str] | None = None  # pid, its socket, its cgroup
-        self.standby_ready = False
 
     def _entry(self, spec: str | None) -> Callable[..., Any]:
         return resolve_entry(spec or self.default_entry)
 
-    def fork_standby(self) -> None:
-        global _standby_pid
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.seq += 1
-        cgroup = f"{self.cgroup_parent}/s{os.getpid()}-{self.seq}"
-        sc.unshare(sc.CLONE_NEWPID)  # the next child is pid 1 of a new pid namespace
-        try:
-            pid = os.fork()
-            if pid == 0:
-                sandbox_init.run_standby(theirs.fileno(), self.self_pidfd, self.server_pidfd, cgroup, self.staging,
-                                         self._entry, self.seccomp)
-        finally:
-            # only the zygote gets here: its later children must not land in that namespace too
-            sc.setns(self.pidns, sc.CLONE_NEWPID)
-        _standby_pid = pid
-        theirs.close()
-        self.standby = (pid, ours, cgroup)
-        self.standby_ready = False
-
-    def wait_standby(self, timeout: float) -> bool:
-        """Block until the standby is prepared; False if it died. Its "standby" message must be read
-        before our end is closed: closing with unread data would reset the connection (ECONNRESET)."""
-        if self.standby is None:
-            return False
-        if self.standby_ready:
-            return True
-        ctl = self.standby[1]
-        ctl.settimeout(timeout)
-        try:
-            self.standby_ready = ctl.recv(16) == b"standby"
-        except OSError:
-            self.standby_ready = False
-        ctl.settimeout(None)
-        return self.standby_ready
-
     def spawn(self, fds: list[int]) -> None:
-        """Hand the sandbox socket in `fds` to the standby (a fresh one if it died)."""
-        global _standby_pid
+        """Fork a child that becomes the sandbox on the socket in `fds` (it reports itself there)."""
         if not fds:
             return
         sock_fd = fds[0]
         for extra in fds[1:]:
             os.close(extra)
+        self.seq += 1
+        cgroup = f"{self.cgroup_parent}/s{os.getpid()}-{self.seq}"
         try:
-            for _attempt in (0, 1):
-                if self.standby is None:
-                    self.fork_standby()
-                assert self.standby is not None
-                if self.wait_standby(timeout=10.0):
-                    break
-                pid, ctl, _cgroup = self.standby
-                self.standby = None
-                ctl.close()  # the standby died: a fresh one
-                with contextlib.suppress(OSError):
-                    os.kill(pid, signal.SIGKILL)
-            else:
-                raise RuntimeError("no standby child could be prepared; see the server log")
-            pid, ctl, cgroup = self.standby
-            self.standby = None
-            _standby_pid = 0
-            # "spawned" goes first, so every frame of the child comes after it
-            sandbox_init._send(sock_fd, {"id": 0, "event": "spawned", "host_pid": pid, "cgroup": cgroup})
+            sc.unshare(sc.CLONE_NEWPID)  # the next child is pid 1 of a new pid namespace
             try:
-                socket.send_fds(ctl, [sandbox_init.HANDOVER], [sock_fd])
+                pid = os.fork()
+                if pid == 0:
+                    sandbox_init.run_child(sock_fd, os.getppid(), self.server_pidfd, cgroup, self.staging,
+                                           self._entry, self.seccomp)
             finally:
-                ctl.close()
+                # only the zygote gets here: its later children must not land in that namespace too
+                sc.setns(self.pidns, sc.CLONE_NEWPID)
         except Exception as e:  # noqa: BLE001 - report on the sandbox's socket, keep serving others
             with contextlib.suppress(OSError):
                 sandbox_init._send(sock_fd, {"id": 0, "event": "error", "message": f"zygote could not spawn: {e}"})
@@ -218,8 +156,6 @@ def main(argv: list[str] | None = None) -> int:
         gc.collect()
         gc.freeze()  # keep the preloaded heap shared copy-on-write with every sandbox
         zygote = Zygote(args.cgroup, args.staging, args.entry, seccomp, server_pidfd)
-        zygote.fork_standby()
-        zygote.wait_standby(timeout=10.0)
         ctl.send(b"ready")  # start() waits for this, so the first create() is as fast as the others
         while True:
             try:
@@ -233,12 +169,10 @@ def main(argv: list[str] | None = None) -> int:
                 for fd in fds:
                     os.close(fd)
                 continue
-            sandbox_init._marks.clear()
             zygote.spawn(fds)
-            zygote.fork_standby()  # off the critical path: the socket is already handed over
             _reap()
     finally:
-        _kill_standby()
+        signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children being prepared die with us (PDEATHSIG)
 
 
 if __name__ == "__main__":

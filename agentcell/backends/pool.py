@@ -1,0 +1,132 @@
+"""A pool of standbys: sandboxes prepared before any request, handed out by take().
+
+A standby is a sandbox with everything done that does not depend on its tenant (see
+backends/linux/sandbox_init.py): a create then only claims one. The pool keeps `size` of them ready
+and refills off the request path, at most `parallel` preparations at a time; in a burst the first
+`size` creates are served at once and the rest wait, in order, for the preparations they started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+log = logging.getLogger("agentcell.pool")
+
+
+class StandbyPool(Generic[T]):
+    def __init__(self, prepare: Callable[[], Awaitable[T]], discard: Callable[[T], Awaitable[None]],
+                 usable: Callable[[T], bool], size: int, parallel: int) -> None:
+        if size < 0 or parallel < 1:
+            raise ValueError("a pool needs size >= 0 and parallel >= 1")
+        self._prepare = prepare
+        self._discard = discard
+        self._usable = usable
+        self.size = size
+        self.parallel = parallel
+        self._ready: collections.deque[T] = collections.deque()
+        self._waiters: collections.deque[asyncio.Future[T]] = collections.deque()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._closed = False
+        self._failing = False  # the last preparation failed: refill only for waiting creates
+
+    @property
+    def ready(self) -> int:
+        return len(self._ready)
+
+    def fill(self) -> None:
+        """Start preparing standbys until `size` are ready or under way."""
+        self._failing = False
+        self._refill()
+
+    async def take(self) -> T:
+        """A ready standby (waiting for one if none is), or the error its preparation raised."""
+        while self._ready:
+            item = self._ready.popleft()
+            if self._usable(item):
+                self._refill()
+                return item
+            self._spawn(self._discard(item))  # it died while it waited
+        fut: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        self._refill()
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                self._deliver(fut.result())  # handed to us just as we were cancelled: not lost
+            raise
+        finally:
+            with contextlib.suppress(ValueError):
+                self._waiters.remove(fut)
+
+    async def close(self) -> None:
+        self._closed = True
+        for task in list(self._tasks):
+            task.cancel()
+        with contextlib.suppress(Exception):
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        while self._ready:
+            with contextlib.suppress(Exception):
+                await self._discard(self._ready.popleft())
+        for fut in self._waiters:
+            if not fut.done():
+                fut.cancel()
+
+    def _wanted(self) -> int:
+        waiting = sum(1 for f in self._waiters if not f.done())
+        goal = waiting if self._failing else self.size + waiting
+        return goal - len(self._ready) - self._preparing
+
+    @property
+    def _preparing(self) -> int:
+        return sum(1 for t in self._tasks if t.get_name() == "prepare")
+
+    def _refill(self) -> None:
+        if self._closed:
+            return
+        for _ in range(min(self._wanted(), self.parallel - self._preparing)):
+            self._spawn(self._prepare_one(), "prepare")
+
+    def _spawn(self, coro: Awaitable[None], name: str = "discard") -> None:
+        task = asyncio.ensure_future(coro)
+        task.set_name(name)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if task.get_name() == "prepare":
+            self._refill()  # now that this one is out of the count
+
+    async def _prepare_one(self) -> None:
+        try:
+            item = await self._prepare()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the oldest waiting create gets it; the pool goes on
+            self._failing = True
+            waiter = next((f for f in self._waiters if not f.done()), None)
+            if waiter is not None:
+                waiter.set_exception(e)
+            else:
+                log.warning("preparing a standby failed: %s", e)
+            return
+        self._failing = False
+        self._deliver(item)
+
+    def _deliver(self, item: T) -> None:
+        """To the oldest waiting create, else onto the ready queue."""
+        if self._closed:
+            self._spawn(self._discard(item))
+            return
+        waiter = next((f for f in self._waiters if not f.done()), None)
+        if waiter is not None:
+            waiter.set_result(item)
+        else:
+            self._ready.append(item)
