@@ -28,6 +28,8 @@ import httpx
 import pytest
 from conftest import REPO, ServerProcess
 
+from agentcell.backends.base import new_sandbox_id
+
 pytestmark = pytest.mark.skipif(bool(os.environ.get("AGENTCELL_TEST_SERVER_URL")),
                                 reason="these tests start and measure server processes of their own")
 
@@ -709,7 +711,7 @@ class _HostileBackend:
         self.tasks.append(asyncio.get_running_loop().create_task(agent()))
 
         class Running:
-            sandbox_id, sock, host_pid = spec.sandbox_id, ours, 1
+            sandbox_id, sock, host_pid = spec.sandbox_id or new_sandbox_id(), ours, 1
 
             def alive(self) -> bool:
                 return True
