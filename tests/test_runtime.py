@@ -26,7 +26,7 @@ from agentcell.errors import (
     NotFoundError,
     PermissionDeniedError,
 )
-from agentcell.runtime.protocol import CHUNK, AgentChannel, Frame, line_dicts, read_frame
+from agentcell.runtime.protocol import CHUNK, AgentChannel, Frame, encode_frame, line_dicts, read_frame
 
 ROOT = Path(__file__).resolve().parents[1]
 BOOT = (
@@ -103,6 +103,8 @@ async def agent(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Agent
     reader, writer = await asyncio.open_unix_connection(sock=ours)
     hello = await asyncio.wait_for(read_frame(reader), 60)
     assert hello is not None and hello.header == {"id": 0, "event": "ready"}
+    # the claim: env vars of the tenant, after the default context already started (a standby's)
+    writer.write(encode_frame({"id": 0, "op": "claim", "envs": {"TENANT": "claimed"}}))
     channel = AgentChannel(reader, writer)
     yield Agent(channel, proc, home)
     await channel.close()
@@ -118,8 +120,8 @@ async def test_command_output_and_exit(agent: Agent) -> None:
     out, err, end = await agent.sh("echo out; echo err >&2; exit 3")
     assert (out, err) == (b"out\n", b"err\n")
     assert end == {"id": end["id"], "event": "end", "exit_code": 3, "exited": True, "status": "exit status 3"}
-    out, _, end = await agent.sh("pwd; echo $HOME $AGENTCELL_DEFAULT $EXTRA", envs={"EXTRA": "x"})
-    assert out.decode().split() == [str(agent.home), str(agent.home), "yes", "x"]
+    out, _, end = await agent.sh("pwd; echo $HOME $AGENTCELL_DEFAULT $TENANT $EXTRA", envs={"EXTRA": "x"})
+    assert out.decode().split() == [str(agent.home), str(agent.home), "yes", "claimed", "x"]
     out, _, _ = await agent.sh("pwd", cwd="/")
     assert out == b"/\n"
 
@@ -391,9 +393,9 @@ async def test_code_contexts(agent: Agent) -> None:
 
 
 async def test_code_env_vars_for_one_run(agent: Agent) -> None:
-    code = "import os; (os.environ.get('RUN_ONLY'), os.environ.get('AGENTCELL_DEFAULT'))"
-    assert _main_text(await agent.run(code, env_vars={"RUN_ONLY": "1"})) == "('1', 'yes')"
-    assert _main_text(await agent.run(code)) == "(None, 'yes')"
+    code = "import os; (os.environ.get('RUN_ONLY'), os.environ.get('AGENTCELL_DEFAULT'), os.environ.get('TENANT'))"
+    assert _main_text(await agent.run(code, env_vars={"RUN_ONLY": "1"})) == "('1', 'yes', 'claimed')"
+    assert _main_text(await agent.run(code)) == "(None, 'yes', 'claimed')"
 
 
 async def test_code_timeout_interrupts(agent: Agent) -> None:
