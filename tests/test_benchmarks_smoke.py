@@ -1,0 +1,32 @@
+"""benchmarks/side_by_side.py end to end with tiny counts: every contender answers and every figure is filled."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_side_by_side_runs_with_tiny_counts(tmp_path: Path) -> None:
+    out = tmp_path / "out.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "side_by_side.py"), "--runs", "2", "--burst", "3",
+         "--burst-rounds", "1", "--sizes", "2", "--seed", "1", "--json", str(out)],
+        capture_output=True, text=True, timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "vs fork-ns" in proc.stdout
+    data = json.loads(out.read_text())
+    contenders = set(data["contenders"])
+    assert {"agentcell-embedded", "agentcell-tcp", "fork", "fork-ns"} <= contenders
+    for label in ("create -> 1+1", "burst 3: wall", "burst 3: each", "run_code 1+1", "commands.run true"):
+        figure = data["figures"][label]
+        assert not figure["errors"], (label, figure["errors"])
+        for name in contenders:
+            assert figure["cells"][name]["n"] >= 1, (label, name)
+    memory = data["figures"]["idle PSS/sandbox @2"]["cells"]
+    for name in ("agentcell-tcp", "fork", "fork-ns"):
+        assert memory[name]["p50"] > 0, (name, memory[name])
