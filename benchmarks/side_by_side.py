@@ -25,9 +25,10 @@ Figures (rows), p50 / p95:
   run_code 1+1         a follow-up round trip on a sandbox that already exists
   commands.run true    the same for a command (baselines: `bash -c true` from the child)
   idle PSS @N          N idle sandboxes that ran 1+1 once: their processes' summed PSS / N. For agentcell:
-                       every process in the server's cgroups, <cgroup root>/agentcell/<server pid>-*/*/,
-                       that does not run as host root (the server's unused standby does, until a sandbox
-                       takes it over). For baselines: every descendant of the baseline zygote. Measured on
+                       what the server's cgroups, <cgroup root>/agentcell/<server pid>-*/*/, hold after
+                       the N creates minus what they held before (its standbys, refilled by then), over
+                       N; processes still being prepared (host root) are left out. For baselines: every
+                       descendant of the baseline zygote. Measured on
                        agentcell-tcp only (agentcell-embedded runs the same server code).
 
 Interleaving: each round shuffles the contenders and takes one sample of each, so noise on the machine
@@ -421,7 +422,7 @@ def agentcell_sandbox_pids(server_pid: int) -> list[int]:
             continue
         for pid in members:
             try:
-                if os.stat(f"/proc/{pid}").st_uid != 0:  # root: the unused standby
+                if os.stat(f"/proc/{pid}").st_uid != 0:  # root: a child still being prepared
                     pids.append(pid)
             except FileNotFoundError:
                 continue
