@@ -368,6 +368,7 @@ class LinuxBackend(Backend):
             sandbox = await self._prepare(spec.template, spec.limits, spec.sandbox_id or self._new_id())
         try:
             sandbox.limits = spec.limits
+            sandbox.cgroups.set_cpu_weight(standby=False)
             # The claim: the tenant's env vars go to this sandbox's agent and nowhere else.
             await asyncio.get_running_loop().sock_sendall(
                 sandbox.sock, encode_frame({"id": 0, "op": "claim", "envs": dict(spec.envs)}))
@@ -435,6 +436,8 @@ class LinuxBackend(Backend):
             if sandbox.killed:
                 return
             if sandbox.pidfd >= 0:
+                with contextlib.suppress(OSError):  # its teardown yields to sandboxes that serve someone
+                    sandbox.cgroups.set_cpu_weight(standby=True)
                 with contextlib.suppress(ProcessLookupError, OSError):
                     signal.pidfd_send_signal(sandbox.pidfd, signal.SIGKILL)  # pid 1 dies: the whole ns dies
                 await _wait_readable(sandbox.pidfd, timeout=5.0)

@@ -132,6 +132,14 @@ class Cgroups:
             sc.write_file(f"{c}/cpu.cfs_period_us", str(_CPU_PERIOD_US))
             sc.write_file(f"{c}/cpu.cfs_quota_us", str(quota))
 
+    def set_cpu_weight(self, standby: bool) -> None:
+        """A standby's preparation runs at the lowest CPU weight, so that it yields to sandboxes that
+        serve someone (and to the server); its claim gives it the default weight back."""
+        if self.v2:
+            sc.write_file(f"{self.dirs['unified']}/cpu.weight", "1" if standby else "100")
+        else:
+            sc.write_file(f"{self.dirs['cpu']}/cpu.shares", "2" if standby else "1024")
+
     def retune(self, old: Limits, new: Limits) -> None:
         """Change a live sandbox's memory and CPU limits from `old` to `new` (a standby's claim)."""
         if new.cpu_count != old.cpu_count:

@@ -158,6 +158,8 @@ def run_child(sock_fd: int, zygote_pid: int, server_pidfd: int, cgroup: str, sta
         step = "cgroups"
         cg = Cgroups.at(cgroup)
         cg.create_and_join(0)  # 0: the writer itself
+        cg.set_cpu_weight(standby=True)  # a standby yields the CPU until its claim (backend.create) ...
+        os.setpriority(os.PRIO_PROCESS, 0, 0)  # ... by its cgroup's weight from now on, not the zygote's nice
         cg, cg_fds = cg.opened(SERVER_FD + 1)  # limits are written after the pivot, when /sys is out of sight
         step = "oom_score_adj"
         child_oom = _lower_oom_score()

@@ -37,6 +37,7 @@ from agentcell.backends.linux import rootfs, sandbox_init, seccomp_filter
 from agentcell.backends.linux import syscalls as sc
 
 SPAWN = b"spawn"  # the backend's only message: one sandbox's socket attached
+ZYGOTE_NICE = 10
 _entries: dict[str, Callable[..., Any]] = {}
 
 
@@ -137,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     # Every sandbox watches this pidfd of the server: it is how a sandbox dies with its server
     # without depending on the zygote's life.
     server_pidfd = os.pidfd_open(os.getppid())
+    # Preparing standbys must not slow sandboxes that serve someone: the zygote's forks run niced, and
+    # each child, once in its own cgroup, yields by that cgroup's CPU weight until it is claimed.
+    os.setpriority(os.PRIO_PROCESS, 0, ZYGOTE_NICE)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C on the server: the backend closes us
     signal.signal(signal.SIGTERM, _on_sigterm)
     signal.signal(signal.SIGCHLD, _reap)
