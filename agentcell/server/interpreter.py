@@ -32,6 +32,7 @@ def _line(obj: dict[str, Any]) -> bytes:
 
 
 _KEEPALIVE_LINE = _line({"type": "keepalive"})
+_END_LINE = _line({"type": "end_of_execution"})
 
 
 def _opt_str(body: dict[str, Any], key: str) -> str | None:
@@ -92,10 +93,10 @@ async def execute(request: Request) -> Response:
 
 
 async def _ndjson(first: list[Frame] | None, batches: AsyncIterator[list[Frame]]) -> AsyncIterator[bytes]:
-    """The run's lines as NDJSON. Lines arrive as JSON text in one or more frames and go out as they
-    come (the frames that arrived together in one piece): the server never holds a whole result.
-    Leaving early (the client went away) closes `batches`, which cancels the agent call and so
-    interrupts the run."""
+    """The run's lines as NDJSON, then end_of_execution. Lines arrive as JSON text in one or more
+    frames and go out as they come (the frames that arrived together in one piece): the server never
+    holds a whole result. Leaving early (the client went away) closes `batches`, which cancels the
+    agent call and so interrupts the run."""
     line_open = False
     try:
         batch = first
@@ -110,23 +111,31 @@ async def _ndjson(first: list[Frame] | None, batches: AsyncIterator[list[Frame]]
                     line_open = bool(frame.header.get("more"))
                     if not line_open:
                         out += b"\n"
+            ended = bool(batch) and batch[-1].done
+            if ended:  # in the same piece as the last lines
+                out += _end(line_open)
             for i in range(0, len(out), HTTP_PIECE):
                 yield bytes(out[i:i + HTTP_PIECE])
+            if ended:
+                return
             try:
                 batch = await anext(batches)
             except StopAsyncIteration:
                 batch = None
     except SandboxGoneError as e:
-        yield (b"\n" if line_open else b"") + _line(
-            {"type": "error", "name": "UnexpectedEndOfExecution", "value": e.message, "traceback": ""})
-        line_open = False
+        yield _end(line_open, {"type": "error", "name": "UnexpectedEndOfExecution", "value": e.message, "traceback": ""})
+        return
     except SandboxError as e:
-        yield (b"\n" if line_open else b"") + _line(
-            {"type": "error", "name": type(e).__name__, "value": e.message, "traceback": ""})
-        line_open = False
+        yield _end(line_open, {"type": "error", "name": type(e).__name__, "value": e.message, "traceback": ""})
+        return
     finally:
         await batches.aclose()
-    yield (b"\n" if line_open else b"") + _line({"type": "end_of_execution"})
+    yield _end(line_open)
+
+
+def _end(line_open: bool, error: dict[str, Any] | None = None) -> bytes:
+    """The last lines: an error (if any), then end_of_execution, after a line left open by the agent."""
+    return (b"\n" if line_open else b"") + (_line(error) if error else b"") + _END_LINE
 
 
 async def create_context(request: Request) -> Response:
