@@ -24,9 +24,35 @@ from agentcell.sdk.config import Endpoint
 
 Response = urllib3.BaseHTTPResponse
 _POOL_SIZE = 64  # connections kept open per endpoint (more are opened when needed, then closed)
+_ONE_WRITE = 64 << 10  # bodies up to this size go out in the same write as the request head
 
 
-class _UnixConnection(HTTPConnection):
+class _OneWrite(HTTPConnection):
+    """Sends a request's head and its small body in one write: urllib3 writes them apart, which wakes
+    the server twice."""
+
+    _body: bytes | None = None
+
+    def request(self, method: str, url: str, body: Any = None, headers: Any = None, **kwargs: Any) -> None:
+        if not isinstance(body, bytes) or len(body) > _ONE_WRITE:
+            super().request(method, url, body, headers, **kwargs)
+            return
+        self._body = body
+        try:
+            super().request(method, url, None, {**(headers or {}), "Content-Length": str(len(body))}, **kwargs)
+        finally:
+            self._body = None
+
+    def send(self, data: Any) -> None:
+        body, self._body = self._body, None  # the first send of a request is its head
+        super().send(data + body if body is not None else data)
+
+
+class _TCPPool(urllib3.HTTPConnectionPool):
+    ConnectionCls = _OneWrite
+
+
+class _UnixConnection(_OneWrite):
     def __init__(self, *args: Any, socket_path: str, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._socket_path = socket_path
@@ -57,6 +83,8 @@ class FastHTTP:
         if endpoint.uds:
             self._pool = _UnixPool(url.hostname or "localhost", maxsize=_POOL_SIZE, retries=False,
                                    socket_path=endpoint.uds)
+        elif url.scheme == "http":
+            self._pool = _TCPPool(url.hostname or "localhost", url.port, maxsize=_POOL_SIZE, retries=False)
         else:
             self._pool = urllib3.connection_from_url(endpoint.base_url, maxsize=_POOL_SIZE, retries=False)
 
