@@ -410,7 +410,12 @@ async def _stream(call: Call, sub: Subscriber) -> None:
 
 @op("proc.start")
 async def _proc_start(agent: Agent, call: Call, frame: Frame) -> None:
-    await _stream(call, agent.processes.start(frame.header))
+    sub = agent.processes.start(frame.header)
+    try:
+        await _stream(call, sub)
+    except asyncio.CancelledError:
+        sub.process.expire_if_due()
+        raise
 
 
 @op("proc.connect")
