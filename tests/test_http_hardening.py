@@ -442,6 +442,19 @@ def test_idle_connection_without_a_byte_is_closed(edge_server: ServerProcess) ->
     assert data == b"" and closed_after is not None and closed_after < 6
 
 
+def test_oversized_request_headers_get_431(edge_server: ServerProcess) -> None:
+    big = "a" * 8000
+    head = request_head("GET", "/health", {"Host": "localhost", **{f"X-Big-{i}": big for i in range(40)}})
+    with socket.create_connection(("127.0.0.1", port_of(edge_server.url))) as s:
+        with contextlib.suppress(OSError):  # the server may hang up before it has read all of it
+            s.sendall(head)
+        raw, closed_after = read_until_closed(s, 10)
+    assert status_of(raw) == 431 and closed_after is not None, raw[:200]
+    # headers of a normal size still pass
+    head = request_head("GET", "/health", {"Host": "localhost", "X-Big": big})
+    assert status_of(exchange(edge_server.url, head, timeout=3)[0]) == 200
+
+
 def test_slow_request_bodies_get_408(edge_server: ServerProcess) -> None:
     head = request_head("POST", "/v2/sandboxes", {"Host": "localhost", "Content-Type": "application/json",
                                                     "Content-Length": "1000"})

@@ -160,6 +160,7 @@ class Call:
         self._on_data: Callable[[Frame], None] | None = None  # takes the request's ``data`` frames
         self._early_data: list[Frame] = []  # data frames that came before the handler took them
         self._line_open = False
+        self._held: bytes | None = None  # a small line that goes out with whatever comes next
 
     def take_data(self, on_data: Callable[[Frame], None] | None) -> None:
         """Hand the request's ``data`` frames (an upload's content) to `on_data`, those that already
@@ -189,6 +190,8 @@ class Call:
         (sync emitters such as output readers pause while has_credit() is false)."""
         if self.cancelled:
             return
+        if self._held is not None:
+            self._emit_held()
         size = self.agent.write({"id": self.id, **header}, payload)
         if not header.get("done"):
             self.credit -= size
@@ -208,6 +211,22 @@ class Call:
     async def wait_line_slot(self) -> None:
         while not self.cancelled and not self.can_emit_line():
             await self.agent.credit_changed()
+
+    def hold_line(self, line: bytes) -> bool:
+        """Keep back a small line that may wait (False if it is too big: send it with send_line). It
+        goes out just before the next frame of this call, whatever that is (output, another line, the
+        end), so the client gets it with that instead of on its own. Call it when a line may start."""
+        if len(line) > HELD_LINE:
+            return False
+        if self._held is not None:
+            self._emit_held()
+        self._held = line
+        return True
+
+    def _emit_held(self) -> None:
+        line, self._held = self._held, None
+        assert line is not None
+        self.emit({"event": "line", "more": False}, line)
 
     def emit_line(self, line: bytes) -> None:
         """One E2B NDJSON line (JSON bytes) now, in ``line`` frames of at most CHUNK bytes each."""
@@ -241,6 +260,8 @@ class Call:
 Handler = Callable[["Agent", Call, Frame], Awaitable[dict[str, Any] | None]]
 _HANDLERS: dict[str, Handler] = {}
 _INLINE_ANSWER = 64 << 10  # answers bigger than this go in ``part`` frames (flow-controlled)
+_FLUSH_AT = 64 << 10  # frames written but not yet sent that drain() sends at once
+HELD_LINE = 16 << 10  # the largest line Call.hold_line() keeps back
 
 
 def op(name: str) -> Callable[[Handler], Handler]:
@@ -261,6 +282,8 @@ class Agent:
         self._calls: dict[int, Call] = {}
         self.conn_credit = protocol.CONN_WINDOW  # of all calls together
         self._credit_waiters: list[asyncio.Future[None]] = []
+        self._out: list[bytes] = []  # frames written in this turn of the event loop, sent at its end
+        self._out_size = 0
 
     def claim(self, envs: dict[str, str]) -> None:
         """The sandbox now serves one tenant: its env vars join every process's and context's."""
@@ -269,11 +292,21 @@ class Agent:
         self.contexts.update_envs(envs)
 
     def write(self, header: dict[str, Any], payload: bytes = b"") -> int:
-        """Write one frame; returns its size (header + payload)."""
+        """Write one frame; returns its size (header + payload). Frames written in one turn of the
+        event loop (a run's last line and its end, say) reach the server in one piece: one wakeup of
+        the server, not one per frame."""
         data = encode_frame(header, payload)
         if not self._writer.is_closing():
-            self._writer.write(data)
+            if not self._out:
+                asyncio.get_running_loop().call_soon(self._flush)
+            self._out.append(data)
+            self._out_size += len(data)
         return len(data) - protocol.PREFIX.size
+
+    def _flush(self) -> None:
+        out, self._out, self._out_size = self._out, [], 0
+        if out and not self._writer.is_closing():
+            self._writer.write(b"".join(out))
 
     async def credit_changed(self) -> None:
         fut = asyncio.get_running_loop().create_future()
@@ -287,6 +320,9 @@ class Agent:
                 fut.set_result(None)
 
     async def drain(self) -> None:
+        """Wait while the socket's buffer is full (the server reads slower than we write)."""
+        if self._out_size >= _FLUSH_AT:  # big data goes to the socket now, where backpressure applies
+            self._flush()
         with contextlib.suppress(ConnectionError):
             await self._writer.drain()
 
@@ -388,7 +424,12 @@ async def _stream(call: Call, sub: Subscriber) -> None:
 
 @op("proc.start")
 async def _proc_start(agent: Agent, call: Call, frame: Frame) -> None:
-    await _stream(call, agent.processes.start(frame.header))
+    sub = agent.processes.start(frame.header)
+    try:
+        await _stream(call, sub)
+    except asyncio.CancelledError:
+        sub.process.expire_if_due()
+        raise
 
 
 @op("proc.connect")

@@ -53,6 +53,7 @@ class LineSink(Protocol):
     async def wait_line_slot(self) -> None: ...
     def emit_line(self, line: bytes) -> None: ...
     async def send_line(self, line: bytes) -> None: ...
+    def hold_line(self, line: bytes) -> bool: ...
 
 
 def encode_line(line: dict[str, Any]) -> bytes:
@@ -303,7 +304,8 @@ class Context:
                         break
                     if frame.done:
                         break
-                    await sink.send_line(frame.payload)
+                    if not (frame.header.get("hold") and sink.hold_line(frame.payload)):
+                        await sink.send_line(frame.payload)
             finally:
                 kernel.sink = None
                 if deadline is not None:
@@ -505,6 +507,8 @@ def _send(sock: socket.socket, header: dict[str, Any], payload: bytes = b"") -> 
 
 
 def _send_line(sock: socket.socket, line: dict[str, Any]) -> None:
+    """One E2B line. The count of executions and the main result may wait in the agent ("hold") until
+    the next line or the end of the run, so they reach the client with it instead of on their own."""
     data = encode_line(line)
     if len(data) > MAX_LINE:
         # Too big for one line: the run goes on and says so, instead of breaking the context.
@@ -513,7 +517,8 @@ def _send_line(sock: socket.socket, line: dict[str, Any]) -> None:
                             "value": f"a {what} of {len(data)} bytes is over the {MAX_LINE >> 20} MiB limit of one "
                                      "output; write it to a file and read it with files.read",
                             "traceback": ""})  # fmt: skip
-    _send(sock, {"line": True}, data)
+    hold = line.get("type") == "number_of_executions" or line.get("is_main_result") is True
+    _send(sock, {"line": True, "hold": True} if hold else {"line": True}, data)
 
 
 def _warm_run_path(shell: display.ContextShell) -> None:

@@ -33,6 +33,7 @@ READ_SIZE = 256 * 1024  # per read(); well under the 1 MiB frame cap
 _HIGH_WATER = 8 << 20  # a subscriber this far behind pauses the process's output (backpressure)
 _LOW_WATER = 1 << 20
 _PTY_DRAIN_GRACE = 0.5  # pty output reaches the master a moment after the writer exits
+_DEADLINE_SLACK = 0.1  # seconds before its deadline within which a process whose caller left is killed
 CHILD_OOM_SCORE_ADJ = 500  # user processes die before the agent (-900) when memory runs out
 _DEFAULT_SIGNALS = frozenset(signal.valid_signals()) - {signal.SIGKILL, signal.SIGSTOP}
 
@@ -72,6 +73,10 @@ class Subscriber:
             if self.pending < _LOW_WATER:
                 self._proc.maybe_resume()
         return item
+
+    @property
+    def process(self) -> Process:
+        return self._proc
 
     def close(self) -> None:
         self._proc.unsubscribe(self)
@@ -250,6 +255,14 @@ class Process:
     def kill_on_deadline(self) -> None:
         self.timed_out = True
         self.kill_group()
+
+    def expire_if_due(self) -> None:
+        """The caller stopped waiting at (about) the process's deadline: the server's Connect timer
+        for the request started before ours, so it fires first. Kill the process now, not a moment
+        later, so that the caller's next command cannot find it still running."""
+        if self.timeout is not None and not self.ended and self.timeout.when() - self.loop.time() <= _DEADLINE_SLACK:
+            self.timeout.cancel()
+            self.kill_on_deadline()
 
     def kill_group(self) -> None:
         """Timeouts take the whole session's process group, not just the shell."""

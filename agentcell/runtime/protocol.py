@@ -12,6 +12,7 @@ sizes are capped and headers must be JSON objects.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
 import json
@@ -124,10 +125,59 @@ def recv_frame(sock: socket.socket) -> Frame | None:
     return Frame(header, data[head_len:], head_len + payload_len)
 
 
+KEEPALIVE = Frame({})  # what stream(keepalive=...) yields when the call stayed quiet that long
+
+
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
 @dataclass(eq=False)
 class _Call:
-    queue: asyncio.Queue[Frame | None] = field(default_factory=asyncio.Queue)
+    frames: collections.deque[Frame | None] = field(default_factory=collections.deque)  # None: channel closed
+    waiter: asyncio.Future[None] | None = None
     uncredited: int = 0  # bytes of this call's frames consumed but not yet credited back
+
+    def put(self, frame: Frame | None) -> None:
+        self.frames.append(frame)
+        if self.waiter is not None:
+            _wake(self.waiter)
+
+    async def wait(self, timeout: float | None, until: asyncio.Future[Any] | None) -> bool:
+        """Until a frame is queued (True), or `timeout` seconds pass without one or `until` is done (False)."""
+        if not self.frames and not (until is not None and until.done()):
+            loop = asyncio.get_running_loop()
+            self.waiter = waiter = loop.create_future()
+            timer = loop.call_later(timeout, _wake, waiter) if timeout is not None else None
+            if until is not None:
+                until.add_done_callback(self._until_done)
+            try:
+                await waiter
+            finally:
+                self.waiter = None
+                if timer is not None:
+                    timer.cancel()
+                if until is not None:
+                    until.remove_done_callback(self._until_done)
+        return bool(self.frames)
+
+    def _until_done(self, _: asyncio.Future[Any]) -> None:
+        if self.waiter is not None:
+            _wake(self.waiter)
+
+    def take(self) -> list[Frame | None]:
+        """The frames queued now, up to the first that ends the call (None or a final frame), which
+        is left for the next take() when other frames come before it, unless it is a success."""
+        batch: list[Frame | None] = []
+        while self.frames:
+            frame = self.frames[0]
+            if batch and (frame is None or (frame.done and frame.header.get("error"))):
+                break  # the frames before an error first
+            batch.append(self.frames.popleft())
+            if frame is None or frame.done:
+                break
+        return batch
 
 
 class AgentChannel:
@@ -166,7 +216,7 @@ class AgentChannel:
                 call = self._calls.get(frame.header.get("id"))  # type: ignore[arg-type]
                 if frame.done:
                     if call is not None:
-                        call.queue.put_nowait(frame)
+                        call.put(frame)
                     continue
                 if call is None:  # a late frame of a call we dropped: credit it back at once
                     self._credit(frame.header.get("id"), frame.size)
@@ -174,7 +224,7 @@ class AgentChannel:
                 self.buffered += frame.size
                 if self.buffered > CONN_WINDOW + _WINDOW_SLACK:
                     raise ProtocolError(f"it sent {self.buffered} bytes beyond what the server credited")
-                call.queue.put_nowait(frame)
+                call.put(frame)
         except (ProtocolError, OSError) as e:
             self.close_reason = f"the sandbox agent broke the protocol: {e}"
         finally:
@@ -185,7 +235,7 @@ class AgentChannel:
             return
         self.closed.set()
         for call in self._calls.values():
-            call.queue.put_nowait(None)
+            call.put(None)
         with contextlib.suppress(Exception):
             self._writer.close()
 
@@ -220,15 +270,16 @@ class AgentChannel:
             self._credit(call_id, call.uncredited)
             call.uncredited = 0
 
-    def _release(self, call_id: int, call: _Call, finished: bool) -> None:
-        """The call is over for the server: credit back all it still holds, cancel it if it runs."""
+    def _release(self, call_id: int, call: _Call, finished: bool, unconsumed: list[Frame]) -> None:
+        """The call is over for the server: credit back all it still holds (`unconsumed`: frames given
+        to a consumer that did not come back for more), cancel it if it runs."""
         self._calls.pop(call_id, None)
         held = call.uncredited
-        while not call.queue.empty():
-            frame = call.queue.get_nowait()
+        for frame in [*unconsumed, *call.frames]:
             if frame is not None and not frame.done:
                 self.buffered -= frame.size
                 held += frame.size
+        call.frames.clear()
         if not finished:
             self._control({"op": "cancel", "target": call_id})
         # What an ended call still holds only matters to the connection's window: return it in batches
@@ -261,41 +312,65 @@ class AgentChannel:
         self._calls[call_id] = call
         return call_id, call
 
-    async def _frames(self, call_id: int, call: _Call) -> AsyncIterator[Frame]:
-        """The call's frames, the final one last (with its error raised); credits what is consumed."""
+    async def _batches(self, call_id: int, call: _Call, keepalive: float | None,
+                       until: asyncio.Future[Any] | None) -> AsyncIterator[list[Frame]]:
+        """The call's frames in batches of those that arrived together, the final one last (with its
+        error raised); an empty batch after `keepalive` seconds without a frame; the end, once `until`
+        is done. A batch is credited once the consumer comes back for the next."""
         finished = False
+        batch: list[Frame] = []
         try:
             while True:
-                frame = await call.queue.get()
-                if frame is None:
-                    raise SandboxGoneError(self.close_reason)
-                if frame.done:
-                    finished = True
-                    frame.raise_for_error()
-                    yield frame
+                if not await call.wait(keepalive, until):
+                    if until is not None and until.done():
+                        return
+                    yield []
+                    continue
+                for frame in call.take():
+                    if frame is None:
+                        raise SandboxGoneError(self.close_reason)
+                    if frame.done:
+                        finished = True
+                        frame.raise_for_error()
+                    batch.append(frame)
+                yield batch
+                if finished:
                     return
-                yield frame
-                self._consumed(call_id, call, frame)  # the consumer came back for more: it took this one
+                for frame in batch:  # the consumer came back for more: it took these
+                    self._consumed(call_id, call, frame)
+                batch = []
         finally:
-            self._release(call_id, call, finished)
+            self._release(call_id, call, finished, batch)
 
-    async def stream(self, op: str, payload: bytes = b"", **fields: Any) -> AsyncIterator[Frame]:
-        """Send a request and yield its non-final frames; raise the typed error the agent reports.
+    async def batches(self, op: str, payload: bytes = b"", keepalive: float | None = None,
+                      until: asyncio.Future[Any] | None = None, **fields: Any) -> AsyncIterator[list[Frame]]:
+        """Send a request and yield its frames in batches (all that arrived together, so a consumer can
+        pass them on at once), the final frame last; an empty batch whenever the call stays quiet for
+        `keepalive` seconds. Raises the typed error the agent reports.
 
-        Leaving the loop early sends ``cancel`` for the call, so the agent can stop the work
-        (a code run is interrupted; a process keeps running, only the subscription ends).
+        Leaving the loop early, or `until` completing (the client went away), sends ``cancel`` for the
+        call, so the agent can stop the work (a code run is interrupted; a process keeps running, only
+        the subscription ends).
         """
         call_id, call = self._new_call(fields)
-        frames = self._frames(call_id, call)
+        batches = self._batches(call_id, call, keepalive, until)
         try:
             await self._send({"id": call_id, "op": op, **fields}, payload)
-            async for frame in frames:
-                if not frame.done:
-                    yield frame
-                elif frame.header.keys() - {"id", "done"} or frame.payload:
-                    yield frame
+            async for batch in batches:
+                yield batch
         finally:
-            await frames.aclose()
+            await batches.aclose()
+
+    async def stream(self, op: str, payload: bytes = b"", keepalive: float | None = None,
+                     **fields: Any) -> AsyncIterator[Frame]:
+        """Send a request and yield its non-final frames (and the final one if it carries data), or
+        KEEPALIVE whenever the call stays quiet for `keepalive` seconds; see batches()."""
+        async for batch in self.batches(op, payload, keepalive, None, **fields):
+            if not batch:
+                yield KEEPALIVE
+            for frame in batch:
+                if not frame.done or frame.header.keys() - {"id", "done"} or frame.payload:
+                    yield frame
 
     async def call(self, op: str, payload: bytes = b"", **fields: Any) -> Frame:
         """A unary request: the agent answers with one final frame, or a long answer in parts."""
@@ -314,7 +389,7 @@ class AgentChannel:
             await self._send({"id": call_id, "op": op, "stream": True, **fields})
             async for chunk in chunks:
                 for piece in pieces(chunk):
-                    if not call.queue.empty():
+                    if call.frames:
                         return  # answered already: no use sending the rest
                     await self._send({"id": call_id, "op": "data"}, piece)
             await self._send({"id": call_id, "op": "data", "eof": True})
@@ -322,34 +397,39 @@ class AgentChannel:
         return await self._answer(call_id, call, send_all())
 
     async def _answer(self, call_id: int, call: _Call, request: Any) -> Frame:
-        frames = self._frames(call_id, call)
+        batches = self._batches(call_id, call, None, None)
         parts: list[bytes] = []
         assembled = 0
         try:
             await request
-            async for frame in frames:
-                if frame.done:
-                    if not frame.header.get("parts"):
-                        return frame
-                    try:
-                        answer = json.loads(b"".join(parts))
-                    except ValueError:
-                        raise ProtocolError("the agent sent an answer in parts that is not JSON") from None
-                    if not isinstance(answer, dict):
-                        raise ProtocolError("the agent sent an answer in parts that is not a JSON object")
-                    return Frame({**answer, "id": call_id, "done": True})
-                if frame.header.get("event") == "part":
-                    assembled += len(frame.payload)
-                    self._assembling += len(frame.payload)
-                    if assembled > MAX_ANSWER or self._assembling > _MAX_ASSEMBLING:
-                        raise ResourceExhaustedError(
-                            f"the sandbox's answer to this call is over {MAX_ANSWER >> 20} MiB; ask for less "
-                            "(e.g. list a smaller directory or a lower depth)")
-                    parts.append(frame.payload)
+            async for batch in batches:
+                for frame in batch:
+                    if frame.done:
+                        return self._assembled(call_id, frame, parts)
+                    if frame.header.get("event") == "part":
+                        assembled += len(frame.payload)
+                        self._assembling += len(frame.payload)
+                        if assembled > MAX_ANSWER or self._assembling > _MAX_ASSEMBLING:
+                            raise ResourceExhaustedError(
+                                f"the sandbox's answer to this call is over {MAX_ANSWER >> 20} MiB; ask for less "
+                                "(e.g. list a smaller directory or a lower depth)")
+                        parts.append(frame.payload)
             raise ProtocolError("the call ended without an answer")
         finally:
             self._assembling -= assembled
-            await frames.aclose()
+            await batches.aclose()
+
+    @staticmethod
+    def _assembled(call_id: int, final: Frame, parts: list[bytes]) -> Frame:
+        if not final.header.get("parts"):
+            return final
+        try:
+            answer = json.loads(b"".join(parts))
+        except ValueError:
+            raise ProtocolError("the agent sent an answer in parts that is not JSON") from None
+        if not isinstance(answer, dict):
+            raise ProtocolError("the agent sent an answer in parts that is not a JSON object")
+        return Frame({**answer, "id": call_id, "done": True})
 
 
 async def line_dicts(frames: AsyncIterator[Frame]) -> AsyncIterator[dict[str, Any]]:

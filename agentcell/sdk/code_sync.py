@@ -6,17 +6,23 @@ from collections.abc import Callable
 from typing import Any
 
 import httpx
+from urllib3.exceptions import HTTPError, ReadTimeoutError
 
 from agentcell.sdk import code as c
+from agentcell.sdk import fast_http
 from agentcell.sdk.config import SandboxConnection
 from agentcell.sdk.models import Context, Execution
 from agentcell.sdk.transport import error_from_http, error_from_transport, sync_client, timeout
+
+_JSON = {"Content-Type": "application/json"}
 
 
 class CodeInterpreter:
     def __init__(self, conn: SandboxConnection) -> None:
         self._conn = conn
         self._client = sync_client(conn.config.endpoint)
+        self._fast = fast_http.client(conn.config.endpoint)
+        self._execute_headers = {**conn.code_headers, **_JSON}
 
     def run_code(self, code: str, language: str | None = None, context: Context | None = None,
                  on_stdout: Callable | None = None, on_stderr: Callable | None = None,
@@ -26,27 +32,28 @@ class CodeInterpreter:
         deadline = c.Deadline(c.exec_timeout(timeout))
         body = c.execute_body(code, language, context, envs, deadline.timeout)
         cbs = c.callbacks(on_stdout, on_stderr, on_result, on_error)
-        t = httpx.Timeout(deadline.read_timeout(), connect=request_timeout or self._conn.config.request_timeout)
-        client = self._client
         execution = Execution()
         try:
-            req = client.build_request("POST", "/execute", json=body, headers=self._conn.code_headers, timeout=t)
-            r = client.send(req, stream=True)
+            r = self._fast.request("POST", "/execute", body=fast_http.json_body(body), headers=self._execute_headers,
+                                   connect=request_timeout or self._conn.config.request_timeout,
+                                   read=deadline.read_timeout(), stream=True)
+            complete = False
             try:
-                if r.status_code != 200:
-                    raise error_from_http(r.status_code, r.read(), self._conn.sandbox_id, "run_code")
-                for line in r.iter_lines():
+                if r.status != 200:
+                    raise error_from_http(r.status, r.read(), self._conn.sandbox_id, "run_code")
+                for line in fast_http.lines(r):
                     deadline.check()
                     due = c.parse_line(execution, line)
                     if due is not None and due[0] in cbs:
                         cbs[due[0]](due[1])
+                complete = True
                 deadline.check()  # a run the server interrupted at the deadline ends this way
             finally:
-                r.close()
-        except httpx.ReadTimeout:
+                fast_http.finish(r, complete)
+        except ReadTimeoutError:
             raise c.execution_timeout_error() from None
-        except httpx.HTTPError as e:
-            raise error_from_transport(e, "run_code") from None
+        except HTTPError as e:
+            raise fast_http.transport_error(e, "run_code") from None
         return execution
 
     def _json(self, method: str, path: str, body: dict[str, Any] | None, request_timeout: float | None) -> Any:

@@ -8,10 +8,10 @@ from typing import Any
 
 from agentcell.errors import NotFoundException
 from agentcell.sdk import commands as c
+from agentcell.sdk import fast_http
 from agentcell.sdk.config import SandboxConnection
 from agentcell.sdk.connect_rpc import stream, unary
 from agentcell.sdk.models import CommandResult, ProcessInfo
-from agentcell.sdk.transport import sync_client, timeout
 
 OnOutput = Callable[[str], Any] | None
 
@@ -87,17 +87,17 @@ class CommandHandle:
 class Commands:
     def __init__(self, conn: SandboxConnection) -> None:
         self._conn = conn
-        self._client = sync_client(conn.config.endpoint)
+        self._fast = fast_http.client(conn.config.endpoint)
 
     def _unary(self, path: str, msg: dict[str, Any], request_timeout: float | None) -> dict[str, Any]:
-        rt = request_timeout or self._conn.config.request_timeout
-        return unary(self._client, path, msg, self._conn.envd_headers, timeout(rt), self._conn.sandbox_id)
+        rt = request_timeout or self._conn.config.request_timeout or None
+        return unary(self._fast, path, msg, self._conn.envd_headers, (rt, rt), self._conn.sandbox_id)
 
     def _stream(self, path: str, msg: dict[str, Any], user: str | None, t: float | None,
                 request_timeout: float | None) -> tuple[int, Iterator[dict[str, Any]]]:
-        rt = request_timeout or self._conn.config.request_timeout
+        rt = request_timeout or self._conn.config.request_timeout or None
         headers = {**self._conn.envd_user_headers(user), **c.STREAM_EXTRA_HEADERS}
-        events = stream(self._client, path, msg, headers, timeout(rt, c.read_timeout(t)), self._conn.sandbox_id,
+        events = stream(self._fast, path, msg, headers, (rt, c.read_timeout(t)), self._conn.sandbox_id,
                         c.timeout_ms(t))
         try:
             pid = c.first_pid(next(events))

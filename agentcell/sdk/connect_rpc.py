@@ -1,4 +1,4 @@
-"""A small Connect-protocol JSON client on httpx: unary calls and server streams (sync and async).
+"""A small Connect-protocol JSON client: unary calls and server streams (sync on fast_http, async on httpx).
 
 Unary: POST application/json, bare JSON message; errors are `{"code": "<name>", "message"}`.
 Server stream: POST application/connect+json with one envelope (flags u8, big-endian u32 length, JSON);
@@ -13,8 +13,10 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import httpx
+from urllib3.exceptions import HTTPError
 
 from agentcell.errors import SandboxException
+from agentcell.sdk.fast_http import FastHTTP, chunks, finish, transport_error
 from agentcell.sdk.transport import error_from_connect, error_from_http, error_from_transport
 
 _END_STREAM = 0x02
@@ -75,44 +77,45 @@ class _Decoder:
 
 
 def unary(
-    client: httpx.Client, path: str, message: dict[str, Any], headers: dict[str, str],
-    timeout: httpx.Timeout, sandbox_id: str | None = None, timeout_ms: int | None = None,
+    client: FastHTTP, path: str, message: dict[str, Any], headers: dict[str, str],
+    timeout: tuple[float | None, float | None], sandbox_id: str | None = None, timeout_ms: int | None = None,
 ) -> dict[str, Any]:
+    """`timeout`: (connect, read) seconds, None = no bound."""
     try:
-        r = client.post(path, content=_dumps(message), headers=_headers(_UNARY_HEADERS, headers, timeout_ms), timeout=timeout)
-    except httpx.HTTPError as e:
-        raise error_from_transport(e, path) from None
-    if r.status_code != 200:
-        raise error_from_http(r.status_code, r.content, sandbox_id, path)
-    return r.json() if r.content else {}
+        r = client.request("POST", path, body=_dumps(message), headers=_headers(_UNARY_HEADERS, headers, timeout_ms),
+                           connect=timeout[0], read=timeout[1])
+    except HTTPError as e:
+        raise transport_error(e, path) from None
+    if r.status != 200:
+        raise error_from_http(r.status, r.data, sandbox_id, path)
+    return json.loads(r.data) if r.data else {}
 
 
 def stream(
-    client: httpx.Client, path: str, message: dict[str, Any], headers: dict[str, str],
-    timeout: httpx.Timeout, sandbox_id: str | None = None, timeout_ms: int | None = None,
+    client: FastHTTP, path: str, message: dict[str, Any], headers: dict[str, str],
+    timeout: tuple[float | None, float | None], sandbox_id: str | None = None, timeout_ms: int | None = None,
 ) -> Iterator[dict[str, Any]]:
     """A generator of the stream's messages; the request is sent on the first next(). close() drops it."""
-    req = client.build_request(
-        "POST", path, content=envelope(message), headers=_headers(_STREAM_HEADERS, headers, timeout_ms), timeout=timeout
-    )
     try:
-        r = client.send(req, stream=True)
-    except httpx.HTTPError as e:
-        raise error_from_transport(e, path) from None
+        r = client.request("POST", path, body=envelope(message), headers=_headers(_STREAM_HEADERS, headers, timeout_ms),
+                           connect=timeout[0], read=timeout[1], stream=True)
+    except HTTPError as e:
+        raise transport_error(e, path) from None
+    complete = False
     try:
-        if r.status_code != 200:
-            raise error_from_http(r.status_code, r.read(), sandbox_id, path)
+        if r.status != 200:
+            raise error_from_http(r.status, r.read(), sandbox_id, path)
         dec = _Decoder(sandbox_id)
         try:
-            for chunk in r.iter_raw():
-                yield from dec.feed(chunk)
-                if dec.ended:
-                    return
-        except httpx.HTTPError as e:
-            raise error_from_transport(e, path) from None
+            for chunk in chunks(r):
+                if not dec.ended:  # after the end-stream message only the end of the HTTP body can come
+                    yield from dec.feed(chunk)
+        except HTTPError as e:
+            raise transport_error(e, path) from None
+        complete = True
         dec.finish(path)
     finally:
-        r.close()
+        finish(r, complete)
 
 
 async def aunary(

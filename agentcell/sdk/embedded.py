@@ -139,9 +139,11 @@ def _stop_at_exit() -> None:
     s, _server = _server, None
     if s is None:
         return
+    from agentcell.sdk.fast_http import close_clients
     from agentcell.sdk.transport import close_sync_clients
 
     close_sync_clients()
+    close_clients()
     s.stop()
 
 

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import json
+import urllib.parse
 from collections.abc import Iterator
 from typing import IO, Any, Literal
 
 import httpx
+from urllib3.exceptions import HTTPError
 
 from agentcell.errors import NotFoundException
+from agentcell.sdk import fast_http
 from agentcell.sdk import files as f
 from agentcell.sdk.config import SandboxConnection
 from agentcell.sdk.connect_rpc import unary
@@ -25,14 +29,26 @@ class Filesystem:
     def __init__(self, conn: SandboxConnection) -> None:
         self._conn = conn
         self._client = sync_client(conn.config.endpoint)
+        self._fast = fast_http.client(conn.config.endpoint)
 
     def _t(self, request_timeout: float | None) -> httpx.Timeout:
         return timeout(request_timeout or self._conn.config.request_timeout)
 
+    def _bound(self, request_timeout: float | None) -> float | None:
+        return request_timeout or self._conn.config.request_timeout or None
+
     def _rpc(self, path: str, msg: dict[str, Any], request_timeout: float | None) -> dict[str, Any]:
-        return unary(
-            self._client, path, msg, self._conn.envd_headers, self._t(request_timeout), self._conn.sandbox_id
-        )
+        rt = self._bound(request_timeout)
+        return unary(self._fast, path, msg, self._conn.envd_headers, (rt, rt), self._conn.sandbox_id)
+
+    def _files(self, method: str, path: str, headers: dict[str, str], request_timeout: float | None,
+               body: bytes | None = None, stream: bool = False) -> fast_http.Response:
+        rt = self._bound(request_timeout)
+        url = "/files?" + urllib.parse.urlencode({"path": path})
+        try:
+            return self._fast.request(method, url, body=body, headers=headers, connect=rt, read=rt, stream=stream)
+        except HTTPError as e:
+            raise fast_http.transport_error(e, f"{'read' if method == 'GET' else 'write'} {path}") from None
 
     def read(
         self,
@@ -43,30 +59,26 @@ class Filesystem:
     ) -> Any:
         """The file's content: str (text), bytearray (bytes) or an iterator of bytes chunks (stream)."""
         headers = self._conn.envd_user_headers(user)
-        params = {"path": path}
         if format == "stream":
-            return self._read_stream(params, headers, request_timeout)
-        try:
-            r = self._client.get("/files", params=params, headers=headers, timeout=self._t(request_timeout))
-        except httpx.HTTPError as e:
-            raise error_from_transport(e, f"read {path}") from None
-        if r.status_code != 200:
-            raise self._error(r.status_code, r.content, path)
-        return r.text if format == "text" else bytearray(r.content)
+            return self._read_stream(path, headers, request_timeout)
+        r = self._files("GET", path, headers, request_timeout)
+        if r.status != 200:
+            raise self._error(r.status, r.data, path)
+        return r.data.decode("utf-8", "replace") if format == "text" else bytearray(r.data)
 
-    def _read_stream(
-        self, params: dict[str, str], headers: dict[str, str], request_timeout: float | None
-    ) -> Iterator[bytes]:
-        req = self._client.build_request(
-            "GET", "/files", params=params, headers=headers, timeout=self._t(request_timeout)
-        )
-        r = self._client.send(req, stream=True)
+    def _read_stream(self, path: str, headers: dict[str, str], request_timeout: float | None) -> Iterator[bytes]:
+        r = self._files("GET", path, headers, request_timeout, stream=True)
+        complete = False
         try:
-            if r.status_code != 200:
-                raise self._error(r.status_code, r.read(), params["path"])
-            yield from r.iter_bytes()
+            if r.status != 200:
+                raise self._error(r.status, r.read(), path)
+            try:
+                yield from fast_http.chunks(r)
+            except HTTPError as e:
+                raise fast_http.transport_error(e, f"read {path}") from None
+            complete = True
         finally:
-            r.close()
+            fast_http.finish(r, complete)
 
     def _error(self, status: int, content: bytes, path: str) -> Exception:
         e = error_from_http(status, content, self._conn.sandbox_id, f"file {path}")
@@ -81,19 +93,10 @@ class Filesystem:
     ) -> WriteInfo:
         """Write (create or replace) one file; parent directories are created."""
         headers = {**self._conn.envd_user_headers(user), "Content-Type": "application/octet-stream"}
-        try:
-            r = self._client.post(
-                "/files",
-                params={"path": path},
-                content=f.to_bytes(data),
-                headers=headers,
-                timeout=self._t(request_timeout),
-            )
-        except httpx.HTTPError as e:
-            raise error_from_transport(e, f"write {path}") from None
-        if r.status_code != 200:
-            raise self._error(r.status_code, r.content, path)
-        return write_info_from_json(r.json()[0])
+        r = self._files("POST", path, headers, request_timeout, body=f.to_bytes(data))
+        if r.status != 200:
+            raise self._error(r.status, r.data, path)
+        return write_info_from_json(json.loads(r.data)[0])
 
     def write_files(
         self, files: list[dict[str, Any]], user: str | None = None, request_timeout: float | None = None

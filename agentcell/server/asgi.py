@@ -20,7 +20,7 @@ def query(scope: dict[str, Any]) -> QueryParams:
 
 
 def declared_length(scope: dict[str, Any]) -> int | None:
-    """The Content-Length, or None when the body is chunked or absent (h11 already rejected bad values)."""
+    """The Content-Length, or None when the body is chunked or absent (the HTTP parser already rejected bad values)."""
     raw = header(scope, b"content-length")
     return int(raw) if raw is not None and raw.strip().isdigit() else None
 

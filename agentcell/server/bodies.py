@@ -48,6 +48,9 @@ class BodyBudget:
         """Wait until `n` bytes (at most the whole budget) are free and take them; returns what was
         taken, for release(). 503 after `wait_timeout`."""
         n = min(n, self.total)
+        if self.used + n <= self.total:  # free now: no waiting (asyncio.wait_for would make a task)
+            self.used += n
+            return n
         async with self._freed:
             try:
                 await asyncio.wait_for(self._freed.wait_for(lambda: self.used + n <= self.total), self.wait_timeout)

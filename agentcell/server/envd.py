@@ -25,9 +25,10 @@ from protobuf import Oneof
 from protobuf.wkt.google.protobuf.timestamp_pb import Timestamp
 
 from agentcell.errors import InvalidArgumentError, SandboxError
+from agentcell.runtime.protocol import KEEPALIVE
 from agentcell.server import validate
 from agentcell.server.errors import log_incident
-from agentcell.server.streams import KEEPALIVE, agent_call, current_sandbox, with_keepalive
+from agentcell.server.streams import agent_call, current_sandbox
 
 _CODES = {
     "not_found": Code.NOT_FOUND,
@@ -117,15 +118,15 @@ _KEEPALIVE_EVENT = pb.ProcessEvent(event=Oneof("keepalive", pb.ProcessEvent.Keep
 async def _process_stream(op: str, ctx: RequestContext, **fields: Any) -> AsyncIterator[pb.ProcessEvent]:
     channel = current_sandbox.get().channel
     try:
-        async for item in with_keepalive(channel.stream(op, **fields), _keepalive_interval(ctx)):
+        async for item in channel.stream(op, keepalive=_keepalive_interval(ctx), **fields):
             if item is KEEPALIVE:
                 yield _KEEPALIVE_EVENT
                 continue
-            if item.header.get("timed_out"):  # type: ignore[union-attr]
+            if item.header.get("timed_out"):
                 # envd ends a stream past its Connect-Timeout-Ms with deadline_exceeded; SDKs raise
                 # TimeoutException on it (not CommandExitException).
-                raise ConnectError(Code.DEADLINE_EXCEEDED, str(item.header.get("error", "deadline exceeded")))  # type: ignore[union-attr]
-            event = _event(item.header, item.payload)  # type: ignore[union-attr]
+                raise ConnectError(Code.DEADLINE_EXCEEDED, str(item.header.get("error", "deadline exceeded")))
+            event = _event(item.header, item.payload)
             if event is not None:
                 yield event
     except SandboxError as e:

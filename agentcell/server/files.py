@@ -13,12 +13,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from agentcell.errors import SandboxError
 from agentcell.runtime.protocol import Frame
 from agentcell.server.errors import HTTPError, from_sandbox_error, json_error
-from agentcell.server.streams import HTTP_PIECE, current_sandbox
+from agentcell.server.streams import HTTP_PIECE, LiveStream, client_gone, current_sandbox
 from agentcell.server.uploads import MultipartStream, boundary_of, capped, gunzipped, too_large
 
 
@@ -45,38 +45,44 @@ async def health(request: Request) -> Response:
 async def download(request: Request) -> Response:
     path = _required_path(request)
     _check_user(request)
-    stream = current_sandbox.get().channel.stream("fs.read", path=path)
+    gone = asyncio.ensure_future(client_gone(request.receive))
+    batches = current_sandbox.get().channel.batches("fs.read", until=gone, path=path)
     # Wait for the first frame so that not_found / a directory become proper HTTP errors.
     try:
-        first: Frame | None = await anext(stream)
+        first: list[Frame] | None = await anext(batches)
     except StopAsyncIteration:
         first = None
-    except SandboxError as e:
-        raise from_sandbox_error(e) from None
+    except BaseException as e:
+        gone.cancel()
+        await batches.aclose()
+        if isinstance(e, SandboxError):
+            raise from_sandbox_error(e) from None
+        raise
     gzip_ok = "gzip" in request.headers.get("accept-encoding", "").lower()
 
     async def body() -> AsyncIterator[bytes]:
         compressor = zlib.compressobj(6, zlib.DEFLATED, 31) if gzip_ok else None
         try:
-            frame = first
-            while frame is not None:
-                if frame.header.get("event") == "data" and frame.payload:
-                    data = compressor.compress(frame.payload) if compressor else frame.payload
-                    for i in range(0, len(data), HTTP_PIECE):
-                        yield data[i:i + HTTP_PIECE]
+            batch = first
+            while batch is not None:
+                for frame in batch:
+                    if frame.header.get("event") == "data" and frame.payload:
+                        data = compressor.compress(frame.payload) if compressor else frame.payload
+                        for i in range(0, len(data), HTTP_PIECE):
+                            yield data[i:i + HTTP_PIECE]
                 try:
-                    frame = await anext(stream)
+                    batch = await anext(batches)
                 except StopAsyncIteration:
-                    frame = None
+                    batch = None
             if compressor:
                 yield compressor.flush()
         finally:
-            await stream.aclose()
+            await batches.aclose()
 
     headers = {"Content-Disposition": f'attachment; filename="{path.rsplit("/", 1)[-1]}"'}
     if gzip_ok:
         headers["Content-Encoding"] = "gzip"
-    return StreamingResponse(body(), media_type="application/octet-stream", headers=headers)
+    return LiveStream(body(), gone, media_type="application/octet-stream", headers=headers)
 
 
 def _metadata(request: Request) -> dict[str, str] | None:

@@ -5,20 +5,22 @@ The root router has already checked the sandbox's token and the JSON content typ
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from agentcell.errors import InvalidArgumentError, SandboxError, SandboxGoneError
+from agentcell.runtime.protocol import Frame
 from agentcell.server import validate
 from agentcell.server.bodies import EXECUTE_LIMIT
 from agentcell.server.control import json_body
 from agentcell.server.errors import HTTPError, from_sandbox_error
-from agentcell.server.streams import HTTP_PIECE, KEEPALIVE, agent_call, current_sandbox, with_keepalive
+from agentcell.server.streams import HTTP_PIECE, LiveStream, agent_call, client_gone, current_sandbox
 
 KEEPALIVE_S = 5.0
 MAX_RUN_TIMEOUT_S = 24 * 3600
@@ -30,6 +32,7 @@ def _line(obj: dict[str, Any]) -> bytes:
 
 
 _KEEPALIVE_LINE = _line({"type": "keepalive"})
+_END_LINE = _line({"type": "end_of_execution"})
 
 
 def _opt_str(body: dict[str, Any], key: str) -> str | None:
@@ -71,55 +74,68 @@ async def execute(request: Request) -> Response:
         env_vars = validate.env_map(body.get("env_vars"), "env_vars") or None
     except InvalidArgumentError as e:
         raise HTTPError(400, e.message) from None
-    stream = rec.channel.stream("code.run", code.encode("utf-8", "surrogatepass"), context_id=context_id or None,
-                                language=language, env_vars=env_vars, timeout_ms=_timeout_ms(body))
+    gone = asyncio.ensure_future(client_gone(request.receive))
+    batches = rec.channel.batches("code.run", code.encode("utf-8", "surrogatepass"), KEEPALIVE_S, gone,
+                                  context_id=context_id or None, language=language, env_vars=env_vars,
+                                  timeout_ms=_timeout_ms(body))
     # The first frame decides the status: an unknown context is a 404, not a 200 stream.
-    lines = with_keepalive(stream, KEEPALIVE_S)
-    first: Any = None
     try:
-        first = await anext(lines)
+        first: list[Frame] | None = await anext(batches)
     except StopAsyncIteration:
         first = None
-    except SandboxError as e:
-        await lines.aclose()
-        raise from_sandbox_error(e) from None
+    except BaseException as e:
+        gone.cancel()
+        await batches.aclose()
+        if isinstance(e, SandboxError):
+            raise from_sandbox_error(e) from None
+        raise
+    return LiveStream(_ndjson(first, batches), gone, media_type="application/x-ndjson")
 
-    async def body_iter() -> AsyncIterator[bytes]:
-        # Lines arrive as JSON text in one or more frames and go out as they come: the server never
-        # holds a whole result. Leaving early (the client went away) closes `lines`, which cancels
-        # the agent call and so interrupts the run.
-        line_open = False
-        try:
-            item = first
-            while item is not None:
-                if item is KEEPALIVE:
-                    if not line_open:  # never in the middle of a line
-                        yield _KEEPALIVE_LINE
-                elif item.header.get("event") == "line":
+
+async def _ndjson(first: list[Frame] | None, batches: AsyncIterator[list[Frame]]) -> AsyncIterator[bytes]:
+    """The run's lines as NDJSON, then end_of_execution. Lines arrive as JSON text in one or more
+    frames and go out as they come (the frames that arrived together in one piece): the server never
+    holds a whole result. Leaving early (the client went away) closes `batches`, which cancels the
+    agent call and so interrupts the run."""
+    line_open = False
+    try:
+        batch = first
+        while batch is not None:
+            out = bytearray()
+            if not batch and not line_open:  # quiet for a while; never in the middle of a line
+                out += _KEEPALIVE_LINE
+            for frame in batch:
+                if frame.header.get("event") == "line":
                     # json.dumps never writes a raw newline; one from a broken agent must not split lines
-                    data = item.payload.replace(b"\n", b" ")
-                    line_open = bool(item.header.get("more"))
+                    out += frame.payload.replace(b"\n", b" ")
+                    line_open = bool(frame.header.get("more"))
                     if not line_open:
-                        data += b"\n"
-                    for i in range(0, len(data), HTTP_PIECE):
-                        yield data[i:i + HTTP_PIECE]
-                try:
-                    item = await anext(lines)
-                except StopAsyncIteration:
-                    item = None
-        except SandboxGoneError as e:
-            yield (b"\n" if line_open else b"") + _line(
-                {"type": "error", "name": "UnexpectedEndOfExecution", "value": e.message, "traceback": ""})
-            line_open = False
-        except SandboxError as e:
-            yield (b"\n" if line_open else b"") + _line(
-                {"type": "error", "name": type(e).__name__, "value": e.message, "traceback": ""})
-            line_open = False
-        finally:
-            await lines.aclose()
-        yield (b"\n" if line_open else b"") + _line({"type": "end_of_execution"})
+                        out += b"\n"
+            ended = bool(batch) and batch[-1].done
+            if ended:  # in the same piece as the last lines
+                out += _end(line_open)
+            for i in range(0, len(out), HTTP_PIECE):
+                yield bytes(out[i:i + HTTP_PIECE])
+            if ended:
+                return
+            try:
+                batch = await anext(batches)
+            except StopAsyncIteration:
+                batch = None
+    except SandboxGoneError as e:
+        yield _end(line_open, {"type": "error", "name": "UnexpectedEndOfExecution", "value": e.message, "traceback": ""})
+        return
+    except SandboxError as e:
+        yield _end(line_open, {"type": "error", "name": type(e).__name__, "value": e.message, "traceback": ""})
+        return
+    finally:
+        await batches.aclose()
+    yield _end(line_open)
 
-    return StreamingResponse(body_iter(), media_type="application/x-ndjson")
+
+def _end(line_open: bool, error: dict[str, Any] | None = None) -> bytes:
+    """The last lines: an error (if any), then end_of_execution, after a line left open by the agent."""
+    return (b"\n" if line_open else b"") + (_line(error) if error else b"") + _END_LINE
 
 
 async def create_context(request: Request) -> Response:

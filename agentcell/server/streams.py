@@ -1,58 +1,56 @@
-"""Helpers shared by the data-plane handlers: the current sandbox and keepalive-interleaved streams."""
+"""Helpers shared by the data-plane handlers: the current sandbox, unary agent calls, streamed responses."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import contextvars
 from collections.abc import AsyncIterator
-from typing import TypeVar
+from typing import Any
+
+from starlette.responses import Response
 
 from agentcell.errors import DeadlineExceededError
 from agentcell.server.registry import SandboxRecord
-
-T = TypeVar("T")
 
 # Set by the root router for every data-plane request, read by the handlers.
 current_sandbox: contextvars.ContextVar[SandboxRecord] = contextvars.ContextVar("current_sandbox")
 
 AGENT_CALL_TIMEOUT_S = 120.0  # a unary agent op that takes longer means a wedged agent, not slow work
 
-KEEPALIVE = object()  # yielded by with_keepalive when the source was idle for `interval` seconds
 HTTP_PIECE = 64 << 10  # data goes to uvicorn in pieces this big, so its write buffer stays small
 
 
-async def with_keepalive(source: AsyncIterator[T], interval: float) -> AsyncIterator[T | object]:
-    """Yield the items of `source`, and KEEPALIVE whenever it stays quiet for `interval` seconds.
+async def client_gone(receive: Any) -> None:
+    """Returns once the client has gone away (call it after the request body was read)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
-    Nothing is read ahead: the one pending read of `source` completes only when the source has an
-    item, which is yielded at once, so flow control reaches back to the producer in the sandbox.
-    A keepalive never cancels that pending read. Leaving the loop early closes `source` (its finally
-    blocks run: the agent call is cancelled).
-    """
-    pending: asyncio.Task[T] | None = None
-    try:
-        while True:
-            if pending is None:
-                pending = asyncio.ensure_future(anext(source))
-            done, _ = await asyncio.wait({pending}, timeout=interval)
-            if not done:
-                yield KEEPALIVE
-                continue
-            task, pending = pending, None
-            try:
-                item = task.result()
-            except StopAsyncIteration:
-                return
-            yield item
-    finally:
-        if pending is not None:
-            pending.cancel()
-            with contextlib.suppress(BaseException):
-                await pending
-        aclose = getattr(source, "aclose", None)
-        if aclose is not None:
-            with contextlib.suppress(BaseException):
+
+class LiveStream(Response):
+    """A streamed response, like Starlette's StreamingResponse, for a body that ends by itself once
+    `gone` (a client_gone task, which the body watches) is done. StreamingResponse watches for the
+    client leaving with an anyio task group, which costs more CPU than the rest of a trivial run_code."""
+
+    def __init__(self, content: AsyncIterator[bytes], gone: asyncio.Task[None], media_type: str,
+                 headers: dict[str, str] | None = None) -> None:
+        self.body_iterator = content
+        self.gone = gone
+        self.status_code = 200
+        self.media_type = media_type
+        self.background = None
+        self.init_headers(headers)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            async for chunk in self.body_iterator:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            if not self.gone.done():
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            self.gone.cancel()
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
                 await aclose()
 
 
