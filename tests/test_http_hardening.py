@@ -442,6 +442,22 @@ def test_idle_connection_without_a_byte_is_closed(edge_server: ServerProcess) ->
     assert data == b"" and closed_after is not None and closed_after < 6
 
 
+def test_kept_alive_connection_outlives_the_header_timeout(edge_server: ServerProcess) -> None:
+    """A client's pool may reuse an idle connection for seconds (httpx: 5 s): the server must not close
+    it meanwhile, or the reused request fails with a reset. The header deadline starts at its first byte."""
+    head = request_head("GET", "/health", {"Host": "localhost"})
+    with socket.create_connection(("127.0.0.1", port_of(edge_server.url))) as s:
+        s.settimeout(5)
+        s.sendall(head)
+        assert status_of(s.recv(65536)) == 200
+        time.sleep(3)  # idle past the 2 s header timeout
+        s.sendall(head)
+        assert status_of(s.recv(65536)) == 200
+        s.sendall(head[:10])  # a request begun: its headers have 2 s again
+        data, closed_after = read_until_closed(s, 10)
+    assert status_of(data) == 408 and closed_after is not None and closed_after < 6
+
+
 def test_oversized_request_headers_get_431(edge_server: ServerProcess) -> None:
     big = "a" * 8000
     head = request_head("GET", "/health", {"Host": "localhost", **{f"X-Big-{i}": big for i in range(40)}})

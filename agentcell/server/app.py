@@ -232,7 +232,7 @@ def serve(config: ServerConfig) -> None:
 
     import uvicorn
 
-    from agentcell.server.http_protocol import guarded_protocol
+    from agentcell.server.http_protocol import KEEP_ALIVE, guarded_protocol
 
     check_exposure(config)  # before anything binds
     # Each sandbox holds a socket and a pidfd in the server: a 1024-fd soft limit would cap density.
@@ -248,5 +248,6 @@ def serve(config: ServerConfig) -> None:
         lifespan="on",
         timeout_graceful_shutdown=5,
         http=guarded_protocol(config.header_timeout, config.max_connections),
+        timeout_keep_alive=int(KEEP_ALIVE),
     )
     uvicorn.Server(uv).run()

@@ -8,6 +8,10 @@ cost a trivial run_code about 0.3 ms of the server's CPU with h11.
   connection (408, or a plain close if it sent nothing). uvicorn only times out idle keep-alive
   connections after a response, so a client that connects and trickles header bytes (slowloris) would
   otherwise hold its connection forever.
+- Keep-alive: a connection idle between requests (no byte of the next one yet) is closed after
+  KEEP_ALIVE seconds, not header_timeout: longer than clients keep idle connections for reuse (httpx 5 s,
+  the SDK's 60 s), so a client never reuses a connection at the moment the server closes it (the
+  request would fail with a reset). The next request's first byte starts its header deadline.
 - Connection cap: at most `max_connections` open connections (uvicorn's `limit_concurrency` is checked
   per request, so idle connections would still pile up). At the cap, a new connection takes the place
   of the connection that has waited longest for its request headers (slow, idle, or idle keep-alive),
@@ -38,6 +42,7 @@ READ_SIZE = 64 << 10
 # than a real client takes to send them once connected, far shorter than an attacker's flood can
 # refill (it would need max_connections / EVICT_AFTER new connections per second).
 EVICT_AFTER = 0.1
+KEEP_ALIVE = 75.0  # seconds an idle keep-alive connection stays open (uvicorn's timeout_keep_alive too)
 MAX_HEAD = 64 << 10  # bytes of request line and headers (h11, uvicorn's other parser, allows 16 KiB)
 
 
@@ -78,6 +83,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._header_timer: asyncio.TimerHandle | None = None
         self._refused = False
         self._head_bytes = 0  # bytes received while waiting for the current request's headers
+        self._idle = False  # the timer waits for a kept-alive connection's next request
 
     # --- connection lifecycle ---
 
@@ -105,6 +111,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if self._refused:
             return
         if self._header_timer is not None:
+            if not self._head_bytes and self._idle:  # a kept-alive connection's next request begins
+                self._arm_header_timer()
             self._head_bytes += len(data)  # (a body sent along with the headers counts too: <= READ_SIZE)
             if self._head_bytes > MAX_HEAD + READ_SIZE:
                 self._cancel_header_timer()
@@ -129,14 +137,16 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         pipelined = bool(self.pipeline)  # the base class starts a request whose headers are in already
         super().on_response_complete()
         if not pipelined and not self.transport.is_closing():
-            self._arm_header_timer()
+            self._arm_header_timer(KEEP_ALIVE)
 
     # --- waiting for request headers ---
 
-    def _arm_header_timer(self) -> None:
+    def _arm_header_timer(self, idle: float = 0.0) -> None:
+        """Wait header_timeout for a request's headers; or, `idle` > 0, that long for its first byte."""
         self._cancel_header_timer()
         self._head_bytes = 0
-        self._header_timer = self.loop.call_later(self.header_timeout, self._stop_waiting)
+        self._idle = idle > 0
+        self._header_timer = self.loop.call_later(max(idle, self.header_timeout), self._stop_waiting)
         self.waiting[self] = time.monotonic()
 
     def _cancel_header_timer(self) -> None:
