@@ -13,6 +13,7 @@ import ctypes
 import gc
 import io
 import json
+import linecache
 import os
 import signal
 import socket
@@ -70,7 +71,49 @@ def preload() -> None:
     # first run_code (measured: ~8 ms). Silent cells touch no history, count or output.
     shell.run_cell("_agentcell_warm = [i * 2 for i in range(3)]", silent=True)
     shell.user_ns.pop("_agentcell_warm", None)
+    _warm_for_forks(shell)
     gc.collect()
+
+
+# CPython 3.11 specializes a function's bytecode in place after 8 calls. Run here, that rewrite (and
+# any lazy setup) happens once in the zygote instead of on copied pages in every sandbox.
+_WARM_RUNS = 10
+
+
+def _warm_for_forks(shell: display.ContextShell) -> None:
+    """Run the paths every sandbox runs (a context's first cell, the agent's frame loop) in the zygote.
+
+    Measured: about 1.5 MiB less memory per idle sandbox (agent + context, after one run_code)."""
+    cached, numbered = set(linecache.cache), dict(shell.compile._filename_map)
+    shell.logger  # noqa: B018 - built (an import) on the first non-silent cell otherwise
+    for _ in range(_WARM_RUNS):
+        shell.run_cell("1", store_history=True)
+    shell.reset(new_session=True)  # count 1, empty In/Out, a fresh user namespace: as if never run
+    for name in set(linecache.cache) - cached:
+        del linecache.cache[name]
+    shell.compile._filename_map = numbered
+    for _ in range(_WARM_RUNS):
+        asyncio.run(_warm_agent())
+
+
+async def _warm_agent() -> None:
+    """A few requests through the agent's frame loop over a socketpair, on a loop of its own."""
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        reader, writer = await asyncio.open_unix_connection(sock=ours, limit=protocol.MAX_HEADER)
+        peer_reader, peer_writer = await asyncio.open_unix_connection(sock=theirs)
+        no_reaper = Reaper()  # never installed: the zygote's SIGCHLD handler stays
+        agent = Agent(writer, ProcessTable(no_reaper, {}, "/", 0), FileSystem("/"),
+                      ContextManager(no_reaper, {}, "/", 0))  # fmt: skip
+        for call_id, name in enumerate(("ping", "proc.list", "code.context_list"), 1):
+            peer_writer.write(encode_frame({"id": call_id, "op": name}))
+        peer_writer.write(encode_frame({"id": 0, "op": "credit", "target": 1, "bytes": 1}))
+        run = asyncio.create_task(agent.run(reader))
+        for _ in range(3):
+            await read_frame(peer_reader)
+        peer_writer.close()
+        await run
+        writer.close()
 
 
 def serve(sock: socket.socket, config: dict[str, Any]) -> NoReturn:
