@@ -19,6 +19,7 @@ import signal
 import socket
 import sys
 import traceback
+import types
 from collections.abc import Awaitable, Callable
 from typing import Any, NoReturn
 
@@ -83,17 +84,48 @@ _WARM_RUNS = 10
 def _warm_for_forks(shell: display.ContextShell) -> None:
     """Run the paths every sandbox runs (a context's first cell, the agent's frame loop) in the zygote.
 
-    Measured: about 1.5 MiB less memory per idle sandbox (agent + context, after one run_code)."""
+    A sandbox copies every shared page it writes, and running a function writes its code object (a
+    reference count, specialization counters): the functions of these paths get fresh copies of their
+    code objects, side by side on few pages instead of scattered over the whole preloaded heap.
+    Measured: about 2 MiB less memory per idle sandbox (agent + context, after one run_code)."""
     cached, numbered = set(linecache.cache), dict(shell.compile._filename_map)
     shell.logger  # noqa: B018 - built (an import) on the first non-silent cell otherwise
+    hot: set[types.CodeType] = set()
+
+    def called(frame: types.FrameType, event: str, _arg: Any) -> None:
+        if event == "call":
+            hot.add(frame.f_code)
+
+    sys.setprofile(called)
+    try:
+        shell.run_cell("1", store_history=True)
+        asyncio.run(_warm_agent())
+    finally:
+        sys.setprofile(None)
+    _pack_code(hot)
     for _ in range(_WARM_RUNS):
         shell.run_cell("1", store_history=True)
+        asyncio.run(_warm_agent())
     shell.reset(new_session=True)  # count 1, empty In/Out, a fresh user namespace: as if never run
     for name in set(linecache.cache) - cached:
         del linecache.cache[name]
     shell.compile._filename_map = numbered
-    for _ in range(_WARM_RUNS):
-        asyncio.run(_warm_agent())
+
+
+def _pack_code(hot: set[types.CodeType]) -> None:
+    """Give every function whose code is in `hot` an identical copy of it, allocated now, together
+    (nested code it creates functions from, such as comprehensions, too)."""
+    copies: dict[types.CodeType, types.CodeType] = {}
+
+    def copy(code: types.CodeType) -> types.CodeType:
+        if code not in copies:
+            consts = tuple(copy(c) if isinstance(c, types.CodeType) and c in hot else c for c in code.co_consts)
+            copies[code] = code.replace(co_consts=consts)
+        return copies[code]
+
+    for obj in gc.get_objects():
+        if isinstance(obj, types.FunctionType) and obj.__code__ in hot:
+            obj.__code__ = copy(obj.__code__)
 
 
 async def _warm_agent() -> None:
