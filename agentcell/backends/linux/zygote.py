@@ -101,8 +101,7 @@ def _compact_heaps() -> None:
         ctypes.CDLL(None).malloc_trim(0)
     # pymalloc: fill the free blocks of partly used pools, so new objects go to fresh pools. The
     # filler stays allocated (~0.5 MB, shared); a child's allocations no longer land in shared pages.
-    alloc = ctypes.pythonapi.PyObject_Malloc
-    alloc.argtypes, alloc.restype = [ctypes.c_size_t], None
+    alloc = ctypes.PYFUNCTYPE(None, ctypes.c_size_t)(("PyObject_Malloc", ctypes.pythonapi))
     for _ in range(2):  # the first pass's own objects leave a few holes
         for size, count in _pymalloc_free_blocks().items():
             for _ in range(count):
