@@ -55,6 +55,14 @@ def anon_pages(pid: int) -> dict[int, tuple[int, str]]:
     return out
 
 
+def hostname(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/root/etc/hostname") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
 def rollup(pid: int, field: str) -> int:
     with open(f"/proc/{pid}/smaps_rollup") as f:
         return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
@@ -74,7 +82,9 @@ def main() -> None:
         time.sleep(1)
         zygote = next(p for p in children(proc.pid) if os.stat(f"/proc/{p}").st_uid == 0)
         shared = set(anon_pages(zygote))
-        agents = [p for p in children(zygote) if os.stat(f"/proc/{p}").st_uid >= SANDBOX_UID_MIN]
+        ids = {sbx.sandbox_id for sbx in sandboxes}  # not the standbys a server may keep prepared
+        agents = [p for p in children(zygote) if os.stat(f"/proc/{p}").st_uid >= SANDBOX_UID_MIN
+                  and hostname(p) in ids]
         own: collections.Counter[str] = collections.Counter()
         kinds: collections.Counter[str] = collections.Counter()
         pss: collections.Counter[str] = collections.Counter()
