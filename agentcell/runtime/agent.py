@@ -13,11 +13,13 @@ import ctypes
 import gc
 import io
 import json
+import linecache
 import os
 import signal
 import socket
 import sys
 import traceback
+import types
 from collections.abc import Awaitable, Callable
 from typing import Any, NoReturn
 
@@ -71,7 +73,80 @@ def preload() -> None:
     # first run_code (measured: ~8 ms). Silent cells touch no history, count or output.
     shell.run_cell("_agentcell_warm = [i * 2 for i in range(3)]", silent=True)
     shell.user_ns.pop("_agentcell_warm", None)
+    _warm_for_forks(shell)
     gc.collect()
+
+
+# CPython 3.11 specializes a function's bytecode in place after 8 calls. Run here, that rewrite (and
+# any lazy setup) happens once in the zygote instead of on copied pages in every sandbox.
+_WARM_RUNS = 10
+
+
+def _warm_for_forks(shell: display.ContextShell) -> None:
+    """Run the paths every sandbox runs (a context's first cell, the agent's frame loop) in the zygote.
+
+    A sandbox copies every shared page it writes, and running a function writes its code object (a
+    reference count, specialization counters): the functions of these paths get fresh copies of their
+    code objects, side by side on few pages instead of scattered over the whole preloaded heap.
+    Measured: about 2 MiB less memory per idle sandbox (agent + context, after one run_code)."""
+    cached, numbered = set(linecache.cache), dict(shell.compile._filename_map)
+    shell.logger  # noqa: B018 - built (an import) on the first non-silent cell otherwise
+    hot: set[types.CodeType] = set()
+
+    def called(frame: types.FrameType, event: str, _arg: Any) -> None:
+        if event == "call":
+            hot.add(frame.f_code)
+
+    sys.setprofile(called)
+    try:
+        shell.run_cell("1", store_history=True)
+        asyncio.run(_warm_agent())
+    finally:
+        sys.setprofile(None)
+    _pack_code(hot)
+    for _ in range(_WARM_RUNS):
+        shell.run_cell("1", store_history=True)
+        asyncio.run(_warm_agent())
+    shell.reset(new_session=True)  # count 1, empty In/Out, a fresh user namespace: as if never run
+    for name in set(linecache.cache) - cached:
+        del linecache.cache[name]
+    shell.compile._filename_map = numbered
+
+
+def _pack_code(hot: set[types.CodeType]) -> None:
+    """Give every function whose code is in `hot` an identical copy of it, allocated now, together
+    (nested code it creates functions from, such as comprehensions, too)."""
+    copies: dict[types.CodeType, types.CodeType] = {}
+
+    def copy(code: types.CodeType) -> types.CodeType:
+        if code not in copies:
+            consts = tuple(copy(c) if isinstance(c, types.CodeType) and c in hot else c for c in code.co_consts)
+            copies[code] = code.replace(co_consts=consts)
+        return copies[code]
+
+    for obj in gc.get_objects():
+        if isinstance(obj, types.FunctionType) and obj.__code__ in hot:
+            obj.__code__ = copy(obj.__code__)
+
+
+async def _warm_agent() -> None:
+    """A few requests through the agent's frame loop over a socketpair, on a loop of its own."""
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        reader, writer = await asyncio.open_unix_connection(sock=ours, limit=protocol.MAX_HEADER)
+        peer_reader, peer_writer = await asyncio.open_unix_connection(sock=theirs)
+        no_reaper = Reaper()  # never installed: the zygote's SIGCHLD handler stays
+        agent = Agent(writer, ProcessTable(no_reaper, {}, "/", 0), FileSystem("/"),
+                      ContextManager(no_reaper, {}, "/", 0))  # fmt: skip
+        for call_id, name in enumerate(("ping", "proc.list", "code.context_list"), 1):
+            peer_writer.write(encode_frame({"id": call_id, "op": name}))
+        peer_writer.write(encode_frame({"id": 0, "op": "credit", "target": 1, "bytes": 1}))
+        run = asyncio.create_task(agent.run(reader))
+        for _ in range(3):
+            await read_frame(peer_reader)
+        peer_writer.close()
+        await run
+        writer.close()
 
 
 def serve(sock: socket.socket, config: dict[str, Any]) -> NoReturn:
