@@ -449,11 +449,11 @@ def test_kept_alive_connection_outlives_the_header_timeout(edge_server: ServerPr
 
     def response(s: socket.socket) -> bytes:  # one whole response (head and body may come apart)
         raw = b""
-        while b"\r\n\r\n" not in raw:
-            raw += s.recv(65536)
-        length = int(re.search(rb"(?i)content-length: *(\d+)", raw).group(1))  # type: ignore[union-attr]
-        while len(raw.split(b"\r\n\r\n", 1)[1]) < length:
-            raw += s.recv(65536)
+        while b"\r\n\r\n" not in raw or len(raw.split(b"\r\n\r\n", 1)[1]) < int(
+                (re.search(rb"(?i)content-length: *(\d+)", raw) or [0, 0])[1]):
+            chunk = s.recv(65536)
+            assert chunk, "the server closed the kept-alive connection"
+            raw += chunk
         return raw
 
     with socket.create_connection(("127.0.0.1", port_of(edge_server.url))) as s:
