@@ -704,14 +704,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(max_sandboxes: int, log_path: Path) -> tuple[subprocess.Popen[bytes], str]:
+def start_server(max_sandboxes: int, log_path: Path, extra: list[str]) -> tuple[subprocess.Popen[bytes], str]:
     import httpx
 
     port = free_port()
     with log_path.open("wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "agentcell", "serve", "--host", "127.0.0.1", "--port", str(port),
-             "--max-sandboxes", str(max_sandboxes)],
+             "--max-sandboxes", str(max_sandboxes), *extra],
             cwd=REPO, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
@@ -842,6 +842,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--sizes", default="20,200,1000",
                     help="idle sandbox counts for the memory figure, comma-separated ('' for none)")
     ap.add_argument("--only", default=",".join(ALL_CONTENDERS), help="contenders, comma-separated")
+    ap.add_argument("--server-arg", action="append", default=[], metavar="ARG",
+                    help="extra argument for the TCP server, repeatable (e.g. --server-arg=--standbys=100)")
     ap.add_argument("--json", type=Path, help="also write every sample here")
     ap.add_argument("--seed", type=int, help="seed of the round order (default: random)")
     ap.add_argument("--baseline-zygote", type=int, help=argparse.SUPPRESS)
@@ -900,7 +902,7 @@ def main(argv: list[str] | None = None) -> None:
         url = None
         if {"agentcell-tcp", "e2b-sdk-tcp"} & set(names):
             log_path = Path(tempfile.gettempdir()) / f"agentcell-side-by-side-{os.getpid()}.log"
-            server, url = start_server(max([*args.sizes, args.burst]) + 100, log_path)
+            server, url = start_server(max([*args.sizes, args.burst]) + 100, log_path, args.server_arg)
             log(f"agentcell server pid {server.pid} at {url}, log {log_path}")
         if set(BASELINES) & set(names):
             zygote = BaselineZygote()
