@@ -16,9 +16,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from agentcell.errors import SandboxError
-from agentcell.runtime.protocol import Frame
 from agentcell.server.errors import HTTPError, from_sandbox_error, json_error
-from agentcell.server.streams import HTTP_PIECE, LiveStream, client_gone, current_sandbox
+from agentcell.server.streams import HTTP_PIECE, LiveStream, client_gone, current_sandbox, first_batch
 from agentcell.server.uploads import MultipartStream, boundary_of, capped, gunzipped, too_large
 
 
@@ -48,16 +47,7 @@ async def download(request: Request) -> Response:
     gone = asyncio.ensure_future(client_gone(request.receive))
     batches = current_sandbox.get().channel.batches("fs.read", until=gone, path=path)
     # Wait for the first frame so that not_found / a directory become proper HTTP errors.
-    try:
-        first: list[Frame] | None = await anext(batches)
-    except StopAsyncIteration:
-        first = None
-    except BaseException as e:
-        gone.cancel()
-        await batches.aclose()
-        if isinstance(e, SandboxError):
-            raise from_sandbox_error(e) from None
-        raise
+    first = await first_batch(batches, gone)
     gzip_ok = "gzip" in request.headers.get("accept-encoding", "").lower()
 
     async def body() -> AsyncIterator[bytes]:

@@ -20,7 +20,14 @@ from agentcell.server import validate
 from agentcell.server.bodies import EXECUTE_LIMIT
 from agentcell.server.control import json_body
 from agentcell.server.errors import HTTPError, from_sandbox_error
-from agentcell.server.streams import HTTP_PIECE, LiveStream, agent_call, client_gone, current_sandbox
+from agentcell.server.streams import (
+    HTTP_PIECE,
+    LiveStream,
+    agent_call,
+    client_gone,
+    current_sandbox,
+    first_batch,
+)
 
 KEEPALIVE_S = 5.0
 MAX_RUN_TIMEOUT_S = 24 * 3600
@@ -79,16 +86,7 @@ async def execute(request: Request) -> Response:
                                   context_id=context_id or None, language=language, env_vars=env_vars,
                                   timeout_ms=_timeout_ms(body))
     # The first frame decides the status: an unknown context is a 404, not a 200 stream.
-    try:
-        first: list[Frame] | None = await anext(batches)
-    except StopAsyncIteration:
-        first = None
-    except BaseException as e:
-        gone.cancel()
-        await batches.aclose()
-        if isinstance(e, SandboxError):
-            raise from_sandbox_error(e) from None
-        raise
+    first = await first_batch(batches, gone)
     return LiveStream(_ndjson(first, batches), gone, media_type="application/x-ndjson")
 
 

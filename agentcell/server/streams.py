@@ -9,7 +9,9 @@ from typing import Any
 
 from starlette.responses import Response
 
-from agentcell.errors import DeadlineExceededError
+from agentcell.errors import DeadlineExceededError, SandboxError
+from agentcell.runtime.protocol import Frame
+from agentcell.server.errors import from_sandbox_error
 from agentcell.server.registry import SandboxRecord
 
 # Set by the root router for every data-plane request, read by the handlers.
@@ -65,3 +67,18 @@ async def agent_call(op: str, payload: bytes = b"", **fields: object) -> dict[st
             f"the sandbox did not answer {op} within {AGENT_CALL_TIMEOUT_S:.0f} s"
         ) from None
     return frame.header
+
+
+async def first_batch(batches: AsyncIterator[list[Frame]], gone: asyncio.Task[None]) -> list[Frame] | None:
+    """The call's first frames (None: it ended at once), before any response starts: an error there
+    (not found, a directory...) becomes an HTTP error, not a 200 stream."""
+    try:
+        return await anext(batches)
+    except StopAsyncIteration:
+        return None
+    except BaseException as e:
+        gone.cancel()
+        await batches.aclose()  # type: ignore[attr-defined]
+        if isinstance(e, SandboxError):
+            raise from_sandbox_error(e) from None
+        raise
