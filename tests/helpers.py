@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
 
 from agentcell import CommandExitException, Sandbox
 from agentcell.backends.base import Limits, SandboxSpec
@@ -10,6 +15,24 @@ from agentcell.backends.linux.backend import LinuxBackend, LinuxSandbox
 from agentcell.runtime.protocol import AgentChannel
 
 PROBE = "agentcell.backends.linux.probe:serve"  # the backend tests' stand-in agent
+
+
+@contextlib.asynccontextmanager
+async def probe_backend(**options: Any) -> AsyncIterator[LinuxBackend]:
+    """A started LinuxBackend whose sandboxes run the probe agent (backend tests' module fixture)."""
+    be = LinuxBackend(entry_point=PROBE, **{"max_sandboxes": 1000, **options})
+    await be.start()
+    try:
+        yield be
+    finally:
+        await be.close()
+
+
+def create_sandbox(http: httpx.Client, **body: Any) -> dict[str, Any]:
+    """POST /v2/sandboxes with `body` (templateID base), asserting 201; the response's JSON."""
+    r = http.post("/v2/sandboxes", json={"templateID": "base", **body})
+    assert r.status_code == 201, r.text
+    return r.json()
 
 
 def sh(sbx: Sandbox, cmd: str, timeout: float = 60) -> tuple[int, str, str]:

@@ -15,7 +15,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 import pytest
-from helpers import PROBE, ProbeBox
+from helpers import PROBE, ProbeBox, probe_backend
 
 from agentcell.backends.base import SandboxSpec
 from agentcell.backends.linux.backend import LinuxBackend
@@ -34,10 +34,8 @@ class Box(ProbeBox):
 
 @pytest.fixture(scope="module")
 async def backend() -> AsyncIterator[LinuxBackend]:
-    be = LinuxBackend(entry_point=PROBE, max_sandboxes=1000)
-    await be.start()
-    yield be
-    await be.close()
+    async with probe_backend() as be:
+        yield be
 
 
 async def new_box(backend: LinuxBackend, **limits: int | float) -> Box:

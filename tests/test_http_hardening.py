@@ -27,6 +27,7 @@ from typing import Any
 import httpx
 import pytest
 from conftest import REPO, ServerProcess
+from helpers import create_sandbox as create
 
 from agentcell.backends.base import new_sandbox_id
 
@@ -138,11 +139,6 @@ def http(server_url: str) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=server_url, timeout=60) as c:
         yield c
 
-
-def create(http: httpx.Client, **body: Any) -> dict[str, Any]:
-    r = http.post("/v2/sandboxes", json={"templateID": "base", **body})
-    assert r.status_code == 201, r.text
-    return r.json()
 
 
 @pytest.fixture(scope="module")

@@ -18,9 +18,9 @@ import time
 from collections.abc import AsyncIterator
 
 import pytest
-from helpers import PROBE, ProbeBox
+from helpers import ProbeBox, probe_backend, sh
 
-from agentcell import CommandExitException, Sandbox
+from agentcell import Sandbox
 from agentcell.backends.base import Limits, SandboxSpec
 from agentcell.backends.linux import cgroups, host, ns_limits, rootfs
 from agentcell.backends.linux.backend import LinuxBackend
@@ -56,10 +56,8 @@ class Box(ProbeBox):
 
 @pytest.fixture(scope="module")
 async def backend() -> AsyncIterator[LinuxBackend]:
-    be = LinuxBackend(entry_point=PROBE, max_sandboxes=1000)
-    await be.start()
-    yield be
-    await be.close()
+    async with probe_backend() as be:
+        yield be
 
 
 async def new_box(backend: LinuxBackend, **limits: int) -> Box:
@@ -392,32 +390,26 @@ async def test_socket_buffers_bounded(attacker: Box, neighbour: Box, flood: str)
 
 # --- the disk is memory: one tmpfs, inside the memory limit ---------------------------------------
 
-def _sh(sbx: Sandbox, cmd: str, timeout: float = 120) -> tuple[int, str, str]:
-    try:
-        r = sbx.commands.run(cmd, timeout=timeout)
-        return r.exit_code, r.stdout, r.stderr
-    except CommandExitException as e:
-        return e.exit_code, e.stdout, e.stderr
 
 
 def test_disk_fill_with_default_limits_is_enospc_and_the_sandbox_lives(server_url: str) -> None:
     with Sandbox.create(api_url=server_url, timeout=300) as sbx:
         sbx.run_code("kept = 'state'")
         disk = Limits().disk_limit_mb
-        code, _, err = _sh(sbx, "dd if=/dev/zero of=/home/user/big bs=1M count=2000")
+        code, _, err = sh(sbx, "dd if=/dev/zero of=/home/user/big bs=1M count=2000", timeout=120)
         assert code != 0 and "No space left" in err, err
         # /tmp and /dev/shm are the same disk: full too
         for path in ("/tmp/more", "/dev/shm/more"):
-            code, _, err = _sh(sbx, f"dd if=/dev/zero of={path} bs=1M count=8")
+            code, _, err = sh(sbx, f"dd if=/dev/zero of={path} bs=1M count=8", timeout=120)
             assert code != 0 and "No space left" in err, (path, err)
-        _, out, _ = _sh(sbx, "df -m --output=size,used /home/user /tmp /dev/shm | tail -3")
+        _, out, _ = sh(sbx, "df -m --output=size,used /home/user /tmp /dev/shm | tail -3", timeout=120)
         assert len(set(out.splitlines())) == 1 and abs(int(out.split()[0]) - disk) <= 1, out
         # the agent answers, the files API works, the context kept its state and runs code
-        assert _sh(sbx, "echo alive")[1] == "alive\n"
+        assert sh(sbx, "echo alive", timeout=120)[1] == "alive\n"
         assert "big" in [e.name for e in sbx.files.list("/home/user")]
         assert sbx.run_code("kept").text == "'state'"
         assert sbx.run_code("sum(range(10**6))").text == str(sum(range(10**6)))
-        _sh(sbx, "rm -f /home/user/big /tmp/more /dev/shm/more")
+        sh(sbx, "rm -f /home/user/big /tmp/more /dev/shm/more", timeout=120)
         sbx.files.write("/home/user/after", "fits")
         assert sbx.files.read("/home/user/after") == "fits"
 
@@ -437,7 +429,7 @@ def test_a_flood_of_empty_files_is_enospc(server_url: str) -> None:
         )
         n, err = eval(r.text)
         assert err == "ENOSPC" and n < 64 * 1024 // 8, (n, err)
-        assert _sh(sbx, "rm -rf /tmp/f* && echo cleaned")[1] == "cleaned\n"
+        assert sh(sbx, "rm -rf /tmp/f* && echo cleaned", timeout=120)[1] == "cleaned\n"
 
 
 def test_disk_must_fit_in_memory(server_url: str) -> None:
@@ -447,5 +439,5 @@ def test_disk_must_fit_in_memory(server_url: str) -> None:
                    json={"templateID": "base", "limits": {"memoryMB": 256, "diskMB": 1024}}, timeout=30)
     assert r.status_code == 400 and "memory" in r.text and "diskMB" in r.text, r.text
     with Sandbox.create(api_url=server_url, limits={"memoryMB": 256}) as sbx:  # disk follows memory
-        _, out, _ = _sh(sbx, "df -m --output=size /tmp | tail -1")
+        _, out, _ = sh(sbx, "df -m --output=size /tmp | tail -1", timeout=120)
         assert int(out) == Limits(memory_mb=256).disk_limit_mb == 128

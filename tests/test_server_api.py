@@ -13,6 +13,7 @@ from urllib.parse import quote, urlencode
 
 import httpx
 import pytest
+from helpers import create_sandbox as create
 
 HEADERS = {"X-API-KEY": "test-key"}
 
@@ -22,11 +23,6 @@ def http(server_url: str) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=server_url, headers=HEADERS, timeout=60) as c:
         yield c
 
-
-def create(http: httpx.Client, **body: Any) -> dict[str, Any]:
-    r = http.post("/v2/sandboxes", json={"templateID": "base", **body})
-    assert r.status_code == 201, r.text
-    return r.json()
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 import pytest
-from helpers import PROBE, ProbeBox
+from helpers import ProbeBox, probe_backend
 
 from agentcell import Sandbox
 from agentcell.backends.base import Limits, SandboxSpec
@@ -26,10 +26,8 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the linux backend nee
 
 @pytest.fixture(scope="module")
 async def backend() -> AsyncIterator[LinuxBackend]:
-    be = LinuxBackend(entry_point=PROBE, max_sandboxes=100, standbys=2, prepare_parallel=2)
-    await be.start()
-    yield be
-    await be.close()
+    async with probe_backend(max_sandboxes=100, standbys=2, prepare_parallel=2) as be:
+        yield be
 
 
 async def claim(backend: LinuxBackend, **spec: object) -> ProbeBox:

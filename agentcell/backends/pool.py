@@ -36,7 +36,8 @@ class StandbyPool(Generic[T]):
         self.parallel = parallel
         self._ready: collections.deque[T] = collections.deque()
         self._waiters: collections.deque[asyncio.Future[T]] = collections.deque()
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[None]] = set()  # preparations and discards under way
+        self._preparing = 0
         self._closed = False
         self._failing = False  # the last preparation failed: refill only for waiting creates
 
@@ -88,26 +89,22 @@ class StandbyPool(Generic[T]):
         goal = waiting if self._failing else self.size + waiting
         return goal - len(self._ready) - self._preparing
 
-    @property
-    def _preparing(self) -> int:
-        return sum(1 for t in self._tasks if t.get_name() == "prepare")
-
     def _refill(self) -> None:
         if self._closed:
             return
         for _ in range(min(self._wanted(), self.parallel - self._preparing)):
-            self._spawn(self._prepare_one(), "prepare")
+            self._preparing += 1
+            self._spawn(self._prepare_one()).add_done_callback(self._prepared)
 
-    def _spawn(self, coro: Awaitable[None], name: str = "discard") -> None:
+    def _spawn(self, coro: Awaitable[None]) -> asyncio.Future[None]:
         task = asyncio.ensure_future(coro)
-        task.set_name(name)
         self._tasks.add(task)
-        task.add_done_callback(self._task_done)
+        task.add_done_callback(self._tasks.discard)
+        return task
 
-    def _task_done(self, task: asyncio.Task[None]) -> None:
-        self._tasks.discard(task)
-        if task.get_name() == "prepare":
-            self._refill()  # now that this one is out of the count
+    def _prepared(self, _task: asyncio.Future[None]) -> None:
+        self._preparing -= 1
+        self._refill()  # now that this one is out of the count
 
     async def _prepare_one(self) -> None:
         try:

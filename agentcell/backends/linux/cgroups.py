@@ -53,6 +53,11 @@ def _read(path: str) -> str:
         return f.read()
 
 
+def _quota_us(cpu_count: float) -> int:
+    """The CFS quota per _CPU_PERIOD_US for `cpu_count` cores (the kernel's minimum is 1 ms)."""
+    return max(1000, int(cpu_count * _CPU_PERIOD_US))
+
+
 def socket_limit_bytes(memory_mb: int) -> int:
     """v1: the socket buffers one sandbox may hold, beside its memory limit (an eighth of it)."""
     return max(_MIN_SOCKET_BYTES, (memory_mb << 20) // 8)
@@ -109,7 +114,7 @@ class Cgroups:
 
     def set_limits(self, limits: Limits) -> None:
         mem = limits.memory_mb << 20
-        quota = max(1000, int(limits.cpu_count * _CPU_PERIOD_US))
+        quota = _quota_us(limits.cpu_count)
         if self.v2:
             d = self.dirs["unified"]
             sc.write_file(f"{d}/memory.max", str(mem))
@@ -143,7 +148,7 @@ class Cgroups:
     def retune(self, old: Limits, new: Limits) -> None:
         """Change a live sandbox's memory and CPU limits from `old` to `new` (a standby's claim)."""
         if new.cpu_count != old.cpu_count:
-            quota = max(1000, int(new.cpu_count * _CPU_PERIOD_US))
+            quota = _quota_us(new.cpu_count)
             if self.v2:
                 sc.write_file(f"{self.dirs['unified']}/cpu.max", f"{quota} {_CPU_PERIOD_US}")
             else:
