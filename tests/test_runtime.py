@@ -361,6 +361,17 @@ async def test_code_streams_output_as_it_happens(agent: Agent) -> None:
     assert arrivals[0][1] < 0.5 <= arrivals[1][1]
 
 
+async def test_main_result_and_output_after_it_both_arrive(agent: Agent) -> None:
+    # The kernel keeps the main result back to send it with the run's end: whatever the cell's
+    # post-run hooks write in between comes too.
+    await agent.run("def _after(result):\n    print('after')\nget_ipython().events.register('post_run_cell', _after)")
+    lines = await agent.run("40 + 2")
+    assert _main_text(lines) == "42" and _stdout(lines) == "after\n"
+    await agent.run("get_ipython().events.unregister('post_run_cell', _after)")
+    lines = await agent.run("7")
+    assert _main_text(lines) == "7" and _stdout(lines) == ""
+
+
 async def test_code_contexts(agent: Agent) -> None:
     (agent.home / "work").mkdir()
     ctx = (await agent.ch.call("code.context_create", language="python3", cwd="work")).header["context"]

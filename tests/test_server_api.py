@@ -382,6 +382,24 @@ def test_execute_stream(http: httpx.Client, sbx: dict[str, Any]) -> None:
     assert err["name"] == "ZeroDivisionError" and lines[-1]["type"] == "end_of_execution"
 
 
+def test_execute_lines_reach_the_client_as_they_happen(http: httpx.Client, sbx: dict[str, Any]) -> None:
+    # The server joins the writes of one turn of its loop into one send: never lines that come apart.
+    code = "import time\nprint('first')\ntime.sleep(1)\nprint('second')\n'done'"
+    start = time.monotonic()
+    arrivals: list[tuple[str, float]] = []
+    with http.stream("POST", "/execute", json={"code": code}, headers=envd(sbx, 49999)) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.strip():
+                ln = json.loads(line)
+                arrivals.append((ln.get("text") or ln["type"], time.monotonic() - start))
+    names = [a[0] for a in arrivals if a[0] != "keepalive"]
+    assert names[0] == "number_of_executions" or names[0] == "first\n"
+    assert names[-3:] == ["second\n", "'done'", "end_of_execution"]
+    first = next(t for name, t in arrivals if name == "first\n")
+    assert first < 0.8 <= arrivals[-1][1]
+
+
 def test_execute_errors(http: httpx.Client, sbx: dict[str, Any]) -> None:
     r = http.post("/execute", json={"code": "1"}, headers=envd(sbx, 49999, token=False))
     assert r.status_code == 401

@@ -410,6 +410,7 @@ _CTRL_FD = 3
 # sent it is _defer_sigint, which only notes the interrupt (a half-sent frame would break the stream).
 _running = False
 _interrupt_pending = False
+_held_result = b""  # the main result's frame, sent with the next frame (_send_line)
 
 
 def _defer_sigint(signum: int, frame: Any) -> None:
@@ -491,13 +492,14 @@ def _flush_stdio() -> None:
 
 
 def _send(sock: socket.socket, header: dict[str, Any], payload: bytes = b"") -> None:
-    global _interrupt_pending
+    global _interrupt_pending, _held_result
     running = _running
     if running:
         signal.signal(signal.SIGINT, _defer_sigint)
     try:
         _flush_stdio()
-        sock.sendall(encode_frame(header, payload))
+        data, _held_result = _held_result + encode_frame(header, payload), b""
+        sock.sendall(data)
     finally:
         if running:
             signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -508,7 +510,10 @@ def _send(sock: socket.socket, header: dict[str, Any], payload: bytes = b"") -> 
 
 def _send_line(sock: socket.socket, line: dict[str, Any]) -> None:
     """One E2B line. The count of executions and the main result may wait in the agent ("hold") until
-    the next line or the end of the run, so they reach the client with it instead of on their own."""
+    the next line or the end of the run, so they reach the client with it instead of on their own.
+    The main result comes at the end of a cell: it waits here already, and goes out in the same write
+    as the next frame (the run's end, usually), so the agent wakes once for both."""
+    global _held_result
     data = encode_line(line)
     if len(data) > MAX_LINE:
         # Too big for one line: the run goes on and says so, instead of breaking the context.
@@ -517,7 +522,10 @@ def _send_line(sock: socket.socket, line: dict[str, Any]) -> None:
                             "value": f"a {what} of {len(data)} bytes is over the {MAX_LINE >> 20} MiB limit of one "
                                      "output; write it to a file and read it with files.read",
                             "traceback": ""})  # fmt: skip
-    hold = line.get("type") == "number_of_executions" or line.get("is_main_result") is True
+    if line.get("is_main_result") is True:
+        _held_result += encode_frame({"line": True, "hold": True}, data)
+        return
+    hold = line.get("type") == "number_of_executions"
     _send(sock, {"line": True, "hold": True} if hold else {"line": True}, data)
 
 

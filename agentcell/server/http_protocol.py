@@ -22,6 +22,9 @@ cost a trivial run_code about 0.3 ms of the server's CPU with h11.
   bound of its own, and uvicorn keeps the headers it has parsed so far.
 - Body bytes are read from the socket only once the app asks for them, 64 KiB at a time; a body that
   waits (for the router's checks, or for the body budget) stays in the kernel, not in the server.
+- Writes made in one turn of the event loop go out in one send (_CoalescingTransport): uvicorn writes
+  a response's head, each body chunk and the chunked end apart, so a whole short response (a
+  run_code's lines and end) took three sends and up to three wakeups of the client.
 
 The server always uses this class (`serve()` passes it as uvicorn's `http=`).
 """
@@ -44,6 +47,7 @@ READ_SIZE = 64 << 10
 EVICT_AFTER = 0.1
 KEEP_ALIVE = 75.0  # seconds an idle keep-alive connection stays open (uvicorn's timeout_keep_alive too)
 MAX_HEAD = 64 << 10  # bytes of request line and headers (h11, uvicorn's other parser, allows 16 KiB)
+COALESCE_MAX = 64 << 10  # pending response bytes written to the socket at once, not at the turn's end
 
 
 def _raw_response(status: str, message: str) -> bytes:
@@ -68,6 +72,50 @@ class _Throttled:
         if now - self.last >= self.interval:
             self.last = now
             log.warning(msg, *args)
+
+
+class _CoalescingTransport:
+    """A transport whose writes within one turn of the event loop reach the socket as one write, at
+    the end of that turn (at once when COALESCE_MAX bytes are pending, or before a close)."""
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self._transport = transport
+        self._loop = loop
+        self._pending: list[bytes] = []
+        self._size = 0
+
+    def write(self, data: bytes) -> None:
+        if not data:
+            return
+        if not self._pending:
+            self._loop.call_soon(self._flush)
+        self._pending.append(data)
+        self._size += len(data)
+        if self._size >= COALESCE_MAX:
+            self._flush()
+
+    def writelines(self, list_of_data: Any) -> None:
+        for data in list_of_data:
+            self.write(data)
+
+    def _flush(self) -> None:
+        pending, self._pending, self._size = self._pending, [], 0
+        if pending and not self._transport.is_closing():
+            self._transport.write(pending[0] if len(pending) == 1 else b"".join(pending))
+
+    def get_write_buffer_size(self) -> int:
+        return self._transport.get_write_buffer_size() + self._size
+
+    def close(self) -> None:
+        self._flush()
+        self._transport.close()
+
+    def abort(self) -> None:
+        self._pending, self._size = [], 0
+        self._transport.abort()
+
+    def __getattr__(self, name: str) -> Any:  # is_closing, get_extra_info, pause_reading, ...
+        return getattr(self._transport, name)
 
 
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
@@ -99,7 +147,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             return
         if hasattr(transport, "max_size"):
             transport.max_size = READ_SIZE  # type: ignore[attr-defined]  # asyncio's default: 256 KiB
-        super().connection_made(transport)
+        super().connection_made(_CoalescingTransport(transport, self.loop))  # type: ignore[arg-type]
         self._arm_header_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:
