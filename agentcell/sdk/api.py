@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import urllib.parse
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
 from agentcell.errors import NotFoundException, SandboxException, SandboxNotFoundException
+from agentcell.sdk import fast_async_http
 from agentcell.sdk.config import ConnectionConfig
-from agentcell.sdk.transport import async_client, error_from_http, error_from_transport, sync_client, timeout
+from agentcell.sdk.transport import error_from_http, error_from_transport, sync_client, timeout
+
+_R = TypeVar("_R", httpx.Response, fast_async_http.Response)
+_JSON = {"Content-Type": "application/json"}
 
 
 def create_body(template: str, timeout_s: int | None, metadata: dict[str, str] | None, envs: dict[str, str] | None,
@@ -36,7 +40,7 @@ def list_params(metadata: dict[str, str] | None, state: list[str] | None, limit:
     return params
 
 
-def _check(r: httpx.Response, ok: tuple[int, ...], what: str, sandbox_id: str | None) -> httpx.Response:
+def _check(r: _R, ok: tuple[int, ...], what: str, sandbox_id: str | None) -> _R:
     if r.status_code in ok:
         return r
     e = error_from_http(r.status_code, r.content, sandbox_id, what)
@@ -60,14 +64,20 @@ def call(config: ConnectionConfig, method: str, path: str, *, json: Any = None, 
 
 async def acall(config: ConnectionConfig, method: str, path: str, *, json: Any = None,
                 params: dict[str, str] | None = None, ok: tuple[int, ...] = (200,), sandbox_id: str | None = None,
-                request_timeout: float | None = None) -> httpx.Response:
+                request_timeout: float | None = None) -> fast_async_http.Response:
+    """call() for async code; the response's body is read (status_code, headers, content, json())."""
     what = f"{method} {path}"
+    headers = config.control_headers()
+    body = None
+    if json is not None:
+        body = fast_async_http.json_body(json)
+        headers = {**headers, **_JSON}
+    rt = request_timeout or config.request_timeout or None
     try:
-        r = await async_client(config.endpoint).request(
-            method, path, json=json, params=params, headers=config.control_headers(),
-            timeout=timeout(request_timeout or config.request_timeout))
-    except httpx.HTTPError as e:
-        raise error_from_transport(e, what) from None
+        r = await fast_async_http.client(config.endpoint).request(
+            method, fast_async_http.with_query(path, params), body=body, headers=headers, connect=rt, read=rt)
+    except fast_async_http.HTTPError as e:
+        raise fast_async_http.transport_error(e, what) from None
     return _check(r, ok, what, sandbox_id)
 
 

@@ -6,17 +6,19 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-import httpx
-
 from agentcell.sdk import code as c
+from agentcell.sdk import fast_async_http as fah
 from agentcell.sdk.config import SandboxConnection
 from agentcell.sdk.models import Context, Execution
-from agentcell.sdk.transport import async_client, error_from_http, error_from_transport, timeout
+from agentcell.sdk.transport import error_from_http
+
+_JSON = {"Content-Type": "application/json"}
 
 
 class AsyncCodeInterpreter:
     def __init__(self, conn: SandboxConnection) -> None:
         self._conn = conn
+        self._json_headers = {**conn.code_headers, **_JSON}
 
     async def run_code(self, code: str, language: str | None = None, context: Context | None = None,
                        on_stdout: Callable | None = None, on_stderr: Callable | None = None,
@@ -26,15 +28,15 @@ class AsyncCodeInterpreter:
         deadline = c.Deadline(c.exec_timeout(timeout))
         body = c.execute_body(code, language, context, envs, deadline.timeout)
         cbs = c.callbacks(on_stdout, on_stderr, on_result, on_error)
-        t = httpx.Timeout(deadline.read_timeout(), connect=request_timeout or self._conn.config.request_timeout)
-        client = async_client(self._conn.config.endpoint)
         execution = Execution()
         try:
-            req = client.build_request("POST", "/execute", json=body, headers=self._conn.code_headers, timeout=t)
-            r = await client.send(req, stream=True)
+            r = await fah.client(self._conn.config.endpoint).request(
+                "POST", "/execute", body=fah.json_body(body), headers=self._json_headers,
+                connect=request_timeout or self._conn.config.request_timeout or None,
+                read=deadline.read_timeout(), stream=True)
             try:
-                if r.status_code != 200:
-                    raise error_from_http(r.status_code, await r.aread(), self._conn.sandbox_id, "run_code")
+                if r.status != 200:
+                    raise error_from_http(r.status, await r.read(), self._conn.sandbox_id, "run_code")
                 async for line in r.aiter_lines():
                     deadline.check()
                     due = c.parse_line(execution, line)
@@ -45,21 +47,22 @@ class AsyncCodeInterpreter:
                 deadline.check()  # a run the server interrupted at the deadline ends this way
             finally:
                 await r.aclose()
-        except httpx.ReadTimeout:
+        except fah.ReadTimeout:
             raise c.execution_timeout_error() from None
-        except httpx.HTTPError as e:
-            raise error_from_transport(e, "run_code") from None
+        except fah.HTTPError as e:
+            raise fah.transport_error(e, "run_code") from None
         return execution
 
     async def _json(self, method: str, path: str, body: dict[str, Any] | None, request_timeout: float | None) -> Any:
+        rt = request_timeout or self._conn.config.request_timeout or None
         try:
-            r = await async_client(self._conn.config.endpoint).request(
-                method, path, json=body, headers=self._conn.code_headers,
-                timeout=timeout(request_timeout or self._conn.config.request_timeout))
-        except httpx.HTTPError as e:
-            raise error_from_transport(e, path) from None
-        if r.status_code >= 300:
-            raise error_from_http(r.status_code, r.content, self._conn.sandbox_id, path)
+            r = await fah.client(self._conn.config.endpoint).request(
+                method, path, body=fah.json_body(body) if body is not None else None,
+                headers=self._json_headers if body is not None else self._conn.code_headers, connect=rt, read=rt)
+        except fah.HTTPError as e:
+            raise fah.transport_error(e, path) from None
+        if r.status >= 300:
+            raise error_from_http(r.status, r.content, self._conn.sandbox_id, path)
         return r.json() if r.content else None
 
     async def create_code_context(self, cwd: str | None = None, language: str | None = None,

@@ -10,10 +10,10 @@ from typing import Any
 
 from agentcell.errors import NotFoundException
 from agentcell.sdk import commands as c
+from agentcell.sdk import fast_async_http
 from agentcell.sdk.config import SandboxConnection
 from agentcell.sdk.connect_rpc import astream, aunary
 from agentcell.sdk.models import CommandResult, ProcessInfo
-from agentcell.sdk.transport import async_client, timeout
 
 OnOutput = Callable[[str], Any] | None
 
@@ -106,16 +106,16 @@ class AsyncCommands:
         self._conn = conn
 
     async def _unary(self, path: str, msg: dict[str, Any], request_timeout: float | None) -> dict[str, Any]:
-        rt = request_timeout or self._conn.config.request_timeout
-        return await aunary(async_client(self._conn.config.endpoint), path, msg, self._conn.envd_headers, timeout(rt),
-                            self._conn.sandbox_id)
+        rt = request_timeout or self._conn.config.request_timeout or None
+        return await aunary(fast_async_http.client(self._conn.config.endpoint), path, msg, self._conn.envd_headers,
+                            (rt, rt), self._conn.sandbox_id)
 
     async def _stream(self, path: str, msg: dict[str, Any], user: str | None, t: float | None,
                       request_timeout: float | None) -> tuple[int, AsyncIterator[dict[str, Any]]]:
-        rt = request_timeout or self._conn.config.request_timeout
+        rt = request_timeout or self._conn.config.request_timeout or None
         headers = {**self._conn.envd_user_headers(user), **c.STREAM_EXTRA_HEADERS}
-        events = astream(async_client(self._conn.config.endpoint), path, msg, headers, timeout(rt, c.read_timeout(t)),
-                         self._conn.sandbox_id, c.timeout_ms(t))
+        events = astream(fast_async_http.client(self._conn.config.endpoint), path, msg, headers,
+                         (rt, c.read_timeout(t)), self._conn.sandbox_id, c.timeout_ms(t))
         try:
             pid = c.first_pid(await anext(events))
         except StopAsyncIteration:

@@ -1,4 +1,5 @@
-"""A small Connect-protocol JSON client: unary calls and server streams (sync on fast_http, async on httpx).
+"""A small Connect-protocol JSON client: unary calls and server streams (sync on fast_http, async on
+fast_async_http).
 
 Unary: POST application/json, bare JSON message; errors are `{"code": "<name>", "message"}`.
 Server stream: POST application/connect+json with one envelope (flags u8, big-endian u32 length, JSON);
@@ -12,12 +13,13 @@ import struct
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-import httpx
 from urllib3.exceptions import HTTPError
 
 from agentcell.errors import SandboxException
+from agentcell.sdk import fast_async_http as fah
+from agentcell.sdk.fast_async_http import AsyncFastHTTP
 from agentcell.sdk.fast_http import FastHTTP, chunks, finish, transport_error
-from agentcell.sdk.transport import error_from_connect, error_from_http, error_from_transport
+from agentcell.sdk.transport import error_from_connect, error_from_http
 
 _END_STREAM = 0x02
 _HEADER = struct.Struct(">BI")
@@ -119,43 +121,47 @@ def stream(
 
 
 async def aunary(
-    client: httpx.AsyncClient, path: str, message: dict[str, Any], headers: dict[str, str],
-    timeout: httpx.Timeout, sandbox_id: str | None = None, timeout_ms: int | None = None,
+    client: AsyncFastHTTP, path: str, message: dict[str, Any], headers: dict[str, str],
+    timeout: tuple[float | None, float | None], sandbox_id: str | None = None, timeout_ms: int | None = None,
 ) -> dict[str, Any]:
+    """`timeout`: (connect, read) seconds, None = no bound."""
     try:
-        r = await client.post(
-            path, content=_dumps(message), headers=_headers(_UNARY_HEADERS, headers, timeout_ms), timeout=timeout
-        )
-    except httpx.HTTPError as e:
-        raise error_from_transport(e, path) from None
-    if r.status_code != 200:
-        raise error_from_http(r.status_code, r.content, sandbox_id, path)
-    return r.json() if r.content else {}
+        r = await client.request("POST", path, body=_dumps(message), headers=_headers(_UNARY_HEADERS, headers, timeout_ms),
+                                 connect=timeout[0], read=timeout[1])
+    except fah.HTTPError as e:
+        raise fah.transport_error(e, path) from None
+    if r.status != 200:
+        raise error_from_http(r.status, r.content, sandbox_id, path)
+    return json.loads(r.content) if r.content else {}
 
 
 async def astream(
-    client: httpx.AsyncClient, path: str, message: dict[str, Any], headers: dict[str, str],
-    timeout: httpx.Timeout, sandbox_id: str | None = None, timeout_ms: int | None = None,
+    client: AsyncFastHTTP, path: str, message: dict[str, Any], headers: dict[str, str],
+    timeout: tuple[float | None, float | None], sandbox_id: str | None = None, timeout_ms: int | None = None,
 ) -> AsyncIterator[dict[str, Any]]:
-    req = client.build_request(
-        "POST", path, content=envelope(message), headers=_headers(_STREAM_HEADERS, headers, timeout_ms), timeout=timeout
-    )
+    """An async generator of the stream's messages; the request is sent on the first anext(). aclose()
+    drops it."""
     try:
-        r = await client.send(req, stream=True)
-    except httpx.HTTPError as e:
-        raise error_from_transport(e, path) from None
+        r = await client.request("POST", path, body=envelope(message),
+                                 headers=_headers(_STREAM_HEADERS, headers, timeout_ms),
+                                 connect=timeout[0], read=timeout[1], stream=True)
+    except fah.HTTPError as e:
+        raise fah.transport_error(e, path) from None
     try:
-        if r.status_code != 200:
-            raise error_from_http(r.status_code, await r.aread(), sandbox_id, path)
+        if r.status != 200:
+            try:
+                content = await r.read()
+            except fah.HTTPError as e:
+                raise fah.transport_error(e, path) from None
+            raise error_from_http(r.status, content, sandbox_id, path)
         dec = _Decoder(sandbox_id)
         try:
             async for chunk in r.aiter_raw():
-                for msg in dec.feed(chunk):
-                    yield msg
-                if dec.ended:
-                    return
-        except httpx.HTTPError as e:
-            raise error_from_transport(e, path) from None
+                if not dec.ended:  # after the end-stream message only the end of the HTTP body can come
+                    for msg in dec.feed(chunk):
+                        yield msg
+        except fah.HTTPError as e:
+            raise fah.transport_error(e, path) from None
         dec.finish(path)
     finally:
         await r.aclose()

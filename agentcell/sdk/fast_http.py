@@ -3,7 +3,8 @@ filesystem RPCs. urllib3 keep-alive pools, over TCP or the embedded server's uni
 
 httpx spends about 1 ms of CPU on each request (its URL, header and cookie models and httpcore's state
 machine: more than the server and the sandbox together spend on a trivial run); urllib3 on http.client
-about 0.3 ms. The rest of the SDK (control plane, uploads, the async SDK) stays on httpx.
+about 0.3 ms. The sync control plane and multipart uploads stay on httpx; the async SDK has its own
+client on asyncio (fast_async_http).
 """
 
 from __future__ import annotations

@@ -2,41 +2,46 @@
 
 from __future__ import annotations
 
+import json
+import urllib.parse
 from collections.abc import AsyncIterator
 from typing import IO, Any, Literal
 
 import httpx
 
 from agentcell.errors import NotFoundException
+from agentcell.sdk import fast_async_http as fah
 from agentcell.sdk import files as f
 from agentcell.sdk.config import SandboxConnection
 from agentcell.sdk.connect_rpc import aunary
 from agentcell.sdk.models import EntryInfo, WriteInfo, entry_from_json, write_info_from_json
-from agentcell.sdk.transport import (
-    ConnectCodeError,
-    async_client,
-    error_from_http,
-    error_from_transport,
-    timeout,
-)
+from agentcell.sdk.transport import ConnectCodeError, error_from_http
+
+
+def _url(path: str) -> str:
+    return "/files?" + urllib.parse.urlencode({"path": path})
 
 
 class AsyncFilesystem:
     def __init__(self, conn: SandboxConnection) -> None:
         self._conn = conn
 
-    def _t(self, request_timeout: float | None) -> httpx.Timeout:
-        return timeout(request_timeout or self._conn.config.request_timeout)
+    def _bound(self, request_timeout: float | None) -> float | None:
+        return request_timeout or self._conn.config.request_timeout or None
 
     async def _rpc(self, path: str, msg: dict[str, Any], request_timeout: float | None) -> dict[str, Any]:
-        return await aunary(
-            async_client(self._conn.config.endpoint),
-            path,
-            msg,
-            self._conn.envd_headers,
-            self._t(request_timeout),
-            self._conn.sandbox_id,
-        )
+        rt = self._bound(request_timeout)
+        return await aunary(fah.client(self._conn.config.endpoint), path, msg, self._conn.envd_headers, (rt, rt),
+                            self._conn.sandbox_id)
+
+    async def _files(self, method: str, url: str, headers: dict[str, str], request_timeout: float | None,
+                     what: str, body: bytes | None = None, stream: bool = False) -> fah.Response:
+        rt = self._bound(request_timeout)
+        try:
+            return await fah.client(self._conn.config.endpoint).request(
+                method, url, body=body, headers=headers, connect=rt, read=rt, stream=stream)
+        except fah.HTTPError as e:
+            raise fah.transport_error(e, what) from None
 
     async def read(
         self,
@@ -47,32 +52,24 @@ class AsyncFilesystem:
     ) -> Any:
         """The file's content: str (text), bytearray (bytes) or an iterator of bytes chunks (stream)."""
         headers = self._conn.envd_user_headers(user)
-        params = {"path": path}
         if format == "stream":
-            return self._read_stream(params, headers, request_timeout)
-        try:
-            r = await async_client(self._conn.config.endpoint).get(
-                "/files", params=params, headers=headers, timeout=self._t(request_timeout)
-            )
-        except httpx.HTTPError as e:
-            raise error_from_transport(e, f"read {path}") from None
-        if r.status_code != 200:
-            raise self._error(r.status_code, r.content, path)
+            return self._read_stream(path, headers, request_timeout)
+        r = await self._files("GET", _url(path), headers, request_timeout, f"read {path}")
+        if r.status != 200:
+            raise self._error(r.status, r.content, path)
         return r.text if format == "text" else bytearray(r.content)
 
-    async def _read_stream(
-        self, params: dict[str, str], headers: dict[str, str], request_timeout: float | None
-    ) -> AsyncIterator[bytes]:
-        client = async_client(self._conn.config.endpoint)
-        req = client.build_request(
-            "GET", "/files", params=params, headers=headers, timeout=self._t(request_timeout)
-        )
-        r = await client.send(req, stream=True)
+    async def _read_stream(self, path: str, headers: dict[str, str],
+                           request_timeout: float | None) -> AsyncIterator[bytes]:
+        r = await self._files("GET", _url(path), headers, request_timeout, f"read {path}", stream=True)
         try:
-            if r.status_code != 200:
-                raise self._error(r.status_code, await r.aread(), params["path"])
-            async for chunk in r.aiter_bytes():
-                yield chunk
+            try:
+                if r.status != 200:
+                    raise self._error(r.status, await r.read(), path)
+                async for chunk in r.aiter_bytes():
+                    yield chunk
+            except fah.HTTPError as e:
+                raise fah.transport_error(e, f"read {path}") from None
         finally:
             await r.aclose()
 
@@ -89,19 +86,10 @@ class AsyncFilesystem:
     ) -> WriteInfo:
         """Write (create or replace) one file; parent directories are created."""
         headers = {**self._conn.envd_user_headers(user), "Content-Type": "application/octet-stream"}
-        try:
-            r = await async_client(self._conn.config.endpoint).post(
-                "/files",
-                params={"path": path},
-                content=f.to_bytes(data),
-                headers=headers,
-                timeout=self._t(request_timeout),
-            )
-        except httpx.HTTPError as e:
-            raise error_from_transport(e, f"write {path}") from None
-        if r.status_code != 200:
-            raise self._error(r.status_code, r.content, path)
-        return write_info_from_json(r.json()[0])
+        r = await self._files("POST", _url(path), headers, request_timeout, f"write {path}", body=f.to_bytes(data))
+        if r.status != 200:
+            raise self._error(r.status, r.content, path)
+        return write_info_from_json(json.loads(r.content)[0])
 
     async def write_files(
         self, files: list[dict[str, Any]], user: str | None = None, request_timeout: float | None = None
@@ -109,18 +97,12 @@ class AsyncFilesystem:
         """Write several files ([{"path", "data"}]) in one multipart request."""
         if not files:
             return []
-        try:
-            r = await async_client(self._conn.config.endpoint).post(
-                "/files",
-                files=f.multipart(files),
-                headers=self._conn.envd_user_headers(user),
-                timeout=self._t(request_timeout),
-            )
-        except httpx.HTTPError as e:
-            raise error_from_transport(e, "write_files") from None
-        if r.status_code != 200:
-            raise self._error(r.status_code, r.content, ", ".join(x["path"] for x in files))
-        return [write_info_from_json(x) for x in r.json()]
+        form = httpx.Request("POST", "http://localhost/files", files=f.multipart(files))  # httpx encodes the form
+        headers = {**self._conn.envd_user_headers(user), "Content-Type": form.headers["Content-Type"]}
+        r = await self._files("POST", "/files", headers, request_timeout, "write_files", body=form.read())
+        if r.status != 200:
+            raise self._error(r.status, r.content, ", ".join(x["path"] for x in files))
+        return [write_info_from_json(x) for x in json.loads(r.content)]
 
     async def list(
         self, path: str, depth: int | None = 1, user: str | None = None, request_timeout: float | None = None

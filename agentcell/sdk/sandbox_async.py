@@ -5,16 +5,14 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-import httpx
-
-from agentcell.sdk import api
+from agentcell.sdk import api, fast_async_http
 from agentcell.sdk.code_async import AsyncCodeInterpreter
 from agentcell.sdk.commands_async import AsyncCommands
 from agentcell.sdk.config import ConnectionConfig, SandboxConnection, aresolve
 from agentcell.sdk.files_async import AsyncFilesystem
 from agentcell.sdk.methods import hybrid
 from agentcell.sdk.models import Context, Execution, SandboxInfo, SandboxQuery
-from agentcell.sdk.transport import async_client, error_from_http, error_from_transport, timeout
+from agentcell.sdk.transport import error_from_http
 
 
 class AsyncSandboxPaginator:
@@ -151,12 +149,12 @@ class AsyncSandbox:
 
     async def is_running(self, request_timeout: float | None = None) -> bool:
         """True while the sandbox answers; False once it was killed or timed out."""
+        rt = request_timeout or self._conn.config.request_timeout or None
         try:
-            r = await async_client(self._conn.config.endpoint).get(
-                "/health", headers=self._conn.envd_headers,
-                timeout=timeout(request_timeout or self._conn.config.request_timeout))
-        except httpx.HTTPError as e:
-            raise error_from_transport(e, "is_running") from None
+            r = await fast_async_http.client(self._conn.config.endpoint).request(
+                "GET", "/health", headers=self._conn.envd_headers, connect=rt, read=rt)
+        except fast_async_http.HTTPError as e:
+            raise fast_async_http.transport_error(e, "is_running") from None
         if r.status_code == 502:
             return False
         if r.status_code >= 300:

@@ -1,12 +1,10 @@
-"""One persistent HTTP/1.1 keep-alive client per endpoint (sync) or per endpoint and event loop (async),
-and the mapping of HTTP failures to the SDK's exceptions."""
+"""One persistent httpx keep-alive client per endpoint for the sync SDK's control plane, and the mapping of
+HTTP failures to the SDK's exceptions. (The sync hot paths use fast_http, the async SDK fast_async_http.)"""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import threading
-import weakref
 from typing import Any
 
 import httpx
@@ -26,9 +24,6 @@ from agentcell.sdk.config import Endpoint
 _LIMITS = httpx.Limits(max_connections=256, max_keepalive_connections=64, keepalive_expiry=60)
 _lock = threading.Lock()
 _sync_clients: dict[Endpoint, httpx.Client] = {}
-_async_clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[Endpoint, httpx.AsyncClient]] = (
-    weakref.WeakKeyDictionary()
-)
 
 
 def sync_client(endpoint: Endpoint) -> httpx.Client:
@@ -40,19 +35,6 @@ def sync_client(endpoint: Endpoint) -> httpx.Client:
                 transport = httpx.HTTPTransport(uds=endpoint.uds, limits=_LIMITS, retries=0)
                 client = httpx.Client(base_url=endpoint.base_url, transport=transport, timeout=None)
                 _sync_clients[endpoint] = client
-    return client
-
-
-def async_client(endpoint: Endpoint) -> httpx.AsyncClient:
-    # An AsyncClient's connections belong to the loop that opened them, so keep one per loop.
-    loop = asyncio.get_running_loop()
-    per_loop = _async_clients.get(loop)
-    if per_loop is None:
-        per_loop = _async_clients[loop] = {}
-    client = per_loop.get(endpoint)
-    if client is None:
-        transport = httpx.AsyncHTTPTransport(uds=endpoint.uds, limits=_LIMITS, retries=0)
-        client = per_loop[endpoint] = httpx.AsyncClient(base_url=endpoint.base_url, transport=transport, timeout=None)
     return client
 
 
