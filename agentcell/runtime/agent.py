@@ -24,7 +24,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, NoReturn
 
 from agentcell.errors import InvalidArgumentError, ResourceExhaustedError, SandboxError
-from agentcell.runtime import display, filesystem, kernel, processes, protocol, reaper, statedir
+from agentcell.runtime import display, filesystem, kernel, processes, protocol, reaper, statedir, tunnel
 from agentcell.runtime.filesystem import FileSystem, os_error
 from agentcell.runtime.kernel import ContextManager
 from agentcell.runtime.processes import ProcessTable, Subscriber
@@ -35,7 +35,7 @@ __all__ = ["preload", "serve"]
 
 _PR_SET_DUMPABLE = 4
 _PR_SET_CHILD_SUBREAPER = 36
-_AGENT_MODULES = (display, filesystem, kernel, processes, protocol, reaper)  # imported now, never lazily
+_AGENT_MODULES = (display, filesystem, kernel, processes, protocol, reaper, tunnel)  # imported now, never lazily
 _WARM_TIMEOUT = 10.0  # seconds the default context gets to start before the sandbox says ready anyway
 
 
@@ -430,7 +430,8 @@ class Agent:
         if name == "credit":
             nbytes = header.get("bytes")
             if isinstance(nbytes, int) and nbytes > 0:
-                self.conn_credit += nbytes
+                if not header.get("call_only"):  # call_only: a tunnel's (see tunnel.py)
+                    self.conn_credit += nbytes
                 if target is not None:
                     target.credit += nbytes
                 self.wake_credit_waiters()
@@ -620,6 +621,12 @@ async def _fs_write(agent: Agent, call: Call, frame: Frame) -> dict[str, Any]:
     finally:
         call.take_data(None)
         upload.close()
+
+
+# -- ports served out -------------------------------------------------------------------------------
+@op("net.connect")
+async def _net_connect(agent: Agent, call: Call, frame: Frame) -> dict[str, Any]:
+    return await tunnel.relay(call, frame)
 
 
 # -- code contexts ----------------------------------------------------------------------------------

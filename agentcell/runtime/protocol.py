@@ -41,6 +41,19 @@ _WINDOW_SLACK = 1 << 20
 MAX_ANSWER = 16 << 20  # a unary answer sent in parts (e.g. a long directory listing) is capped here
 _MAX_ASSEMBLING = 32 << 20  # ... and all answers of one sandbox being assembled at once
 _MAX_UNREAD = 1 << 20  # control frames the agent has not read yet
+# A two-way call (net.connect): the server sends at most UP_WINDOW bytes of ``data`` frames that the
+# agent has not acknowledged (``{"event": "ack"}``, sent once the sandbox's socket took them), so a
+# sandbox that stops reading stops the server, which stops reading its client.
+UP_WINDOW = 512 << 10
+# ... and the agent's side of it has a window of its own: a tunnel's frames take TUNNEL_WINDOW of call
+# credit, each at most TUNNEL_READ bytes, and their connection credit comes back as soon as the server
+# has them. A tunnel is a client connection anyone may open to a public port: clients that stop
+# reading must not hold the sandbox's CONN_WINDOW, which its envd and code calls share. The server
+# holds at most TUNNEL_WINDOW + TUNNEL_READ per tunnel, and tunnels are bounded by its connections.
+TUNNEL_WINDOW = 256 << 10
+TUNNEL_READ = 64 << 10
+TUNNEL_CREDIT_BATCH = TUNNEL_WINDOW // 4
+_TUNNEL_SLACK = TUNNEL_READ + 4096  # one read past the window, and a frame header
 
 
 class ProtocolError(Exception):
@@ -138,11 +151,28 @@ class _Call:
     frames: collections.deque[Frame | None] = field(default_factory=collections.deque)  # None: channel closed
     waiter: asyncio.Future[None] | None = None
     uncredited: int = 0  # bytes of this call's frames consumed but not yet credited back
+    unacked: int = 0  # two-way calls: bytes of data sent that the agent has not acknowledged
+    own_window: bool = False  # a tunnel: its frames are held against its own window, not the connection's
+    held: int = 0  # a tunnel's frames received and not yet consumed or dropped
+    ack_waiter: asyncio.Future[None] | None = None
+    ended: bool = False  # a final frame (or the channel's end) arrived
 
     def put(self, frame: Frame | None) -> None:
         self.frames.append(frame)
+        if frame is None or frame.done:
+            self.ended = True
+            self._wake_sender()
         if self.waiter is not None:
             _wake(self.waiter)
+
+    def ack(self, nbytes: Any) -> None:
+        if isinstance(nbytes, int) and nbytes > 0:
+            self.unacked = max(0, self.unacked - nbytes)
+            self._wake_sender()
+
+    def _wake_sender(self) -> None:
+        if self.ack_waiter is not None:
+            _wake(self.ack_waiter)
 
     async def wait(self, timeout: float | None, until: asyncio.Future[Any] | None) -> bool:
         """Until a frame is queued (True), or `timeout` seconds pass without one or `until` is done (False)."""
@@ -214,12 +244,23 @@ class AgentChannel:
                 if frame is None:
                     break
                 call = self._calls.get(frame.header.get("id"))  # type: ignore[arg-type]
+                if frame.header.get("event") == "ack":  # not flow-controlled: handled here, never queued
+                    if call is not None:
+                        call.ack(frame.header.get("bytes"))
+                    continue
                 if frame.done:
                     if call is not None:
                         call.put(frame)
                     continue
                 if call is None:  # a late frame of a call we dropped: credit it back at once
                     self._credit(frame.header.get("id"), frame.size)
+                    continue
+                if call.own_window:
+                    call.held += frame.size
+                    if call.held > TUNNEL_WINDOW + _TUNNEL_SLACK:
+                        raise ProtocolError(f"it sent {call.held} bytes on a tunnel beyond its window")
+                    self._return_connection_credit(frame.size)
+                    call.put(frame)
                     continue
                 self.buffered += frame.size
                 if self.buffered > CONN_WINDOW + _WINDOW_SLACK:
@@ -263,7 +304,20 @@ class AgentChannel:
         if nbytes > 0 and isinstance(call_id, int):
             self._control({"op": "credit", "target": call_id, "bytes": nbytes})
 
+    def _return_connection_credit(self, nbytes: int) -> None:
+        self._owed += nbytes
+        if self._owed >= CREDIT_BATCH:
+            self._credit(0, self._owed)
+            self._owed = 0
+
     def _consumed(self, call_id: int, call: _Call, frame: Frame) -> None:
+        if call.own_window:  # its connection credit went back on arrival: only the call's is due
+            call.held -= frame.size
+            call.uncredited += frame.size
+            if call.uncredited >= TUNNEL_CREDIT_BATCH:
+                self._control({"op": "credit", "target": call_id, "bytes": call.uncredited, "call_only": True})
+                call.uncredited = 0
+            return
         self.buffered -= frame.size
         call.uncredited += frame.size
         if call.uncredited >= CREDIT_BATCH:
@@ -275,19 +329,21 @@ class AgentChannel:
         to a consumer that did not come back for more), cancel it if it runs."""
         self._calls.pop(call_id, None)
         held = call.uncredited
-        for frame in [*unconsumed, *call.frames]:
-            if frame is not None and not frame.done:
-                self.buffered -= frame.size
-                held += frame.size
+        if call.own_window:  # a tunnel's connection credit went back as its frames came
+            call.held = 0
+        else:
+            for frame in [*unconsumed, *call.frames]:
+                if frame is not None and not frame.done:
+                    self.buffered -= frame.size
+                    held += frame.size
         call.frames.clear()
         if not finished:
             self._control({"op": "cancel", "target": call_id})
+        if call.own_window:
+            return
         # What an ended call still holds only matters to the connection's window: return it in batches
         # (most calls end with a few small frames, and a frame per call would double the writes).
-        self._owed += held
-        if self._owed >= CREDIT_BATCH:
-            self._credit(0, self._owed)
-            self._owed = 0
+        self._return_connection_credit(held)
 
     async def _send(self, header: dict[str, Any], payload: bytes = b"") -> None:
         if self.closed.is_set():
@@ -396,6 +452,12 @@ class AgentChannel:
 
         return await self._answer(call_id, call, send_all())
 
+    def duplex(self, op: str, **fields: Any) -> Duplex:
+        """A two-way call (``net.connect``): see Duplex. Nothing is sent until Duplex.open()."""
+        call_id, call = self._new_call(fields)
+        call.own_window = True
+        return Duplex(self, call_id, call, {"id": call_id, "op": op, **fields})
+
     async def _answer(self, call_id: int, call: _Call, request: Any) -> Frame:
         batches = self._batches(call_id, call, None, None)
         parts: list[bytes] = []
@@ -430,6 +492,70 @@ class AgentChannel:
         if not isinstance(answer, dict):
             raise ProtocolError("the agent sent an answer in parts that is not a JSON object")
         return Frame({**answer, "id": call_id, "done": True})
+
+
+class Duplex:
+    """A call whose data flows both ways, e.g. a TCP connection inside the sandbox (``net.connect``).
+
+    write()/write_eof() send ``data`` frames within UP_WINDOW un-acknowledged bytes (the agent
+    acknowledges what the sandbox's socket took); batches() yields what the agent sends back
+    (``data`` and ``eof`` frames, flow-controlled like any stream, then the final frame).
+    aclose() ends the call: a call still running is cancelled, so the agent closes the socket.
+    """
+
+    def __init__(self, channel: AgentChannel, call_id: int, call: _Call, request: dict[str, Any]) -> None:
+        self._channel = channel
+        self._id = call_id
+        self._call = call
+        self._request = request
+        self._batches: AsyncIterator[list[Frame]] | None = None
+        self._eof_sent = False
+
+    async def open(self, until: asyncio.Future[Any] | None = None, first: bytes = b"") -> AsyncIterator[list[Frame]]:
+        """Send the request, with `first` bytes of data (at most CHUNK: a request head) in the same
+        frame; returns the call's batches (see AgentChannel.batches), which end the call when closed.
+        `until` done (the client left) ends them too."""
+        self._batches = self._channel._batches(self._id, self._call, None, until)
+        self._call.unacked += len(first)
+        try:
+            await self._channel._send(self._request, first)
+        except BaseException:
+            await self.aclose()
+            raise
+        return self._batches
+
+    @property
+    def ended(self) -> bool:
+        return self._call.ended or self._id not in self._channel._calls
+
+    async def write(self, data: bytes) -> bool:
+        """Send `data` once the window has room; False if the call has ended (nothing more is taken)."""
+        for piece in pieces(data):
+            if not piece:
+                continue
+            while self._call.unacked and self._call.unacked + len(piece) > UP_WINDOW and not self.ended:
+                self._call.ack_waiter = waiter = asyncio.get_running_loop().create_future()
+                try:
+                    await waiter
+                finally:
+                    self._call.ack_waiter = None
+            if self.ended or self._eof_sent:
+                return False
+            self._call.unacked += len(piece)
+            await self._channel._send({"id": self._id, "op": "data"}, piece)
+        return True
+
+    async def write_eof(self) -> None:
+        """No more data from this side (the agent shuts down the socket's writing half)."""
+        if not self._eof_sent and not self.ended:
+            self._eof_sent = True
+            await self._channel._send({"id": self._id, "op": "data", "eof": True})
+
+    async def aclose(self) -> None:
+        if self._batches is not None:
+            await self._batches.aclose()  # type: ignore[attr-defined]
+        if self._id in self._channel._calls:  # the batches never started: release the call here
+            self._channel._release(self._id, self._call, self._call.ended, [])
 
 
 async def line_dicts(frames: AsyncIterator[Frame]) -> AsyncIterator[dict[str, Any]]:

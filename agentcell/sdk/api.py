@@ -85,3 +85,10 @@ def sandbox_fields(data: Any) -> tuple[str, str | None]:
     if not isinstance(data, dict) or "sandboxID" not in data:
         raise SandboxException(f"the server's sandbox response has no sandboxID: {data!r}")
     return data["sandboxID"], data.get("envdAccessToken")
+
+
+def sandbox_extras(data: dict[str, Any]) -> dict[str, str | None]:
+    """The create/connect response's domain and traffic token, as SandboxConnection's keywords."""
+    domain, traffic = data.get("domain"), data.get("trafficAccessToken")
+    return {"domain": domain if isinstance(domain, str) else None,
+            "traffic_access_token": traffic if isinstance(traffic, str) else None}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 DEFAULT_REQUEST_TIMEOUT = 60.0  # seconds, like e2b's connection config
 
@@ -61,13 +62,21 @@ INTERPRETER_PORT = "49999"
 class SandboxConnection:
     """Everything a sandbox's data-plane calls need: config, id and the routing/auth headers (built once)."""
 
-    def __init__(self, config: ConnectionConfig, sandbox_id: str, access_token: str | None) -> None:
+    def __init__(self, config: ConnectionConfig, sandbox_id: str, access_token: str | None,
+                 domain: str | None = None, traffic_access_token: str | None = None) -> None:
         self.config = config
         self.sandbox_id = sandbox_id
         self.access_token = access_token
+        self.domain = domain
+        self.traffic_access_token = traffic_access_token
         auth = {"X-Access-Token": access_token} if access_token else {}
         self.envd_headers = {"E2b-Sandbox-Id": sandbox_id, "E2b-Sandbox-Port": ENVD_PORT, **auth}
         self.code_headers = {"E2b-Sandbox-Id": sandbox_id, "E2b-Sandbox-Port": INTERPRETER_PORT, **auth}
+
+    def get_host(self, port: int) -> str:
+        """`{port}-{id}.{domain}`: the server's `domain`, else the host of the URL the SDK uses."""
+        domain = self.domain or urlsplit(self.config.base_url).netloc
+        return f"{port}-{self.sandbox_id}.{domain}"
 
     def envd_user_headers(self, user: str | None) -> dict[str, str]:
         if not user:

@@ -72,6 +72,19 @@ class AsyncSandbox:
     def connection_config(self) -> ConnectionConfig:
         return self._conn.config
 
+    @property
+    def traffic_access_token(self) -> str | None:
+        """The token a port served out of this sandbox needs when it was created with
+        ``network={"allow_public_traffic": False}`` (header ``e2b-traffic-access-token``)."""
+        return self._conn.traffic_access_token
+
+    def get_host(self, port: int) -> str:
+        """The host (``{port}-{sandbox_id}.{domain}``) under which a server listening on `port` inside
+        the sandbox is reached through the server, over HTTP or WebSocket; as e2b's get_host. With a
+        local server that is ``{port}-{id}.localhost:{server port}`` (browsers and curl resolve
+        ``*.localhost`` to loopback; other clients can connect to the server and send it as Host)."""
+        return self._conn.get_host(port)
+
     # --- lifecycle --------------------------------------------------------------------------------
 
     @classmethod
@@ -84,7 +97,7 @@ class AsyncSandbox:
         body = api.create_body(template, timeout, metadata, envs, limits)
         r = await api.acall(config, "POST", "/v2/sandboxes", json=body, ok=(201, 200))
         sandbox_id, token = api.sandbox_fields(r.json())
-        return cls(SandboxConnection(config, sandbox_id, token))
+        return cls(SandboxConnection(config, sandbox_id, token, **api.sandbox_extras(r.json())))
 
     @classmethod
     async def _cls_connect(cls, sandbox_id: str, timeout: int | None = None, api_key: str | None = None,
@@ -94,7 +107,7 @@ class AsyncSandbox:
         r = await api.acall(config, "POST", f"/v2/sandboxes/{sandbox_id}/connect", json=body, ok=(200, 201),
                      sandbox_id=sandbox_id)
         sid, token = api.sandbox_fields(r.json())
-        return cls(SandboxConnection(config, sid, token))
+        return cls(SandboxConnection(config, sid, token, **api.sandbox_extras(r.json())))
 
     @hybrid("_cls_connect")
     async def connect(self, timeout: int | None = None, request_timeout: float | None = None) -> AsyncSandbox:

@@ -1,8 +1,9 @@
 """The root ASGI app: the control plane and every sandbox's data plane on one port.
 
 A request with an `E2b-Sandbox-Id` header, or a Host of the form `{port}-{sandboxid}.{anything}`, goes
-to that sandbox's data plane for the port (49983 envd, 49999 code interpreter); anything else is the
-control plane. This mirrors E2B's own proxy, so `E2B_SANDBOX_URL` pointing here just works.
+to that sandbox's data plane for the port (49983 envd, 49999 code interpreter, any other port: a
+server inside the sandbox, through ports.py); anything else is the control plane. This mirrors E2B's
+own proxy, so `E2B_SANDBOX_URL` pointing here just works.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from starlette.routing import Route
 
 from agentcell.backends import get_backend
 from agentcell.backends.base import Backend
-from agentcell.server import auth, files, interpreter
+from agentcell.server import auth, files, interpreter, ports
 from agentcell.server.asgi import declared_length, has_body, header, is_connect_rpc
 from agentcell.server.auth import ENVD_PORT, INTERPRETER_PORT
 from agentcell.server.bodies import BUDGET_KEY, BodyBudget, json_content_type_refusal
@@ -30,7 +31,7 @@ from agentcell.server.edge import EdgeGuard
 from agentcell.server.envd import READ_MAX_BYTES, filesystem_app, process_app
 from agentcell.server.errors import HTTPError, internal_error, json_error, sandbox_not_found
 from agentcell.server.hosts import HostPolicy, check_exposure
-from agentcell.server.registry import Admission, SandboxManager
+from agentcell.server.registry import Admission, SandboxManager, SandboxRecord
 from agentcell.server.streams import current_sandbox
 
 log = logging.getLogger("agentcell.server")
@@ -143,7 +144,7 @@ class AgentcellApp:
             await self._lifespan(receive, send)
             return
         if scope["type"] != "http":
-            return  # websockets are not part of the protocol
+            return  # uvicorn runs with ws="none": upgrades come as http scopes (http_protocol.py)
         await self.edge(scope, receive, send)
 
     async def _route(self, scope: Any, receive: Any, send: Any) -> None:
@@ -164,6 +165,9 @@ class AgentcellApp:
         if rec is None:
             await sandbox_not_found(sandbox_id)(scope, receive, send)
             return
+        if port not in (ENVD_PORT, INTERPRETER_PORT):
+            await self._user_port(rec, port, scope, receive, send)
+            return
         if refusal := auth.data_plane_refusal(scope, rec.access_token, port):
             if is_connect_rpc(scope["path"]) and port == ENVD_PORT:
                 body = {"code": "unauthenticated", "message": refusal}
@@ -181,15 +185,21 @@ class AgentcellApp:
                     await self._connect_rpc(scope, receive, send)
                 else:
                     await self.envd_http(scope, receive, send)
-            elif port == INTERPRETER_PORT:
-                await self.interpreter(scope, receive, send)
             else:
-                body = {"sandboxId": sandbox_id, "port": port, "code": 502,
-                        "message": f"The sandbox is running but port is not open ({port}); agentcell serves 49983 and 49999"}
-                await JSONResponse(body, status_code=502)(scope, receive, send)
+                await self.interpreter(scope, receive, send)
         finally:
             current_sandbox.reset(token)
 
+    async def _user_port(self, rec: SandboxRecord, port: int, scope: Any, receive: Any, send: Any) -> None:
+        """A port served out of the sandbox: public unless the sandbox was created with
+        allowPublicTraffic false, then E2B's traffic token is needed (auth.py)."""
+        if refusal := auth.user_port_refusal(scope, rec.access_token, rec.public_traffic):
+            await json_error(401, refusal)(scope, receive, send)
+            return
+        if not 0 < port < 65536:
+            await ports.port_not_open(rec.sandbox_id, port)(scope, receive, send)
+            return
+        await ports.serve_port(rec, port, scope, receive, send)
 
     async def _connect_rpc(self, scope: Any, receive: Any, send: Any) -> None:
         """envd's Connect services. connectrpc reads a whole message into memory (up to 16 MiB), so
@@ -248,6 +258,8 @@ def serve(config: ServerConfig) -> None:
         lifespan="on",
         timeout_graceful_shutdown=5,
         http=guarded_protocol(config.header_timeout, config.max_connections),
+        ws="none",  # an installed websockets/wsproto must not take upgrades from http_protocol.py
+        server_header=False,  # a proxied response keeps its own Server header (ports.py); no banner otherwise
         timeout_keep_alive=int(KEEP_ALIVE),
     )
     uvicorn.Server(uv).run()

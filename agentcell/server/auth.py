@@ -1,10 +1,11 @@
 """Credentials, checked by the root router before any handler runs or any body is read.
 
 Control plane: `X-API-KEY` when the server has a key. Data plane (every request routed to a sandbox):
-the sandbox's `X-Access-Token`; on the code interpreter (and any other non-envd port) also its
-`E2B-Traffic-Access-Token`, which is what the official code-interpreter SDK sends on /contexts; on
-`/files` also the v1 signature the SDK puts in download/upload URLs. Only `GET /health` is open, as
-in envd. All comparisons are constant-time.
+the sandbox's `X-Access-Token`; on the code interpreter also its `E2B-Traffic-Access-Token`, which is
+what the official code-interpreter SDK sends on /contexts; on `/files` also the v1 signature the SDK
+puts in download/upload URLs. Only `GET /health` is open, as in envd. Ports served out of a sandbox
+(any other port) are public, as on E2B, unless the sandbox was created with `allowPublicTraffic`
+false: then they need the `E2B-Traffic-Access-Token`. All comparisons are constant-time.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from agentcell.server.asgi import header, query
 ENVD_PORT = 49983
 INTERPRETER_PORT = 49999
 MISSING_TOKEN = "missing or invalid X-Access-Token"
+MISSING_TRAFFIC_TOKEN = ("missing or invalid E2B-Traffic-Access-Token: this sandbox was created with "
+                         "allowPublicTraffic false, so its ports need its trafficAccessToken")
 
 
 def _equal(given: str | None, expected: str) -> bool:
@@ -75,3 +78,10 @@ def data_plane_refusal(scope: dict[str, Any], access_token: str, port: int) -> s
     if port == ENVD_PORT and path == "/files" and method in ("GET", "POST"):
         return _file_signature_refusal(scope, access_token, "read" if method == "GET" else "write")
     return MISSING_TOKEN
+
+
+def user_port_refusal(scope: dict[str, Any], access_token: str, public: bool) -> str | None:
+    """Why a request to a port served out of a sandbox is refused (401), or None to let it through."""
+    if public or _equal(header(scope, b"e2b-traffic-access-token"), traffic_token(access_token)):
+        return None
+    return MISSING_TRAFFIC_TOKEN

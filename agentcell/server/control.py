@@ -23,6 +23,7 @@ from agentcell.server.auth import traffic_token
 from agentcell.server.bodies import JSON_LIMIT, read_json
 from agentcell.server.config import ServerConfig
 from agentcell.server.errors import HTTPError, internal_error
+from agentcell.server.hosts import local_domain
 from agentcell.server.registry import CapacityError, SandboxManager, SandboxRecord
 
 ENVD_VERSION = "0.6.13"
@@ -125,6 +126,20 @@ def _reject_unsupported(body: dict[str, Any]) -> None:
         raise HTTPError(400, "volume mounts are not supported by agentcell yet")
 
 
+def _public_traffic(body: dict[str, Any]) -> bool:
+    """E2B's network.allowPublicTraffic (the SDK sends camelCase; snake_case accepted too): whether the
+    sandbox's served-out ports need no traffic token. Default true, as on E2B."""
+    network = body.get("network")
+    if not isinstance(network, dict):
+        return True
+    value = network.get("allowPublicTraffic", network.get("allow_public_traffic"))
+    if value is None:
+        return True
+    if not isinstance(value, bool):
+        raise HTTPError(400, "'network.allowPublicTraffic' must be a boolean")
+    return value
+
+
 # --- response objects ----------------------------------------------------------------------------------
 
 
@@ -134,7 +149,10 @@ class ControlPlane:
         self.manager = manager
 
     def _domain(self, request: Request) -> str | None:
-        return self.cfg.domain or request.headers.get("host") or None
+        # get_host(port) is "{port}-{id}.{domain}": without --domain, the name this request came to,
+        # with a loopback address turned into "localhost" (8000-id.localhost resolves, 8000-id.127.0.0.1 not).
+        host = request.headers.get("host")
+        return self.cfg.domain or (local_domain(host) if host else None)
 
     def sandbox_json(self, rec: SandboxRecord, request: Request) -> dict[str, Any]:
         return {
@@ -206,6 +224,7 @@ class ControlPlane:
             raise HTTPError(400, e.message) from None
         limits = _limits(self.cfg, body)
         _reject_unsupported(body)
+        public_traffic = _public_traffic(body)
         try:
             rec = await self.manager.create(
                 template_id=template, alias=template, timeout=timeout, metadata=metadata, envs=envs, limits=limits
@@ -219,6 +238,7 @@ class ControlPlane:
                 raise HTTPError(500, f"the sandbox could not be started: {e.message}") from None
             # Backend errors name zygotes, cgroups, uids and paths: they go to the log only.
             raise internal_error("creating a sandbox", e, "the sandbox could not be started") from None
+        rec.public_traffic = public_traffic  # the tenant has not got the id yet: nothing it serves is up
         return JSONResponse(self.sandbox_json(rec, request), status_code=201)
 
     def _filtered(self, request: Request) -> list[SandboxRecord]:

@@ -20,6 +20,10 @@ from agentcell.server.config import ServerConfig
 
 _HOST_RE = re.compile(r"^(?:\[(?P<v6>[0-9a-f:.]+)\]|(?P<name>[a-z0-9._-]+))(?::(?P<port>\d{1,5}))?$")
 _WILDCARD_BINDS = {"", "0.0.0.0", "::", "*"}
+# A page served out of a sandbox ({port}-{id}.<domain>) is the sandbox's code: as an Origin it is
+# trusted only by requests to that same sandbox (any of its ports), never by the control plane or
+# another sandbox.
+_SANDBOX_HOST_RE = re.compile(r"^\d+-(?P<id>[a-z0-9]+)\.")
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
@@ -60,6 +64,18 @@ def host_name(value: str) -> str | None:
     return m.group("v6") or m.group("name").rstrip(".")
 
 
+def local_domain(host: str) -> str:
+    """The Host `host` with a loopback IP literal replaced by "localhost" (port kept): sandbox host
+    names are `{port}-{id}.{domain}`, and only `*.localhost` resolves to loopback by itself."""
+    m = _HOST_RE.match(host.strip().lower())
+    if m is None:
+        return host
+    name = m.group("v6") or m.group("name")
+    if not is_loopback(name) or name.endswith("localhost"):
+        return host
+    return "localhost" + (f":{m.group('port')}" if m.group("port") else "")
+
+
 def _netloc(scheme: str, host: str, port: int | None) -> str:
     host = f"[{host}]" if ":" in host else host
     return host if port is None or port == _DEFAULT_PORTS.get(scheme) else f"{host}:{port}"
@@ -87,6 +103,15 @@ def _same_netloc(origin: str, host: str, scheme: str) -> bool:
     port = int(m.group("port")) if m.group("port") else None
     netloc = origin.split("://", 1)[1]
     return netloc in (_netloc("http", name, port), _netloc("https", name, port), _netloc(scheme, name, port))
+
+
+def _target_sandbox(scope: dict[str, Any], host: str | None) -> str | None:
+    """The id of the sandbox a request is routed to (by E2B's header or by Host), else None."""
+    by_header = header(scope, b"e2b-sandbox-id")
+    if by_header is not None:
+        return by_header.strip()
+    m = _SANDBOX_HOST_RE.match((host or "").strip().lower())
+    return m.group("id") if m else None
 
 
 @dataclass(frozen=True)
@@ -145,8 +170,12 @@ class HostPolicy:
             return (f"requests with Origin {origin!r} are refused (cross-site request protection); "
                     "'null' is what sandboxed frames, file:// pages and cross-site redirects send")
         normalised, name = parsed
-        if normalised in self.origins or self._name_allowed(name):
+        if normalised in self.origins:
             return None
+        if self._name_allowed(name):
+            page = _SANDBOX_HOST_RE.match(name)
+            if page is None or page.group("id") == _target_sandbox(scope, host):
+                return None
         if host is not None and _same_netloc(normalised, host, scope.get("scheme", "http")):
             return None
         return (f"requests from the web page at {origin!r} are refused (cross-site request protection); "

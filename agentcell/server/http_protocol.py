@@ -25,6 +25,14 @@ cost a trivial run_code about 0.3 ms of the server's CPU with h11.
 - Writes made in one turn of the event loop go out in one send (_CoalescingTransport): uvicorn writes
   a response's head, each body chunk and the chunked end apart, so a whole short response (a
   run_code's lines and end) took three sends and up to three wakeups of the client.
+- Upgrade requests (WebSocket, or any other protocol) reach the app as plain HTTP requests that carry
+  a RawConnection in `scope["extensions"]["agentcell.upgrade"]`. The router checks routing and
+  credentials as for any request; for a port served out of a sandbox, ports.py forwards the request
+  and, if the sandbox's server answers 101, takes the connection over and relays its bytes. Why bytes
+  and not WebSocket messages (uvicorn's websockets/wsproto support): the server has nothing to do
+  with the messages, a byte relay serves every upgrade protocol and every WebSocket extension
+  (compression is negotiated end to end), costs no parsing, and needs no extra dependency. A request
+  that asks to upgrade but is not taken over gets its response and the connection closes.
 
 The server always uses this class (`serve()` passes it as uvicorn's `http=`).
 """
@@ -37,6 +45,7 @@ import logging
 import time
 from typing import Any, ClassVar
 
+import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 log = logging.getLogger("agentcell.server")
@@ -48,6 +57,8 @@ EVICT_AFTER = 0.1
 KEEP_ALIVE = 75.0  # seconds an idle keep-alive connection stays open (uvicorn's timeout_keep_alive too)
 MAX_HEAD = 64 << 10  # bytes of request line and headers (h11, uvicorn's other parser, allows 16 KiB)
 COALESCE_MAX = 64 << 10  # pending response bytes written to the socket at once, not at the turn's end
+RAW_BUFFER = 64 << 10  # bytes of an upgraded connection read ahead of the relay; then reading pauses
+UPGRADE_EXTENSION = "agentcell.upgrade"
 
 
 def _raw_response(status: str, message: str) -> bytes:
@@ -106,6 +117,11 @@ class _CoalescingTransport:
     def get_write_buffer_size(self) -> int:
         return self._transport.get_write_buffer_size() + self._size
 
+    def write_eof(self) -> None:
+        self._flush()  # what was written before the EOF goes first
+        if not self._transport.is_closing() and self._transport.can_write_eof():
+            self._transport.write_eof()
+
     def close(self) -> None:
         self._flush()
         self._transport.close()
@@ -116,6 +132,80 @@ class _CoalescingTransport:
 
     def __getattr__(self, name: str) -> Any:  # is_closing, get_extra_info, pause_reading, ...
         return getattr(self._transport, name)
+
+
+class RawConnection:
+    """A client connection that asked to upgrade, as a byte stream once the app takes it over.
+
+    Until take_over() its bytes after the request head are buffered (reading pauses past RAW_BUFFER);
+    if the app answers instead, the connection closes after the response.
+    """
+
+    def __init__(self, protocol: GuardedHttpToolsProtocol) -> None:
+        self._protocol = protocol
+        self._buffer = bytearray()
+        self._eof = False
+        self._waiter: asyncio.Future[None] | None = None
+        self.taken = False
+        self.lost: asyncio.Future[None] = protocol.loop.create_future()  # the connection is gone
+
+    # --- from the protocol ---
+
+    def feed(self, data: bytes) -> None:
+        self._buffer += data
+        if len(self._buffer) > RAW_BUFFER:
+            self._protocol.flow.pause_reading()
+        self._wake()
+
+    def feed_eof(self) -> None:
+        self._eof = True
+        self._wake()
+
+    def connection_lost(self) -> None:
+        self.feed_eof()
+        if not self.lost.done():
+            self.lost.set_result(None)
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    # --- for the app ---
+
+    def take_over(self) -> RawConnection:
+        """The connection is the app's from now on: uvicorn's request/response cycle is over."""
+        self.taken = True
+        cycle = self._protocol.cycle
+        cycle.response_started = cycle.response_complete = True  # uvicorn sends nothing more on it
+        return self
+
+    async def read(self) -> bytes:
+        """The next bytes from the client; b"" at its EOF (or once the connection is lost)."""
+        while not self._buffer and not self._eof:
+            self._waiter = self._protocol.loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        data = bytes(self._buffer)
+        self._buffer.clear()
+        self._protocol.flow.resume_reading()
+        return data
+
+    def write(self, data: bytes) -> None:
+        if data and not self._protocol.transport.is_closing():
+            self._protocol.transport.write(data)
+
+    async def drain(self) -> None:
+        """Until the client has taken most of what was written (or is gone)."""
+        await self._protocol.flow.drain()
+
+    def write_eof(self) -> None:
+        if not self._protocol.transport.is_closing():
+            self._protocol.transport.write_eof()
+
+    def close(self) -> None:
+        self._protocol.transport.close()
 
 
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
@@ -132,6 +222,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._refused = False
         self._head_bytes = 0  # bytes received while waiting for the current request's headers
         self._idle = False  # the timer waits for a kept-alive connection's next request
+        self._upgrade: RawConnection | None = None  # after a request head that asks to upgrade
 
     # --- connection lifecycle ---
 
@@ -152,11 +243,22 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_header_timer()
+        if self._upgrade is not None:
+            self._upgrade.connection_lost()
         if not self._refused:
             super().connection_lost(exc)
 
+    def eof_received(self) -> bool | None:
+        if self._upgrade is not None:
+            self._upgrade.feed_eof()
+            return True  # half-closed: the relay may still write to the client
+        return super().eof_received()  # type: ignore[func-returns-value]
+
     def data_received(self, data: bytes) -> None:
         if self._refused:
+            return
+        if self._upgrade is not None:  # past an upgrade request's head: no longer HTTP
+            self._upgrade.feed(data)
             return
         if self._header_timer is not None:
             if not self._head_bytes and self._idle:  # a kept-alive connection's next request begins
@@ -169,11 +271,28 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
                     f"the request line and headers are over {MAX_HEAD >> 10} KiB"))
                 self.transport.close()
                 return
-        super().data_received(data)
+        self._feed(data)
+
+    def _feed(self, data: bytes) -> None:
+        """uvicorn's data_received, but the bytes after an upgrade request's head are kept (uvicorn
+        without a WebSocket library drops them and answers the next bytes with a 400)."""
+        self._unset_keepalive_if_required()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            self.logger.warning("Invalid HTTP request received.")
+            self.send_400_response("Invalid HTTP request received.")
+        except httptools.HttpParserUpgrade as e:
+            if self._upgrade is not None:
+                self._upgrade.feed(data[e.args[0]:])
 
     def on_headers_complete(self) -> None:
         self._cancel_header_timer()  # the request line and headers are in
         super().on_headers_complete()
+        if self.parser.should_upgrade() and self.cycle is not None and self.cycle.scope is self.scope:
+            self._upgrade = RawConnection(self)
+            self.scope.setdefault("extensions", {})[UPGRADE_EXTENSION] = self._upgrade  # type: ignore[typeddict-item]
+            self.cycle.keep_alive = False  # not taken over: close after the response
         if any(name == b"transfer-encoding" or (name == b"content-length" and value.strip(b"0 \t"))
                for name, value in self.headers):
             # A request with a body: stop reading until the app asks for the body (uvicorn's

@@ -51,6 +51,7 @@ class SandboxRecord:
     client_id: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
     access_token: str = field(default_factory=lambda: secrets.token_urlsafe(24))
     cpu_sample: tuple[float, float] | None = None  # (time, cpu seconds) of the last metrics call
+    public_traffic: bool = True  # its served-out ports need no traffic token (E2B's allowPublicTraffic)
 
     def alive(self) -> bool:
         return not self.channel.closed.is_set()
