@@ -1,0 +1,144 @@
+"""The egress router (backends/linux/egress.py) against an "internet" this test builds.
+
+Everything lives in network namespaces created here: a router, two stand-ins for sandbox namespaces,
+and an "internet" namespace on documentation ranges that also answers on private, CGNAT, link-local
+and metadata addresses. The router's only route leads to that namespace, so nothing can leave the
+machine; and since the route would carry those forbidden addresses too, a refusal proves the rules
+work, not a missing route. The host's own links, addresses, routes and ruleset must be unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from agentcell.backends.linux.egress import Policy, Router, link_addresses
+
+TAG = f"actest{os.getpid() % 100000}"
+INET, SBX1, SBX2 = f"{TAG}-inet", f"{TAG}-s1", f"{TAG}-s2"
+WEB, OTHER_WEB = "203.0.113.10", "198.51.100.20"
+FORBIDDEN = ("10.1.2.3", "169.254.169.254", "192.168.7.7", "100.64.1.1", "172.16.5.5")
+PORT = 8080
+
+REACH = """
+import socket, sys
+try:
+    s = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=float(sys.argv[3]))
+    s.sendall(b"GET / HTTP/1.0\\r\\n\\r\\n")
+    print("ok" if s.recv(12).startswith(b"HTTP/1.") else "junk")
+except ConnectionRefusedError:
+    print("refused")
+except OSError as e:
+    print(type(e).__name__)
+"""
+
+
+def _host_state() -> tuple[str, ...]:
+    def run(*cmd: str) -> str:
+        return subprocess.run(cmd, capture_output=True, text=True, check=False).stdout
+    links = "\n".join(line.split(" qlen")[0] for line in run("ip", "-o", "link").splitlines())
+    return (links, run("ip", "-o", "addr"), run("ip", "-o", "route"), run("ip", "-o", "-6", "route"),
+            run("nft", "list", "ruleset"))
+
+
+def _netns(*names: str) -> None:
+    for name in names:
+        subprocess.run(["ip", "netns", "add", name], check=True)
+        subprocess.run(["ip", "-n", name, "link", "set", "lo", "up"], check=True)
+
+
+def reach(ns: str, ip: str, port: int = PORT, timeout: float = 0.5) -> str:
+    r = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", REACH, ip, str(port), str(timeout)],
+                       capture_output=True, text=True, check=False)
+    return r.stdout.strip() or r.stderr.strip()
+
+
+@pytest.fixture(scope="module")
+def net() -> Iterator[Router]:
+    if os.geteuid() != 0:
+        pytest.skip("needs root (network namespaces)")
+    before = _host_state()
+    servers: list[subprocess.Popen[bytes]] = []
+    router = Router.create(f"{TAG}-router")
+    try:
+        _netns(INET, SBX1, SBX2)
+        router.attach_uplink(f"/run/netns/{INET}", "inet0", "203.0.113.1/24", "203.0.113.2")
+        ip = ["ip", "-n", INET]
+        subprocess.run([*ip, "addr", "add", "203.0.113.2/24", "dev", "inet0"], check=True)
+        subprocess.run([*ip, "link", "set", "inet0", "up"], check=True)
+        for addr in (WEB, OTHER_WEB, *FORBIDDEN):  # all reachable by route from the router
+            subprocess.run([*ip, "addr", "add", f"{addr}/32", "dev", "lo"], check=True)
+        servers.append(subprocess.Popen(["ip", "netns", "exec", INET, sys.executable, "-m", "http.server",
+                                         str(PORT), "--bind", "0.0.0.0"],
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        router.connect(1, f"/run/netns/{SBX1}")
+        router.connect(2, f"/run/netns/{SBX2}")
+        servers.append(subprocess.Popen(["ip", "netns", "exec", SBX2, sys.executable, "-m", "http.server",
+                                         str(PORT), "--bind", "0.0.0.0"],
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        deadline = time.monotonic() + 10
+        while reach(INET, WEB) != "ok" and time.monotonic() < deadline:
+            time.sleep(0.1)
+        yield router
+    finally:
+        for p in servers:
+            p.kill()
+            p.wait()
+        router.destroy()
+        for name in (INET, SBX1, SBX2):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
+        assert _host_state() == before, "the host's network changed"
+
+
+def test_a_new_link_is_closed(net: Router) -> None:
+    net.set_policy(1, Policy(internet=False))
+    assert reach(SBX1, WEB) != "ok"
+
+
+def test_internet_reaches_public_addresses_only(net: Router) -> None:
+    net.set_policy(1, Policy(internet=True))
+    assert reach(SBX1, WEB) == "ok"
+    assert reach(SBX1, OTHER_WEB) == "ok"
+    for addr in FORBIDDEN:
+        assert reach(SBX1, addr) != "ok", addr
+    ours, _ = link_addresses(1)
+    assert reach(SBX1, ours) != "ok"  # the router itself
+    _, neighbour = link_addresses(2)
+    net.set_policy(2, Policy(internet=True))
+    assert reach(SBX1, neighbour) != "ok"  # another sandbox, though both have internet
+    assert reach(SBX2, WEB) == "ok"
+
+
+def test_deny_and_allow_lists(net: Router) -> None:
+    net.set_policy(1, Policy(internet=True, deny=[f"{WEB}/32"]))
+    assert reach(SBX1, WEB) != "ok"
+    assert reach(SBX1, OTHER_WEB) == "ok"
+    net.set_policy(1, Policy(internet=True, allow=[OTHER_WEB]))
+    assert reach(SBX1, OTHER_WEB) == "ok"
+    assert reach(SBX1, WEB) != "ok"  # an allow list closes everything else
+    net.set_policy(1, Policy(internet=True, allow=["10.0.0.0/8"]))
+    assert reach(SBX1, "10.1.2.3") != "ok"  # the never-list comes first
+
+
+def test_a_policy_change_holds_for_the_next_connection(net: Router) -> None:
+    net.set_policy(1, Policy(internet=True))
+    assert reach(SBX1, WEB) == "ok"
+    t = time.monotonic()
+    net.set_policy(1, Policy(internet=False))
+    took = time.monotonic() - t
+    assert reach(SBX1, WEB) != "ok"
+    assert took < 0.1, f"set_policy took {took * 1000:.0f} ms"
+    net.disconnect(2)
+    assert reach(SBX2, WEB) != "ok"
+
+
+def test_bad_cidrs_are_refused(net: Router) -> None:
+    from agentcell.backends.linux.egress import EgressError
+
+    with pytest.raises(EgressError, match="not a CIDR"):
+        net.set_policy(1, Policy(internet=True, allow=["example.com"]))
