@@ -10,10 +10,10 @@ import httpx
 from agentcell.errors import NotFoundException, SandboxException, SandboxNotFoundException
 from agentcell.sdk import fast_async_http
 from agentcell.sdk.config import ConnectionConfig
+from agentcell.sdk.fast_http import JSON_HEADERS
 from agentcell.sdk.transport import error_from_http, error_from_transport, sync_client, timeout
 
 _R = TypeVar("_R", httpx.Response, fast_async_http.Response)
-_JSON = {"Content-Type": "application/json"}
 
 
 def create_body(template: str, timeout_s: int | None, metadata: dict[str, str] | None, envs: dict[str, str] | None,
@@ -71,7 +71,7 @@ async def acall(config: ConnectionConfig, method: str, path: str, *, json: Any =
     body = None
     if json is not None:
         body = fast_async_http.json_body(json)
-        headers = {**headers, **_JSON}
+        headers = {**headers, **JSON_HEADERS}
     rt = request_timeout or config.request_timeout or None
     try:
         r = await fast_async_http.client(config.endpoint).request(

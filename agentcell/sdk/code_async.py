@@ -9,16 +9,15 @@ from typing import Any
 from agentcell.sdk import code as c
 from agentcell.sdk import fast_async_http as fah
 from agentcell.sdk.config import SandboxConnection
+from agentcell.sdk.fast_http import JSON_HEADERS
 from agentcell.sdk.models import Context, Execution
 from agentcell.sdk.transport import error_from_http
-
-_JSON = {"Content-Type": "application/json"}
 
 
 class AsyncCodeInterpreter:
     def __init__(self, conn: SandboxConnection) -> None:
         self._conn = conn
-        self._json_headers = {**conn.code_headers, **_JSON}
+        self._json_headers = {**conn.code_headers, **JSON_HEADERS}
 
     async def run_code(self, code: str, language: str | None = None, context: Context | None = None,
                        on_stdout: Callable | None = None, on_stderr: Callable | None = None,

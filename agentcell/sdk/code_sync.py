@@ -11,10 +11,9 @@ from urllib3.exceptions import HTTPError, ReadTimeoutError
 from agentcell.sdk import code as c
 from agentcell.sdk import fast_http
 from agentcell.sdk.config import SandboxConnection
+from agentcell.sdk.fast_http import JSON_HEADERS
 from agentcell.sdk.models import Context, Execution
 from agentcell.sdk.transport import error_from_http, error_from_transport, sync_client, timeout
-
-_JSON = {"Content-Type": "application/json"}
 
 
 class CodeInterpreter:
@@ -22,7 +21,7 @@ class CodeInterpreter:
         self._conn = conn
         self._client = sync_client(conn.config.endpoint)
         self._fast = fast_http.client(conn.config.endpoint)
-        self._execute_headers = {**conn.code_headers, **_JSON}
+        self._execute_headers = {**conn.code_headers, **JSON_HEADERS}
 
     def run_code(self, code: str, language: str | None = None, context: Context | None = None,
                  on_stdout: Callable | None = None, on_stderr: Callable | None = None,

@@ -39,9 +39,10 @@ from typing import Any
 
 import httptools
 
-from agentcell.errors import SandboxException, TimeoutException
+from agentcell.errors import SandboxException
 from agentcell.sdk.config import Endpoint
 from agentcell.sdk.fast_http import json_body
+from agentcell.sdk.transport import transport_failure
 
 __all__ = ["AsyncFastHTTP", "HTTPError", "Response", "Timeout", "client", "json_body", "transport_error", "with_query"]
 
@@ -96,9 +97,7 @@ class WriteTimeout(Timeout):
 
 
 def transport_error(e: HTTPError, what: str) -> SandboxException:
-    if isinstance(e, Timeout):
-        return TimeoutException(f"{what} timed out; the 'request_timeout' (or 'timeout') option can raise the limit")
-    return SandboxException(f"{what}: cannot reach the agentcell server ({type(e).__name__}: {e})")
+    return transport_failure(e, what, isinstance(e, Timeout))
 
 
 def _expire(fut: asyncio.Future[None], exc: type[Timeout], timeout: float) -> None:

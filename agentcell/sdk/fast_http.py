@@ -20,8 +20,9 @@ import urllib3
 from urllib3.connection import HTTPConnection
 from urllib3.exceptions import HTTPError, TimeoutError
 
-from agentcell.errors import SandboxException, TimeoutException
+from agentcell.errors import SandboxException
 from agentcell.sdk.config import Endpoint
+from agentcell.sdk.transport import transport_failure
 
 Response = urllib3.BaseHTTPResponse
 _POOL_SIZE = 64  # connections kept open per endpoint (more are opened when needed, then closed)
@@ -100,6 +101,9 @@ class FastHTTP:
         self._pool.close()
 
 
+JSON_HEADERS = {"Content-Type": "application/json"}  # what goes with json_body()
+
+
 def json_body(obj: Any) -> bytes:
     """JSON as httpx's `json=` sends it."""
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
@@ -131,9 +135,7 @@ def finish(r: Response, complete: bool) -> None:
 
 
 def transport_error(e: HTTPError, what: str) -> SandboxException:
-    if isinstance(e, TimeoutError):
-        return TimeoutException(f"{what} timed out; the 'request_timeout' (or 'timeout') option can raise the limit")
-    return SandboxException(f"{what}: cannot reach the agentcell server ({type(e).__name__}: {e})")
+    return transport_failure(e, what, isinstance(e, TimeoutError))
 
 
 _lock = threading.Lock()

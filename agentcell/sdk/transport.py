@@ -126,7 +126,12 @@ def error_from_connect(code: str, message: str, sandbox_id: str | None = None) -
     return exc
 
 
-def error_from_transport(e: httpx.HTTPError, what: str) -> SandboxException:
-    if isinstance(e, httpx.TimeoutException):
+def transport_failure(e: BaseException, what: str, timed_out: bool) -> SandboxException:
+    """The SDK's exception for a call that got no HTTP answer (any of its HTTP clients)."""
+    if timed_out:
         return TimeoutException(f"{what} timed out; the 'request_timeout' (or 'timeout') option can raise the limit")
     return SandboxException(f"{what}: cannot reach the agentcell server ({type(e).__name__}: {e})")
+
+
+def error_from_transport(e: httpx.HTTPError, what: str) -> SandboxException:
+    return transport_failure(e, what, isinstance(e, httpx.TimeoutException))

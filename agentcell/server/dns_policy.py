@@ -83,7 +83,7 @@ class DomainRules:
         self.deny = [_Rule.parse(r) for r in deny]
 
     def allows(self, name: dns.name.Name) -> bool:
-        name = dns.name.from_text(name.to_text().lower())
+        # dnspython compares names (==, is_subdomain) without regard to case
         if any(r.matches(name) for r in self.deny):
             return False
         return not self.allow or any(r.matches(name) for r in self.allow)

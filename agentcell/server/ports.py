@@ -34,10 +34,10 @@ from agentcell.runtime.protocol import CHUNK, Duplex, Frame
 from agentcell.runtime.tunnel import NOT_OPEN
 from agentcell.server.asgi import has_body, header
 from agentcell.server.errors import json_error, sandbox_not_found
+from agentcell.server.http_protocol import UPGRADE_EXTENSION  # set on requests that ask to upgrade
 from agentcell.server.registry import SandboxRecord
 
 HEAD_TIMEOUT = 60.0  # seconds the sandbox's server has to send a response head
-UPGRADE_EXTENSION = "agentcell.upgrade"  # set by http_protocol.py on requests that ask to upgrade
 HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"te", b"trailer",
                         b"transfer-encoding", b"upgrade", b"expect", b"proxy-authenticate",
                         b"proxy-authorization"})  # fmt: skip

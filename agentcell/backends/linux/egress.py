@@ -258,13 +258,7 @@ class Router:
         connections already established keep going."""
         allow, deny = policy.networks()
         chain, ifname = f"sbx_{slot}", f"s{slot}"
-        cmds = [
-            f"add chain inet {TABLE} {chain}",
-            f"flush chain inet {TABLE} {chain}",
-            # Deleting a map element that is not there fails the transaction: add it first, then drop it.
-            f'add element inet {TABLE} links {{ "{ifname}" : jump {chain} }}',
-            f'delete element inet {TABLE} links {{ "{ifname}" }}',
-        ]
+        cmds = [*_unlinked(slot), f"flush chain inet {TABLE} {chain}"]
         if policy.internet:
             for family, kind in (("ip", 4), ("ip6", 6)):
                 d = [n for n in deny if n.version == kind]
@@ -280,18 +274,21 @@ class Router:
 
     def disconnect(self, slot: int) -> None:
         """Forget a sandbox's policy (its link goes away with its namespace)."""
-        chain, ifname = f"sbx_{slot}", f"s{slot}"
-        nft_in(self.path, "\n".join([
-            f"add chain inet {TABLE} {chain}",
-            f'add element inet {TABLE} links {{ "{ifname}" : jump {chain} }}',
-            f'delete element inet {TABLE} links {{ "{ifname}" }}',
-            f"delete chain inet {TABLE} {chain}",
-        ]))
+        nft_in(self.path, "\n".join([*_unlinked(slot), f"delete chain inet {TABLE} sbx_{slot}"]))
         if _link_exists(self.path, f"s{slot}"):
             ip_in(self.path, [f"link del s{slot}"])
 
     def ruleset(self) -> str:
         return nft_in(self.path, "list ruleset")
+
+
+def _unlinked(slot: int) -> list[str]:
+    """nft commands that leave the slot's chain in place and its link out of the `links` map (closed).
+    Deleting a map element that is not there fails a transaction: it is added first, then deleted."""
+    chain, ifname = f"sbx_{slot}", f"s{slot}"
+    return [f"add chain inet {TABLE} {chain}",
+            f'add element inet {TABLE} links {{ "{ifname}" : jump {chain} }}',
+            f'delete element inet {TABLE} links {{ "{ifname}" }}']
 
 
 def _ns_arg(netns_path: str) -> str:
