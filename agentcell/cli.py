@@ -98,6 +98,13 @@ def main() -> None:
                    "them may use at once (the host's memory minus a reserve).")
 @click.option("--pids-overcommit", default=4.0, show_default=True, type=click.FloatRange(min=0.1),
               help="The same for their pids limits, against the host's task budget.")
+@click.option("--egress-uplink", default="host", show_default=True, envvar="AGENTCELL_EGRESS_UPLINK",
+              help="Where sandboxes' internet traffic leaves: host (masqueraded out of this host's interfaces), "
+                   "netns:PATH (into that network namespace), or none (no sandbox gets internet).")
+@click.option("--egress-dns", multiple=True, metavar="IP",
+              help="Upstream DNS server for the sandboxes' resolver (default: /etc/resolv.conf's, minus loopback).")
+@click.option("--internet-default", type=click.Choice(["on", "off"]), default=None, envvar="AGENTCELL_INTERNET_DEFAULT",
+              help="Whether a create that does not say gets internet (default: on when there is an uplink).")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 def serve(**opts: Any) -> None:
@@ -119,6 +126,8 @@ def serve(**opts: Any) -> None:
     limits = Limits(**{f.name: d if (d := getattr(defaults, f.name)) is None else min(d, getattr(max_limits, f.name))
                        for f in dataclasses.fields(Limits)})
     opts["tune_sysctls"] = opts.pop("host_sysctls")
+    opts["egress_dns"] = tuple(opts["egress_dns"])
+    opts["internet_default"] = None if opts["internet_default"] is None else opts["internet_default"] == "on"
     config = ServerConfig(**opts, limits=limits, max_limits=max_limits,
                           default_timeout=min(300, opts["max_timeout"]))
     try:

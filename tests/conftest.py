@@ -24,6 +24,9 @@ import pytest
 from agentcell import Sandbox
 
 REPO = Path(__file__).resolve().parent.parent
+# The network rule: no server the tests start (their own, embedded ones, the SDK's) may route sandbox
+# traffic out of this machine. Tests of egress pass --egress-uplink netns:<a test's "internet"> instead.
+os.environ["AGENTCELL_EGRESS_UPLINK"] = "none"
 SERVER_ENV_CANARY = "canary-" + os.urandom(8).hex()
 
 

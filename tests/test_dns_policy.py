@@ -1,4 +1,4 @@
-"""The egress DNS resolver (server/dns_policy.py), between a client and a fake upstream, on loopback.
+"""The egress DNS resolver (backends/linux/egress_dns.py), between a client and a fake upstream, on loopback.
 
 The upstream is a real DNS server (dnspython on a UDP socket) that logs every query it gets, so the
 tests can assert that a name the policy refuses never left the resolver.
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -22,7 +23,7 @@ import dns.rrset
 import pytest
 import pytest_asyncio
 
-from agentcell.server.dns_policy import DomainRules, PolicyResolver, RuleError, serve
+from agentcell.backends.linux.egress_dns import DomainRules, Pin, PolicyResolver, RuleError, serve, serve_tcp
 
 ZONE = {  # name -> (type, value)
     "allowed.example.": ("A", "203.0.113.10"),
@@ -66,6 +67,7 @@ class Setup:
     upstream: Upstream
     rules: dict[str, DomainRules | None]
     pins: list[tuple[str, str, int, str]] = field(default_factory=list)
+    tcp_port: int = 0
 
     async def ask(self, name: str, kind: str = "A", edns: bool = True) -> dns.message.Message:
         q = dns.message.make_query(name, kind, use_edns=0 if edns else False)
@@ -80,13 +82,24 @@ async def setup() -> AsyncIterator[Setup]:
     up_port = up_transport.get_extra_info("sockname")[1]
     rules: dict[str, DomainRules | None] = {"127.0.0.1": DomainRules()}
     s = Setup(0, upstream, rules)
-    resolver = PolicyResolver(("127.0.0.1", up_port), lambda ip: rules.get(ip),
-                              lambda src, addr, secs, name: s.pins.append((src, str(addr), secs, name)))
+    async def pin(src: str, pins: list[Pin]) -> None:
+        s.pins.extend((src, str(addr), secs, name) for addr, secs, name in pins)
+
+    made: list[int] = []
+
+    async def make_socket(family: int, kind: int) -> socket.socket:  # how the server makes them in the router
+        made.append(kind)
+        return socket.socket(family, kind)
+
+    resolver = PolicyResolver(("127.0.0.1", up_port), lambda ip: rules.get(ip), pin, make_socket)
     transport = await serve("127.0.0.1", 0, resolver)
     s.port = transport.get_extra_info("sockname")[1]
+    tcp = await serve_tcp(resolver, host="127.0.0.1", port=0)
+    s.tcp_port = tcp.sockets[0].getsockname()[1]
     try:
         yield s
     finally:
+        tcp.close()
         transport.close()
         up_transport.close()
 
@@ -159,6 +172,17 @@ async def test_strangers_and_junk(setup: Setup) -> None:
         transport.close()
     setup.rules["127.0.0.1"] = DomainRules()
     assert (await setup.ask("allowed.example")).rcode() == dns.rcode.NOERROR  # still serving
+
+
+async def test_tcp_queries_follow_the_same_rules(setup: Setup) -> None:
+    setup.rules["127.0.0.1"] = DomainRules(allow=["allowed.example"])
+    ok = await dns.asyncquery.tcp(dns.message.make_query("allowed.example", "A"), "127.0.0.1",
+                                  port=setup.tcp_port, timeout=3)
+    assert [rd.address for rd in ok.answer[0]] == ["203.0.113.10"]
+    no = await dns.asyncquery.tcp(dns.message.make_query("secret.example", "A"), "127.0.0.1",
+                                  port=setup.tcp_port, timeout=3)
+    assert no.rcode() == dns.rcode.REFUSED
+    assert setup.upstream.seen == ["allowed.example."]
 
 
 def test_bad_rules_are_refused() -> None:

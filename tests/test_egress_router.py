@@ -17,7 +17,12 @@ from collections.abc import Iterator
 
 import pytest
 
-from agentcell.backends.linux.egress import Policy, Router, link_addresses
+from agentcell.backends.linux.egress import RESOLVER, Router, link_addresses
+from agentcell.backends.network_policy import NetworkPolicy, PolicyError
+
+
+def Policy(internet: bool, allow: list[str] | None = None, deny: list[str] | None = None) -> NetworkPolicy:
+    return NetworkPolicy.parse(internet, allow or (), deny or ())
 
 TAG = f"actest{os.getpid() % 100000}"
 INET, SBX1, SBX2 = f"{TAG}-inet", f"{TAG}-s1", f"{TAG}-s2"
@@ -137,8 +142,47 @@ def test_a_policy_change_holds_for_the_next_connection(net: Router) -> None:
     assert reach(SBX2, WEB) != "ok"
 
 
-def test_bad_cidrs_are_refused(net: Router) -> None:
-    from agentcell.backends.linux.egress import EgressError
+def test_deny_all_with_an_allow_list_is_e2bs_idiom(net: Router) -> None:
+    net.set_policy(1, Policy(internet=True, allow=[OTHER_WEB], deny=["0.0.0.0/0"]))
+    assert reach(SBX1, OTHER_WEB) == "ok"
+    assert reach(SBX1, WEB) != "ok"
+    net.set_policy(1, Policy(internet=True, allow=["198.51.100.0/24"], deny=[f"{OTHER_WEB}/32"]))
+    assert reach(SBX1, OTHER_WEB) != "ok"  # a narrower deny wins over an allow
+    net.set_policy(1, Policy(internet=True, deny=["0.0.0.0/0"]))
+    assert reach(SBX1, WEB) != "ok" and reach(SBX1, OTHER_WEB) != "ok"
 
-    with pytest.raises(EgressError, match="not a CIDR"):
-        net.set_policy(1, Policy(internet=True, allow=["example.com"]))
+
+def test_pins_open_one_address_for_a_while(net: Router) -> None:
+    net.set_policy(1, Policy(internet=True, allow=["allowed.example"]))
+    assert reach(SBX1, WEB) != "ok"  # a domain-only allow list: no raw IP
+    net.nft(Router.pin_commands(1, [(WEB, 2)]))
+    assert reach(SBX1, WEB) == "ok"
+    assert reach(SBX1, OTHER_WEB) != "ok"
+    net.nft(Router.pin_commands(1, [(WEB, 1)]))  # re-pinning sets the new timeout
+    time.sleep(1.6)
+    assert reach(SBX1, WEB) != "ok"
+
+
+def test_spoofed_sources_and_the_router_itself(net: Router) -> None:
+    net.set_policy(1, Policy(internet=True))
+    ours, _ = link_addresses(1)
+    _, neighbour = link_addresses(2)
+    # sandbox 1 (root in its own namespace) takes its neighbour's address: the router drops it
+    subprocess.run(["ip", "-n", SBX1, "addr", "add", f"{neighbour}/32", "dev", "eth0"], check=True)
+    try:
+        r = subprocess.run(["ip", "netns", "exec", SBX1, sys.executable, "-c",
+                            "import socket,sys\ns=socket.socket()\ns.bind((sys.argv[1],0))\ns.settimeout(0.5)\n"
+                            "try:\n s.connect((sys.argv[2],8080)); print('ok')\nexcept OSError as e: print(type(e).__name__)",
+                            neighbour, WEB], capture_output=True, text=True, check=False)
+        assert r.stdout.strip() != "ok"
+    finally:
+        subprocess.run(["ip", "-n", SBX1, "addr", "del", f"{neighbour}/32", "dev", "eth0"], check=True)
+    assert reach(SBX1, WEB) == "ok"
+    for port in (22, 53, 8080):
+        assert reach(SBX1, RESOLVER, port) != "ok"
+
+
+def test_bad_rules_are_refused() -> None:
+    for bad in ("exa mple.com", "http://example.com", "1.2.3.4/40", "*", "999.1.1.1"):
+        with pytest.raises(PolicyError):
+            Policy(internet=True, allow=[bad])

@@ -14,6 +14,8 @@ import socket
 import string
 from dataclasses import dataclass, field
 
+from agentcell.backends.network_policy import NetworkPolicy
+
 # The disk is a tmpfs: its pages are memory, charged to the sandbox's memory cgroup. A full disk must
 # leave this much of the memory limit to the agent (~30 MiB with a Python context) and the user's
 # processes, so that a writer gets ENOSPC instead of the OOM killer taking the agent.
@@ -90,6 +92,7 @@ class SandboxSpec:
     template: str = "base"
     limits: Limits = field(default_factory=Limits)
     envs: dict[str, str] = field(default_factory=dict)  # default environment of every process and context
+    network: NetworkPolicy = field(default_factory=NetworkPolicy)  # its way out; default: none
 
 
 @dataclass(slots=True)
@@ -145,6 +148,15 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     async def close(self) -> None:
         """Kill every sandbox and stop helper processes."""
+
+    @property
+    def has_egress(self) -> bool:
+        """Whether a sandbox can be given a way out at all (an uplink is configured)."""
+        return False
+
+    async def set_network(self, sandbox: RunningSandbox, policy: NetworkPolicy) -> None:
+        """Replace a running sandbox's way out (new connections follow it at once)."""
+        raise NotImplementedError(f"the {self.name} backend has no egress")
 
     async def capacity(self) -> Capacity | None:
         """The budget all sandboxes share and its use now; None if the backend cannot tell."""

@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import urllib.parse
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import httpx
 
-from agentcell.errors import NotFoundException, SandboxException, SandboxNotFoundException
+from agentcell.errors import (
+    InvalidArgumentException,
+    NotFoundException,
+    SandboxException,
+    SandboxNotFoundException,
+)
 from agentcell.sdk import fast_async_http
 from agentcell.sdk.config import ConnectionConfig
 from agentcell.sdk.fast_http import JSON_HEADERS
@@ -16,13 +23,58 @@ from agentcell.sdk.transport import error_from_http, error_from_transport, sync_
 _R = TypeVar("_R", httpx.Response, fast_async_http.Response)
 
 
+ALL_TRAFFIC = "0.0.0.0/0"  # as e2b.sandbox.network.ALL_TRAFFIC
+
+
+@dataclass(frozen=True)
+class NetworkSelectorContext:
+    """What an `allow_out`/`deny_out` callable receives (e2b's SandboxNetworkSelectorContext)."""
+
+    all_traffic: str = ALL_TRAFFIC
+    rules: Mapping[str, Any] = field(default_factory=dict)
+
+
+_NETWORK_KEYS = {"allow_out": "allowOut", "deny_out": "denyOut", "allow_public_traffic": "allowPublicTraffic",
+                 "mask_request_host": "maskRequestHost", "dns_servers": "dnsServers",
+                 "egress_proxy": "egressProxy", "rules": "rules", "https_ports": "httpsPorts"}
+
+
+def network_body(network: Mapping[str, Any]) -> dict[str, Any]:
+    """e2b's SandboxNetworkOpts (snake_case; allow_out/deny_out may be callables) as the API's JSON."""
+    body: dict[str, Any] = {}
+    for key, value in network.items():
+        if key not in _NETWORK_KEYS:
+            raise InvalidArgumentException(f"unknown network option {key!r}; known: {', '.join(_NETWORK_KEYS)}")
+        if key in ("allow_out", "deny_out") and callable(value):
+            value = value(NetworkSelectorContext(rules=network.get("rules") or {}))
+        if key in ("allow_out", "deny_out", "dns_servers", "https_ports") and value is not None:
+            value = list(value)
+        if value is not None:
+            body[_NETWORK_KEYS[key]] = value
+    return body
+
+
 def create_body(template: str, timeout_s: int | None, metadata: dict[str, str] | None, envs: dict[str, str] | None,
-                limits: dict[str, Any] | None) -> dict[str, Any]:
+                limits: dict[str, Any] | None, allow_internet_access: bool | None = None,
+                network: Mapping[str, Any] | None = None) -> dict[str, Any]:
     body: dict[str, Any] = {"templateID": template, "metadata": metadata or {}, "envVars": envs or {}}
     if timeout_s is not None:
         body["timeout"] = int(timeout_s)
     if limits:
         body["limits"] = limits  # agentcell extension: memoryMB, pids, cpuCount, diskMB, openFiles
+    if allow_internet_access is not None:  # None: the server's default (--internet-default)
+        body["allow_internet_access"] = bool(allow_internet_access)
+    if network:
+        body["network"] = network_body(network)
+    return body
+
+
+def network_update_body(network: Mapping[str, Any]) -> dict[str, Any]:
+    """e2b's SandboxNetworkUpdate: allow_out, deny_out, allow_internet_access (the rest is replaced)."""
+    rest = {k: v for k, v in network.items() if k != "allow_internet_access"}
+    body = network_body(rest)
+    if "allow_internet_access" in network:
+        body["allow_internet_access"] = bool(network["allow_internet_access"])
     return body
 
 

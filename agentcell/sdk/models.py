@@ -123,6 +123,8 @@ class SandboxInfo:
     sandbox_domain: str | None = None
     disk_size_mb: int | None = None
     limits: dict[str, Any] | None = None  # agentcell extension: the sandbox's enforced limits
+    allow_internet_access: bool | None = None
+    network: dict[str, Any] | None = None  # allowOut, denyOut, allowPublicTraffic, as the server has them
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> SandboxInfo:
@@ -140,6 +142,8 @@ class SandboxInfo:
             sandbox_domain=d.get("domain"),
             disk_size_mb=d.get("diskSizeMB"),
             limits=d.get("limits"),
+            allow_internet_access=d.get("allowInternetAccess"),
+            network=d.get("network"),
         )
 
 

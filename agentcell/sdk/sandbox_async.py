@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 from agentcell.sdk import api, fast_async_http
@@ -90,11 +90,16 @@ class AsyncSandbox:
     @classmethod
     async def create(cls, template: str = "base", timeout: int | None = 300, metadata: dict[str, str] | None = None,
                envs: dict[str, str] | None = None, api_key: str | None = None, api_url: str | None = None,
-               request_timeout: float | None = None, limits: dict[str, Any] | None = None) -> AsyncSandbox:
+               request_timeout: float | None = None, limits: dict[str, Any] | None = None,
+               allow_internet_access: bool | None = None, network: Mapping[str, Any] | None = None) -> AsyncSandbox:
         """Create a sandbox living `timeout` seconds (extend with set_timeout). Without api_url or
-        AGENTCELL_URL an embedded local server is started for this process."""
+        AGENTCELL_URL an embedded local server is started for this process.
+
+        `allow_internet_access` (default: the server's, ``--internet-default``) and `network` (e2b's
+        ``allow_out``/``deny_out``: CIDRs, IPs, domains, ``*.`` wildcards; ``allow_public_traffic``) set
+        what the sandbox may reach: only the public internet ever, and within it what the lists allow."""
         config = await aresolve(api_url, api_key, request_timeout)
-        body = api.create_body(template, timeout, metadata, envs, limits)
+        body = api.create_body(template, timeout, metadata, envs, limits, allow_internet_access, network)
         r = await api.acall(config, "POST", "/v2/sandboxes", json=body, ok=(201, 200))
         sandbox_id, token = api.sandbox_fields(r.json())
         return cls(SandboxConnection(config, sandbox_id, token, **api.sandbox_extras(r.json())))
@@ -153,6 +158,14 @@ class AsyncSandbox:
                       request_timeout: float | None = None) -> SandboxInfo:
         r = await api.acall(await aresolve(api_url, api_key, request_timeout), "GET", f"/sandboxes/{sandbox_id}", sandbox_id=sandbox_id)
         return SandboxInfo.from_json(r.json())
+
+    async def update_network(self, network: Mapping[str, Any], request_timeout: float | None = None) -> None:
+        """Replace the sandbox's egress rules (e2b's update_network: ``allow_out``, ``deny_out``,
+        ``allow_internet_access``; what is left out is cleared). New connections follow within
+        milliseconds; connections already open keep going."""
+        await api.acall(self._conn.config, "PUT", f"/sandboxes/{self.sandbox_id}/network",
+                 json=api.network_update_body(network), ok=(204, 200), sandbox_id=self.sandbox_id,
+                 request_timeout=request_timeout)
 
     @hybrid("_cls_get_info")
     async def get_info(self, request_timeout: float | None = None) -> SandboxInfo:

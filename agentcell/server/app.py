@@ -20,6 +20,7 @@ from starlette.routing import Route
 
 from agentcell.backends import get_backend
 from agentcell.backends.base import Backend
+from agentcell.backends.linux.egress_service import EgressSettings
 from agentcell.server import auth, files, interpreter, ports
 from agentcell.server.asgi import declared_length, has_body, header, is_connect_rpc
 from agentcell.server.auth import ENVD_PORT, INTERPRETER_PORT
@@ -98,6 +99,7 @@ class AgentcellApp:
                                               max_sandboxes=config.max_sandboxes, tune_sysctls=config.tune_sysctls,
                                               ptys_per_sandbox=config.ptys_per_sandbox,
                                               standbys=config.standbys, standby_limits=config.limits,
+                                              egress=EgressSettings(config.egress_uplink, config.egress_dns),
                                               memory_reserve_bytes=config.memory_reserve_mb << 20
                                               if config.memory_reserve_mb is not None else None)
         self.manager = SandboxManager(self.backend, config.max_sandboxes,

@@ -54,6 +54,17 @@ class ServerConfig:
     body_timeout: float = 30.0  # seconds a request body may stall
     max_connections: int = 1024  # open client connections, server-wide
     max_body_memory_mb: int = 64  # JSON request bodies held in memory at once, server-wide
+    # --- egress (docs/network.md) ---
+    egress_uplink: str = "host"  # host | netns:PATH | none (no sandbox gets internet)
+    egress_dns: tuple[str, ...] = ()  # upstream resolvers; () = the host's /etc/resolv.conf
+    # whether a create that says nothing about it gets internet; None: on when there is an uplink
+    internet_default: bool | None = None
+
+    @property
+    def internet_by_default(self) -> bool:
+        if self.internet_default is None:
+            return self.egress_uplink != "none"
+        return self.internet_default
 
 
 def check(config: ServerConfig) -> None:
@@ -64,5 +75,7 @@ def check(config: ServerConfig) -> None:
         default, most = getattr(config.limits, f.name), getattr(config.max_limits, f.name)
         if default is not None and most is not None and default > most:  # disk_mb None: follows memory
             raise ValueError(f"the default {f.name} ({default}) is above the maximum ({most})")
+    if config.internet_default and config.egress_uplink == "none":
+        raise ValueError("--internet-default on needs an egress uplink (--egress-uplink host or netns:PATH)")
     if not 0 < config.default_timeout <= config.max_timeout:
         raise ValueError(f"the default timeout ({config.default_timeout} s) must be within 1..{config.max_timeout} s")

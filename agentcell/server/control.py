@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import time
 from datetime import UTC, datetime
 from typing import Any
@@ -17,7 +18,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from agentcell.backends.base import LIMIT_RANGES, Limits
-from agentcell.errors import BackendUnavailableError, InvalidArgumentError, SandboxError
+from agentcell.backends.linux.egress_dns import DomainRules, RuleError
+from agentcell.backends.network_policy import ALL_TRAFFIC, NetworkPolicy, PolicyError
+from agentcell.errors import BackendUnavailableError, InvalidArgumentError, SandboxError, SandboxGoneError
 from agentcell.server import validate
 from agentcell.server.auth import traffic_token
 from agentcell.server.bodies import JSON_LIMIT, read_json
@@ -36,7 +39,12 @@ _LIMIT_FIELDS = {
     "diskMB": ("disk_mb", int),
     "openFiles": ("open_files", int),
 }
-NO_NETWORK = "network access is not supported yet: sandboxes have loopback only"
+_UNSUPPORTED_NETWORK = {
+    "egressProxy": "network.egressProxy (a SOCKS5 proxy of your own) is not supported by agentcell yet",
+    "rules": "network.rules (per-host request transforms) is not supported by agentcell yet; use secrets",
+    "dnsServers": "network.dnsServers: agentcell sandboxes resolve names only through agentcell's policy "
+                  "resolver, which answers exactly the names allowOut allows",
+}
 
 
 def rfc3339(dt: datetime) -> str:
@@ -110,16 +118,52 @@ def _limits(cfg: ServerConfig, body: dict[str, Any]) -> Limits:
     return limits
 
 
-def _reject_unsupported(body: dict[str, Any]) -> None:
-    if body.get("allow_internet_access") is True:
-        raise HTTPError(400, NO_NETWORK)
+def _field(obj: dict[str, Any], camel: str, snake: str) -> Any:
+    return obj.get(camel, obj.get(snake))
+
+
+def _network_object(body: dict[str, Any]) -> dict[str, Any]:
     network = body.get("network")
-    if network is not None:
-        if not isinstance(network, dict):
-            raise HTTPError(400, "'network' must be an object")
-        allow = network.get("allowOut")
-        if allow:
-            raise HTTPError(400, NO_NETWORK)
+    if network is None:
+        return {}
+    if not isinstance(network, dict):
+        raise HTTPError(400, "'network' must be an object")
+    return network
+
+
+def network_policy(body: dict[str, Any], network: dict[str, Any], internet_default: bool) -> NetworkPolicy:
+    """E2B's allow_internet_access and network.allowOut/denyOut (camelCase, snake_case accepted) as a
+    NetworkPolicy. As on E2B, allow_internet_access=False is deny_out=[ALL_TRAFFIC]: with an allow
+    list, only that list leaves."""
+    internet = _field(body, "allowInternetAccess", "allow_internet_access")
+    if internet is not None and not isinstance(internet, bool):
+        raise HTTPError(400, "'allow_internet_access' must be a boolean")
+    for key, why in _UNSUPPORTED_NETWORK.items():
+        if _field(network, key, re.sub(r"([A-Z])", r"_\1", key).lower()) not in (None, [], {}):
+            raise HTTPError(400, why)
+    lists = []
+    for camel, snake in (("allowOut", "allow_out"), ("denyOut", "deny_out")):
+        value = _field(network, camel, snake)
+        if value is None:
+            value = []
+        if not isinstance(value, list):
+            raise HTTPError(400, f"'network.{camel}' must be a list of CIDRs, IP addresses or domain names")
+        lists.append(value)
+    allow, deny = lists
+    internet = internet_default if internet is None else internet
+    if not internet and allow:
+        internet, deny = True, [*deny, ALL_TRAFFIC]
+    try:
+        policy = NetworkPolicy.parse(internet, allow, deny)
+        names = policy.names_allowed()
+        if names is not None:
+            DomainRules(*names)
+    except (PolicyError, RuleError) as e:
+        raise HTTPError(400, f"invalid network rule: {e}") from None
+    return policy
+
+
+def _reject_unsupported(body: dict[str, Any]) -> None:
     if body.get("autoPause") is True:
         raise HTTPError(400, "autoPause is not supported by agentcell yet: sandboxes are killed at their timeout")
     if body.get("volumeMounts"):
@@ -189,7 +233,8 @@ class ControlPlane:
             **self.listed_json(rec),
             "envdAccessToken": rec.access_token,
             "domain": self._domain(request),
-            "allowInternetAccess": False,
+            "allowInternetAccess": rec.network.internet,
+            "network": {**rec.network.info(), "allowPublicTraffic": rec.public_traffic},
             "lifecycle": {"autoResume": False, "onTimeout": "kill"},
             "limits": {
                 "memoryMB": rec.limits.memory_mb,
@@ -199,6 +244,14 @@ class ControlPlane:
                 "openFiles": rec.limits.open_files,
             },
         }
+
+    def _policy(self, body: dict[str, Any], network: dict[str, Any], internet_default: bool | None = None) -> NetworkPolicy:
+        default = self.cfg.internet_by_default and self.manager.backend.has_egress
+        policy = network_policy(body, network, default if internet_default is None else internet_default)
+        if policy.internet and not self.manager.backend.has_egress:
+            raise HTTPError(400, "this server gives sandboxes no internet (its operator started it with "
+                                 "--egress-uplink none); create the sandbox with allow_internet_access=False")
+        return policy
 
     def _record(self, request: Request) -> SandboxRecord:
         sandbox_id = request.path_params["sandbox_id"]
@@ -225,9 +278,11 @@ class ControlPlane:
         limits = _limits(self.cfg, body)
         _reject_unsupported(body)
         public_traffic = _public_traffic(body)
+        policy = self._policy(body, _network_object(body))
         try:
             rec = await self.manager.create(
-                template_id=template, alias=template, timeout=timeout, metadata=metadata, envs=envs, limits=limits
+                template_id=template, alias=template, timeout=timeout, metadata=metadata, envs=envs, limits=limits,
+                network=policy,
             )
         except CapacityError as e:
             raise HTTPError(429, str(e)) from None
@@ -239,6 +294,7 @@ class ControlPlane:
             # Backend errors name zygotes, cgroups, uids and paths: they go to the log only.
             raise internal_error("creating a sandbox", e, "the sandbox could not be started") from None
         rec.public_traffic = public_traffic  # the tenant has not got the id yet: nothing it serves is up
+        rec.internet_at_create = policy.internet and not policy.deny_all
         return JSONResponse(self.sandbox_json(rec, request), status_code=201)
 
     def _filtered(self, request: Request) -> list[SandboxRecord]:
@@ -299,6 +355,22 @@ class ControlPlane:
 
     async def get(self, request: Request) -> Response:
         return JSONResponse(self.detail_json(self._record(request), request))
+
+    async def update_network(self, request: Request) -> Response:
+        """E2B's PUT /sandboxes/{id}/network: the whole egress configuration is replaced (what the body
+        leaves out is cleared); allow_internet_access left out is what the sandbox was created with,
+        so an update meant to narrow the lists never opens a sandbox created without internet."""
+        body = await json_body(request)
+        rec = self._record(request)
+        policy = self._policy(body, body, internet_default=rec.internet_at_create)
+        try:
+            await self.manager.backend.set_network(rec.running, policy)
+        except InvalidArgumentError as e:
+            raise HTTPError(400, e.message) from None
+        except SandboxError as e:
+            raise HTTPError(404 if isinstance(e, SandboxGoneError) else 500, e.message) from None
+        rec.network = policy
+        return Response(status_code=204)
 
     async def kill(self, request: Request) -> Response:
         sandbox_id = request.path_params["sandbox_id"]
@@ -377,6 +449,7 @@ class ControlPlane:
             Route(sid, self.get, methods=["GET"]),
             Route(sid, self.kill, methods=["DELETE"]),
             Route(sid + "/timeout", self.set_timeout, methods=["POST"]),
+            Route(sid + "/network", self.update_network, methods=["PUT"]),
             Route(sid + "/connect", self.connect, methods=["POST"]),
             Route("/v2" + sid + "/connect", self.connect, methods=["POST"]),
             Route(sid + "/resume", self.resume, methods=["POST"]),

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
 from agentcell.backends.base import Backend, Limits, RunningSandbox, SandboxSpec
+from agentcell.backends.network_policy import NetworkPolicy
 from agentcell.runtime.protocol import AgentChannel
 
 log = logging.getLogger("agentcell.server")
@@ -52,6 +53,8 @@ class SandboxRecord:
     access_token: str = field(default_factory=lambda: secrets.token_urlsafe(24))
     cpu_sample: tuple[float, float] | None = None  # (time, cpu seconds) of the last metrics call
     public_traffic: bool = True  # its served-out ports need no traffic token (E2B's allowPublicTraffic)
+    network: NetworkPolicy = field(default_factory=NetworkPolicy)  # its way out, as last set
+    internet_at_create: bool = False  # update_network's default for allow_internet_access
 
     def alive(self) -> bool:
         return not self.channel.closed.is_set()
@@ -108,6 +111,7 @@ class SandboxManager:
         metadata: dict[str, str],
         envs: dict[str, str],
         limits: Limits,
+        network: NetworkPolicy | None = None,
     ) -> SandboxRecord:
         if len(self._sandboxes) + len(self._pending) >= self.max_sandboxes:
             raise CapacityError(f"the server already runs its maximum of {self.max_sandboxes} sandboxes")
@@ -115,7 +119,8 @@ class SandboxManager:
         self._pending.append(limits)
         try:
             # The backend picks the id: it is a standby's, prepared before this request.
-            spec = SandboxSpec(sandbox_id="", template="base", limits=limits, envs=dict(envs))
+            spec = SandboxSpec(sandbox_id="", template="base", limits=limits, envs=dict(envs),
+                               network=network or NetworkPolicy())
             running = await self.backend.create(spec)
             sandbox_id = running.sandbox_id
             try:
@@ -139,6 +144,7 @@ class SandboxManager:
             end_at=now + timedelta(seconds=timeout),
             running=running,
             channel=channel,
+            network=spec.network,
         )
         self._sandboxes[sandbox_id] = rec
         self._spawn(self._watch_channel(rec))

@@ -32,6 +32,9 @@ from agentcell.backends.base import (
     new_sandbox_id,
 )
 from agentcell.backends.linux import cgroups, host, rootfs, runtime_store, uids
+from agentcell.backends.linux.egress import EgressError
+from agentcell.backends.linux.egress_service import Egress, EgressSettings
+from agentcell.backends.network_policy import NetworkPolicy
 from agentcell.backends.pool import StandbyPool
 from agentcell.errors import BackendUnavailableError, InvalidArgumentError, SandboxError, SandboxGoneError
 from agentcell.runtime import statedir
@@ -43,6 +46,8 @@ STANDBYS = 4  # prepared sandboxes kept ready per template (--standbys)
 PREPARE_PARALLEL = 4  # standbys prepared at once: enough to overlap each one's cgroup-join wait
 TIMING = os.environ.get("AGENTCELL_TIMING") == "1"  # debug: per-step create() stamps on stderr
 _ID_RE = re.compile(r"^[a-z0-9]{1,63}$")
+NO_EGRESS = ("this server gives sandboxes no internet (its operator started it with --egress-uplink none); "
+             "create the sandbox with allow_internet_access=False")
 
 
 class LinuxSandbox(RunningSandbox):
@@ -56,6 +61,7 @@ class LinuxSandbox(RunningSandbox):
         self.slot = slot
         self.cgroups = cgroups.Cgroups.at(cgroup)
         self.killed = False
+        self.linked = False  # has a link to the egress router (and rules there to remove at kill)
         self.kill_lock = asyncio.Lock()
 
     def alive(self) -> bool:
@@ -187,12 +193,15 @@ class LinuxBackend(Backend):
                  preload: bool | None = None, zygote_timeout: float = 120.0,
                  host_tuning: host.HostTuning | None = None, standbys: int = STANDBYS,
                  standby_limits: Limits | None = None, prepare_parallel: int = PREPARE_PARALLEL,
-                 **host_options: Any) -> None:
+                 egress: EgressSettings | None = None, **host_options: Any) -> None:
         if max_sandboxes < 1:
             raise ValueError("max_sandboxes must be at least 1")
         if standbys < 0 or prepare_parallel < 1:
             raise ValueError("standbys must be at least 0 and prepare_parallel at least 1")
         self.standbys = standbys
+        self.egress_settings = egress or EgressSettings(uplink="none")
+        self.egress_settings.check()
+        self.egress: Egress | None = None  # the router, once start() made it
         self.standby_limits = standby_limits or Limits()  # what a create without limits asks for
         self.prepare_parallel = prepare_parallel
         self._pools: dict[str, StandbyPool[LinuxSandbox]] = {}
@@ -251,6 +260,18 @@ class LinuxBackend(Backend):
             cgroups.prepare_instance(self.instance)
         except cgroups.CgroupError as e:
             raise BackendUnavailableError(str(e)) from e
+        gone = await asyncio.to_thread(Egress.remove_stale, cgroups.instance_alive)
+        if gone:
+            print(f"agentcell: removed the egress routers of dead server(s): {', '.join(gone)}", file=sys.stderr)
+        if self.egress_settings.enabled and self.egress is None:
+            egress = Egress(self.egress_settings, self.instance)
+            try:
+                await egress.start()
+            except (EgressError, OSError) as e:
+                raise BackendUnavailableError(
+                    f"cannot set up the sandboxes' egress router: {e} (start with --egress-uplink none to run "
+                    "without internet for sandboxes)") from e
+            self.egress = egress
         try:  # host-wide pools and the parent cgroup's limits (see host.py)
             self.host_budget = await asyncio.to_thread(host.prepare, self.cgroup_parent, self.max_sandboxes,
                                                        self.host_tuning)
@@ -319,6 +340,9 @@ class LinuxBackend(Backend):
         for z in self._zygotes.values():
             z.stop()  # EOF: the zygote kills its standby
         self._zygotes.clear()
+        if self.egress is not None:
+            await self.egress.close()
+            self.egress = None
         with contextlib.suppress(OSError):
             await asyncio.to_thread(cgroups.remove_tree, self.cgroup_parent)
         if self._uid_range is not None:
@@ -356,6 +380,8 @@ class LinuxBackend(Backend):
             raise InvalidArgumentError(str(e)) from None
         if len(self._sandboxes) >= self.max_sandboxes:
             raise SandboxError("too many sandboxes on this host", "resource_exhausted")
+        if spec.network.internet and self.egress is None:
+            raise InvalidArgumentError(NO_EGRESS)
         sandbox = None
         if not spec.sandbox_id and self.standbys and _claimable(self.standby_limits, spec.limits):
             sandbox = await self._pool(spec.template).take()
@@ -369,6 +395,8 @@ class LinuxBackend(Backend):
         try:
             sandbox.limits = spec.limits
             sandbox.cgroups.set_cpu_weight(standby=False)
+            if self.egress is not None:  # before the claim: the tenant's first code meets its policy
+                await self.egress.apply(sandbox.slot, spec.network)
             # The claim: the tenant's env vars go to this sandbox's agent and nowhere else.
             await asyncio.get_running_loop().sock_sendall(
                 sandbox.sock, encode_frame({"id": 0, "op": "claim", "envs": dict(spec.envs)}))
@@ -412,6 +440,9 @@ class LinuxBackend(Backend):
                 ready = await _read_frame(loop, ours)
                 if ready is None or ready.get("event") != "ready":
                     raise SandboxError(_setup_error(sandbox_id, ready))
+                if self.egress is not None:
+                    await self.egress.connect(slot, pid)
+                    sandbox.linked = True
         except BaseException as e:
             theirs.close()
             if sandbox is not None:
@@ -444,6 +475,9 @@ class LinuxBackend(Backend):
             with contextlib.suppress(OSError):
                 sandbox.sock.close()
             await _remove_cgroups(sandbox.cgroups)
+            if sandbox.linked and self.egress is not None:
+                await self.egress.disconnect(sandbox.slot)
+                sandbox.linked = False
             if sandbox.pidfd >= 0:
                 os.close(sandbox.pidfd)
                 sandbox.pidfd = -1
@@ -452,6 +486,20 @@ class LinuxBackend(Backend):
             for table in (self._sandboxes, self._owned):
                 if table.get(sandbox.sandbox_id) is sandbox:
                     del table[sandbox.sandbox_id]
+
+    @property
+    def has_egress(self) -> bool:
+        return self.egress is not None
+
+    async def set_network(self, sandbox: RunningSandbox, policy: NetworkPolicy) -> None:
+        assert isinstance(sandbox, LinuxSandbox)
+        if sandbox.killed:
+            raise SandboxGoneError(f"sandbox {sandbox.sandbox_id} was killed")
+        if self.egress is None:
+            if policy.internet:
+                raise InvalidArgumentError(NO_EGRESS)
+            return
+        await self.egress.apply(sandbox.slot, policy)
 
     async def capacity(self) -> Capacity | None:
         if self.host_budget is None:

@@ -1,42 +1,48 @@
 """The egress router: one network namespace per server, between its sandboxes and an uplink.
 
-docs/network.md has the design; this module is its first building block (issue 7) and is not wired
-into sandboxes yet: a sandbox still has loopback only. What it does now:
+docs/network.md has the design. What this module does:
 
 * `Router.create()` makes the router namespace (a named netns, /run/netns/<name>) with forwarding on
-  and the base nftables ruleset: the input chain drops everything from sandboxes, the forward chain
-  drops everything but sandbox -> uplink, and never forwards to the never-list (private, loopback,
-  link-local, CGNAT, multicast, reserved, cloud metadata; IPv4 and IPv6).
-* `attach_uplink()` links it to the namespace that stands for "the internet" (in tests, a namespace the
-  test built on documentation ranges; the host's uplink is a later step, docs/network.md).
+  and the base nftables ruleset: a sandbox's packets must carry its own link's address (strict
+  reverse-path check), reach the router itself only for DNS to `RESOLVER`, and are forwarded only to
+  the uplink, never to the never-list (private, loopback, link-local, CGNAT, multicast, reserved,
+  cloud metadata; IPv4 and IPv6), never as DNS/DoT/QUIC to anyone but the resolver.
+* `attach_uplink()` links it to the namespace that stands for "the internet": the host's (masqueraded
+  there, `uplink.py`) or a namespace an operator or a test names.
 * `connect()` gives a sandbox's namespace a veth link to the router (eth0 there, `s<slot>` here) and a
-  default route; `set_policy()` opens (or closes) its way out, with CIDR allow and deny lists.
+  default route; `set_policy()` writes its way out (a `NetworkPolicy`) into its own chain, and `pin()`
+  opens the addresses its resolver answered for an allowed name, for the answer's lifetime.
 
 Every command runs *inside* a namespace named by path: `ip` under `nsenter --net=PATH`, nftables
-through libnftables in a thread that has setns()'d there. Nothing here runs in, or changes, the
-namespace of the calling process (see docs/network.md: a netlink library that opens its socket
-lazily acts in the caller's namespace; the tests check the host's links, addresses, routes and
-ruleset are unchanged).
+through libnftables in a thread that lives in the router namespace (`NetnsWorker`). Nothing here runs
+in, or changes, the namespace of the calling process (see docs/network.md: a netlink library that
+opens its socket lazily acts in the caller's namespace; the tests check the host's links, addresses,
+routes and ruleset are unchanged).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import ipaddress
 import os
+import queue
 import subprocess
 import threading
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 from agentcell.backends.linux import syscalls as sc
+from agentcell.backends.network_policy import Network, NetworkPolicy
 
 TABLE = "agentcell"
 UPLINK = "up0"
 LINK_NET = ipaddress.IPv4Network("10.77.0.0/16")  # a /30 per sandbox slot: router .1, sandbox .2
-MAX_SLOTS = LINK_NET.num_addresses // 4
+MAX_SLOTS = LINK_NET.num_addresses // 4 - 1  # the last /30 holds the resolver's address
+RESOLVER = "10.77.255.254"  # every sandbox's nameserver: one address on the router's lo, one resolv.conf
+PIN_SET_SIZE = 4096  # addresses one sandbox's allowed names may pin at once
 
-# Never forwarded, whatever a sandbox's policy says (operator exceptions come later, from config).
+# Never forwarded, whatever a sandbox's policy says.
 NEVER_V4 = (
     "0.0.0.0/8", "10.0.0.0/8", "100.64.0.0/10", "127.0.0.0/8", "169.254.0.0/16", "172.16.0.0/12",
     "192.0.0.0/24", "192.168.0.0/16", "198.18.0.0/15", "224.0.0.0/3",
@@ -45,6 +51,12 @@ NEVER_V6 = (
     "::/127", "::ffff:0:0/96", "64:ff9b::/96", "64:ff9b:1::/48", "100::/64", "2001::/23", "2002::/16",
     "fc00::/7", "fe80::/10", "ff00::/8",
 )
+# Resolvers other than ours (DNS, DoT, DoQ) and QUIC: dropped for every sandbox. QUIC is UDP that the
+# SNI/Host checks cannot read; clients fall back to TCP.
+BLOCKED_UDP_PORTS = (53, 443, 853)
+BLOCKED_TCP_PORTS = (53, 853)
+
+T = TypeVar("T")
 
 
 class EgressError(RuntimeError):
@@ -94,33 +106,78 @@ class _Nft:
 _nft: _Nft | None = None
 
 
-def nft_in(netns_path: str, commands: str) -> str:
-    """Run an nftables transaction inside the network namespace at `netns_path`."""
+def _lib() -> _Nft:
     global _nft
     if _nft is None:
         _nft = _Nft()
-    nft = _nft
-    fd = os.open(netns_path, os.O_RDONLY | os.O_CLOEXEC)
-    result: list[str] = []
-    error: list[BaseException] = []
+    return _nft
 
-    def work() -> None:
-        # This thread alone moves; it ends afterwards, so no other code ever runs in that namespace.
+
+class NetnsWorker:
+    """One thread that lives in a network namespace and runs what it is given there: nftables
+    transactions, and creating sockets (a socket stays in the namespace it was made in, so the event
+    loop can use it afterwards). Nothing else ever runs in that thread."""
+
+    def __init__(self, netns_path: str) -> None:
+        self.netns_path = netns_path
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]] | None] = (
+            queue.SimpleQueue())
+        fd = os.open(netns_path, os.O_RDONLY | os.O_CLOEXEC)
+        entered: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._thread = threading.Thread(target=self._main, args=(fd, entered), name="agentcell-netns", daemon=True)
+        self._thread.start()
+        try:
+            entered.result(timeout=10)
+        finally:
+            os.close(fd)
+
+    def _main(self, fd: int, entered: concurrent.futures.Future[None]) -> None:
         try:
             sc.setns(fd, sc.CLONE_NEWNET)
-            result.append(nft.run(commands))
-        except BaseException as e:  # re-raised in the caller
-            error.append(e)
+        except BaseException as e:
+            entered.set_exception(e)
+            return
+        entered.set_result(None)
+        while (job := self._jobs.get()) is not None:
+            fn, fut = job
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn())
+                except BaseException as e:
+                    fut.set_exception(e)
 
+    def submit(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
+        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+        if not self._thread.is_alive():
+            fut.set_exception(EgressError(f"the worker for {self.netns_path} has stopped"))
+        else:
+            self._jobs.put((fn, fut))
+        return fut
+
+    def call(self, fn: Callable[[], T]) -> T:
+        return self.submit(fn).result()
+
+    def nft(self, commands: str) -> str:
+        return self.call(lambda: _lib().run(commands))
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+        self._thread.join(timeout=5)
+
+
+def run_here(commands: str) -> str:
+    """An nftables transaction in the calling thread's own namespace (only the host uplink's table)."""
+    return _lib().run(commands)
+
+
+def nft_in(netns_path: str, commands: str) -> str:
+    """Run an nftables transaction inside the network namespace at `netns_path` (a thread of its own,
+    gone afterwards; long-lived users keep a NetnsWorker)."""
+    worker = NetnsWorker(netns_path)
     try:
-        t = threading.Thread(target=work, name="agentcell-nft")
-        t.start()
-        t.join()
+        return worker.nft(commands)
     finally:
-        os.close(fd)
-    if error:
-        raise error[0]
-    return result[0]
+        worker.stop()
 
 
 # --- ip(8), inside a namespace ----------------------------------------------------------------------
@@ -135,11 +192,11 @@ def ip_in(netns_path: str, commands: Iterable[str]) -> None:
         raise EgressError(f"ip in {netns_path} failed: {r.stderr.strip() or r.stdout.strip()}")
 
 
-def _sysctl_in(netns_path: str, name: str, value: str) -> None:
-    r = subprocess.run(["nsenter", f"--net={netns_path}", "sysctl", "-qw", f"{name}={value}"],
+def sysctl_in(netns_path: str, *settings: str) -> None:
+    r = subprocess.run(["nsenter", f"--net={netns_path}", "sysctl", "-qw", *settings],
                        capture_output=True, text=True, check=False)
     if r.returncode != 0:
-        raise EgressError(f"sysctl {name} in {netns_path} failed: {r.stderr.strip()}")
+        raise EgressError(f"sysctl {' '.join(settings)} in {netns_path} failed: {r.stderr.strip()}")
 
 
 # --- the router ------------------------------------------------------------------------------------------
@@ -153,25 +210,21 @@ def link_addresses(slot: int) -> tuple[str, str]:
     return str(ipaddress.IPv4Address(base + 1)), str(ipaddress.IPv4Address(base + 2))
 
 
-@dataclass(frozen=True)
-class Policy:
-    """A sandbox's way out. `internet` False: nothing leaves. Else every public address, minus `deny`,
-    and, when `allow` is given, only `allow` (the never-list applies first, whatever these say)."""
-
-    internet: bool = False
-    allow: Sequence[str] = field(default_factory=tuple)
-    deny: Sequence[str] = field(default_factory=tuple)
-
-    def networks(self) -> tuple[list[ipaddress.IPv4Network | ipaddress.IPv6Network], ...]:
-        try:
-            return ([ipaddress.ip_network(c, strict=False) for c in self.allow],
-                    [ipaddress.ip_network(c, strict=False) for c in self.deny])
-        except ValueError as e:
-            raise EgressError(f"not a CIDR or IP address: {e}") from None
+def slot_of(address: str) -> int | None:
+    """The slot whose sandbox side is `address`, or None (the router side, the resolver, a stranger)."""
+    try:
+        ip = ipaddress.IPv4Address(address)
+    except ValueError:
+        return None
+    if ip not in LINK_NET:
+        return None
+    offset = int(ip) - int(LINK_NET.network_address)
+    slot, host = divmod(offset, 4)
+    return slot if host == 2 and slot < MAX_SLOTS else None
 
 
-def _elements(nets: Iterable[ipaddress.IPv4Network | ipaddress.IPv6Network]) -> str:
-    return ", ".join(str(n) for n in nets)
+def _ports(ports: Iterable[int]) -> str:
+    return ", ".join(str(p) for p in ports)
 
 
 def base_ruleset() -> str:
@@ -180,10 +233,17 @@ table inet {TABLE} {{
   set never4 {{ type ipv4_addr; flags interval; elements = {{ {", ".join(NEVER_V4)} }} }}
   set never6 {{ type ipv6_addr; flags interval; elements = {{ {", ".join(NEVER_V6)} }} }}
   map links {{ type ifname : verdict; }}
+  chain prerouting {{
+    type filter hook prerouting priority raw; policy accept;
+    iifname "s*" meta nfproto ipv6 drop
+    iifname "s*" fib saddr . iif oif missing drop
+  }}
   chain input {{
     type filter hook input priority filter; policy drop;
     iif "lo" accept
     iifname "{UPLINK}" ct state established,related accept
+    iifname "s*" ip daddr {RESOLVER} meta l4proto {{ udp, tcp }} th dport 53 accept
+    iifname "s*" icmp type echo-request limit rate 10/second accept
   }}
   chain forward {{
     type filter hook forward priority filter; policy drop;
@@ -191,6 +251,8 @@ table inet {TABLE} {{
     oifname != "{UPLINK}" drop
     ip daddr @never4 drop
     ip6 daddr @never6 drop
+    udp dport {{ {_ports(BLOCKED_UDP_PORTS)} }} drop
+    tcp dport {{ {_ports(BLOCKED_TCP_PORTS)} }} drop
     iifname vmap @links
   }}
   chain postrouting {{
@@ -201,10 +263,25 @@ table inet {TABLE} {{
 """
 
 
+def _elements(nets: Iterable[Network]) -> str:
+    return ", ".join(str(n) for n in nets)
+
+
+def _pin_element(address: str, seconds: int) -> str:
+    return f"{address} timeout {max(1, int(seconds))}s"
+
+
 class Router:
     def __init__(self, name: str) -> None:
         self.name = name
         self.path = f"/run/netns/{name}"
+        self._worker: NetnsWorker | None = None
+
+    @property
+    def worker(self) -> NetnsWorker:
+        if self._worker is None:
+            self._worker = NetnsWorker(self.path)
+        return self._worker
 
     @classmethod
     def create(cls, name: str) -> Router:
@@ -216,16 +293,24 @@ class Router:
             raise EgressError(f"ip netns add {name} failed: {r.stderr.strip()}")
         router = cls(name)
         try:
-            ip_in(router.path, ["link set lo up"])
-            _sysctl_in(router.path, "net.ipv4.ip_forward", "1")
-            nft_in(router.path, base_ruleset())
+            # IPv6 off on every link the router gets: a sandbox has no IPv6 way out (docs/network.md).
+            sysctl_in(router.path, "net.ipv4.ip_forward=1", "net.ipv6.conf.all.disable_ipv6=1",
+                      "net.ipv6.conf.default.disable_ipv6=1")
+            ip_in(router.path, ["link set lo up", f"addr add {RESOLVER}/32 dev lo"])
+            router.nft(base_ruleset())
         except BaseException:
             router.destroy()
             raise
         return router
 
     def destroy(self) -> None:
+        if self._worker is not None:
+            self._worker.stop()
+            self._worker = None
         subprocess.run(["ip", "netns", "del", self.name], capture_output=True, check=False)
+
+    def nft(self, commands: str) -> str:
+        return self.worker.nft(commands)
 
     def attach_uplink(self, peer_netns_path: str, peer_ifname: str, address: str, gateway: str) -> None:
         """veth `up0` here (address `address`, e.g. "203.0.113.1/24", default route via `gateway`) <->
@@ -242,44 +327,80 @@ class Router:
         closed (no element in the policy map: the forward chain drops)."""
         ours, theirs = link_addresses(slot)
         ifname = f"s{slot}"
-        ip_in(self.path, [
-            f"link add {ifname} type veth peer name eth0 netns {_ns_arg(sandbox_netns_path)}",
-            f"addr add {ours}/30 dev {ifname}",
-            f"link set {ifname} up",
-        ])
+        add = [f"link add {ifname} type veth peer name eth0 netns {_ns_arg(sandbox_netns_path)}",
+               f"addr add {ours}/30 dev {ifname}", f"link set {ifname} up"]
+        try:
+            ip_in(self.path, add)
+        except EgressError as e:
+            if "exists" not in str(e):
+                raise
+            # the link of the slot's previous sandbox, whose namespace the kernel is still tearing down
+            ip_in(self.path, [f"link del {ifname}", *add])
         ip_in(sandbox_netns_path, [
             f"addr add {theirs}/30 dev eth0",
             "link set eth0 up",
             f"route add default via {ours} dev eth0",
         ])
 
-    def set_policy(self, slot: int, policy: Policy) -> None:
-        """Replace the sandbox's way out in one transaction: new connections follow it at once;
-        connections already established keep going."""
-        allow, deny = policy.networks()
+    def policy_commands(self, slot: int, policy: NetworkPolicy, pins: Iterable[tuple[str, int]] = ()) -> str:
+        """The transaction that replaces slot `slot`'s way out with `policy`, keeping `pins`
+        ((address, seconds left) the resolver answered for names the policy still allows)."""
         chain, ifname = f"sbx_{slot}", f"s{slot}"
         cmds = [*_unlinked(slot), f"flush chain inet {TABLE} {chain}"]
-        if policy.internet:
+        for family, kind in (("ipv4", 4), ("ipv6", 6)):
+            pin_set = f"pin{kind}_{slot}"
+            cmds += [f"add set inet {TABLE} {pin_set} {{ type {family}_addr; flags timeout; size {PIN_SET_SIZE}; }}",
+                     f"flush set inet {TABLE} {pin_set}"]
+            kept = [_pin_element(a, s) for a, s in pins if ipaddress.ip_address(a).version == kind]
+            if kept:
+                cmds.append(f"add element inet {TABLE} {pin_set} {{ {', '.join(kept)} }}")
+        if policy.open:
             for family, kind in (("ip", 4), ("ip6", 6)):
-                d = [n for n in deny if n.version == kind]
-                a = [n for n in allow if n.version == kind]
-                if d:
-                    cmds.append(f"add rule inet {TABLE} {chain} {family} daddr {{ {_elements(d)} }} drop")
-                if a:
-                    cmds.append(f"add rule inet {TABLE} {chain} {family} daddr {{ {_elements(a)} }} accept")
-            if not allow:
-                cmds.append(f"add rule inet {TABLE} {chain} accept")
+                deny = [n for n in policy.deny_nets if n.version == kind]
+                if deny:
+                    cmds.append(f"add rule inet {TABLE} {chain} {family} daddr {{ {_elements(deny)} }} drop")
+            if policy.restricted:
+                for family, kind in (("ip", 4), ("ip6", 6)):
+                    allow = [n for n in policy.allow_nets if n.version == kind]
+                    if allow:
+                        cmds.append(f"add rule inet {TABLE} {chain} {family} daddr {{ {_elements(allow)} }} accept")
+                    cmds.append(f"add rule inet {TABLE} {chain} {family} daddr @pin{kind}_{slot} accept")
+            else:
+                # The open internet is TCP (and ping): UDP only to what an allow list names.
+                cmds += [f"add rule inet {TABLE} {chain} meta l4proto udp drop", f"add rule inet {TABLE} {chain} accept"]
             cmds.append(f'add element inet {TABLE} links {{ "{ifname}" : jump {chain} }}')
-        nft_in(self.path, "\n".join(cmds))
+        return "\n".join(cmds)
+
+    def set_policy(self, slot: int, policy: NetworkPolicy, pins: Iterable[tuple[str, int]] = ()) -> None:
+        """Replace the sandbox's way out in one transaction: new connections follow it at once;
+        connections already established keep going."""
+        self.nft(self.policy_commands(slot, policy, pins))
+
+    @staticmethod
+    def pin_commands(slot: int, pins: Iterable[tuple[str, int]]) -> str:
+        """Open (address, seconds) for slot `slot`. An element already there keeps its old timeout on
+        this kernel, so each is added, deleted and added again with the new one."""
+        cmds = []
+        for address, seconds in pins:
+            kind = ipaddress.ip_address(address).version
+            target = f"inet {TABLE} pin{kind}_{slot}"
+            cmds += [f"add element {target} {{ {address} }}", f"delete element {target} {{ {address} }}",
+                     f"add element {target} {{ {_pin_element(address, seconds)} }}"]
+        return "\n".join(cmds)
+
+    @staticmethod
+    def disconnect_commands(slot: int) -> str:
+        """Forget a sandbox's policy and pins (its link goes away with its namespace)."""
+        return "\n".join([*_unlinked(slot), f"flush chain inet {TABLE} sbx_{slot}",
+                          f"delete chain inet {TABLE} sbx_{slot}",
+                          *(f"add set inet {TABLE} pin{k}_{slot} {{ type ipv{k}_addr; flags timeout; }}" for k in (4, 6)),
+                          *(f"delete set inet {TABLE} pin{k}_{slot}" for k in (4, 6))])
 
     def disconnect(self, slot: int) -> None:
-        """Forget a sandbox's policy (its link goes away with its namespace)."""
-        nft_in(self.path, "\n".join([*_unlinked(slot), f"delete chain inet {TABLE} sbx_{slot}"]))
-        if _link_exists(self.path, f"s{slot}"):
-            ip_in(self.path, [f"link del s{slot}"])
+        self.nft(self.disconnect_commands(slot))
 
     def ruleset(self) -> str:
-        return nft_in(self.path, "list ruleset")
+        return self.nft("list ruleset")
 
 
 def _unlinked(slot: int) -> list[str]:
@@ -299,9 +420,3 @@ def _ns_arg(netns_path: str) -> str:
     if len(parts) == 5 and parts[1] == "proc" and parts[2].isdigit() and parts[3:] == ["ns", "net"]:
         return parts[2]
     raise EgressError(f"cannot name the namespace {netns_path} to ip(8): use /run/netns/NAME or /proc/PID/ns/net")
-
-
-def _link_exists(netns_path: str, ifname: str) -> bool:
-    r = subprocess.run(["nsenter", f"--net={netns_path}", "ip", "link", "show", ifname], capture_output=True,
-                       check=False)
-    return r.returncode == 0

@@ -13,6 +13,8 @@ import os
 import shutil
 import stat
 
+from agentcell.backends.linux.egress import RESOLVER
+
 # Copied from the host when present, each because programs read it:
 COPIED = (
     "ld.so.cache", "ld.so.conf", "ld.so.conf.d",  # the dynamic linker finds libraries with these
@@ -35,7 +37,7 @@ _NEVER = ("ssl/private",)  # the host's TLS private keys
 # the sandbox was given (Debian's /etc/profile resets it, which would hide the template's Python from
 # `bash -l`, how every command runs).
 NSSWITCH = (
-    "passwd: files\ngroup: files\nshadow: files\ngshadow: files\nhosts: files\nnetworks: files\n"
+    "passwd: files\ngroup: files\nshadow: files\ngshadow: files\nhosts: files dns\nnetworks: files\n"
     "protocols: files\nservices: files\nethers: files\nrpc: files\n"
 )
 PROFILE = (
@@ -56,7 +58,9 @@ def generated(uid: int, home: str) -> dict[str, str]:
         f"user:x:{uid}:{uid}:user:{home}:/bin/bash\n"
         "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n",
         "group": f"root:x:0:\nuser:x:{uid}:\nnogroup:x:65534:\n",
-        "resolv.conf": "",  # no network: nothing to resolve with
+        # the router's resolver (backends/linux/egress.py): it answers only what the sandbox's policy
+        # allows, and nothing at all for a sandbox without internet
+        "resolv.conf": f"nameserver {RESOLVER}\noptions timeout:2 attempts:2 edns0\n",
         "nsswitch.conf": NSSWITCH,
         "profile": PROFILE,
         "bash.bashrc": BASHRC,

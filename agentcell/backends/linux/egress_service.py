@@ -1,0 +1,209 @@
+"""The linux backend's egress: one router namespace, its uplink, the sandboxes' resolver, and each
+sandbox's policy and pinned addresses (docs/network.md).
+
+Lifecycle, per sandbox slot:
+- `connect(slot, pid)` while the sandbox is a standby (off the request path): its veth link, closed;
+- `apply(slot, policy)` at claim and at every `update_network`: one nft transaction;
+- the resolver pins the addresses it answers for an allowed name (`_pin`), before the answer leaves;
+- `disconnect(slot)` at kill: the chain, the sets and the pins go; the link dies with the namespace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import dns.name
+
+from agentcell.backends.linux import uplink as uplinks
+from agentcell.backends.linux.egress import PIN_SET_SIZE, RESOLVER, EgressError, Router, run_here, slot_of
+from agentcell.backends.linux.egress_dns import DomainRules, Pin, PolicyResolver, serve_tcp
+from agentcell.backends.network_policy import NetworkPolicy
+
+log = logging.getLogger("agentcell.egress")
+T = TypeVar("T")
+NETNS_PREFIX = "agentcell-"
+CLOSED = NetworkPolicy()
+
+
+@dataclass(frozen=True)
+class EgressSettings:
+    """`uplink`: "host" (masqueraded out of the host's interfaces), "netns:PATH" (into that
+    namespace: a test's "internet", or an operator's own routing), or "none" (no sandbox has
+    internet). `dns`: upstream resolvers for the sandboxes' resolver; empty = the host's
+    /etc/resolv.conf, minus loopback stubs the router cannot reach."""
+
+    uplink: str = "host"
+    dns: tuple[str, ...] = ()
+
+    @property
+    def enabled(self) -> bool:
+        return self.uplink != "none"
+
+    def check(self) -> None:
+        if self.uplink not in ("host", "none") and not self.uplink.startswith("netns:"):
+            raise ValueError(f"egress uplink must be host, none or netns:PATH, got {self.uplink!r}")
+        if self.uplink.startswith("netns:") and not os.path.exists(self.uplink[6:]):
+            raise ValueError(f"egress uplink namespace {self.uplink[6:]} does not exist")
+
+
+def host_resolvers(path: str = "/etc/resolv.conf") -> tuple[str, ...]:
+    try:
+        with open(path) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return ()
+    found = [m.group(1) for line in lines if (m := re.match(r"\s*nameserver\s+(\S+)", line))]
+    return tuple(a for a in found if not a.startswith("127.") and a != "::1")
+
+
+class Egress:
+    def __init__(self, settings: EgressSettings, instance: str) -> None:
+        self.settings = settings
+        self.instance = instance
+        self.router: Router | None = None
+        self.uplink: uplinks.Uplink | None = None
+        self.policies: dict[int, NetworkPolicy] = {}
+        self._rules: dict[int, DomainRules | None] = {}
+        self._pins: dict[int, dict[str, tuple[str, float]]] = {}  # slot -> address -> (name, expires)
+        self._udp: asyncio.DatagramTransport | None = None
+        self._tcp: asyncio.Server | None = None
+
+    # -- the router ---------------------------------------------------------------------------
+
+    @staticmethod
+    def remove_stale(alive: Callable[[str], bool]) -> list[str]:
+        """Router namespaces (and host uplink tables) of servers that are gone."""
+        gone = []
+        for name in sorted(os.listdir("/run/netns")) if os.path.isdir("/run/netns") else []:
+            if name.startswith(NETNS_PREFIX) and not alive(name[len(NETNS_PREFIX):]):
+                Router(name).destroy()
+                uplinks.remove_stale(name[len(NETNS_PREFIX):])
+                gone.append(name)
+        return gone
+
+    async def start(self) -> None:
+        router = await asyncio.to_thread(Router.create, NETNS_PREFIX + self.instance)
+        self.router = router
+        try:
+            if self.settings.uplink == "host":
+                self.uplink = await asyncio.to_thread(uplinks.attach_host, router, self.instance)
+            else:
+                self.uplink = await asyncio.to_thread(uplinks.attach_netns, router, self.settings.uplink[6:],
+                                                      self.instance)
+            upstream = (self.settings.dns or host_resolvers() or ("",))[0]
+            if not upstream:
+                log.warning("no upstream DNS server (pass --egress-dns): sandboxes' names will not resolve")
+            self.resolver = PolicyResolver((upstream, 53), self._rules_for, self._pin, self._socket)
+            loop = asyncio.get_running_loop()
+            udp = await self._in_router(lambda: _bound(socket.SOCK_DGRAM))
+            self._udp, _ = await loop.create_datagram_endpoint(lambda: self.resolver, sock=udp)
+            tcp = await self._in_router(lambda: _bound(socket.SOCK_STREAM))
+            self._tcp = await serve_tcp(self.resolver, sock=tcp)
+        except BaseException:
+            await self.close()
+            raise
+
+    async def close(self) -> None:
+        if self._udp is not None:
+            self._udp.close()
+        if self._tcp is not None:
+            self._tcp.close()
+        if self.uplink is not None:
+            await asyncio.to_thread(self.uplink.close)
+            self.uplink = None
+        if self.router is not None:
+            await asyncio.to_thread(self.router.destroy)
+            self.router = None
+
+    async def _in_router(self, fn: Callable[[], T]) -> T:
+        assert self.router is not None
+        return await asyncio.wrap_future(self.router.worker.submit(fn))
+
+    async def _nft(self, commands: str) -> None:
+        await self._in_router(lambda: run_here(commands))  # run_here: the worker's thread is in the router
+
+    async def _socket(self, family: int, kind: int) -> socket.socket:
+        return await self._in_router(lambda: socket.socket(family, kind))
+
+    # -- sandboxes ----------------------------------------------------------------------------
+
+    async def connect(self, slot: int, pid: int) -> None:
+        """The standby's link, closed until its claim."""
+        assert self.router is not None
+        await asyncio.to_thread(self.router.connect, slot, f"/proc/{pid}/ns/net")
+        await self.apply(slot, CLOSED)
+
+    async def apply(self, slot: int, policy: NetworkPolicy) -> None:
+        """Replace the sandbox's way out; pins of names the new policy still allows stay."""
+        assert self.router is not None
+        names = policy.names_allowed()
+        rules = DomainRules(*names) if names is not None else None
+        now = time.monotonic()
+        kept = []
+        if rules is not None and policy.restricted:
+            for address, (name, expires) in self._pins.get(slot, {}).items():
+                if expires > now + 1 and rules.allows(dns.name.from_text(name)):
+                    kept.append((address, int(expires - now)))
+        await self._nft(self.router.policy_commands(slot, policy, kept))
+        self.policies[slot] = policy
+        self._rules[slot] = rules
+        self._pins[slot] = {a: p for a, p in self._pins.get(slot, {}).items() if a in dict(kept)}
+
+    async def disconnect(self, slot: int) -> None:
+        assert self.router is not None
+        self.policies.pop(slot, None)
+        self._rules.pop(slot, None)
+        self._pins.pop(slot, None)
+        try:
+            await self._nft(Router.disconnect_commands(slot))
+        except EgressError as e:
+            log.warning("could not remove the egress rules of slot %d: %s", slot, e)
+
+    def pinned(self, slot: int) -> dict[str, str]:
+        """address -> name, of what the slot's resolver answers opened and has not expired."""
+        now = time.monotonic()
+        return {a: name for a, (name, expires) in self._pins.get(slot, {}).items() if expires > now}
+
+    # -- the resolver's callbacks ---------------------------------------------------------------
+
+    def _rules_for(self, source: str) -> DomainRules | None:
+        slot = slot_of(source)
+        return None if slot is None else self._rules.get(slot)
+
+    async def _pin(self, source: str, pins: list[Pin]) -> None:
+        slot = slot_of(source)
+        policy = self.policies.get(slot) if slot is not None else None
+        if slot is None or policy is None or not policy.open:
+            raise EgressError(f"{source} has no way out to pin anything for")
+        table = self._pins.setdefault(slot, {})
+        now = time.monotonic()
+        if len(table) + len(pins) > PIN_SET_SIZE:
+            for address in [a for a, (_, expires) in table.items() if expires <= now]:
+                del table[address]
+        fresh = []
+        for address, seconds, name in pins:
+            if len(table) >= PIN_SET_SIZE and str(address) not in table:
+                raise EgressError(f"slot {slot} has {PIN_SET_SIZE} addresses pinned already")
+            table[str(address)] = (name, now + seconds)
+            fresh.append((str(address), seconds))
+        if policy.restricted:  # an open policy reaches every public address anyway
+            await self._nft(Router.pin_commands(slot, fresh))
+
+
+def _bound(kind: int) -> socket.socket:
+    """The resolver's socket on RESOLVER:53, made in the router's namespace (the worker's thread)."""
+    sock = socket.socket(socket.AF_INET, kind)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((RESOLVER, 53))
+    if kind == socket.SOCK_STREAM:
+        sock.listen(128)
+    sock.setblocking(False)
+    return sock

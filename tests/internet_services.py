@@ -1,0 +1,128 @@
+"""The services of the tests' "internet" (run inside its network namespace by tests/test_egress.py
+with the namespace's addresses as arguments).
+
+On every address of the namespace: HTTP on 80 and 8080 (the answer names the address and Host it got,
+and /redirect?to=URL redirects), DNS on 53 (UDP and TCP, a small zone; any address answers, so a
+"foreign resolver" is one too), a TCP listener on 853 (DoT's port), a UDP echo on 7 and 443.
+Prints "ready" once everything listens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+import sys
+
+import dns.flags
+import dns.message
+import dns.rcode
+import dns.rdatatype
+import dns.rrset
+
+ZONE: dict[str, list[tuple[str, str]]] = {
+    "allowed.test.": [("A", "203.0.113.10")],
+    "other.test.": [("A", "198.51.100.20")],
+    "api.wild.test.": [("A", "203.0.113.11")],
+    "denied.test.": [("A", "203.0.113.12")],
+    "rebind.test.": [("A", "10.1.2.3")],
+    "meta.test.": [("A", "169.254.169.254")],
+    "big.test.": [("A", f"203.0.113.{100 + i}") for i in range(60)],  # > 512 bytes: EDNS0 or TCP
+    "huge.test.": [("A", f"198.51.100.{100 + i}") for i in range(100)],  # > 1232 bytes: TCP
+}
+queries: list[str] = []
+
+
+def answer(data: bytes) -> bytes | None:
+    try:
+        q = dns.message.from_wire(data)
+    except Exception:
+        return None
+    name = q.question[0].name.to_text().lower()
+    queries.append(name)
+    r = dns.message.make_response(q)
+    records = [v for kind, v in ZONE.get(name, []) if dns.rdatatype.from_text(kind) == q.question[0].rdtype]
+    if name not in ZONE:
+        r.set_rcode(dns.rcode.NXDOMAIN)
+    elif records:
+        r.answer.append(dns.rrset.from_text_list(name, 5, "IN", "A", records))
+    return r.to_wire()
+
+
+class Udp(asyncio.DatagramProtocol):
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport: asyncio.DatagramTransport = transport  # type: ignore[assignment]
+
+    def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
+        reply = answer(data) if self.kind == "dns" else b"echo:" + data
+        if reply is not None and self.kind == "dns" and len(reply) > 512:  # truncated: ask over TCP
+            r = dns.message.from_wire(reply)
+            r.answer = []
+            r.flags |= dns.flags.TC
+            reply = r.to_wire()
+        if reply is not None:
+            self.transport.sendto(reply, addr)
+
+
+async def http(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    try:
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError):
+        writer.close()
+        return
+    lines = head.decode(errors="replace").split("\r\n")
+    target = lines[0].split(" ")[1] if len(lines[0].split(" ")) > 1 else "/"
+    host = next((line.split(":", 1)[1].strip() for line in lines[1:] if line.lower().startswith("host:")), "")
+    local = writer.get_extra_info("sockname")[0]
+    if target.startswith("/redirect?to="):
+        writer.write(f"HTTP/1.1 302 Found\r\nLocation: {target[13:]}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+                     .encode())
+    else:
+        body = f"hello from {local} host={host} path={target}\n".encode()
+        if target.startswith("/big/"):
+            body = b"x" * int(target[5:])
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % len(body))
+        writer.write(body)
+    await writer.drain()
+    writer.close()
+
+
+async def dns_tcp(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    try:
+        (n,) = struct.unpack("!H", await reader.readexactly(2))
+        reply = answer(await reader.readexactly(n))
+        if reply:
+            writer.write(struct.pack("!H", len(reply)) + reply)
+            await writer.drain()
+    except (asyncio.IncompleteReadError, OSError):
+        pass
+    writer.close()
+
+
+async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    writer.write(b"dot-listener\n")
+    await writer.drain()
+    writer.close()
+
+
+async def main() -> None:
+    loop = asyncio.get_running_loop()
+    servers = [await asyncio.start_server(http, "0.0.0.0", port, reuse_address=True) for port in (80, 8080)]
+    servers.append(await asyncio.start_server(dns_tcp, "0.0.0.0", 53, reuse_address=True))
+    servers.append(await asyncio.start_server(hold, "0.0.0.0", 853, reuse_address=True))
+    # UDP per address: a socket on 0.0.0.0 would answer from whichever address routes back, and a
+    # client (rightly) ignores an answer from an address it did not ask
+    for address in sys.argv[1:]:
+        for port, kind in ((53, "dns"), (7, "echo"), (443, "echo")):
+            await loop.create_datagram_endpoint(lambda kind=kind: Udp(kind), local_addr=(address, port),
+                                                family=socket.AF_INET)
+    print("ready", flush=True)
+    await asyncio.Event().wait()
+    del servers
+
+
+if __name__ == "__main__":
+    sys.exit(asyncio.run(main()))

@@ -1,0 +1,301 @@
+"""Sandboxes' internet, end to end: a real server whose egress uplink leads into an "internet" this
+module builds, real sandboxes, real probes from inside them, through both SDKs.
+
+The internet is one network namespace (tests/internet_services.py) with web, DNS, DoT, UDP echo and
+QUIC-port services on documentation addresses, and the same services on forbidden addresses (private,
+CGNAT, link-local, metadata). It has no route anywhere else, and the server's router has no route but
+into it: nothing can leave this machine, and a refusal proves a rule, not a missing route. The host's
+links, addresses, routes and ruleset must be unchanged afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from agentcell import Sandbox
+from agentcell.errors import InvalidArgumentException
+from tests.conftest import ServerProcess
+from tests.test_egress_router import _host_state
+
+TAG = f"acegress{os.getpid() % 100000}"
+INET = f"{TAG}-inet"
+WEB, OTHER, WILD, DENIED_IP = "203.0.113.10", "198.51.100.20", "203.0.113.11", "203.0.113.12"
+UPSTREAM_DNS, FOREIGN_DNS, ECHO = "198.51.100.53", "203.0.113.53", "203.0.113.30"
+FORBIDDEN = ("10.1.2.3", "169.254.169.254", "192.168.7.7", "100.64.1.1", "172.16.5.5")
+ADDRESSES = (WEB, OTHER, WILD, DENIED_IP, UPSTREAM_DNS, FOREIGN_DNS, ECHO, *FORBIDDEN)
+HERE = Path(__file__).resolve().parent
+
+PROBES = r'''
+import socket, struct, time, urllib.request
+def tcp(host, port=80, timeout=1.0):
+    try:
+        s = socket.create_connection((host, port), timeout=timeout)
+        s.sendall(b"GET / HTTP/1.0\r\nHost: " + host.encode() + b"\r\n\r\n")
+        data = s.recv(200)
+        s.close()
+        return "ok" if data.startswith(b"HTTP/1.") or data.startswith(b"dot") else "junk"
+    except socket.gaierror:
+        return "noname"
+    except ConnectionRefusedError:
+        return "refused"
+    except OSError as e:
+        return type(e).__name__
+def udp(host, port, timeout=1.0):
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.settimeout(timeout)
+    try:
+        s.sendto(b"ping", (host, port))
+        return "ok" if s.recv(100) else "empty"
+    except OSError as e:
+        return type(e).__name__
+    finally:
+        s.close()
+def dns_udp(server, name="allowed.test", timeout=1.0):
+    q = struct.pack("!HHHHHH", 0x1234, 0x0100, 1, 0, 0, 0) + b"".join(
+        bytes([len(p)]) + p.encode() for p in name.split(".")) + b"\0\0\1\0\1"
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.settimeout(timeout)
+    try:
+        s.sendto(q, (server, 53))
+        return "ok" if s.recv(512)[:2] == b"\x12\x34" else "junk"
+    except OSError as e:
+        return type(e).__name__
+    finally:
+        s.close()
+def names(host):
+    try:
+        return sorted({a[4][0] for a in socket.getaddrinfo(host, 80, socket.AF_INET, socket.SOCK_STREAM)})
+    except socket.gaierror as e:
+        return "noname"
+def get(url, timeout=2.0):
+    try:
+        return urllib.request.urlopen(url, timeout=timeout).read().decode()
+    except Exception as e:
+        return type(e).__name__ + ": " + str(e)
+def my_address():
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.connect(("203.0.113.10", 9))
+    return s.getsockname()[0]
+'''
+
+
+def ask(sbx: Sandbox, expr: str) -> str:
+    ex = sbx.run_code(f"print({expr})")
+    assert ex.error is None, ex.error
+    return "".join(ex.logs.stdout).strip()
+
+
+def probed(sbx: Sandbox) -> Sandbox:
+    ex = sbx.run_code(PROBES)
+    assert ex.error is None, ex.error
+    return sbx
+
+
+def _ns(*args: str) -> None:
+    subprocess.run(["ip", "-n", INET, *args], check=True)
+
+
+@pytest.fixture(scope="module")
+def egress_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    if os.geteuid() != 0:
+        pytest.skip("needs root (network namespaces)")
+    before = _host_state()
+    services = server = None
+    subprocess.run(["ip", "netns", "add", INET], check=True)
+    try:
+        _ns("link", "set", "lo", "up")
+        for addr in ADDRESSES:
+            _ns("addr", "add", f"{addr}/32", "dev", "lo")
+        services = subprocess.Popen(["ip", "netns", "exec", INET, sys.executable, str(HERE / "internet_services.py"),
+                                     *ADDRESSES], stdout=subprocess.PIPE, text=True)
+        assert services.stdout is not None and services.stdout.readline().strip() == "ready"
+        server = ServerProcess(tmp_path_factory.mktemp("egress") / "server.log", "--egress-uplink",
+                               f"netns:/run/netns/{INET}", "--egress-dns", UPSTREAM_DNS, "--standbys", "2")
+        server.wait_ready()
+        yield server
+    finally:
+        if server is not None:
+            server.stop()
+        if services is not None:
+            services.kill()
+            services.wait()
+        subprocess.run(["ip", "netns", "del", INET], check=False)
+        if server is not None:
+            leftover = [n for n in os.listdir("/run/netns") if n.startswith(f"agentcell-{server.pid}-")]
+            assert leftover == [], f"router namespaces left behind: {leftover}"
+        assert _host_state() == before, "the host's network changed"
+
+
+@pytest.fixture
+def make(egress_server: ServerProcess) -> Iterator:
+    made: list[Sandbox] = []
+
+    def create(**kwargs: object) -> Sandbox:
+        sbx = Sandbox.create(api_url=egress_server.url, timeout=300, **kwargs)  # type: ignore[arg-type]
+        made.append(sbx)
+        return probed(sbx)
+
+    yield create
+    for sbx in made:
+        sbx.kill()
+
+
+def test_by_default_the_public_internet_and_nothing_else(make) -> None:  # type: ignore[no-untyped-def]
+    sbx = make()
+    assert ask(sbx, f"tcp('{WEB}')") == "ok"
+    assert ask(sbx, "tcp('allowed.test')") == "ok"  # through the router's resolver
+    assert ask(sbx, "get('http://other.test/')").startswith(f"hello from {OTHER} host=other.test")
+    for addr in FORBIDDEN:
+        assert ask(sbx, f"tcp('{addr}')") != "ok", addr
+    assert ask(sbx, "names('rebind.test')") == "noname"  # its only record is private: dropped
+    assert ask(sbx, "names('meta.test')") == "noname"
+    assert ask(sbx, "tcp('10.77.255.254', 22)") != "ok"
+    info = sbx.get_info()
+    assert info.allow_internet_access is True and info.network is not None
+    assert info.network["allowOut"] == [] and info.network["denyOut"] == []
+
+
+def test_no_internet_when_asked(make) -> None:  # type: ignore[no-untyped-def]
+    sbx = make(allow_internet_access=False)
+    assert ask(sbx, f"tcp('{WEB}')") != "ok"
+    t = time.monotonic()
+    assert ask(sbx, "names('allowed.test')") == "noname"  # refused at once, not a timeout
+    assert time.monotonic() - t < 1.5
+    assert sbx.get_info().allow_internet_access is False
+
+
+def test_foreign_resolvers_dot_and_quic_are_closed(make) -> None:  # type: ignore[no-untyped-def]
+    sbx = make()
+    assert ask(sbx, f"dns_udp('{FOREIGN_DNS}')") != "ok"
+    assert ask(sbx, f"dns_udp('{UPSTREAM_DNS}')") != "ok"  # even the one the resolver itself uses
+    assert ask(sbx, f"tcp('{FOREIGN_DNS}', 53)") != "ok"
+    assert ask(sbx, f"tcp('{FOREIGN_DNS}', 853)") != "ok"  # DNS over TLS
+    assert ask(sbx, f"udp('{ECHO}', 443)") != "ok"  # QUIC
+    assert ask(sbx, f"udp('{ECHO}', 7)") != "ok"  # UDP only to what an allow list names
+    assert ask(sbx, "dns_udp('10.77.255.254')") == "ok"  # ours answers
+
+
+def test_a_domain_allow_list(make) -> None:  # type: ignore[no-untyped-def]
+    sbx = make(network={"allow_out": ["allowed.test", "*.wild.test"]})
+    assert ask(sbx, f"tcp('{WEB}')") != "ok"  # a raw IP, not (yet) answered for an allowed name
+    assert ask(sbx, "names('allowed.test')") == f"['{WEB}']"
+    assert ask(sbx, "tcp('allowed.test')") == "ok"
+    assert ask(sbx, "tcp('api.wild.test')") == "ok"
+    assert ask(sbx, "names('other.test')") == "noname"  # never forwarded upstream
+    assert ask(sbx, f"tcp('{OTHER}')") != "ok"
+    assert ask(sbx, "names('wild.test')") == "noname"  # a wildcard is not its apex
+    # a redirect from an allowed host to a denied one goes nowhere
+    assert "other.test" not in ask(sbx, "get('http://allowed.test/redirect?to=http://other.test/')").split(
+        "hello")[-1]
+    assert "URLError" in ask(sbx, "get('http://allowed.test/redirect?to=http://other.test/')")
+
+
+def test_big_answers_over_edns_and_tcp(make) -> None:  # type: ignore[no-untyped-def]
+    sbx = make(network={"allow_out": ["big.test", "huge.test"]})
+    got = eval(ask(sbx, "names('big.test')"))
+    assert len(got) == 60  # ~1 KB: one datagram, as resolv.conf turns EDNS0 on
+    query = "__import__('dns.message').message.make_query('huge.test', 'A')"
+    udp = ask(sbx, f"int(__import__('dns.query').query.udp({query}, '10.77.255.254', timeout=3).flags)")
+    assert int(udp) & 0x0200  # TC: too big for a datagram: truncated, so the client asks over TCP
+    tcp = ask(sbx, f"len(__import__('dns.query').query.tcp({query}, '10.77.255.254', timeout=3).answer[0])")
+    assert tcp == "100"  # the resolver asked its upstream over TCP too
+
+
+def test_deny_lists_and_e2bs_allow_idiom(make) -> None:  # type: ignore[no-untyped-def]
+    sbx = make(network={"deny_out": ["denied.test", f"{OTHER}/32"]})
+    assert ask(sbx, "names('denied.test')") == "noname"
+    assert ask(sbx, f"tcp('{OTHER}')") != "ok"
+    assert ask(sbx, "tcp('allowed.test')") == "ok"
+    only = make(network={"allow_out": [OTHER], "deny_out": ["0.0.0.0/0"]})
+    assert ask(only, f"tcp('{OTHER}')") == "ok"
+    assert ask(only, f"tcp('{WEB}')") != "ok"
+    assert ask(only, "names('allowed.test')") == "noname"  # no domain allowed: no name resolves
+    udp_ok = make(allow_internet_access=False, network={"allow_out": [f"{ECHO}/32"]})  # as deny ALL_TRAFFIC
+    assert ask(udp_ok, f"udp('{ECHO}', 7)") == "ok"
+    assert ask(udp_ok, f"udp('{ECHO}', 443)") != "ok"  # QUIC stays closed
+    assert ask(udp_ok, f"tcp('{WEB}')") != "ok"
+
+
+def test_update_network_takes_effect_for_new_connections(make) -> None:  # type: ignore[no-untyped-def]
+    sbx = make()
+    assert ask(sbx, f"tcp('{WEB}')") == "ok"
+    t = time.monotonic()
+    sbx.update_network({"deny_out": [f"{WEB}/32"]})
+    took = time.monotonic() - t
+    assert took < 0.1, f"update_network took {took * 1000:.0f} ms"
+    assert ask(sbx, f"tcp('{WEB}')") != "ok"
+    assert ask(sbx, f"tcp('{OTHER}')") == "ok"
+    assert sbx.get_info().network["denyOut"] == [f"{WEB}/32"]  # type: ignore[index]
+    sbx.update_network({"allow_out": ["allowed.test"]})
+    assert ask(sbx, "tcp('allowed.test')") == "ok"
+    assert ask(sbx, f"tcp('{OTHER}')") != "ok"
+    sbx.update_network({"allow_internet_access": False})
+    assert ask(sbx, "tcp('allowed.test')") != "ok"
+    sbx.update_network({})  # allow_internet_access left out: the sandbox's own (on at create)
+    assert ask(sbx, f"tcp('{OTHER}')") == "ok"
+
+
+def test_neighbours_and_the_host_are_unreachable(make, egress_server: ServerProcess) -> None:  # type: ignore[no-untyped-def]
+    a, b = make(), make()
+    a.commands.run("python3 -m http.server 9000 --bind 0.0.0.0", background=True)
+    addr = ask(a, "my_address()")
+    assert addr.startswith("10.77.")
+    deadline = time.monotonic() + 5
+    while ask(a, "tcp('127.0.0.1', 9000)") != "ok" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert ask(b, f"tcp('{addr}', 9000)") != "ok"
+    assert ask(b, f"tcp('127.0.0.1', {egress_server.port})") != "ok"  # its own loopback, not the host's
+    assert ask(b, "tcp('192.0.2.2', 22)") != "ok"  # the host's own address
+
+
+def test_bad_rules_get_clear_errors(make) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(InvalidArgumentException, match="not a CIDR"):
+        make(network={"allow_out": ["exa mple.test"]})
+    with pytest.raises(InvalidArgumentException, match="egressProxy"):
+        make(network={"egress_proxy": {"address": "proxy.test:1080"}})
+    sbx = make()
+    with pytest.raises(InvalidArgumentException, match="not a CIDR"):
+        sbx.update_network({"deny_out": ["http://x.test/"]})
+    assert ask(sbx, f"tcp('{WEB}')") == "ok"  # a refused update changed nothing
+
+
+def test_the_official_e2b_sdk(egress_server: ServerProcess) -> None:
+    import e2b
+
+    env = {"E2B_API_URL": egress_server.url, "E2B_SANDBOX_URL": egress_server.url, "E2B_API_KEY": "e2b_test"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        sbx = e2b.Sandbox.create(network={"allow_out": ["allowed.test"], "deny_out": [e2b.ALL_TRAFFIC]})
+        try:
+            code = "import socket; s=socket.create_connection(('allowed.test', 80), timeout=2); print('ok')"
+            assert sbx.commands.run(f'python3 -c "{code}"').stdout.strip() == "ok"
+            with pytest.raises(e2b.CommandExitException):
+                sbx.commands.run(f"python3 -c \"import socket; socket.create_connection(('{OTHER}', 80), timeout=1)\"")
+            info = sbx.get_info()
+            assert info.network is not None and info.network.get("allow_out") == ["allowed.test"]
+            sbx.update_network({"allow_out": [OTHER], "deny_out": [e2b.ALL_TRAFFIC]})
+            code2 = f"import socket; socket.create_connection(('{OTHER}', 80), timeout=2); print('ok')"
+            assert sbx.commands.run(f'python3 -c "{code2}"').stdout.strip() == "ok"
+        finally:
+            sbx.kill()
+        off = e2b.Sandbox.create(allow_internet_access=False)
+        try:
+            code3 = f"import socket; socket.create_connection(('{WEB}', 80), timeout=1)"
+            with pytest.raises(e2b.CommandExitException):
+                off.commands.run(f'python3 -c "{code3}"')
+        finally:
+            off.kill()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
