@@ -101,6 +101,18 @@ print(got)
 """
 
 
+# argv: src dst dport -> one UDP datagram with a forged source address (raw socket, IP_HDRINCL)
+SPOOF = """
+import socket, struct, sys
+src, dst, dport = socket.inet_aton(sys.argv[1]), socket.inet_aton(sys.argv[2]), int(sys.argv[3])
+udp = struct.pack(">HHHH", 40000, dport, 8 + 4, 0) + b"ping"
+ip = struct.pack(">BBHHHBBH4s4s", 0x45, 0, 20 + len(udp), 0, 0, 64, 17, 0, src, dst)
+s = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_RAW)
+s.sendto(ip + udp, (sys.argv[2], 0))
+print("sent")
+"""
+
+
 def _host_state() -> tuple[str, ...]:
     def run(*cmd: str) -> str:
         return subprocess.run(cmd, capture_output=True, text=True, check=False).stdout
@@ -162,10 +174,12 @@ def net() -> Iterator[Router]:
         router.set_policy(2, Policy(internet=True))
         enable_accounting(router.path, tcp_time_wait=1)
         # The fragments spliced in as the integrator would: a log rule of its own before each drop.
-        log4, _drop = deny_rules("ip daddr @never4", "never4")
+        # In the shared forward chain a meter keeps one link's flood from using up the others' budget;
+        # a sbx_<slot> chain is one link's already.
+        log4, _drop = deny_rules("ip daddr @never4", "never4", meter="acdeny_never4")
         nft_in(router.path, "\n".join([
             f"insert rule inet agentcell forward {log4}",
-            f"insert rule inet agentcell sbx_1 ip daddr {OTHER_WEB} {deny_log('deny', meter='acdeny_s1')}",
+            f"insert rule inet agentcell sbx_1 ip daddr {OTHER_WEB} {deny_log('deny')}",
         ]))
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
@@ -235,7 +249,7 @@ async def test_a_forbidden_address_is_a_denied_event_naming_the_rule(col: Collec
     assert denied, col.log.since(1)
     ev = denied[0]
     assert (ev["verdict"], ev["rule"], ev["proto"], ev["dport"]) == ("denied", "never4", "tcp", PORT)
-    assert ev["bytes_in"] == ev["bytes_out"] == 0
+    assert ev["bytes_in"] == ev["bytes_out"] == 0 and abs(ev["time"] - time.time()) < 10
     assert not col.events(1, state="open", dst=FORBIDDEN)  # never forwarded, so no conntrack entry
     # a sandbox's own deny list, logged by a rule in its chain
     assert not (await run_in(SBX1, GET, OTHER_WEB, str(PORT), "0.5")).startswith("ok")
@@ -252,6 +266,14 @@ async def test_each_sandbox_has_its_own_events(col: Collected) -> None:
     mine = link_addresses(2)[1]
     assert all(e["src"] == mine for e in col.log.since(2))
     assert not [e for e in col.log.since(1) if e["src"] == mine]
+
+
+async def test_a_denied_packet_belongs_to_the_link_it_came_in_on(col: Collected) -> None:
+    # sandbox 1 forges sandbox 2's address: the NFLOG event names its ingress link s1, so it is slot 1's
+    neighbour = link_addresses(2)[1]
+    assert await run_in(SBX1, SPOOF, neighbour, FORBIDDEN, "4321") == "sent"
+    assert await until(lambda: col.events(1, state="denied", src=neighbour, dport=4321))
+    assert not [e for e in col.log.since(2) if e.get("dport") == 4321]
 
 
 async def test_udp_allowed_and_a_denied_flood(col: Collected) -> None:
@@ -290,6 +312,24 @@ async def test_follow_sees_events_as_they_happen(col: Collected) -> None:
 async def test_the_nflog_group_is_bound_once(col: Collected, net: Router) -> None:
     with pytest.raises(EventsError, match="bound by another socket"):
         nflog_socket(net.path)
+
+
+def test_socket_overruns_are_counted_not_raised() -> None:
+    import errno
+
+    class Overrun:
+        def __init__(self) -> None:
+            self.calls = 0
+
+        def recv(self, n: int) -> bytes:
+            self.calls += 1
+            if self.calls <= 2:
+                raise OSError(errno.ENOBUFS, "No buffer space available")
+            raise BlockingIOError
+
+    c = EventCollector(lambda slot, ev: None)
+    c._read(Overrun(), c._on_conntrack, "lost_conntrack")  # type: ignore[arg-type]
+    assert c.stats["lost_conntrack"] == 2
 
 
 # --- the event log, no network ------------------------------------------------------------------------

@@ -23,6 +23,44 @@ own, without a verdict, placed just before the rule that drops (`deny_rules()` r
 It matches `ct state new` only, so an attempt is logged once (its first packet; a TCP SYN the sandbox
 retransmits is a new attempt to the kernel and logged again, within the rate).
 
+Splicing into egress.py's ruleset (checked with `nft -c` on nftables 1.0.6; the never4 and sbx_<slot>
+forms are in tests/test_egress_events.py with real traffic). In the shared forward chain, give each
+logging rule its own meter (`deny_log(rule, meter="acdeny_never4")`) so the budget is per ingress link
+and one sandbox's flood cannot hide its neighbours' refusals; in a sandbox's own sbx_<slot> chain a
+plain limit is per sandbox already:
+
+    chain forward {
+      type filter hook forward priority filter; policy drop;
+      ct state established,related accept
+      oifname != "up0" <deny_log("not-uplink", meter="acdeny_nup")>
+      oifname != "up0" drop
+      ip daddr @never4 <deny_log("never4", meter="acdeny_never4")>
+      ip daddr @never4 drop
+      ip6 daddr @never6 <deny_log("never6", meter="acdeny_never6")>
+      ip6 daddr @never6 drop
+      iifname vmap @links
+      <deny_log("policy", meter="acdeny_policy")>     # a closed link, or an allow list that missed
+    }
+    chain sbx_<slot> {                                 # Router.set_policy's deny rules
+      ip daddr { ... } <deny_log("deny")>
+      ip daddr { ... } drop
+      ...
+    }
+
+A meter name may be used by one rule only; `flush chain` and re-adding the same meter in one
+transaction works (Router.set_policy's pattern).
+
+Wiring (the integrator's part): after `Router.create()`, `enable_accounting(router.path)`; then
+`EventCollector(event_log.add).start(router.path, loop)` on the server's loop, and `event_log.close(slot
+or sandbox id)` when a sandbox goes. Slots are reused, so the server should map slot -> sandbox id in
+its callback rather than keep events under the slot.
+
+Attribution. A denied packet belongs to the link it came in on (NFLOG's indev, `s<slot>`). A conntrack
+event has no interface, so it belongs to the sandbox whose address is its source; egress.py does not
+yet stop a sandbox from forging a neighbour's source address (the forward chain accepts it; the test
+router shows it), so until the router drops forged sources (`iifname "s<slot>" ip saddr != <its .2>
+drop`, or rp_filter=1 there) a sandbox can put allowed events into a neighbour's log.
+
 `EventLog` keeps the events (bounded ring per sandbox, bounded number of sandboxes, followers that
 cannot grow memory); `EventCollector` ties the two readers to an asyncio loop.
 
