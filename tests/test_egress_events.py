@@ -1,0 +1,407 @@
+"""Connection events (backends/linux/egress_events.py): conntrack and NFLOG read from the router namespace.
+
+The network part builds, like tests/test_egress_router.py, a router namespace, two stand-ins for
+sandbox namespaces and an "internet" namespace on documentation ranges that also answers on a
+forbidden address (10.1.2.3): an HTTP server and a UDP echo. The router's only route leads there, so
+nothing can leave the machine. The host's links, addresses, routes and ruleset must be unchanged and
+every namespace made here gone at the end. The EventLog part needs no network and no root.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from agentcell.backends.linux.egress import Policy, Router, link_addresses, nft_in
+from agentcell.backends.linux.egress_events import (
+    EventCollector,
+    EventLog,
+    EventsError,
+    deny_log,
+    deny_rules,
+    enable_accounting,
+    nflog_socket,
+    parse_packet,
+    slot_of,
+)
+
+TAG = f"acev{os.getpid() % 100000}"
+INET, SBX1, SBX2 = f"{TAG}-inet", f"{TAG}-s1", f"{TAG}-s2"
+WEB, OTHER_WEB, FORBIDDEN = "203.0.113.10", "198.51.100.20", "10.1.2.3"
+PORT, UDP_PORT = 8080, 9999
+BODY = b"x" * 20000  # the HTTP response body: bigger than one segment, so bytes_in is meaningful
+
+HTTP = f"""
+import http.server
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = b"x" * {len(BODY)}
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *a):
+        pass
+http.server.HTTPServer(("0.0.0.0", {PORT}), H).serve_forever()
+"""
+
+# bound to one address (argv[1]): a socket on 0.0.0.0 would answer from the uplink's address
+UDP_ECHO = f"""
+import socket, sys
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.bind((sys.argv[1], {UDP_PORT}))
+while True:
+    data, peer = s.recvfrom(2048)
+    s.sendto(data, peer)
+"""
+
+# argv: ip port timeout -> prints "ok <bytes received>" or the error's name
+GET = """
+import socket, sys
+try:
+    s = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=float(sys.argv[3]))
+    s.sendall(b"GET / HTTP/1.0\\r\\nHost: x\\r\\n\\r\\n")
+    got = b""
+    while chunk := s.recv(65536):
+        got += chunk
+    s.close()
+    print("ok", len(got))
+except OSError as e:
+    print(type(e).__name__)
+"""
+
+# argv: ip port count -> sends `count` datagrams from one socket, prints how many echoes came back
+UDP_SEND = """
+import socket, sys
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.connect((sys.argv[1], int(sys.argv[2])))
+n = int(sys.argv[3])
+for i in range(n):
+    try:
+        s.send(b"p%d" % i)
+    except OSError:
+        pass
+s.settimeout(0.3)
+got = 0
+try:
+    while True:
+        s.recv(2048)
+        got += 1
+except OSError:
+    pass
+print(got)
+"""
+
+
+# argv: src dst dport -> one UDP datagram with a forged source address (raw socket, IP_HDRINCL)
+SPOOF = """
+import socket, struct, sys
+src, dst, dport = socket.inet_aton(sys.argv[1]), socket.inet_aton(sys.argv[2]), int(sys.argv[3])
+udp = struct.pack(">HHHH", 40000, dport, 8 + 4, 0) + b"ping"
+ip = struct.pack(">BBHHHBBH4s4s", 0x45, 0, 20 + len(udp), 0, 0, 64, 17, 0, src, dst)
+s = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_RAW)
+s.sendto(ip + udp, (sys.argv[2], 0))
+print("sent")
+"""
+
+
+def _host_state() -> tuple[str, ...]:
+    def run(*cmd: str) -> str:
+        return subprocess.run(cmd, capture_output=True, text=True, check=False).stdout
+    links = "\n".join(line.split(" qlen")[0] for line in run("ip", "-o", "link").splitlines())
+    return (links, run("ip", "-o", "addr"), run("ip", "-o", "route"), run("ip", "-o", "-6", "route"),
+            run("nft", "list", "ruleset"))
+
+
+def _netns(*names: str) -> None:
+    for name in names:
+        subprocess.run(["ip", "netns", "add", name], check=True)
+        subprocess.run(["ip", "-n", name, "link", "set", "lo", "up"], check=True)
+
+
+def _ours() -> list[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False).stdout
+    return [line.split()[0] for line in out.splitlines() if line.startswith(TAG)]
+
+
+async def run_in(ns: str, script: str, *args: str) -> str:
+    p = await asyncio.create_subprocess_exec("ip", "netns", "exec", ns, sys.executable, "-c", script, *args,
+                                             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await p.communicate()
+    return out.decode().strip() or err.decode().strip()
+
+
+async def until(pred: Callable[[], Any], timeout: float = 5.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        got = pred()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            return got
+        await asyncio.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def net() -> Iterator[Router]:
+    if os.geteuid() != 0:
+        pytest.skip("needs root (network namespaces)")
+    before = _host_state()
+    servers: list[subprocess.Popen[bytes]] = []
+    router = Router.create(f"{TAG}-router")
+    try:
+        _netns(INET, SBX1, SBX2)
+        router.attach_uplink(f"/run/netns/{INET}", "inet0", "203.0.113.1/24", "203.0.113.2")
+        ip = ["ip", "-n", INET]
+        subprocess.run([*ip, "addr", "add", "203.0.113.2/24", "dev", "inet0"], check=True)
+        subprocess.run([*ip, "link", "set", "inet0", "up"], check=True)
+        for addr in (WEB, OTHER_WEB, FORBIDDEN):  # all reachable by route from the router
+            subprocess.run([*ip, "addr", "add", f"{addr}/32", "dev", "lo"], check=True)
+        for args in ([HTTP], [UDP_ECHO, WEB], [UDP_ECHO, FORBIDDEN]):
+            servers.append(subprocess.Popen(["ip", "netns", "exec", INET, sys.executable, "-c", *args],
+                                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        router.connect(1, f"/run/netns/{SBX1}")
+        router.connect(2, f"/run/netns/{SBX2}")
+        router.set_policy(1, Policy(internet=True, deny=[f"{OTHER_WEB}/32"]))
+        router.set_policy(2, Policy(internet=True))
+        enable_accounting(router.path, tcp_time_wait=1)
+        # The fragments spliced in as the integrator would: a log rule of its own before each drop.
+        # In the shared forward chain a meter keeps one link's flood from using up the others' budget;
+        # a sbx_<slot> chain is one link's already.
+        log4, _drop = deny_rules("ip daddr @never4", "never4", meter="acdeny_never4")
+        nft_in(router.path, "\n".join([
+            f"insert rule inet agentcell forward {log4}",
+            f"insert rule inet agentcell sbx_1 ip daddr {OTHER_WEB} {deny_log('deny')}",
+        ]))
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            r = subprocess.run(["ip", "netns", "exec", INET, sys.executable, "-c", GET, WEB, str(PORT), "1"],
+                               capture_output=True, text=True, check=False)
+            if r.stdout.startswith("ok"):
+                break
+            time.sleep(0.1)
+        yield router
+    finally:
+        for p in servers:
+            p.kill()
+            p.wait()
+        router.destroy()
+        for name in (INET, SBX1, SBX2):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
+        assert not _ours(), "namespaces left behind"
+        assert _host_state() == before, "the host's network changed"
+
+
+class Collected:
+    def __init__(self, router: Router) -> None:
+        self.log = EventLog()
+        self.collector = EventCollector(self.log.add)
+        self.collector.start(router.path, asyncio.get_running_loop())
+
+    def events(self, slot: int, **match: Any) -> list[dict[str, Any]]:
+        return [e for e in self.log.since(slot) if all(e.get(k) == v for k, v in match.items())]
+
+
+@pytest.fixture
+async def col(net: Router) -> Any:
+    c = Collected(net)
+    try:
+        yield c
+    finally:
+        c.collector.close()
+    assert c.collector.stats["callback_errors"] == 0
+
+
+# --- with real traffic -----------------------------------------------------------------------------
+
+
+async def test_an_allowed_get_opens_then_closes_with_bytes(col: Collected) -> None:
+    out = await run_in(SBX1, GET, WEB, str(PORT), "2")
+    assert out.startswith("ok"), out
+    received = int(out.split()[1])
+    assert received > len(BODY)
+    opened = await until(lambda: col.events(1, state="open", dst=WEB, dport=PORT))
+    assert len(opened) == 1, col.log.since(1)
+    ev = opened[0]
+    assert ev["proto"] == "tcp" and ev["verdict"] == "allowed" and ev["src"] == link_addresses(1)[1]
+    assert ev["bytes_in"] == 0 and isinstance(ev["time"], float) and abs(ev["time"] - time.time()) < 10
+    # TIME_WAIT is 1 s in this router (enable_accounting(tcp_time_wait=1)); the DESTROY follows it
+    closed = await until(lambda: col.events(1, state="closed", id=ev["id"]), timeout=15)
+    assert len(closed) == 1, col.log.since(1)
+    c = closed[0]
+    assert (c["dst"], c["dport"], c["proto"], c["verdict"]) == (WEB, PORT, "tcp", "allowed")
+    assert c["bytes_in"] >= received  # L3 bytes: the payload plus IP and TCP headers
+    assert 0 < c["bytes_out"] < 2000  # the request, the handshake and the ACKs
+    assert c["start"] is not None and c["stop"] is not None and c["stop"] >= c["start"]
+
+
+async def test_a_forbidden_address_is_a_denied_event_naming_the_rule(col: Collected) -> None:
+    assert not (await run_in(SBX1, GET, FORBIDDEN, str(PORT), "0.5")).startswith("ok")
+    denied = await until(lambda: col.events(1, state="denied", dst=FORBIDDEN))
+    assert denied, col.log.since(1)
+    ev = denied[0]
+    assert (ev["verdict"], ev["rule"], ev["proto"], ev["dport"]) == ("denied", "never4", "tcp", PORT)
+    assert ev["bytes_in"] == ev["bytes_out"] == 0 and abs(ev["time"] - time.time()) < 10
+    assert not col.events(1, state="open", dst=FORBIDDEN)  # never forwarded, so no conntrack entry
+    # a sandbox's own deny list, logged by a rule in its chain
+    assert not (await run_in(SBX1, GET, OTHER_WEB, str(PORT), "0.5")).startswith("ok")
+    denied = await until(lambda: col.events(1, state="denied", dst=OTHER_WEB))
+    assert denied and denied[0]["rule"] == "deny", col.log.since(1)
+
+
+async def test_each_sandbox_has_its_own_events(col: Collected) -> None:
+    out = await run_in(SBX2, GET, WEB, str(PORT), "2")
+    assert out.startswith("ok"), out
+    assert not (await run_in(SBX2, GET, FORBIDDEN, str(PORT), "0.5")).startswith("ok")
+    assert await until(lambda: col.events(2, state="open", dst=WEB))
+    assert await until(lambda: col.events(2, state="denied", dst=FORBIDDEN, rule="never4"))
+    mine = link_addresses(2)[1]
+    assert all(e["src"] == mine for e in col.log.since(2))
+    assert not [e for e in col.log.since(1) if e["src"] == mine]
+
+
+async def test_a_denied_packet_belongs_to_the_link_it_came_in_on(col: Collected) -> None:
+    # sandbox 1 forges sandbox 2's address: the NFLOG event names its ingress link s1, so it is slot 1's
+    neighbour = link_addresses(2)[1]
+    assert await run_in(SBX1, SPOOF, neighbour, FORBIDDEN, "4321") == "sent"
+    assert await until(lambda: col.events(1, state="denied", src=neighbour, dport=4321))
+    assert not [e for e in col.log.since(2) if e.get("dport") == 4321]
+
+
+async def test_udp_allowed_and_a_denied_flood(col: Collected) -> None:
+    # allowed: the echoes come back and the flow is one open event
+    assert await run_in(SBX1, UDP_SEND, WEB, str(UDP_PORT), "20") == "20"
+    udp = await until(lambda: col.events(1, state="open", proto="udp", dst=WEB, dport=UDP_PORT))
+    assert len(udp) == 1
+    # denied: 5,000 datagrams; past the rate limit the packets are still dropped, and the log stays small
+    t = time.monotonic()
+    assert await run_in(SBX1, UDP_SEND, FORBIDDEN, str(UDP_PORT), "5000") == "0"
+    took = time.monotonic() - t
+    await asyncio.sleep(0.3)
+    flood = col.events(1, state="denied", proto="udp", dst=FORBIDDEN)
+    assert flood and flood[0]["rule"] == "never4" and flood[0]["dport"] == UDP_PORT
+    assert len(flood) <= 100 + 50 * (took + 1), (len(flood), took)  # burst + rate x time
+    print(f"flood: {len(flood)} events for 5000 datagrams in {took:.2f} s; stats {col.collector.stats}")
+    assert col.collector.stats["lost_nflog"] == 0
+
+
+async def test_follow_sees_events_as_they_happen(col: Collected) -> None:
+    got: list[dict[str, Any]] = []
+
+    async def reader() -> None:
+        async for ev in col.log.follow(1):
+            got.append(ev)
+
+    task = asyncio.create_task(reader())
+    await asyncio.sleep(0)
+    out = await run_in(SBX1, GET, WEB, str(PORT), "2")
+    assert out.startswith("ok"), out
+    assert await until(lambda: [e for e in got if e.get("state") == "open" and e.get("dst") == WEB])
+    col.log.close(1)
+    await asyncio.wait_for(task, 2)
+
+
+async def test_the_nflog_group_is_bound_once(col: Collected, net: Router) -> None:
+    with pytest.raises(EventsError, match="bound by another socket"):
+        nflog_socket(net.path)
+
+
+def test_socket_overruns_are_counted_not_raised() -> None:
+    import errno
+
+    class Overrun:
+        def __init__(self) -> None:
+            self.calls = 0
+
+        def recv(self, n: int) -> bytes:
+            self.calls += 1
+            if self.calls <= 2:
+                raise OSError(errno.ENOBUFS, "No buffer space available")
+            raise BlockingIOError
+
+    c = EventCollector(lambda slot, ev: None)
+    c._read(Overrun(), c._on_conntrack, "lost_conntrack")  # type: ignore[arg-type]
+    assert c.stats["lost_conntrack"] == 2
+
+
+# --- the event log, no network ------------------------------------------------------------------------
+
+
+def _ev(i: int) -> dict[str, Any]:
+    return {"time": float(i), "proto": "tcp", "dst": "203.0.113.10", "dport": 443, "verdict": "allowed",
+            "rule": "policy", "bytes_out": 0, "bytes_in": 0, "state": "open"}
+
+
+async def test_a_slow_follower_loses_events_instead_of_growing() -> None:
+    log = EventLog(per_key=50, follower_queue=10)
+    got: list[dict[str, Any]] = []
+
+    async def reader() -> None:
+        async for ev in log.follow("a"):
+            got.append(ev)
+            await asyncio.sleep(0.01)  # slow
+
+    task = asyncio.create_task(reader())
+    await asyncio.sleep(0)
+    for i in range(5000):
+        log.add("a", _ev(i))
+    queued = [len(f.queue) for f in log._followers["a"]]
+    assert max(queued) <= 10
+    log.add("a", _ev(5000))
+    log.close("a")
+    await asyncio.wait_for(task, 5)
+    assert [e["seq"] for e in got[:10]] == list(range(1, 11))  # what was queued is delivered in order
+    assert got[10:] == [{"type": "lost", "count": 4991}]  # then one marker for all that was dropped
+    assert len(log.since("a")) == 50 and log.since("a")[-1]["seq"] == 5001
+    assert "a" not in log._followers
+
+
+def test_rings_and_keys_are_bounded() -> None:
+    log = EventLog(per_key=3, max_keys=2)
+    for i in range(10):
+        log.add(1, _ev(i))
+    assert [e["seq"] for e in log.since(1)] == [8, 9, 10]
+    assert [e["seq"] for e in log.since(1, 9)] == [10]
+    log.add(2, _ev(0))
+    log.close(2)
+    log.add(3, _ev(0))  # evicts the closed key first
+    assert sorted(log.keys()) == [1, 3]
+    log.add(4, _ev(0))  # no closed key: the least recently written goes
+    assert sorted(log.keys()) == [3, 4]
+
+
+async def test_follow_of_a_closed_key_ends_after_its_backlog() -> None:
+    log = EventLog()
+    for i in range(3):
+        log.add("k", _ev(i))
+    log.close("k")
+    assert [e["seq"] async for e in log.follow("k", seq=1)] == [2, 3]
+    assert [e async for e in log.follow("k")] == []
+
+
+def test_fragments_and_parsing() -> None:
+    assert deny_log("never4") == ('ct state new limit rate 50/second burst 100 packets '
+                                  'log prefix "acdeny:never4 " group 7')
+    assert "meter m1 size 16384 { iifname limit rate" in deny_log("x", meter="m1")
+    assert deny_rules("ip daddr 10.0.0.0/8", "n")[1] == "ip daddr 10.0.0.0/8 drop"
+    for bad in ('a" drop', "", "x" * 49, "a b"):
+        with pytest.raises(ValueError):
+            deny_log(bad)
+    assert slot_of("10.77.0.6") == 1 and slot_of("10.77.0.5") is None and slot_of("10.78.0.2") is None
+    assert slot_of("10.77.255.254") == 16383 and slot_of("2001:db8::1") is None and slot_of(None) is None
+    v4 = bytes([0x45, 0, 0, 40, 0, 0, 0, 0, 64, 17, 0, 0, 10, 77, 0, 6, 203, 0, 113, 10]) + struct.pack(">HH", 5555, 53)
+    assert parse_packet(v4) == {"src": "10.77.0.6", "dst": "203.0.113.10", "proto": "udp", "sport": 5555,
+                                "dport": 53}
+    v6 = (bytes([0x60, 0, 0, 0, 0, 8, 6, 64]) + bytes(16) + bytes.fromhex("20010db8" + "0" * 23 + "1")
+          + struct.pack(">HH", 4444, 443))
+    assert parse_packet(v6) == {"src": "::", "dst": "2001:db8::1", "proto": "tcp", "sport": 4444, "dport": 443}
+    assert parse_packet(v4[:10]) is None and parse_packet(b"") is None
+    assert parse_packet(v4[:20])["dport"] is None  # truncated: no ports
