@@ -299,3 +299,52 @@ def test_the_official_e2b_sdk(egress_server: ServerProcess) -> None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def test_connection_events(make) -> None:  # type: ignore[no-untyped-def]
+    sbx = make(network={"allow_out": ["allowed.test"]})
+    assert ask(sbx, "len(get('http://allowed.test/big/20000'))") == "20000"
+    assert ask(sbx, f"tcp('{OTHER}')") != "ok"
+    assert ask(sbx, "names('other.test')") == "noname"
+    assert ask(sbx, "tcp('10.1.2.3')") != "ok"
+    deadline = time.monotonic() + 30  # a closed connection's event waits for the router's TIME_WAIT (10 s)
+    while True:
+        events = list(sbx.events())
+        closed = [e for e in events if e.get("state") == "closed" and e.get("dst") == WEB]
+        if closed or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    opened = [e for e in events if e.get("state") == "open" and e.get("dst") == WEB]
+    assert opened and opened[0]["domain"] == "allowed.test" and opened[0]["dport"] == 80
+    assert closed and closed[0]["bytes_in"] >= 20000 and 0 < closed[0]["bytes_out"] < 2000
+    assert any(e.get("verdict") == "denied" and e.get("dst") == OTHER and e.get("rule") == "policy" for e in events)
+    assert any(e.get("proto") == "dns" and e.get("domain") == "other.test" and e["verdict"] == "denied"
+               for e in events)
+    assert any(e.get("dst") == "10.1.2.3" and e.get("rule") == "never4" for e in events)
+    other = make()
+    assert list(other.events()) == []  # one sandbox's events are its own
+
+
+async def test_following_events_with_the_async_sdk(egress_server: ServerProcess) -> None:
+    import asyncio
+
+    from agentcell import AsyncSandbox
+
+    sbx = await AsyncSandbox.create(api_url=egress_server.url, timeout=120)
+    got: list[dict] = []
+
+    async def follow() -> None:
+        async for event in sbx.events(follow=True):
+            got.append(event)
+
+    task = asyncio.create_task(follow())
+    try:
+        await sbx.run_code(PROBES)
+        await sbx.run_code(f"tcp('{WEB}', 8080)")
+        deadline = time.monotonic() + 10
+        while not any(e.get("dport") == 8080 for e in got) and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        assert any(e.get("dport") == 8080 and e.get("state") == "open" for e in got)
+    finally:
+        await sbx.kill()
+    await asyncio.wait_for(task, 5)  # the stream ends with the sandbox

@@ -12,7 +12,9 @@ import abc
 import secrets
 import socket
 import string
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from agentcell.backends.network_policy import NetworkPolicy
 
@@ -157,6 +159,11 @@ class Backend(abc.ABC):
     async def set_network(self, sandbox: RunningSandbox, policy: NetworkPolicy) -> None:
         """Replace a running sandbox's way out (new connections follow it at once)."""
         raise NotImplementedError(f"the {self.name} backend has no egress")
+
+    def network_events(self, sandbox_id: str, follow: bool) -> AsyncIterator[dict[str, Any]]:
+        """The sandbox's connection events, oldest first; with `follow`, then new ones as they come,
+        until the sandbox is gone."""
+        raise NotImplementedError(f"the {self.name} backend keeps no network events")
 
     async def capacity(self) -> Capacity | None:
         """The budget all sandboxes share and its use now; None if the backend cannot tell."""

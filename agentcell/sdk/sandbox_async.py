@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
@@ -158,6 +159,28 @@ class AsyncSandbox:
                       request_timeout: float | None = None) -> SandboxInfo:
         r = await api.acall(await aresolve(api_url, api_key, request_timeout), "GET", f"/sandboxes/{sandbox_id}", sandbox_id=sandbox_id)
         return SandboxInfo.from_json(r.json())
+
+    async def events(self, follow: bool = False, request_timeout: float | None = None
+                     ) -> AsyncIterator[dict[str, Any]]:
+        """agentcell extension: the sandbox's connection events (time, proto, dst, dport, domain,
+        verdict, rule, bytes_out, bytes_in, state), oldest first; with `follow`, then each new one as it
+        happens until the sandbox is gone."""
+        config = self._conn.config
+        rt = request_timeout or config.request_timeout or None
+        path = f"/sandboxes/{self.sandbox_id}/events" + ("?follow=true" if follow else "")
+        try:
+            r = await fast_async_http.client(config.endpoint).request(
+                "GET", path, headers=config.control_headers(), connect=rt, read=None if follow else rt, stream=True)
+        except fast_async_http.HTTPError as e:
+            raise fast_async_http.transport_error(e, "events") from None
+        try:
+            if r.status_code != 200:
+                raise error_from_http(r.status_code, await r.read(), self.sandbox_id, "events")
+            async for line in r.aiter_lines():
+                if line.strip():
+                    yield json.loads(line)
+        finally:
+            await r.aclose()
 
     async def update_network(self, network: Mapping[str, Any], request_timeout: float | None = None) -> None:
         """Replace the sandbox's egress rules (e2b's update_network: ``allow_out``, ``deny_out``,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -156,6 +157,26 @@ class Sandbox:
                       request_timeout: float | None = None) -> SandboxInfo:
         r = api.call(resolve(api_url, api_key, request_timeout), "GET", f"/sandboxes/{sandbox_id}", sandbox_id=sandbox_id)
         return SandboxInfo.from_json(r.json())
+
+    def events(self, follow: bool = False, request_timeout: float | None = None) -> Iterator[dict[str, Any]]:
+        """agentcell extension: the sandbox's connection events (time, proto, dst, dport, domain,
+        verdict, rule, bytes_out, bytes_in, state), oldest first; with `follow`, then each new one as it
+        happens until the sandbox is gone."""
+        config = self._conn.config
+        t = timeout(request_timeout or config.request_timeout)
+        if follow:
+            t = httpx.Timeout(t.connect, read=None, write=t.write, pool=t.pool)
+        try:
+            with sync_client(config.endpoint).stream(
+                    "GET", f"/sandboxes/{self.sandbox_id}/events", params={"follow": "true"} if follow else None,
+                    headers=config.control_headers(), timeout=t) as r:
+                if r.status_code != 200:
+                    raise error_from_http(r.status_code, r.read(), self.sandbox_id, "events")
+                for line in r.iter_lines():
+                    if line.strip():
+                        yield json.loads(line)
+        except httpx.HTTPError as e:
+            raise error_from_transport(e, "events") from None
 
     def update_network(self, network: Mapping[str, Any], request_timeout: float | None = None) -> None:
         """Replace the sandbox's egress rules (e2b's update_network: ``allow_out``, ``deny_out``,

@@ -6,15 +6,17 @@ Every non-2xx answer is `{"code": <status>, "message": ...}` with a status the S
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import re
 import time
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import parse_qs, unquote
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from agentcell.backends.base import LIMIT_RANGES, Limits
@@ -372,6 +374,19 @@ class ControlPlane:
         rec.network = policy
         return Response(status_code=204)
 
+    async def events(self, request: Request) -> Response:
+        """agentcell extension: the sandbox's connection events as NDJSON, oldest first; with
+        ?follow=true, then each new one as it happens, until the sandbox is gone."""
+        rec = self._record(request)
+        follow = request.query_params.get("follow", "false").lower() in ("1", "true", "yes")
+        events = self.manager.backend.network_events(rec.sandbox_id, follow)
+
+        async def lines() -> AsyncIterator[bytes]:
+            async for event in events:
+                yield json.dumps(event, separators=(",", ":")).encode() + b"\n"
+
+        return StreamingResponse(lines(), media_type="application/x-ndjson")
+
     async def kill(self, request: Request) -> Response:
         sandbox_id = request.path_params["sandbox_id"]
         if not await self.manager.kill(sandbox_id):
@@ -450,6 +465,7 @@ class ControlPlane:
             Route(sid, self.kill, methods=["DELETE"]),
             Route(sid + "/timeout", self.set_timeout, methods=["POST"]),
             Route(sid + "/network", self.update_network, methods=["PUT"]),
+            Route(sid + "/events", self.events, methods=["GET"]),
             Route(sid + "/connect", self.connect, methods=["POST"]),
             Route("/v2" + sid + "/connect", self.connect, methods=["POST"]),
             Route(sid + "/resume", self.resume, methods=["POST"]),

@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from dataclasses import asdict, replace
 from typing import Any
 
@@ -396,7 +397,7 @@ class LinuxBackend(Backend):
             sandbox.limits = spec.limits
             sandbox.cgroups.set_cpu_weight(standby=False)
             if self.egress is not None:  # before the claim: the tenant's first code meets its policy
-                await self.egress.apply(sandbox.slot, spec.network)
+                await self.egress.apply(sandbox.slot, spec.network, sandbox.sandbox_id)
             # The claim: the tenant's env vars go to this sandbox's agent and nowhere else.
             await asyncio.get_running_loop().sock_sendall(
                 sandbox.sock, encode_frame({"id": 0, "op": "claim", "envs": dict(spec.envs)}))
@@ -501,6 +502,12 @@ class LinuxBackend(Backend):
             return
         await self.egress.apply(sandbox.slot, policy)
 
+    def network_events(self, sandbox_id: str, follow: bool) -> AsyncIterator[dict[str, Any]]:
+        if self.egress is None:
+            return _no_events()
+        log = self.egress.events
+        return log.follow(sandbox_id, 0) if follow else _listed(log.since(sandbox_id))
+
     async def capacity(self) -> Capacity | None:
         if self.host_budget is None:
             return None
@@ -518,6 +525,16 @@ class LinuxBackend(Backend):
             return sandbox.cgroups.stats()
         except OSError as e:
             raise SandboxGoneError(f"sandbox {sandbox.sandbox_id} has no cgroup any more: {e}") from e
+
+
+async def _no_events() -> AsyncIterator[dict[str, Any]]:
+    return
+    yield {}
+
+
+async def _listed(events: list[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
+    for e in events:
+        yield e
 
 
 def _claimable(prepared: Limits, wanted: Limits) -> bool:

@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 from agentcell.backends.linux import syscalls as sc
+from agentcell.backends.linux.egress_events import deny_log, deny_rules, enable_accounting
 from agentcell.backends.network_policy import Network, NetworkPolicy
 
 TABLE = "agentcell"
@@ -248,12 +249,13 @@ table inet {TABLE} {{
   chain forward {{
     type filter hook forward priority filter; policy drop;
     ct state established,related accept
-    oifname != "{UPLINK}" drop
-    ip daddr @never4 drop
-    ip6 daddr @never6 drop
-    udp dport {{ {_ports(BLOCKED_UDP_PORTS)} }} drop
-    tcp dport {{ {_ports(BLOCKED_TCP_PORTS)} }} drop
+    {_logged('oifname != "' + UPLINK + '"', "not-uplink", "nup")}
+    {_logged("ip daddr @never4", "never4", "never4")}
+    {_logged("ip6 daddr @never6", "never6", "never6")}
+    {_logged("udp dport { " + _ports(BLOCKED_UDP_PORTS) + " }", "dns-dot-quic", "udp")}
+    {_logged("tcp dport { " + _ports(BLOCKED_TCP_PORTS) + " }", "dns-dot", "tcp")}
     iifname vmap @links
+    {deny_log("policy", meter="acdeny_policy")}
   }}
   chain postrouting {{
     type nat hook postrouting priority srcnat; policy accept;
@@ -261,6 +263,12 @@ table inet {TABLE} {{
   }}
 }}
 """
+
+
+def _logged(match: str, rule: str, meter: str) -> str:
+    """`match` logged (an event, rate limited per link) and dropped: two rules, see egress_events."""
+    log, drop = deny_rules(match, rule, meter=f"acdeny_{meter}")
+    return f"{log}\n    {drop}"
 
 
 def _elements(nets: Iterable[Network]) -> str:
@@ -297,6 +305,9 @@ class Router:
             sysctl_in(router.path, "net.ipv4.ip_forward=1", "net.ipv6.conf.all.disable_ipv6=1",
                       "net.ipv6.conf.default.disable_ipv6=1")
             ip_in(router.path, ["link set lo up", f"addr add {RESOLVER}/32 dev lo"])
+            # byte counts for the connection events; a closed connection's event comes 10 s after its
+            # close rather than conntrack's default 120 s (late packets then meet the rules afresh)
+            enable_accounting(router.path, tcp_time_wait=10)
             router.nft(base_ruleset())
         except BaseException:
             router.destroy()
@@ -358,7 +369,8 @@ class Router:
             for family, kind in (("ip", 4), ("ip6", 6)):
                 deny = [n for n in policy.deny_nets if n.version == kind]
                 if deny:
-                    cmds.append(f"add rule inet {TABLE} {chain} {family} daddr {{ {_elements(deny)} }} drop")
+                    cmds += [f"add rule inet {TABLE} {chain} {rule}"
+                             for rule in deny_rules(f"{family} daddr {{ {_elements(deny)} }}", "deny")]
             if policy.restricted:
                 for family, kind in (("ip", 4), ("ip6", 6)):
                     allow = [n for n in policy.allow_nets if n.version == kind]
@@ -367,7 +379,8 @@ class Router:
                     cmds.append(f"add rule inet {TABLE} {chain} {family} daddr @pin{kind}_{slot} accept")
             else:
                 # The open internet is TCP (and ping): UDP only to what an allow list names.
-                cmds += [f"add rule inet {TABLE} {chain} meta l4proto udp drop", f"add rule inet {TABLE} {chain} accept"]
+                cmds += [*(f"add rule inet {TABLE} {chain} {rule}" for rule in deny_rules("meta l4proto udp", "udp")),
+                         f"add rule inet {TABLE} {chain} accept"]
             cmds.append(f'add element inet {TABLE} links {{ "{ifname}" : jump {chain} }}')
         return "\n".join(cmds)
 

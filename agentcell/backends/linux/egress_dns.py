@@ -111,12 +111,15 @@ class PolicyResolver(asyncio.DatagramProtocol):
     """Answers queries from sandboxes. `rules_for(source ip)` gives the sandbox's DomainRules (None:
     a stranger, or a sandbox without internet); `pin(source ip, pins)` is awaited with the addresses
     of an answer before the answer is sent; `make_socket(family, type)` makes each upstream socket (default:
-    a plain one in the caller's namespace, for tests)."""
+    a plain one in the caller's namespace, for tests); `on_refused(source ip, name)` hears of each
+    name refused."""
 
     def __init__(self, upstream: tuple[str, int], rules_for: Callable[[str], DomainRules | None],
                  pin: Callable[[str, list[Pin]], Awaitable[None]],
-                 make_socket: Callable[[int, int], Awaitable[socket.socket]] | None = None) -> None:
+                 make_socket: Callable[[int, int], Awaitable[socket.socket]] | None = None,
+                 on_refused: Callable[[str, str], None] | None = None) -> None:
         self.upstream = upstream
+        self.on_refused = on_refused
         self.rules_for = rules_for
         self.pin = pin
         self.make_socket = make_socket
@@ -147,7 +150,10 @@ class PolicyResolver(asyncio.DatagramProtocol):
         name = query.question[0].name
         rules = self.rules_for(source)
         if rules is None or not rules.allows(name):
-            return _refused(query, f"agentcell: {name.to_text(omit_final_dot=True)} is not allowed here")
+            text = name.to_text(omit_final_dot=True)
+            if self.on_refused is not None:
+                self.on_refused(source, text)
+            return _refused(query, f"agentcell: {text} is not allowed here")
         forwarded = dns.message.make_query(name, query.question[0].rdtype, query.question[0].rdclass)
         try:
             reply = await self._forward(forwarded)

@@ -25,6 +25,7 @@ import dns.name
 from agentcell.backends.linux import uplink as uplinks
 from agentcell.backends.linux.egress import PIN_SET_SIZE, RESOLVER, EgressError, Router, run_here, slot_of
 from agentcell.backends.linux.egress_dns import DomainRules, Pin, PolicyResolver, serve_tcp
+from agentcell.backends.linux.egress_events import EventCollector, EventLog
 from agentcell.backends.network_policy import NetworkPolicy
 
 log = logging.getLogger("agentcell.egress")
@@ -75,6 +76,10 @@ class Egress:
         self._pins: dict[int, dict[str, tuple[str, float]]] = {}  # slot -> address -> (name, expires)
         self._udp: asyncio.DatagramTransport | None = None
         self._tcp: asyncio.Server | None = None
+        # connection events, per sandbox id (slots are reused): kept after a kill until evicted
+        self.events = EventLog()
+        self._owner: dict[int, str] = {}  # slot -> the sandbox id it serves
+        self._collector: EventCollector | None = None
 
     # -- the router ---------------------------------------------------------------------------
 
@@ -101,17 +106,23 @@ class Egress:
             upstream = (self.settings.dns or host_resolvers() or ("",))[0]
             if not upstream:
                 log.warning("no upstream DNS server (pass --egress-dns): sandboxes' names will not resolve")
-            self.resolver = PolicyResolver((upstream, 53), self._rules_for, self._pin, self._socket)
+            self.resolver = PolicyResolver((upstream, 53), self._rules_for, self._pin, self._socket,
+                                           on_refused=self._refused)
             loop = asyncio.get_running_loop()
             udp = await self._in_router(lambda: _bound(socket.SOCK_DGRAM))
             self._udp, _ = await loop.create_datagram_endpoint(lambda: self.resolver, sock=udp)
             tcp = await self._in_router(lambda: _bound(socket.SOCK_STREAM))
             self._tcp = await serve_tcp(self.resolver, sock=tcp)
+            self._collector = EventCollector(self._on_event)
+            self._collector.start(router.path, loop)
         except BaseException:
             await self.close()
             raise
 
     async def close(self) -> None:
+        if self._collector is not None:
+            self._collector.close()
+            self._collector = None
         if self._udp is not None:
             self._udp.close()
         if self._tcp is not None:
@@ -141,9 +152,12 @@ class Egress:
         await asyncio.to_thread(self.router.connect, slot, f"/proc/{pid}/ns/net")
         await self.apply(slot, CLOSED)
 
-    async def apply(self, slot: int, policy: NetworkPolicy) -> None:
-        """Replace the sandbox's way out; pins of names the new policy still allows stay."""
+    async def apply(self, slot: int, policy: NetworkPolicy, sandbox_id: str | None = None) -> None:
+        """Replace the sandbox's way out; pins of names the new policy still allows stay. A claim
+        names the sandbox the slot now serves (its events are kept under that id)."""
         assert self.router is not None
+        if sandbox_id is not None:
+            self._owner[slot] = sandbox_id
         names = policy.names_allowed()
         rules = DomainRules(*names) if names is not None else None
         now = time.monotonic()
@@ -162,6 +176,9 @@ class Egress:
         self.policies.pop(slot, None)
         self._rules.pop(slot, None)
         self._pins.pop(slot, None)
+        owner = self._owner.pop(slot, None)
+        if owner is not None:
+            self.events.close(owner)
         try:
             await self._nft(Router.disconnect_commands(slot))
         except EgressError as e:
@@ -171,6 +188,24 @@ class Egress:
         """address -> name, of what the slot's resolver answers opened and has not expired."""
         now = time.monotonic()
         return {a: name for a, (name, expires) in self._pins.get(slot, {}).items() if expires > now}
+
+    # -- events -------------------------------------------------------------------------------------
+
+    def _on_event(self, slot: int, event: dict[str, object]) -> None:
+        owner = self._owner.get(slot)
+        if owner is None:
+            return  # a standby's (it runs nothing of a tenant's) or a slot already given back
+        name = self._pins.get(slot, {}).get(str(event.get("dst")))
+        if name is not None:
+            event = {**event, "domain": name[0]}
+        self.events.add(owner, event)
+
+    def _refused(self, source: str, name: str) -> None:
+        slot = slot_of(source)
+        owner = self._owner.get(slot) if slot is not None else None
+        if owner is not None:
+            self.events.add(owner, {"time": time.time(), "proto": "dns", "domain": name, "verdict": "denied",
+                                    "rule": "domain", "state": "denied"})
 
     # -- the resolver's callbacks ---------------------------------------------------------------
 
