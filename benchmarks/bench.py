@@ -45,7 +45,9 @@ def start_server(max_sandboxes: int) -> tuple[subprocess.Popen[bytes], str]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "agentcell", "serve", "--port", str(port), "--max-sandboxes", str(max_sandboxes)],
+        # no egress uplink: these figures are a sandbox's own; benchmarks/egress.py measures what internet adds
+        [sys.executable, "-m", "agentcell", "serve", "--port", str(port), "--max-sandboxes", str(max_sandboxes),
+         "--egress-uplink", "none"],
         stdout=subprocess.DEVNULL,
     )
     url = f"http://127.0.0.1:{port}"

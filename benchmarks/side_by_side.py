@@ -711,7 +711,7 @@ def start_server(max_sandboxes: int, log_path: Path, extra: list[str]) -> tuple[
     with log_path.open("wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "agentcell", "serve", "--host", "127.0.0.1", "--port", str(port),
-             "--max-sandboxes", str(max_sandboxes), *extra],
+             "--max-sandboxes", str(max_sandboxes), "--egress-uplink", "none", *extra],
             cwd=REPO, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
@@ -861,6 +861,8 @@ def prepare_environment() -> None:
     sys.path.insert(0, str(REPO))
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     os.environ.pop("AGENTCELL_URL", None)
+    # the embedded server too: sandboxes without internet, as the baselines (benchmarks/egress.py has its cost)
+    os.environ["AGENTCELL_EGRESS_UPLINK"] = "none"
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     if hard < 4096:

@@ -81,11 +81,18 @@ async def http(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> No
         writer.write(f"HTTP/1.1 302 Found\r\nLocation: {target[13:]}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
                      .encode())
     else:
-        body = f"hello from {local} host={host} path={target}\n".encode()
-        if target.startswith("/big/"):
-            body = b"x" * int(target[5:])
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % len(body))
-        writer.write(body)
+        if target.startswith("/big/"):  # N bytes, streamed
+            left = int(target[5:])
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % left)
+            chunk = b"x" * (1 << 20)
+            while left > 0:
+                writer.write(chunk[:left])
+                left -= len(chunk)
+                await writer.drain()
+        else:
+            body = f"hello from {local} host={host} path={target}\n".encode()
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % len(body))
+            writer.write(body)
     await writer.drain()
     writer.close()
 
@@ -103,6 +110,7 @@ async def dns_tcp(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) ->
 
 
 async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    await reader.read(1)  # the client speaks first (a ClientHello), as TLS does
     writer.write(b"dot-listener\n")
     await writer.drain()
     writer.close()
@@ -113,6 +121,7 @@ async def main() -> None:
     servers = [await asyncio.start_server(http, "0.0.0.0", port, reuse_address=True) for port in (80, 8080)]
     servers.append(await asyncio.start_server(dns_tcp, "0.0.0.0", 53, reuse_address=True))
     servers.append(await asyncio.start_server(hold, "0.0.0.0", 853, reuse_address=True))
+    servers.append(await asyncio.start_server(hold, "0.0.0.0", 443, reuse_address=True))  # "TLS": says hello
     # UDP per address: a socket on 0.0.0.0 would answer from whichever address routes back, and a
     # client (rightly) ignores an answer from an address it did not ask
     for address in sys.argv[1:]:

@@ -40,7 +40,9 @@ def tcp(host, port=80, timeout=1.0):
         s.sendall(b"GET / HTTP/1.0\r\nHost: " + host.encode() + b"\r\n\r\n")
         data = s.recv(200)
         s.close()
-        return "ok" if data.startswith(b"HTTP/1.") or data.startswith(b"dot") else "junk"
+        if data.startswith(b"HTTP/1.1 403"):
+            return "403"  # the egress proxy refused the Host
+        return "ok" if data.startswith(b"HTTP/1.1 200") or data.startswith(b"dot") else repr(data[:40])
     except socket.gaierror:
         return "noname"
     except ConnectionRefusedError:
@@ -79,6 +81,36 @@ def get(url, timeout=2.0):
         return urllib.request.urlopen(url, timeout=timeout).read().decode()
     except Exception as e:
         return type(e).__name__ + ": " + str(e)
+def http_as(ip, host, port=80, timeout=2.0):
+    """An HTTP request to ip that names another Host (virtual hosting, or a lie)."""
+    try:
+        s = socket.create_connection((ip, port), timeout=timeout)
+        s.sendall(b"GET / HTTP/1.1\r\nHost: " + host.encode() + b"\r\nConnection: close\r\n\r\n")
+        data = s.recv(200)
+        s.close()
+        return data.split(b"\r\n")[0].decode() if data else "closed"
+    except OSError as e:
+        return type(e).__name__
+def tls_as(ip, sni, port=443, timeout=2.0):
+    """A real ClientHello naming `sni` (or none), sent to ip; what comes back."""
+    import ssl
+    ctx = ssl.create_default_context()
+    if sni is None:
+        ctx.check_hostname = False
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    tls = ctx.wrap_bio(incoming, outgoing, server_hostname=sni)
+    try:
+        tls.do_handshake()
+    except ssl.SSLWantReadError:
+        pass
+    try:
+        s = socket.create_connection((ip, port), timeout=timeout)
+        s.sendall(outgoing.read())
+        data = s.recv(100)
+        s.close()
+        return "answered" if data else "closed"
+    except OSError as e:
+        return type(e).__name__
 def my_address():
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     s.connect(("203.0.113.10", 9))
@@ -197,6 +229,29 @@ def test_a_domain_allow_list(make) -> None:  # type: ignore[no-untyped-def]
     assert "URLError" in ask(sbx, "get('http://allowed.test/redirect?to=http://other.test/')")
 
 
+def test_the_host_a_connection_names_must_be_allowed(make) -> None:  # type: ignore[no-untyped-def]
+    sbx = make(network={"allow_out": ["allowed.test", "other.test"]})
+    assert ask(sbx, "names('allowed.test')") == f"['{WEB}']"
+    assert ask(sbx, "names('other.test')") == f"['{OTHER}']"
+    assert ask(sbx, f"http_as('{WEB}', 'allowed.test')") == "HTTP/1.1 200 OK"
+    assert ask(sbx, f"http_as('{WEB}', 'denied.test')") == "HTTP/1.1 403 Forbidden"  # Host not allowed
+    assert ask(sbx, f"http_as('{WEB}', 'other.test')") == "HTTP/1.1 403 Forbidden"  # allowed, not this address's
+    assert ask(sbx, f"tls_as('{WEB}', 'allowed.test')") == "answered"
+    assert ask(sbx, f"tls_as('{WEB}', 'denied.test')") == "closed"  # SNI not allowed
+    assert ask(sbx, f"tls_as('{WEB}', 'other.test')") == "closed"  # SNI of another pinned name
+    assert ask(sbx, f"tls_as('{WEB}', None)") == "closed"  # no SNI: nothing to check against
+    assert ask(sbx, f"http_as('{DENIED_IP}', 'allowed.test', timeout=1)") == "TimeoutError"  # unpinned: dropped
+    # an open internet with a deny list of names: the names are checked, addresses stay open
+    open_ = make(network={"deny_out": ["denied.test"]})
+    assert ask(open_, f"http_as('{DENIED_IP}', 'denied.test')") == "HTTP/1.1 403 Forbidden"
+    assert ask(open_, f"tls_as('{DENIED_IP}', 'denied.test')") == "closed"
+    assert ask(open_, f"http_as('{DENIED_IP}', 'anything.test')") == "HTTP/1.1 200 OK"
+    assert ask(open_, f"tls_as('{WEB}', None)") == "answered"
+    # no domain rules: nothing is intercepted
+    plain = make()
+    assert ask(plain, f"http_as('{WEB}', 'denied.test')") == "HTTP/1.1 200 OK"
+
+
 def test_big_answers_over_edns_and_tcp(make) -> None:  # type: ignore[no-untyped-def]
     sbx = make(network={"allow_out": ["big.test", "huge.test"]})
     got = eval(ask(sbx, "names('big.test')"))
@@ -304,7 +359,7 @@ def test_the_official_e2b_sdk(egress_server: ServerProcess) -> None:
 def test_connection_events(make) -> None:  # type: ignore[no-untyped-def]
     sbx = make(network={"allow_out": ["allowed.test"]})
     assert ask(sbx, "len(get('http://allowed.test/big/20000'))") == "20000"
-    assert ask(sbx, f"tcp('{OTHER}')") != "ok"
+    assert ask(sbx, f"tcp('{OTHER}', 8080)") != "ok"
     assert ask(sbx, "names('other.test')") == "noname"
     assert ask(sbx, "tcp('10.1.2.3')") != "ok"
     deadline = time.monotonic() + 30  # a closed connection's event waits for the router's TIME_WAIT (10 s)
@@ -318,6 +373,8 @@ def test_connection_events(make) -> None:  # type: ignore[no-untyped-def]
     assert opened and opened[0]["domain"] == "allowed.test" and opened[0]["dport"] == 80
     assert closed and closed[0]["bytes_in"] >= 20000 and 0 < closed[0]["bytes_out"] < 2000
     assert any(e.get("verdict") == "denied" and e.get("dst") == OTHER and e.get("rule") == "policy" for e in events)
+    assert ask(sbx, f"http_as('{WEB}', 'other.test')") == "HTTP/1.1 403 Forbidden"
+    assert any(e.get("domain") == "other.test" and e.get("rule") == "domain" for e in sbx.events())
     assert any(e.get("proto") == "dns" and e.get("domain") == "other.test" and e["verdict"] == "denied"
                for e in events)
     assert any(e.get("dst") == "10.1.2.3" and e.get("rule") == "never4" for e in events)

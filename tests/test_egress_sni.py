@@ -1,4 +1,4 @@
-"""server/egress_sni.py on real first bytes: ClientHellos made by OpenSSL (Python's ssl), HTTP requests,
+"""backends/linux/egress_sni.py on real first bytes: ClientHellos made by OpenSSL (Python's ssl), HTTP requests,
 and mutations of both (the parser reads attacker-made bytes: it must answer, never raise)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 import ssl
 
-from agentcell.server.egress_sni import MAX_PEEK, MORE, Claim, claimed_host
+from agentcell.backends.linux.egress_sni import MAX_PEEK, MORE, Claim, claimed_host
 
 
 def client_hello(server_hostname: str | None) -> bytes:

@@ -713,6 +713,7 @@ class _HostileBackend:
     """A backend whose failures carry host details, and whose 'agent' answers with malformed frames."""
 
     name = "hostile"
+    has_egress = False
 
     def __init__(self, fail_create: BaseException | None = None) -> None:
         self.fail_create = fail_create

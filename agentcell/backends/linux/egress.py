@@ -34,6 +34,10 @@ from typing import Any, TypeVar
 
 from agentcell.backends.linux import syscalls as sc
 from agentcell.backends.linux.egress_events import deny_log, deny_rules, enable_accounting
+from agentcell.backends.linux.egress_proxy import FWMARK as PROXY_MARK
+from agentcell.backends.linux.egress_proxy import routing_commands as proxy_routing
+from agentcell.backends.linux.egress_proxy import ruleset_fragment as proxy_fragment
+from agentcell.backends.linux.egress_proxy import tproxy_statement
 from agentcell.backends.network_policy import Network, NetworkPolicy
 
 TABLE = "agentcell"
@@ -239,9 +243,11 @@ table inet {TABLE} {{
     iifname "s*" meta nfproto ipv6 drop
     iifname "s*" fib saddr . iif oif missing drop
   }}
+{proxy_fragment(TABLE)}
   chain input {{
     type filter hook input priority filter; policy drop;
     iif "lo" accept
+    iifname "s*" meta mark {PROXY_MARK:#x} accept
     iifname "{UPLINK}" ct state established,related accept
     iifname "s*" ip daddr {RESOLVER} meta l4proto {{ udp, tcp }} th dport 53 accept
     iifname "s*" icmp type echo-request limit rate 10/second accept
@@ -304,7 +310,7 @@ class Router:
             # IPv6 off on every link the router gets: a sandbox has no IPv6 way out (docs/network.md).
             sysctl_in(router.path, "net.ipv4.ip_forward=1", "net.ipv6.conf.all.disable_ipv6=1",
                       "net.ipv6.conf.default.disable_ipv6=1")
-            ip_in(router.path, ["link set lo up", f"addr add {RESOLVER}/32 dev lo"])
+            ip_in(router.path, ["link set lo up", f"addr add {RESOLVER}/32 dev lo", *proxy_routing()])
             # byte counts for the connection events; a closed connection's event comes 10 s after its
             # close rather than conntrack's default 120 s (late packets then meet the rules afresh)
             enable_accounting(router.path, tcp_time_wait=10)
@@ -353,11 +359,14 @@ class Router:
             f"route add default via {ours} dev eth0",
         ])
 
-    def policy_commands(self, slot: int, policy: NetworkPolicy, pins: Iterable[tuple[str, int]] = ()) -> str:
+    def policy_commands(self, slot: int, policy: NetworkPolicy, pins: Iterable[tuple[str, int]] = (),
+                        intercept: bool = False) -> str:
         """The transaction that replaces slot `slot`'s way out with `policy`, keeping `pins`
-        ((address, seconds left) the resolver answered for names the policy still allows)."""
+        ((address, seconds left) the resolver answered for names the policy still allows); with
+        `intercept`, its new connections to ports 80 and 443 go to the proxy (egress_proxy.py)."""
         chain, ifname = f"sbx_{slot}", f"s{slot}"
-        cmds = [*_unlinked(slot), f"flush chain inet {TABLE} {chain}"]
+        cmds = [*_unlinked(slot), *_unintercepted(slot), f"flush chain inet {TABLE} {chain}",
+                f"flush chain inet {TABLE} icpt_{slot}"]
         for family, kind in (("ipv4", 4), ("ipv6", 6)):
             pin_set = f"pin{kind}_{slot}"
             cmds += [f"add set inet {TABLE} {pin_set} {{ type {family}_addr; flags timeout; size {PIN_SET_SIZE}; }}",
@@ -382,7 +391,30 @@ class Router:
                 cmds += [*(f"add rule inet {TABLE} {chain} {rule}" for rule in deny_rules("meta l4proto udp", "udp")),
                          f"add rule inet {TABLE} {chain} accept"]
             cmds.append(f'add element inet {TABLE} links {{ "{ifname}" : jump {chain} }}')
+            if intercept:
+                cmds += self._intercept_commands(slot, policy)
         return "\n".join(cmds)
+
+    @staticmethod
+    def _intercept_commands(slot: int, policy: NetworkPolicy) -> list[str]:
+        """Connections to ports 80/443 of the addresses the policy would let through go to the proxy
+        instead (which checks the host they name): pinned and allowed addresses under an allow list,
+        every public one otherwise. Anything else meets the forward chain as before."""
+        chain, tproxy = f"inet {TABLE} icpt_{slot}", tproxy_statement()
+        cmds = []
+        for family, kind in (("ip", 4), ("ip6", 6)):
+            deny = [n for n in policy.deny_nets if n.version == kind]
+            if deny:
+                cmds.append(f"add rule {chain} {family} daddr {{ {_elements(deny)} }} return")
+        if policy.restricted:
+            allow4 = [n for n in policy.allow_nets if n.version == 4]
+            if allow4:
+                cmds.append(f"add rule {chain} ip daddr {{ {_elements(allow4)} }} {tproxy}")
+            cmds.append(f"add rule {chain} ip daddr @pin4_{slot} {tproxy}")
+        else:
+            cmds.append(f"add rule {chain} ip daddr != @never4 {tproxy}")
+        cmds.append(f'add element inet {TABLE} intercepts {{ "s{slot}" : jump icpt_{slot} }}')
+        return cmds
 
     def set_policy(self, slot: int, policy: NetworkPolicy, pins: Iterable[tuple[str, int]] = ()) -> None:
         """Replace the sandbox's way out in one transaction: new connections follow it at once;
@@ -404,8 +436,9 @@ class Router:
     @staticmethod
     def disconnect_commands(slot: int) -> str:
         """Forget a sandbox's policy and pins (its link goes away with its namespace)."""
-        return "\n".join([*_unlinked(slot), f"flush chain inet {TABLE} sbx_{slot}",
-                          f"delete chain inet {TABLE} sbx_{slot}",
+        return "\n".join([*_unlinked(slot), *_unintercepted(slot), f"flush chain inet {TABLE} sbx_{slot}",
+                          f"delete chain inet {TABLE} sbx_{slot}", f"flush chain inet {TABLE} icpt_{slot}",
+                          f"delete chain inet {TABLE} icpt_{slot}",
                           *(f"add set inet {TABLE} pin{k}_{slot} {{ type ipv{k}_addr; flags timeout; }}" for k in (4, 6)),
                           *(f"delete set inet {TABLE} pin{k}_{slot}" for k in (4, 6))])
 
@@ -423,6 +456,12 @@ def _unlinked(slot: int) -> list[str]:
     return [f"add chain inet {TABLE} {chain}",
             f'add element inet {TABLE} links {{ "{ifname}" : jump {chain} }}',
             f'delete element inet {TABLE} links {{ "{ifname}" }}']
+
+
+def _unintercepted(slot: int) -> list[str]:
+    return [f"add chain inet {TABLE} icpt_{slot}",
+            f'add element inet {TABLE} intercepts {{ "s{slot}" : jump icpt_{slot} }}',
+            f'delete element inet {TABLE} intercepts {{ "s{slot}" }}']
 
 
 def _ns_arg(netns_path: str) -> str:

@@ -11,6 +11,7 @@ Lifecycle, per sandbox slot:
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import os
 import re
@@ -24,8 +25,10 @@ import dns.name
 
 from agentcell.backends.linux import uplink as uplinks
 from agentcell.backends.linux.egress import PIN_SET_SIZE, RESOLVER, EgressError, Router, run_here, slot_of
-from agentcell.backends.linux.egress_dns import DomainRules, Pin, PolicyResolver, serve_tcp
+from agentcell.backends.linux.egress_dns import DomainRules, Pin, PolicyResolver, never, serve_tcp
 from agentcell.backends.linux.egress_events import EventCollector, EventLog
+from agentcell.backends.linux.egress_proxy import Interceptor, listening_socket
+from agentcell.backends.linux.egress_sni import Claim
 from agentcell.backends.network_policy import NetworkPolicy
 
 log = logging.getLogger("agentcell.egress")
@@ -80,6 +83,8 @@ class Egress:
         self.events = EventLog()
         self._owner: dict[int, str] = {}  # slot -> the sandbox id it serves
         self._collector: EventCollector | None = None
+        self._interceptor: Interceptor | None = None
+        self._names: dict[int, dict[str, set[str]]] = {}  # slot -> address -> every name it was answered for
 
     # -- the router ---------------------------------------------------------------------------
 
@@ -115,11 +120,17 @@ class Egress:
             self._tcp = await serve_tcp(self.resolver, sock=tcp)
             self._collector = EventCollector(self._on_event)
             self._collector.start(router.path, loop)
+            self._interceptor = Interceptor(slot_of, self.check_claim,
+                                            lambda: self._socket(socket.AF_INET, socket.SOCK_STREAM), self._on_event)
+            await self._interceptor.start(await self._in_router(listening_socket))
         except BaseException:
             await self.close()
             raise
 
     async def close(self) -> None:
+        if self._interceptor is not None:
+            self._interceptor.close()
+            self._interceptor = None
         if self._collector is not None:
             self._collector.close()
             self._collector = None
@@ -166,16 +177,20 @@ class Egress:
             for address, (name, expires) in self._pins.get(slot, {}).items():
                 if expires > now + 1 and rules.allows(dns.name.from_text(name)):
                     kept.append((address, int(expires - now)))
-        await self._nft(self.router.policy_commands(slot, policy, kept))
+        intercept = bool(policy.allow_domains or policy.deny_domains)
+        await self._nft(self.router.policy_commands(slot, policy, kept, intercept=intercept))
         self.policies[slot] = policy
         self._rules[slot] = rules
-        self._pins[slot] = {a: p for a, p in self._pins.get(slot, {}).items() if a in dict(kept)}
+        still = dict(kept)
+        self._pins[slot] = {a: p for a, p in self._pins.get(slot, {}).items() if a in still}
+        self._names[slot] = {a: n for a, n in self._names.get(slot, {}).items() if a in still}
 
     async def disconnect(self, slot: int) -> None:
         assert self.router is not None
         self.policies.pop(slot, None)
         self._rules.pop(slot, None)
         self._pins.pop(slot, None)
+        self._names.pop(slot, None)
         owner = self._owner.pop(slot, None)
         if owner is not None:
             self.events.close(owner)
@@ -188,6 +203,32 @@ class Egress:
         """address -> name, of what the slot's resolver answers opened and has not expired."""
         now = time.monotonic()
         return {a: name for a, (name, expires) in self._pins.get(slot, {}).items() if expires > now}
+
+    # -- the proxy's decision ---------------------------------------------------------------------
+
+    def check_claim(self, slot: int, address: str, port: int, claim: Claim) -> tuple[bool, str]:
+        """Whether an intercepted connection to address:port that names `claim` may go on, and the rule
+        that decided. It never crossed the router's forward chain, so the address rules apply here too."""
+        policy, rules = self.policies.get(slot), self._rules.get(slot)
+        if policy is None or not policy.open:
+            return False, "policy"
+        ip = ipaddress.ip_address(address)
+        if never(ip):
+            return False, "never4"
+        if any(ip in net for net in policy.deny_nets):
+            return False, "deny"
+        name = dns.name.from_text(claim.host) if claim.host else None
+        if name is not None and (rules is None or not rules.allows(name)):
+            return False, "domain"
+        if not policy.restricted or any(ip in net for net in policy.allow_nets):
+            return True, "policy"
+        if name is None:
+            return False, "no-host"  # an allow list of names: the connection must name one
+        answered = self._names.get(slot, {}).get(address, set())
+        expires = self._pins.get(slot, {}).get(address, ("", 0.0))[1]
+        if claim.host not in answered or expires <= time.monotonic():
+            return False, "host-mismatch"  # a name this address was not answered for
+        return True, "domain"
 
     # -- events -------------------------------------------------------------------------------------
 
@@ -227,7 +268,9 @@ class Egress:
         for address, seconds, name in pins:
             if len(table) >= PIN_SET_SIZE and str(address) not in table:
                 raise EgressError(f"slot {slot} has {PIN_SET_SIZE} addresses pinned already")
-            table[str(address)] = (name, now + seconds)
+            previous = table.get(str(address))
+            table[str(address)] = (name, max(now + seconds, previous[1] if previous else 0.0))
+            self._names.setdefault(slot, {}).setdefault(str(address), set()).add(name.lower())
             fresh.append((str(address), seconds))
         if policy.restricted:  # an open policy reaches every public address anyway
             await self._nft(Router.pin_commands(slot, fresh))

@@ -1,0 +1,163 @@
+"""What a sandbox's internet costs: create -> first result with and without it, the egress path's
+throughput, and the kernel memory each linked sandbox holds. Needs root.
+
+    .venv/bin/python benchmarks/egress.py [--runs 40] [--megabytes 1000] [--sandboxes 100]
+
+Nothing leaves this machine: the server's uplink leads into a network namespace built here (a web
+server on 203.0.113.10 and a DNS server on 198.51.100.53, as in tests/test_egress.py), which has no
+route anywhere else. Targets (issue 7): internet on adds <= 5 ms p50 to create -> first result;
+>= 1 Gbit/s through the egress path; ~2 MB per sandbox at most, no per-sandbox daemon.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from agentcell import Sandbox  # noqa: E402
+
+INET = f"acbench{os.getpid() % 100000}-inet"
+WEB, DNS = "203.0.113.10", "198.51.100.53"
+
+
+def percentiles(samples: list[float]) -> str:
+    ms = sorted(s * 1000 for s in samples)
+    p95 = ms[min(len(ms) - 1, round(0.95 * (len(ms) - 1)))]
+    return f"p50 {statistics.median(ms):7.2f} ms   p95 {p95:7.2f} ms   (n={len(ms)})"
+
+
+def start_server(uplink: str, log: Path) -> tuple[subprocess.Popen[bytes], str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "agentcell", "serve", "--port", str(port), "--egress-uplink", uplink,
+                             "--egress-dns", DNS, "--max-sandboxes", "400"],
+                            cwd=REPO, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            httpx.get(f"{url}/health", timeout=1)
+            return proc, url
+        except httpx.TransportError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"the server did not start; log: {log}") from None
+            time.sleep(0.2)
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def create_to_first_result(url: str, runs: int, **kwargs: object) -> list[float]:
+    out = []
+    for _ in range(runs):
+        t = time.perf_counter()
+        sbx = Sandbox.create(api_url=url, **kwargs)  # type: ignore[arg-type]
+        sbx.run_code("1 + 1")
+        out.append(time.perf_counter() - t)
+        sbx.kill()
+        time.sleep(0.05)  # let the pool prepare the next standby off the clock, as between real requests
+    return out
+
+
+def used_kib() -> int:
+    info = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+    return int(info["MemTotal"].split()[0]) - int(info["MemAvailable"].split()[0])
+
+
+def memory_per_sandbox(url: str, n: int) -> float:
+    """KiB of host memory per idle sandbox (kernel and user, everything MemAvailable sees)."""
+    time.sleep(2)
+    before = used_kib()
+    made = [Sandbox.create(api_url=url, timeout=600) for _ in range(n)]
+    for sbx in made:
+        sbx.run_code("1")
+    time.sleep(2)
+    after = used_kib()
+    for sbx in made:
+        sbx.kill()
+    return (after - before) / n
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--runs", type=int, default=40)
+    ap.add_argument("--megabytes", type=int, default=1000)
+    ap.add_argument("--sandboxes", type=int, default=100)
+    args = ap.parse_args()
+    if os.geteuid() != 0:
+        raise SystemExit("needs root (network namespaces, and the server itself)")
+    addresses = [WEB, DNS]
+    subprocess.run(["ip", "netns", "add", INET], check=True)
+    services = None
+    logdir = Path(f"/tmp/agentcell-bench-egress-{os.getpid()}")
+    logdir.mkdir(exist_ok=True)
+    try:
+        subprocess.run(["ip", "-n", INET, "link", "set", "lo", "up"], check=True)
+        for a in addresses:
+            subprocess.run(["ip", "-n", INET, "addr", "add", f"{a}/32", "dev", "lo"], check=True)
+        services = subprocess.Popen(["ip", "netns", "exec", INET, sys.executable,
+                                     str(REPO / "tests" / "internet_services.py"), *addresses],
+                                    stdout=subprocess.PIPE, text=True)
+        assert services.stdout is not None and services.stdout.readline().strip() == "ready"
+
+        figures: dict[str, list[float]] = {}
+        mem: dict[str, float] = {}
+        for label, uplink in (("internet off (no uplink)", "none"), ("internet on", f"netns:/run/netns/{INET}")):
+            proc, url = start_server(uplink, logdir / f"{uplink.split(':')[0]}.log")
+            try:
+                create_to_first_result(url, 5)  # warm up
+                figures[label] = create_to_first_result(url, args.runs)
+                if uplink != "none":
+                    figures["internet on, allow list of 3 domains"] = create_to_first_result(
+                        url, args.runs, network={"allow_out": ["allowed.test", "*.wild.test", "other.test"]})
+                    with Sandbox.create(api_url=url, timeout=600) as sbx:
+                        n = args.megabytes << 20
+                        code = (f"import socket, time\ns = socket.create_connection(('{WEB}', 80))\n"
+                                f"s.sendall(b'GET /big/{n} HTTP/1.0\\r\\nHost: x\\r\\n\\r\\n')\n"
+                                "t = time.perf_counter(); got = 0\n"
+                                "while True:\n    b = s.recv(1 << 20)\n    if not b: break\n    got += len(b)\n"
+                                "print(got, time.perf_counter() - t)")
+                        ex = sbx.run_code(code, timeout=600)
+                        got, secs = ex.logs.stdout[0].split()
+                        throughput = int(got) / float(secs)
+                mem[label] = memory_per_sandbox(url, args.sandboxes)
+            finally:
+                stop(proc)
+        print("create -> first run_code result (sync SDK over TCP, one at a time):")
+        for label, samples in figures.items():
+            print(f"  {label:40s} {percentiles(samples)}")
+        off = statistics.median(figures["internet off (no uplink)"])
+        on = statistics.median(figures["internet on"])
+        print(f"  internet adds {1000 * (on - off):+.2f} ms at p50 (target <= 5 ms)")
+        print(f"egress throughput, one sandbox, one TCP stream through the router: {throughput / 1e6:.0f} MB/s "
+              f"= {throughput * 8 / 1e9:.2f} Gbit/s (target >= 1 Gbit/s)")
+        print(f"host memory per idle sandbox ({args.sandboxes} sandboxes, MemAvailable):")
+        for label, kib in mem.items():
+            print(f"  {label:40s} {kib / 1024:6.2f} MiB")
+        print(f"  internet adds {(mem['internet on'] - mem['internet off (no uplink)']) / 1024:+.2f} MiB per sandbox "
+              "(noisy: the page cache moves too)")
+    finally:
+        if services is not None:
+            services.kill()
+        subprocess.run(["ip", "netns", "del", INET], check=False)
+
+
+if __name__ == "__main__":
+    main()
