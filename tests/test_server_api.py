@@ -77,8 +77,12 @@ def test_create_v1_and_templates(http: httpx.Client) -> None:
         ({"templateID": "base", "limits": {"memoryMB": 1}}, "memoryMB"),
         ({"templateID": "base", "limits": {"bogus": 1}}, "bogus"),
         ({"templateID": "base", "limits": {"pids": "many"}}, "pids"),
-        ({"templateID": "base", "allow_internet_access": True}, "network access is not supported yet"),
-        ({"templateID": "base", "network": {"allowOut": ["1.1.1.1"]}}, "loopback only"),
+        # the tests' server runs with --egress-uplink none (conftest): no internet to give
+        ({"templateID": "base", "allow_internet_access": True}, "--egress-uplink none"),
+        ({"templateID": "base", "network": {"allowOut": ["1.1.1.1"]}}, "--egress-uplink none"),
+        ({"templateID": "base", "network": {"allowOut": ["exa mple.com"]}}, "not a CIDR"),
+        ({"templateID": "base", "network": {"denyOut": "1.1.1.1"}}, "must be a list"),
+        ({"templateID": "base", "allow_internet_access": "yes"}, "must be a boolean"),
     ],
 )
 def test_create_validation(http: httpx.Client, body: dict[str, Any], fragment: str) -> None:

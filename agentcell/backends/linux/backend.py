@@ -77,7 +77,8 @@ _ZYGOTE_ENV = {"PATH", "LANG", "LC_ALL", "PYTHONPATH", "TZ", "AGENTCELL_TIMING"}
 
 class _Zygote:
     def __init__(self, template: str, entry: str, preload: bool, cgroup_parent: str, staging: str,
-                 runtime: runtime_store.Store, state_dir: str, ptys: int = host.PTYS_PER_SANDBOX) -> None:
+                 runtime: runtime_store.Store, state_dir: str, ptys: int = host.PTYS_PER_SANDBOX,
+                 extra_ca: str | None = None) -> None:
         self.template = template
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         # The zygote's memory is copied into every sandbox, so it gets none of the server's environment
@@ -92,6 +93,8 @@ class _Zygote:
                 "--parent", str(os.getpid()), "--ptys", str(ptys)]
         if not preload:
             args.append("--no-preload")
+        if extra_ca:
+            args += ["--extra-ca", extra_ca]
         # The arguments go through stdin, not argv: every sandbox is a fork of the zygote, and its
         # /proc/<pid>/cmdline would show them (server pid, cgroup and staging paths) to user code.
         # The launcher execs the zygote from the runtime store's neutral paths (runtime_store.launch).
@@ -326,7 +329,8 @@ class LinuxBackend(Backend):
                 z.stop()
             assert self._runtime is not None, "start() first"
             z = _Zygote(template, self.entry_point, self.preload, self.cgroup_parent, self.staging, self._runtime,
-                        self._state_dir, self.host_tuning.ptys_per_sandbox)
+                        self._state_dir, self.host_tuning.ptys_per_sandbox,
+                        self.egress.ca_path if self.egress is not None else None)
             self._zygotes[template] = z
         await z.wait_ready(self.zygote_timeout)
         return z

@@ -35,6 +35,8 @@ log = logging.getLogger("agentcell.egress")
 T = TypeVar("T")
 NETNS_PREFIX = "agentcell-"
 CLOSED = NetworkPolicy()
+EVENTS_PER_SANDBOX = 200  # the most recent ones are kept
+EVENT_LOGS = 1024  # sandboxes whose events are kept (the killed ones go first)
 
 
 @dataclass(frozen=True)
@@ -79,8 +81,9 @@ class Egress:
         self._pins: dict[int, dict[str, tuple[str, float]]] = {}  # slot -> address -> (name, expires)
         self._udp: asyncio.DatagramTransport | None = None
         self._tcp: asyncio.Server | None = None
-        # connection events, per sandbox id (slots are reused): kept after a kill until evicted
-        self.events = EventLog()
+        # connection events, per sandbox id (slots are reused): kept after a kill until evicted.
+        # Bounded: ~670 bytes an event, so at most ~140 MB if 1,024 sandboxes each fill their 200.
+        self.events = EventLog(per_key=EVENTS_PER_SANDBOX, max_keys=EVENT_LOGS)
         self._owner: dict[int, str] = {}  # slot -> the sandbox id it serves
         self._collector: EventCollector | None = None
         self._interceptor: Interceptor | None = None

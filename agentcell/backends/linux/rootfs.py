@@ -91,11 +91,13 @@ def _write(path: str, text: str, mode: int = 0o644) -> None:
         os.close(fd)
 
 
-def _etc(root: str) -> None:
+def _etc(root: str, extra_ca: str | None = None) -> None:
     etc = root + "/etc"
     os.mkdir(etc, 0o755)
     sc.mount("tmpfs", etc, "tmpfs", _BASE | sc.MS_NOEXEC, "size=8m,mode=0755")
     sandbox_etc.copy_from_host(etc)  # the few host files programs read; see sandbox_etc.py
+    if extra_ca:
+        sandbox_etc.trust(etc, extra_ca)
     files = {**sandbox_etc.generated(SANDBOX_UID, HOME), **{name: "" for name in _PER_SANDBOX_ETC}}
     for name, text in files.items():
         _write(f"{etc}/{name}", text)
@@ -123,7 +125,7 @@ def _dev(root: str) -> None:
     sc.mount(None, dev, None, sc.MS_REMOUNT | sc.MS_NOSUID | sc.MS_NOEXEC | sc.MS_RDONLY)
 
 
-def build_template(staging: str = STAGING) -> None:
+def build_template(staging: str = STAGING, extra_ca: str | None = None) -> None:
     """In the zygote (host root, its own mount namespace): the read-only part of every root."""
     sc.mount(None, "/", None, sc.MS_REC | sc.MS_PRIVATE)
     sc.mount("tmpfs", staging, "tmpfs", _BASE, "size=4m,mode=0755")
@@ -140,7 +142,7 @@ def build_template(staging: str = STAGING) -> None:
     for path in python_paths():  # /opt/agentcell/...: never under a per-sandbox mount
         _mountpoint_for(path, root + path)
         _bind_ro(path, root + path)
-    _etc(root)
+    _etc(root, extra_ca)
     _dev(root)
     procfs.present()  # which /proc entries to cover: asked once here, every standby forks with the answer
     os.mkdir(f"{root}/proc", 0o555)

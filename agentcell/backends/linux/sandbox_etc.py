@@ -67,6 +67,22 @@ def generated(uid: int, home: str) -> dict[str, str]:
     }
 
 
+EXTRA_CA = "ssl/certs/agentcell-egress-ca.pem"
+SYSTEM_BUNDLE = "ssl/certs/ca-certificates.crt"
+
+
+def trust(etc: str, ca_path: str) -> None:
+    """Add the CA at `ca_path` to the sandbox's trust store: its own file, and the system bundle that
+    OpenSSL, Python's ssl, curl and (through SSL_CERT_FILE / REQUESTS_CA_BUNDLE) requests and httpx read."""
+    with open(ca_path, "rb") as f:
+        pem = f.read()
+    os.makedirs(os.path.join(etc, "ssl/certs"), mode=0o755, exist_ok=True)
+    for name in (EXTRA_CA, SYSTEM_BUNDLE):
+        with open(os.path.join(etc, name), "ab") as f:
+            f.write(b"\n" + pem)
+        os.chmod(os.path.join(etc, name), 0o644)
+
+
 def copy_from_host(etc: str, host_etc: str = "/etc") -> None:
     """Copy the COPIED entries of `host_etc` that exist into `etc` (a fresh directory)."""
     for name in COPIED:

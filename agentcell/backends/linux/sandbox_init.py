@@ -111,6 +111,11 @@ def default_envs(sandbox_id: str) -> dict[str, str]:
         "MPLCONFIGDIR": "/tmp/.matplotlib",
         "OPENBLAS_NUM_THREADS": "1",
         "TMPDIR": "/tmp",
+        # the system bundle (with the egress CA when the server has one, sandbox_etc.trust): requests
+        # and httpx would otherwise read certifi's own copy, which lacks it
+        "SSL_CERT_FILE": "/etc/ssl/certs/ca-certificates.crt",
+        "REQUESTS_CA_BUNDLE": "/etc/ssl/certs/ca-certificates.crt",
+        "NODE_EXTRA_CA_CERTS": "/etc/ssl/certs/ca-certificates.crt",
     }
 
 

@@ -166,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--staging", default=rootfs.STAGING)
     parser.add_argument("--parent", type=int, default=0, help="the server's pid (exit if it is gone already)")
     parser.add_argument("--no-preload", action="store_true", help="skip agent.preload() (probe-only zygotes)")
+    parser.add_argument("--extra-ca", default=None, help="a CA certificate (PEM file) sandboxes trust: the egress proxy's")
     parser.add_argument("--ptys", type=int, default=rootfs.PTYS_PER_SANDBOX, help="each sandbox's devpts max=")
     if argv is None and len(sys.argv) == 1:
         argv = json.loads(sys.stdin.read())  # how the backend passes them (see backend._Zygote)
@@ -191,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         # No unshare here: the launcher (runtime_store.launch) gave us a mount namespace of our own,
         # with the runtime mounted. Leaving it would detach the mounts our interpreter and libpython
         # were mapped from, and sandboxes' /proc/self/exe and maps would name them by their bare paths.
-        rootfs.build_template(args.staging)
+        rootfs.build_template(args.staging, args.extra_ca)
         if args.no_preload:
             resolve_entry(args.entry)
         else:
