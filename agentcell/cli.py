@@ -103,6 +103,8 @@ def main() -> None:
                    "netns:PATH (into that network namespace), or none (no sandbox gets internet).")
 @click.option("--egress-dns", multiple=True, metavar="IP",
               help="Upstream DNS server for the sandboxes' resolver (default: /etc/resolv.conf's, minus loopback).")
+@click.option("--egress-ca-bundle", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="Extra CA certificates (PEM) to trust for the hosts secrets are sent to (default: the system's).")
 @click.option("--internet-default", type=click.Choice(["on", "off"]), default=None, envvar="AGENTCELL_INTERNET_DEFAULT",
               help="Whether a create that does not say gets internet (default: on when there is an uplink).")
 @click.option("--log-level", default="info", show_default=True,

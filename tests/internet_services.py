@@ -10,7 +10,9 @@ Prints "ready" once everything listens.
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
+import ssl
 import struct
 import sys
 
@@ -25,6 +27,7 @@ ZONE: dict[str, list[tuple[str, str]]] = {
     "other.test.": [("A", "198.51.100.20")],
     "api.wild.test.": [("A", "203.0.113.11")],
     "denied.test.": [("A", "203.0.113.12")],
+    "secret.test.": [("A", "203.0.113.10")],
     "rebind.test.": [("A", "10.1.2.3")],
     "meta.test.": [("A", "169.254.169.254")],
     "big.test.": [("A", f"203.0.113.{100 + i}") for i in range(60)],  # > 512 bytes: EDNS0 or TCP
@@ -67,12 +70,37 @@ class Udp(asyncio.DatagramProtocol):
             self.transport.sendto(reply, addr)
 
 
+def record(head: bytes) -> None:
+    """Every request head, for tests that must know what reached the internet (INET_LOG)."""
+    path = os.environ.get("INET_LOG")
+    if path:
+        with open(path, "ab") as f:
+            f.write(head + b"\n----\n")
+
+
+async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """HTTPS: answers with the request head it got, and its Authorization in a header too."""
+    try:
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, OSError):
+        writer.close()
+        return
+    record(head)
+    auth = next((line.split(b":", 1)[1].strip() for line in head.split(b"\r\n")
+                 if line.lower().startswith(b"authorization:")), b"")
+    writer.write(b"HTTP/1.1 200 OK\r\nX-Echo-Auth: %s\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s"
+                 % (auth, len(head), head))
+    await writer.drain()
+    writer.close()
+
+
 async def http(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     try:
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
     except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError):
         writer.close()
         return
+    record(head)
     lines = head.decode(errors="replace").split("\r\n")
     target = lines[0].split(" ")[1] if len(lines[0].split(" ")) > 1 else "/"
     host = next((line.split(":", 1)[1].strip() for line in lines[1:] if line.lower().startswith("host:")), "")
@@ -121,7 +149,13 @@ async def main() -> None:
     servers = [await asyncio.start_server(http, "0.0.0.0", port, reuse_address=True) for port in (80, 8080)]
     servers.append(await asyncio.start_server(dns_tcp, "0.0.0.0", 53, reuse_address=True))
     servers.append(await asyncio.start_server(hold, "0.0.0.0", 853, reuse_address=True))
-    servers.append(await asyncio.start_server(hold, "0.0.0.0", 443, reuse_address=True))  # "TLS": says hello
+    tls_cert = os.environ.get("INET_TLS_CERT")  # cert + key PEM: HTTPS echo on 443; else a listener that says hello
+    if tls_cert:
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ctx.load_cert_chain(tls_cert)
+        servers.append(await asyncio.start_server(echo, "0.0.0.0", 443, ssl=ctx, reuse_address=True))
+    else:
+        servers.append(await asyncio.start_server(hold, "0.0.0.0", 443, reuse_address=True))
     # UDP per address: a socket on 0.0.0.0 would answer from whichever address routes back, and a
     # client (rightly) ignores an answer from an address it did not ask
     for address in sys.argv[1:]:

@@ -17,9 +17,11 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from agentcell import Sandbox
+from agentcell.backends.linux.egress_ca import EgressCA
 from agentcell.errors import InvalidArgumentException
 from tests.conftest import ServerProcess
 from tests.test_egress_router import _host_state
@@ -31,6 +33,7 @@ UPSTREAM_DNS, FOREIGN_DNS, ECHO = "198.51.100.53", "203.0.113.53", "203.0.113.30
 FORBIDDEN = ("10.1.2.3", "169.254.169.254", "192.168.7.7", "100.64.1.1", "172.16.5.5")
 ADDRESSES = (WEB, OTHER, WILD, DENIED_IP, UPSTREAM_DNS, FOREIGN_DNS, ECHO, *FORBIDDEN)
 HERE = Path(__file__).resolve().parent
+INTERNET_LOG = Path(f"/tmp/agentcell-test-internet-{os.getpid()}.log")  # every request head that got out
 
 PROBES = r'''
 import socket, struct, time, urllib.request
@@ -111,6 +114,13 @@ def tls_as(ip, sni, port=443, timeout=2.0):
         return "answered" if data else "closed"
     except OSError as e:
         return type(e).__name__
+def get_with(url, auth, timeout=3.0):
+    req = urllib.request.Request(url, headers={"Authorization": auth})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.headers.get("X-Echo-Auth", "") + "|" + r.read().decode()
+    except Exception as e:
+        return type(e).__name__ + ": " + str(e)
 def my_address():
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     s.connect(("203.0.113.10", 9))
@@ -141,15 +151,24 @@ def egress_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPr
     before = _host_state()
     services = server = None
     subprocess.run(["ip", "netns", "add", INET], check=True)
+    # the internet's HTTPS (secret.test) has a certificate from a test CA the server is told to trust
+    tmp = tmp_path_factory.mktemp("egress-internet")
+    test_ca = EgressCA.load_or_create(str(tmp / "ca"))
+    (tmp / "upstream.pem").write_bytes(test_ca.issue("secret.test"))
+    (tmp / "ca.pem").write_bytes(test_ca.cert_pem)
+    INTERNET_LOG.unlink(missing_ok=True)
     try:
         _ns("link", "set", "lo", "up")
         for addr in ADDRESSES:
             _ns("addr", "add", f"{addr}/32", "dev", "lo")
         services = subprocess.Popen(["ip", "netns", "exec", INET, sys.executable, str(HERE / "internet_services.py"),
-                                     *ADDRESSES], stdout=subprocess.PIPE, text=True)
+                                     *ADDRESSES], stdout=subprocess.PIPE, text=True,
+                                    env={**os.environ, "INET_TLS_CERT": str(tmp / "upstream.pem"),
+                                         "INET_LOG": str(INTERNET_LOG)})
         assert services.stdout is not None and services.stdout.readline().strip() == "ready"
         server = ServerProcess(tmp_path_factory.mktemp("egress") / "server.log", "--egress-uplink",
-                               f"netns:/run/netns/{INET}", "--egress-dns", UPSTREAM_DNS, "--standbys", "2")
+                               f"netns:/run/netns/{INET}", "--egress-dns", UPSTREAM_DNS, "--standbys", "2",
+                               "--egress-ca-bundle", str(tmp / "ca.pem"))
         server.wait_ready()
         yield server
     finally:
@@ -405,3 +424,70 @@ async def test_following_events_with_the_async_sdk(egress_server: ServerProcess)
     finally:
         await sbx.kill()
     await asyncio.wait_for(task, 5)  # the stream ends with the sandbox
+
+
+def test_secrets_never_enter_the_sandbox(make, egress_server: ServerProcess) -> None:  # type: ignore[no-untyped-def]
+    value = "sk-live-" + os.urandom(12).hex()
+    sbx = make(secrets={"API_KEY": {"value": value, "hosts": ["secret.test"]}})
+    placeholder = ask(sbx, "__import__('os').environ['API_KEY']")
+    assert placeholder.startswith("agentcell-secret-api_key-") and value not in placeholder
+    got = ask(sbx, "get_with('https://secret.test/v1/models', 'Bearer ' + __import__('os').environ['API_KEY'])")
+    echoed_auth, echoed_head = got.split("|", 1)
+    assert echoed_head.startswith("GET /v1/models HTTP/1.1"), got  # through the proxy, TLS to the real host
+    assert f"Bearer {value}".encode() in INTERNET_LOG.read_bytes()  # the host got the value ...
+    assert value not in got and echoed_auth == f"Bearer {placeholder}"  # ... the sandbox never sees it
+    for lib in ("httpx",):  # a certifi-based client trusts the egress CA too (SSL_CERT_FILE; requests: REQUESTS_CA_BUNDLE)
+        code = (f"import {lib}, os; r = {lib}.get('https://secret.test/x', headers={{'Authorization': "
+                "os.environ['API_KEY']}, timeout=3); print(r.status_code, r.headers['X-Echo-Auth'])")
+        r = sbx.commands.run(f'python3 -c "{code}"')
+        assert r.stdout.strip() == f"200 {placeholder}", (lib, r.stdout, r.stderr)
+    # nowhere in the sandbox: environments, files, memory of its processes
+    # (the scanner holds the value in two halves only, so its own memory cannot match)
+    half = len(value) // 2
+    scan = (f"h1, h2 = {value[:half]!r}.encode(), {value[half:]!r}.encode(); import glob; hits = []; seen = 0\n"
+            "def has(data):\n"
+            "    i = data.find(h1)\n"
+            "    while i >= 0:\n"
+            "        if data[i + len(h1):i + len(h1) + len(h2)] == h2: return True\n"
+            "        i = data.find(h1, i + 1)\n"
+            "    return False\n"
+            "for p in glob.glob('/proc/[0-9]*'):\n"
+            "    for f in ('environ', 'cmdline'):\n"
+            "        try:\n"
+            "            hits += [p + '/' + f] if has(open(p + '/' + f, 'rb').read()) else []\n"
+            "        except OSError: pass\n"
+            "    try:\n"
+            "        maps = open(p + '/maps').read().splitlines(); mem = open(p + '/mem', 'rb', 0); seen += 1\n"
+            "        for line in maps:\n"
+            "            a, b = (int(x, 16) for x in line.split()[0].split('-'))\n"
+            "            if 'r' not in line.split()[1] or b - a > 1 << 28: continue\n"
+            "            try:\n"
+            "                mem.seek(a); hits += [p + ' mem'] if has(mem.read(b - a)) else []\n"
+            "            except (OSError, ValueError, OverflowError): pass\n"
+            "    except OSError: pass\n"
+            "print(hits, seen > 0)")
+    ex = sbx.run_code(scan)
+    assert ex.error is None and "".join(ex.logs.stdout).strip() == "[] True", (ex.error, ex.logs.stdout)
+    r = sbx.commands.run(f"grep -rl {value} /home /tmp /etc 2>/dev/null; echo done")
+    assert r.stdout.strip() == "done"
+    # the placeholder to any other host: refused, reported, never sent
+    before = INTERNET_LOG.read_bytes()
+    other = ask(sbx, "get_with('http://other.test/', 'Bearer ' + __import__('os').environ['API_KEY'])")
+    assert "403" in other
+    assert placeholder.encode() not in INTERNET_LOG.read_bytes()[len(before):]
+    events = list(sbx.events())
+    assert any(e.get("rule") == "secret" and e.get("secrets") == ["API_KEY"] for e in events)
+    assert any(e.get("rule") == "secret-elsewhere" and e.get("secret") == "API_KEY" for e in events)
+    # no API response carries the value
+    info = httpx.get(f"{egress_server.url}/sandboxes/{sbx.sandbox_id}", headers={"X-API-KEY": "x"}).text
+    assert value not in info and "secret.test" in info
+    assert value not in "".join(str(e) for e in events)
+
+
+def test_secrets_are_checked(make) -> None:  # type: ignore[no-untyped-def]
+    for bad, why in (({"1X": {"value": "v", "hosts": ["a.test"]}}, "environment variable name"),
+                     ({"X": {"value": "", "hosts": ["a.test"]}}, "non-empty"),
+                     ({"X": {"value": "a\nb", "hosts": ["a.test"]}}, "CR, LF"),
+                     ({"X": {"value": "v", "hosts": ["https://a.test/"]}}, "not a host name")):
+        with pytest.raises(InvalidArgumentException, match=why):
+            make(secrets=bad)

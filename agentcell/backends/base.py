@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agentcell.backends.network_policy import NetworkPolicy
+from agentcell.backends.secrets import SecretSet
 
 # The disk is a tmpfs: its pages are memory, charged to the sandbox's memory cgroup. A full disk must
 # leave this much of the memory limit to the agent (~30 MiB with a Python context) and the user's
@@ -95,6 +96,7 @@ class SandboxSpec:
     limits: Limits = field(default_factory=Limits)
     envs: dict[str, str] = field(default_factory=dict)  # default environment of every process and context
     network: NetworkPolicy = field(default_factory=NetworkPolicy)  # its way out; default: none
+    secrets: SecretSet = field(default_factory=SecretSet)  # values the egress puts in its requests
 
 
 @dataclass(slots=True)

@@ -56,7 +56,8 @@ def network_body(network: Mapping[str, Any]) -> dict[str, Any]:
 
 def create_body(template: str, timeout_s: int | None, metadata: dict[str, str] | None, envs: dict[str, str] | None,
                 limits: dict[str, Any] | None, allow_internet_access: bool | None = None,
-                network: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                network: Mapping[str, Any] | None = None,
+                secrets: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, Any]:
     body: dict[str, Any] = {"templateID": template, "metadata": metadata or {}, "envVars": envs or {}}
     if timeout_s is not None:
         body["timeout"] = int(timeout_s)
@@ -66,6 +67,8 @@ def create_body(template: str, timeout_s: int | None, metadata: dict[str, str] |
         body["allow_internet_access"] = bool(allow_internet_access)
     if network:
         body["network"] = network_body(network)
+    if secrets:
+        body["secrets"] = {name: dict(spec) for name, spec in secrets.items()}  # agentcell extension
     return body
 
 

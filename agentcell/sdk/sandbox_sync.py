@@ -90,7 +90,8 @@ class Sandbox:
     def create(cls, template: str = "base", timeout: int | None = 300, metadata: dict[str, str] | None = None,
                envs: dict[str, str] | None = None, api_key: str | None = None, api_url: str | None = None,
                request_timeout: float | None = None, limits: dict[str, Any] | None = None,
-               allow_internet_access: bool | None = None, network: Mapping[str, Any] | None = None) -> Sandbox:
+               allow_internet_access: bool | None = None, network: Mapping[str, Any] | None = None,
+               secrets: Mapping[str, Mapping[str, Any]] | None = None) -> Sandbox:
         """Create a sandbox living `timeout` seconds (extend with set_timeout). Without api_url or
         AGENTCELL_URL an embedded local server is started for this process.
 
@@ -98,7 +99,7 @@ class Sandbox:
         ``allow_out``/``deny_out``: CIDRs, IPs, domains, ``*.`` wildcards; ``allow_public_traffic``) set
         what the sandbox may reach: only the public internet ever, and within it what the lists allow."""
         config = resolve(api_url, api_key, request_timeout)
-        body = api.create_body(template, timeout, metadata, envs, limits, allow_internet_access, network)
+        body = api.create_body(template, timeout, metadata, envs, limits, allow_internet_access, network, secrets)
         r = api.call(config, "POST", "/v2/sandboxes", json=body, ok=(201, 200))
         sandbox_id, token = api.sandbox_fields(r.json())
         return cls(SandboxConnection(config, sandbox_id, token, **api.sandbox_extras(r.json())))

@@ -99,7 +99,8 @@ class AgentcellApp:
                                               max_sandboxes=config.max_sandboxes, tune_sysctls=config.tune_sysctls,
                                               ptys_per_sandbox=config.ptys_per_sandbox,
                                               standbys=config.standbys, standby_limits=config.limits,
-                                              egress=EgressSettings(config.egress_uplink, config.egress_dns),
+                                              egress=EgressSettings(config.egress_uplink, config.egress_dns,
+                                                                    config.egress_ca_bundle),
                                               memory_reserve_bytes=config.memory_reserve_mb << 20
                                               if config.memory_reserve_mb is not None else None)
         self.manager = SandboxManager(self.backend, config.max_sandboxes,

@@ -57,6 +57,7 @@ class ServerConfig:
     # --- egress (docs/network.md) ---
     egress_uplink: str = "host"  # host | netns:PATH | none (no sandbox gets internet)
     egress_dns: tuple[str, ...] = ()  # upstream resolvers; () = the host's /etc/resolv.conf
+    egress_ca_bundle: str | None = None  # extra CAs (PEM) for the real certificates of secrets' hosts
     # whether a create that says nothing about it gets internet; None: on when there is an uplink
     internet_default: bool | None = None
 

@@ -22,6 +22,7 @@ from starlette.routing import Route
 from agentcell.backends.base import LIMIT_RANGES, Limits
 from agentcell.backends.linux.egress_dns import DomainRules, RuleError
 from agentcell.backends.network_policy import ALL_TRAFFIC, NetworkPolicy, PolicyError
+from agentcell.backends.secrets import SecretError, SecretSet
 from agentcell.errors import BackendUnavailableError, InvalidArgumentError, SandboxError, SandboxGoneError
 from agentcell.server import validate
 from agentcell.server.auth import traffic_token
@@ -237,6 +238,7 @@ class ControlPlane:
             "domain": self._domain(request),
             "allowInternetAccess": rec.network.internet,
             "network": {**rec.network.info(), "allowPublicTraffic": rec.public_traffic},
+            "secrets": rec.secret_hosts,  # agentcell extension: names and hosts only
             "lifecycle": {"autoResume": False, "onTimeout": "kill"},
             "limits": {
                 "memoryMB": rec.limits.memory_mb,
@@ -282,9 +284,19 @@ class ControlPlane:
         public_traffic = _public_traffic(body)
         policy = self._policy(body, _network_object(body))
         try:
+            secrets = SecretSet.parse(body.get("secrets"))
+        except SecretError as e:
+            raise HTTPError(400, str(e)) from None
+        if secrets and not self.manager.backend.has_egress:
+            raise HTTPError(400, "secrets need the egress proxy, and this server gives sandboxes no internet "
+                                 "(--egress-uplink none)")
+        clash = sorted(set(secrets.envs()) & set(envs))
+        if clash:
+            raise HTTPError(400, f"{clash[0]} is both an envVar and a secret; give it once")
+        try:
             rec = await self.manager.create(
                 template_id=template, alias=template, timeout=timeout, metadata=metadata, envs=envs, limits=limits,
-                network=policy,
+                network=policy, secrets=secrets,
             )
         except CapacityError as e:
             raise HTTPError(429, str(e)) from None

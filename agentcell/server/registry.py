@@ -17,6 +17,7 @@ from datetime import UTC, datetime, timedelta
 
 from agentcell.backends.base import Backend, Limits, RunningSandbox, SandboxSpec
 from agentcell.backends.network_policy import NetworkPolicy
+from agentcell.backends.secrets import SecretSet
 from agentcell.runtime.protocol import AgentChannel
 
 log = logging.getLogger("agentcell.server")
@@ -55,6 +56,7 @@ class SandboxRecord:
     public_traffic: bool = True  # its served-out ports need no traffic token (E2B's allowPublicTraffic)
     network: NetworkPolicy = field(default_factory=NetworkPolicy)  # its way out, as last set
     internet_at_create: bool = False  # update_network's default for allow_internet_access
+    secret_hosts: dict[str, dict[str, list[str]]] = field(default_factory=dict)  # names and hosts, no values
 
     def alive(self) -> bool:
         return not self.channel.closed.is_set()
@@ -112,6 +114,7 @@ class SandboxManager:
         envs: dict[str, str],
         limits: Limits,
         network: NetworkPolicy | None = None,
+        secrets: SecretSet | None = None,
     ) -> SandboxRecord:
         if len(self._sandboxes) + len(self._pending) >= self.max_sandboxes:
             raise CapacityError(f"the server already runs its maximum of {self.max_sandboxes} sandboxes")
@@ -120,7 +123,7 @@ class SandboxManager:
         try:
             # The backend picks the id: it is a standby's, prepared before this request.
             spec = SandboxSpec(sandbox_id="", template="base", limits=limits, envs=dict(envs),
-                               network=network or NetworkPolicy())
+                               network=network or NetworkPolicy(), secrets=secrets or SecretSet())
             running = await self.backend.create(spec)
             sandbox_id = running.sandbox_id
             try:
@@ -145,6 +148,7 @@ class SandboxManager:
             running=running,
             channel=channel,
             network=spec.network,
+            secret_hosts=spec.secrets.public(),
         )
         self._sandboxes[sandbox_id] = rec
         self._spawn(self._watch_channel(rec))

@@ -385,7 +385,7 @@ class LinuxBackend(Backend):
             raise InvalidArgumentError(str(e)) from None
         if len(self._sandboxes) >= self.max_sandboxes:
             raise SandboxError("too many sandboxes on this host", "resource_exhausted")
-        if spec.network.internet and self.egress is None:
+        if (spec.network.internet or spec.secrets) and self.egress is None:
             raise InvalidArgumentError(NO_EGRESS)
         sandbox = None
         if not spec.sandbox_id and self.standbys and _claimable(self.standby_limits, spec.limits):
@@ -401,10 +401,12 @@ class LinuxBackend(Backend):
             sandbox.limits = spec.limits
             sandbox.cgroups.set_cpu_weight(standby=False)
             if self.egress is not None:  # before the claim: the tenant's first code meets its policy
-                await self.egress.apply(sandbox.slot, spec.network, sandbox.sandbox_id)
+                await self.egress.apply(sandbox.slot, spec.network, sandbox.sandbox_id, spec.secrets)
             # The claim: the tenant's env vars go to this sandbox's agent and nowhere else.
+            # secrets: their placeholders only; the values stay here, with the egress proxy
+            envs = {**spec.envs, **spec.secrets.envs()}
             await asyncio.get_running_loop().sock_sendall(
-                sandbox.sock, encode_frame({"id": 0, "op": "claim", "envs": dict(spec.envs)}))
+                sandbox.sock, encode_frame({"id": 0, "op": "claim", "envs": envs}))
         except BaseException:
             await self.kill(sandbox)
             raise

@@ -21,11 +21,15 @@ import asyncio
 import contextlib
 import logging
 import socket
+import ssl
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from agentcell.backends.linux.egress_ca import EgressCA
+from agentcell.backends.linux.egress_secrets import foreign_placeholder, scan_relay, serve_secret_host
 from agentcell.backends.linux.egress_sni import MAX_PEEK, MORE, Claim, claimed_host
+from agentcell.backends.secrets import Secret, SecretSet
 
 log = logging.getLogger("agentcell.egress")
 
@@ -80,7 +84,11 @@ def routing_commands() -> list[str]:
 class Interceptor:
     def __init__(self, slot_of: Callable[[str], int | None], decide: Decide,
                  upstream_socket: Callable[[], Awaitable[socket.socket]],
-                 on_event: Callable[[int, dict[str, Any]], None]) -> None:
+                 on_event: Callable[[int, dict[str, Any]], None], secrets_for: Callable[[int], SecretSet],
+                 ca: EgressCA, upstream_ssl: ssl.SSLContext) -> None:
+        self.secrets_for = secrets_for
+        self.ca = ca
+        self.upstream_ssl = upstream_ssl
         self.slot_of = slot_of
         self.decide = decide
         self.upstream_socket = upstream_socket
@@ -135,6 +143,30 @@ class Interceptor:
                 with contextlib.suppress(OSError):
                     await writer.drain()
             return
+        secrets = self.secrets_for(slot)
+        if claim.host and secrets.for_host(claim.host):
+            await serve_secret_host(first, reader, writer, host=claim.host, dst=dst, dport=dport,
+                                    tls=claim.kind == "tls", secrets=secrets, ca=self.ca,
+                                    upstream_ssl=self.upstream_ssl, upstream_socket=self.upstream_socket,
+                                    on_event=lambda event: self.on_event(slot, event))
+            return
+        scan = bool(secrets) and claim.kind == "http"  # plaintext from a sandbox with secrets: no placeholder out
+
+        async def refuse(leaked: Secret) -> None:
+            self.on_event(slot, {"time": time.time(), "proto": "tcp", "dst": dst, "dport": dport, "domain": claim.host,
+                                 "verdict": "denied", "rule": "secret-elsewhere", "secret": leaked.name,
+                                 "state": "denied"})
+            body = f"agentcell: the placeholder of secret {leaked.name} may only go to {', '.join(leaked.hosts)}\n"
+            writer.write(b"HTTP/1.1 403 Forbidden\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s"
+                         % (len(body), body.encode()))
+            with contextlib.suppress(OSError):
+                await writer.drain()
+
+        if scan:
+            leaked = foreign_placeholder(first, list(secrets.secrets))
+            if leaked is not None:
+                await refuse(leaked)
+                return
         sock = await self.upstream_socket()
         try:
             sock.setblocking(False)
@@ -146,7 +178,8 @@ class Interceptor:
         up_reader, up_writer = await asyncio.open_connection(sock=sock, limit=CHUNK)
         try:
             up_writer.write(first)
-            await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
+            outbound = scan_relay(reader, up_writer, secrets, refuse) if scan else _pipe(reader, up_writer)
+            await asyncio.gather(outbound, _pipe(up_reader, writer))
         finally:
             up_writer.transport.abort()
 

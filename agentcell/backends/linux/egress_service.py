@@ -16,6 +16,7 @@ import logging
 import os
 import re
 import socket
+import ssl
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,16 +26,20 @@ import dns.name
 
 from agentcell.backends.linux import uplink as uplinks
 from agentcell.backends.linux.egress import PIN_SET_SIZE, RESOLVER, EgressError, Router, run_here, slot_of
+from agentcell.backends.linux.egress_ca import EgressCA
 from agentcell.backends.linux.egress_dns import DomainRules, Pin, PolicyResolver, never, serve_tcp
 from agentcell.backends.linux.egress_events import EventCollector, EventLog
 from agentcell.backends.linux.egress_proxy import Interceptor, listening_socket
 from agentcell.backends.linux.egress_sni import Claim
 from agentcell.backends.network_policy import NetworkPolicy
+from agentcell.backends.secrets import SecretSet
+from agentcell.runtime import statedir
 
 log = logging.getLogger("agentcell.egress")
 T = TypeVar("T")
 NETNS_PREFIX = "agentcell-"
 CLOSED = NetworkPolicy()
+NO_SECRETS = SecretSet()
 EVENTS_PER_SANDBOX = 200  # the most recent ones are kept
 EVENT_LOGS = 1024  # sandboxes whose events are kept (the killed ones go first)
 
@@ -48,6 +53,7 @@ class EgressSettings:
 
     uplink: str = "host"
     dns: tuple[str, ...] = ()
+    ca_bundle: str | None = None  # extra CAs to trust for the hosts secrets go to (their real certificates)
 
     @property
     def enabled(self) -> bool:
@@ -87,6 +93,9 @@ class Egress:
         self._owner: dict[int, str] = {}  # slot -> the sandbox id it serves
         self._collector: EventCollector | None = None
         self._interceptor: Interceptor | None = None
+        self._secrets: dict[int, SecretSet] = {}
+        self.ca = EgressCA.load_or_create(statedir.private_dir(statedir.default_state_dir("egress-ca")))
+        self.ca_path = os.path.join(statedir.default_state_dir("egress-ca"), "ca.pem")
         self._names: dict[int, dict[str, set[str]]] = {}  # slot -> address -> every name it was answered for
 
     # -- the router ---------------------------------------------------------------------------
@@ -123,8 +132,12 @@ class Egress:
             self._tcp = await serve_tcp(self.resolver, sock=tcp)
             self._collector = EventCollector(self._on_event)
             self._collector.start(router.path, loop)
+            upstream_ssl = ssl.create_default_context()
+            if self.settings.ca_bundle:
+                upstream_ssl.load_verify_locations(self.settings.ca_bundle)
             self._interceptor = Interceptor(slot_of, self.check_claim,
-                                            lambda: self._socket(socket.AF_INET, socket.SOCK_STREAM), self._on_event)
+                                            lambda: self._socket(socket.AF_INET, socket.SOCK_STREAM), self._on_event,
+                                            lambda slot: self._secrets.get(slot, NO_SECRETS), self.ca, upstream_ssl)
             await self._interceptor.start(await self._in_router(listening_socket))
         except BaseException:
             await self.close()
@@ -166,12 +179,15 @@ class Egress:
         await asyncio.to_thread(self.router.connect, slot, f"/proc/{pid}/ns/net")
         await self.apply(slot, CLOSED)
 
-    async def apply(self, slot: int, policy: NetworkPolicy, sandbox_id: str | None = None) -> None:
+    async def apply(self, slot: int, policy: NetworkPolicy, sandbox_id: str | None = None,
+                    secrets: SecretSet | None = None) -> None:
         """Replace the sandbox's way out; pins of names the new policy still allows stay. A claim
-        names the sandbox the slot now serves (its events are kept under that id)."""
+        names the sandbox the slot now serves (its events are kept under that id) and its secrets."""
         assert self.router is not None
         if sandbox_id is not None:
             self._owner[slot] = sandbox_id
+        if secrets is not None:
+            self._secrets[slot] = secrets
         names = policy.names_allowed()
         rules = DomainRules(*names) if names is not None else None
         now = time.monotonic()
@@ -180,7 +196,7 @@ class Egress:
             for address, (name, expires) in self._pins.get(slot, {}).items():
                 if expires > now + 1 and rules.allows(dns.name.from_text(name)):
                     kept.append((address, int(expires - now)))
-        intercept = bool(policy.allow_domains or policy.deny_domains)
+        intercept = bool(policy.allow_domains or policy.deny_domains or self._secrets.get(slot))
         await self._nft(self.router.policy_commands(slot, policy, kept, intercept=intercept))
         self.policies[slot] = policy
         self._rules[slot] = rules
@@ -194,6 +210,7 @@ class Egress:
         self._rules.pop(slot, None)
         self._pins.pop(slot, None)
         self._names.pop(slot, None)
+        self._secrets.pop(slot, None)
         owner = self._owner.pop(slot, None)
         if owner is not None:
             self.events.close(owner)
