@@ -62,20 +62,6 @@ def tproxy_statement() -> str:
     return f"meta l4proto tcp th dport {{ {ports} }} tproxy ip to :{PROXY_PORT} meta mark set {FWMARK:#x} accept"
 
 
-def ruleset_fragment(table: str) -> str:
-    """The prerouting chain that hands intercepted connections to the proxy (inside `table`): a
-    link in the `intercepts` map jumps to its own chain (Router.policy_commands), which names the
-    addresses whose connections are intercepted."""
-    return f"""
-  map intercepts {{ type ifname : verdict; }}
-  chain intercept {{
-    type filter hook prerouting priority mangle; policy accept;
-    iifname "s*" meta l4proto tcp socket transparent 1 meta mark set {FWMARK:#x} accept
-    iifname vmap @intercepts
-  }}
-"""
-
-
 def routing_commands() -> list[str]:
     """ip(8) commands that deliver marked packets locally (tproxy's other half)."""
     return [f"rule add fwmark {FWMARK} lookup {ROUTE_TABLE}", f"route add local 0.0.0.0/0 dev lo table {ROUTE_TABLE}"]

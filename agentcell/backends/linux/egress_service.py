@@ -197,7 +197,10 @@ class Egress:
                 if expires > now + 1 and rules.allows(dns.name.from_text(name)):
                     kept.append((address, int(expires - now)))
         intercept = bool(policy.allow_domains or policy.deny_domains or self._secrets.get(slot))
-        await self._nft(self.router.policy_commands(slot, policy, kept, intercept=intercept))
+        commands = self.router.policy_commands(slot, policy, kept, intercept=intercept)
+        if commands:
+            await self._nft(commands)
+        self.router.committed(slot)
         self.policies[slot] = policy
         self._rules[slot] = rules
         still = dict(kept)
@@ -215,7 +218,10 @@ class Egress:
         if owner is not None:
             self.events.close(owner)
         try:
-            await self._nft(Router.disconnect_commands(slot))
+            commands = self.router.disconnect_commands(slot)
+            if commands:
+                await self._nft(commands)
+            self.router.committed(slot)
         except EgressError as e:
             log.warning("could not remove the egress rules of slot %d: %s", slot, e)
 
@@ -293,7 +299,9 @@ class Egress:
             self._names.setdefault(slot, {}).setdefault(str(address), set()).add(name.lower())
             fresh.append((str(address), seconds))
         if policy.restricted:  # an open policy reaches every public address anyway
+            assert self.router is not None
             await self._nft(Router.pin_commands(slot, fresh))
+            self.router.pinned(slot, (a for a, _ in fresh))
 
 
 def _bound(kind: int) -> socket.socket:
