@@ -31,6 +31,7 @@ INET = f"{TAG}-inet"
 WEB, OTHER, WILD, DENIED_IP = "203.0.113.10", "198.51.100.20", "203.0.113.11", "203.0.113.12"
 UPSTREAM_DNS, FOREIGN_DNS, ECHO = "198.51.100.53", "203.0.113.53", "203.0.113.30"
 FORBIDDEN = ("10.1.2.3", "169.254.169.254", "192.168.7.7", "100.64.1.1", "172.16.5.5")
+WEB6 = "2001:db8::10"
 ADDRESSES = (WEB, OTHER, WILD, DENIED_IP, UPSTREAM_DNS, FOREIGN_DNS, ECHO, *FORBIDDEN)
 HERE = Path(__file__).resolve().parent
 INTERNET_LOG = Path(f"/tmp/agentcell-test-internet-{os.getpid()}.log")  # every request head that got out
@@ -161,6 +162,7 @@ def egress_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPr
         _ns("link", "set", "lo", "up")
         for addr in ADDRESSES:
             _ns("addr", "add", f"{addr}/32", "dev", "lo")
+        _ns("addr", "add", f"{WEB6}/128", "dev", "lo")
         services = subprocess.Popen(["ip", "netns", "exec", INET, sys.executable, str(HERE / "internet_services.py"),
                                      *ADDRESSES], stdout=subprocess.PIPE, text=True,
                                     env={**os.environ, "INET_TLS_CERT": str(tmp / "upstream.pem"),
@@ -211,6 +213,16 @@ def test_by_default_the_public_internet_and_nothing_else(make) -> None:  # type:
     info = sbx.get_info()
     assert info.allow_internet_access is True and info.network is not None
     assert info.network["allowOut"] == [] and info.network["denyOut"] == []
+
+
+def test_ipv6_goes_nowhere(make) -> None:  # type: ignore[no-untyped-def]
+    sbx = make(network={"allow_out": ["2001:db8::/32", "::/0"]})
+    code = (f"import socket\ntry:\n    socket.create_connection(('{WEB6}', 80), timeout=1); print('ok')\n"
+            "except OSError as e: print(type(e).__name__)")
+    ex = sbx.run_code(code)
+    assert "".join(ex.logs.stdout).strip() != "ok"
+    addrs = sbx.commands.run("cat /proc/net/if_inet6; ip -6 route 2>/dev/null; true").stdout
+    assert "2001" not in addrs and "default" not in addrs  # no IPv6 address or route but loopback's
 
 
 def test_no_internet_when_asked(make) -> None:  # type: ignore[no-untyped-def]
@@ -491,3 +503,85 @@ def test_secrets_are_checked(make) -> None:  # type: ignore[no-untyped-def]
                      ({"X": {"value": "v", "hosts": ["https://a.test/"]}}, "not a host name")):
         with pytest.raises(InvalidArgumentException, match=why):
             make(secrets=bad)
+
+
+# --- E2B's own network tests (packages/python-sdk/tests/sync/sandbox_sync/test_network.py and
+# test_internet_access.py in e2b-dev/E2B), ported: the official SDK unchanged, curl in the sandbox, and
+# this module's internet in place of 1.1.1.1 / 8.8.8.8 / connectivitycheck.gstatic.com.
+
+@pytest.fixture
+def e2b_factory(egress_server: ServerProcess) -> Iterator:
+    import e2b
+
+    env = {"E2B_API_URL": egress_server.url, "E2B_SANDBOX_URL": egress_server.url, "E2B_API_KEY": "e2b_test"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    made: list[e2b.Sandbox] = []
+
+    def factory(**kwargs: object) -> e2b.Sandbox:
+        sbx = e2b.Sandbox.create(**kwargs)  # type: ignore[arg-type]
+        made.append(sbx)
+        return sbx
+
+    try:
+        yield factory
+    finally:
+        for sbx in made:
+            sbx.kill()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _curl_ok(sbx, ip: str) -> bool:  # type: ignore[no-untyped-def]
+    import e2b
+
+    try:
+        r = sbx.commands.run(f"curl -s -o /dev/null -w '%{{http_code}}' --connect-timeout 2 --max-time 4 http://{ip}/")
+    except e2b.CommandExitException:
+        return False
+    return r.exit_code == 0 and r.stdout.strip() == "200"
+
+
+def test_e2b_allow_specific_ip_with_deny_all(e2b_factory) -> None:  # type: ignore[no-untyped-def]
+    from e2b import SandboxNetworkOpts
+
+    sbx = e2b_factory(network=SandboxNetworkOpts(deny_out=lambda ctx: [ctx.all_traffic], allow_out=[WEB]))
+    assert _curl_ok(sbx, WEB) and not _curl_ok(sbx, OTHER)
+
+
+def test_e2b_deny_specific_ip_and_deny_all(e2b_factory) -> None:  # type: ignore[no-untyped-def]
+    from e2b import SandboxNetworkOpts
+
+    sbx = e2b_factory(network=SandboxNetworkOpts(deny_out=[OTHER]))
+    assert not _curl_ok(sbx, OTHER) and _curl_ok(sbx, WEB)
+    none = e2b_factory(network=SandboxNetworkOpts(deny_out=lambda ctx: [ctx.all_traffic]))
+    assert not _curl_ok(none, WEB) and not _curl_ok(none, OTHER)
+
+
+def test_e2b_allow_takes_precedence_over_deny_all(e2b_factory) -> None:  # type: ignore[no-untyped-def]
+    from e2b import SandboxNetworkOpts
+
+    sbx = e2b_factory(network=SandboxNetworkOpts(deny_out=lambda ctx: [ctx.all_traffic], allow_out=[WEB, OTHER]))
+    assert _curl_ok(sbx, WEB) and _curl_ok(sbx, OTHER)
+
+
+def test_e2b_update_network_applies_and_clears(e2b_factory) -> None:  # type: ignore[no-untyped-def]
+    from e2b import SandboxNetworkOpts
+
+    sbx = e2b_factory()
+    assert _curl_ok(sbx, OTHER)
+    sbx.update_network({"deny_out": [OTHER]})
+    assert not _curl_ok(sbx, OTHER) and _curl_ok(sbx, WEB)
+    only = e2b_factory(network=SandboxNetworkOpts(deny_out=lambda ctx: [ctx.all_traffic], allow_out=[WEB]))
+    assert not _curl_ok(only, OTHER)
+    only.update_network({})  # an empty update clears allow_out / deny_out entirely
+    assert _curl_ok(only, WEB) and _curl_ok(only, OTHER)
+
+
+def test_e2b_internet_access_enabled_disabled_default(e2b_factory) -> None:  # type: ignore[no-untyped-def]
+    assert _curl_ok(e2b_factory(allow_internet_access=True), WEB)
+    assert not _curl_ok(e2b_factory(allow_internet_access=False), WEB)
+    assert _curl_ok(e2b_factory(), WEB)  # the SDK's default (True) and the server's default (on)

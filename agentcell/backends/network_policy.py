@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 ALL_TRAFFIC = "0.0.0.0/0"  # E2B's sentinel for "everything"
-MAX_ENTRIES = 1000  # per list: a policy is kernel state (nft set elements) the server pays for
+MAX_ENTRIES = 256  # per list: a policy is kernel state (nft set elements, ~150 bytes each) the host pays for
 _LABEL = re.compile(r"^(?!-)[a-z0-9-]{1,63}(?<!-)$")
 
 

@@ -308,7 +308,11 @@ class ControlPlane:
             # Backend errors name zygotes, cgroups, uids and paths: they go to the log only.
             raise internal_error("creating a sandbox", e, "the sandbox could not be started") from None
         rec.public_traffic = public_traffic  # the tenant has not got the id yet: nothing it serves is up
-        rec.internet_at_create = policy.internet and not policy.deny_all
+        # what update_network falls back to: the create's allow_internet_access (explicit, or the
+        # server's default), not its lists, which an update replaces (E2B: an empty update clears them)
+        asked = _field(body, "allowInternetAccess", "allow_internet_access")
+        rec.internet_at_create = (self.cfg.internet_by_default and self.manager.backend.has_egress) if asked is None \
+            else bool(asked)
         return JSONResponse(self.sandbox_json(rec, request), status_code=201)
 
     def _filtered(self, request: Request) -> list[SandboxRecord]:

@@ -45,7 +45,7 @@ UPLINK = "up0"
 LINK_NET = ipaddress.IPv4Network("10.77.0.0/16")  # a /30 per sandbox slot: router .1, sandbox .2
 MAX_SLOTS = LINK_NET.num_addresses // 4 - 1  # the last /30 holds the resolver's address
 RESOLVER = "10.77.255.254"  # every sandbox's nameserver: one address on the router's lo, one resolv.conf
-PIN_SET_SIZE = 4096  # addresses one sandbox's allowed names may pin at once
+PIN_SET_SIZE = 512  # addresses one sandbox's allowed names may pin at once (the server enforces it)
 
 # Never forwarded, whatever a sandbox's policy says.
 NEVER_V4 = (
@@ -248,8 +248,8 @@ table inet {TABLE} {{
   set deny6 {{ type ifname . ipv6_addr; flags interval; }}
   set allow4 {{ type ifname . ipv4_addr; flags interval; }}
   set allow6 {{ type ifname . ipv6_addr; flags interval; }}
-  set pins4 {{ type ifname . ipv4_addr; flags timeout; size {PIN_SET_SIZE * 16}; }}
-  set pins6 {{ type ifname . ipv6_addr; flags timeout; size {PIN_SET_SIZE * 16}; }}
+  set pins4 {{ type ifname . ipv4_addr; flags timeout; }}  # <= PIN_SET_SIZE per link, egress_service
+  set pins6 {{ type ifname . ipv6_addr; flags timeout; }}
   chain prerouting {{
     type filter hook prerouting priority raw; policy accept;
     iifname "s*" meta nfproto ipv6 drop
