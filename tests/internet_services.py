@@ -79,17 +79,20 @@ def record(head: bytes) -> None:
 
 
 async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    """HTTPS: answers with the request head it got, and its Authorization in a header too."""
+    """HTTPS: answers with the request (head and body) it got, and its Authorization in a header too."""
     try:
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
     except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, OSError):
         writer.close()
         return
-    record(head)
+    length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                   if line.lower().startswith(b"content-length:")), 0)
+    body = await reader.readexactly(min(length, 1 << 20)) if length else b""
+    record(head + body)
     auth = next((line.split(b":", 1)[1].strip() for line in head.split(b"\r\n")
                  if line.lower().startswith(b"authorization:")), b"")
     writer.write(b"HTTP/1.1 200 OK\r\nX-Echo-Auth: %s\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s"
-                 % (auth, len(head), head))
+                 % (auth, len(head) + len(body), head + body))
     await writer.drain()
     writer.close()
 

@@ -585,3 +585,44 @@ def test_e2b_internet_access_enabled_disabled_default(e2b_factory) -> None:  # t
     assert _curl_ok(e2b_factory(allow_internet_access=True), WEB)
     assert not _curl_ok(e2b_factory(allow_internet_access=False), WEB)
     assert _curl_ok(e2b_factory(), WEB)  # the SDK's default (True) and the server's default (on)
+
+
+def test_e2b_firewall_transform_injects_headers(e2b_factory) -> None:  # type: ignore[no-untyped-def]
+    import json as _json
+
+    from e2b import SandboxNetworkOpts
+
+    network: SandboxNetworkOpts = {"rules": {"secret.test": [{"transform": {"headers": {"X-Test-Token": "e2b-123"}}}]}}
+    sbx = e2b_factory(network=network)
+    r = sbx.commands.run("curl -sS --max-time 10 -H 'X-Test-Token: from-the-sandbox' https://secret.test/headers")
+    head = r.stdout
+    assert "x-test-token: e2b-123" in head.lower() and "from-the-sandbox" not in head  # set, not added
+    info = sbx.get_info()
+    assert info.network is not None and "secret.test" in _json.dumps(info.network.get("rules", {}))
+    sbx.update_network({"rules": {}})
+    # now straight to the host, whose certificate is the test CA's (not the sandbox's trust): -k
+    assert "e2b-123" not in sbx.commands.run("curl -sSk --max-time 10 https://secret.test/headers").stdout
+
+
+def test_secrets_in_bodies_are_opt_in(make) -> None:  # type: ignore[no-untyped-def]
+    body_value, head_value = "body-" + os.urandom(8).hex(), "head-" + os.urandom(8).hex()
+    sbx = make(secrets={"IN_BODY": {"value": body_value, "hosts": ["secret.test"], "bodies": True},
+                        "HEAD_ONLY": {"value": head_value, "hosts": ["secret.test"]},
+                        "ELSEWHERE": {"value": "x-" + os.urandom(8).hex(), "hosts": ["other.test"]}})
+    post = ("import json, os, urllib.request\n"
+            "def post(data):\n"
+            "    req = urllib.request.Request('https://secret.test/v1', data=data.encode(), method='POST',"
+            " headers={'Content-Type': 'application/json'})\n"
+            "    try:\n"
+            "        return urllib.request.urlopen(req, timeout=3).read().decode()\n"
+            "    except Exception as e:\n"
+            "        return type(e).__name__ + ': ' + str(e)\n")
+    assert sbx.run_code(post).error is None
+    before = len(INTERNET_LOG.read_bytes())
+    out = ask(sbx, "post(json.dumps({'key': os.environ['IN_BODY'], 'other': os.environ['HEAD_ONLY']}))")
+    sent = INTERNET_LOG.read_bytes()[before:]
+    assert body_value.encode() in sent  # substituted in the body (opted in), Content-Length fixed
+    assert head_value.encode() not in sent  # not opted in: the placeholder went as is
+    assert body_value not in out and "IN_BODY".lower() in out  # the echo came back with the placeholder
+    refused = ask(sbx, "post(json.dumps({'k': os.environ['ELSEWHERE']}))")
+    assert "403" in refused  # another host's placeholder in a body: refused

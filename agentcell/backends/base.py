@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agentcell.backends.network_policy import NetworkPolicy
-from agentcell.backends.secrets import SecretSet
+from agentcell.backends.secrets import HeaderRule, SecretSet
 
 # The disk is a tmpfs: its pages are memory, charged to the sandbox's memory cgroup. A full disk must
 # leave this much of the memory limit to the agent (~30 MiB with a Python context) and the user's
@@ -158,8 +158,9 @@ class Backend(abc.ABC):
         """Whether a sandbox can be given a way out at all (an uplink is configured)."""
         return False
 
-    async def set_network(self, sandbox: RunningSandbox, policy: NetworkPolicy) -> None:
-        """Replace a running sandbox's way out (new connections follow it at once)."""
+    async def set_network(self, sandbox: RunningSandbox, policy: NetworkPolicy,
+                          rules: tuple[HeaderRule, ...] = ()) -> None:
+        """Replace a running sandbox's way out and E2B's header rules (new connections follow at once)."""
         raise NotImplementedError(f"the {self.name} backend has no egress")
 
     def network_events(self, sandbox_id: str, follow: bool) -> AsyncIterator[dict[str, Any]]:

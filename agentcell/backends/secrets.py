@@ -1,6 +1,8 @@
 """Secrets that never enter a sandbox (issue 7): the create body's `secrets` (an agentcell extension),
 `{"NAME": {"value": "...", "hosts": ["api.example.com", "*.example.org"]}}`.
 
+E2B's `network.rules` (headers set on requests to a host) travel the same way (`HeaderRule`).
+
 The sandbox's environment gets NAME = a placeholder (unguessable, recognisable); the value stays in the
 server. The egress proxy puts the value in place of the placeholder in the headers of HTTP(S)
 requests to the listed hosts only (backends/linux/egress_secrets.py), and takes it out of what those
@@ -31,15 +33,68 @@ class Secret:
     value: str = field(repr=False)
     hosts: tuple[str, ...]
     placeholder: str
+    bodies: bool = False  # also put in request bodies (opt-in)
 
     def serves(self, host: str) -> bool:
         host = host.lower().rstrip(".")
         return any(host == h or (h.startswith("*.") and host.endswith(h[1:]) and host != h[2:]) for h in self.hosts)
 
 
+_HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]{1,128}$")
+MAX_RULE_HOSTS = 32
+MAX_RULE_HEADERS = 32
+
+
+@dataclass(frozen=True)
+class HeaderRule:
+    """E2B's `network.rules` entry: headers the egress proxy sets on every request to `host` (the
+    sandbox never sees their values, like a secret's)."""
+
+    host: str
+    headers: tuple[tuple[str, str], ...] = field(repr=False)
+
+    def serves(self, host: str) -> bool:
+        host = host.lower().rstrip(".")
+        h = self.host
+        return host == h or (h.startswith("*.") and host.endswith(h[1:]) and host != h[2:])
+
+
+def parse_rules(raw: Any) -> tuple[HeaderRule, ...]:
+    """E2B's `network.rules`: {host: [{"transform": {"headers": {name: value}}}, ...]}."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, Mapping) or len(raw) > MAX_RULE_HOSTS:
+        raise SecretError(f"'network.rules' must be an object of at most {MAX_RULE_HOSTS} hosts")
+    out = []
+    for host, rules in raw.items():
+        clean = host.strip().lower().rstrip(".") if isinstance(host, str) else ""
+        if not _HOST.match(clean) or len(clean) > 253:
+            raise SecretError(f"network.rules: {host!r} is not a host name (or *.name)")
+        if not isinstance(rules, list):
+            raise SecretError(f"network.rules[{host!r}] must be a list of rules")
+        headers: list[tuple[str, str]] = []
+        for rule in rules:
+            transform = rule.get("transform") if isinstance(rule, Mapping) else None
+            if rule is not None and not isinstance(rule, Mapping) or (transform is not None
+                                                                      and not isinstance(transform, Mapping)):
+                raise SecretError(f"network.rules[{host!r}]: each rule is {{\"transform\": {{\"headers\": {{...}}}}}}")
+            for name, value in ((transform or {}).get("headers") or {}).items():
+                if not isinstance(name, str) or not _HEADER_NAME.match(name):
+                    raise SecretError(f"network.rules[{host!r}]: {name!r} is not a header name")
+                if not isinstance(value, str) or any(c in value for c in "\r\n\0") or len(value) > MAX_VALUE:
+                    raise SecretError(f"network.rules[{host!r}]: the value of {name} must be a string without "
+                                      f"CR, LF or NUL, at most {MAX_VALUE} bytes")
+                headers.append((name, value))
+        if len(headers) > MAX_RULE_HEADERS:
+            raise SecretError(f"network.rules[{host!r}]: at most {MAX_RULE_HEADERS} headers")
+        out.append(HeaderRule(clean, tuple(headers)))
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class SecretSet:
     secrets: tuple[Secret, ...] = ()
+    rules: tuple[HeaderRule, ...] = ()  # E2B's network.rules
 
     @classmethod
     def parse(cls, raw: Any) -> SecretSet:
@@ -53,8 +108,10 @@ class SecretSet:
         for name, spec in raw.items():
             if not isinstance(name, str) or not _NAME.match(name):
                 raise SecretError(f"secret name {name!r} must be an environment variable name")
-            if not isinstance(spec, Mapping) or set(spec) - {"value", "hosts"}:
-                raise SecretError(f"secret {name}: an object with 'value' and 'hosts'")
+            if not isinstance(spec, Mapping) or set(spec) - {"value", "hosts", "bodies"}:
+                raise SecretError(f"secret {name}: an object with 'value', 'hosts' and optionally 'bodies'")
+            if not isinstance(spec.get("bodies", False), bool):
+                raise SecretError(f"secret {name}: 'bodies' must be true or false")
             value = spec.get("value")
             if not isinstance(value, str) or not value or len(value.encode()) > MAX_VALUE:
                 raise SecretError(f"secret {name}: 'value' must be a non-empty string of at most {MAX_VALUE} bytes")
@@ -67,11 +124,28 @@ class SecretSet:
             bad = [h for h in clean if not _HOST.match(h) or len(h) > 253]
             if bad:
                 raise SecretError(f"secret {name}: {bad[0]!r} is not a host name (or *.name); no scheme, port or path")
-            out.append(Secret(name, value, clean, f"agentcell-secret-{name.lower()}-{secrets.token_hex(16)}"))
+            out.append(Secret(name, value, clean, f"agentcell-secret-{name.lower()}-{secrets.token_hex(16)}",
+                              bool(spec.get("bodies", False))))
         return cls(tuple(out))
 
     def __bool__(self) -> bool:
-        return bool(self.secrets)
+        return bool(self.secrets or self.rules)
+
+    def headers_for(self, host: str | None) -> list[tuple[str, str]]:
+        """Headers E2B's rules set on requests to `host`."""
+        return [h for r in self.rules if host and r.serves(host) for h in r.headers]
+
+    def intercepts(self, host: str | None) -> bool:
+        return bool(self.for_host(host) or self.headers_for(host))
+
+    def values(self) -> list[tuple[bytes, bytes]]:
+        """(value, its placeholder) of every secret, for taking them out of answers. E2B's rule headers
+        are not taken out: as on E2B, a host that echoes them shows them to the sandbox."""
+        return [(s.value.encode(), s.placeholder.encode()) for s in self.secrets]
+
+    def rules_info(self) -> dict[str, list[dict[str, Any]]]:
+        """E2B's info shape for `network.rules`, the header values redacted."""
+        return {r.host: [{"transform": {"headers": {n: "[redacted]" for n, _ in r.headers}}}] for r in self.rules}
 
     def envs(self) -> dict[str, str]:
         return {s.name: s.placeholder for s in self.secrets}

@@ -22,7 +22,7 @@ from starlette.routing import Route
 from agentcell.backends.base import LIMIT_RANGES, Limits
 from agentcell.backends.linux.egress_dns import DomainRules, RuleError
 from agentcell.backends.network_policy import ALL_TRAFFIC, NetworkPolicy, PolicyError
-from agentcell.backends.secrets import SecretError, SecretSet
+from agentcell.backends.secrets import SecretError, SecretSet, parse_rules
 from agentcell.errors import BackendUnavailableError, InvalidArgumentError, SandboxError, SandboxGoneError
 from agentcell.server import validate
 from agentcell.server.auth import traffic_token
@@ -44,7 +44,6 @@ _LIMIT_FIELDS = {
 }
 _UNSUPPORTED_NETWORK = {
     "egressProxy": "network.egressProxy (a SOCKS5 proxy of your own) is not supported by agentcell yet",
-    "rules": "network.rules (per-host request transforms) is not supported by agentcell yet; use secrets",
     "dnsServers": "network.dnsServers: agentcell sandboxes resolve names only through agentcell's policy "
                   "resolver, which answers exactly the names allowOut allows",
 }
@@ -237,7 +236,7 @@ class ControlPlane:
             "envdAccessToken": rec.access_token,
             "domain": self._domain(request),
             "allowInternetAccess": rec.network.internet,
-            "network": {**rec.network.info(), "allowPublicTraffic": rec.public_traffic},
+            "network": {**rec.network.info(), "allowPublicTraffic": rec.public_traffic, "rules": rec.rules_info},
             "secrets": rec.secret_hosts,  # agentcell extension: names and hosts only
             "lifecycle": {"autoResume": False, "onTimeout": "kill"},
             "limits": {
@@ -284,7 +283,8 @@ class ControlPlane:
         public_traffic = _public_traffic(body)
         policy = self._policy(body, _network_object(body))
         try:
-            secrets = SecretSet.parse(body.get("secrets"))
+            secrets = dataclasses.replace(SecretSet.parse(body.get("secrets")),
+                                          rules=parse_rules(_field(_network_object(body), "rules", "rules")))
         except SecretError as e:
             raise HTTPError(400, str(e)) from None
         if secrets and not self.manager.backend.has_egress:
@@ -308,6 +308,7 @@ class ControlPlane:
             # Backend errors name zygotes, cgroups, uids and paths: they go to the log only.
             raise internal_error("creating a sandbox", e, "the sandbox could not be started") from None
         rec.public_traffic = public_traffic  # the tenant has not got the id yet: nothing it serves is up
+        rec.rules_info = secrets.rules_info()
         # what update_network falls back to: the create's allow_internet_access (explicit, or the
         # server's default), not its lists, which an update replaces (E2B: an empty update clears them)
         asked = _field(body, "allowInternetAccess", "allow_internet_access")
@@ -382,12 +383,17 @@ class ControlPlane:
         rec = self._record(request)
         policy = self._policy(body, body, internet_default=rec.internet_at_create)
         try:
-            await self.manager.backend.set_network(rec.running, policy)
+            rules = parse_rules(body.get("rules"))
+        except SecretError as e:
+            raise HTTPError(400, str(e)) from None
+        try:
+            await self.manager.backend.set_network(rec.running, policy, rules)
         except InvalidArgumentError as e:
             raise HTTPError(400, e.message) from None
         except SandboxError as e:
             raise HTTPError(404 if isinstance(e, SandboxGoneError) else 500, e.message) from None
         rec.network = policy
+        rec.rules_info = SecretSet(rules=rules).rules_info()
         return Response(status_code=204)
 
     async def events(self, request: Request) -> Response:

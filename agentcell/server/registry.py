@@ -14,6 +14,7 @@ import secrets
 import uuid
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 from agentcell.backends.base import Backend, Limits, RunningSandbox, SandboxSpec
 from agentcell.backends.network_policy import NetworkPolicy
@@ -57,6 +58,7 @@ class SandboxRecord:
     network: NetworkPolicy = field(default_factory=NetworkPolicy)  # its way out, as last set
     internet_at_create: bool = False  # update_network's default for allow_internet_access
     secret_hosts: dict[str, dict[str, list[str]]] = field(default_factory=dict)  # names and hosts, no values
+    rules_info: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # network.rules, values redacted
 
     def alive(self) -> bool:
         return not self.channel.closed.is_set()

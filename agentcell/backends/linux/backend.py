@@ -37,6 +37,7 @@ from agentcell.backends.linux.egress import EgressError
 from agentcell.backends.linux.egress_service import Egress, EgressSettings
 from agentcell.backends.network_policy import NetworkPolicy
 from agentcell.backends.pool import StandbyPool
+from agentcell.backends.secrets import HeaderRule
 from agentcell.errors import BackendUnavailableError, InvalidArgumentError, SandboxError, SandboxGoneError
 from agentcell.runtime import statedir
 from agentcell.runtime.protocol import PREFIX, encode_frame
@@ -513,15 +514,16 @@ class LinuxBackend(Backend):
     def has_egress(self) -> bool:
         return self.egress is not None
 
-    async def set_network(self, sandbox: RunningSandbox, policy: NetworkPolicy) -> None:
+    async def set_network(self, sandbox: RunningSandbox, policy: NetworkPolicy,
+                          rules: tuple[HeaderRule, ...] = ()) -> None:
         assert isinstance(sandbox, LinuxSandbox)
         if sandbox.killed:
             raise SandboxGoneError(f"sandbox {sandbox.sandbox_id} was killed")
         if self.egress is None:
-            if policy.internet:
+            if policy.internet or rules:
                 raise InvalidArgumentError(NO_EGRESS)
             return
-        await self.egress.apply(sandbox.slot, policy)
+        await self.egress.apply(sandbox.slot, policy, rules=rules)
 
     def network_events(self, sandbox_id: str, follow: bool) -> AsyncIterator[dict[str, Any]]:
         if self.egress is None:

@@ -130,13 +130,13 @@ class Interceptor:
                     await writer.drain()
             return
         secrets = self.secrets_for(slot)
-        if claim.host and secrets.for_host(claim.host):
+        if claim.host and secrets.intercepts(claim.host):
             await serve_secret_host(first, reader, writer, host=claim.host, dst=dst, dport=dport,
                                     tls=claim.kind == "tls", secrets=secrets, ca=self.ca,
                                     upstream_ssl=self.upstream_ssl, upstream_socket=self.upstream_socket,
                                     on_event=lambda event: self.on_event(slot, event))
             return
-        scan = bool(secrets) and claim.kind == "http"  # plaintext from a sandbox with secrets: no placeholder out
+        scan = bool(secrets.secrets) and claim.kind == "http"  # plaintext from a sandbox with secrets: no placeholder out
 
         async def refuse(leaked: Secret) -> None:
             self.on_event(slot, {"time": time.time(), "proto": "tcp", "dst": dst, "dport": dport, "domain": claim.host,

@@ -12,8 +12,11 @@ sandbox holds a placeholder (backends/secrets.py).
   secrets are replaced in header values. The request goes upstream with `Connection: close`; the
   answer comes back as bytes, with every secret's value replaced by its placeholder (a value split
   across reads is still caught), then the connection ends (one request per connection).
-- Not covered: bodies (a placeholder in a body goes through as is), compressed answers (a value in a
-  gzip body is not seen), HTTP/2 (ALPN offers http/1.1 only, clients fall back).
+- Bodies: a placeholder of another host's secret in a body ends the request unsent (streamed and
+  scanned). A secret created with `"bodies": true` is also replaced in bodies, which are then read
+  whole (at most 8 MiB) so their length can be set.
+- Not covered: compressed answers (a value in a gzip body is not seen), HTTP/2 (ALPN offers
+  http/1.1 only, clients fall back).
 
 Plain HTTP to a host without secrets, from a sandbox that has some, is scanned too (`scan_relay`): a
 placeholder on its way anywhere else is refused and reported, in case code was tricked into sending
@@ -25,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import h11
@@ -34,6 +37,7 @@ from agentcell.backends.linux.egress_ca import EgressCA
 from agentcell.backends.secrets import Secret, SecretSet
 
 MAX_HEAD = 64 << 10
+MAX_BODY = 8 << 20  # a body read whole for substitution (secrets with "bodies": true)
 CHUNK = 64 << 10
 Event = Callable[[dict[str, Any]], None]
 
@@ -104,10 +108,10 @@ class _Client:
 
 
 class Redactor:
-    """Replaces `values` by their placeholders in a byte stream split anywhere."""
+    """Replaces values by their stand-ins in a byte stream split anywhere."""
 
-    def __init__(self, secrets: list[Secret]) -> None:
-        self.pairs = [(s.value.encode(), s.placeholder.encode()) for s in secrets]
+    def __init__(self, pairs: list[tuple[bytes, bytes]]) -> None:
+        self.pairs = pairs
         self.keep = max((len(v) for v, _ in self.pairs), default=1) - 1
         self.tail = b""
 
@@ -121,6 +125,23 @@ class Redactor:
         # a value may start in the last `keep` bytes: hold them back for the next read
         self.tail, out = buf[-self.keep:], buf[:-self.keep]
         return out
+
+
+async def _body(conn: h11.Connection, client: _Client) -> AsyncIterator[bytes]:
+    """A request's body as it arrives; ConnectionError if the client leaves before its end."""
+    while True:
+        event = conn.next_event()
+        if event is h11.NEED_DATA:
+            data = await client.read()
+            if not data:
+                raise ConnectionError("the client left in the middle of a request")
+            conn.receive_data(data)
+        elif isinstance(event, h11.Data):
+            yield bytes(event.data)
+        elif isinstance(event, h11.EndOfMessage):
+            return
+        else:
+            raise ConnectionError(f"unexpected {type(event).__name__} in a request body")
 
 
 def foreign_placeholder(data: bytes, others: list[Secret]) -> Secret | None:
@@ -160,14 +181,40 @@ async def serve_secret_host(first: bytes, reader: asyncio.StreamReader, writer: 
         return
     used: list[str] = []
     headers = []
+    injected = [(n.lower().encode(), v.encode()) for n, v in secrets.headers_for(host)]
+    replaced = {n for n, _ in injected}
     for name, value in request.headers:
-        if name in (b"connection", b"keep-alive", b"proxy-connection"):
+        if name in (b"connection", b"keep-alive", b"proxy-connection") or name in replaced:
             continue
         for s in mine:
             if s.placeholder.encode() in value:
                 value = value.replace(s.placeholder.encode(), s.value.encode())
                 used.append(s.name)
         headers.append((name, value))
+    headers += injected  # E2B's network.rules: set, whatever the sandbox sent
+    body: bytes | None = None
+    if any(s.bodies for s in mine):  # opt-in: the body is read whole (capped), then substituted
+        chunks, size = [], 0
+        async for data in _body(conn, client):
+            size += len(data)
+            if size > MAX_BODY:
+                await client.write(b"HTTP/1.1 413 Content Too Large\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+                return
+            chunks.append(data)
+        body = b"".join(chunks)
+        leaked = foreign_placeholder(body, others)
+        if leaked is not None:
+            on_event({**base, "verdict": "denied", "rule": "secret-elsewhere", "secret": leaked.name,
+                      "state": "denied"})
+            await client.write(_refusal(f"the placeholder of secret {leaked.name} may only go to "
+                                        f"{', '.join(leaked.hosts)}"))
+            return
+        for s in mine:
+            if s.bodies and s.placeholder.encode() in body:
+                body = body.replace(s.placeholder.encode(), s.value.encode())
+                used.append(s.name)
+        headers = [(n, v) for n, v in headers if n not in (b"content-length", b"transfer-encoding")]
+        headers.insert(-1, (b"content-length", str(len(body)).encode()))
     headers.append((b"connection", b"close"))
     sock = await upstream_socket()
     loop = asyncio.get_running_loop()
@@ -186,32 +233,37 @@ async def serve_secret_host(first: bytes, reader: asyncio.StreamReader, writer: 
     bytes_out = bytes_in = 0
     try:
         up_writer.write(upstream.send(h11.Request(method=request.method, target=request.target, headers=headers)))
-        while True:  # the body, as it comes
-            event = conn.next_event()
-            if event is h11.NEED_DATA:
-                data = await client.read()
-                if not data:
-                    return
-                conn.receive_data(data)
-                continue
-            if isinstance(event, h11.Data):
-                bytes_out += len(event.data)
-                up_writer.write(upstream.send(h11.Data(data=event.data)))
+        if body is not None:
+            bytes_out = len(body)
+            if body:
+                up_writer.write(upstream.send(h11.Data(data=body)))
+        else:  # streamed as it comes; a foreign placeholder in it ends the request unsent
+            keep = max((len(s.placeholder) for s in others), default=1) - 1
+            tail = b""
+            async for data in _body(conn, client):
+                window = tail + data
+                leaked = foreign_placeholder(window, others)
+                if leaked is not None:
+                    on_event({**base, "verdict": "denied", "rule": "secret-elsewhere", "secret": leaked.name,
+                              "state": "denied"})
+                    await client.write(_refusal(f"the placeholder of secret {leaked.name} may only go to "
+                                                f"{', '.join(leaked.hosts)}"))
+                    return  # the upstream connection is aborted with the request incomplete
+                tail = window[-keep:] if keep > 0 else b""
+                bytes_out += len(data)
+                up_writer.write(upstream.send(h11.Data(data=data)))
                 await up_writer.drain()
-            elif isinstance(event, h11.EndOfMessage):
-                up_writer.write(upstream.send(h11.EndOfMessage()))
-                await up_writer.drain()
-                break
-            else:
-                return
-        redact = Redactor(list(secrets.secrets))
+        up_writer.write(upstream.send(h11.EndOfMessage()))
+        await up_writer.drain()
+        redact = Redactor(secrets.values())
         while chunk := await up_reader.read(CHUNK):
             bytes_in += len(chunk)
             out = redact.feed(chunk)
             if out:
                 await client.write(out)
         await client.write(redact.feed(b"", final=True))
-        on_event({**base, "verdict": "allowed", "rule": "secret", "secrets": sorted(set(used)), "bytes_out": bytes_out,
+        on_event({**base, "verdict": "allowed", "rule": "secret", "secrets": sorted(set(used)),
+                  "headers_set": sorted({n.decode() for n, _ in injected}), "bytes_out": bytes_out,
                   "bytes_in": bytes_in, "state": "closed"})
     finally:
         up_writer.transport.abort()
@@ -220,6 +272,9 @@ async def serve_secret_host(first: bytes, reader: asyncio.StreamReader, writer: 
 async def scan_relay(reader: asyncio.StreamReader, up_writer: asyncio.StreamWriter, secrets: SecretSet,
                      refuse: Callable[[Secret], Awaitable[None]]) -> None:
     """Copy a plaintext stream upstream, refusing (and stopping) at any placeholder in it."""
+    if not secrets.secrets:
+        await _copy(reader, up_writer)
+        return
     keep = max(len(s.placeholder) for s in secrets.secrets) - 1
     tail = b""
     while chunk := await reader.read(CHUNK):
@@ -233,6 +288,14 @@ async def scan_relay(reader: asyncio.StreamReader, up_writer: asyncio.StreamWrit
         tail = window[-keep:]
     if up_writer.can_write_eof():
         up_writer.write_eof()
+
+
+async def _copy(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    while chunk := await reader.read(CHUNK):
+        writer.write(chunk)
+        await writer.drain()
+    if writer.can_write_eof():
+        writer.write_eof()
 
 
 def _refusal(why: str) -> bytes:

@@ -11,6 +11,7 @@ Lifecycle, per sandbox slot:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import ipaddress
 import logging
 import os
@@ -32,7 +33,7 @@ from agentcell.backends.linux.egress_events import EventCollector, EventLog
 from agentcell.backends.linux.egress_proxy import Interceptor, listening_socket
 from agentcell.backends.linux.egress_sni import Claim
 from agentcell.backends.network_policy import NetworkPolicy
-from agentcell.backends.secrets import SecretSet
+from agentcell.backends.secrets import HeaderRule, SecretSet
 from agentcell.runtime import statedir
 
 log = logging.getLogger("agentcell.egress")
@@ -180,7 +181,7 @@ class Egress:
         await self.apply(slot, CLOSED)
 
     async def apply(self, slot: int, policy: NetworkPolicy, sandbox_id: str | None = None,
-                    secrets: SecretSet | None = None) -> None:
+                    secrets: SecretSet | None = None, rules: tuple[HeaderRule, ...] | None = None) -> None:
         """Replace the sandbox's way out; pins of names the new policy still allows stay. A claim
         names the sandbox the slot now serves (its events are kept under that id) and its secrets."""
         assert self.router is not None
@@ -188,6 +189,8 @@ class Egress:
             self._owner[slot] = sandbox_id
         if secrets is not None:
             self._secrets[slot] = secrets
+        if rules is not None:  # update_network: E2B's rules replaced, the secrets kept
+            self._secrets[slot] = dataclasses.replace(self._secrets.get(slot, NO_SECRETS), rules=rules)
         names = policy.names_allowed()
         rules = DomainRules(*names) if names is not None else None
         now = time.monotonic()
