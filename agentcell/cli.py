@@ -105,6 +105,9 @@ def main() -> None:
               help="Upstream DNS server for the sandboxes' resolver (default: /etc/resolv.conf's, minus loopback).")
 @click.option("--egress-ca-bundle", default=None, type=click.Path(exists=True, dir_okay=False),
               help="Extra CA certificates (PEM) to trust for the hosts secrets are sent to (default: the system's).")
+@click.option("--egress-allow-range", "egress_allow_ranges", multiple=True, metavar="CIDR",
+              help="A private (or link-local, CGNAT ...) range sandboxes with internet may reach after all, "
+                   "e.g. an internal package mirror. Default: none of them.")
 @click.option("--internet-default", type=click.Choice(["on", "off"]), default=None, envvar="AGENTCELL_INTERNET_DEFAULT",
               help="Whether a create that does not say gets internet (default: on when there is an uplink).")
 @click.option("--log-level", default="info", show_default=True,
@@ -129,6 +132,7 @@ def serve(**opts: Any) -> None:
                        for f in dataclasses.fields(Limits)})
     opts["tune_sysctls"] = opts.pop("host_sysctls")
     opts["egress_dns"] = tuple(opts["egress_dns"])
+    opts["egress_allow_ranges"] = tuple(opts["egress_allow_ranges"])
     opts["internet_default"] = None if opts["internet_default"] is None else opts["internet_default"] == "on"
     config = ServerConfig(**opts, limits=limits, max_limits=max_limits,
                           default_timeout=min(300, opts["max_timeout"]))

@@ -30,6 +30,7 @@ ZONE: dict[str, list[tuple[str, str]]] = {
     "secret.test.": [("A", "203.0.113.10")],
     "rebind.test.": [("A", "10.1.2.3")],
     "meta.test.": [("A", "169.254.169.254")],
+    "flip.test.": [],
     "big.test.": [("A", f"203.0.113.{100 + i}") for i in range(60)],  # > 512 bytes: EDNS0 or TCP
     "huge.test.": [("A", f"198.51.100.{100 + i}") for i in range(100)],  # > 1232 bytes: TCP
 }
@@ -44,6 +45,8 @@ def answer(data: bytes) -> bytes | None:
     name = q.question[0].name.to_text().lower()
     queries.append(name)
     r = dns.message.make_response(q)
+    if name == "flip.test.":  # DNS rebinding over time: public at first, private afterwards
+        ZONE[name] = [("A", "203.0.113.13" if queries.count(name) == 1 else "10.1.2.3")]
     records = [v for kind, v in ZONE.get(name, []) if dns.rdatatype.from_text(kind) == q.question[0].rdtype]
     if name not in ZONE:
         r.set_rcode(dns.rcode.NXDOMAIN)

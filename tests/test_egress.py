@@ -32,7 +32,8 @@ WEB, OTHER, WILD, DENIED_IP = "203.0.113.10", "198.51.100.20", "203.0.113.11", "
 UPSTREAM_DNS, FOREIGN_DNS, ECHO = "198.51.100.53", "203.0.113.53", "203.0.113.30"
 FORBIDDEN = ("10.1.2.3", "169.254.169.254", "192.168.7.7", "100.64.1.1", "172.16.5.5")
 WEB6 = "2001:db8::10"
-ADDRESSES = (WEB, OTHER, WILD, DENIED_IP, UPSTREAM_DNS, FOREIGN_DNS, ECHO, *FORBIDDEN)
+MIRROR = "172.16.9.9"  # private, but in the range the operator opens (--egress-allow-range)
+ADDRESSES = (WEB, OTHER, WILD, DENIED_IP, UPSTREAM_DNS, FOREIGN_DNS, ECHO, MIRROR, *FORBIDDEN)
 HERE = Path(__file__).resolve().parent
 INTERNET_LOG = Path(f"/tmp/agentcell-test-internet-{os.getpid()}.log")  # every request head that got out
 
@@ -170,7 +171,7 @@ def egress_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPr
         assert services.stdout is not None and services.stdout.readline().strip() == "ready"
         server = ServerProcess(tmp_path_factory.mktemp("egress") / "server.log", "--egress-uplink",
                                f"netns:/run/netns/{INET}", "--egress-dns", UPSTREAM_DNS, "--standbys", "2",
-                               "--egress-ca-bundle", str(tmp / "ca.pem"))
+                               "--egress-ca-bundle", str(tmp / "ca.pem"), "--egress-allow-range", "172.16.9.0/24")
         server.wait_ready()
         yield server
     finally:
@@ -207,8 +208,11 @@ def test_by_default_the_public_internet_and_nothing_else(make) -> None:  # type:
     assert ask(sbx, "get('http://other.test/')").startswith(f"hello from {OTHER} host=other.test")
     for addr in FORBIDDEN:
         assert ask(sbx, f"tcp('{addr}')") != "ok", addr
+    assert ask(sbx, f"tcp('{MIRROR}')") == "ok"  # the one private range the operator opened
     assert ask(sbx, "names('rebind.test')") == "noname"  # its only record is private: dropped
     assert ask(sbx, "names('meta.test')") == "noname"
+    assert ask(sbx, "names('flip.test')") == "['203.0.113.13']"  # an answer that later turns private
+    assert ask(sbx, "names('flip.test')") == "noname"
     assert ask(sbx, "tcp('10.77.255.254', 22)") != "ok"
     info = sbx.get_info()
     assert info.allow_internet_access is True and info.network is not None
@@ -254,6 +258,7 @@ def test_a_domain_allow_list(make) -> None:  # type: ignore[no-untyped-def]
     assert ask(sbx, "names('other.test')") == "noname"  # never forwarded upstream
     assert ask(sbx, f"tcp('{OTHER}')") != "ok"
     assert ask(sbx, "names('wild.test')") == "noname"  # a wildcard is not its apex
+    assert ask(sbx, f"tls_as('{FOREIGN_DNS}', 'dns.test')") != "answered"  # DoH to an IP: a raw IP, dropped
     # a redirect from an allowed host to a denied one goes nowhere
     assert "other.test" not in ask(sbx, "get('http://allowed.test/redirect?to=http://other.test/')").split(
         "hello")[-1]
@@ -448,6 +453,9 @@ def test_secrets_never_enter_the_sandbox(make, egress_server: ServerProcess) -> 
     assert echoed_head.startswith("GET /v1/models HTTP/1.1"), got  # through the proxy, TLS to the real host
     assert f"Bearer {value}".encode() in INTERNET_LOG.read_bytes()  # the host got the value ...
     assert value not in got and echoed_auth == f"Bearer {placeholder}"  # ... the sandbox never sees it
+    certifi = ("import certifi, ssl, urllib.request, os; ctx = ssl.create_default_context(cafile=certifi.where()); "
+               "print(urllib.request.urlopen('https://secret.test/', context=ctx, timeout=3).status)")
+    assert sbx.commands.run(f'python3 -c "{certifi}"').stdout.strip() == "200"  # certifi's own bundle
     for lib in ("httpx",):  # a certifi-based client trusts the egress CA too (SSL_CERT_FILE; requests: REQUESTS_CA_BUNDLE)
         code = (f"import {lib}, os; r = {lib}.get('https://secret.test/x', headers={{'Authorization': "
                 "os.environ['API_KEY']}, timeout=3); print(r.status_code, r.headers['X-Echo-Auth'])")

@@ -186,3 +186,18 @@ def test_bad_rules_are_refused() -> None:
     for bad in ("exa mple.com", "http://example.com", "1.2.3.4/40", "*", "999.1.1.1"):
         with pytest.raises(PolicyError):
             Policy(internet=True, allow=[bad])
+
+
+def test_the_operator_can_open_a_private_range_and_nothing_of_its_own() -> None:
+    import ipaddress
+
+    from agentcell.backends.linux.egress import EgressError, NeverList
+
+    never = NeverList(["10.5.0.0/16", "fd00:ec2::/32"])
+    assert ipaddress.ip_address("10.5.1.1") not in never
+    assert ipaddress.ip_address("10.6.1.1") in never and ipaddress.ip_address("169.254.169.254") in never
+    assert ipaddress.ip_address("::ffff:10.6.1.1") in never  # v4-mapped is checked as v4
+    assert ipaddress.ip_address("fd00:ec2::254") not in never and ipaddress.ip_address("fd01::1") in never
+    for ours in ("10.77.3.0/24", "100.127.0.0/24", "10.0.0.0/8"):
+        with pytest.raises(EgressError, match="own links"):
+            NeverList([ours])

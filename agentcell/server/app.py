@@ -100,7 +100,8 @@ class AgentcellApp:
                                               ptys_per_sandbox=config.ptys_per_sandbox,
                                               standbys=config.standbys, standby_limits=config.limits,
                                               egress=EgressSettings(config.egress_uplink, config.egress_dns,
-                                                                    config.egress_ca_bundle),
+                                                                    config.egress_ca_bundle,
+                                                                    config.egress_allow_ranges),
                                               memory_reserve_bytes=config.memory_reserve_mb << 20
                                               if config.memory_reserve_mb is not None else None)
         self.manager = SandboxManager(self.backend, config.max_sandboxes,

@@ -58,6 +58,7 @@ class ServerConfig:
     egress_uplink: str = "host"  # host | netns:PATH | none (no sandbox gets internet)
     egress_dns: tuple[str, ...] = ()  # upstream resolvers; () = the host's /etc/resolv.conf
     egress_ca_bundle: str | None = None  # extra CAs (PEM) for the real certificates of secrets' hosts
+    egress_allow_ranges: tuple[str, ...] = ()  # never-list ranges sandboxes may reach after all
     # whether a create that says nothing about it gets internet; None: on when there is an uplink
     internet_default: bool | None = None
 

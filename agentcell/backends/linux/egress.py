@@ -30,7 +30,7 @@ import os
 import queue
 import subprocess
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 from agentcell.backends.linux import syscalls as sc
@@ -56,6 +56,45 @@ NEVER_V6 = (
     "::/127", "::ffff:0:0/96", "64:ff9b::/96", "64:ff9b:1::/48", "100::/64", "2001::/23", "2002::/16",
     "fc00::/7", "fe80::/10", "ff00::/8",
 )
+RESERVED = ("10.77.0.0/16", "100.127.0.0/16")  # the links' own ranges (sandboxes, uplinks): never exempt
+
+
+class NeverList:
+    """The never-list minus what the operator exempts (`--egress-allow-range`, e.g. an internal
+    package mirror at 10.5.0.0/16). The same list drives the router, the resolver's rebinding filter
+    and the proxy."""
+
+    def __init__(self, exempt: Sequence[str] = ()) -> None:
+        try:
+            self.exempt = [ipaddress.ip_network(e, strict=False) for e in exempt]
+        except ValueError as e:
+            raise EgressError(f"--egress-allow-range: {e}") from None
+        for net in self.exempt:
+            clash = [r for r in RESERVED if net.overlaps(ipaddress.ip_network(r))]  # type: ignore[arg-type]
+            if clash:
+                raise EgressError(f"--egress-allow-range {net} overlaps agentcell's own links ({clash[0]})")
+        self.v4 = self._minus([ipaddress.IPv4Network(n) for n in NEVER_V4], 4)
+        self.v6 = self._minus([ipaddress.IPv6Network(n) for n in NEVER_V6], 6)
+
+    def _minus(self, nets: list[Any], kind: int) -> list[Any]:
+        for ex in (e for e in self.exempt if e.version == kind):
+            out = []
+            for net in nets:
+                if ex.supernet_of(net):
+                    continue
+                if net.supernet_of(ex):
+                    out += list(net.address_exclude(ex))
+                else:
+                    out.append(net)
+            nets = out
+        return list(ipaddress.collapse_addresses(nets))
+
+    def __contains__(self, addr: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+        if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+            addr = addr.ipv4_mapped
+        return any(addr in net for net in (self.v4 if addr.version == 4 else self.v6))
+
+
 # Resolvers other than ours (DNS, DoT, DoQ) and QUIC: dropped for every sandbox. QUIC is UDP that the
 # SNI/Host checks cannot read; clients fall back to TCP.
 BLOCKED_UDP_PORTS = (53, 443, 853)
@@ -232,15 +271,16 @@ def _ports(ports: Iterable[int]) -> str:
     return ", ".join(str(p) for p in ports)
 
 
-def base_ruleset() -> str:
+def base_ruleset(never: NeverList | None = None) -> str:
     """The router's whole ruleset. A sandbox's policy is nothing but elements of the shared sets below,
     keyed by its link's name (`s<slot>`): a claim or an update changes elements only, which costs
     ~0.5 ms, where adding a rule or a chain costs ~12 ms (the kernel's commit waits for RCU)."""
     tproxy = tproxy_statement()
+    never = never or NeverList()
     return f"""
 table inet {TABLE} {{
-  set never4 {{ type ipv4_addr; flags interval; elements = {{ {", ".join(NEVER_V4)} }} }}
-  set never6 {{ type ipv6_addr; flags interval; elements = {{ {", ".join(NEVER_V6)} }} }}
+  set never4 {{ type ipv4_addr; flags interval; elements = {{ {", ".join(map(str, never.v4))} }} }}
+  set never6 {{ type ipv6_addr; flags interval; elements = {{ {", ".join(map(str, never.v6))} }} }}
   set open {{ type ifname; }}                 # internet, no allow list
   set restricted {{ type ifname; }}           # internet, only the allow list and pins
   set intercepted {{ type ifname; }}          # domain rules or secrets: ports 80/443 to the proxy
@@ -327,7 +367,7 @@ class Router:
         return self._worker
 
     @classmethod
-    def create(cls, name: str) -> Router:
+    def create(cls, name: str, never: NeverList | None = None) -> Router:
         """A fresh router namespace with the base ruleset (an existing one of that name is an error)."""
         if os.path.exists(f"/run/netns/{name}"):
             raise EgressError(f"network namespace {name} exists already (a server that did not clean up?)")
@@ -343,7 +383,7 @@ class Router:
             # byte counts for the connection events; a closed connection's event comes 10 s after its
             # close rather than conntrack's default 120 s (late packets then meet the rules afresh)
             enable_accounting(router.path, tcp_time_wait=10)
-            router.nft(base_ruleset())
+            router.nft(base_ruleset(never))
         except BaseException:
             router.destroy()
             raise

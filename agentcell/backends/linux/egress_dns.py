@@ -37,7 +37,7 @@ import dns.rcode
 import dns.rdatatype
 import dns.rrset
 
-from agentcell.backends.linux.egress import NEVER_V4, NEVER_V6
+from agentcell.backends.linux.egress import NeverList
 
 log = logging.getLogger("agentcell.dns")
 
@@ -97,14 +97,12 @@ class DomainRules:
         return not self.allow or any(r.matches(name) for r in self.allow)
 
 
-_NEVER = [ipaddress.ip_network(n) for n in (*NEVER_V4, *NEVER_V6)]
+_DEFAULT_NEVER = NeverList()
 
 
 def never(addr: Address) -> bool:
-    """An address no sandbox may be pointed at: the router's never-list, seen from the resolver."""
-    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
-        return never(addr.ipv4_mapped)
-    return any(addr in net for net in _NEVER)
+    """An address no sandbox may be pointed at by default: the router's never-list."""
+    return addr in _DEFAULT_NEVER
 
 
 class PolicyResolver(asyncio.DatagramProtocol):
@@ -117,7 +115,8 @@ class PolicyResolver(asyncio.DatagramProtocol):
     def __init__(self, upstream: tuple[str, int], rules_for: Callable[[str], DomainRules | None],
                  pin: Callable[[str, list[Pin]], Awaitable[None]],
                  make_socket: Callable[[int, int], Awaitable[socket.socket]] | None = None,
-                 on_refused: Callable[[str, str], None] | None = None) -> None:
+                 on_refused: Callable[[str, str], None] | None = None, never_list: NeverList | None = None) -> None:
+        self.never = never_list or _DEFAULT_NEVER
         self.upstream = upstream
         self.on_refused = on_refused
         self.rules_for = rules_for
@@ -225,7 +224,7 @@ class PolicyResolver(asyncio.DatagramProtocol):
             if rrset.rdtype not in (dns.rdatatype.A, dns.rdatatype.AAAA):
                 kept.append(rrset)
                 continue
-            good = [rd for rd in rrset if not never(ipaddress.ip_address(rd.address))]
+            good = [rd for rd in rrset if ipaddress.ip_address(rd.address) not in self.never]
             if len(good) != len(rrset):
                 log.info("dropped %d record(s) of %s into private ranges (rebinding?) for %s",
                          len(rrset) - len(good), rrset.name, source)

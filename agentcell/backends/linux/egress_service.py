@@ -26,9 +26,17 @@ from typing import TypeVar
 import dns.name
 
 from agentcell.backends.linux import uplink as uplinks
-from agentcell.backends.linux.egress import PIN_SET_SIZE, RESOLVER, EgressError, Router, run_here, slot_of
+from agentcell.backends.linux.egress import (
+    PIN_SET_SIZE,
+    RESOLVER,
+    EgressError,
+    NeverList,
+    Router,
+    run_here,
+    slot_of,
+)
 from agentcell.backends.linux.egress_ca import EgressCA
-from agentcell.backends.linux.egress_dns import DomainRules, Pin, PolicyResolver, never, serve_tcp
+from agentcell.backends.linux.egress_dns import DomainRules, Pin, PolicyResolver, serve_tcp
 from agentcell.backends.linux.egress_events import EventCollector, EventLog
 from agentcell.backends.linux.egress_proxy import Interceptor, listening_socket
 from agentcell.backends.linux.egress_sni import Claim
@@ -55,6 +63,7 @@ class EgressSettings:
     uplink: str = "host"
     dns: tuple[str, ...] = ()
     ca_bundle: str | None = None  # extra CAs to trust for the hosts secrets go to (their real certificates)
+    allow_ranges: tuple[str, ...] = ()  # never-list ranges the operator opens (an internal mirror ...)
 
     @property
     def enabled(self) -> bool:
@@ -113,11 +122,12 @@ class Egress:
         return gone
 
     async def start(self) -> None:
-        router = await asyncio.to_thread(Router.create, NETNS_PREFIX + self.instance)
+        self.never = NeverList(self.settings.allow_ranges)
+        router = await asyncio.to_thread(Router.create, NETNS_PREFIX + self.instance, self.never)
         self.router = router
         try:
             if self.settings.uplink == "host":
-                self.uplink = await asyncio.to_thread(uplinks.attach_host, router, self.instance)
+                self.uplink = await asyncio.to_thread(uplinks.attach_host, router, self.instance, self.never)
             else:
                 self.uplink = await asyncio.to_thread(uplinks.attach_netns, router, self.settings.uplink[6:],
                                                       self.instance)
@@ -125,7 +135,7 @@ class Egress:
             if not upstream:
                 log.warning("no upstream DNS server (pass --egress-dns): sandboxes' names will not resolve")
             self.resolver = PolicyResolver((upstream, 53), self._rules_for, self._pin, self._socket,
-                                           on_refused=self._refused)
+                                           on_refused=self._refused, never_list=self.never)
             loop = asyncio.get_running_loop()
             udp = await self._in_router(lambda: _bound(socket.SOCK_DGRAM))
             self._udp, _ = await loop.create_datagram_endpoint(lambda: self.resolver, sock=udp)
@@ -242,7 +252,7 @@ class Egress:
         if policy is None or not policy.open:
             return False, "policy"
         ip = ipaddress.ip_address(address)
-        if never(ip):
+        if ip in self.never:
             return False, "never4"
         if any(ip in net for net in policy.deny_nets):
             return False, "deny"

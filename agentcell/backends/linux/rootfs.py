@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import fcntl
 import functools
+import glob
 import os
 
 from agentcell.backends.linux import procfs, runtime_store, sandbox_etc
@@ -143,6 +144,11 @@ def build_template(staging: str = STAGING, extra_ca: str | None = None) -> None:
         _mountpoint_for(path, root + path)
         _bind_ro(path, root + path)
     _etc(root, extra_ca)
+    if extra_ca:
+        # certifi's own bundle (requests, httpx, pip read it when nothing says otherwise) is the
+        # sandbox's system bundle, which holds the extra CA: a file bound over the file
+        for bundle in glob.glob(f"{root}{runtime_store.NEUTRAL_ROOT}/venv/lib/python*/site-packages/certifi/cacert.pem"):
+            _bind_ro(f"{root}/etc/{sandbox_etc.SYSTEM_BUNDLE}", bundle)
     _dev(root)
     procfs.present()  # which /proc entries to cover: asked once here, every standby forks with the answer
     os.mkdir(f"{root}/proc", 0o555)

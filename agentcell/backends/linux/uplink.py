@@ -21,7 +21,7 @@ import subprocess
 from dataclasses import dataclass
 
 from agentcell.backends.linux import egress
-from agentcell.backends.linux.egress import NEVER_V4, EgressError, Router, ip_in
+from agentcell.backends.linux.egress import EgressError, NeverList, Router, ip_in
 
 UPLINK_NETS = ipaddress.IPv4Network("100.127.0.0/16")  # a /30 per server: router .1, the other side .2
 FORWARD = "/proc/sys/net/ipv4/ip_forward"
@@ -93,7 +93,7 @@ def attach_netns(router: Router, peer_netns_path: str, instance: str) -> Uplink:
     return Uplink("netns", peer, net)
 
 
-def attach_host(router: Router, instance: str) -> Uplink:
+def attach_host(router: Router, instance: str, never: NeverList | None = None) -> Uplink:
     """veth from the router into this process's namespace (the host), masqueraded out of the host's
     own interfaces. See the module's docstring for everything it changes."""
     peer = peer_name(instance)
@@ -109,7 +109,8 @@ def attach_host(router: Router, instance: str) -> Uplink:
         with open(FORWARD) as f:
             uplink.forwarding_was = f.read().strip()
         uplink.table = table_name(instance)
-        egress.run_here(host_ruleset(uplink.table, peer, str(net[1]), isolate=uplink.forwarding_was == "0"))
+        egress.run_here(host_ruleset(uplink.table, peer, str(net[1]), isolate=uplink.forwarding_was == "0",
+                                     never=never or NeverList()))
         if uplink.forwarding_was == "0":
             with open(FORWARD, "w") as f:
                 f.write("1")
@@ -119,7 +120,7 @@ def attach_host(router: Router, instance: str) -> Uplink:
     return uplink
 
 
-def host_ruleset(table: str, peer: str, router_address: str, isolate: bool) -> str:
+def host_ruleset(table: str, peer: str, router_address: str, isolate: bool, never: NeverList) -> str:
     isolation = f'iifname != "{peer}" oifname != "{peer}" drop' if isolate else ""
     return f"""
 table ip {table} {{
@@ -131,7 +132,7 @@ table ip {table} {{
   chain forward {{
     type filter hook forward priority filter; policy accept;
     iifname "{peer}" ip saddr != {router_address} drop
-    iifname "{peer}" ip daddr {{ {", ".join(NEVER_V4)} }} drop
+    iifname "{peer}" ip daddr {{ {", ".join(map(str, never.v4))} }} drop
     {isolation}
   }}
   chain postrouting {{
