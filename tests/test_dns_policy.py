@@ -58,7 +58,10 @@ class Upstream(asyncio.DatagramProtocol):
         else:
             r.set_rcode(dns.rcode.NXDOMAIN)
         assert self.transport is not None
-        self.transport.sendto(r.to_wire(), addr)
+        if name.startswith("slow"):  # an upstream that takes its time
+            asyncio.get_running_loop().call_later(1.5, self.transport.sendto, r.to_wire(), addr)
+        else:
+            self.transport.sendto(r.to_wire(), addr)
 
 
 @dataclass
@@ -80,7 +83,7 @@ async def setup() -> AsyncIterator[Setup]:
     upstream = Upstream()
     up_transport, _ = await loop.create_datagram_endpoint(lambda: upstream, local_addr=("127.0.0.1", 0))
     up_port = up_transport.get_extra_info("sockname")[1]
-    rules: dict[str, DomainRules | None] = {"127.0.0.1": DomainRules()}
+    rules: dict[str, DomainRules | None] = {"127.0.0.1": DomainRules(), "127.0.0.2": DomainRules()}
     s = Setup(0, upstream, rules)
     async def pin(src: str, pins: list[Pin]) -> None:
         s.pins.extend((src, str(addr), secs, name) for addr, secs, name in pins)
@@ -183,6 +186,23 @@ async def test_tcp_queries_follow_the_same_rules(setup: Setup) -> None:
                                   port=setup.tcp_port, timeout=3)
     assert no.rcode() == dns.rcode.REFUSED
     assert setup.upstream.seen == ["allowed.example."]
+
+
+async def test_one_sandboxs_flood_does_not_starve_another(setup: Setup) -> None:
+    loop = asyncio.get_running_loop()
+    flood = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    flood.bind(("127.0.0.1", 0))
+    try:
+        for i in range(400):  # more than the resolver's whole budget, each held 1.5 s by the upstream
+            flood.sendto(dns.message.make_query(f"slow{i}.example", "A").to_wire(), ("127.0.0.1", setup.port))
+        await asyncio.sleep(0.2)
+        q = dns.message.make_query("allowed.example", "A")
+        t = loop.time()
+        r = await dns.asyncquery.udp(q, "127.0.0.1", port=setup.port, timeout=1, source="127.0.0.2")
+        assert r.rcode() == dns.rcode.NOERROR and loop.time() - t < 0.5
+        assert sum(1 for n in setup.upstream.seen if n.startswith("slow")) <= 32  # one source's share
+    finally:
+        flood.close()
 
 
 def test_bad_rules_are_refused() -> None:

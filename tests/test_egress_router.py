@@ -201,3 +201,34 @@ def test_the_operator_can_open_a_private_range_and_nothing_of_its_own() -> None:
     for ours in ("10.77.3.0/24", "100.127.0.0/24", "10.0.0.0/8"):
         with pytest.raises(EgressError, match="own links"):
             NeverList([ours])
+
+
+FLOOD = """
+import socket, sys, time
+socks = []
+for _ in range(int(sys.argv[2])):
+    s = socket.socket(); s.setblocking(False); s.connect_ex((sys.argv[1], 9)); socks.append(s)
+time.sleep(0.4)
+print(len(socks))
+"""
+
+
+def test_one_sandbox_cannot_fill_the_connection_table(net: Router) -> None:
+    from agentcell.backends.linux.egress import MAX_CONNECTIONS
+
+    net.set_policy(1, Policy(internet=True))
+    net.set_policy(2, Policy(internet=True))
+    inet = ["ip", "netns", "exec", INET, "nft"]
+    subprocess.run([*inet, "add table inet hole"], check=True)  # SYNs to port 9 vanish: connections stay open
+    subprocess.run([*inet, "add chain inet hole in { type filter hook input priority 0; }"], check=True)
+    subprocess.run([*inet, "add rule inet hole in tcp dport 9 tcp flags syn counter drop"], check=True)
+    try:
+        r = subprocess.run(["ip", "netns", "exec", SBX1, sys.executable, "-c", FLOOD, WEB, str(MAX_CONNECTIONS + 300)],
+                           capture_output=True, text=True, check=True)
+        assert r.stdout.strip() == str(MAX_CONNECTIONS + 300)
+        counted = subprocess.run([*inet, "list chain inet hole in"], capture_output=True, text=True).stdout
+        arrived = int(counted.split("packets ")[1].split()[0])
+        assert MAX_CONNECTIONS - 50 <= arrived <= MAX_CONNECTIONS + 5, arrived  # the rest stopped at the router
+        assert reach(SBX2, WEB) == "ok"  # the neighbour has its own budget
+    finally:
+        subprocess.run([*inet, "delete table inet hole"], check=False)

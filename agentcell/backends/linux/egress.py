@@ -95,6 +95,11 @@ class NeverList:
         return any(addr in net for net in (self.v4 if addr.version == 4 else self.v6))
 
 
+# Per sandbox: the router's connection-tracking table is the host's too, so one sandbox must not fill it.
+MAX_CONNECTIONS = 1024  # open at once (opening or established; the kernel does not count closed ones)
+NEW_PER_SECOND = 500  # new connections (and UDP flows) per second, burst twice that
+OVER_MARK = 0x2  # a packet past either, marked to be logged and dropped (a meter lives in one rule only)
+
 # Resolvers other than ours (DNS, DoT, DoQ) and QUIC: dropped for every sandbox. QUIC is UDP that the
 # SNI/Host checks cannot read; clients fall back to TCP.
 BLOCKED_UDP_PORTS = (53, 443, 853)
@@ -298,6 +303,9 @@ table inet {TABLE} {{
   chain intercept {{
     type filter hook prerouting priority mangle; policy accept;
     iifname "s*" meta l4proto tcp socket transparent 1 meta mark set {PROXY_MARK:#x} accept
+    iifname "s*" ct state new meter acct_conns {{ iifname ct count over {MAX_CONNECTIONS} }} meta mark set {OVER_MARK:#x}
+    iifname "s*" ct state new meta mark != {OVER_MARK:#x} meter acct_rate {{ iifname limit rate over {NEW_PER_SECOND}/second burst {NEW_PER_SECOND * 2} packets }} meta mark set {OVER_MARK:#x}
+    {_logged(f"meta mark {OVER_MARK:#x}", "too-many-connections", "over")}
     iifname != @intercepted return
     iifname . ip daddr @deny4 return
     iifname @restricted iifname . ip daddr @allow4 {tproxy}

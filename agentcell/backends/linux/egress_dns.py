@@ -45,7 +45,9 @@ PIN_MIN_S = 30  # a pin outlives a tiny TTL: clients cache answers longer than t
 PIN_MAX_S = 3600
 UPSTREAM_TIMEOUT_S = 2.0
 MAX_PENDING = 256  # queries being forwarded at once, all sandboxes together; more are dropped
+MAX_PENDING_PER_SOURCE = 32  # ... and of one sandbox, so that its flood cannot crowd out the others
 MAX_TCP_CLIENTS = 128  # DNS-over-TCP connections open at once, all sandboxes together
+MAX_TCP_PER_SOURCE = 8
 TCP_IDLE_S = 10.0
 
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -124,6 +126,7 @@ class PolicyResolver(asyncio.DatagramProtocol):
         self.make_socket = make_socket
         self.transport: asyncio.DatagramTransport | None = None
         self.pending: set[asyncio.Task[None]] = set()
+        self.pending_by_source: dict[str, int] = {}
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -132,11 +135,20 @@ class PolicyResolver(asyncio.DatagramProtocol):
         query = _parse_query(data)
         if query is None:
             return  # not a DNS query: no answer (an answer to junk helps nobody but a reflector)
-        if len(self.pending) >= MAX_PENDING:
-            return  # the client retries; a flood does not grow the server
+        source = addr[0]
+        if len(self.pending) >= MAX_PENDING or self.pending_by_source.get(source, 0) >= MAX_PENDING_PER_SOURCE:
+            return  # the client retries; a flood does not grow the server, nor starve the others
         task = asyncio.ensure_future(self._answer_udp(query, addr))
         self.pending.add(task)
-        task.add_done_callback(self.pending.discard)
+        self.pending_by_source[source] = self.pending_by_source.get(source, 0) + 1
+
+        def done(t: asyncio.Task[None]) -> None:
+            self.pending.discard(t)
+            self.pending_by_source[source] -= 1
+            if not self.pending_by_source[source]:
+                del self.pending_by_source[source]
+
+        task.add_done_callback(done)
 
     async def _answer_udp(self, query: dns.message.Message, addr: tuple[str, int]) -> None:
         response = await self.answer(query, addr[0])
@@ -282,6 +294,7 @@ async def serve(host: str, port: int, resolver: PolicyResolver) -> asyncio.Datag
 class _TcpClients:
     def __init__(self) -> None:
         self.open = 0
+        self.by_source: dict[str, int] = {}
 
 
 async def serve_tcp(resolver: PolicyResolver, *, sock: socket.socket | None = None, host: str | None = None,
@@ -290,11 +303,12 @@ async def serve_tcp(resolver: PolicyResolver, *, sock: socket.socket | None = No
     clients = _TcpClients()
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if clients.open >= MAX_TCP_CLIENTS:
+        source = writer.get_extra_info("peername")[0]
+        if clients.open >= MAX_TCP_CLIENTS or clients.by_source.get(source, 0) >= MAX_TCP_PER_SOURCE:
             writer.close()
             return
         clients.open += 1
-        source = writer.get_extra_info("peername")[0]
+        clients.by_source[source] = clients.by_source.get(source, 0) + 1
         try:
             while True:
                 async with asyncio.timeout(TCP_IDLE_S):
@@ -313,6 +327,9 @@ async def serve_tcp(resolver: PolicyResolver, *, sock: socket.socket | None = No
             pass
         finally:
             clients.open -= 1
+            clients.by_source[source] -= 1
+            if not clients.by_source[source]:
+                del clients.by_source[source]
             writer.close()
 
     if sock is not None:

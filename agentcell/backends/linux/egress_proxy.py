@@ -41,6 +41,7 @@ CLAIM_TIMEOUT_S = 10.0  # a client that names no host within this is dropped
 CONNECT_TIMEOUT_S = 10.0
 CHUNK = 256 << 10
 MAX_CONNECTIONS = 4096  # intercepted connections at once, all sandboxes together
+MAX_PER_SANDBOX = 256  # ... and of one sandbox, so that one cannot take them all
 IP_TRANSPARENT = 19
 
 Decide = Callable[[int, str, int, Claim], tuple[bool, str]]  # (slot, ip, port, claim) -> (allowed, rule)
@@ -81,6 +82,7 @@ class Interceptor:
         self.on_event = on_event
         self.server: asyncio.Server | None = None
         self.open = 0
+        self.per_slot: dict[int, int] = {}
 
     async def start(self, sock: socket.socket) -> None:
         self.server = await asyncio.start_server(self._handle, sock=sock, limit=CHUNK)
@@ -93,16 +95,20 @@ class Interceptor:
         src = writer.get_extra_info("peername")[0]
         dst, dport = writer.get_extra_info("sockname")[:2]  # the original destination (tproxy)
         slot = self.slot_of(src)
-        if slot is None or self.open >= MAX_CONNECTIONS:
+        if slot is None or self.open >= MAX_CONNECTIONS or self.per_slot.get(slot, 0) >= MAX_PER_SANDBOX:
             writer.transport.abort()
             return
         self.open += 1
+        self.per_slot[slot] = self.per_slot.get(slot, 0) + 1
         try:
             await self._serve(slot, dst, dport, reader, writer)
         except (OSError, asyncio.IncompleteReadError, TimeoutError):
             pass
         finally:
             self.open -= 1
+            self.per_slot[slot] -= 1
+            if not self.per_slot[slot]:
+                del self.per_slot[slot]
             writer.close()
 
     async def _serve(self, slot: int, dst: str, dport: int, reader: asyncio.StreamReader,
