@@ -22,6 +22,7 @@ import httpx
 import pytest
 
 from agentcell import Sandbox
+from tests.helpers import e2b_pointed_at
 
 REPO = Path(__file__).resolve().parent.parent
 # The network rule: no server the tests start (their own, embedded ones, the SDK's) may route sandbox
@@ -123,15 +124,5 @@ def neighbour(server_url: str) -> Iterator[Sandbox]:
 @pytest.fixture(scope="session")
 def e2b_env(server_url: str) -> Iterator[str]:
     """Point the official e2b SDKs at the server (both planes on one URL); yields the URL."""
-    values = {"E2B_API_URL": server_url, "E2B_SANDBOX_URL": server_url, "E2B_API_KEY": "e2b_test_key"}
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    os.environ.pop("E2B_DEBUG", None)
-    try:
+    with e2b_pointed_at(server_url):
         yield server_url
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v

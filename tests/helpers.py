@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import httpx
@@ -15,6 +16,23 @@ from agentcell.backends.linux.backend import LinuxBackend, LinuxSandbox
 from agentcell.runtime.protocol import AgentChannel
 
 PROBE = "agentcell.backends.linux.probe:serve"  # the backend tests' stand-in agent
+
+
+@contextlib.contextmanager
+def e2b_pointed_at(url: str) -> Iterator[str]:
+    """The official e2b SDKs' environment pointed at an agentcell server (both planes), restored after."""
+    values = {"E2B_API_URL": url, "E2B_SANDBOX_URL": url, "E2B_API_KEY": "e2b_test_key"}
+    saved = {k: os.environ.get(k) for k in (*values, "E2B_DEBUG")}
+    os.environ.update(values)
+    os.environ.pop("E2B_DEBUG", None)
+    try:
+        yield url
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 @contextlib.asynccontextmanager

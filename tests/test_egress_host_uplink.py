@@ -8,6 +8,7 @@ server stops, the fake host's ruleset, forwarding switch and links are as they w
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import signal
@@ -20,8 +21,8 @@ from collections.abc import Iterator
 import pytest
 
 from tests.conftest import REPO
+from tests.egress_world import host_state as _host_state
 from tests.test_egress import ADDRESSES, FORBIDDEN, HERE, PROBES, UPSTREAM_DNS, WEB
-from tests.test_egress_router import _host_state
 
 TAG = f"achost{os.getpid() % 100000}"
 INET, FAKEHOST = f"{TAG}-inet", f"{TAG}-host"
@@ -94,6 +95,7 @@ def fake_host() -> Iterator[str]:
 
 def test_host_uplink_masquerades_and_keeps_the_host_out(fake_host: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
     before = _state(fake_host)
+    notes = set(glob.glob("/run/agentcell/uplink-*"))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # free in the host's namespace; the fake host's is empty anyway
@@ -113,6 +115,7 @@ def test_host_uplink_masquerades_and_keeps_the_host_out(fake_host: str, tmp_path
             time.sleep(0.3)
         during = _state(fake_host)
         assert "masquerade" in during[3] and during[4].strip() == "1"
+        assert len(set(glob.glob("/run/agentcell/uplink-*")) - notes) == 1  # "forwarding was off", for a cleanup
         checks = [f"tcp('{WEB}')", "tcp('allowed.test')", f"tcp('{HOST_ADDR}', 8081)", f"tcp('{INET_ADDR}', 80)",
                   *(f"tcp('{a}')" for a in FORBIDDEN)]
         r = _in(fake_host, sys.executable, "-c", CLIENT, url, PROBES, json.dumps(checks), cwd=REPO, timeout=120)
@@ -133,3 +136,4 @@ def test_host_uplink_masquerades_and_keeps_the_host_out(fake_host: str, tmp_path
             server.wait()
         log.close()
     assert _state(fake_host) == before, "the server left changes in its host's network"
+    assert set(glob.glob("/run/agentcell/uplink-*")) == notes

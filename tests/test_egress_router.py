@@ -19,6 +19,7 @@ import pytest
 
 from agentcell.backends.linux.egress import RESOLVER, Router, link_addresses
 from agentcell.backends.network_policy import NetworkPolicy, PolicyError
+from tests.egress_world import router_world
 
 
 def Policy(internet: bool, allow: list[str] | None = None, deny: list[str] | None = None) -> NetworkPolicy:
@@ -43,20 +44,6 @@ except OSError as e:
 """
 
 
-def _host_state() -> tuple[str, ...]:
-    def run(*cmd: str) -> str:
-        return subprocess.run(cmd, capture_output=True, text=True, check=False).stdout
-    links = "\n".join(line.split(" qlen")[0] for line in run("ip", "-o", "link").splitlines())
-    return (links, run("ip", "-o", "addr"), run("ip", "-o", "route"), run("ip", "-o", "-6", "route"),
-            run("nft", "list", "ruleset"))
-
-
-def _netns(*names: str) -> None:
-    for name in names:
-        subprocess.run(["ip", "netns", "add", name], check=True)
-        subprocess.run(["ip", "-n", name, "link", "set", "lo", "up"], check=True)
-
-
 def reach(ns: str, ip: str, port: int = PORT, timeout: float = 0.5) -> str:
     r = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", REACH, ip, str(port), str(timeout)],
                        capture_output=True, text=True, check=False)
@@ -67,37 +54,13 @@ def reach(ns: str, ip: str, port: int = PORT, timeout: float = 0.5) -> str:
 def net() -> Iterator[Router]:
     if os.geteuid() != 0:
         pytest.skip("needs root (network namespaces)")
-    before = _host_state()
-    servers: list[subprocess.Popen[bytes]] = []
-    router = Router.create(f"{TAG}-router")
-    try:
-        _netns(INET, SBX1, SBX2)
-        router.attach_uplink(f"/run/netns/{INET}", "inet0", "203.0.113.1/24", "203.0.113.2")
-        ip = ["ip", "-n", INET]
-        subprocess.run([*ip, "addr", "add", "203.0.113.2/24", "dev", "inet0"], check=True)
-        subprocess.run([*ip, "link", "set", "inet0", "up"], check=True)
-        for addr in (WEB, OTHER_WEB, *FORBIDDEN):  # all reachable by route from the router
-            subprocess.run([*ip, "addr", "add", f"{addr}/32", "dev", "lo"], check=True)
-        servers.append(subprocess.Popen(["ip", "netns", "exec", INET, sys.executable, "-m", "http.server",
-                                         str(PORT), "--bind", "0.0.0.0"],
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        router.connect(1, f"/run/netns/{SBX1}")
-        router.connect(2, f"/run/netns/{SBX2}")
-        servers.append(subprocess.Popen(["ip", "netns", "exec", SBX2, sys.executable, "-m", "http.server",
-                                         str(PORT), "--bind", "0.0.0.0"],
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    with router_world(TAG, (WEB, OTHER_WEB, *FORBIDDEN)) as world:
+        world.spawn(INET, "-m", "http.server", str(PORT), "--bind", "0.0.0.0")
+        world.spawn(SBX2, "-m", "http.server", str(PORT), "--bind", "0.0.0.0")
         deadline = time.monotonic() + 10
         while reach(INET, WEB) != "ok" and time.monotonic() < deadline:
             time.sleep(0.1)
-        yield router
-    finally:
-        for p in servers:
-            p.kill()
-            p.wait()
-        router.destroy()
-        for name in (INET, SBX1, SBX2):
-            subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
-        assert _host_state() == before, "the host's network changed"
+        yield world.router
 
 
 def test_a_new_link_is_closed(net: Router) -> None:

@@ -95,22 +95,25 @@ class EgressCA:
             self._contexts.popitem(last=False)
         return ctx
 
-    def issue(self, host: str) -> bytes:
-        """A leaf certificate for `host` and its key, PEM (for servers that are not this process: tests)."""
-        return self._leaf(host) + self._leaf_key_pem
+    def issue(self, host: str, *more: str) -> bytes:
+        """A leaf certificate for `host` (and `more` names) and its key, PEM (for servers that are not
+        this process: tests)."""
+        return self._leaf(host, *more) + self._leaf_key_pem
 
-    def _leaf(self, host: str) -> bytes:
-        try:
-            san: x509.GeneralName = x509.IPAddress(ipaddress.ip_address(host))
-        except ValueError:
-            san = x509.DNSName(host)
+    def _leaf(self, host: str, *more: str) -> bytes:
+        names: list[x509.GeneralName] = []
+        for name in (host, *more):
+            try:
+                names.append(x509.IPAddress(ipaddress.ip_address(name)))
+            except ValueError:
+                names.append(x509.DNSName(name))
         cert = (x509.CertificateBuilder()
                 .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, host[:64])]))
                 .issuer_name(self.cert.subject).public_key(self._leaf_key.public_key())
                 .serial_number(x509.random_serial_number())
                 .not_valid_before(_now() - datetime.timedelta(hours=1))
                 .not_valid_after(_now() + datetime.timedelta(days=7))
-                .add_extension(x509.SubjectAlternativeName([san]), critical=False)
+                .add_extension(x509.SubjectAlternativeName(names), critical=False)
                 .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
                 .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
                 .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(self.key.public_key()),

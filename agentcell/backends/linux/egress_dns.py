@@ -38,6 +38,7 @@ import dns.rdatatype
 import dns.rrset
 
 from agentcell.backends.linux.egress import NeverList
+from agentcell.backends.linux.quota import KeyedQuota
 
 log = logging.getLogger("agentcell.dns")
 
@@ -126,7 +127,7 @@ class PolicyResolver(asyncio.DatagramProtocol):
         self.make_socket = make_socket
         self.transport: asyncio.DatagramTransport | None = None
         self.pending: set[asyncio.Task[None]] = set()
-        self.pending_by_source: dict[str, int] = {}
+        self.quota = KeyedQuota(MAX_PENDING, MAX_PENDING_PER_SOURCE)  # queries being answered
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -136,17 +137,14 @@ class PolicyResolver(asyncio.DatagramProtocol):
         if query is None:
             return  # not a DNS query: no answer (an answer to junk helps nobody but a reflector)
         source = addr[0]
-        if len(self.pending) >= MAX_PENDING or self.pending_by_source.get(source, 0) >= MAX_PENDING_PER_SOURCE:
+        if not self.quota.take(source):
             return  # the client retries; a flood does not grow the server, nor starve the others
         task = asyncio.ensure_future(self._answer_udp(query, addr))
         self.pending.add(task)
-        self.pending_by_source[source] = self.pending_by_source.get(source, 0) + 1
 
         def done(t: asyncio.Task[None]) -> None:
             self.pending.discard(t)
-            self.pending_by_source[source] -= 1
-            if not self.pending_by_source[source]:
-                del self.pending_by_source[source]
+            self.quota.give(source)
 
         task.add_done_callback(done)
 
@@ -291,24 +289,16 @@ async def serve(host: str, port: int, resolver: PolicyResolver) -> asyncio.Datag
     return transport
 
 
-class _TcpClients:
-    def __init__(self) -> None:
-        self.open = 0
-        self.by_source: dict[str, int] = {}
-
-
 async def serve_tcp(resolver: PolicyResolver, *, sock: socket.socket | None = None, host: str | None = None,
                     port: int | None = None) -> asyncio.Server:
     """DNS over TCP (RFC 7766: two-byte length, queries in order), for answers a datagram cannot hold."""
-    clients = _TcpClients()
+    clients = KeyedQuota(MAX_TCP_CLIENTS, MAX_TCP_PER_SOURCE)
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         source = writer.get_extra_info("peername")[0]
-        if clients.open >= MAX_TCP_CLIENTS or clients.by_source.get(source, 0) >= MAX_TCP_PER_SOURCE:
+        if not clients.take(source):
             writer.close()
             return
-        clients.open += 1
-        clients.by_source[source] = clients.by_source.get(source, 0) + 1
         try:
             while True:
                 async with asyncio.timeout(TCP_IDLE_S):
@@ -326,10 +316,7 @@ async def serve_tcp(resolver: PolicyResolver, *, sock: socket.socket | None = No
         except (asyncio.IncompleteReadError, TimeoutError, OSError):
             pass
         finally:
-            clients.open -= 1
-            clients.by_source[source] -= 1
-            if not clients.by_source[source]:
-                del clients.by_source[source]
+            clients.give(source)
             writer.close()
 
     if sock is not None:

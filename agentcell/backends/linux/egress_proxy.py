@@ -27,8 +27,15 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from agentcell.backends.linux.egress_ca import EgressCA
-from agentcell.backends.linux.egress_secrets import foreign_placeholder, scan_relay, serve_secret_host
+from agentcell.backends.linux.egress_secrets import (
+    foreign_placeholder,
+    leak_event,
+    leak_refusal,
+    scan_relay,
+    serve_secret_host,
+)
 from agentcell.backends.linux.egress_sni import MAX_PEEK, MORE, Claim, claimed_host
+from agentcell.backends.linux.quota import KeyedQuota
 from agentcell.backends.secrets import Secret, SecretSet
 
 log = logging.getLogger("agentcell.egress")
@@ -81,8 +88,7 @@ class Interceptor:
         self.upstream_socket = upstream_socket
         self.on_event = on_event
         self.server: asyncio.Server | None = None
-        self.open = 0
-        self.per_slot: dict[int, int] = {}
+        self.quota = KeyedQuota(MAX_CONNECTIONS, MAX_PER_SANDBOX)
 
     async def start(self, sock: socket.socket) -> None:
         self.server = await asyncio.start_server(self._handle, sock=sock, limit=CHUNK)
@@ -95,20 +101,15 @@ class Interceptor:
         src = writer.get_extra_info("peername")[0]
         dst, dport = writer.get_extra_info("sockname")[:2]  # the original destination (tproxy)
         slot = self.slot_of(src)
-        if slot is None or self.open >= MAX_CONNECTIONS or self.per_slot.get(slot, 0) >= MAX_PER_SANDBOX:
+        if slot is None or not self.quota.take(slot):
             writer.transport.abort()
             return
-        self.open += 1
-        self.per_slot[slot] = self.per_slot.get(slot, 0) + 1
         try:
             await self._serve(slot, dst, dport, reader, writer)
         except (OSError, asyncio.IncompleteReadError, TimeoutError):
             pass
         finally:
-            self.open -= 1
-            self.per_slot[slot] -= 1
-            if not self.per_slot[slot]:
-                del self.per_slot[slot]
+            self.quota.give(slot)
             writer.close()
 
     async def _serve(self, slot: int, dst: str, dport: int, reader: asyncio.StreamReader,
@@ -136,7 +137,8 @@ class Interceptor:
                     await writer.drain()
             return
         secrets = self.secrets_for(slot)
-        if claim.host and secrets.intercepts(claim.host):
+        # TLS from a sandbox with secrets is read too, so that a placeholder sent anywhere else is seen
+        if claim.host and (secrets.intercepts(claim.host) or (secrets.secrets and claim.kind == "tls")):
             await serve_secret_host(first, reader, writer, host=claim.host, dst=dst, dport=dport,
                                     tls=claim.kind == "tls", secrets=secrets, ca=self.ca,
                                     upstream_ssl=self.upstream_ssl, upstream_socket=self.upstream_socket,
@@ -145,12 +147,9 @@ class Interceptor:
         scan = bool(secrets.secrets) and claim.kind == "http"  # plaintext from a sandbox with secrets: no placeholder out
 
         async def refuse(leaked: Secret) -> None:
-            self.on_event(slot, {"time": time.time(), "proto": "tcp", "dst": dst, "dport": dport, "domain": claim.host,
-                                 "verdict": "denied", "rule": "secret-elsewhere", "secret": leaked.name,
-                                 "state": "denied"})
-            body = f"agentcell: the placeholder of secret {leaked.name} may only go to {', '.join(leaked.hosts)}\n"
-            writer.write(b"HTTP/1.1 403 Forbidden\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s"
-                         % (len(body), body.encode()))
+            self.on_event(slot, leak_event({"time": time.time(), "proto": "tcp", "dst": dst, "dport": dport,
+                                            "domain": claim.host}, leaked))
+            writer.write(leak_refusal(leaked))
             with contextlib.suppress(OSError):
                 await writer.drain()
 

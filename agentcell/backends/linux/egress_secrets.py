@@ -1,7 +1,7 @@
 """Secrets put into requests on their way out, taken out of the answers on their way back (issue 7).
 
 The egress proxy (egress_proxy.py) hands a connection here when the host it names is listed for one
-of the sandbox's secrets. The trust boundary: the value lives in the server's memory only; the
+of the sandbox's secrets or rules, or when it is TLS from a sandbox with secrets. The trust boundary: the value lives in the server's memory only; the
 sandbox holds a placeholder (backends/secrets.py).
 
 - TLS (port 443) is terminated with a certificate for that host from the server's egress CA, which
@@ -18,9 +18,11 @@ sandbox holds a placeholder (backends/secrets.py).
 - Not covered: compressed answers (a value in a gzip body is not seen), HTTP/2 (ALPN offers
   http/1.1 only, clients fall back).
 
-Plain HTTP to a host without secrets, from a sandbox that has some, is scanned too (`scan_relay`): a
-placeholder on its way anywhere else is refused and reported, in case code was tricked into sending
-its "key" elsewhere. Over TLS to such a host nothing is read; the placeholder is useless there.
+A sandbox that has secrets has all its HTTP(S) read, so that a placeholder on its way anywhere else is
+refused and reported (code tricked into sending its "key" elsewhere): TLS to any host is terminated
+here (each request then goes upstream on a connection of its own; an `Upgrade`, e.g. a WebSocket,
+becomes a byte relay after its head), plain HTTP to hosts without secrets is scanned as it passes
+(`scan_relay`). Such a sandbox's HTTPS therefore runs at the proxy's speed, not the kernel's.
 """
 
 from __future__ import annotations
@@ -152,7 +154,8 @@ async def serve_secret_host(first: bytes, reader: asyncio.StreamReader, writer: 
                             host: str, dst: str, dport: int, tls: bool, secrets: SecretSet, ca: EgressCA,
                             upstream_ssl: ssl.SSLContext, upstream_socket: Callable[[], Awaitable[Any]],
                             on_event: Event) -> None:
-    """Serve one connection to a host some secret is listed for (see the module docstring)."""
+    """Serve one connection whose requests must be read: to a host a secret or rule is listed for, or
+    any TLS from a sandbox that has secrets (see the module docstring)."""
     client = _Client(reader, writer, first, ca.server_context(host) if tls else None)
     await client.handshake()
     mine, others = secrets.for_host(host), [s for s in secrets.secrets if not s.serves(host)]
@@ -174,15 +177,19 @@ async def serve_secret_host(first: bytes, reader: asyncio.StreamReader, writer: 
     base = {"time": time.time(), "proto": "tcp", "dst": dst, "dport": dport, "domain": host,
             "method": request.method.decode(errors="replace"), "path": request.target.split(b"?")[0].decode(
                 errors="replace")[:200]}
+
+    async def refuse(leaked: Secret) -> None:
+        on_event(leak_event(base, leaked))
+        await client.write(leak_refusal(leaked))
+
     if leaked is not None:
-        on_event({**base, "verdict": "denied", "rule": "secret-elsewhere", "secret": leaked.name, "state": "denied"})
-        await client.write(_refusal(f"the placeholder of secret {leaked.name} may only go to "
-                                    f"{', '.join(leaked.hosts)}"))
+        await refuse(leaked)
         return
     used: list[str] = []
     headers = []
     injected = [(n.lower().encode(), v.encode()) for n, v in secrets.headers_for(host)]
     replaced = {n for n, _ in injected}
+    upgrade = any(n == b"upgrade" for n, _ in request.headers)  # WebSocket: raw bytes after the head
     for name, value in request.headers:
         if name in (b"connection", b"keep-alive", b"proxy-connection") or name in replaced:
             continue
@@ -204,10 +211,7 @@ async def serve_secret_host(first: bytes, reader: asyncio.StreamReader, writer: 
         body = b"".join(chunks)
         leaked = foreign_placeholder(body, others)
         if leaked is not None:
-            on_event({**base, "verdict": "denied", "rule": "secret-elsewhere", "secret": leaked.name,
-                      "state": "denied"})
-            await client.write(_refusal(f"the placeholder of secret {leaked.name} may only go to "
-                                        f"{', '.join(leaked.hosts)}"))
+            await refuse(leaked)
             return
         for s in mine:
             if s.bodies and s.placeholder.encode() in body:
@@ -215,7 +219,7 @@ async def serve_secret_host(first: bytes, reader: asyncio.StreamReader, writer: 
                 used.append(s.name)
         headers = [(n, v) for n, v in headers if n not in (b"content-length", b"transfer-encoding")]
         headers.insert(-1, (b"content-length", str(len(body)).encode()))
-    headers.append((b"connection", b"close"))
+    headers.append((b"connection", b"upgrade" if upgrade else b"close"))
     sock = await upstream_socket()
     loop = asyncio.get_running_loop()
     sock.setblocking(False)
@@ -232,6 +236,15 @@ async def serve_secret_host(first: bytes, reader: asyncio.StreamReader, writer: 
     upstream = h11.Connection(h11.CLIENT)
     bytes_out = bytes_in = 0
     try:
+        if upgrade:  # the head (checked above), then both ways as bytes; answers still lose the values
+            up_writer.write(upstream.send(h11.Request(method=request.method, target=request.target,
+                                                      headers=headers)))
+            trailing = conn.trailing_data[0]
+            if trailing:
+                up_writer.write(trailing)
+            await asyncio.gather(_client_to_upstream(client, up_writer), _upstream_to_client(up_reader, client,
+                                                                                          secrets))
+            return
         up_writer.write(upstream.send(h11.Request(method=request.method, target=request.target, headers=headers)))
         if body is not None:
             bytes_out = len(body)
@@ -244,10 +257,7 @@ async def serve_secret_host(first: bytes, reader: asyncio.StreamReader, writer: 
                 window = tail + data
                 leaked = foreign_placeholder(window, others)
                 if leaked is not None:
-                    on_event({**base, "verdict": "denied", "rule": "secret-elsewhere", "secret": leaked.name,
-                              "state": "denied"})
-                    await client.write(_refusal(f"the placeholder of secret {leaked.name} may only go to "
-                                                f"{', '.join(leaked.hosts)}"))
+                    await refuse(leaked)
                     return  # the upstream connection is aborted with the request incomplete
                 tail = window[-keep:] if keep > 0 else b""
                 bytes_out += len(data)
@@ -262,7 +272,8 @@ async def serve_secret_host(first: bytes, reader: asyncio.StreamReader, writer: 
             if out:
                 await client.write(out)
         await client.write(redact.feed(b"", final=True))
-        on_event({**base, "verdict": "allowed", "rule": "secret", "secrets": sorted(set(used)),
+        on_event({**base, "verdict": "allowed", "rule": "secret" if used or injected else "inspected",
+                  "secrets": sorted(set(used)),
                   "headers_set": sorted({n.decode() for n, _ in injected}), "bytes_out": bytes_out,
                   "bytes_in": bytes_in, "state": "closed"})
     finally:
@@ -296,6 +307,31 @@ async def _copy(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
         await writer.drain()
     if writer.can_write_eof():
         writer.write_eof()
+
+
+async def _client_to_upstream(client: _Client, up_writer: asyncio.StreamWriter) -> None:
+    while data := await client.read():
+        up_writer.write(data)
+        await up_writer.drain()
+    if up_writer.can_write_eof():
+        up_writer.write_eof()
+
+
+async def _upstream_to_client(up_reader: asyncio.StreamReader, client: _Client, secrets: SecretSet) -> None:
+    redact = Redactor(secrets.values())
+    while chunk := await up_reader.read(CHUNK):
+        out = redact.feed(chunk)
+        if out:
+            await client.write(out)
+    await client.write(redact.feed(b"", final=True))
+
+
+def leak_event(base: dict[str, Any], leaked: Secret) -> dict[str, Any]:
+    return {**base, "verdict": "denied", "rule": "secret-elsewhere", "secret": leaked.name, "state": "denied"}
+
+
+def leak_refusal(leaked: Secret) -> bytes:
+    return _refusal(f"the placeholder of secret {leaked.name} may only go to {', '.join(leaked.hosts)}")
 
 
 def _refusal(why: str) -> bytes:

@@ -257,10 +257,12 @@ class Egress:
         if any(ip in net for net in policy.deny_nets):
             return False, "deny"
         name = dns.name.from_text(claim.host) if claim.host else None
+        if name is not None and rules is not None and any(r.matches(name) for r in rules.deny):
+            return False, "domain"  # a denied name, wherever it is
+        if not policy.restricted or any(ip in net for net in policy.allow_nets):
+            return True, "policy"  # an address allowed as such: any name but a denied one
         if name is not None and (rules is None or not rules.allows(name)):
             return False, "domain"
-        if not policy.restricted or any(ip in net for net in policy.allow_nets):
-            return True, "policy"
         if name is None:
             return False, "no-host"  # an allow list of names: the connection must name one
         answered = self._names.get(slot, {}).get(address, set())

@@ -14,6 +14,7 @@ address, so the host only ever forwards sandbox traffic to public addresses.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import ipaddress
 import os
@@ -25,6 +26,7 @@ from agentcell.backends.linux.egress import EgressError, NeverList, Router, ip_i
 
 UPLINK_NETS = ipaddress.IPv4Network("100.127.0.0/16")  # a /30 per server: router .1, the other side .2
 FORWARD = "/proc/sys/net/ipv4/ip_forward"
+STATE = "/run/agentcell"  # host mode: "forwarding was off" notes, for whoever cleans up after a dead server
 
 
 def _addresses_in_use() -> str:
@@ -49,6 +51,7 @@ class Uplink:
     net: ipaddress.IPv4Network
     table: str = ""
     forwarding_was: str | None = None  # host mode: ip_forward before we set it
+    instance: str = ""
 
     def close(self) -> None:
         if self.mode != "host":
@@ -61,6 +64,8 @@ class Uplink:
         if self.forwarding_was == "0":
             with open(FORWARD, "w") as f:
                 f.write("0")
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(_note(self.instance))
         subprocess.run(["ip", "link", "del", self.peer_ifname], capture_output=True, check=False)
 
 
@@ -72,12 +77,30 @@ def table_name(instance: str) -> str:
     return "agentcell_" + instance.replace("-", "_")
 
 
+def _note(instance: str) -> str:
+    return f"{STATE}/uplink-{instance}.forwarding-was-off"
+
+
 def remove_stale(instance: str) -> None:
-    """What a dead server's host uplink left (its veth died with its router namespace)."""
+    """What a dead server's host uplink left (its veth died with its router namespace): its table,
+    and forwarding if it had turned it on."""
     try:
         egress.run_here(f"delete table ip {table_name(instance)}")
     except EgressError:
         pass
+    try:
+        with open(_note(instance)) as f:
+            netns = f.read().strip()
+    except FileNotFoundError:
+        return
+    if netns == _this_netns():  # the note is about this host's namespace (not a test's stand-in)
+        with open(FORWARD, "w") as f:
+            f.write("0")
+        os.unlink(_note(instance))
+
+
+def _this_netns() -> str:
+    return str(os.stat("/proc/self/ns/net").st_ino)
 
 
 def attach_netns(router: Router, peer_netns_path: str, instance: str) -> Uplink:
@@ -100,7 +123,7 @@ def attach_host(router: Router, instance: str, never: NeverList | None = None) -
     here = f"/proc/{os.getpid()}/ns/net"
     net = pick_net(instance, _addresses_in_use())
     router.attach_uplink(here, peer, f"{net[1]}/30", str(net[2]))
-    uplink = Uplink("host", peer, net)
+    uplink = Uplink("host", peer, net, instance=instance)
     try:
         r = subprocess.run(["ip", "-batch", "-"], input=f"addr add {net[2]}/30 dev {peer}\nlink set {peer} up\n",
                            text=True, capture_output=True, check=False)
@@ -112,6 +135,9 @@ def attach_host(router: Router, instance: str, never: NeverList | None = None) -
         egress.run_here(host_ruleset(uplink.table, peer, str(net[1]), isolate=uplink.forwarding_was == "0",
                                      never=never or NeverList()))
         if uplink.forwarding_was == "0":
+            os.makedirs(STATE, mode=0o700, exist_ok=True)
+            with open(_note(instance), "w") as f:
+                f.write(_this_netns())
             with open(FORWARD, "w") as f:
                 f.write("1")
     except BaseException:
