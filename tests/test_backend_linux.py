@@ -321,3 +321,30 @@ async def test_sandboxes_die_with_the_server() -> None:
     finally:
         await be.close()
     assert not Cgroups.at(be.cgroup_parent).exists()  # close() removes its own instance too
+
+
+def test_alive_works_for_pidfds_past_fd_setsize() -> None:
+    """A server with 1,000 sandboxes holds more than 1,024 fds: select() would fail on their pidfds."""
+    import resource
+    import subprocess as sp
+
+    from agentcell.backends.linux.backend import LinuxSandbox
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard < 2000:
+        pytest.skip("needs an fd limit above 2,000")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 2000), hard))
+    proc = sp.Popen(["sleep", "30"])
+    fd = os.pidfd_open(proc.pid)
+    high = os.dup2(fd, 1500)
+    os.close(fd)
+    try:
+        sbx = object.__new__(LinuxSandbox)
+        sbx.killed, sbx.pidfd = False, high
+        assert sbx.alive()
+        proc.kill()
+        proc.wait()
+        assert not sbx.alive()
+    finally:
+        os.close(high)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
