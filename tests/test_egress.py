@@ -492,6 +492,14 @@ def test_secrets_never_enter_the_sandbox(make, egress_server: ServerProcess) -> 
         other = ask(sbx, f"get_with('{url}', 'Bearer ' + __import__('os').environ['API_KEY'])")
         assert "403" in other, (url, other)
     assert placeholder.encode() not in INTERNET_LOG.read_bytes()[len(before):]
+    # the secret's host's address, naming another host (a CDN would route it there): refused
+    fronted = ("import os, socket, ssl; ctx = ssl.create_default_context(); "
+               "s = ctx.wrap_socket(socket.create_connection(('secret.test', 443), timeout=3), "
+               "server_hostname='secret.test'); "
+               "s.sendall(b'GET / HTTP/1.1\\r\\nHost: other.test\\r\\nAuthorization: ' + os.environ['API_KEY'].encode()"
+               " + b'\\r\\n\\r\\n'); print(s.recv(100).split(b'\\r\\n')[0].decode())")
+    assert sbx.commands.run(f'python3 -c "{fronted}"').stdout.strip() == "HTTP/1.1 421 Misdirected Request"
+    assert value.encode() not in INTERNET_LOG.read_bytes()[len(before):]
     # HTTPS to that host without the placeholder goes through (read, re-encrypted, verified upstream)
     fine = ask(sbx, "get_with('https://other.test/ok', 'none')")
     assert fine.startswith("none|GET /ok HTTP/1.1"), fine
@@ -505,10 +513,11 @@ def test_secrets_never_enter_the_sandbox(make, egress_server: ServerProcess) -> 
 
 
 def test_secrets_are_checked(make) -> None:  # type: ignore[no-untyped-def]
-    for bad, why in (({"1X": {"value": "v", "hosts": ["a.test"]}}, "environment variable name"),
-                     ({"X": {"value": "", "hosts": ["a.test"]}}, "non-empty"),
-                     ({"X": {"value": "a\nb", "hosts": ["a.test"]}}, "CR, LF"),
-                     ({"X": {"value": "v", "hosts": ["https://a.test/"]}}, "not a host name")):
+    for bad, why in (({"1X": {"value": "12345678", "hosts": ["a.test"]}}, "environment variable name"),
+                     ({"X": {"value": "", "hosts": ["a.test"]}}, "8 to"),
+                     ({"X": {"value": "short", "hosts": ["a.test"]}}, "8 to"),
+                     ({"X": {"value": "abcdefgh\nb", "hosts": ["a.test"]}}, "CR, LF"),
+                     ({"X": {"value": "12345678", "hosts": ["https://a.test/"]}}, "not a host name")):
         with pytest.raises(InvalidArgumentException, match=why):
             make(secrets=bad)
 

@@ -19,6 +19,7 @@ from typing import Any
 
 MAX_SECRETS = 32
 MAX_VALUE = 8 << 10
+MIN_VALUE = 8
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 _HOST = re.compile(r"^(\*\.)?(?!-)[a-z0-9-]{1,63}(?<!-)(\.(?!-)[a-z0-9-]{1,63}(?<!-))*$")
 
@@ -113,8 +114,9 @@ class SecretSet:
             if not isinstance(spec.get("bodies", False), bool):
                 raise SecretError(f"secret {name}: 'bodies' must be true or false")
             value = spec.get("value")
-            if not isinstance(value, str) or not value or len(value.encode()) > MAX_VALUE:
-                raise SecretError(f"secret {name}: 'value' must be a non-empty string of at most {MAX_VALUE} bytes")
+            if not isinstance(value, str) or not MIN_VALUE <= len(value.encode()) <= MAX_VALUE:
+                raise SecretError(f"secret {name}: 'value' must be a string of {MIN_VALUE} to {MAX_VALUE} bytes (a "
+                                  "shorter one would be taken out of every answer where it happens to appear)")
             if any(c in value for c in "\r\n\0"):
                 raise SecretError(f"secret {name}: 'value' must not contain CR, LF or NUL (it goes in a header)")
             hosts = spec.get("hosts")

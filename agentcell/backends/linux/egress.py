@@ -135,21 +135,35 @@ class _Nft:
         lib.nft_run_cmd_from_buffer.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
         self.lib = lib
 
-    def run(self, commands: str) -> str:
-        """One transaction (all of `commands` or none), in the calling thread's network namespace."""
-        lib = self.lib
-        ctx = lib.nft_ctx_new(0)
+    def context(self) -> int:
+        """A context: its netlink socket is opened now, in the calling thread's network namespace, and
+        kept. (libnftables waits on it with select(), which aborts the process for an fd past 1,023:
+        a context made early keeps a low fd however many sandboxes the server holds later.)"""
+        ctx = self.lib.nft_ctx_new(0)
         if not ctx:
             raise EgressError("nft_ctx_new failed")
+        self.lib.nft_ctx_buffer_output(ctx)
+        self.lib.nft_ctx_buffer_error(ctx)
+        return int(ctx)
+
+    def free(self, ctx: int) -> None:
+        self.lib.nft_ctx_free(ctx)
+
+    def run(self, commands: str, ctx: int | None = None) -> str:
+        """One transaction (all of `commands` or none), in the namespace of `ctx` (made by context()),
+        or of the calling thread with a context of its own."""
+        lib = self.lib
+        own = ctx is None
+        if ctx is None:
+            ctx = self.context()
         try:
-            lib.nft_ctx_buffer_output(ctx)
-            lib.nft_ctx_buffer_error(ctx)
             if lib.nft_run_cmd_from_buffer(ctx, commands.encode()) != 0:
                 err = (lib.nft_ctx_get_error_buffer(ctx) or b"").decode(errors="replace").strip()
                 raise EgressError(f"nftables refused the transaction: {err}")
             return (lib.nft_ctx_get_output_buffer(ctx) or b"").decode(errors="replace")
         finally:
-            lib.nft_ctx_free(ctx)
+            if own:
+                lib.nft_ctx_free(ctx)
 
 
 _nft: _Nft | None = None
@@ -186,6 +200,10 @@ class NetnsWorker:
         except BaseException as e:
             entered.set_exception(e)
             return
+        try:
+            self.ctx: int | None = _lib().context()  # this namespace's, with a low fd (see _Nft.context)
+        except EgressError:
+            self.ctx = None  # nftables missing: nft() says so when called
         entered.set_result(None)
         while (job := self._jobs.get()) is not None:
             fn, fut = job
@@ -194,6 +212,8 @@ class NetnsWorker:
                     fut.set_result(fn())
                 except BaseException as e:
                     fut.set_exception(e)
+        if self.ctx is not None:
+            _lib().free(self.ctx)
 
     def submit(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
         fut: concurrent.futures.Future[T] = concurrent.futures.Future()
@@ -207,7 +227,11 @@ class NetnsWorker:
         return self.submit(fn).result()
 
     def nft(self, commands: str) -> str:
-        return self.call(lambda: _lib().run(commands))
+        return self.call(lambda: self.run_nft(commands))
+
+    def run_nft(self, commands: str) -> str:
+        """nft(), for code already running in this worker's thread."""
+        return _lib().run(commands, self.ctx)
 
     def stop(self) -> None:
         self._jobs.put(None)

@@ -182,6 +182,14 @@ async def serve_secret_host(first: bytes, reader: asyncio.StreamReader, writer: 
         on_event(leak_event(base, leaked))
         await client.write(leak_refusal(leaked))
 
+    named = _named_hosts(request)
+    if named != {host.lower()}:
+        # a front end (a CDN) routes by Host: a request to this host's address that names another
+        # would take the value to that other site
+        on_event({**base, "verdict": "denied", "rule": "host-mismatch", "named": sorted(named)[:4], "state": "denied"})
+        await client.write(b"HTTP/1.1 421 Misdirected Request\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+        return
+
     if leaked is not None:
         await refuse(leaked)
         return
@@ -307,6 +315,21 @@ async def _copy(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
         await writer.drain()
     if writer.can_write_eof():
         writer.write_eof()
+
+
+def _named_hosts(request: h11.Request) -> set[str]:
+    """Every host a request names: its Host headers and an absolute-form target (ports dropped)."""
+    names = [v.decode(errors="replace") for n, v in request.headers if n == b"host"]
+    if request.target.lower().startswith((b"http://", b"https://")):
+        names.append(request.target.split(b"/")[2].decode(errors="replace"))
+    return {_without_port(n) for n in names}
+
+
+def _without_port(authority: str) -> str:
+    authority = authority.strip().lower()
+    if authority.startswith("["):  # [v6]:port
+        return authority[1:authority.find("]")] if "]" in authority else authority
+    return authority.rsplit(":", 1)[0] if authority.count(":") == 1 else authority
 
 
 async def _client_to_upstream(client: _Client, up_writer: asyncio.StreamWriter) -> None:

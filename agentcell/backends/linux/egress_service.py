@@ -32,7 +32,6 @@ from agentcell.backends.linux.egress import (
     EgressError,
     NeverList,
     Router,
-    run_here,
     slot_of,
 )
 from agentcell.backends.linux.egress_ca import EgressCA
@@ -177,7 +176,9 @@ class Egress:
         return await asyncio.wrap_future(self.router.worker.submit(fn))
 
     async def _nft(self, commands: str) -> None:
-        await self._in_router(lambda: run_here(commands))  # run_here: the worker's thread is in the router
+        assert self.router is not None
+        worker = self.router.worker
+        await self._in_router(lambda: worker.run_nft(commands))
 
     async def _socket(self, family: int, kind: int) -> socket.socket:
         return await self._in_router(lambda: socket.socket(family, kind))
