@@ -21,6 +21,9 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+import dns.exception
+import dns.name
+
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 ALL_TRAFFIC = "0.0.0.0/0"  # E2B's sentinel for "everything"
 MAX_ENTRIES = 256  # per list: a policy is kernel state (nft set elements, ~150 bytes each) the host pays for
@@ -36,14 +39,19 @@ def _everything(net: Network) -> bool:
 
 
 def _domain(text: str) -> str:
-    name = text.strip().lower().rstrip(".")
-    wildcard = name.startswith("*.")
-    labels = (name[2:] if wildcard else name).split(".")
-    if len(name) > 253 or len(labels) < 1 or not all(_LABEL.match(label) for label in labels):
+    """A domain rule in canonical form (lower case, IDNA, no trailing dot; `*.` kept), or PolicyError."""
+    raw = text.strip().lower().rstrip(".")
+    wildcard = raw.startswith("*.")
+    try:
+        name = dns.name.from_text(raw[2:] if wildcard else raw).to_text(omit_final_dot=True).lower()
+    except (dns.exception.DNSException, UnicodeError, ValueError):
+        name = ""
+    labels = name.split(".")
+    if not name or len(name) > 253 or not all(_LABEL.match(label) for label in labels):
         raise PolicyError(f"{text!r} is not a CIDR, an IP address or a domain name (wildcards: *.example.com)")
     if labels[-1].isdigit():
         raise PolicyError(f"{text!r} looks like an IP address but is not one")
-    return name
+    return f"*.{name}" if wildcard else name
 
 
 def split_rules(entries: Iterable[str], field_name: str) -> tuple[tuple[Network, ...], tuple[str, ...]]:

@@ -20,7 +20,6 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from agentcell.backends.base import LIMIT_RANGES, Limits
-from agentcell.backends.linux.egress_dns import DomainRules, RuleError
 from agentcell.backends.network_policy import ALL_TRAFFIC, NetworkPolicy, PolicyError
 from agentcell.backends.secrets import SecretError, SecretSet, parse_rules
 from agentcell.errors import BackendUnavailableError, InvalidArgumentError, SandboxError, SandboxGoneError
@@ -156,13 +155,9 @@ def network_policy(body: dict[str, Any], network: dict[str, Any], internet_defau
     if not internet and allow:
         internet, deny = True, [*deny, ALL_TRAFFIC]
     try:
-        policy = NetworkPolicy.parse(internet, allow, deny)
-        names = policy.names_allowed()
-        if names is not None:
-            DomainRules(*names)
-    except (PolicyError, RuleError) as e:
+        return NetworkPolicy.parse(internet, allow, deny)
+    except PolicyError as e:
         raise HTTPError(400, f"invalid network rule: {e}") from None
-    return policy
 
 
 def _reject_unsupported(body: dict[str, Any]) -> None:
@@ -281,10 +276,10 @@ class ControlPlane:
         limits = _limits(self.cfg, body)
         _reject_unsupported(body)
         public_traffic = _public_traffic(body)
-        policy = self._policy(body, _network_object(body))
+        network = _network_object(body)
+        policy = self._policy(body, network)
         try:
-            secrets = dataclasses.replace(SecretSet.parse(body.get("secrets")),
-                                          rules=parse_rules(_field(_network_object(body), "rules", "rules")))
+            secrets = dataclasses.replace(SecretSet.parse(body.get("secrets")), rules=parse_rules(network.get("rules")))
         except SecretError as e:
             raise HTTPError(400, str(e)) from None
         if secrets and not self.manager.backend.has_egress:

@@ -106,6 +106,7 @@ class Egress:
         self.ca = EgressCA.load_or_create(statedir.private_dir(statedir.default_state_dir("egress-ca")))
         self.ca_path = os.path.join(statedir.default_state_dir("egress-ca"), "ca.pem")
         self._names: dict[int, dict[str, set[str]]] = {}  # slot -> address -> every name it was answered for
+        self._locks: dict[int, asyncio.Lock] = {}
 
     # -- the router ---------------------------------------------------------------------------
 
@@ -191,10 +192,20 @@ class Egress:
         await asyncio.to_thread(self.router.connect, slot, f"/proc/{pid}/ns/net")
         await self.apply(slot, CLOSED)
 
+    def _lock(self, slot: int) -> asyncio.Lock:
+        """One change at a time per slot: a policy and the pins of an answer found under the one before
+        must not cross (the answer's name is checked again, under the lock, against the policy in force)."""
+        return self._locks.setdefault(slot, asyncio.Lock())
+
     async def apply(self, slot: int, policy: NetworkPolicy, sandbox_id: str | None = None,
                     secrets: SecretSet | None = None, rules: tuple[HeaderRule, ...] | None = None) -> None:
         """Replace the sandbox's way out; pins of names the new policy still allows stay. A claim
         names the sandbox the slot now serves (its events are kept under that id) and its secrets."""
+        async with self._lock(slot):
+            await self._apply(slot, policy, sandbox_id, secrets, rules)
+
+    async def _apply(self, slot: int, policy: NetworkPolicy, sandbox_id: str | None,
+                     secrets: SecretSet | None, rules: tuple[HeaderRule, ...] | None) -> None:
         assert self.router is not None
         if sandbox_id is not None:
             self._owner[slot] = sandbox_id
@@ -222,6 +233,11 @@ class Egress:
         self._names[slot] = {a: n for a, n in self._names.get(slot, {}).items() if a in still}
 
     async def disconnect(self, slot: int) -> None:
+        async with self._lock(slot):
+            await self._disconnect(slot)
+        self._locks.pop(slot, None)
+
+    async def _disconnect(self, slot: int) -> None:
         assert self.router is not None
         self.policies.pop(slot, None)
         self._rules.pop(slot, None)
@@ -298,9 +314,17 @@ class Egress:
 
     async def _pin(self, source: str, pins: list[Pin]) -> None:
         slot = slot_of(source)
-        policy = self.policies.get(slot) if slot is not None else None
-        if slot is None or policy is None or not policy.open:
+        if slot is None:
+            raise EgressError(f"{source} is no sandbox")
+        async with self._lock(slot):
+            await self._pin_locked(slot, source, pins)
+
+    async def _pin_locked(self, slot: int, source: str, pins: list[Pin]) -> None:
+        policy, rules = self.policies.get(slot), self._rules.get(slot)
+        if policy is None or not policy.open or rules is None:
             raise EgressError(f"{source} has no way out to pin anything for")
+        if not all(rules.allows(dns.name.from_text(name)) for _, _, name in pins):
+            raise EgressError(f"{source}'s policy changed while its answer was on its way")
         table = self._pins.setdefault(slot, {})
         now = time.monotonic()
         if len(table) + len(pins) > PIN_SET_SIZE:
