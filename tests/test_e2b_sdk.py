@@ -79,6 +79,7 @@ def test_files(sbx: Sandbox) -> None:
     moved = sbx.files.rename("dir/a.txt", "dir/sub/z.txt")
     assert moved.path == "/home/user/dir/sub/z.txt" and not sbx.files.exists("dir/a.txt")
     sbx.files.remove("dir/sub")
+    sbx.files.remove("dir/never-there")  # as envd: removing what is not there succeeds
     assert not sbx.files.exists("dir/sub/z.txt")
     with pytest.raises(NotFoundException):
         sbx.files.read("dir/missing")

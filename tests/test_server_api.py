@@ -531,3 +531,36 @@ async def test_api_key_is_enforced_when_configured() -> None:
         # the data plane does not take the API key: an unknown sandbox is still a 502
         r = await c.get("/health", headers={"E2b-Sandbox-Id": "abc", "E2b-Sandbox-Port": "49983"})
         assert r.status_code == 502
+
+
+def test_started_after_and_before_are_inclusive(http: httpx.Client) -> None:
+    r = http.post("/v2/sandboxes", json={"templateID": "base", "timeout": 60})
+    assert r.status_code == 201, r.text
+    sid = r.json()["sandboxID"]
+    try:
+        started = http.get(f"/sandboxes/{sid}").json()["startedAt"]
+        ids = lambda q: [s["sandboxID"] for s in http.get("/v2/sandboxes", params=q).json()]  # noqa: E731
+        assert sid in ids({"startedAfter": started})
+        assert sid in ids({"startedBefore": started})
+        assert sid not in ids({"startedBefore": "2000-01-01T00:00:00Z"})
+        assert http.get("/v2/sandboxes", params={"startedBefore": "yesterday"}).status_code == 400
+    finally:
+        http.delete(f"/sandboxes/{sid}")
+
+
+def test_e2b_paths_agentcell_does_not_serve_say_so(http: httpx.Client) -> None:
+    for method, path in (("GET", "/sandboxes/metrics"), ("GET", "/snapshots"), ("GET", "/templates"),
+                         ("POST", "/v3/templates"), ("GET", "/templates/abc/tags"), ("GET", "/volumes"),
+                         ("POST", "/secrets"), ("GET", "/sandboxes/abc/logs"), ("GET", "/v2/sandboxes/abc/logs")):
+        r = http.request(method, path, json={} if method == "POST" else None)
+        assert r.status_code == 501 and "not supported" in r.json()["message"], (method, path, r.text)
+    assert http.get("/templates/aliases/base").json() == {"templateID": "base", "public": True}
+    assert http.get("/templates/aliases/code-interpreter-v1").status_code == 200
+    assert http.get("/templates/aliases/nope").status_code == 404
+
+
+def test_e2b_template_exists(e2b_env: str) -> None:
+    from e2b import Template
+
+    assert Template.exists("base") is True
+    assert Template.exists("no-such-template") is False

@@ -140,12 +140,15 @@ class FileSystem:
         return self.stat(dst)
 
     def remove(self, path: str) -> None:
+        """Remove a file or a directory tree; a path that is not there is already removed (as envd)."""
         p = self.resolve(path)
         try:
             if stat.S_ISDIR(os.lstat(p).st_mode):
                 shutil.rmtree(p)
             else:
                 os.unlink(p)
+        except FileNotFoundError:
+            return
         except OSError as e:
             raise os_error(e) from None
 

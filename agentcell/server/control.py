@@ -181,6 +181,33 @@ def _public_traffic(body: dict[str, Any]) -> bool:
     return value
 
 
+def _time_param(query: Any, name: str) -> datetime | None:
+    value = query.get(name)
+    if not value:
+        return None
+    try:
+        when = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        raise HTTPError(400, f"'{name}' is not an ISO 8601 time: {value!r}") from None
+    return when if when.tzinfo is not None else when.replace(tzinfo=UTC)
+
+
+# E2B API paths agentcell does not serve: an honest 501 (the SDKs read it as "not supported"), never a
+# 404 that they would read as "sandbox not found"
+UNSERVED = (
+    ("/sandboxes/metrics", "metrics of many sandboxes at once"),
+    ("/sandboxes/{sandbox_id}/logs", "sandbox logs"), ("/v2/sandboxes/{sandbox_id}/logs", "sandbox logs"),
+    ("/snapshots", "snapshots"), ("/default-templates", "template builds"), ("/templates", "template builds"),
+    ("/v2/templates", "template builds"), ("/v3/templates", "template builds"),
+    ("/templates/tags", "template tags"), ("/templates/{template_id}", "template builds"),
+    ("/v2/templates/{template_id}", "template builds"), ("/templates/{template_id}/{rest:path}", "template builds"),
+    ("/v2/templates/{template_id}/{rest:path}", "template builds"),
+    ("/secrets", "stored secrets (pass them in the create body: secrets=)"),
+    ("/secrets/{secret_id}", "stored secrets (pass them in the create body: secrets=)"),
+    ("/volumes", "volumes"), ("/volumes/{volume_id}", "volumes"),
+)
+
+
 # --- response objects ----------------------------------------------------------------------------------
 
 
@@ -322,15 +349,12 @@ class ControlPlane:
         template = q.get("template")
         if template:
             records = [r for r in records if template in (r.template_id, r.alias)]
-        started_after = q.get("startedAfter")
-        if started_after:
-            try:
-                after = datetime.fromisoformat(started_after.replace("Z", "+00:00"))
-                if after.tzinfo is None:
-                    after = after.replace(tzinfo=UTC)
-            except ValueError:
-                raise HTTPError(400, f"'startedAfter' is not an ISO 8601 time: {started_after!r}") from None
-            records = [r for r in records if r.started_at > after]
+        # startedAfter / startedBefore: inclusive, as E2B's API has them
+        after, before = _time_param(q, "startedAfter"), _time_param(q, "startedBefore")
+        if after is not None:
+            records = [r for r in records if r.started_at >= after]
+        if before is not None:
+            records = [r for r in records if r.started_at <= before]
         return records
 
     async def list_v1(self, request: Request) -> Response:
@@ -441,6 +465,20 @@ class ControlPlane:
 
         return handler
 
+    async def template_alias(self, request: Request) -> Response:
+        """E2B's GET /templates/aliases/{alias} (Template.exists): the templates this server has."""
+        alias = request.path_params["alias"]
+        if alias not in TEMPLATES:
+            raise HTTPError(404, f"template '{alias}' not found; available: {', '.join(TEMPLATES)}")
+        return JSONResponse({"templateID": TEMPLATES[alias], "public": True})
+
+    @staticmethod
+    def _not_served(what: str):  # type: ignore[no-untyped-def]
+        async def handler(request: Request) -> Response:
+            raise HTTPError(501, f"{what} are not supported by agentcell yet")
+
+        return handler
+
     async def metrics(self, request: Request) -> Response:
         rec = self._record(request)
         try:
@@ -474,6 +512,10 @@ class ControlPlane:
         sid = "/sandboxes/{sandbox_id}"
         return [
             Route("/health", self.health, methods=["GET"]),
+            # before /sandboxes/{sandbox_id}, which would take /sandboxes/metrics for a sandbox id
+            Route("/templates/aliases/{alias}", self.template_alias, methods=["GET"]),
+            *(Route(path, self._not_served(what), methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
+              for path, what in UNSERVED),
             Route("/sandboxes", self.create, methods=["POST"]),
             Route("/v2/sandboxes", self.create, methods=["POST"]),
             Route("/sandboxes", self.list_v1, methods=["GET"]),
