@@ -138,3 +138,12 @@ def test_code_contexts(code: CodeSandbox) -> None:
     assert ctx.id in [c.id for c in code.list_code_contexts()]
     code.remove_code_context(ctx)
     assert ctx.id not in [c.id for c in code.list_code_contexts()]
+
+
+def test_kill_answers_once_the_process_is_gone(sbx: Sandbox) -> None:
+    """envd's SendSignal(SIGKILL) returns after the process is gone: `kill -0` right after must fail."""
+    for _ in range(10):
+        h = sbx.commands.run("sleep 100", background=True)
+        assert sbx.commands.kill(h.pid)
+        r = sbx.commands.run(f"kill -0 {h.pid} 2>/dev/null && echo alive || echo gone")
+        assert r.stdout.strip() == "gone"

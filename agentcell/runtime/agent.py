@@ -527,7 +527,13 @@ async def _proc_input(agent: Agent, call: Call, frame: Frame) -> dict[str, Any]:
 
 @op("proc.signal")
 async def _proc_signal(agent: Agent, call: Call, frame: Frame) -> dict[str, Any]:
-    agent.processes.signal(frame.header.get("pid"), frame.header.get("tag"), _field(frame, "signal", int, 15))
+    sig = _field(frame, "signal", int, 15)
+    proc = agent.processes.signal(frame.header.get("pid"), frame.header.get("tag"), sig)
+    if sig == signal.SIGKILL:  # as envd: the answer comes once the process is gone (reaped), ≤ 2 s
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 2.0
+        while proc.status is None and loop.time() < deadline:
+            await asyncio.sleep(0.002)
     return {}
 
 

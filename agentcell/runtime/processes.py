@@ -391,11 +391,12 @@ class ProcessTable:
         if proc.stdin is not None and not proc.pty:
             proc.stdin.close()
 
-    def signal(self, pid: int | None, tag: str | None, sig: int) -> None:
+    def signal(self, pid: int | None, tag: str | None, sig: int) -> Process:
         proc = self.find(pid, tag)
         if int(sig) not in signal.valid_signals():
             raise InvalidArgumentError(f"invalid signal {sig}")
         proc.kill(int(sig))
+        return proc
 
     def resize(self, pid: int | None, tag: str | None, cols: int, rows: int) -> None:
         proc = self.find(pid, tag)
