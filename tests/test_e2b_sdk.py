@@ -132,8 +132,8 @@ def test_run_code_matplotlib_png(code: CodeSandbox) -> None:
 def test_code_contexts(code: CodeSandbox) -> None:
     ctx = code.create_code_context(cwd="/tmp")
     code.run_code("v = 'ctx'", context=ctx)
-    assert code.run_code("v", context=ctx).text == "'ctx'"
-    assert code.run_code("import os; os.getcwd()", context=ctx).text == "'/tmp'"
+    assert code.run_code("v", context=ctx).text == "ctx"
+    assert code.run_code("import os; os.getcwd()", context=ctx).text == "/tmp"
     assert code.run_code("'v' in dir()").text == "False"  # the default context does not see it
     assert ctx.id in [c.id for c in code.list_code_contexts()]
     code.remove_code_context(ctx)

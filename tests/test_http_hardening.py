@@ -223,7 +223,7 @@ def test_unauthenticated_context_calls_change_nothing(http: httpx.Client, sbx: d
     assert http.delete(f"/contexts/{ctx['id']}", headers=no_token).status_code == 401
     assert [c["id"] for c in http.get("/contexts", headers=with_token).json()] == before
     r = http.post("/execute", json={"code": "kept", "context_id": ctx["id"]}, headers=with_token)
-    assert any(ln.get("text") == "'yes'" for ln in map(json.loads, r.text.splitlines()))
+    assert any(ln.get("text") == "yes" for ln in map(json.loads, r.text.splitlines()))
 
 
 def test_health_stays_open(http: httpx.Client, sbx: dict[str, Any]) -> None:
@@ -513,7 +513,7 @@ def test_streaming_response_outlives_the_body_timeout(edge_server: ServerProcess
         try:
             # body timeout 2 s; the run takes 3 s while the response waits on receive() for a disconnect
             lines = run_code(c, s, "import time; time.sleep(3); 'done'")
-            assert result_text(lines) == "'done'" and lines[-1]["type"] == "end_of_execution"
+            assert result_text(lines) == "done" and lines[-1]["type"] == "end_of_execution"
         finally:
             c.delete(f"/sandboxes/{s['sandboxID']}")
 

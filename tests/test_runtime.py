@@ -302,7 +302,7 @@ async def test_code_results_and_state(agent: Agent) -> None:
     lines = await agent.run("x + 1")
     assert lines[0] == {"type": "number_of_executions", "execution_count": count + 1}
     assert _one(lines, "result") == {"type": "result", "text": "42", "extra": {}, "is_main_result": True}
-    assert _main_text(await agent.run("'alive'")) == "'alive'"
+    assert _main_text(await agent.run("'alive'")) == "alive"
 
     lines = await agent.run(
         "import sys, os\nprint('out')\nprint('err', file=sys.stderr)\nos.system('echo fd')\nNone"
@@ -381,7 +381,7 @@ async def test_code_contexts(agent: Agent) -> None:
 
     await agent.run("y = 'default'")
     await agent.run("y = 'other'", context_id=ctx["id"])
-    assert _main_text(await agent.run("y")) == "'default'"
+    assert _main_text(await agent.run("y")) == "default"
     assert _main_text(await agent.run("import os; os.getcwd()", context_id=ctx["id"])) == repr(
         str(agent.home / "work")
     )
@@ -443,11 +443,11 @@ async def test_code_context_death_recovers(agent: Agent) -> None:
     assert _main_text(await agent.run("41 + 1")) == "42"
     lines = await agent.run("import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
     assert "segmentation fault" in _one(lines, "error")["value"]
-    assert _main_text(await agent.run("'back'")) == "'back'"
+    assert _main_text(await agent.run("'back'")) == "back"
 
 
 async def test_code_runtime_environment(agent: Agent) -> None:
-    assert _main_text(await agent.run("import asyncio\nawait asyncio.sleep(0.01)\n'awaited'")) == "'awaited'"
+    assert _main_text(await agent.run("import asyncio\nawait asyncio.sleep(0.01)\n'awaited'")) == "awaited"
     lines = await agent.run("import subprocess; subprocess.run(['echo', 'sub']).returncode")
     assert _stdout(lines) == "sub\n" and _main_text(lines) == "0"
     # Nothing of the zygote's own environment is visible, not even through /proc.

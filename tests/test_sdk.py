@@ -136,14 +136,14 @@ def test_run_code_callbacks_in_order(sbx: Sandbox) -> None:
         on_stdout=lambda m: seen.append(m.line), on_result=results.append,
     )
     assert "".join(seen) == "0\n1\n2\n"
-    assert results and results[0].text == "'end'"
+    assert results and results[0].text == "end"
     assert ex.text == results[0].text
 
 
 def test_run_code_chart_and_envs(sbx: Sandbox) -> None:
     r = sbx.run_code("import matplotlib.pyplot as plt; plt.plot([1, 3, 2]); plt.show()")
     assert base64.b64decode(r.results[0].png)[:8] == PNG_MAGIC
-    assert sbx.run_code("import os; os.environ.get('FOO')", envs={"FOO": "bar"}).text == "'bar'"
+    assert sbx.run_code("import os; os.environ.get('FOO')", envs={"FOO": "bar"}).text == "bar"
 
 
 def test_run_code_timeout(sbx: Sandbox) -> None:
@@ -156,7 +156,7 @@ def test_code_contexts(sbx: Sandbox) -> None:
     ctx = sbx.create_code_context(cwd="/tmp")
     sbx.run_code("z = 5", context=ctx)
     assert sbx.run_code("z", context=ctx).text == "5"
-    assert sbx.run_code("import os; os.getcwd()", context=ctx).text == "'/tmp'"
+    assert sbx.run_code("import os; os.getcwd()", context=ctx).text == "/tmp"
     assert sbx.run_code("'z' in globals()").text == "False"  # the default context is separate
     assert ctx.id in [c.id for c in sbx.list_code_contexts()]
     sbx.restart_code_context(ctx)

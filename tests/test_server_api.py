@@ -424,7 +424,7 @@ def test_execute_keepalive_and_disconnect(http: httpx.Client, sbx: dict[str, Any
     t = time.monotonic()
     status, lines = execute(http, sbx, {"code": "'after'"})
     assert time.monotonic() - t < 20
-    assert any(ln.get("text") == "'after'" for ln in lines)
+    assert any(ln.get("text") == "after" for ln in lines)
 
 
 def test_contexts(http: httpx.Client, sbx: dict[str, Any]) -> None:

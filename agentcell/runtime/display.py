@@ -61,6 +61,9 @@ def result_line(data: dict[str, Any], is_main_result: bool) -> dict[str, Any]:
             extra[mime] = value
         else:
             line[key] = value
+    text = line.get("text")
+    if isinstance(text, str) and len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        line["text"] = text[1:-1]  # as E2B's code interpreter: a string's repr without its quotes
     line["extra"] = extra
     line["is_main_result"] = is_main_result
     return line
