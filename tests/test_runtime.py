@@ -288,8 +288,7 @@ async def test_files_list_mkdir_move_remove(agent: Agent) -> None:
         await agent.ch.call("fs.move", source="tree/top.txt", destination="x")
     await agent.ch.call("fs.remove", path="tree")
     assert not (agent.home / "tree").exists()
-    with pytest.raises(NotFoundError):
-        await agent.ch.call("fs.remove", path="tree")
+    await agent.ch.call("fs.remove", path="tree")  # as envd: what is not there is removed already
 
 
 # -- code -------------------------------------------------------------------------------------------
@@ -382,9 +381,7 @@ async def test_code_contexts(agent: Agent) -> None:
     await agent.run("y = 'default'")
     await agent.run("y = 'other'", context_id=ctx["id"])
     assert _main_text(await agent.run("y")) == "default"
-    assert _main_text(await agent.run("import os; os.getcwd()", context_id=ctx["id"])) == repr(
-        str(agent.home / "work")
-    )
+    assert _main_text(await agent.run("import os; os.getcwd()", context_id=ctx["id"])) == str(agent.home / "work")
     await agent.run("only_here = 1", context_id=ctx["id"])
     assert _one(await agent.run("only_here"), "error")["name"] == "NameError"  # state is separate
 
@@ -455,7 +452,7 @@ async def test_code_runtime_environment(agent: Agent) -> None:
     assert _main_text(await agent.run(code)) == "(False, False)"
     assert _main_text(await agent.run("import threading; threading.active_count()")) == "1"
     backend = _main_text(await agent.run("import matplotlib; matplotlib.get_backend()"))
-    assert backend in ("'inline'", "'module://matplotlib_inline.backend_inline'")
+    assert backend in ("inline", "module://matplotlib_inline.backend_inline")
 
 
 async def test_code_run_round_trip_is_fast(agent: Agent) -> None:

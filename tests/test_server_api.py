@@ -399,7 +399,7 @@ def test_execute_lines_reach_the_client_as_they_happen(http: httpx.Client, sbx: 
                 arrivals.append((ln.get("text") or ln["type"], time.monotonic() - start))
     names = [a[0] for a in arrivals if a[0] != "keepalive"]
     assert names[0] == "number_of_executions" or names[0] == "first\n"
-    assert names[-3:] == ["second\n", "'done'", "end_of_execution"]
+    assert names[-3:] == ["second\n", "done", "end_of_execution"]
     first = next(t for name, t in arrivals if name == "first\n")
     assert first < 0.8 <= arrivals[-1][1]
 
