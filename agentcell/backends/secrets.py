@@ -155,9 +155,6 @@ class SecretSet:
     def for_host(self, host: str | None) -> list[Secret]:
         return [s for s in self.secrets if host and s.serves(host)]
 
-    def hosts(self) -> tuple[str, ...]:
-        return tuple(sorted({h for s in self.secrets for h in s.hosts}))
-
     def public(self) -> dict[str, dict[str, list[str]]]:
         """What get_info may show: names and hosts, never a value."""
         return {s.name: {"hosts": list(s.hosts)} for s in self.secrets}

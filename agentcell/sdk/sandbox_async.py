@@ -13,6 +13,7 @@ from agentcell.sdk.config import ConnectionConfig, SandboxConnection, aresolve
 from agentcell.sdk.files_async import AsyncFilesystem
 from agentcell.sdk.methods import hybrid
 from agentcell.sdk.models import Context, Execution, SandboxInfo, SandboxQuery
+from agentcell.sdk.sandbox_base import ConnectedSandbox
 from agentcell.sdk.transport import error_from_http
 
 
@@ -45,7 +46,7 @@ class AsyncSandboxPaginator:
                 yield item
 
 
-class AsyncSandbox:
+class AsyncSandbox(ConnectedSandbox):
     """A sandbox: run_code, commands, files. Create with `await AsyncSandbox.create()`; `async with` kills it."""
 
     def __init__(self, conn: SandboxConnection) -> None:
@@ -54,13 +55,6 @@ class AsyncSandbox:
         self._commands = AsyncCommands(conn)
         self._code = AsyncCodeInterpreter(conn)
 
-    def __repr__(self) -> str:
-        return f"AsyncSandbox(sandbox_id={self.sandbox_id!r}, url={self._conn.config.base_url!r})"
-
-    @property
-    def sandbox_id(self) -> str:
-        return self._conn.sandbox_id
-
     @property
     def files(self) -> AsyncFilesystem:
         return self._files
@@ -68,23 +62,6 @@ class AsyncSandbox:
     @property
     def commands(self) -> AsyncCommands:
         return self._commands
-
-    @property
-    def connection_config(self) -> ConnectionConfig:
-        return self._conn.config
-
-    @property
-    def traffic_access_token(self) -> str | None:
-        """The token a port served out of this sandbox needs when it was created with
-        ``network={"allow_public_traffic": False}`` (header ``e2b-traffic-access-token``)."""
-        return self._conn.traffic_access_token
-
-    def get_host(self, port: int) -> str:
-        """The host (``{port}-{sandbox_id}.{domain}``) under which a server listening on `port` inside
-        the sandbox is reached through the server, over HTTP or WebSocket; as e2b's get_host. With a
-        local server that is ``{port}-{id}.localhost:{server port}`` (browsers and curl resolve
-        ``*.localhost`` to loopback; other clients can connect to the server and send it as Host)."""
-        return self._conn.get_host(port)
 
     # --- lifecycle --------------------------------------------------------------------------------
 

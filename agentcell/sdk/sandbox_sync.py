@@ -15,6 +15,7 @@ from agentcell.sdk.config import ConnectionConfig, SandboxConnection, resolve
 from agentcell.sdk.files_sync import Filesystem
 from agentcell.sdk.methods import hybrid
 from agentcell.sdk.models import Context, Execution, SandboxInfo, SandboxQuery
+from agentcell.sdk.sandbox_base import ConnectedSandbox
 from agentcell.sdk.transport import error_from_http, error_from_transport, sync_client, timeout
 
 
@@ -43,7 +44,7 @@ class SandboxPaginator:
             yield from self.next_items()
 
 
-class Sandbox:
+class Sandbox(ConnectedSandbox):
     """A sandbox: run_code, commands, files. Create with Sandbox.create(); a context manager kills it."""
 
     def __init__(self, conn: SandboxConnection) -> None:
@@ -52,13 +53,6 @@ class Sandbox:
         self._commands = Commands(conn)
         self._code = CodeInterpreter(conn)
 
-    def __repr__(self) -> str:
-        return f"Sandbox(sandbox_id={self.sandbox_id!r}, url={self._conn.config.base_url!r})"
-
-    @property
-    def sandbox_id(self) -> str:
-        return self._conn.sandbox_id
-
     @property
     def files(self) -> Filesystem:
         return self._files
@@ -66,23 +60,6 @@ class Sandbox:
     @property
     def commands(self) -> Commands:
         return self._commands
-
-    @property
-    def connection_config(self) -> ConnectionConfig:
-        return self._conn.config
-
-    @property
-    def traffic_access_token(self) -> str | None:
-        """The token a port served out of this sandbox needs when it was created with
-        ``network={"allow_public_traffic": False}`` (header ``e2b-traffic-access-token``)."""
-        return self._conn.traffic_access_token
-
-    def get_host(self, port: int) -> str:
-        """The host (``{port}-{sandbox_id}.{domain}``) under which a server listening on `port` inside
-        the sandbox is reached through the server, over HTTP or WebSocket; as e2b's get_host. With a
-        local server that is ``{port}-{id}.localhost:{server port}`` (browsers and curl resolve
-        ``*.localhost`` to loopback; other clients can connect to the server and send it as Host)."""
-        return self._conn.get_host(port)
 
     # --- lifecycle --------------------------------------------------------------------------------
 

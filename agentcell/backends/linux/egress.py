@@ -28,13 +28,13 @@ import ctypes
 import ipaddress
 import os
 import queue
+import re
 import subprocess
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 from agentcell.backends.linux import syscalls as sc
-from agentcell.backends.linux.egress_events import deny_log, deny_rules, enable_accounting
 from agentcell.backends.linux.egress_proxy import FWMARK as PROXY_MARK
 from agentcell.backends.linux.egress_proxy import routing_commands as proxy_routing
 from agentcell.backends.linux.egress_proxy import tproxy_statement
@@ -99,6 +99,11 @@ class NeverList:
 MAX_CONNECTIONS = 1024  # open at once (opening or established; the kernel does not count closed ones)
 NEW_PER_SECOND = 500  # new connections (and UDP flows) per second, burst twice that
 OVER_MARK = 0x2  # a packet past either, marked to be logged and dropped (a meter lives in one rule only)
+
+# Refusals become events (egress_events.py reads them): NFLOG group and the prefix naming the rule.
+LOG_GROUP = 7
+PREFIX = "acdeny:"  # PREFIX + rule name + " "
+_RULE_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,48}")
 
 # Resolvers other than ours (DNS, DoT, DoQ) and QUIC: dropped for every sandbox. QUIC is UDP that the
 # SNI/Host checks cannot read; clients fall back to TCP.
@@ -243,14 +248,19 @@ def run_here(commands: str) -> str:
     return _lib().run(commands)
 
 
-def nft_in(netns_path: str, commands: str) -> str:
-    """Run an nftables transaction inside the network namespace at `netns_path` (a thread of its own,
-    gone afterwards; long-lived users keep a NetnsWorker)."""
+def call_in(netns_path: str, fn: Callable[[], T]) -> T:
+    """Run `fn` inside the network namespace at `netns_path`, in a thread of its own that is gone
+    afterwards (long-lived users keep a NetnsWorker): for making a socket there, or one transaction."""
     worker = NetnsWorker(netns_path)
     try:
-        return worker.nft(commands)
+        return worker.call(fn)
     finally:
         worker.stop()
+
+
+def nft_in(netns_path: str, commands: str) -> str:
+    """Run an nftables transaction inside the network namespace at `netns_path`."""
+    return call_in(netns_path, lambda: _lib().run(commands))
 
 
 # --- ip(8), inside a namespace ----------------------------------------------------------------------
@@ -370,6 +380,31 @@ table inet {TABLE} {{
 """
 
 
+def deny_log(rule: str, group: int = LOG_GROUP, *, rate: int = 50, burst: int = 100,
+             meter: str | None = None) -> str:
+    """An nft statement fragment that logs a new connection attempt to NFLOG `group`, naming `rule`.
+
+    Rate limited: `rate` per second with `burst`, over all sandboxes, or per ingress link (`iifname`)
+    when `meter` names a meter (each meter name may appear in one rule only: nftables refuses a meter
+    shared by two rules). The fragment has no verdict and must be a rule of its own before the rule
+    that drops: a `limit` over its rate ends its rule, so a `drop` after it would be skipped."""
+    if not _RULE_NAME.fullmatch(rule):
+        raise ValueError(f"rule name {rule!r}: 1-48 of A-Z a-z 0-9 _ . : -")
+    if not 0 <= group <= 65535 or rate <= 0 or burst <= 0:
+        raise ValueError("group must be 0..65535, rate and burst positive")
+    limit = f"limit rate {rate}/second burst {burst} packets"
+    if meter is not None:
+        if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_]{0,30}", meter):
+            raise ValueError(f"meter name {meter!r}")
+        limit = f"meter {meter} size {MAX_SLOTS + 1} {{ iifname {limit} }}"
+    return f'ct state new {limit} log prefix "{PREFIX}{rule} " group {group}'
+
+
+def deny_rules(match: str, rule: str, group: int = LOG_GROUP, **limits: Any) -> list[str]:
+    """The two rule bodies for a logged refusal: `<match> <deny_log>` then `<match> drop`."""
+    return [f"{match} {deny_log(rule, group, **limits)}", f"{match} drop"]
+
+
 def _logged(match: str, rule: str, meter: str) -> str:
     """`match` logged (an event, rate limited per link) and dropped: two rules, see egress_events."""
     log, drop = deny_rules(match, rule, meter=f"acdeny_{meter}")
@@ -414,7 +449,8 @@ class Router:
             ip_in(router.path, ["link set lo up", f"addr add {RESOLVER}/32 dev lo", *proxy_routing()])
             # byte counts for the connection events; a closed connection's event comes 10 s after its
             # close rather than conntrack's default 120 s (late packets then meet the rules afresh)
-            enable_accounting(router.path, tcp_time_wait=10)
+            sysctl_in(router.path, "net.netfilter.nf_conntrack_acct=1", "net.netfilter.nf_conntrack_timestamp=1",
+                      "net.netfilter.nf_conntrack_tcp_timeout_time_wait=10")
             router.nft(base_ruleset(never))
         except BaseException:
             router.destroy()
@@ -539,8 +575,6 @@ class Router:
             self.nft(commands)
         self.committed(slot)
 
-    def ruleset(self) -> str:
-        return self.nft("list ruleset")
 
 
 def _ns_arg(netns_path: str) -> str:

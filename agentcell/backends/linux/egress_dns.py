@@ -103,11 +103,6 @@ class DomainRules:
 _DEFAULT_NEVER = NeverList()
 
 
-def never(addr: Address) -> bool:
-    """An address no sandbox may be pointed at by default: the router's never-list."""
-    return addr in _DEFAULT_NEVER
-
-
 class PolicyResolver(asyncio.DatagramProtocol):
     """Answers queries from sandboxes. `rules_for(source ip)` gives the sandbox's DomainRules (None:
     a stranger, or a sandbox without internet); `pin(source ip, pins)` is awaited with the addresses

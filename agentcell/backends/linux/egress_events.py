@@ -78,19 +78,24 @@ import os
 import re
 import socket
 import struct
-import subprocess
-import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from agentcell.backends.linux import syscalls as sc
+from agentcell.backends.linux.egress import (
+    LOG_GROUP,
+    MAX_SLOTS,
+    PREFIX,
+    call_in,
+    deny_log,
+    deny_rules,
+    slot_of,
+    sysctl_in,
+)
 
-LOG_GROUP = 7  # the NFLOG group the router's deny rules log to
-PREFIX = "acdeny:"  # NFLOG prefix: PREFIX + rule name + " "
-LINK_NET = ipaddress.IPv4Network("10.77.0.0/16")  # as in egress.py: a /30 per slot, sandbox at .2
-MAX_SLOTS = LINK_NET.num_addresses // 4
+__all__ = ["EventCollector", "EventLog", "EventsError", "deny_log", "deny_rules", "enable_accounting", "slot_of"]
+
 
 # --- netlink constants (linux/netlink.h, linux/netfilter/nfnetlink*.h) ----------------------------------
 
@@ -134,34 +139,6 @@ class EventsError(RuntimeError):
     """Setting up an event source failed; the message names the step."""
 
 
-# --- nftables fragments ------------------------------------------------------------------------------
-
-
-def deny_log(rule: str, group: int = LOG_GROUP, *, rate: int = 50, burst: int = 100,
-             meter: str | None = None) -> str:
-    """An nft statement fragment that logs a new connection attempt to NFLOG `group`, naming `rule`.
-
-    Rate limited: `rate` per second with `burst`, over all sandboxes, or per ingress link (`iifname`)
-    when `meter` names a meter (each meter name may appear in one rule only: nftables refuses a meter
-    shared by two rules). The fragment has no verdict and must be a rule of its own before the rule
-    that drops (see the module docstring: an exceeded `limit` ends its rule)."""
-    if not _RULE_NAME.fullmatch(rule):
-        raise ValueError(f"rule name {rule!r}: 1-48 of A-Z a-z 0-9 _ . : -")
-    if not 0 <= group <= 65535 or rate <= 0 or burst <= 0:
-        raise ValueError("group must be 0..65535, rate and burst positive")
-    limit = f"limit rate {rate}/second burst {burst} packets"
-    if meter is not None:
-        if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_]{0,30}", meter):
-            raise ValueError(f"meter name {meter!r}")
-        limit = f"meter {meter} size {MAX_SLOTS} {{ iifname {limit} }}"
-    return f'ct state new {limit} log prefix "{PREFIX}{rule} " group {group}'
-
-
-def deny_rules(match: str, rule: str, group: int = LOG_GROUP, **limits: Any) -> list[str]:
-    """The two rule bodies for a logged refusal: `<match> <deny_log>` then `<match> drop`."""
-    return [f"{match} {deny_log(rule, group, **limits)}", f"{match} drop"]
-
-
 # --- sysctls -----------------------------------------------------------------------------------------
 
 
@@ -169,44 +146,13 @@ def enable_accounting(netns_path: str, *, timestamps: bool = True, tcp_time_wait
     """Per-namespace sysctls the events need, set inside the namespace at `netns_path`:
     `net.netfilter.nf_conntrack_acct=1` (byte counters), `nf_conntrack_timestamp=1` (start/stop
     times) and, if given, `nf_conntrack_tcp_timeout_time_wait` (how long after a TCP close the DESTROY
-    event comes; the kernel default is 120 s)."""
-    values = {"net.netfilter.nf_conntrack_acct": "1"}
+    event comes; the kernel default is 120 s). Router.create sets them for the server's router."""
+    values = ["net.netfilter.nf_conntrack_acct=1"]
     if timestamps:
-        values["net.netfilter.nf_conntrack_timestamp"] = "1"
+        values.append("net.netfilter.nf_conntrack_timestamp=1")
     if tcp_time_wait is not None:
-        values["net.netfilter.nf_conntrack_tcp_timeout_time_wait"] = str(int(tcp_time_wait))
-    r = subprocess.run(["nsenter", f"--net={netns_path}", "sysctl", "-qw",
-                        *(f"{k}={v}" for k, v in values.items())],
-                       capture_output=True, text=True, check=False)
-    if r.returncode != 0:
-        raise EventsError(f"sysctl in {netns_path} failed: {r.stderr.strip()}")
-
-
-# --- sockets in a namespace --------------------------------------------------------------------------
-
-
-def _in_netns(netns_path: str, make: Callable[[], socket.socket]) -> socket.socket:
-    """Run `make` in a thread that has setns()'d into `netns_path`; the thread ends afterwards."""
-    fd = os.open(netns_path, os.O_RDONLY | os.O_CLOEXEC)
-    out: list[socket.socket] = []
-    err: list[BaseException] = []
-
-    def work() -> None:
-        try:
-            sc.setns(fd, sc.CLONE_NEWNET)
-            out.append(make())
-        except BaseException as e:  # re-raised in the caller
-            err.append(e)
-
-    try:
-        t = threading.Thread(target=work, name="agentcell-events-ns")
-        t.start()
-        t.join()
-    finally:
-        os.close(fd)
-    if err:
-        raise err[0]
-    return out[0]
+        values.append(f"net.netfilter.nf_conntrack_tcp_timeout_time_wait={int(tcp_time_wait)}")
+    sysctl_in(netns_path, *values)
 
 
 def _netlink_socket(groups: tuple[int, ...] = ()) -> socket.socket:
@@ -229,14 +175,14 @@ def ctnetlink_socket(netns_path: str, *, updates: bool = True) -> socket.socket:
     """A NETLINK_NETFILTER socket in the namespace at `netns_path`, subscribed to conntrack NEW and
     DESTROY events (and UPDATE, used for the reap probes). Blocking; the caller may set it non-blocking."""
     groups = (NFNLGRP_CONNTRACK_NEW, NFNLGRP_CONNTRACK_DESTROY, *((NFNLGRP_CONNTRACK_UPDATE,) if updates else ()))
-    return _in_netns(netns_path, lambda: _netlink_socket(groups))
+    return call_in(netns_path, lambda: _netlink_socket(groups))
 
 
 def nflog_socket(netns_path: str, group: int = LOG_GROUP, copy_range: int = COPY_RANGE) -> socket.socket:
     """A NETLINK_NETFILTER socket in the namespace at `netns_path`, bound to NFLOG `group` (packet
     copies of `copy_range` bytes, each packet delivered at once). One socket per group and namespace:
     a second bind fails (the kernel says EPERM; raised as EventsError "bound by another socket")."""
-    s = _in_netns(netns_path, _netlink_socket)
+    s = call_in(netns_path, _netlink_socket)
     try:
         _nflog_config(s, group, [
             _attr(NFULA_CFG_CMD, struct.pack("B", NFULNL_CFG_CMD_BIND)),
@@ -313,20 +259,6 @@ def _ip(raw: bytes | None) -> str | None:
     if raw is None or len(raw) not in (4, 16):
         return None
     return str(ipaddress.ip_address(raw))
-
-
-def slot_of(ip: str | None) -> int | None:
-    """The sandbox slot whose /30 has `ip` as its sandbox side (10.77.x.2), else None."""
-    if ip is None:
-        return None
-    try:
-        addr = ipaddress.ip_address(ip)
-    except ValueError:
-        return None
-    if addr.version != 4 or addr not in LINK_NET:
-        return None
-    off = int(addr) - int(LINK_NET.network_address)
-    return off // 4 if off % 4 == 2 else None
 
 
 def parse_conntrack(kind: int, flags: int, payload: bytes) -> dict[str, Any] | None:
@@ -594,7 +526,7 @@ class EventCollector:
         try:
             self._ct = ctnetlink_socket(router_netns_path)
             self._log = nflog_socket(router_netns_path, self.group)
-            self._ifq = _in_netns(router_netns_path,
+            self._ifq = call_in(router_netns_path,
                                   lambda: socket.socket(socket.AF_INET, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC))
             for s in (self._ct, self._log):
                 s.setblocking(False)
@@ -649,7 +581,7 @@ class EventCollector:
         ct = parse_conntrack(kind, flags, payload)
         if ct is None:
             return
-        slot = slot_of(ct["src"])
+        slot = slot_of(ct["src"] or "")
         if slot is None:
             return  # the router's own traffic, or not from a sandbox link
         if ct["state"] == "closed":
@@ -701,7 +633,7 @@ class EventCollector:
         self.stats["nflog"] += 1
         slot = self._slot_of_ifindex(log["indev"]) if log["indev"] else None
         if slot is None:
-            slot = slot_of(log["src"])
+            slot = slot_of(log["src"] or "")
         self._emit(slot, {
             "time": log["time"] or time.time(), "proto": log["proto"], "src": log["src"], "dst": log["dst"],
             "sport": log["sport"], "dport": log["dport"], "verdict": "denied", "rule": log["rule"],

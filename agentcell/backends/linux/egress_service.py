@@ -93,7 +93,7 @@ class Egress:
         self.uplink: uplinks.Uplink | None = None
         self.policies: dict[int, NetworkPolicy] = {}
         self._rules: dict[int, DomainRules | None] = {}
-        self._pins: dict[int, dict[str, tuple[str, float]]] = {}  # slot -> address -> (name, expires)
+        self._pins: dict[int, dict[str, _Pinned]] = {}  # slot -> address -> what its resolver answered
         self._udp: asyncio.DatagramTransport | None = None
         self._tcp: asyncio.Server | None = None
         # connection events, per sandbox id (slots are reused): kept after a kill until evicted.
@@ -105,7 +105,6 @@ class Egress:
         self._secrets: dict[int, SecretSet] = {}
         self.ca = EgressCA.load_or_create(statedir.private_dir(statedir.default_state_dir("egress-ca")))
         self.ca_path = os.path.join(statedir.default_state_dir("egress-ca"), "ca.pem")
-        self._names: dict[int, dict[str, set[str]]] = {}  # slot -> address -> every name it was answered for
         self._locks: dict[int, asyncio.Lock] = {}
 
     # -- the router ---------------------------------------------------------------------------
@@ -216,11 +215,13 @@ class Egress:
         names = policy.names_allowed()
         rules = DomainRules(*names) if names is not None else None
         now = time.monotonic()
-        kept = []
-        if rules is not None and policy.restricted:
-            for address, (name, expires) in self._pins.get(slot, {}).items():
-                if expires > now + 1 and rules.allows(dns.name.from_text(name)):
-                    kept.append((address, int(expires - now)))
+        pins: dict[str, _Pinned] = {}  # what the new policy still allows of the old answers
+        if rules is not None:
+            for address, pinned in self._pins.get(slot, {}).items():
+                names = {n for n in pinned.names if rules.allows(dns.name.from_text(n))}
+                if names and pinned.expires > now + 1:
+                    pins[address] = _Pinned(names, pinned.last if pinned.last in names else min(names), pinned.expires)
+        kept = [(a, int(p.expires - now)) for a, p in pins.items()] if policy.restricted else []
         intercept = bool(policy.allow_domains or policy.deny_domains or self._secrets.get(slot))
         commands = self.router.policy_commands(slot, policy, kept, intercept=intercept)
         if commands:
@@ -228,9 +229,7 @@ class Egress:
         self.router.committed(slot)
         self.policies[slot] = policy
         self._rules[slot] = rules
-        still = dict(kept)
-        self._pins[slot] = {a: p for a, p in self._pins.get(slot, {}).items() if a in still}
-        self._names[slot] = {a: n for a, n in self._names.get(slot, {}).items() if a in still}
+        self._pins[slot] = pins
 
     async def disconnect(self, slot: int) -> None:
         async with self._lock(slot):
@@ -242,7 +241,6 @@ class Egress:
         self.policies.pop(slot, None)
         self._rules.pop(slot, None)
         self._pins.pop(slot, None)
-        self._names.pop(slot, None)
         self._secrets.pop(slot, None)
         owner = self._owner.pop(slot, None)
         if owner is not None:
@@ -254,11 +252,6 @@ class Egress:
             self.router.committed(slot)
         except EgressError as e:
             log.warning("could not remove the egress rules of slot %d: %s", slot, e)
-
-    def pinned(self, slot: int) -> dict[str, str]:
-        """address -> name, of what the slot's resolver answers opened and has not expired."""
-        now = time.monotonic()
-        return {a: name for a, (name, expires) in self._pins.get(slot, {}).items() if expires > now}
 
     # -- the proxy's decision ---------------------------------------------------------------------
 
@@ -282,9 +275,8 @@ class Egress:
             return False, "domain"
         if name is None:
             return False, "no-host"  # an allow list of names: the connection must name one
-        answered = self._names.get(slot, {}).get(address, set())
-        expires = self._pins.get(slot, {}).get(address, ("", 0.0))[1]
-        if claim.host not in answered or expires <= time.monotonic():
+        pinned = self._pins.get(slot, {}).get(address)
+        if pinned is None or claim.host not in pinned.names or pinned.expires <= time.monotonic():
             return False, "host-mismatch"  # a name this address was not answered for
         return True, "domain"
 
@@ -294,9 +286,9 @@ class Egress:
         owner = self._owner.get(slot)
         if owner is None:
             return  # a standby's (it runs nothing of a tenant's) or a slot already given back
-        name = self._pins.get(slot, {}).get(str(event.get("dst")))
-        if name is not None:
-            event = {**event, "domain": name[0]}
+        pinned = self._pins.get(slot, {}).get(str(event.get("dst")))
+        if pinned is not None:
+            event = {**event, "domain": pinned.last}
         self.events.add(owner, event)
 
     def _refused(self, source: str, name: str) -> None:
@@ -328,20 +320,29 @@ class Egress:
         table = self._pins.setdefault(slot, {})
         now = time.monotonic()
         if len(table) + len(pins) > PIN_SET_SIZE:
-            for address in [a for a, (_, expires) in table.items() if expires <= now]:
+            for address in [a for a, p in table.items() if p.expires <= now]:
                 del table[address]
         fresh = []
         for address, seconds, name in pins:
             if len(table) >= PIN_SET_SIZE and str(address) not in table:
                 raise EgressError(f"slot {slot} has {PIN_SET_SIZE} addresses pinned already")
-            previous = table.get(str(address))
-            table[str(address)] = (name, max(now + seconds, previous[1] if previous else 0.0))
-            self._names.setdefault(slot, {}).setdefault(str(address), set()).add(name.lower())
+            pinned = table.setdefault(str(address), _Pinned(set(), name, 0.0))
+            pinned.names.add(name.lower())
+            pinned.last, pinned.expires = name.lower(), max(pinned.expires, now + seconds)
             fresh.append((str(address), seconds))
         if policy.restricted:  # an open policy reaches every public address anyway
             assert self.router is not None
             await self._nft(Router.pin_commands(slot, fresh))
             self.router.pinned(slot, (a for a, _ in fresh))
+
+
+@dataclass
+class _Pinned:
+    """An address the sandbox's resolver answered: for which names, the latest one, until when."""
+
+    names: set[str]
+    last: str
+    expires: float  # time.monotonic()
 
 
 def _bound(kind: int) -> socket.socket:

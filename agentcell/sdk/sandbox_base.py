@@ -1,0 +1,33 @@
+"""What Sandbox and AsyncSandbox read straight from their connection, written once for both."""
+
+from __future__ import annotations
+
+from agentcell.sdk.config import ConnectionConfig, SandboxConnection
+
+
+class ConnectedSandbox:
+    _conn: SandboxConnection
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(sandbox_id={self.sandbox_id!r}, url={self._conn.config.base_url!r})"
+
+    @property
+    def sandbox_id(self) -> str:
+        return self._conn.sandbox_id
+
+    @property
+    def connection_config(self) -> ConnectionConfig:
+        return self._conn.config
+
+    @property
+    def traffic_access_token(self) -> str | None:
+        """The token a port served out of this sandbox needs when it was created with
+        ``network={"allow_public_traffic": False}`` (header ``e2b-traffic-access-token``)."""
+        return self._conn.traffic_access_token
+
+    def get_host(self, port: int) -> str:
+        """The host (``{port}-{sandbox_id}.{domain}``) under which a server listening on `port` inside
+        the sandbox is reached through the server, over HTTP or WebSocket; as e2b's get_host. With a
+        local server that is ``{port}-{id}.localhost:{server port}`` (browsers and curl resolve
+        ``*.localhost`` to loopback; other clients can connect to the server and send it as Host)."""
+        return self._conn.get_host(port)
