@@ -49,7 +49,8 @@ class AsyncCodeInterpreter:
         except fah.ReadTimeout:
             raise c.execution_timeout_error() from None
         except fah.HTTPError as e:
-            raise fah.transport_error(e, "run_code") from None
+            raise await fah.cut_off_error(fah.client(self._conn.config.endpoint), e, "run_code",
+                                          self._conn.sandbox_id) from None
         return execution
 
     async def _json(self, method: str, path: str, body: dict[str, Any] | None, request_timeout: float | None) -> Any:

@@ -52,7 +52,7 @@ class CodeInterpreter:
         except ReadTimeoutError:
             raise c.execution_timeout_error() from None
         except HTTPError as e:
-            raise fast_http.transport_error(e, "run_code") from None
+            raise fast_http.cut_off_error(self._fast, e, "run_code", self._conn.sandbox_id) from None
         return execution
 
     def _json(self, method: str, path: str, body: dict[str, Any] | None, request_timeout: float | None) -> Any:

@@ -18,7 +18,7 @@ from urllib3.exceptions import HTTPError
 from agentcell.errors import SandboxException
 from agentcell.sdk import fast_async_http as fah
 from agentcell.sdk.fast_async_http import AsyncFastHTTP
-from agentcell.sdk.fast_http import FastHTTP, chunks, finish, transport_error
+from agentcell.sdk.fast_http import FastHTTP, chunks, cut_off_error, finish, transport_error
 from agentcell.sdk.transport import error_from_connect, error_from_http
 
 _END_STREAM = 0x02
@@ -113,7 +113,7 @@ def stream(
                 if not dec.ended:  # after the end-stream message only the end of the HTTP body can come
                     yield from dec.feed(chunk)
         except HTTPError as e:
-            raise transport_error(e, path) from None
+            raise cut_off_error(client, e, path, sandbox_id) from None
         complete = True
         dec.finish(path)
     finally:
@@ -161,7 +161,7 @@ async def astream(
                     for msg in dec.feed(chunk):
                         yield msg
         except fah.HTTPError as e:
-            raise fah.transport_error(e, path) from None
+            raise await fah.cut_off_error(client, e, path, sandbox_id) from None
         dec.finish(path)
     finally:
         await r.aclose()

@@ -40,9 +40,10 @@ from typing import Any
 import httptools
 
 from agentcell.errors import SandboxException
+from agentcell.sdk import transport
 from agentcell.sdk.config import Endpoint
 from agentcell.sdk.fast_http import json_body
-from agentcell.sdk.transport import transport_failure
+from agentcell.sdk.transport import HEALTH_PATH, PROBE_TIMEOUT_S, probe_headers, transport_failure
 
 __all__ = ["AsyncFastHTTP", "HTTPError", "Response", "Timeout", "client", "json_body", "transport_error", "with_query"]
 
@@ -98,6 +99,20 @@ class WriteTimeout(Timeout):
 
 def transport_error(e: HTTPError, what: str) -> SandboxException:
     return transport_failure(e, what, isinstance(e, Timeout))
+
+
+async def cut_off_error(client: AsyncFastHTTP, e: HTTPError, what: str, sandbox_id: str | None) -> SandboxException:
+    """transport_error for a response that had begun: if the sandbox has gone meanwhile, say so."""
+    timed_out = isinstance(e, Timeout)
+    gone = False
+    if sandbox_id and not timed_out:
+        try:
+            r = await client.request("GET", HEALTH_PATH, headers=probe_headers(sandbox_id),
+                                     connect=PROBE_TIMEOUT_S, read=PROBE_TIMEOUT_S)
+            gone = r.status == 502
+        except HTTPError:
+            pass
+    return transport.cut_off_error(e, what, timed_out, gone)
 
 
 def _expire(fut: asyncio.Future[None], exc: type[Timeout], timeout: float) -> None:

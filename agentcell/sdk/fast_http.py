@@ -21,8 +21,9 @@ from urllib3.connection import HTTPConnection
 from urllib3.exceptions import HTTPError, TimeoutError
 
 from agentcell.errors import SandboxException
+from agentcell.sdk import transport
 from agentcell.sdk.config import Endpoint
-from agentcell.sdk.transport import transport_failure
+from agentcell.sdk.transport import HEALTH_PATH, PROBE_TIMEOUT_S, probe_headers, transport_failure
 
 Response = urllib3.BaseHTTPResponse
 _POOL_SIZE = 64  # connections kept open per endpoint (more are opened when needed, then closed)
@@ -136,6 +137,20 @@ def finish(r: Response, complete: bool) -> None:
 
 def transport_error(e: HTTPError, what: str) -> SandboxException:
     return transport_failure(e, what, isinstance(e, TimeoutError))
+
+
+def cut_off_error(client: FastHTTP, e: HTTPError, what: str, sandbox_id: str | None) -> SandboxException:
+    """transport_error for a response that had begun: if the sandbox has gone meanwhile, say so."""
+    timed_out = isinstance(e, TimeoutError)
+    gone = False
+    if sandbox_id and not timed_out:
+        try:
+            r = client.request("GET", HEALTH_PATH, headers=probe_headers(sandbox_id),
+                               connect=PROBE_TIMEOUT_S, read=PROBE_TIMEOUT_S)
+            gone = r.status == 502
+        except HTTPError:
+            pass
+    return transport.cut_off_error(e, what, timed_out, gone)
 
 
 _lock = threading.Lock()

@@ -133,5 +133,24 @@ def transport_failure(e: BaseException, what: str, timed_out: bool) -> SandboxEx
     return SandboxException(f"{what}: cannot reach the agentcell server ({type(e).__name__}: {e})")
 
 
+PROBE_TIMEOUT_S = 5.0
+HEALTH_PATH = "/health"
+
+
+def probe_headers(sandbox_id: str) -> dict[str, str]:
+    """envd's /health of the sandbox: no token needed; the server answers 502 once it is gone."""
+    return {"E2b-Sandbox-Id": sandbox_id, "E2b-Sandbox-Port": "49983"}
+
+
+def cut_off_error(e: BaseException, what: str, timed_out: bool, gone: bool) -> SandboxException:
+    """The exception for a response cut off mid-way. The server (like E2B's proxy) cuts a stream
+    when the sandbox behind it dies; `gone` is what a health probe said after that."""
+    if gone:
+        return SandboxNotRunningException(
+            f"{what}: the sandbox was killed or reached its end of life while the request was in flight "
+            f"({type(e).__name__}: {e})")
+    return transport_failure(e, what, timed_out)
+
+
 def error_from_transport(e: httpx.HTTPError, what: str) -> SandboxException:
     return transport_failure(e, what, isinstance(e, httpx.TimeoutException))

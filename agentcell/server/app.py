@@ -32,8 +32,9 @@ from agentcell.server.edge import EdgeGuard
 from agentcell.server.envd import READ_MAX_BYTES, filesystem_app, process_app
 from agentcell.server.errors import HTTPError, internal_error, json_error, sandbox_not_found
 from agentcell.server.hosts import HostPolicy, check_exposure
+from agentcell.server.http_protocol import DROP_EXTENSION
 from agentcell.server.registry import Admission, SandboxManager, SandboxRecord
-from agentcell.server.streams import current_sandbox
+from agentcell.server.streams import current_drop, current_sandbox
 
 log = logging.getLogger("agentcell.server")
 
@@ -183,6 +184,7 @@ class AgentcellApp:
             await json_error(415, refusal)(scope, receive, send)
             return
         token = current_sandbox.set(rec)
+        drop_token = current_drop.set(scope.get("extensions", {}).get(DROP_EXTENSION))
         try:
             if port == ENVD_PORT:
                 if is_connect_rpc(scope["path"]):
@@ -192,6 +194,7 @@ class AgentcellApp:
             else:
                 await self.interpreter(scope, receive, send)
         finally:
+            current_drop.reset(drop_token)
             current_sandbox.reset(token)
 
     async def _user_port(self, rec: SandboxRecord, port: int, scope: Any, receive: Any, send: Any) -> None:

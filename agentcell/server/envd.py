@@ -24,11 +24,11 @@ from e2b.envd.process.process_connect import ProcessASGIApplication
 from protobuf import Oneof
 from protobuf.wkt.google.protobuf.timestamp_pb import Timestamp
 
-from agentcell.errors import InvalidArgumentError, SandboxError
+from agentcell.errors import InvalidArgumentError, SandboxError, SandboxGoneError
 from agentcell.runtime.protocol import KEEPALIVE
 from agentcell.server import validate
 from agentcell.server.errors import log_incident
-from agentcell.server.streams import agent_call, current_sandbox
+from agentcell.server.streams import agent_call, current_sandbox, drop_connection
 
 _CODES = {
     "not_found": Code.NOT_FOUND,
@@ -129,6 +129,9 @@ async def _process_stream(op: str, ctx: RequestContext, **fields: Any) -> AsyncI
             event = _event(item.header, item.payload)
             if event is not None:
                 yield event
+    except SandboxGoneError:
+        drop_connection()  # as envd behind E2B's proxy: the stream is cut, the SDK probes the sandbox
+        raise ConnectError(Code.UNAVAILABLE, "the sandbox was killed while the stream was open") from None
     except SandboxError as e:
         raise connect_error(e) from None
 

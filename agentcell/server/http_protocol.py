@@ -59,6 +59,9 @@ MAX_HEAD = 64 << 10  # bytes of request line and headers (h11, uvicorn's other p
 COALESCE_MAX = 64 << 10  # pending response bytes written to the socket at once, not at the turn's end
 RAW_BUFFER = 64 << 10  # bytes of an upgraded connection read ahead of the relay; then reading pauses
 UPGRADE_EXTENSION = "agentcell.upgrade"
+# A callable in every request's scope that cuts the connection off mid-response (no chunked end),
+# as a proxy does when the sandbox behind it dies: SDKs read that as "the sandbox was killed".
+DROP_EXTENSION = "agentcell.drop"
 
 
 def _raw_response(status: str, message: str) -> bytes:
@@ -289,6 +292,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._cancel_header_timer()  # the request line and headers are in
         super().on_headers_complete()
+        self.scope.setdefault("extensions", {})[DROP_EXTENSION] = self._drop  # type: ignore[typeddict-item]
         if self.parser.should_upgrade() and self.cycle is not None and self.cycle.scope is self.scope:
             self._upgrade = RawConnection(self)
             self.scope.setdefault("extensions", {})[UPGRADE_EXTENSION] = self._upgrade  # type: ignore[typeddict-item]
@@ -299,6 +303,12 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             # receive() resumes reading). Otherwise uvicorn buffers 64 KiB+ of every body that waits
             # for an auth check or for the body budget (bodies.py), per connection.
             self.flow.pause_reading()
+
+    def _drop(self) -> None:
+        """Close the connection without ending the response; the app's later sends are discarded."""
+        if self.cycle is not None:
+            self.cycle.disconnected = True
+        self.transport.close()
 
     def on_response_complete(self) -> None:
         pipelined = bool(self.pipeline)  # the base class starts a request whose headers are in already

@@ -22,6 +22,7 @@ from agentcell.server.control import json_body
 from agentcell.server.errors import HTTPError, from_sandbox_error
 from agentcell.server.streams import (
     HTTP_PIECE,
+    CutConnection,
     LiveStream,
     agent_call,
     client_gone,
@@ -86,7 +87,10 @@ async def execute(request: Request) -> Response:
                                   context_id=context_id or None, language=language, env_vars=env_vars,
                                   timeout_ms=_timeout_ms(body))
     # The first frame decides the status: an unknown context is a 404, not a 200 stream.
-    first = await first_batch(batches, gone)
+    try:
+        first = await first_batch(batches, gone, cut_if_gone=True)
+    except SandboxGoneError as e:
+        return CutConnection(e)
     return LiveStream(_ndjson(first, batches), gone, media_type="application/x-ndjson")
 
 
@@ -120,9 +124,8 @@ async def _ndjson(first: list[Frame] | None, batches: AsyncIterator[list[Frame]]
                 batch = await anext(batches)
             except StopAsyncIteration:
                 batch = None
-    except SandboxGoneError as e:
-        yield _end(line_open, {"type": "error", "name": "UnexpectedEndOfExecution", "value": e.message, "traceback": ""})
-        return
+    except SandboxGoneError:
+        raise  # LiveStream cuts the connection
     except SandboxError as e:
         yield _end(line_open, {"type": "error", "name": type(e).__name__, "value": e.message, "traceback": ""})
         return
