@@ -102,3 +102,51 @@ def test_run_code_error_still_ends_normally(server_url: str) -> None:
         ex = sbx.run_code("import os; os._exit(3)")
         assert ex.error is not None
         assert sbx.run_code("1 + 1").text == "2"
+
+
+# --- metrics over time --------------------------------------------------------------------------
+
+
+def test_e2b_metrics_range_and_real_disk_and_cache(e2b_env: str) -> None:
+    import datetime
+
+    before = datetime.datetime.now(datetime.UTC)
+    sbx = E2BSandbox.create(timeout=120)
+    try:
+        first = sbx.get_metrics()
+        assert len(first) >= 1
+        m = first[-1]
+        assert m.cpu_count >= 1 and m.mem_total > 0 and m.disk_total > 0 and m.mem_used > 0
+        # 64 MiB written to the disk (a tmpfs): diskUsed and the page cache show it
+        sbx.commands.run("head -c 67108864 /dev/zero > /home/user/big && sync")
+        time.sleep(1.1)  # a request's fresh sample is taken at most once a second
+        m = sbx.get_metrics()[-1]
+        assert m.disk_used >= 64 << 20, m
+        assert m.mem_cache >= 64 << 20, m
+        sbx.commands.run("rm /home/user/big")
+        time.sleep(1.1)
+        assert sbx.get_metrics()[-1].disk_used < 16 << 20
+
+        now = datetime.datetime.now(datetime.UTC)
+        ranged = sbx.get_metrics(start=before, end=now)
+        assert ranged and all(before.timestamp() - 1 <= r.timestamp.timestamp() <= now.timestamp() + 1 for r in ranged)
+        assert len(ranged) >= 3  # every sample taken so far is kept
+        assert sbx.get_metrics(start=before - datetime.timedelta(hours=1),
+                               end=before - datetime.timedelta(minutes=30)) == []
+    finally:
+        sbx.kill()
+
+
+def test_metrics_history_is_sampled_without_requests(server_url: str) -> None:
+    import httpx
+
+    with Sandbox.create(api_url=server_url) as sbx:
+        time.sleep(11)  # two of the server's 5 s sampling rounds
+        r = httpx.get(f"{server_url}/sandboxes/{sbx.sandbox_id}/metrics", params={"start": 0, "end": int(time.time()) - 1})
+        assert r.status_code == 200 and len(r.json()) >= 1, r.text
+        stamps = [m["timestampUnix"] for m in r.json()]
+        assert stamps == sorted(stamps)
+        bad = httpx.get(f"{server_url}/sandboxes/{sbx.sandbox_id}/metrics", params={"start": "yesterday"})
+        assert bad.status_code == 400 and "start" in bad.json()["message"]
+        bad = httpx.get(f"{server_url}/sandboxes/{sbx.sandbox_id}/metrics", params={"start": 100, "end": 50})
+        assert bad.status_code == 400

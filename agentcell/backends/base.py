@@ -105,6 +105,8 @@ class SandboxStats:
     memory_limit_bytes: int
     cpu_seconds: float  # cumulative CPU time of the sandbox
     pids: int
+    cache_bytes: int = 0  # page cache charged to it (of which its disk's pages, on a tmpfs disk)
+    disk_bytes: int = 0  # what its writable disk holds
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,6 @@ import dataclasses
 import json
 import math
 import re
-import time
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from typing import Any
@@ -29,6 +28,7 @@ from agentcell.server.bodies import JSON_LIMIT, read_json
 from agentcell.server.config import ServerConfig
 from agentcell.server.errors import HTTPError, internal_error
 from agentcell.server.hosts import local_domain
+from agentcell.server.metrics import MIN_GAP_S, metric_json
 from agentcell.server.registry import CapacityError, SandboxManager, SandboxRecord
 
 ENVD_VERSION = "0.6.13"
@@ -53,6 +53,19 @@ def rfc3339(dt: datetime) -> str:
 
 
 # --- request parsing ------------------------------------------------------------------------------
+
+
+def _unix_seconds(request: Request, name: str, default: int | None) -> int | None:
+    raw = request.query_params.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise HTTPError(400, f"'{name}' must be a unix time in whole seconds, not {raw[:40]!r}") from None
+    if not 0 <= value < 1 << 40:
+        raise HTTPError(400, f"'{name}' is out of range: {value}")
+    return value
 
 
 async def json_body(request: Request, *, required: bool = True, limit: int = JSON_LIMIT) -> dict[str, Any]:
@@ -480,29 +493,24 @@ class ControlPlane:
         return handler
 
     async def metrics(self, request: Request) -> Response:
+        """E2B's metrics of one sandbox: the samples within `start`..`end` (unix seconds; default
+        its whole kept history), a fresh one included when the range reaches now."""
         rec = self._record(request)
+        start = _unix_seconds(request, "start", 0)
+        end = _unix_seconds(request, "end", None)
+        if end is not None and end < start:
+            raise HTTPError(400, "'end' must not be before 'start'")
         try:
-            stats = await self.manager.backend.stats(rec.running)
+            await rec.sample(self.manager.backend, MIN_GAP_S)
+        except SandboxGoneError:
+            raise HTTPError(404, f"sandbox {rec.sandbox_id} was not found") from None
         except Exception as e:
             raise internal_error(f"reading the metrics of {rec.sandbox_id}", e, "could not read the sandbox's metrics") from None
-        now = time.time()
-        prev_t, prev_cpu = rec.cpu_sample or (rec.started_at.timestamp(), 0.0)
-        rec.cpu_sample = (now, stats.cpu_seconds)  # on the record: it goes when the sandbox goes
-        wall = max(now - prev_t, 1e-3)
-        cpus = max(rec.limits.cpu_count, 0.01)
-        pct = max(0.0, min(100.0, (stats.cpu_seconds - prev_cpu) / wall / cpus * 100))
-        metric = {
-            "timestamp": rfc3339(datetime.fromtimestamp(now, UTC)),
-            "timestampUnix": int(now),
-            "cpuCount": max(1, math.ceil(rec.limits.cpu_count)),
-            "cpuUsedPct": round(pct, 2),
-            "memUsed": stats.memory_bytes,
-            "memTotal": stats.memory_limit_bytes,
-            "memCache": 0,
-            "diskUsed": 0,
-            "diskTotal": rec.limits.disk_limit_mb * 1024 * 1024,
-        }
-        return JSONResponse([metric])
+        # E2B's query is whole seconds: `end` covers the whole of its second.
+        rows = rec.metrics.between(start, math.inf if end is None else end + 1)
+        mem_total = rec.limits.memory_mb * 1024 * 1024
+        disk_total = rec.limits.disk_limit_mb * 1024 * 1024
+        return JSONResponse([metric_json(r, rec.limits.cpu_count, mem_total, disk_total) for r in rows])
 
     async def health(self, request: Request) -> Response:
         """Liveness for embedded mode and operators; needs no API key and reveals only a count."""

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import secrets
+import time
 import uuid
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -20,6 +21,7 @@ from agentcell.backends.base import Backend, Limits, RunningSandbox, SandboxSpec
 from agentcell.backends.network_policy import NetworkPolicy
 from agentcell.backends.secrets import SecretSet
 from agentcell.runtime.protocol import AgentChannel
+from agentcell.server.metrics import SAMPLE_INTERVAL_S, MetricsHistory, sample_due
 
 log = logging.getLogger("agentcell.server")
 
@@ -53,15 +55,25 @@ class SandboxRecord:
     channel: AgentChannel
     client_id: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
     access_token: str = field(default_factory=lambda: secrets.token_urlsafe(24))
-    cpu_sample: tuple[float, float] | None = None  # (time, cpu seconds) of the last metrics call
     public_traffic: bool = True  # its served-out ports need no traffic token (E2B's allowPublicTraffic)
     network: NetworkPolicy = field(default_factory=NetworkPolicy)  # its way out, as last set
     internet_at_create: bool = False  # update_network's default for allow_internet_access
     secret_hosts: dict[str, dict[str, list[str]]] = field(default_factory=dict)  # names and hosts, no values
     rules_info: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # network.rules, values redacted
 
+    metrics: MetricsHistory = field(init=False)  # on the record: it goes when the sandbox goes
+
+    def __post_init__(self) -> None:
+        self.metrics = MetricsHistory(self.started_at.timestamp())
+
     def alive(self) -> bool:
         return not self.channel.closed.is_set()
+
+    async def sample(self, backend: Backend, gap: float) -> None:
+        """Add a metrics sample if the last is at least `gap` seconds old (raises as backend.stats)."""
+        now = time.time()
+        if sample_due(self.metrics, now, gap):
+            self.metrics.add(now, await backend.stats(self.running), self.limits.cpu_count)
 
 
 def _now() -> datetime:
@@ -77,18 +89,21 @@ class SandboxManager:
         self._pending: list[Limits] = []  # creations in flight count as if they ran
         self._tasks: set[asyncio.Task[None]] = set()
         self._reaper: asyncio.Task[None] | None = None
+        self._sampler: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
 
     # lifecycle -----------------------------------------------------------------------------------
 
     async def start(self) -> None:
         self._reaper = asyncio.get_running_loop().create_task(self._reap_loop())
+        self._sampler = asyncio.get_running_loop().create_task(self._sample_loop())
 
     async def close(self) -> None:
-        if self._reaper:
-            self._reaper.cancel()
-            with contextlib.suppress(BaseException):
-                await self._reaper
+        for task in (self._reaper, self._sampler):
+            if task:
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
         await asyncio.gather(*(self.kill(sid) for sid in list(self._sandboxes)), return_exceptions=True)
         for t in list(self._tasks):
             t.cancel()
@@ -227,6 +242,19 @@ class SandboxManager:
             log.warning("sandbox %s: agent channel closed (%s); removing it", rec.sandbox_id, rec.channel.close_reason)
             del self._sandboxes[rec.sandbox_id]
             await self._destroy(rec, rec.channel.close_reason)
+
+    async def _sample_loop(self) -> None:
+        """Every sandbox's metrics every SAMPLE_INTERVAL_S (a few cgroup file reads each), yielding
+        to requests between sandboxes."""
+        while True:
+            await asyncio.sleep(SAMPLE_INTERVAL_S)
+            for rec in list(self._sandboxes.values()):
+                if rec.alive():
+                    try:
+                        await rec.sample(self.backend, SAMPLE_INTERVAL_S / 2)
+                    except Exception as e:  # a sandbox going away meanwhile
+                        log.debug("sandbox %s: no metrics sample: %s", rec.sandbox_id, e)
+                await asyncio.sleep(0)
 
     async def _reap_loop(self) -> None:
         while True:

@@ -214,21 +214,38 @@ class Cgroups:
                 key, _, value = line.partition(" ")
                 if key == "usage_usec":
                     usage_usec = int(value)
+            mem = _memory_stat(f"{d}/memory.stat")
             return SandboxStats(
                 memory_bytes=int(_read(f"{d}/memory.current")),
                 memory_limit_bytes=int(limit) if limit != "max" else 0,
                 cpu_seconds=usage_usec / 1e6,
                 pids=int(_read(f"{d}/pids.current")),
+                cache_bytes=mem.get("file", 0),
+                disk_bytes=mem.get("shmem", 0),
             )
         m, p = self.dirs["memory"], self.dirs["pids"]
         acct = self.dirs.get("cpuacct")
         cpu_ns = int(_read(f"{acct}/cpuacct.usage")) if acct else 0
+        mem = _memory_stat(f"{m}/memory.stat")
         return SandboxStats(
             memory_bytes=int(_read(f"{m}/memory.usage_in_bytes")),
             memory_limit_bytes=int(_read(f"{m}/memory.limit_in_bytes")),
             cpu_seconds=cpu_ns / 1e9,
             pids=int(_read(f"{p}/pids.current")),
+            cache_bytes=mem.get("cache", 0),
+            disk_bytes=mem.get("shmem", 0),
         )
+
+
+def _memory_stat(path: str) -> dict[str, int]:
+    """memory.stat's counters. The disk is a tmpfs, so what it holds is the cgroup's `shmem` (with
+    the sandbox's /dev/shm and SysV segments: the same tmpfs or the same pages)."""
+    out: dict[str, int] = {}
+    for line in _read(path).splitlines():
+        key, _, value = line.partition(" ")
+        if key in ("cache", "file", "shmem"):
+            out[key] = int(value)
+    return out
 
 
 def _start_ticks(pid: int) -> int | None:
