@@ -150,3 +150,112 @@ def test_metrics_history_is_sampled_without_requests(server_url: str) -> None:
         assert bad.status_code == 400 and "start" in bad.json()["message"]
         bad = httpx.get(f"{server_url}/sandboxes/{sbx.sandbox_id}/metrics", params={"start": 100, "end": 50})
         assert bad.status_code == 400
+
+
+# --- agentcell's SDK mirrors e2b's: pty, get_metrics, idempotent create, list order, input streams -------
+
+
+def test_agentcell_pty_sync(server_url: str) -> None:
+    from agentcell.sdk.models import PtySize
+
+    with Sandbox.create(api_url=server_url) as sbx:
+        term = sbx.pty.create(PtySize(rows=24, cols=80))
+        sbx.pty.send_stdin(term.pid, b"stty size; echo $TERM; tty\n")
+        out = bytearray()
+        for _, _, chunk in term:
+            out += chunk or b""
+            if b"/dev/pts/" in out:
+                break
+        sbx.pty.resize(term.pid, PtySize(rows=40, cols=100))
+        sbx.pty.send_stdin(term.pid, b"stty size; exit 0\n")
+        term.wait(on_pty=out.extend)
+        text = out.decode(errors="replace")
+        assert "24 80" in text and "40 100" in text and "xterm-256color" in text and "/dev/pts/" in text, text
+
+
+async def test_agentcell_pty_async(server_url: str) -> None:
+    from agentcell.sdk.models import PtySize
+
+    sbx = await AsyncSandbox.create(api_url=server_url)
+    try:
+        out = bytearray()
+        term = await sbx.pty.create(PtySize(rows=10, cols=50), on_data=out.extend)
+        await sbx.pty.send_stdin(term.pid, b"stty size\n")
+        deadline = time.monotonic() + 10
+        while b"10 50" not in out and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert b"10 50" in out
+        assert await sbx.pty.kill(term.pid)
+    finally:
+        await sbx.kill()
+
+
+def test_agentcell_get_metrics_and_properties(server_url: str) -> None:
+    import datetime
+
+    before = datetime.datetime.now(datetime.UTC)
+    with Sandbox.create(api_url=server_url) as sbx:
+        m = sbx.get_metrics()
+        assert m and m[-1].mem_used > 0 and m[-1].disk_total > 0 and m[-1].cpu_count >= 1
+        assert Sandbox.get_metrics(sbx.sandbox_id, api_url=server_url)
+        assert sbx.get_metrics(start=before - datetime.timedelta(hours=2), end=before - datetime.timedelta(hours=1)) == []
+        assert sbx.sandbox_domain and sbx.get_host(80).endswith(sbx.sandbox_domain)
+        assert sbx.envd_api_url == server_url
+        assert Sandbox.default_template == "base" and Sandbox.default_sandbox_timeout == 300
+
+
+def test_idempotent_create(server_url: str, e2b_env: str) -> None:
+    import uuid
+
+    key = f"retry-{uuid.uuid4().hex}"
+    a = Sandbox.create(api_url=server_url, idempotency_key=key, metadata={"k": "1"})
+    try:
+        b = Sandbox.create(api_url=server_url, idempotency_key=key, metadata={"k": "1"})
+        assert b.sandbox_id == a.sandbox_id  # a retried create gets the same sandbox
+        assert b.run_code("1 + 1").text == "2"
+        with pytest.raises(Exception, match="different create request"):
+            Sandbox.create(api_url=server_url, idempotency_key=key, metadata={"k": "2"})
+        with pytest.raises(Exception, match="lowercase"):
+            Sandbox.create(api_url=server_url, idempotency_key="Not Valid")
+        e = E2BSandbox.create(idempotency_key=key + "-e2b")
+        try:
+            assert E2BSandbox.create(idempotency_key=key + "-e2b").sandbox_id == e.sandbox_id
+        finally:
+            e.kill()
+    finally:
+        a.kill()
+
+
+async def test_idempotent_concurrent_creates_make_one_sandbox(server_url: str) -> None:
+    import uuid
+
+    key = f"burst-{uuid.uuid4().hex}"
+    boxes = await asyncio.gather(*(AsyncSandbox.create(api_url=server_url, idempotency_key=key) for _ in range(5)))
+    assert len({b.sandbox_id for b in boxes}) == 1
+    await boxes[0].kill()
+
+
+def test_list_order_retain_output_stream_input(server_url: str) -> None:
+    a = Sandbox.create(api_url=server_url, metadata={"suite": "order"})
+    b = Sandbox.create(api_url=server_url, metadata={"suite": "order"})
+    try:
+        from agentcell.sdk.models import SandboxQuery
+
+        q = SandboxQuery(metadata={"suite": "order"})
+        asc = [i.sandbox_id for i in Sandbox.list(query=q, order="asc", api_url=server_url)]
+        desc = [i.sandbox_id for i in Sandbox.list(query=q, order="desc", api_url=server_url)]
+        assert asc == [a.sandbox_id, b.sandbox_id] and desc == asc[::-1]
+
+        seen: list[str] = []
+        r = a.commands.run("seq 3", retain_output=False, on_stdout=seen.append)
+        assert r.stdout == "" and "".join(seen) == "1\n2\n3\n"
+
+        h = a.commands.run("cat", background=True, stdin=True)
+        a.commands.stream_input(h.pid, (f"line {i}\n" for i in range(3)))
+        a.commands.close_stdin(h.pid)
+        assert h.wait().stdout == "line 0\nline 1\nline 2\n"
+        with pytest.raises(Exception, match="iterable of chunks"):
+            a.commands.stream_input(h.pid, "one string")
+    finally:
+        a.kill()
+        b.kill()

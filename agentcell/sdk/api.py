@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import re
 import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any, TypeVar
 
 import httpx
@@ -57,8 +59,10 @@ def network_body(network: Mapping[str, Any]) -> dict[str, Any]:
 def create_body(template: str, timeout_s: int | None, metadata: dict[str, str] | None, envs: dict[str, str] | None,
                 limits: dict[str, Any] | None, allow_internet_access: bool | None = None,
                 network: Mapping[str, Any] | None = None,
-                secrets: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, Any]:
+                secrets: Mapping[str, Mapping[str, Any]] | None = None, secure: bool | None = None) -> dict[str, Any]:
     body: dict[str, Any] = {"templateID": template, "metadata": metadata or {}, "envVars": envs or {}}
+    if secure is not None:
+        body["secure"] = bool(secure)
     if timeout_s is not None:
         body["timeout"] = int(timeout_s)
     if limits:
@@ -81,9 +85,33 @@ def network_update_body(network: Mapping[str, Any]) -> dict[str, Any]:
     return body
 
 
+def create_headers(idempotency_key: str | None) -> dict[str, str]:
+    """e2b's idempotency_key: a create retried with it gets the first one's sandbox (for an hour)."""
+    if idempotency_key is None:
+        return {}
+    if not isinstance(idempotency_key, str) or not re.fullmatch(r"[a-z0-9-]{1,255}", idempotency_key):
+        raise InvalidArgumentException(
+            "idempotency_key must be 1-255 characters of lowercase letters, digits and hyphens")
+    return {"Idempotency-Key": idempotency_key}
+
+
+def metrics_params(start: datetime | None, end: datetime | None) -> dict[str, str]:
+    """e2b's get_metrics range: whole unix seconds."""
+    params = {}
+    if start is not None:
+        params["start"] = str(int(start.timestamp()))
+    if end is not None:
+        params["end"] = str(int(end.timestamp()))
+    return params
+
+
 def list_params(metadata: dict[str, str] | None, state: list[str] | None, limit: int | None,
-                next_token: str | None) -> dict[str, str]:
+                next_token: str | None, order: str | None = None) -> dict[str, str]:
     params: dict[str, str] = {}
+    if order is not None:
+        if order not in ("asc", "desc"):
+            raise InvalidArgumentException(f"invalid order {order!r}, expected 'asc' or 'desc'")
+        params["order"] = order
     if metadata:
         params["metadata"] = urllib.parse.urlencode({urllib.parse.quote(k): urllib.parse.quote(v) for k, v in metadata.items()})
     if state:
@@ -106,11 +134,11 @@ def _check(r: _R, ok: tuple[int, ...], what: str, sandbox_id: str | None) -> _R:
 
 def call(config: ConnectionConfig, method: str, path: str, *, json: Any = None, params: dict[str, str] | None = None,
          ok: tuple[int, ...] = (200,), sandbox_id: str | None = None, request_timeout: float | None = None,
-         ) -> httpx.Response:
+         headers: dict[str, str] | None = None) -> httpx.Response:
     what = f"{method} {path}"
     try:
         r = sync_client(config.endpoint).request(
-            method, path, json=json, params=params, headers=config.control_headers(),
+            method, path, json=json, params=params, headers={**config.control_headers(), **(headers or {})},
             timeout=timeout(request_timeout or config.request_timeout))
     except httpx.HTTPError as e:
         raise error_from_transport(e, what) from None
@@ -119,10 +147,10 @@ def call(config: ConnectionConfig, method: str, path: str, *, json: Any = None, 
 
 async def acall(config: ConnectionConfig, method: str, path: str, *, json: Any = None,
                 params: dict[str, str] | None = None, ok: tuple[int, ...] = (200,), sandbox_id: str | None = None,
-                request_timeout: float | None = None) -> fast_async_http.Response:
+                request_timeout: float | None = None, headers: dict[str, str] | None = None) -> fast_async_http.Response:
     """call() for async code; the response's body is read (status_code, headers, content, json())."""
     what = f"{method} {path}"
-    headers = config.control_headers()
+    headers = {**config.control_headers(), **(headers or {})}
     body = None
     if json is not None:
         body = fast_async_http.json_body(json)

@@ -5,9 +5,15 @@ from __future__ import annotations
 import base64
 import codecs
 import time
+from collections.abc import Iterable
 from typing import Any
 
-from agentcell.errors import CommandExitException, SandboxException, TimeoutException
+from agentcell.errors import (
+    CommandExitException,
+    InvalidArgumentException,
+    SandboxException,
+    TimeoutException,
+)
 from agentcell.sdk.models import CommandResult, ProcessInfo
 
 START = "/process.Process/Start"
@@ -31,6 +37,30 @@ def start_message(cmd: str, envs: dict[str, str] | None, cwd: str | None, stdin:
     if tag:
         msg["tag"] = tag
     return msg
+
+
+def input_chunks(data: Any) -> Iterable[str | bytes]:
+    """stream_input's data: an iterable of chunks (one str or bytes value is a mistake e2b refuses)."""
+    if isinstance(data, str | bytes | bytearray):
+        raise InvalidArgumentException("stream_input takes an iterable of chunks, not one str/bytes value; "
+                                       "use send_stdin() for a single value")
+    return data
+
+
+class InputDeadline:
+    """stream_input's total timeout (None: none)."""
+
+    def __init__(self, timeout: float | None) -> None:
+        self._end = time.monotonic() + timeout if timeout else None
+
+    def remaining(self) -> float | None:
+        if self._end is None:
+            return None
+        left = self._end - time.monotonic()
+        if left <= 0:
+            raise TimeoutException("stream_input: the timeout passed before all the input was sent; "
+                                   "raise timeout= (seconds, 0 = none)")
+        return left
 
 
 def timeout_ms(timeout: float | None) -> int:
@@ -64,7 +94,8 @@ def first_pid(msg: dict[str, Any]) -> int:
 class Output:
     """Accumulates one process's output; `feed` turns an event into (stdout, stderr, pty) or None."""
 
-    def __init__(self) -> None:
+    def __init__(self, retain: bool = True) -> None:
+        self.retain = retain  # False (e2b's retain_output=False): output goes to callbacks only
         self.stdout: list[str] = []
         self.stderr: list[str] = []
         self._out = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -79,12 +110,14 @@ class Output:
             if "stdout" in data:
                 text = self._out.decode(base64.b64decode(data["stdout"]))
                 if text:
-                    self.stdout.append(text)
+                    if self.retain:
+                        self.stdout.append(text)
                     return text, None, None
             elif "stderr" in data:
                 text = self._err.decode(base64.b64decode(data["stderr"]))
                 if text:
-                    self.stderr.append(text)
+                    if self.retain:
+                        self.stderr.append(text)
                     return None, text, None
             elif "pty" in data:
                 return None, None, base64.b64decode(data["pty"])
@@ -93,9 +126,9 @@ class Output:
         if end is not None:
             tail_out = self._out.decode(b"", final=True)
             tail_err = self._err.decode(b"", final=True)
-            if tail_out:
+            if tail_out and self.retain:
                 self.stdout.append(tail_out)
-            if tail_err:
+            if tail_err and self.retain:
                 self.stderr.append(tail_err)
             self.killed = not end.get("exited", False)
             self.result = CommandResult(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
 from typing import Any
 
 from agentcell.errors import NotFoundException
@@ -30,11 +30,12 @@ class AsyncCommandHandle:
     `await wait()` returns the result, `kill()` / `disconnect()` end it."""
 
     def __init__(self, pid: int, events: AsyncIterator[dict[str, Any]], commands: AsyncCommands,
-                 on_stdout: OnOutput = None, on_stderr: OnOutput = None, on_pty: Callable[[bytes], Any] | None = None) -> None:
+                 on_stdout: OnOutput = None, on_stderr: OnOutput = None, on_pty: Callable[[bytes], Any] | None = None,
+                 retain_output: bool = True) -> None:
         self._pid = pid
         self._events = events
         self._commands = commands
-        self._output = c.Output()
+        self._output = c.Output(retain_output)
         self._timeout: float | None = None
         self._started = time.monotonic()
         self._on = (on_stdout, on_stderr, on_pty)
@@ -128,19 +129,21 @@ class AsyncCommands:
     async def run(self, cmd: str, background: bool = False, envs: dict[str, str] | None = None,
                   user: str | None = None, cwd: str | None = None, on_stdout: OnOutput = None,
                   on_stderr: OnOutput = None, stdin: bool = False, timeout: float | None = 60,
-                  request_timeout: float | None = None, tag: str | None = None) -> CommandResult | AsyncCommandHandle:
+                  request_timeout: float | None = None, tag: str | None = None,
+            retain_output: bool = True) -> CommandResult | AsyncCommandHandle:
         """Like Sandbox.commands.run; background=True returns an AsyncCommandHandle."""
         started = time.monotonic()
         pid, events = await self._stream(c.START, c.start_message(cmd, envs, cwd, stdin, tag), user, timeout,
                                          request_timeout)
-        handle = AsyncCommandHandle(pid, events, self, on_stdout, on_stderr)
+        handle = AsyncCommandHandle(pid, events, self, on_stdout, on_stderr, retain_output=retain_output)
         handle._timeout, handle._started = timeout, started
         return handle if background else await handle.wait()
 
     async def connect(self, pid: int, timeout: float | None = 60, request_timeout: float | None = None,
-                      on_stdout: OnOutput = None, on_stderr: OnOutput = None) -> AsyncCommandHandle:
+                      on_stdout: OnOutput = None, on_stderr: OnOutput = None,
+                      retain_output: bool = True) -> AsyncCommandHandle:
         p, events = await self._stream(c.CONNECT, {"process": {"pid": pid}}, None, timeout, request_timeout)
-        return AsyncCommandHandle(p, events, self, on_stdout, on_stderr)
+        return AsyncCommandHandle(p, events, self, on_stdout, on_stderr, retain_output=retain_output)
 
     async def list(self, request_timeout: float | None = None) -> list[ProcessInfo]:
         res = await self._unary(c.LIST, {}, request_timeout)
@@ -155,6 +158,19 @@ class AsyncCommands:
 
     async def send_stdin(self, pid: int, data: str | bytes, request_timeout: float | None = None) -> None:
         await self._unary(c.SEND_INPUT, c.input_message(pid, data), request_timeout)
+
+    async def stream_input(self, pid: int, data: Iterable[str | bytes] | AsyncIterable[str | bytes], *,
+                     timeout: float | None = 60.0) -> None:
+        """Send `data`'s chunks to the process's stdin as they come, within `timeout` seconds in all
+        (0 / None: no limit); as e2b's stream_input (agentcell sends one SendInput per chunk)."""
+        deadline = c.InputDeadline(timeout)
+        chunks = c.input_chunks(data)
+        if isinstance(chunks, AsyncIterable):
+            async for chunk in chunks:
+                await self.send_stdin(pid, chunk, deadline.remaining())
+            return
+        for chunk in chunks:  # type: ignore[union-attr]
+            await self.send_stdin(pid, chunk, deadline.remaining())
 
     async def close_stdin(self, pid: int, request_timeout: float | None = None) -> None:
         await self._unary(c.CLOSE_STDIN, {"process": {"pid": pid}}, request_timeout)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from agentcell.errors import NotFoundException
@@ -20,11 +20,11 @@ class CommandHandle:
     """A running command: iterate it for (stdout, stderr, pty) chunks, or wait(), kill(), disconnect()."""
 
     def __init__(self, pid: int, events: Iterator[dict[str, Any]], commands: Commands,
-                 on_stdout: OnOutput = None, on_stderr: OnOutput = None) -> None:
+                 on_stdout: OnOutput = None, on_stderr: OnOutput = None, retain_output: bool = True) -> None:
         self._pid = pid
         self._events = events
         self._commands = commands
-        self._output = c.Output()
+        self._output = c.Output(retain_output)
         self._timeout: float | None = None
         self._started = time.monotonic()
         self._on_stdout = on_stdout
@@ -111,20 +111,22 @@ class Commands:
     def run(self, cmd: str, background: bool = False, envs: dict[str, str] | None = None, user: str | None = None,
             cwd: str | None = None, on_stdout: OnOutput = None, on_stderr: OnOutput = None, stdin: bool = False,
             timeout: float | None = 60, request_timeout: float | None = None, tag: str | None = None,
+            retain_output: bool = True,
             ) -> CommandResult | CommandHandle:
         """Run `cmd` with bash -l -c. Foreground: the CommandResult (CommandExitException on non-zero exit).
         background=True: a CommandHandle at once. `timeout` seconds (0 = none) kills the command."""
         started = time.monotonic()
         pid, events = self._stream(c.START, c.start_message(cmd, envs, cwd, stdin, tag), user, timeout, request_timeout)
-        handle = CommandHandle(pid, events, self, on_stdout, on_stderr)
+        handle = CommandHandle(pid, events, self, on_stdout, on_stderr, retain_output=retain_output)
         handle._timeout, handle._started = timeout, started
         return handle if background else handle.wait()
 
     def connect(self, pid: int, timeout: float | None = 60, request_timeout: float | None = None,
-                on_stdout: OnOutput = None, on_stderr: OnOutput = None) -> CommandHandle:
+                on_stdout: OnOutput = None, on_stderr: OnOutput = None,
+                retain_output: bool = True) -> CommandHandle:
         """Attach to a running command (output from now on)."""
         p, events = self._stream(c.CONNECT, {"process": {"pid": pid}}, None, timeout, request_timeout)
-        return CommandHandle(p, events, self, on_stdout, on_stderr)
+        return CommandHandle(p, events, self, on_stdout, on_stderr, retain_output=retain_output)
 
     def list(self, request_timeout: float | None = None) -> list[ProcessInfo]:
         res = self._unary(c.LIST, {}, request_timeout)
@@ -139,6 +141,15 @@ class Commands:
 
     def send_stdin(self, pid: int, data: str | bytes, request_timeout: float | None = None) -> None:
         self._unary(c.SEND_INPUT, c.input_message(pid, data), request_timeout)
+
+    def stream_input(self, pid: int, data: Iterable[str | bytes], *,
+                     timeout: float | None = 60.0) -> None:
+        """Send `data`'s chunks to the process's stdin as they come, within `timeout` seconds in all
+        (0 / None: no limit); as e2b's stream_input (agentcell sends one SendInput per chunk)."""
+        deadline = c.InputDeadline(timeout)
+        chunks = c.input_chunks(data)
+        for chunk in chunks:
+            self.send_stdin(pid, chunk, deadline.remaining())
 
     def close_stdin(self, pid: int, request_timeout: float | None = None) -> None:
         self._unary(c.CLOSE_STDIN, {"process": {"pid": pid}}, request_timeout)

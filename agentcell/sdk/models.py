@@ -20,6 +20,37 @@ class CommandResult:
 
 
 @dataclass
+class PtySize:
+    """A terminal's size (e2b's PtySize)."""
+
+    rows: int
+    cols: int
+
+
+@dataclass
+class SandboxMetrics:
+    """One metrics sample of a sandbox (e2b's SandboxMetrics)."""
+
+    timestamp: datetime
+    cpu_count: int
+    cpu_used_pct: float
+    mem_used: int
+    mem_total: int
+    disk_used: int
+    disk_total: int
+    mem_cache: int = 0
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> SandboxMetrics:
+        return cls(
+            timestamp=datetime.fromisoformat(str(d["timestamp"]).replace("Z", "+00:00")),
+            cpu_count=int(d["cpuCount"]), cpu_used_pct=float(d["cpuUsedPct"]),
+            mem_used=int(d["memUsed"]), mem_total=int(d["memTotal"]), disk_used=int(d["diskUsed"]),
+            disk_total=int(d["diskTotal"]), mem_cache=int(d.get("memCache", 0)),
+        )
+
+
+@dataclass
 class ProcessInfo:
     pid: int
     tag: str | None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Callable, Mapping
+from datetime import datetime
 from typing import Any
 
 from agentcell.sdk import api, fast_async_http
@@ -12,7 +13,8 @@ from agentcell.sdk.commands_async import AsyncCommands
 from agentcell.sdk.config import ConnectionConfig, SandboxConnection, aresolve
 from agentcell.sdk.files_async import AsyncFilesystem
 from agentcell.sdk.methods import hybrid
-from agentcell.sdk.models import Context, Execution, SandboxInfo, SandboxQuery
+from agentcell.sdk.models import Context, Execution, SandboxInfo, SandboxMetrics, SandboxQuery
+from agentcell.sdk.pty import AsyncPty
 from agentcell.sdk.sandbox_base import ConnectedSandbox
 from agentcell.sdk.transport import error_from_http
 
@@ -21,7 +23,8 @@ class AsyncSandboxPaginator:
     """Pages of AsyncSandbox.list(): `while p.has_next: await p.next_items()`; `async for` walks every page."""
 
     def __init__(self, resolve_args: tuple[str | None, str | None, float | None], query: SandboxQuery | None,
-                 limit: int | None, next_token: str | None) -> None:
+                 limit: int | None, next_token: str | None, order: str | None = None) -> None:
+        self._order = order
         self._resolve_args = resolve_args
         self._config: ConnectionConfig | None = None
         self._query = query or SandboxQuery()
@@ -34,7 +37,8 @@ class AsyncSandboxPaginator:
             raise StopIteration("no more sandboxes to list")
         if self._config is None:
             self._config = await aresolve(*self._resolve_args)
-        params = api.list_params(self._query.metadata, self._query.state, self._limit, self.next_token)
+        params = api.list_params(self._query.metadata, self._query.state, self._limit, self.next_token,
+                                 self._order)
         r = await api.acall(self._config, "GET", "/v2/sandboxes", params=params)
         self.next_token = r.headers.get("x-next-token") or None
         self.has_next = self.next_token is not None
@@ -53,6 +57,7 @@ class AsyncSandbox(ConnectedSandbox):
         self._conn = conn
         self._files = AsyncFilesystem(conn)
         self._commands = AsyncCommands(conn)
+        self._pty = AsyncPty(self._commands)
         self._code = AsyncCodeInterpreter(conn)
 
     @property
@@ -63,6 +68,10 @@ class AsyncSandbox(ConnectedSandbox):
     def commands(self) -> AsyncCommands:
         return self._commands
 
+    @property
+    def pty(self) -> AsyncPty:
+        return self._pty
+
     # --- lifecycle --------------------------------------------------------------------------------
 
     @classmethod
@@ -70,7 +79,8 @@ class AsyncSandbox(ConnectedSandbox):
                envs: dict[str, str] | None = None, api_key: str | None = None, api_url: str | None = None,
                request_timeout: float | None = None, limits: dict[str, Any] | None = None,
                allow_internet_access: bool | None = None, network: Mapping[str, Any] | None = None,
-               secrets: Mapping[str, Mapping[str, Any]] | None = None) -> AsyncSandbox:
+               secrets: Mapping[str, Mapping[str, Any]] | None = None, secure: bool | None = None,
+               idempotency_key: str | None = None) -> AsyncSandbox:
         """Create a sandbox living `timeout` seconds (extend with set_timeout). Without api_url or
         AGENTCELL_URL an embedded local server is started for this process.
 
@@ -78,8 +88,10 @@ class AsyncSandbox(ConnectedSandbox):
         ``allow_out``/``deny_out``: CIDRs, IPs, domains, ``*.`` wildcards; ``allow_public_traffic``) set
         what the sandbox may reach: only the public internet ever, and within it what the lists allow."""
         config = await aresolve(api_url, api_key, request_timeout)
-        body = api.create_body(template, timeout, metadata, envs, limits, allow_internet_access, network, secrets)
-        r = await api.acall(config, "POST", "/v2/sandboxes", json=body, ok=(201, 200))
+        body = api.create_body(template, timeout, metadata, envs, limits, allow_internet_access, network, secrets,
+                               secure)
+        r = await api.acall(config, "POST", "/v2/sandboxes", json=body, ok=(201, 200),
+                     headers=api.create_headers(idempotency_key))
         sandbox_id, token = api.sandbox_fields(r.json())
         return cls(SandboxConnection(config, sandbox_id, token, **api.sandbox_extras(r.json())))
 
@@ -104,8 +116,9 @@ class AsyncSandbox(ConnectedSandbox):
     @staticmethod
     def list(query: SandboxQuery | None = None, limit: int | None = None, next_token: str | None = None,
              api_key: str | None = None, api_url: str | None = None,
-             request_timeout: float | None = None) -> AsyncSandboxPaginator:
-        return AsyncSandboxPaginator((api_url, api_key, request_timeout), query, limit, next_token)
+             request_timeout: float | None = None, order: str | None = None) -> AsyncSandboxPaginator:
+        """Running sandboxes matching `query`, newest first (`order="asc"`: oldest first), in pages."""
+        return AsyncSandboxPaginator((api_url, api_key, request_timeout), query, limit, next_token, order)
 
     @staticmethod
     async def _cls_kill(sandbox_id: str, api_key: str | None = None, api_url: str | None = None,
@@ -167,6 +180,24 @@ class AsyncSandbox(ConnectedSandbox):
         await api.acall(self._conn.config, "PUT", f"/sandboxes/{self.sandbox_id}/network",
                  json=api.network_update_body(network), ok=(204, 200), sandbox_id=self.sandbox_id,
                  request_timeout=request_timeout)
+
+    @staticmethod
+    async def _cls_get_metrics(sandbox_id: str, start: datetime | None = None, end: datetime | None = None,
+                         api_key: str | None = None, api_url: str | None = None,
+                         request_timeout: float | None = None) -> list[SandboxMetrics]:
+        config = await aresolve(api_url, api_key, request_timeout)
+        r = await api.acall(config, "GET", f"/sandboxes/{sandbox_id}/metrics", params=api.metrics_params(start, end),
+                     sandbox_id=sandbox_id)
+        return [SandboxMetrics.from_json(m) for m in r.json()]
+
+    @hybrid("_cls_get_metrics")
+    async def get_metrics(self, start: datetime | None = None, end: datetime | None = None,
+                    request_timeout: float | None = None) -> list[SandboxMetrics]:
+        """The sandbox's metrics samples (every 5 s, kept for an hour) between `start` and `end`, as
+        e2b's get_metrics; the newest is taken now."""
+        r = await api.acall(self._conn.config, "GET", f"/sandboxes/{self.sandbox_id}/metrics",
+                     params=api.metrics_params(start, end), sandbox_id=self.sandbox_id, request_timeout=request_timeout)
+        return [SandboxMetrics.from_json(m) for m in r.json()]
 
     @hybrid("_cls_get_info")
     async def get_info(self, request_timeout: float | None = None) -> SandboxInfo:

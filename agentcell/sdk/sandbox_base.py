@@ -7,6 +7,18 @@ from agentcell.sdk.config import ConnectionConfig, SandboxConnection
 
 class ConnectedSandbox:
     _conn: SandboxConnection
+    default_template = "base"  # e2b's class attributes; agentcell's "base" runs code too
+    default_sandbox_timeout = 300
+
+    @property
+    def sandbox_domain(self) -> str | None:
+        """The domain the server named for this sandbox's hosts (``get_host``), as e2b's."""
+        return self._conn.domain
+
+    @property
+    def envd_api_url(self) -> str:
+        """Where this SDK sends the sandbox's data-plane calls (the server; routed by headers)."""
+        return self._conn.config.base_url
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(sandbox_id={self.sandbox_id!r}, url={self._conn.config.base_url!r})"

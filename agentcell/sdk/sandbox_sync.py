@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator, Mapping
+from datetime import datetime
 from typing import Any
 
 import httpx
@@ -14,7 +15,8 @@ from agentcell.sdk.commands_sync import Commands
 from agentcell.sdk.config import ConnectionConfig, SandboxConnection, resolve
 from agentcell.sdk.files_sync import Filesystem
 from agentcell.sdk.methods import hybrid
-from agentcell.sdk.models import Context, Execution, SandboxInfo, SandboxQuery
+from agentcell.sdk.models import Context, Execution, SandboxInfo, SandboxMetrics, SandboxQuery
+from agentcell.sdk.pty import Pty
 from agentcell.sdk.sandbox_base import ConnectedSandbox
 from agentcell.sdk.transport import error_from_http, error_from_transport, sync_client, timeout
 
@@ -23,7 +25,8 @@ class SandboxPaginator:
     """Pages of Sandbox.list(): `while p.has_next: p.next_items()`; iterating it walks every page."""
 
     def __init__(self, config: ConnectionConfig, query: SandboxQuery | None, limit: int | None,
-                 next_token: str | None) -> None:
+                 next_token: str | None, order: str | None = None) -> None:
+        self._order = order
         self._config = config
         self._query = query or SandboxQuery()
         self._limit = limit
@@ -33,7 +36,8 @@ class SandboxPaginator:
     def next_items(self) -> list[SandboxInfo]:
         if not self.has_next:
             raise StopIteration("no more sandboxes to list")
-        params = api.list_params(self._query.metadata, self._query.state, self._limit, self.next_token)
+        params = api.list_params(self._query.metadata, self._query.state, self._limit, self.next_token,
+                                 self._order)
         r = api.call(self._config, "GET", "/v2/sandboxes", params=params)
         self.next_token = r.headers.get("x-next-token") or None
         self.has_next = self.next_token is not None
@@ -51,6 +55,7 @@ class Sandbox(ConnectedSandbox):
         self._conn = conn
         self._files = Filesystem(conn)
         self._commands = Commands(conn)
+        self._pty = Pty(self._commands)
         self._code = CodeInterpreter(conn)
 
     @property
@@ -61,6 +66,10 @@ class Sandbox(ConnectedSandbox):
     def commands(self) -> Commands:
         return self._commands
 
+    @property
+    def pty(self) -> Pty:
+        return self._pty
+
     # --- lifecycle --------------------------------------------------------------------------------
 
     @classmethod
@@ -68,7 +77,8 @@ class Sandbox(ConnectedSandbox):
                envs: dict[str, str] | None = None, api_key: str | None = None, api_url: str | None = None,
                request_timeout: float | None = None, limits: dict[str, Any] | None = None,
                allow_internet_access: bool | None = None, network: Mapping[str, Any] | None = None,
-               secrets: Mapping[str, Mapping[str, Any]] | None = None) -> Sandbox:
+               secrets: Mapping[str, Mapping[str, Any]] | None = None, secure: bool | None = None,
+               idempotency_key: str | None = None) -> Sandbox:
         """Create a sandbox living `timeout` seconds (extend with set_timeout). Without api_url or
         AGENTCELL_URL an embedded local server is started for this process.
 
@@ -76,8 +86,10 @@ class Sandbox(ConnectedSandbox):
         ``allow_out``/``deny_out``: CIDRs, IPs, domains, ``*.`` wildcards; ``allow_public_traffic``) set
         what the sandbox may reach: only the public internet ever, and within it what the lists allow."""
         config = resolve(api_url, api_key, request_timeout)
-        body = api.create_body(template, timeout, metadata, envs, limits, allow_internet_access, network, secrets)
-        r = api.call(config, "POST", "/v2/sandboxes", json=body, ok=(201, 200))
+        body = api.create_body(template, timeout, metadata, envs, limits, allow_internet_access, network, secrets,
+                               secure)
+        r = api.call(config, "POST", "/v2/sandboxes", json=body, ok=(201, 200),
+                     headers=api.create_headers(idempotency_key))
         sandbox_id, token = api.sandbox_fields(r.json())
         return cls(SandboxConnection(config, sandbox_id, token, **api.sandbox_extras(r.json())))
 
@@ -102,8 +114,9 @@ class Sandbox(ConnectedSandbox):
     @staticmethod
     def list(query: SandboxQuery | None = None, limit: int | None = None, next_token: str | None = None,
              api_key: str | None = None, api_url: str | None = None,
-             request_timeout: float | None = None) -> SandboxPaginator:
-        return SandboxPaginator(resolve(api_url, api_key, request_timeout), query, limit, next_token)
+             request_timeout: float | None = None, order: str | None = None) -> SandboxPaginator:
+        """Running sandboxes matching `query`, newest first (`order="asc"`: oldest first), in pages."""
+        return SandboxPaginator(resolve(api_url, api_key, request_timeout), query, limit, next_token, order)
 
     @staticmethod
     def _cls_kill(sandbox_id: str, api_key: str | None = None, api_url: str | None = None,
@@ -163,6 +176,24 @@ class Sandbox(ConnectedSandbox):
         api.call(self._conn.config, "PUT", f"/sandboxes/{self.sandbox_id}/network",
                  json=api.network_update_body(network), ok=(204, 200), sandbox_id=self.sandbox_id,
                  request_timeout=request_timeout)
+
+    @staticmethod
+    def _cls_get_metrics(sandbox_id: str, start: datetime | None = None, end: datetime | None = None,
+                         api_key: str | None = None, api_url: str | None = None,
+                         request_timeout: float | None = None) -> list[SandboxMetrics]:
+        config = resolve(api_url, api_key, request_timeout)
+        r = api.call(config, "GET", f"/sandboxes/{sandbox_id}/metrics", params=api.metrics_params(start, end),
+                     sandbox_id=sandbox_id)
+        return [SandboxMetrics.from_json(m) for m in r.json()]
+
+    @hybrid("_cls_get_metrics")
+    def get_metrics(self, start: datetime | None = None, end: datetime | None = None,
+                    request_timeout: float | None = None) -> list[SandboxMetrics]:
+        """The sandbox's metrics samples (every 5 s, kept for an hour) between `start` and `end`, as
+        e2b's get_metrics; the newest is taken now."""
+        r = api.call(self._conn.config, "GET", f"/sandboxes/{self.sandbox_id}/metrics",
+                     params=api.metrics_params(start, end), sandbox_id=self.sandbox_id, request_timeout=request_timeout)
+        return [SandboxMetrics.from_json(m) for m in r.json()]
 
     @hybrid("_cls_get_info")
     def get_info(self, request_timeout: float | None = None) -> SandboxInfo:

@@ -28,6 +28,7 @@ from agentcell.server.bodies import JSON_LIMIT, read_json
 from agentcell.server.config import ServerConfig
 from agentcell.server.errors import HTTPError, internal_error
 from agentcell.server.hosts import local_domain
+from agentcell.server.idempotency import IdempotentCreates, parse_key
 from agentcell.server.metrics import MIN_GAP_S, metric_json
 from agentcell.server.registry import CapacityError, SandboxManager, SandboxRecord
 
@@ -228,6 +229,7 @@ class ControlPlane:
     def __init__(self, cfg: ServerConfig, manager: SandboxManager) -> None:
         self.cfg = cfg
         self.manager = manager
+        self._idempotent = IdempotentCreates()
 
     def _domain(self, request: Request) -> str | None:
         # get_host(port) is "{port}-{id}.{domain}": without --domain, the name this request came to,
@@ -302,6 +304,13 @@ class ControlPlane:
 
     async def create(self, request: Request) -> Response:
         body = await json_body(request)
+        key = parse_key(request.headers.get("idempotency-key"))
+        if key is None:
+            return JSONResponse(await self._create(request, body), status_code=201)
+        answer, _ = await self._idempotent.run(key, body, lambda: self._create(request, body))
+        return JSONResponse(answer, status_code=201)
+
+    async def _create(self, request: Request, body: dict[str, Any]) -> dict[str, Any]:
         template = body.get("templateID", "base")
         if not isinstance(template, str):
             raise HTTPError(400, "'templateID' must be a string")
@@ -349,7 +358,7 @@ class ControlPlane:
         asked = _field(body, "allowInternetAccess", "allow_internet_access")
         rec.internet_at_create = (self.cfg.internet_by_default and self.manager.backend.has_egress) if asked is None \
             else bool(asked)
-        return JSONResponse(self.sandbox_json(rec, request), status_code=201)
+        return self.sandbox_json(rec, request)
 
     def _filtered(self, request: Request) -> list[SandboxRecord]:
         q = request.query_params
