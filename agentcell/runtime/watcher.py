@@ -169,11 +169,18 @@ class Watcher:
                 self._dirs[wd] = new + d[len(old):]
 
     # -- events -------------------------------------------------------------------------------
-    def _event(self, rel: str, kind: int) -> dict[str, Any]:
+    def _event(self, rel: str, kind: int, upload_tmp: str | None = None) -> dict[str, Any]:
         event: dict[str, Any] = {"name": rel or ".", "type": kind}
         if self.include_entry:
+            full = os.path.join(self.root, rel) if rel else self.root
             with contextlib.suppress(OSError):
-                event["entry"] = entry_info(os.path.join(self.root, rel) if rel else self.root)
+                try:
+                    event["entry"] = entry_info(full)
+                except FileNotFoundError:
+                    if upload_tmp is None:
+                        raise
+                    # an upload not yet renamed into place: its temp file, under the destination's name
+                    event["entry"] = {**entry_info(upload_tmp), "name": os.path.basename(full), "path": full}
         return event
 
     def read(self) -> list[dict[str, Any]]:
@@ -221,7 +228,9 @@ class Watcher:
             return
         rel = f"{directory}/{name}" if directory and name else (name or directory)
         full = os.path.join(self.root, rel) if rel else self.root
-        target = self.fs.upload_target(os.path.join(self._real_root, rel) if rel else self._real_root)
+        real = os.path.join(self._real_root, rel) if rel else self._real_root
+        target = self.fs.upload_target(real)
+        upload_tmp = None
         if target is not None:
             # The agent's own upload: a temp file beside the destination, renamed over it. Report it
             # as envd reports its in-place write (CREATE/CHMOD/WRITE of the destination), not the
@@ -232,11 +241,12 @@ class Watcher:
             if mask & IN_DELETE:
                 return
             rel = os.path.relpath(target, self._real_root)
+            upload_tmp = real
         elif mask & IN_MOVED_TO and cookie in self._upload_moves:
             self._upload_moves.discard(cookie)
             return
         for kind in _types(mask):
-            out.append(self._event(rel, kind))
+            out.append(self._event(rel, kind, upload_tmp))
         if self.recursive and mask & IN_ISDIR:
             if mask & IN_MOVED_FROM:
                 self._moves[cookie] = rel
