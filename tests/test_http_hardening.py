@@ -205,7 +205,11 @@ def test_every_data_plane_route_refuses_without_token_before_reading_the_body(
             s.sendall(request_head(method, path, headers))
             raw, closed = read_response(s, 10, close_wait=0 if method == "GET" else 1)
         assert status_of(raw) == 401, raw[:300]
-        assert "X-Access-Token" in body_of(raw)["message"]
+        message = body_of(raw)["message"]
+        if path.split("?")[0] == "/files":  # envd's own words there (a signature could stand in for the token)
+            assert message in ("missing signature query parameter", "access token present in header but does not match")
+        else:
+            assert "X-Access-Token" in message
         if method != "GET":
             assert closed, "the server kept the connection open to read the body"
 

@@ -251,7 +251,8 @@ async def test_files_write_read_stat(agent: Agent) -> None:
 
     os.symlink("a/b/hello.txt", agent.home / "link")
     link = (await agent.ch.call("fs.stat", path="link")).header["entry"]
-    assert link["type"] == "symlink" and link["symlink_target"] == str(agent.home / "a/b/hello.txt")
+    # as envd: the target's type, marked as a link, with the absolute target
+    assert link["type"] == "file" and link["is_symlink"] and link["symlink_target"] == str(agent.home / "a/b/hello.txt")
     with pytest.raises(NotFoundError):
         await agent.ch.call("fs.stat", path="nope")
     with pytest.raises(NotFoundError):

@@ -24,7 +24,17 @@ from collections.abc import Awaitable, Callable
 from typing import Any, NoReturn
 
 from agentcell.errors import InvalidArgumentError, ResourceExhaustedError, SandboxError
-from agentcell.runtime import display, filesystem, kernel, processes, protocol, reaper, statedir, tunnel
+from agentcell.runtime import (
+    display,
+    filesystem,
+    kernel,
+    processes,
+    protocol,
+    reaper,
+    statedir,
+    tunnel,
+    watcher,
+)
 from agentcell.runtime.filesystem import FileSystem, os_error
 from agentcell.runtime.kernel import ContextManager
 from agentcell.runtime.processes import ProcessTable, Subscriber
@@ -35,7 +45,7 @@ __all__ = ["preload", "serve"]
 
 _PR_SET_DUMPABLE = 4
 _PR_SET_CHILD_SUBREAPER = 36
-_AGENT_MODULES = (display, filesystem, kernel, processes, protocol, reaper, tunnel)  # imported now, never lazily
+_AGENT_MODULES = (display, filesystem, kernel, processes, protocol, reaper, tunnel, watcher)  # imported now, never lazily
 _WARM_TIMEOUT = 10.0  # seconds the default context gets to start before the sandbox says ready anyway
 
 
@@ -218,6 +228,7 @@ async def _serve(sock: socket.socket, config: dict[str, Any]) -> None:
         agent.claim({str(k): str(v) for k, v in (claim.header.get("envs") or {}).items()})
         await agent.run(reader)
     finally:
+        agent.watchers.close()
         agent.processes.kill_all()
         agent.contexts.close()
 
@@ -353,6 +364,7 @@ class Agent:
         self._writer = writer
         self.processes = procs
         self.fs = fs
+        self.watchers = watcher.Watchers(fs)
         self.contexts = contexts
         self._calls: dict[int, Call] = {}
         self.conn_credit = protocol.CONN_WINDOW  # of all calls together
@@ -563,17 +575,64 @@ async def _fs_list(agent: Agent, call: Call, frame: Frame) -> dict[str, Any]:
 
 @op("fs.mkdir")
 async def _fs_mkdir(agent: Agent, call: Call, frame: Frame) -> dict[str, Any]:
-    return {"entry": agent.fs.mkdir(frame.header.get("path"))}
+    entry = agent.fs.mkdir(frame.header.get("path"))
+    agent.watchers.pump()  # a recursive watcher watches the new directory before the answer goes out
+    return {"entry": entry}
 
 
 @op("fs.move")
 async def _fs_move(agent: Agent, call: Call, frame: Frame) -> dict[str, Any]:
-    return {"entry": agent.fs.move(frame.header.get("source"), frame.header.get("destination"))}
+    entry = agent.fs.move(frame.header.get("source"), frame.header.get("destination"))
+    agent.watchers.pump()
+    return {"entry": entry}
 
 
 @op("fs.remove")
 async def _fs_remove(agent: Agent, call: Call, frame: Frame) -> dict[str, Any]:
     agent.fs.remove(frame.header.get("path"))
+    agent.watchers.pump()
+    return {}
+
+
+# -- directory watchers -----------------------------------------------------------------------------
+def _watch_fields(frame: Frame) -> tuple[Any, bool, bool]:
+    return (frame.header.get("path"), bool(_field(frame, "recursive", bool, False)),
+            bool(_field(frame, "include_entry", bool, False)))  # fmt: skip
+
+
+_WATCH_BATCH = 256  # events per stream frame
+
+
+@op("fs.watch")
+async def _fs_watch(agent: Agent, call: Call, frame: Frame) -> None:
+    """A stream of envd's WatchDir: a start frame, then batches of events, read from inotify only
+    while the server takes them (a stalled client leaves them in the kernel's bounded queue)."""
+    w = agent.watchers.open_stream(*_watch_fields(frame))
+    try:
+        await call.send({"event": "start"})
+        while True:
+            await call.wait_credit()
+            await w.readable()
+            events = w.read()
+            for i in range(0, len(events), _WATCH_BATCH):
+                await call.send({"event": "fs", "events": events[i:i + _WATCH_BATCH]})
+    finally:
+        agent.watchers.close_stream(w)
+
+
+@op("fs.watcher_create")
+async def _fs_watcher_create(agent: Agent, call: Call, frame: Frame) -> dict[str, Any]:
+    return {"watcher_id": agent.watchers.create(*_watch_fields(frame))}
+
+
+@op("fs.watcher_events")
+async def _fs_watcher_events(agent: Agent, call: Call, frame: Frame) -> dict[str, Any]:
+    return {"events": agent.watchers.events(frame.header.get("watcher_id"))}
+
+
+@op("fs.watcher_remove")
+async def _fs_watcher_remove(agent: Agent, call: Call, frame: Frame) -> dict[str, Any]:
+    agent.watchers.remove(frame.header.get("watcher_id"))
     return {}
 
 
@@ -604,7 +663,9 @@ async def _fs_write(agent: Agent, call: Call, frame: Frame) -> dict[str, Any]:
     metadata = _field(frame, "metadata", dict)
     path = frame.header.get("path")
     if not frame.header.get("stream"):
-        return {"entry": agent.fs.write(path, frame.payload, metadata)}
+        entry = agent.fs.write(path, frame.payload, metadata)
+        agent.watchers.pump()
+        return {"entry": entry}
     # The content follows in ``data`` frames, written as they arrive: nothing is held in memory.
     upload = agent.fs.open_upload(path)
     done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -623,7 +684,9 @@ async def _fs_write(agent: Agent, call: Call, frame: Frame) -> dict[str, Any]:
     call.take_data(on_data)
     try:
         await done
-        return {"entry": upload.finish(metadata)}
+        entry = upload.finish(metadata)
+        agent.watchers.pump()
+        return {"entry": entry}
     finally:
         call.take_data(None)
         upload.close()

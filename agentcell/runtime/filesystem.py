@@ -6,6 +6,7 @@ kernel: there is no host path here to escape to. Errors become typed SandboxErro
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import os
@@ -67,9 +68,18 @@ def os_error(e: OSError, path: str | None = None) -> SandboxError:
     return cls(f"{where}: {reason}" if where else reason)
 
 
+_UPLOADS_REMEMBERED = 1024  # recent uploads' temp files, for watchers (watcher.py) to name them right
+
+
 class FileSystem:
     def __init__(self, home: str) -> None:
         self.home = home
+        # temp file -> destination of the uploads of late: a watcher that reads their events after the
+        # upload ended still reports them as writes of the destination
+        self._uploads: collections.OrderedDict[str, str] = collections.OrderedDict()
+
+    def upload_target(self, path: str) -> str | None:
+        return self._uploads.get(path)
 
     def resolve(self, path: Any) -> str:
         if not isinstance(path, str) or not path:
@@ -192,6 +202,9 @@ class FileSystem:
             fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), prefix=f".{os.path.basename(target)}.",
                                        suffix=".upload")
             os.fchmod(fd, 0o644)
+            self._uploads[tmp] = target
+            if len(self._uploads) > _UPLOADS_REMEMBERED:
+                self._uploads.popitem(last=False)
         except OSError as e:
             raise os_error(e, p) from None
         return Upload(self, p, target, tmp, fd)
@@ -271,17 +284,23 @@ def _name(ident: int) -> str:
     return _NAMES.get(ident, str(ident))
 
 
+def _kind(mode: int) -> str:
+    if stat.S_ISLNK(mode):
+        return "symlink"
+    return "dir" if stat.S_ISDIR(mode) else "file"
+
+
 def entry_info(path: str) -> dict[str, Any]:
     st = os.lstat(path)
     mode = st.st_mode
     target = None
+    kind = _kind(mode)
     if stat.S_ISLNK(mode):
-        kind = "symlink"
+        # As envd: the link's own name, path, size and mode, the type of what it points to, and the
+        # absolute path it resolves to (symlink_target); a dangling link stays "symlink".
         target = os.path.realpath(path)
-    elif stat.S_ISDIR(mode):
-        kind = "dir"
-    else:
-        kind = "file"
+        with contextlib.suppress(OSError):
+            kind = _kind(os.stat(path).st_mode)
     return {
         "name": os.path.basename(path) or path,
         "type": kind,
@@ -294,6 +313,7 @@ def entry_info(path: str) -> dict[str, Any]:
         "modified_time": st.st_mtime,
         "symlink_target": target,
         "metadata": {} if target is not None else get_metadata(path),
+        "is_symlink": target is not None,
     }
 
 

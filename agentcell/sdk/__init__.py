@@ -8,6 +8,8 @@ from agentcell.sdk.models import (
     EntryInfo,
     Execution,
     ExecutionError,
+    FilesystemEvent,
+    FilesystemEventType,
     FileType,
     Logs,
     OutputMessage,
@@ -22,6 +24,6 @@ from agentcell.sdk.sandbox_sync import Sandbox
 
 __all__ = [
     "AsyncCommandHandle", "AsyncSandbox", "CommandHandle", "CommandResult", "Context", "EntryInfo", "Execution",
-    "ExecutionError", "FileType", "Logs", "OutputMessage", "ProcessInfo", "Result", "Sandbox", "SandboxInfo",
+    "ExecutionError", "FilesystemEvent", "FilesystemEventType", "FileType", "Logs", "OutputMessage", "ProcessInfo", "Result", "Sandbox", "SandboxInfo",
     "SandboxQuery", "WriteInfo",
 ]

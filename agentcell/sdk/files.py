@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import io
+import time
+import urllib.parse
 from typing import IO, Any
 
 from agentcell.errors import FileNotFoundException, InvalidArgumentException, NotFoundException
@@ -12,6 +16,38 @@ LIST_DIR = "/filesystem.Filesystem/ListDir"
 MAKE_DIR = "/filesystem.Filesystem/MakeDir"
 MOVE = "/filesystem.Filesystem/Move"
 REMOVE = "/filesystem.Filesystem/Remove"
+WATCH_DIR = "/filesystem.Filesystem/WatchDir"
+CREATE_WATCHER = "/filesystem.Filesystem/CreateWatcher"
+GET_WATCHER_EVENTS = "/filesystem.Filesystem/GetWatcherEvents"
+REMOVE_WATCHER = "/filesystem.Filesystem/RemoveWatcher"
+
+
+def watch_request(path: str, recursive: bool, include_entry: bool, allow_network_mounts: bool) -> dict[str, Any]:
+    return {"path": path, "recursive": recursive, "includeEntry": include_entry,
+            "allowNetworkMounts": allow_network_mounts}
+
+
+def signature(path: str, operation: str, user: str | None, token: str, expiration: int | None) -> str:
+    """envd's v1 file URL signature, as e2b's get_signature makes it."""
+    raw = f"{path}:{operation}:{user or ''}:{token}" + (f":{expiration}" if expiration is not None else "")
+    return "v1_" + base64.b64encode(hashlib.sha256(raw.encode()).digest()).rstrip(b"=").decode()
+
+
+def file_url(base_url: str, token: str | None, path: str, operation: str, user: str | None,
+             use_signature_expiration: int | None) -> str:
+    """A /files URL that needs no header (e2b's download_url/upload_url): signed with the sandbox's
+    access token, which the server also uses to tell which sandbox it is for."""
+    if token is None and use_signature_expiration is not None:
+        raise InvalidArgumentException("Signature expiration can be used only when sandbox is created as secured.")
+    query: dict[str, str] = {"path": path} if path else {}
+    if user:
+        query["username"] = user
+    if token is not None:
+        expiration = int(time.time()) + use_signature_expiration if use_signature_expiration is not None else None
+        query["signature"] = signature(path, operation, user, token, expiration)
+        if expiration:
+            query["signature_expiration"] = str(expiration)
+    return f"{base_url.rstrip('/')}/files?" + urllib.parse.urlencode(query, quote_via=urllib.parse.quote)
 
 
 def to_bytes(data: str | bytes | bytearray | IO[Any]) -> bytes:

@@ -2,24 +2,73 @@
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import json
 import urllib.parse
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import IO, Any, Literal
 
 import httpx
 
-from agentcell.errors import NotFoundException
+from agentcell.errors import NotFoundException, SandboxException
 from agentcell.sdk import fast_async_http as fah
 from agentcell.sdk import files as f
 from agentcell.sdk.config import SandboxConnection
-from agentcell.sdk.connect_rpc import aunary
-from agentcell.sdk.models import EntryInfo, WriteInfo, entry_from_json, write_info_from_json
+from agentcell.sdk.connect_rpc import astream, aunary
+from agentcell.sdk.models import (
+    EntryInfo,
+    FilesystemEvent,
+    WriteInfo,
+    entry_from_json,
+    event_from_json,
+    write_info_from_json,
+)
 from agentcell.sdk.transport import ConnectCodeError, error_from_http
 
 
 def _url(path: str) -> str:
     return "/files?" + urllib.parse.urlencode({"path": path})
+
+
+async def _call(cb: Callable[[Any], Any] | None, value: Any) -> None:
+    if cb is not None:
+        r = cb(value)
+        if inspect.isawaitable(r):
+            await r
+
+
+class AsyncWatchHandle:
+    """A directory watch whose events are passed to `on_event` as they come, in a background task
+    (e2b's AsyncWatchHandle). `on_exit` gets None when the watch ends by itself (its timeout), or the
+    exception that ended it; `stop()` ends it."""
+
+    def __init__(self, events: AsyncIterator[dict[str, Any]], on_event: Callable[[FilesystemEvent], Any],
+                 on_exit: Callable[[Exception | None], Any] | None) -> None:
+        self._events = events
+        self._on_event = on_event
+        self._on_exit = on_exit
+        self._task = asyncio.create_task(self._consume())
+
+    async def _consume(self) -> None:
+        error: Exception | None = None
+        try:
+            async for msg in self._events:
+                raw = msg.get("event", msg).get("filesystem")
+                if raw and (event := event_from_json(raw)) is not None:
+                    await _call(self._on_event, event)
+        except Exception as e:
+            error = e
+        finally:
+            await self._events.aclose()  # type: ignore[attr-defined]
+        await _call(self._on_exit, error)
+
+    async def stop(self) -> None:
+        self._task.cancel()
+        try:
+            await self._task
+        except asyncio.CancelledError:
+            pass
 
 
 class AsyncFilesystem:
@@ -154,3 +203,28 @@ class AsyncFilesystem:
                 return False
             raise
         return True
+
+    async def watch_dir(self, path: str, on_event: Callable[[FilesystemEvent], Any],
+                        on_exit: Callable[[Exception | None], Any] | None = None, user: str | None = None,
+                        request_timeout: float | None = None, timeout: float | None = 60,
+                        recursive: bool = False, include_entry: bool = False,
+                        allow_network_mounts: bool = False) -> AsyncWatchHandle:
+        """Watch a directory (and, with `recursive`, everything below it): `on_event` gets each
+        FilesystemEvent as it comes, for `timeout` seconds (None or 0: until stop()); as e2b's."""
+        rt = self._bound(request_timeout)
+        headers = {**self._conn.envd_user_headers(user), "Keepalive-Ping-Interval": "50"}
+        events = astream(fah.client(self._conn.config.endpoint), f.WATCH_DIR,
+                         f.watch_request(path, recursive, include_entry, allow_network_mounts), headers, (rt, None),
+                         self._conn.sandbox_id, timeout_ms=int(timeout * 1000) if timeout else None)
+        try:
+            first = await asyncio.wait_for(anext(events), rt)
+        except NotFoundException as e:
+            await events.aclose()  # type: ignore[attr-defined]
+            raise f.file_not_found(e, path) from None
+        except BaseException:
+            await events.aclose()  # type: ignore[attr-defined]
+            raise
+        if "start" not in first.get("event", first):
+            await events.aclose()  # type: ignore[attr-defined]
+            raise SandboxException(f"Failed to start watch: expected start event, got {first}")
+        return AsyncWatchHandle(events, on_event, on_exit)

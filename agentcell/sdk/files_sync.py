@@ -10,12 +10,19 @@ from typing import IO, Any, Literal
 import httpx
 from urllib3.exceptions import HTTPError
 
-from agentcell.errors import NotFoundException
+from agentcell.errors import NotFoundException, SandboxException
 from agentcell.sdk import fast_http
 from agentcell.sdk import files as f
 from agentcell.sdk.config import SandboxConnection
 from agentcell.sdk.connect_rpc import unary
-from agentcell.sdk.models import EntryInfo, WriteInfo, entry_from_json, write_info_from_json
+from agentcell.sdk.models import (
+    EntryInfo,
+    FilesystemEvent,
+    WriteInfo,
+    entry_from_json,
+    event_from_json,
+    write_info_from_json,
+)
 from agentcell.sdk.transport import (
     ConnectCodeError,
     error_from_http,
@@ -23,6 +30,26 @@ from agentcell.sdk.transport import (
     sync_client,
     timeout,
 )
+
+
+class WatchHandle:
+    """A directory watcher that collects events in the sandbox until polled (e2b's WatchHandle):
+    `get_new_events()` returns those since the last call, `stop()` ends it."""
+
+    def __init__(self, fs: Filesystem, watcher_id: str) -> None:
+        self._fs = fs
+        self._watcher_id = watcher_id
+        self._closed = False
+
+    def get_new_events(self, request_timeout: float | None = None) -> list[FilesystemEvent]:
+        if self._closed:
+            raise SandboxException("The watcher is already stopped")
+        res = self._fs._rpc(f.GET_WATCHER_EVENTS, {"watcherId": self._watcher_id}, request_timeout)
+        return [ev for e in res.get("events", []) if (ev := event_from_json(e)) is not None]
+
+    def stop(self, request_timeout: float | None = None) -> None:
+        self._fs._rpc(f.REMOVE_WATCHER, {"watcherId": self._watcher_id}, request_timeout)
+        self._closed = True
 
 
 class Filesystem:
@@ -163,3 +190,15 @@ class Filesystem:
                 return False
             raise
         return True
+
+    def watch_dir(self, path: str, user: str | None = None, request_timeout: float | None = None,
+                  recursive: bool = False, include_entry: bool = False,
+                  allow_network_mounts: bool = False) -> WatchHandle:
+        """Watch a directory (and, with `recursive`, everything below it) for changes; poll the
+        handle's get_new_events(). A sandbox has at most 32 watchers; stop() the ones you are done with."""
+        try:
+            res = self._rpc(f.CREATE_WATCHER, f.watch_request(path, recursive, include_entry, allow_network_mounts),
+                            request_timeout)
+        except NotFoundException as e:
+            raise f.file_not_found(e, path) from None
+        return WatchHandle(self, str(res.get("watcherId", "")))

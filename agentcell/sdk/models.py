@@ -132,6 +132,43 @@ def entry_from_json(e: dict[str, Any]) -> EntryInfo:
     )
 
 
+class FilesystemEventType(Enum):
+    """What happened to an entry of a watched directory (e2b's FilesystemEventType)."""
+
+    CHMOD = "chmod"
+    CREATE = "create"
+    REMOVE = "remove"
+    RENAME = "rename"
+    WRITE = "write"
+
+
+_EVENT_TYPES = {
+    "EVENT_TYPE_CREATE": FilesystemEventType.CREATE, "EVENT_TYPE_WRITE": FilesystemEventType.WRITE,
+    "EVENT_TYPE_REMOVE": FilesystemEventType.REMOVE, "EVENT_TYPE_RENAME": FilesystemEventType.RENAME,
+    "EVENT_TYPE_CHMOD": FilesystemEventType.CHMOD, 1: FilesystemEventType.CREATE, 2: FilesystemEventType.WRITE,
+    3: FilesystemEventType.REMOVE, 4: FilesystemEventType.RENAME, 5: FilesystemEventType.CHMOD,
+}
+
+
+@dataclass
+class FilesystemEvent:
+    """One event of a watched directory: `name` is relative to it ("sub/file.txt" when recursive);
+    `entry` is the entry's info when the watch asked for it (include_entry) and it still existed."""
+
+    name: str
+    type: FilesystemEventType
+    entry: EntryInfo | None = None
+
+
+def event_from_json(e: dict[str, Any]) -> FilesystemEvent | None:
+    """A FilesystemEvent from its ProtoJSON form; None for a type this SDK does not know."""
+    kind = _EVENT_TYPES.get(e.get("type"))  # type: ignore[arg-type]
+    if kind is None:
+        return None
+    entry = e.get("entry")
+    return FilesystemEvent(name=e.get("name", ""), type=kind, entry=entry_from_json(entry) if entry else None)
+
+
 def write_info_from_json(e: dict[str, Any]) -> WriteInfo:
     return WriteInfo(name=e["name"], type=_FILE_TYPES.get(e.get("type")), path=e["path"], metadata=e.get("metadata") or None)  # type: ignore[arg-type]
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from agentcell.sdk.config import ConnectionConfig, SandboxConnection
+from agentcell.sdk.files import file_url
 
 
 class ConnectedSandbox:
@@ -43,3 +44,16 @@ class ConnectedSandbox:
         local server that is ``{port}-{id}.localhost:{server port}`` (browsers and curl resolve
         ``*.localhost`` to loopback; other clients can connect to the server and send it as Host)."""
         return self._conn.get_host(port)
+
+    def download_url(self, path: str, user: str | None = None, use_signature_expiration: int | None = None) -> str:
+        """A URL that downloads the file with a plain GET, no headers (as e2b's download_url): signed
+        with the sandbox's access token; `use_signature_expiration` seconds bound its validity."""
+        return file_url(self._conn.config.base_url, self._conn.access_token, path, "read", user,
+                        use_signature_expiration)
+
+    def upload_url(self, path: str | None = None, user: str | None = None,
+                   use_signature_expiration: int | None = None) -> str:
+        """A URL that uploads a file with a plain POST (multipart/form-data or octet-stream), as e2b's
+        upload_url; signed like download_url."""
+        return file_url(self._conn.config.base_url, self._conn.access_token, path or "", "write", user,
+                        use_signature_expiration)

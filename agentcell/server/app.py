@@ -155,6 +155,9 @@ class AgentcellApp:
     async def _route(self, scope: Any, receive: Any, send: Any) -> None:
         """Credentials and content type are checked here, once, before any handler reads the body."""
         target = _route_target(scope)
+        if target is None and scope["path"] == "/files" and scope["method"] in ("GET", "POST"):
+            await self._signed_files(scope, receive, send)
+            return
         if target is None:
             api_key = self.config.api_key
             if api_key is not None and scope["path"] != "/health" and not auth.api_key_ok(scope, api_key):
@@ -173,7 +176,12 @@ class AgentcellApp:
         if port not in (ENVD_PORT, INTERPRETER_PORT):
             await self._user_port(rec, port, scope, receive, send)
             return
-        if refusal := auth.data_plane_refusal(scope, rec.access_token, port):
+        try:
+            refusal = auth.data_plane_refusal(scope, rec.access_token, port)
+        except auth.BadExpiration as e:
+            await json_error(400, str(e))(scope, receive, send)
+            return
+        if refusal:
             if is_connect_rpc(scope["path"]) and port == ENVD_PORT:
                 body = {"code": "unauthenticated", "message": refusal}
                 await JSONResponse(body, status_code=401)(scope, receive, send)
@@ -195,6 +203,25 @@ class AgentcellApp:
                 await self.interpreter(scope, receive, send)
         finally:
             current_drop.reset(drop_token)
+            current_sandbox.reset(token)
+
+    async def _signed_files(self, scope: Any, receive: Any, send: Any) -> None:
+        """`/files` with no sandbox named: an SDK's download_url()/upload_url() under E2B_SANDBOX_URL.
+        The v1 signature names the sandbox (auth.signed_sandbox); envd's 401s otherwise."""
+        try:
+            sandbox_id, refusal = auth.signed_sandbox(
+                scope, ((r.sandbox_id, r.access_token) for r in self.manager.list()))
+        except auth.BadExpiration as e:
+            await json_error(400, str(e))(scope, receive, send)
+            return
+        rec = self.manager.get(sandbox_id) if sandbox_id is not None else None
+        if rec is None:
+            await json_error(401, refusal or auth.INVALID_SIGNATURE)(scope, receive, send)
+            return
+        token = current_sandbox.set(rec)
+        try:
+            await self.envd_http(scope, receive, send)
+        finally:
             current_sandbox.reset(token)
 
     async def _user_port(self, rec: SandboxRecord, port: int, scope: Any, receive: Any, send: Any) -> None:

@@ -14,6 +14,7 @@ import base64
 import hashlib
 import hmac
 import time
+from collections.abc import Iterable
 from typing import Any
 
 from agentcell.server.asgi import header, query
@@ -48,22 +49,71 @@ def signature(path: str, operation: str, user: str, token: str, expiration: int 
     return "v1_" + base64.b64encode(hashlib.sha256(raw.encode()).digest()).rstrip(b"=").decode()
 
 
-def _file_signature_refusal(scope: dict[str, Any], token: str, operation: str) -> str | None:
+# envd's own 401 messages for /files (infra/packages/envd/internal/api/auth.go, validateSigning).
+TOKEN_MISMATCH = "access token present in header but does not match"
+MISSING_SIGNATURE = "missing signature query parameter"
+INVALID_SIGNATURE = "invalid signature"
+EXPIRED_SIGNATURE = "signature is already expired"
+
+
+class BadExpiration(ValueError):
+    """signature_expiration is not an integer (envd answers 400 for the malformed parameter)."""
+
+
+def file_operation(method: str) -> str:
+    return "read" if method in ("GET", "HEAD") else "write"
+
+
+def _expiration(scope: dict[str, Any]) -> int | None:
+    raw = query(scope).get("signature_expiration")
+    if raw is None or raw == "":
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise BadExpiration(f"Invalid format for parameter signature_expiration: {raw!r} is not an integer") from None
+
+
+def _signature_matches(scope: dict[str, Any], token: str, operation: str, expiration: int | None) -> bool:
     q = query(scope)
-    sig = q.get("signature")
-    if not sig:
-        return MISSING_TOKEN
-    expiration: int | None = None
-    raw_exp = q.get("signature_expiration")
-    if raw_exp:
-        try:
-            expiration = int(raw_exp)
-        except ValueError:
-            return "invalid signature_expiration"
-        if expiration < time.time():
-            return "the signature has expired"
     expected = signature(q.get("path") or "", operation, q.get("username") or "", token, expiration)
-    return None if hmac.compare_digest(sig.encode(), expected.encode()) else "invalid signature"
+    return hmac.compare_digest((q.get("signature") or "").encode("latin-1", "replace"), expected.encode())
+
+
+def file_signature_refusal(scope: dict[str, Any], token: str, operation: str) -> str | None:
+    """envd's check of a /files request without the right X-Access-Token, in envd's order: a wrong
+    header, no signature, a signature that does not match, then its expiry (raises BadExpiration)."""
+    if header(scope, b"x-access-token"):
+        return TOKEN_MISMATCH
+    if not query(scope).get("signature"):
+        return MISSING_SIGNATURE
+    expiration = _expiration(scope)
+    if not _signature_matches(scope, token, operation, expiration):
+        return INVALID_SIGNATURE
+    if expiration is not None and expiration < time.time():
+        return EXPIRED_SIGNATURE
+    return None
+
+
+def signed_sandbox(scope: dict[str, Any], tokens: Iterable[tuple[str, str]]) -> tuple[str | None, str | None]:
+    """(sandbox id, None) of the sandbox whose token signed this id-less /files URL, else (None, why).
+
+    E2B_SANDBOX_URL makes the SDKs' download_url()/upload_url() name no sandbox (no Host, no header):
+    only the signature, made with one sandbox's access token, tells which. Every live token is tried
+    (one SHA-256 each, constant-time compares), so the cost is bounded by --max-sandboxes."""
+    if not query(scope).get("signature"):
+        return None, MISSING_SIGNATURE
+    expiration = _expiration(scope)
+    operation = file_operation(scope["method"])
+    found = None
+    for sandbox_id, token in tokens:
+        if _signature_matches(scope, token, operation, expiration) and found is None:
+            found = sandbox_id  # no early exit: the time taken does not tell which one matched
+    if found is None:
+        return None, INVALID_SIGNATURE
+    if expiration is not None and expiration < time.time():
+        return None, EXPIRED_SIGNATURE
+    return found, None
 
 
 def data_plane_refusal(scope: dict[str, Any], access_token: str, port: int) -> str | None:
@@ -76,7 +126,7 @@ def data_plane_refusal(scope: dict[str, Any], access_token: str, port: int) -> s
     if port != ENVD_PORT and _equal(header(scope, b"e2b-traffic-access-token"), traffic_token(access_token)):
         return None
     if port == ENVD_PORT and path == "/files" and method in ("GET", "POST"):
-        return _file_signature_refusal(scope, access_token, "read" if method == "GET" else "write")
+        return file_signature_refusal(scope, access_token, file_operation(method))
     return MISSING_TOKEN
 
 

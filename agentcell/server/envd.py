@@ -7,6 +7,7 @@ the root router after it checked the access token.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import contextlib
@@ -261,7 +262,7 @@ def entry_info(e: Any) -> fs.EntryInfo:
         group=str(e.get("group", "")),
         modified_time=Timestamp(seconds=seconds, nanos=int((mtime - seconds) * 1e9)),
         metadata={str(k): str(v) for k, v in (e.get("metadata") or {}).items()},
-        is_symlink=e.get("type") == "symlink",
+        is_symlink=bool(e.get("is_symlink")) or e.get("type") == "symlink",
     )
     if e.get("symlink_target"):
         info.symlink_target = str(e["symlink_target"])
@@ -304,19 +305,69 @@ class FilesystemService:
         await _call("fs.remove", path=_path(request.path))
         return fs.RemoveResponse()
 
-    # WatchDir / CreateWatcher / GetWatcherEvents / RemoveWatcher: not provided by the agent yet; the
-    # generated Protocol defaults answer `unimplemented`.
-    def watch_dir(self, request: fs.WatchDirRequest, ctx: RequestContext) -> AsyncIterator[fs.WatchDirResponse]:
-        raise ConnectError(Code.UNIMPLEMENTED, "watching directories is not supported by agentcell yet")
+    # Directory watchers (runtime/watcher.py): WatchDir streams (async SDK); the sync SDK polls with
+    # CreateWatcher / GetWatcherEvents / RemoveWatcher, whose watchers live in the agent until removed
+    # or the sandbox ends.
+    async def watch_dir(self, request: fs.WatchDirRequest, ctx: RequestContext) -> AsyncIterator[fs.WatchDirResponse]:
+        check_user(ctx)
+        channel = current_sandbox.get().channel
+        stream = channel.stream("fs.watch", keepalive=_keepalive_interval(ctx), path=_path(request.path),
+                                recursive=bool(request.recursive), include_entry=bool(request.include_entry))
+        # envd ends the stream at the request's deadline (the SDK's watch `timeout`, 60 s by default).
+        loop = asyncio.get_running_loop()
+        remaining = ctx.timeout_ms
+        deadline = loop.time() + remaining / 1000 if remaining else None
+        try:
+            while True:
+                try:
+                    item = await asyncio.wait_for(anext(stream), None if deadline is None else deadline - loop.time())
+                except StopAsyncIteration:
+                    return
+                except TimeoutError:
+                    raise ConnectError(Code.DEADLINE_EXCEEDED, "the watch reached its timeout") from None
+                if item is KEEPALIVE:
+                    yield _WATCH_KEEPALIVE
+                elif item.header.get("event") == "start":
+                    yield fs.WatchDirResponse(event=Oneof("start", fs.WatchDirResponse.StartEvent()))
+                else:
+                    for event in watch_events(item.header.get("events")):
+                        yield fs.WatchDirResponse(event=Oneof("filesystem", event))
+        except SandboxError as e:
+            raise connect_error(e) from None
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]
 
     async def create_watcher(self, request: fs.CreateWatcherRequest, ctx: RequestContext) -> fs.CreateWatcherResponse:
-        raise ConnectError(Code.UNIMPLEMENTED, "watching directories is not supported by agentcell yet")
+        check_user(ctx)
+        header = await _call("fs.watcher_create", path=_path(request.path), recursive=bool(request.recursive),
+                             include_entry=bool(request.include_entry))
+        return fs.CreateWatcherResponse(watcher_id=str(header.get("watcher_id", "")))
 
     async def get_watcher_events(self, request: fs.GetWatcherEventsRequest, ctx: RequestContext) -> fs.GetWatcherEventsResponse:
-        raise ConnectError(Code.UNIMPLEMENTED, "watching directories is not supported by agentcell yet")
+        check_user(ctx)
+        header = await _call("fs.watcher_events", watcher_id=request.watcher_id)
+        return fs.GetWatcherEventsResponse(events=list(watch_events(header.get("events"))))
 
     async def remove_watcher(self, request: fs.RemoveWatcherRequest, ctx: RequestContext) -> fs.RemoveWatcherResponse:
-        raise ConnectError(Code.UNIMPLEMENTED, "watching directories is not supported by agentcell yet")
+        check_user(ctx)
+        await _call("fs.watcher_remove", watcher_id=request.watcher_id)
+        return fs.RemoveWatcherResponse()
+
+
+_WATCH_KEEPALIVE = fs.WatchDirResponse(event=Oneof("keepalive", fs.WatchDirResponse.KeepAlive()))
+_EVENT_TYPES = {1: fs.EventType.CREATE, 2: fs.EventType.WRITE, 3: fs.EventType.REMOVE, 4: fs.EventType.RENAME,
+                5: fs.EventType.CHMOD}
+
+
+def watch_events(raw: Any) -> Iterator[fs.FilesystemEvent]:
+    """envd's FilesystemEvents from the agent's event dicts (malformed ones are skipped)."""
+    for e in raw if isinstance(raw, list) else []:
+        if not isinstance(e, dict) or e.get("type") not in _EVENT_TYPES:
+            continue
+        event = fs.FilesystemEvent(name=str(e.get("name", "")), type=_EVENT_TYPES[e["type"]])
+        if isinstance(e.get("entry"), dict):
+            event.entry = entry_info(e["entry"])
+        yield event
 
 
 READ_MAX_BYTES = 16 << 20  # an RPC message is small; file data goes over /files
