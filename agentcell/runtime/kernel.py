@@ -423,10 +423,11 @@ class ContextManager:
 
     def list(self) -> list[dict[str, str]]:
         """Every context, with the default ones E2B's server lists from its start (python, javascript)."""
-        for lang in LISTED_DEFAULTS:
+        listed = []
+        for lang in LISTED_DEFAULTS:  # first, as E2B's server lists them (it made them at its start)
             with contextlib.suppress(InvalidArgumentError):  # a host without node lists no javascript
-                self.default(lang, start=False)
-        return [c.info() for c in self._contexts.values()]
+                listed.append(self.default(lang, start=False))
+        return [c.info() for c in listed] + [c.info() for c in self._contexts.values() if c not in listed]
 
     def delete(self, context_id: str) -> None:
         ctx = self._contexts.pop(context_id, None)
