@@ -6,9 +6,15 @@ set +m +H
 PS1='' PS2='' PS0='' PS4='+ '
 unset PROMPT_COMMAND HISTFILE
 set +o history
-__agentcell_runs=0
-__agentcell_u32() { printf '\\x%02x\\x%02x\\x%02x\\x%02x' $(($1 >> 24 & 255)) $(($1 >> 16 & 255)) $(($1 >> 8 & 255)) $(($1 & 255)); }
-__agentcell_frame() { printf "$(__agentcell_u32 ${#1})$(__agentcell_u32 ${#2})%s%s" "$1" "$2" >&3; }
+__agentcell_runs=1  # as IPython: the number of the next run
+# printf -v, not $(...): no subshell (a fork) per frame
+__agentcell_frame() {
+  local h=${#1} p=${#2} prefix
+  printf -v prefix '\\x%02x\\x%02x\\x%02x\\x%02x\\x%02x\\x%02x\\x%02x\\x%02x' \
+    $((h >> 24 & 255)) $((h >> 16 & 255)) $((h >> 8 & 255)) $((h & 255)) \
+    $((p >> 24 & 255)) $((p >> 16 & 255)) $((p >> 8 & 255)) $((p & 255))
+  printf "$prefix%s%s" "$1" "$2" >&3
+}
 __agentcell_start() {
   __agentcell_frame '{"line":true,"hold":true}' "{\"type\":\"number_of_executions\",\"execution_count\":$__agentcell_runs}"
   __agentcell_runs=$((__agentcell_runs + 1))

@@ -196,6 +196,7 @@ async function serve() {
       for (const k of Object.keys(envVars)) saved[k] = process.env[k]
       try {
         Object.assign(process.env, envVars)
+        ctrl.cork() // the run's frames go out together with its end: one write, one wake-up of the agent
         const count = executionCount++
         sendLine({ type: 'number_of_executions', execution_count: count })
         const value = await runCell(code, count)
@@ -211,6 +212,7 @@ async function serve() {
           else process.env[k] = v
         }
         ctrl.write(frame({ done: true }))
+        ctrl.uncork()
       }
     }
   } finally {
