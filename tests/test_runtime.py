@@ -398,7 +398,7 @@ async def test_code_contexts(agent: Agent) -> None:
     with pytest.raises(InvalidArgumentError, match="not supported"):
         await agent.ch.call("code.context_create", language="r", cwd=None)
     with pytest.raises(InvalidArgumentError, match="not supported"):
-        await agent.run("1", language="javascript")
+        await agent.run("1", language="cobol")
 
 
 async def test_code_env_vars_for_one_run(agent: Agent) -> None:

@@ -1,4 +1,4 @@
-"""Code contexts: each one is an IPython shell in its own process, forked from the agent.
+"""Code contexts: each one is a kernel process; Python's is an IPython shell forked from the agent.
 
 A context process (a "kernel") is a fork of the agent, so it starts with the shell, NumPy, pandas and
 Matplotlib already imported and costs a few milliseconds to make. User code there cannot block or crash
@@ -9,6 +9,10 @@ the agent treats what it reads there as hostile: a malformed frame ends the cont
 The kernel's fds 1 and 2 are pipes the agent reads itself, so ``print`` and output of C code or
 subprocesses both stream as stdout/stderr lines. Before the kernel sends a frame it flushes its stdio,
 and the agent drains the pipes before it forwards the frame, so lines keep their order.
+
+The other languages' kernels (JavaScript, TypeScript, bash) are programs started the same way and
+spoken to on the same socket and pipes (kernel_exec.KernelSpec: kernel_node.py, kernel_bash.py), so
+flow control, interrupts, deadlines and restarts below serve every language.
 """
 
 from __future__ import annotations
@@ -30,12 +34,26 @@ from collections.abc import Callable
 from typing import Any, NoReturn, Protocol
 
 from agentcell.errors import InvalidArgumentError, NotFoundError, SandboxError
-from agentcell.runtime import display, forkstate
+from agentcell.runtime import display, forkstate, kernel_bash, kernel_node
+from agentcell.runtime.kernel_exec import KernelSpec
 from agentcell.runtime.processes import CHILD_OOM_SCORE_ADJ, set_oom_score_adj
 from agentcell.runtime.protocol import ProtocolError, encode_frame, read_frame, recv_frame
 from agentcell.runtime.reaper import Reaper, describe_status
 
-LANGUAGES = {"python": "python", "python3": "python"}
+LANGUAGES = {
+    "python": "python", "python3": "python",
+    "javascript": "javascript", "js": "javascript", "node": "javascript",
+    "typescript": "typescript", "ts": "typescript",
+    "bash": "bash", "sh": "bash", "shell": "bash",
+    "r": "r", "java": "java",
+}
+# Languages E2B's template lists a default context of even before it is used (its server starts them).
+LISTED_DEFAULTS = ("python", "javascript")
+# E2B's code interpreter has kernels for these; agentcell says what it would need instead of a bare "unknown".
+_UNSUPPORTED = {
+    "r": "r contexts are not supported by agentcell: it would need R (Rscript) and an R kernel",
+    "java": "java contexts are not supported by agentcell: it would need a JDK and a Java kernel",
+}
 INTERRUPT_GRACE = 2.0  # seconds a run gets to stop after SIGINT before its kernel is killed
 MAX_LINE = 32 << 20  # the largest single output line (a result, e.g. a PNG or HTML) a run may produce
 _OUTPUT_READ = 64 * 1024
@@ -70,10 +88,22 @@ def preload() -> None:
 
 
 def normalize_language(language: str | None) -> str:
-    lang = (language or "python").lower()
+    lang = (language or "python").strip().lower()
     if lang not in LANGUAGES:
-        raise InvalidArgumentError(f"language {language} is not supported; agentcell contexts run python")
+        raise InvalidArgumentError(f"language {language!r} is not supported; agentcell contexts run "
+                                   "python, javascript (js), typescript (ts) and bash")  # fmt: skip
     return LANGUAGES[lang]
+
+
+def kernel_spec(language: str) -> KernelSpec:
+    """The kernel of a normalized language; InvalidArgumentError (a 400) naming what the host lacks."""
+    if language in _UNSUPPORTED:
+        raise InvalidArgumentError(_UNSUPPORTED[language])
+    spec = _KERNELS[language]
+    missing = spec.missing()
+    if missing:
+        raise InvalidArgumentError(missing)
+    return spec
 
 
 def timestamp() -> str:
@@ -88,8 +118,9 @@ def timestamp() -> str:
 class _Kernel:
     """One kernel process as the agent sees it. A restart makes a new one."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, reaper: Reaper, cwd: str, envs: dict[str, str],
-                 oom_score_adj: int) -> None:  # fmt: skip
+    def __init__(self, spec: KernelSpec, loop: asyncio.AbstractEventLoop, reaper: Reaper, cwd: str,
+                 envs: dict[str, str], oom_score_adj: int) -> None:  # fmt: skip
+        self.spec = spec
         self._loop = loop
         self.status: int | None = None
         self.exited: asyncio.Future[int] = loop.create_future()
@@ -103,16 +134,16 @@ class _Kernel:
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         try:
-            pid = os.fork()
-        except OSError as e:
+            pid = spec.launch(theirs.fileno(), out_w, err_w, cwd, envs, oom_score_adj)
+        except (OSError, SandboxError) as e:
             for fd in (out_r, out_w, err_r, err_w):
                 os.close(fd)
             ours.close()
             theirs.close()
+            if isinstance(e, SandboxError):
+                raise
             raise SandboxError(f"cannot start a code context: {e.strerror} (process limit reached?)",
                                "resource_exhausted") from None  # fmt: skip
-        if pid == 0:
-            _kernel_child(theirs.fileno(), out_w, err_w, cwd, envs, oom_score_adj)  # never returns
         self.pid = pid
         reaper.watch(pid, self._on_exit)
         theirs.close()
@@ -139,7 +170,7 @@ class _Kernel:
         if self.reader is None:
             self.reader, self.writer = await asyncio.open_unix_connection(sock=self.sock)
             if self._envs is not None:  # env vars that came while it warmed up (the claim's)
-                self.writer.write(encode_frame({"set_env": self._envs}))
+                self.writer.write(self.spec.encode_env(self._envs))
                 self._envs = None
             try:
                 warm = await read_frame(self.reader, 1 << 10)
@@ -151,7 +182,7 @@ class _Kernel:
     def set_envs(self, envs: dict[str, str]) -> None:
         """Replace the kernel's os.environ before its next run."""
         if self.writer is not None:
-            self.writer.write(encode_frame({"set_env": envs}))
+            self.writer.write(self.spec.encode_env(envs))
         else:
             self._envs = dict(envs)  # sent by connect(), which may be waiting for the warm frame now
 
@@ -203,7 +234,10 @@ class _Kernel:
 
     def interrupt(self) -> None:
         with contextlib.suppress(ProcessLookupError):
-            os.kill(self.pid, signal.SIGINT)
+            if self.spec.interrupt_group:
+                os.killpg(self.pid, signal.SIGINT)
+            else:
+                os.kill(self.pid, signal.SIGINT)
 
     def kill(self, reason: str = "") -> None:
         if reason and not self.kill_reason:
@@ -238,7 +272,7 @@ class Context:
         return {"id": self.id, "language": self.language, "cwd": self.cwd}
 
     def start(self) -> None:
-        self.kernel = self._manager.spawn(self.cwd)
+        self.kernel = self._manager.spawn(self.cwd, self.language)
 
     async def warm(self) -> None:
         """Until the kernel has run its warm-up (a standby's context is ready before its claim)."""
@@ -291,7 +325,7 @@ class Context:
             deadline = loop.call_later(timeout_ms / 1000, deadline_passed) if timeout_ms > 0 else None
             kernel.sink = sink
             try:
-                kernel.writer.write(encode_frame({"env_vars": env_vars or {}}, code.encode("utf-8", "surrogatepass")))
+                kernel.writer.write(kernel.spec.encode_run(code, env_vars or {}))
                 while True:
                     try:
                         frame = await read_frame(kernel.reader, MAX_LINE + (1 << 10))
@@ -342,7 +376,7 @@ class ContextManager:
         self._envs = dict(envs)
         self._home = home
         self._contexts: dict[str, Context] = {}
-        self._default: Context | None = None
+        self._defaults: dict[str, Context] = {}  # language -> its default context (run_code(language=))
 
     def update_envs(self, envs: dict[str, str]) -> None:
         """Env vars for every context from now on, and for the running ones before their next run."""
@@ -351,8 +385,9 @@ class ContextManager:
             if ctx.kernel is not None and ctx.kernel.alive:
                 ctx.kernel.set_envs(self._envs)
 
-    def spawn(self, cwd: str) -> _Kernel:
-        return _Kernel(asyncio.get_running_loop(), self._reaper, cwd, self._envs, self._oom_score_adj)
+    def spawn(self, cwd: str, language: str = "python") -> _Kernel:
+        return _Kernel(_KERNELS[language], asyncio.get_running_loop(), self._reaper, cwd, self._envs,
+                       self._oom_score_adj)  # fmt: skip
 
     def _resolve_cwd(self, cwd: str | None) -> str:
         path = os.path.normpath(os.path.join(self._home, cwd)) if cwd else self._home
@@ -360,16 +395,23 @@ class ContextManager:
             raise InvalidArgumentError(f"cwd {path!r} is not an existing directory")
         return path
 
-    def create(self, language: str | None = None, cwd: str | None = None) -> Context:
-        ctx = Context(self, str(uuid.uuid4()), normalize_language(language), self._resolve_cwd(cwd))
-        ctx.start()
+    def create(self, language: str | None = None, cwd: str | None = None, start: bool = True) -> Context:
+        lang = normalize_language(language)
+        kernel_spec(lang)
+        ctx = Context(self, str(uuid.uuid4()), lang, self._resolve_cwd(cwd))
+        if start:
+            ctx.start()
         self._contexts[ctx.id] = ctx
         return ctx
 
-    def default(self) -> Context:
-        if self._default is None or self._default.id not in self._contexts:
-            self._default = self.create()
-        return self._default
+    def default(self, language: str | None = None, start: bool = True) -> Context:
+        """The language's default context, made when first asked for. One that is only listed is made
+        without its process (a JavaScript context is a node process: started by its first run)."""
+        lang = normalize_language(language)
+        ctx = self._defaults.get(lang)
+        if ctx is None or ctx.id not in self._contexts:
+            ctx = self._defaults[lang] = self.create(lang, start=start)
+        return ctx
 
     def get(self, context_id: str | None, language: str | None = None) -> Context:
         if context_id:
@@ -377,11 +419,15 @@ class ContextManager:
             if ctx is None:
                 raise NotFoundError(f"context {context_id!r} not found")
             return ctx
-        normalize_language(language)
-        return self.default()
+        return self.default(language)
 
     def list(self) -> list[dict[str, str]]:
-        return [c.info() for c in self._contexts.values()]
+        """Every context, with the default ones E2B's server lists from its start (python, javascript)."""
+        listed = []
+        for lang in LISTED_DEFAULTS:  # first, as E2B's server lists them (it made them at its start)
+            with contextlib.suppress(InvalidArgumentError):  # a host without node lists no javascript
+                listed.append(self.default(lang, start=False))
+        return [c.info() for c in listed] + [c.info() for c in self._contexts.values() if c not in listed]
 
     def delete(self, context_id: str) -> None:
         ctx = self._contexts.pop(context_id, None)
@@ -428,6 +474,14 @@ def _disarm_sigint() -> None:
     global _running
     signal.signal(signal.SIGINT, _defer_sigint)
     _running = False
+
+
+def _fork_python(ctrl_fd: int, out_w: int, err_w: int, cwd: str, envs: dict[str, str], oom_score_adj: int) -> int:
+    """Python's launcher: a fork of the agent, its shell built already (preload)."""
+    pid = os.fork()
+    if pid == 0:
+        _kernel_child(ctrl_fd, out_w, err_w, cwd, envs, oom_score_adj)  # never returns
+    return pid
 
 
 def _kernel_child(ctrl_fd: int, out_w: int, err_w: int, cwd: str, envs: dict[str, str],
@@ -602,3 +656,11 @@ def _serve_kernel(sock: socket.socket) -> NoReturn:
                 else:
                     os.environ[key] = value
             _send(sock, {"done": True})
+
+
+_KERNELS: dict[str, KernelSpec] = {
+    "python": KernelSpec("python", _fork_python),
+    "javascript": kernel_node.JAVASCRIPT,
+    "typescript": kernel_node.TYPESCRIPT,
+    "bash": kernel_bash.BASH,
+}

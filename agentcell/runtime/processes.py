@@ -352,7 +352,7 @@ class ProcessTable:
                 else:
                     first = (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0)
                 actions = [first, (os.POSIX_SPAWN_DUP2, out_w, 1), (os.POSIX_SPAWN_DUP2, err_w, 2)]
-            pid = _spawn(exe, [cmd, *args], env, cwd, actions)
+            pid = spawn(exe, [cmd, *args], env, cwd, actions)
         except BaseException:
             for fd in [*child_fds, *out_fds]:
                 with contextlib.suppress(OSError):
@@ -409,7 +409,8 @@ class ProcessTable:
             proc.kill_group()
 
 
-def _spawn(exe: str, argv: list[str], env: dict[str, str], cwd: str, actions: list[tuple]) -> int:
+def spawn(exe: str, argv: list[str], env: dict[str, str], cwd: str, actions: list[tuple]) -> int:
+    """posix_spawn `exe` in a new session, every signal at its default, in `cwd`."""
     # posix_spawn has no chdir action in Python 3.11: switch the agent's cwd around the call. The agent
     # is single-threaded and resolves every path itself, so nothing else sees the change.
     old = os.getcwd()

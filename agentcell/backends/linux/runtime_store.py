@@ -69,6 +69,12 @@ _LAUNCH_MODULE = "agentcell.backends.linux.runtime_store"
 _DROPPED_FILES = ("__editable__*", "direct_url.json", "*.egg-link")  # name the host checkouts they point to
 
 
+# The JS contexts' node_modules (runtime/js, kernel_node.py): of TypeScript only typescript.js runs
+# (transpileModule); its compiler CLI, language server, type declarations and translations (~14 MB) stay out.
+_TS_LIB = "runtime/js/node_modules/typescript/lib/"
+_JS_UNUSED = tuple(_TS_LIB + p for p in ("*.d.ts", "_*.js", "tsc.js", "tsserver*.js", "typingsInstaller.js",
+                                         "watchGuard.js", "*/diagnosticMessages.generated.json"))
+
 _DROPPED_RX = re.compile("|".join(fnmatch.translate(p) for p in _DROPPED_FILES))
 
 
@@ -147,7 +153,7 @@ def plan() -> Layout:
     if venv and not _under(prefix, _SYSTEM):
         parts.append(Part("venv", prefix, f"{NEUTRAL_ROOT}/venv"))
         pth = ("venv", site)
-    parts.append(Part("agentcell", pkg, f"{NEUTRAL_ROOT}/lib/agentcell", copy=True))
+    parts.append(Part("agentcell", pkg, f"{NEUTRAL_ROOT}/lib/agentcell", copy=True, drop_files=_JS_UNUSED))
     # each part by its real path and by the paths this process was given (they differ by symlinks,
     # pyenv's "3.11" alias, say, which the venv's pyvenv.cfg may name)
     given = {"python": [sys.base_prefix], "venv": [sys.prefix], "agentcell": [pkg_abs]}
