@@ -259,3 +259,37 @@ def test_list_order_retain_output_stream_input(server_url: str) -> None:
     finally:
         a.kill()
         b.kill()
+
+
+def test_files_write_options_sync(server_url: str) -> None:
+    with Sandbox.create(api_url=server_url) as sbx:
+        payload = b"compressible " * 10_000
+        info = sbx.files.write("/home/user/z.txt", payload, gzip=True, metadata={"Owner": "agent"})
+        assert info.path == "/home/user/z.txt"
+        assert sbx.files.read("/home/user/z.txt", format="bytes", gzip=True) == payload
+        assert b"".join(sbx.files.read("/home/user/z.txt", format="stream", gzip=True)) == payload
+        assert sbx.files.get_info("/home/user/z.txt").metadata == {"owner": "agent"}  # keys lowercased, as envd
+        sbx.files.write("/home/user/z.txt", "plain", use_octet_stream=False)  # multipart; clears the metadata
+        assert sbx.files.read("/home/user/z.txt") == "plain"
+        assert not sbx.files.get_info("/home/user/z.txt").metadata
+        sbx.files.write_files([{"path": "/tmp/a", "data": "A"}, {"path": "/tmp/b", "data": "B"}], metadata={"k": "v"})
+        assert sbx.files.get_info("/tmp/b").metadata == {"k": "v"}
+        sbx.files.write_files([{"path": "/tmp/c", "data": "C" * 5000}], gzip=True)
+        assert sbx.files.read("/tmp/c") == "C" * 5000
+        with pytest.raises(Exception, match="octet-stream"):
+            sbx.files.write("/tmp/d", "x", gzip=True, use_octet_stream=False)
+
+
+async def test_files_write_options_async(server_url: str) -> None:
+    sbx = await AsyncSandbox.create(api_url=server_url)
+    try:
+        payload = b"async " * 20_000
+        await sbx.files.write("/tmp/z", payload, gzip=True, metadata={"a": "b"})
+        assert await sbx.files.read("/tmp/z", format="bytes", gzip=True) == payload
+        stream = await sbx.files.read("/tmp/z", format="stream", gzip=True)
+        assert b"".join([c async for c in stream]) == payload
+        assert (await sbx.files.get_info("/tmp/z")).metadata == {"a": "b"}
+        await sbx.files.write("/tmp/z", "again", use_octet_stream=False)
+        assert await sbx.files.read("/tmp/z") == "again"
+    finally:
+        await sbx.kill()

@@ -124,7 +124,7 @@ def lines(r: Response) -> Iterator[bytes]:
 
 def chunks(r: Response) -> Iterator[bytes]:
     """A streamed response's body, piece by piece as it arrives."""
-    yield from r.stream(None)
+    yield from r.stream(None, decode_content=True)  # gzip (files.read(gzip=True)) decoded
 
 
 def finish(r: Response, complete: bool) -> None:

@@ -7,6 +7,7 @@ import hashlib
 import io
 import time
 import urllib.parse
+import zlib
 from typing import IO, Any
 
 from agentcell.errors import FileNotFoundException, InvalidArgumentException, NotFoundException
@@ -61,6 +62,32 @@ def to_bytes(data: str | bytes | bytearray | IO[Any]) -> bytes:
         content = data.read()
         return content.encode() if isinstance(content, str) else bytes(content)
     raise InvalidArgumentException(f"cannot write {type(data).__name__}: pass str, bytes or a file-like object")
+
+
+def upload_headers(base: dict[str, str], metadata: dict[str, str] | None, gzip: bool,
+                   use_octet_stream: bool | None) -> dict[str, str]:
+    """e2b's write options as headers: metadata as X-Metadata-<key> (kept as the file's xattrs,
+    keys lowercased), gzip as Content-Encoding (it implies the octet-stream upload)."""
+    if gzip and use_octet_stream is False:
+        raise InvalidArgumentException("gzip needs the octet-stream upload; leave use_octet_stream unset or True")
+    headers = dict(base)
+    for key, value in (metadata or {}).items():
+        if not isinstance(key, str) or not isinstance(value, str) or not key:
+            raise InvalidArgumentException("metadata must map non-empty str keys to str values")
+        headers[f"X-Metadata-{key}"] = value
+    if gzip:
+        headers["Content-Encoding"] = "gzip"
+    return headers
+
+
+def upload_body(data: str | bytes | bytearray | IO[Any], gzip: bool) -> bytes:
+    raw = to_bytes(data)
+    return zlib_gzip(raw) if gzip else raw
+
+
+def zlib_gzip(raw: bytes) -> bytes:
+    c = zlib.compressobj(6, zlib.DEFLATED, 31)
+    return c.compress(raw) + c.flush()
 
 
 def multipart(files: list[dict[str, Any]]) -> list[tuple[str, tuple[str, bytes, str]]]:

@@ -6,6 +6,7 @@ import asyncio
 import inspect
 import json
 import urllib.parse
+import zlib
 from collections.abc import AsyncIterator, Callable
 from typing import IO, Any, Literal
 
@@ -25,6 +26,10 @@ from agentcell.sdk.models import (
     write_info_from_json,
 )
 from agentcell.sdk.transport import ConnectCodeError, error_from_http
+
+
+def _decoded(encoding: str | None, content: bytes) -> bytes:
+    return zlib.decompress(content, 31) if encoding == "gzip" else content
 
 
 def _url(path: str) -> str:
@@ -98,15 +103,22 @@ class AsyncFilesystem:
         format: Literal["text", "bytes", "stream"] = "text",
         user: str | None = None,
         request_timeout: float | None = None,
+        gzip: bool = False,
+        stream_idle_timeout: float | None = None,
     ) -> Any:
-        """The file's content: str (text), bytearray (bytes) or an iterator of bytes chunks (stream)."""
+        """The file's content: str (text), bytearray (bytes) or an iterator of bytes chunks (stream).
+        `gzip`: compressed on the wire (decoded here); `stream_idle_timeout`: seconds a stream may
+        stay silent (default: the request timeout)."""
         headers = self._conn.envd_user_headers(user)
+        if gzip:
+            headers = {**headers, "Accept-Encoding": "gzip"}
         if format == "stream":
-            return self._read_stream(path, headers, request_timeout)
+            return self._read_stream(path, headers, stream_idle_timeout or request_timeout)
         r = await self._files("GET", _url(path), headers, request_timeout, f"read {path}")
         if r.status != 200:
             raise self._error(r.status, r.content, path)
-        return r.text if format == "text" else bytearray(r.content)
+        content = _decoded(r.headers.get("content-encoding"), r.content)
+        return content.decode("utf-8", "replace") if format == "text" else bytearray(content)
 
     async def _read_stream(self, path: str, headers: dict[str, str],
                            request_timeout: float | None) -> AsyncIterator[bytes]:
@@ -115,8 +127,9 @@ class AsyncFilesystem:
             try:
                 if r.status != 200:
                     raise self._error(r.status, await r.read(), path)
+                unzip = zlib.decompressobj(31) if r.headers.get("content-encoding") == "gzip" else None
                 async for chunk in r.aiter_bytes():
-                    yield chunk
+                    yield unzip.decompress(chunk) if unzip else chunk
             except fah.HTTPError as e:
                 raise fah.transport_error(e, f"read {path}") from None
         finally:
@@ -132,22 +145,36 @@ class AsyncFilesystem:
         data: str | bytes | IO[Any],
         user: str | None = None,
         request_timeout: float | None = None,
+        gzip: bool = False,
+        use_octet_stream: bool | None = None,
+        metadata: dict[str, str] | None = None,
     ) -> WriteInfo:
-        """Write (create or replace) one file; parent directories are created."""
-        headers = {**self._conn.envd_user_headers(user), "Content-Type": "application/octet-stream"}
-        r = await self._files("POST", _url(path), headers, request_timeout, f"write {path}", body=f.to_bytes(data))
+        """Write (create or replace) one file; parent directories are created. `metadata` is kept
+        with the file (EntryInfo.metadata); an overwrite without it clears it. `gzip` compresses the
+        upload; agentcell always uploads one file as octet-stream (`use_octet_stream=False`: multipart)."""
+        base = {**self._conn.envd_user_headers(user), "Content-Type": "application/octet-stream"}
+        headers = f.upload_headers(base, metadata, gzip, use_octet_stream)
+        if use_octet_stream is False:
+            return (await self.write_files([{"path": path, "data": data}], user, request_timeout, metadata=metadata))[0]
+        r = await self._files("POST", _url(path), headers, request_timeout, f"write {path}",
+                              body=f.upload_body(data, gzip))
         if r.status != 200:
             raise self._error(r.status, r.content, path)
         return write_info_from_json(json.loads(r.content)[0])
 
     async def write_files(
-        self, files: list[dict[str, Any]], user: str | None = None, request_timeout: float | None = None
+        self, files: list[dict[str, Any]], user: str | None = None, request_timeout: float | None = None,
+        gzip: bool = False, use_octet_stream: bool | None = None, metadata: dict[str, str] | None = None,
     ) -> list[WriteInfo]:
-        """Write several files ([{"path", "data"}]) in one multipart request."""
+        """Write several files ([{"path", "data"}]) in one multipart request (with `gzip` or
+        `use_octet_stream`, one compressed octet-stream upload each); `metadata` goes with every file."""
         if not files:
             return []
+        if gzip or use_octet_stream:
+            return [await self.write(x["path"], x["data"], user, request_timeout, gzip, True, metadata) for x in files]
         form = httpx.Request("POST", "http://localhost/files", files=f.multipart(files))  # httpx encodes the form
-        headers = {**self._conn.envd_user_headers(user), "Content-Type": form.headers["Content-Type"]}
+        base = {**self._conn.envd_user_headers(user), "Content-Type": form.headers["Content-Type"]}
+        headers = f.upload_headers(base, metadata, False, None)
         r = await self._files("POST", "/files", headers, request_timeout, "write_files", body=form.read())
         if r.status != 200:
             raise self._error(r.status, r.content, ", ".join(x["path"] for x in files))

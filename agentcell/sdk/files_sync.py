@@ -83,11 +83,17 @@ class Filesystem:
         format: Literal["text", "bytes", "stream"] = "text",
         user: str | None = None,
         request_timeout: float | None = None,
+        gzip: bool = False,
+        stream_idle_timeout: float | None = None,
     ) -> Any:
-        """The file's content: str (text), bytearray (bytes) or an iterator of bytes chunks (stream)."""
+        """The file's content: str (text), bytearray (bytes) or an iterator of bytes chunks (stream).
+        `gzip`: compressed on the wire (decoded here); `stream_idle_timeout`: seconds a stream may
+        stay silent (default: the request timeout)."""
         headers = self._conn.envd_user_headers(user)
+        if gzip:
+            headers = {**headers, "Accept-Encoding": "gzip"}
         if format == "stream":
-            return self._read_stream(path, headers, request_timeout)
+            return self._read_stream(path, headers, stream_idle_timeout or request_timeout)
         r = self._files("GET", path, headers, request_timeout)
         if r.status != 200:
             raise self._error(r.status, r.data, path)
@@ -117,25 +123,37 @@ class Filesystem:
         data: str | bytes | IO[Any],
         user: str | None = None,
         request_timeout: float | None = None,
+        gzip: bool = False,
+        use_octet_stream: bool | None = None,
+        metadata: dict[str, str] | None = None,
     ) -> WriteInfo:
-        """Write (create or replace) one file; parent directories are created."""
-        headers = {**self._conn.envd_user_headers(user), "Content-Type": "application/octet-stream"}
-        r = self._files("POST", path, headers, request_timeout, body=f.to_bytes(data))
+        """Write (create or replace) one file; parent directories are created. `metadata` is kept
+        with the file (EntryInfo.metadata); an overwrite without it clears it. `gzip` compresses the
+        upload; agentcell always uploads one file as octet-stream (`use_octet_stream=False`: multipart)."""
+        base = {**self._conn.envd_user_headers(user), "Content-Type": "application/octet-stream"}
+        headers = f.upload_headers(base, metadata, gzip, use_octet_stream)
+        if use_octet_stream is False:
+            return self.write_files([{"path": path, "data": data}], user, request_timeout, metadata=metadata)[0]
+        r = self._files("POST", path, headers, request_timeout, body=f.upload_body(data, gzip))
         if r.status != 200:
             raise self._error(r.status, r.data, path)
         return write_info_from_json(json.loads(r.data)[0])
 
     def write_files(
-        self, files: list[dict[str, Any]], user: str | None = None, request_timeout: float | None = None
+        self, files: list[dict[str, Any]], user: str | None = None, request_timeout: float | None = None,
+        gzip: bool = False, use_octet_stream: bool | None = None, metadata: dict[str, str] | None = None,
     ) -> list[WriteInfo]:
-        """Write several files ([{"path", "data"}]) in one multipart request."""
+        """Write several files ([{"path", "data"}]) in one multipart request (with `gzip` or
+        `use_octet_stream`, one compressed octet-stream upload each); `metadata` goes with every file."""
         if not files:
             return []
+        if gzip or use_octet_stream:
+            return [self.write(x["path"], x["data"], user, request_timeout, gzip, True, metadata) for x in files]
         try:
             r = self._client.post(
                 "/files",
                 files=f.multipart(files),
-                headers=self._conn.envd_user_headers(user),
+                headers=f.upload_headers(self._conn.envd_user_headers(user), metadata, False, None),
                 timeout=self._t(request_timeout),
             )
         except httpx.HTTPError as e:
