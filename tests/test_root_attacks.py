@@ -173,3 +173,17 @@ def test_root_rm_rf_only_hurts_the_sandbox(server_url: str, host_secret: Path) -
         root(sbx, "rm -rf --no-preserve-root / 2>/dev/null; true", timeout=120)
         assert host_secret.exists() and Path("/usr/bin/ls").exists() and Path("/etc/passwd").exists()
         assert Path("/var/lib/dpkg/status").stat().st_size > 0
+
+
+def test_root_fork_bomb_and_memory_hog_are_contained(server_url: str) -> None:
+    with Sandbox.create(api_url=server_url, limits={"memoryMB": 256, "pids": 64}) as sbx:
+        out = py(sbx, "import os, time\nkids, err = [], None\n"
+                 "try:\n    while len(kids) < 10000:\n        pid = os.fork()\n"
+                 "        if pid == 0:\n            time.sleep(60); os._exit(0)\n        kids.append(pid)\n"
+                 "except OSError as e:\n    err = e.errno\n"
+                 "for k in kids: os.kill(k, 9)\nfor k in kids: os.waitpid(k, 0)\nprint(len(kids), err)\n")
+        forked, err = out.split()
+        assert err == "11" and 10 <= int(forked) < 64, out  # the pids cgroup holds root too
+        code, _, _ = root(sbx, "python3 -c 'x = bytearray(600 << 20)'")
+        assert code != 0  # OOM-killed inside the sandbox's memory cgroup
+        assert sh(sbx, "echo alive")[1] == "alive\n"

@@ -10,14 +10,16 @@ takes a private copy of the zygote's mount namespace and pivots into the templat
 Then it reads the *preparation* from the server on its socket: the sandbox id the server picked, the
 host id of its slot, the limits, the entry point. None of it is a tenant's: the server prepares
 standbys (backend.StandbyPool) before any request names them. With it the child sets the cgroup limits,
-mounts the private parts of the root (rootfs.finish), becomes the sandbox's unprivileged host id,
-unshares user+mount+net+ipc+uts+cgroup namespaces (the mounts are copied into a namespace owned by the
-new user namespace, so the kernel locks them), maps id 1000, and confines itself (Landlock, no
-capabilities, no_new_privs, seccomp) before it runs the entry point, the sandbox's agent. The agent
+makes the sandbox's user namespace with its two host ids mapped (root 0, user 1000), mounts the
+private parts of the root and its copy-on-write overlays (rootfs.finish), enters that namespace,
+unshares mount+net+ipc+uts+cgroup namespaces (owned by it, so the kernel locks the mounts), becomes
+uid 1000 with the root capability set permitted only (for commands run as the sandbox's root,
+runtime/rootcaps.py), and confines itself (Landlock, no_new_privs, seccomp) before it runs the entry
+point, the sandbox's agent. The agent
 starts its default code context, says "ready", and waits for the server's ``claim`` (the tenant's env
 vars), which only ever reaches this one sandbox: the zygote never holds a request, so nothing of one
 tenant's request is in the memory another sandbox inherits. Nothing the sandbox runs ever has a
-capability or the host's view of anything.
+host capability or the host's view of anything.
 """
 
 from __future__ import annotations
