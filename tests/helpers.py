@@ -53,10 +53,11 @@ def create_sandbox(http: httpx.Client, **body: Any) -> dict[str, Any]:
     return r.json()
 
 
-def sh(sbx: Sandbox, cmd: str, timeout: float = 60) -> tuple[int, str, str]:
-    """Run a shell command; return (exit code, stdout, stderr) whatever the exit code."""
+def sh(sbx: Sandbox, cmd: str, timeout: float = 60, user: str | None = None) -> tuple[int, str, str]:
+    """Run a shell command (as `user`, the sandbox's default if None); return (exit code, stdout,
+    stderr) whatever the exit code."""
     try:
-        r = sbx.commands.run(cmd, timeout=timeout)
+        r = sbx.commands.run(cmd, timeout=timeout, user=user)
         return r.exit_code, r.stdout, r.stderr
     except CommandExitException as e:
         return e.exit_code, e.stdout, e.stderr

@@ -90,8 +90,10 @@ async def test_identity(box: Box) -> None:
     assert (await box.run("id", "-u"))[1].strip() == "1000"
     assert (await box.run("id", "-un"))[1].strip() == "user"
     assert (await box.run("hostname"))[1].strip() == box.sandbox.sandbox_id
-    inside, outside, count = (await box.run("cat", "/proc/self/uid_map"))[1].split()
-    assert (inside, count) == ("1000", "1") and int(outside) >= UID_BASE
+    # two ids mapped, each to a host id of the sandbox's own, never host root
+    rows = [line.split() for line in (await box.run("cat", "/proc/self/uid_map"))[1].splitlines()]
+    assert [(r[0], r[2]) for r in rows] == [("0", "1"), ("1000", "1")], rows
+    assert rows[0][1] != rows[1][1] and min(int(rows[0][1]), int(rows[1][1])) >= UID_BASE
     code, out, _ = await box.run("sh", "-c", "echo $HOME; pwd")
     assert out.split() == ["/home/user", "/home/user"]
 
@@ -104,7 +106,10 @@ async def test_only_sandbox_pids_visible(box: Box) -> None:
     assert max(int(p) for p in out.split()) < 100
     status = (await box.run("cat", "/proc/self/status"))[1]
     fields = dict(line.split(":\t", 1) for line in status.splitlines() if ":\t" in line)
-    assert fields["CapEff"].strip("0\t ") == "" and fields["CapBnd"].strip("0\t ") == ""
+    assert fields["CapEff"].strip("0\t ") == "" and fields["CapPrm"].strip("0\t ") == ""
+    from agentcell.backends.linux.sandbox_init import ROOT_CAPS_MASK
+
+    assert int(fields["CapBnd"], 16) == ROOT_CAPS_MASK  # what the sandbox's root may hold, at most
     assert fields["NoNewPrivs"].strip() == "1" and fields["Seccomp"].strip() == "2"
 
 
@@ -119,8 +124,9 @@ async def test_host_files_hidden(box: Box) -> None:
         for d in dirs:
             code, out, _ = await box.run("cat", f"{d}/secret")
             assert code != 0 and token not in out
-        assert (await box.run("test", "-e", "/root"))[0] != 0  # the runtime is at neutral paths, not under /root
-        for secret in ("/etc/shadow", "/etc/gshadow", "/etc/sudoers", "/etc/ssh", "/sys/kernel", "/root/.bashrc"):
+        # /root is the sandbox's root's own, empty home (the runtime is at neutral paths, not under /root)
+        assert (await box.run("ls", "-A", "/root"))[0] != 0  # 0700, and the default user is not root
+        for secret in ("/etc/shadow", "/etc/gshadow", "/etc/sudoers", "/etc/ssh", "/sys/kernel"):
             assert (await box.run("test", "-e", secret))[0] != 0, secret
         code, out, _ = await box.run("cat", "/etc/passwd")
         assert "user:x:1000:1000:user:/home/user:/bin/bash" in out and out.count("\n") == 3

@@ -41,7 +41,9 @@ def _host_paths() -> list[str]:
 
 
 HOST_PATHS = _host_paths()
-NEEDLES = [*HOST_PATHS, "/root", ".pyenv"]
+# A sandbox has a /root of its own (its root's empty home): what must not show is the host's.
+HOST_ROOT_HOME = sorted(f"/root/{name}" for name in os.listdir("/root")) if os.path.isdir("/root") else []
+NEEDLES = [*HOST_PATHS, *HOST_ROOT_HOME, ".pyenv"]
 
 
 # A host path as a path: not followed by more of a file name ("/tmp/x" must not match "/tmp/xxx",
@@ -145,8 +147,9 @@ def test_runtime_files_name_no_host_path(sbx: Sandbox) -> None:
 
 
 def test_checkout_and_host_prefixes_are_absent(sbx: Sandbox) -> None:
-    for path in [*HOST_PATHS, str(REPO / ".git"), "/root"]:
+    for path in [*HOST_PATHS, str(REPO / ".git")]:
         assert sh(sbx, f"test -e {path}")[0] != 0, path
+    assert sh(sbx, "ls -A /root", user="root")[1] == ""  # the sandbox's root's own home, empty
     # Only the package is in the sandbox, not the repository around it (tests, .git, .venv).
     assert sh(sbx, "ls -A /opt/agentcell/lib")[1].split() == ["agentcell"]
     code, out, _ = sh(sbx, "find /opt/agentcell -name .git -o -name tests -path '*/lib/agentcell/*' | head")

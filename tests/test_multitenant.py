@@ -95,9 +95,10 @@ def test_sandboxes_survive_their_zygotes_death(server: ServerProcess, server_url
 
 
 def host_uid(sbx: Sandbox) -> int:
-    inside, outside, count = sbx.commands.run("cat /proc/self/uid_map").stdout.split()
-    assert (inside, count) == ("1000", "1")
-    return int(outside)
+    rows = [line.split() for line in sbx.commands.run("cat /proc/self/uid_map").stdout.splitlines()]
+    user = [r for r in rows if r[0] == "1000"]
+    assert len(user) == 1 and user[0][2] == "1"
+    return int(user[0][1])
 
 
 def test_two_servers_get_disjoint_uid_ranges(server_url: str, tmp_path: Path) -> None:

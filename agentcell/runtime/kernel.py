@@ -34,7 +34,7 @@ from collections.abc import Callable
 from typing import Any, NoReturn, Protocol
 
 from agentcell.errors import InvalidArgumentError, NotFoundError, SandboxError
-from agentcell.runtime import display, forkstate, kernel_bash, kernel_node
+from agentcell.runtime import display, forkstate, kernel_bash, kernel_node, rootcaps
 from agentcell.runtime.kernel_exec import KernelSpec
 from agentcell.runtime.processes import CHILD_OOM_SCORE_ADJ, set_oom_score_adj
 from agentcell.runtime.protocol import ProtocolError, encode_frame, read_frame, recv_frame
@@ -487,6 +487,7 @@ def _fork_python(ctrl_fd: int, out_w: int, err_w: int, cwd: str, envs: dict[str,
 def _kernel_child(ctrl_fd: int, out_w: int, err_w: int, cwd: str, envs: dict[str, str],
                   oom_score_adj: int) -> NoReturn:  # fmt: skip
     try:
+        rootcaps.drop_in_child()  # user code never holds the agent's root capabilities
         os.setsid()  # user code's killpg(0) or terminal signals cannot reach the agent
         signal.set_wakeup_fd(-1)  # the agent's loop wakeup pipe is not ours
         for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):

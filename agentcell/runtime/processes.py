@@ -27,6 +27,7 @@ from agentcell.errors import (
     PermissionDeniedError,
     SandboxError,
 )
+from agentcell.runtime import rootcaps
 from agentcell.runtime.reaper import Reaper, describe_status
 
 READ_SIZE = 256 * 1024  # per read(); well under the 1 MiB frame cap
@@ -40,11 +41,11 @@ _DEFAULT_SIGNALS = frozenset(signal.valid_signals()) - {signal.SIGKILL, signal.S
 Event = tuple[dict[str, Any], bytes]
 
 
-def check_user(user: str | None) -> None:
-    if user not in (None, "", "user"):
-        if user == "root":
-            raise PermissionDeniedError("sandboxes have no root user; commands run as 'user' (uid 1000)")
-        raise InvalidArgumentError(f"unknown user {user!r}; the only user in a sandbox is 'user'")
+def check_user(user: str | None) -> bool:
+    """True for root (the sandbox's own: uid 0 of its user namespace, see rootcaps.py)."""
+    if user not in (None, "", "user", "root"):
+        raise InvalidArgumentError(f"unknown user {user!r}; a sandbox has the users 'user' and 'root'")
+    return rootcaps.check(user)
 
 
 class Subscriber:
@@ -249,7 +250,7 @@ class Process:
         self.table.forget(self)
 
     def kill(self, sig: int) -> None:
-        with contextlib.suppress(ProcessLookupError):
+        with contextlib.suppress(ProcessLookupError), rootcaps.kill_capability():
             os.kill(self.pid, sig)
 
     def kill_on_deadline(self) -> None:
@@ -267,7 +268,8 @@ class Process:
     def kill_group(self) -> None:
         """Timeouts take the whole session's process group, not just the shell."""
         try:
-            os.killpg(self.pid, signal.SIGKILL)
+            with rootcaps.kill_capability():
+                os.killpg(self.pid, signal.SIGKILL)
         except OSError:
             self.kill(signal.SIGKILL)
 
@@ -308,14 +310,17 @@ class ProcessTable:
     # -- start ----------------------------------------------------------------------------------
     def start(self, req: dict[str, Any]) -> Subscriber:
         """Spawn the process of a ``proc.start`` request and return its first subscriber."""
-        check_user(req.get("user"))
+        as_root = check_user(req.get("user"))
         cmd = req.get("cmd")
         if not isinstance(cmd, str) or not cmd:
             raise InvalidArgumentError("cmd must be a non-empty string")
         args = [str(a) for a in req.get("args") or []]
         envs = {str(k): str(v) for k, v in (req.get("envs") or {}).items()}
-        env = {**self._base_env, **envs}
-        cwd = self._resolve_cwd(req.get("cwd"))
+        base = self._base_env
+        if as_root:  # root's own HOME, name and PATH (with the sbin directories), as su - would set
+            base = {**base, "HOME": rootcaps.ROOT_HOME, "USER": "root", "LOGNAME": "root", "PATH": rootcaps.root_path(base.get("PATH", os.defpath))}
+        env = {**base, **envs}
+        cwd = self._resolve_cwd(req.get("cwd"), rootcaps.ROOT_HOME if as_root else self._home)
         exe = cmd if "/" in cmd else shutil.which(cmd, path=env.get("PATH", os.defpath))
         if exe is None:
             raise NotFoundError(f"command {cmd!r} not found in PATH {env.get('PATH', '')!r}")
@@ -352,7 +357,10 @@ class ProcessTable:
                 else:
                     first = (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0)
                 actions = [first, (os.POSIX_SPAWN_DUP2, out_w, 1), (os.POSIX_SPAWN_DUP2, err_w, 2)]
-            pid = spawn(exe, [cmd, *args], env, cwd, actions)
+            if as_root:
+                pid = _spawn_as_root(exe, [cmd, *args], env, cwd, actions, self._oom_score_adj)
+            else:
+                pid = spawn(exe, [cmd, *args], env, cwd, actions)
         except BaseException:
             for fd in [*child_fds, *out_fds]:
                 with contextlib.suppress(OSError):
@@ -373,8 +381,9 @@ class ProcessTable:
         proc.watch_output()
         return sub
 
-    def _resolve_cwd(self, cwd: str | None) -> str:
-        path = os.path.normpath(os.path.join(self._home, cwd)) if cwd else self._home
+    def _resolve_cwd(self, cwd: str | None, home: str = "") -> str:
+        home = home or self._home
+        path = os.path.normpath(os.path.join(home, cwd)) if cwd else home
         if not os.path.isdir(path):
             raise InvalidArgumentError(f"cwd {path!r} is not an existing directory")
         return path
@@ -427,6 +436,55 @@ def spawn(exe: str, argv: list[str], env: dict[str, str], cwd: str, actions: lis
                            if e.errno in (errno.EAGAIN, errno.ENOMEM) else "internal") from None  # fmt: skip
     finally:
         os.chdir(old)
+
+
+def _spawn_as_root(exe: str, argv: list[str], env: dict[str, str], cwd: str, actions: list[tuple],
+                   oom_score_adj: int) -> int:
+    """fork + exec as the sandbox's root (posix_spawn cannot change ids). The fork copies the agent's
+    page tables (a few ms): only commands run as root pay it. Exec errors come back on a pipe."""
+    err_r, err_w = os.pipe()  # close-on-exec: EOF means the exec happened
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child execs or exits
+        try:
+            rootcaps.become_root()
+            os.setsid()
+            for action in actions:
+                if action[0] == os.POSIX_SPAWN_OPEN:
+                    _, fd, path, flags, mode = action
+                    opened = os.open(path, flags, mode)  # after setsid: a tty opened so is the controlling one
+                    if opened != fd:
+                        os.dup2(opened, fd)
+                        os.close(opened)
+                else:
+                    os.dup2(action[1], action[2])
+            for sig in _DEFAULT_SIGNALS:
+                with contextlib.suppress(OSError, ValueError):
+                    signal.signal(sig, signal.SIG_DFL)
+            signal.pthread_sigmask(signal.SIG_SETMASK, ())
+            set_oom_score_adj("self", oom_score_adj)  # the agent's own score is lower: raise it here
+            os.chdir(cwd)
+            os.execve(exe, argv, env)
+        except OSError as e:
+            os.write(err_w, str(e.errno or errno.EPERM).encode())
+        except BaseException:  # noqa: BLE001
+            os.write(err_w, str(errno.EPERM).encode())
+        os._exit(127)
+    os.close(err_w)
+    try:
+        with os.fdopen(err_r, "rb") as f:
+            failed = f.read(16)
+    finally:
+        if failed:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
+    if failed:
+        code = int(failed)
+        if code in (errno.EACCES, errno.EPERM):
+            raise PermissionDeniedError(f"cannot execute {exe!r} as root: {os.strerror(code)}")
+        if code == errno.ENOENT:
+            raise NotFoundError(f"command {exe!r} not found")
+        raise SandboxError(f"cannot start {exe!r} as root: {os.strerror(code)}")
+    return pid
 
 
 def set_oom_score_adj(pid: int | str, value: int) -> None:

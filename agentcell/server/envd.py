@@ -50,26 +50,30 @@ def connect_error(e: SandboxError) -> ConnectError:
     return ConnectError(_CODES.get(e.code, Code.INTERNAL), e.message)
 
 
-def check_user(ctx: RequestContext) -> None:
-    """Run-as user from `Authorization: Basic base64("<user>:")`; only `user` exists."""
+def check_user(ctx: RequestContext, root_ok: bool = False) -> str:
+    """Run-as user from `Authorization: Basic base64("<user>:")`: `user`, or `root` where `root_ok`
+    (processes: the sandbox's root, uid 0 of its own user namespace)."""
     auth = ctx.request_headers.get("authorization")
     if not auth:
-        return
+        return "user"
     scheme, _, value = auth.partition(" ")
     if scheme.lower() != "basic":
-        return
+        return "user"
     try:
         user = base64.b64decode(value.strip(), validate=True).decode().partition(":")[0]
     except (binascii.Error, UnicodeDecodeError):
         raise ConnectError(Code.INVALID_ARGUMENT, "malformed Basic authorization header") from None
     if user in ("", "user"):
-        return
+        return "user"
     if user == "root":
+        if root_ok:
+            return "root"
         raise ConnectError(
             Code.PERMISSION_DENIED,
-            "running as root is not supported: every process runs as the sandbox user 'user'",
+            "file operations as root are not supported yet: files are read and written as 'user' "
+            "(run a command as root instead, e.g. commands.run('cp ...', user='root'))",
         )
-    raise ConnectError(Code.PERMISSION_DENIED, f"unknown user '{user}': the only user is 'user'")
+    raise ConnectError(Code.PERMISSION_DENIED, f"unknown user '{user}': the users are 'user' and 'root'")
 
 
 def _keepalive_interval(ctx: RequestContext) -> float:
@@ -139,7 +143,7 @@ async def _process_stream(op: str, ctx: RequestContext, **fields: Any) -> AsyncI
 
 class ProcessService:
     async def start(self, request: pb.StartRequest, ctx: RequestContext) -> AsyncIterator[pb.StartResponse]:
-        check_user(ctx)
+        user = check_user(ctx, root_ok=True)
         proc = request.process
         if proc is None or not proc.cmd:
             raise ConnectError(Code.INVALID_ARGUMENT, "process.cmd is required")
@@ -162,18 +166,19 @@ class ProcessService:
             "stdin": bool(request.stdin) if request.has_field("stdin") else True,
             "pty": pty,
             "timeout_ms": max(int(remaining), 1) if remaining is not None else 0,
+            "user": user,
         }
         async for event in _process_stream("proc.start", ctx, **fields):
             yield pb.StartResponse(event=event)
 
     async def connect(self, request: pb.ConnectRequest, ctx: RequestContext) -> AsyncIterator[pb.ConnectResponse]:
-        check_user(ctx)
+        check_user(ctx, root_ok=True)
         sel = _selector(request.process)
         async for event in _process_stream("proc.connect", ctx, **sel):
             yield pb.ConnectResponse(event=event)
 
     async def list(self, request: pb.ListRequest, ctx: RequestContext) -> pb.ListResponse:
-        check_user(ctx)
+        check_user(ctx, root_ok=True)
         header = await _call("proc.list")
         out = []
         processes = header.get("processes")
@@ -195,7 +200,7 @@ class ProcessService:
         return pb.ListResponse(processes=out)
 
     async def send_input(self, request: pb.SendInputRequest, ctx: RequestContext) -> pb.SendInputResponse:
-        check_user(ctx)
+        check_user(ctx, root_ok=True)
         sel = _selector(request.process)
         inp = request.input
         if inp is None or inp.input is None:
@@ -204,7 +209,7 @@ class ProcessService:
         return pb.SendInputResponse()
 
     async def stream_input(self, request: AsyncIterator[pb.StreamInputRequest], ctx: RequestContext) -> pb.StreamInputResponse:
-        check_user(ctx)
+        check_user(ctx, root_ok=True)
         sel: dict[str, Any] | None = None
         async for msg in request:
             ev = msg.event
@@ -221,7 +226,7 @@ class ProcessService:
         return pb.StreamInputResponse()
 
     async def send_signal(self, request: pb.SendSignalRequest, ctx: RequestContext) -> pb.SendSignalResponse:
-        check_user(ctx)
+        check_user(ctx, root_ok=True)
         sel = _selector(request.process)
         signal = int(request.signal)
         if signal not in (9, 15):
@@ -230,12 +235,12 @@ class ProcessService:
         return pb.SendSignalResponse()
 
     async def close_stdin(self, request: pb.CloseStdinRequest, ctx: RequestContext) -> pb.CloseStdinResponse:
-        check_user(ctx)
+        check_user(ctx, root_ok=True)
         await _call("proc.close_stdin", **_selector(request.process))
         return pb.CloseStdinResponse()
 
     async def update(self, request: pb.UpdateRequest, ctx: RequestContext) -> pb.UpdateResponse:
-        check_user(ctx)
+        check_user(ctx, root_ok=True)
         sel = _selector(request.process)
         if request.pty is not None and request.pty.size is not None:
             size = request.pty.size

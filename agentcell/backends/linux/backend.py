@@ -255,8 +255,8 @@ class LinuxBackend(Backend):
                     raise BackendUnavailableError(
                         "unprivileged user namespaces are off: sysctl -w kernel.unprivileged_userns_clone=1")
         try:
-            # One host id per sandbox slot, disjoint from every other server's on this host.
-            self._uid_range = uids.reserve(self._slot_count, self.requested_uid_base)
+            # Two host ids per sandbox slot (its user's and its root's), disjoint from every other server's.
+            self._uid_range = uids.reserve(2 * self._slot_count, self.requested_uid_base)
         except uids.UidRangeError as e:
             raise BackendUnavailableError(str(e)) from None
         self.uid_base = self._uid_range.base
@@ -426,9 +426,10 @@ class LinuxBackend(Backend):
         t0_ns = time.perf_counter_ns()
         slot = self._alloc_slot()
         host_id = self.uid_base + slot
-        # Nothing of a tenant's here: the server picked the id, the slot picked the host id.
+        root_id = self.uid_base + self._slot_count + slot  # the sandbox's root: a host id of its own too
+        # Nothing of a tenant's here: the server picked the id, the slot picked the host ids.
         request = {"sandbox_id": sandbox_id, "limits": asdict(limits), "host_uid": host_id, "host_gid": host_id,
-                   "entry": self.entry_point}  # fmt: skip
+                   "root_uid": root_id, "root_gid": root_id, "entry": self.entry_point}  # fmt: skip
         if TIMING:
             request["t0_ns"] = t0_ns
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)

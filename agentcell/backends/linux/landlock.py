@@ -22,6 +22,9 @@ SCOPE_ABSTRACT_UNIX_SOCKET, SCOPE_SIGNAL = 1, 2  # ABI 6
 _FILE_RIGHTS = EXECUTE | WRITE_FILE | READ_FILE | TRUNCATE | IOCTL_DEV
 
 WRITABLE_DIRS = ("/home/user", "/tmp", "/dev/shm")
+# The copy-on-write overlays of the root (rootfs.OVERLAYS): writable as far as the files' modes allow
+# (the sandbox's root, mostly), never a device node (they are nodev; this is the second wall).
+OVERLAY_DIRS = ("/usr", "/etc", "/var", "/opt", "/opt/agentcell/venv", "/root", "/srv", "/mnt")
 WRITABLE_DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/tty")
 
 
@@ -94,6 +97,9 @@ def restrict(abi: int | None = None) -> int:
         _add(ruleset, "/", read)
         for d in WRITABLE_DIRS:
             _add(ruleset, d, handled)
+        for d in OVERLAY_DIRS:
+            if os.path.ismount(d) and os.statvfs(d).f_flag & os.ST_RDONLY == 0:  # overlays only
+                _add(ruleset, d, handled & ~(MAKE_CHAR | MAKE_BLOCK))
         for dev in WRITABLE_DEVICES:
             _add(ruleset, dev, (READ_FILE | WRITE_FILE | TRUNCATE | IOCTL_DEV) & handled)
         _add(ruleset, "/dev/pts", (READ_FILE | WRITE_FILE | READ_DIR | TRUNCATE | IOCTL_DEV) & handled)

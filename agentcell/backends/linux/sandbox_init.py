@@ -10,14 +10,16 @@ takes a private copy of the zygote's mount namespace and pivots into the templat
 Then it reads the *preparation* from the server on its socket: the sandbox id the server picked, the
 host id of its slot, the limits, the entry point. None of it is a tenant's: the server prepares
 standbys (backend.StandbyPool) before any request names them. With it the child sets the cgroup limits,
-mounts the private parts of the root (rootfs.finish), becomes the sandbox's unprivileged host id,
-unshares user+mount+net+ipc+uts+cgroup namespaces (the mounts are copied into a namespace owned by the
-new user namespace, so the kernel locks them), maps id 1000, and confines itself (Landlock, no
-capabilities, no_new_privs, seccomp) before it runs the entry point, the sandbox's agent. The agent
+makes the sandbox's user namespace with its two host ids mapped (root 0, user 1000), mounts the
+private parts of the root and its copy-on-write overlays (rootfs.finish), enters that namespace,
+unshares mount+net+ipc+uts+cgroup namespaces (owned by it, so the kernel locks the mounts), becomes
+uid 1000 with the root capability set permitted only (for commands run as the sandbox's root,
+runtime/rootcaps.py), and confines itself (Landlock, no_new_privs, seccomp) before it runs the entry
+point, the sandbox's agent. The agent
 starts its default code context, says "ready", and waits for the server's ``claim`` (the tenant's env
 vars), which only ever reaches this one sandbox: the zygote never holds a request, so nothing of one
 tenant's request is in the memory another sandbox inherits. Nothing the sandbox runs ever has a
-capability or the host's view of anything.
+host capability or the host's view of anything.
 """
 
 from __future__ import annotations
@@ -86,13 +88,26 @@ def _lo_up() -> None:
         fcntl.ioctl(s, _SIOCSIFFLAGS, struct.pack("16sH14x", b"lo", flags | _IFF_UP | _IFF_RUNNING))
 
 
-def _drop_capabilities() -> None:
+# What the sandbox's root holds, in its own user namespace only (host ids, host files and the kernel
+# are out of its reach whatever it holds there): Docker's default set less NET_RAW (seccomp refuses
+# raw sockets anyway), MKNOD (device nodes are useless on nodev mounts and refused in a user namespace),
+# AUDIT_WRITE (no audit from a user namespace), SYS_CHROOT (seccomp refuses chroot) and SETFCAP (file
+# capabilities mean nothing under no_new_privs). No SYS_ADMIN, SYS_PTRACE, NET_ADMIN ...
+CAP_CHOWN, CAP_DAC_OVERRIDE, CAP_FOWNER, CAP_FSETID, CAP_KILL, CAP_SETGID, CAP_SETUID, CAP_SETPCAP = range(8)
+CAP_NET_BIND_SERVICE = 10
+ROOT_CAPS = (CAP_CHOWN, CAP_DAC_OVERRIDE, CAP_FOWNER, CAP_FSETID, CAP_KILL, CAP_SETGID, CAP_SETUID, CAP_SETPCAP,
+             CAP_NET_BIND_SERVICE)
+ROOT_CAPS_MASK = sum(1 << c for c in ROOT_CAPS)
+
+
+def _bound_capabilities(keep: tuple[int, ...]) -> None:
+    """Drop every capability but `keep` from the bounding set, and all ambient ones."""
     with open("/proc/sys/kernel/cap_last_cap") as f:
         last = int(f.read())
     for cap in range(last + 1):
-        sc.prctl(sc.PR_CAPBSET_DROP, cap)
+        if cap not in keep:
+            sc.prctl(sc.PR_CAPBSET_DROP, cap)
     sc.prctl(sc.PR_CAP_AMBIENT, sc.PR_CAP_AMBIENT_CLEAR_ALL)
-    sc.capset_zero()
 
 
 def default_envs(sandbox_id: str) -> dict[str, str]:
@@ -194,30 +209,35 @@ def _run_sandbox(fd: int, req: dict[str, Any], cg: Cgroups, cg_fds: list[int], e
         sandbox_id: str = req["sandbox_id"]
         limits = Limits(**req["limits"])
         uid, gid = int(req["host_uid"]), int(req["host_gid"])
-        if uid <= 0 or gid <= 0:
-            raise ValueError("refusing to run a sandbox as host root")
+        root_uid, root_gid = int(req.get("root_uid", 0)), int(req.get("root_gid", 0))
+        if min(uid, gid, root_uid, root_gid) <= 0 or len({uid, root_uid}) < 2 or len({gid, root_gid}) < 2:
+            raise ValueError("refusing to run a sandbox as host root, or with one host id for both of its users")
         step = "cgroup limits"
         cg.set_limits(limits)
         for cg_fd in cg_fds:
             os.close(cg_fd)
+        step = "user namespace"
+        _mark(step)
+        # The sandbox's user namespace, made and mapped by us (host root) so that it maps two ids:
+        # its root (0) and its user (1000), each to a host id of this sandbox's own. Host root is not
+        # mapped. The overlays' idmapped lower layers read host root's files as the sandbox's root.
+        userns = sc.new_userns(f"0 {root_uid} 1\n{rootfs.SANDBOX_UID} {uid} 1\n",
+                               f"0 {root_gid} 1\n{rootfs.SANDBOX_UID} {gid} 1\n")
         step = "private mounts"
         _mark(step)
-        rootfs.finish(sandbox_id, limits.disk_limit_mb, uid, gid)
-        step = "drop to the sandbox's host id"
+        rootfs.finish(sandbox_id, limits.disk_limit_mb, uid, gid, userns)
+        step = "enter the user namespace"
         _mark(step)
         os.setgroups([])
-        os.setresgid(gid, gid, gid)
-        os.setresuid(uid, uid, uid)
+        sc.setns(userns, sc.CLONE_NEWUSER)  # every capability there, none on the host from now on
+        os.close(userns)
+        os.setresgid(0, 0, 0)  # the namespace's root (host root_uid) until the agent's ids are set below
+        os.setresuid(0, 0, 0)
         sc.prctl(sc.PR_SET_PDEATHSIG, 0)  # (the id change cleared it too): the sandbox outlives its zygote
-        sc.prctl(sc.PR_SET_DUMPABLE, 1)  # else /proc/self/uid_map belongs to root and is not writable
         step = "unshare"
         _mark(step)
-        sc.unshare(sc.CLONE_NEW_ALL & ~sc.CLONE_NEWPID)  # already pid 1 of its own pid namespace
-        step = "id maps"
-        _mark(step)
-        sc.write_file("/proc/self/setgroups", "deny")
-        sc.write_file("/proc/self/uid_map", f"{rootfs.SANDBOX_UID} {uid} 1")
-        sc.write_file("/proc/self/gid_map", f"{rootfs.SANDBOX_UID} {gid} 1")
+        # owned by the sandbox's user namespace: the mounts copied into the new mount namespace are locked
+        sc.unshare(sc.CLONE_NEW_ALL & ~sc.CLONE_NEWPID & ~sc.CLONE_NEWUSER)
         step = "hostname"
         _mark(step)
         sc.sethostname(sandbox_id)
@@ -228,6 +248,15 @@ def _run_sandbox(fd: int, req: dict[str, Any], cg: Cgroups, cg_fds: list[int], e
         ns_limits.confine_namespaces()
         step = "rlimits"
         ns_limits.set_rlimits(limits)
+        step = "sandbox ids"
+        # The agent runs as the sandbox's user (1000) and keeps ROOT_CAPS only in its permitted set, to
+        # start commands as the sandbox's root (runtime/processes.py); the bounding set is ROOT_CAPS too,
+        # so no process of the sandbox, root included, ever holds more.
+        _bound_capabilities(ROOT_CAPS)
+        sc.prctl(sc.PR_SET_KEEPCAPS, 1)
+        os.setresgid(rootfs.SANDBOX_UID, rootfs.SANDBOX_UID, rootfs.SANDBOX_UID)
+        os.setresuid(rootfs.SANDBOX_UID, rootfs.SANDBOX_UID, rootfs.SANDBOX_UID)
+        sc.prctl(sc.PR_SET_KEEPCAPS, 0)
         step = "no_new_privs"
         sc.prctl(sc.PR_SET_NO_NEW_PRIVS, 1)
         step = "landlock"
@@ -235,7 +264,10 @@ def _run_sandbox(fd: int, req: dict[str, Any], cg: Cgroups, cg_fds: list[int], e
         landlock_abi = landlock.restrict()
         step = "capabilities"
         _mark(step)
-        _drop_capabilities()
+        sc.capset(ROOT_CAPS_MASK, 0)  # permitted only: nothing effective in the agent
+        # the id change made us non-dumpable, which gives /proc/self/* to host root (unmapped here):
+        # the agent's children could not even raise their own oom_score_adj (the agent closes itself)
+        sc.prctl(sc.PR_SET_DUMPABLE, 1)
         step = "seccomp"
         _mark(step)
         seccomp_filter.load()
