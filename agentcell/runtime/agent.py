@@ -40,6 +40,7 @@ from agentcell.runtime.kernel import ContextManager
 from agentcell.runtime.processes import ProcessTable, Subscriber
 from agentcell.runtime.protocol import CHUNK, Frame, ProtocolError, encode_frame, read_frame
 from agentcell.runtime.reaper import Reaper
+from agentcell.runtime.sudo import SudoService
 
 __all__ = ["preload", "serve"]
 
@@ -214,6 +215,8 @@ async def _serve(sock: socket.socket, config: dict[str, Any]) -> None:
     oom = int(config.get("child_oom_score_adj", processes.CHILD_OOM_SCORE_ADJ))
     agent = Agent(writer, ProcessTable(the_reaper, envs, home, oom), FileSystem(home),
                   ContextManager(the_reaper, envs, home, oom))  # fmt: skip
+    sudo_service = SudoService(the_reaper, oom)
+    sudo_service.start(loop)  # /usr/bin/sudo's way to root (runtime/sudo.py); nothing of a tenant's in it
     try:
         with contextlib.suppress(SandboxError, OSError, ProtocolError, TimeoutError):
             # Forked and warmed now, while the sandbox is a standby, so the first run_code is fast.
@@ -228,6 +231,7 @@ async def _serve(sock: socket.socket, config: dict[str, Any]) -> None:
         agent.claim({str(k): str(v) for k, v in (claim.header.get("envs") or {}).items()})
         await agent.run(reader)
     finally:
+        sudo_service.close()
         agent.watchers.close()
         agent.processes.kill_all()
         agent.contexts.close()

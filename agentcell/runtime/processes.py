@@ -358,7 +358,7 @@ class ProcessTable:
                     first = (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0)
                 actions = [first, (os.POSIX_SPAWN_DUP2, out_w, 1), (os.POSIX_SPAWN_DUP2, err_w, 2)]
             if as_root:
-                pid = _spawn_as_root(exe, [cmd, *args], env, cwd, actions, self._oom_score_adj)
+                pid = spawn_as_root(exe, [cmd, *args], env, cwd, actions, self._oom_score_adj)
             else:
                 pid = spawn(exe, [cmd, *args], env, cwd, actions)
         except BaseException:
@@ -438,7 +438,7 @@ def spawn(exe: str, argv: list[str], env: dict[str, str], cwd: str, actions: lis
         os.chdir(old)
 
 
-def _spawn_as_root(exe: str, argv: list[str], env: dict[str, str], cwd: str, actions: list[tuple],
+def spawn_as_root(exe: str, argv: list[str], env: dict[str, str], cwd: str, actions: list[tuple],
                    oom_score_adj: int) -> int:
     """fork + exec as the sandbox's root (posix_spawn cannot change ids). The fork copies the agent's
     page tables (a few ms): only commands run as root pay it. Exec errors come back on a pipe."""

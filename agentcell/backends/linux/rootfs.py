@@ -29,6 +29,7 @@ import fcntl
 import functools
 import glob
 import os
+from pathlib import Path
 
 from agentcell.backends.linux import procfs, runtime_store, sandbox_etc
 from agentcell.backends.linux import syscalls as sc
@@ -237,6 +238,10 @@ def _overlay(path: str, flags: int, disk: str, n: int, userns_fd: int) -> None:
             os.close(tree)
 
 
+SUDO_PATH = "/usr/bin/sudo"
+SUDO_SHIM = (Path(__file__).parents[2] / "runtime" / "sudo_shim.py").read_text()
+
+
 def finish(sandbox_id: str, disk_mb: int, host_uid: int, host_gid: int, userns_fd: int = -1) -> None:
     """In the child, after enter() and once the request is known: the writable, private parts.
     `userns_fd`: the sandbox's user namespace (its id maps); -1 leaves the template read-only."""
@@ -260,6 +265,8 @@ def finish(sandbox_id: str, disk_mb: int, host_uid: int, host_gid: int, userns_f
                 _overlay(path, flags, _SCRATCH, n, userns_fd)
         for name, text in etc_files.items():  # through the overlay: owned by the sandbox's root
             _write(f"/etc/{name}", text)
+        _write(SUDO_PATH, SUDO_SHIM)  # the sandbox's sudo: asks the agent (runtime/sudo.py)
+        os.chmod(SUDO_PATH, 0o755)
         if os.path.exists(f"{DPKG_DB}/statoverride"):  # names host users and groups the sandbox has not
             _write(f"{DPKG_DB}/statoverride", "")
         for pattern in USER_OWNED:  # a directory's copy-up: its entries stay below until changed
