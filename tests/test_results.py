@@ -241,6 +241,9 @@ def test_list_and_dict_results_are_json(code: Sandbox) -> None:
     [result] = _ok(code, "import numpy as np\n{'a': [1, 2.5], 'n': np.int64(7), 'arr': np.arange(3)}").results
     assert result.json == {"a": [1, 2.5], "n": 7, "arr": [0, 1, 2]}
     assert _ok(code, "(1, 2)").results[0].json is None  # tuples: text only, as E2B
+    long = _ok(code, "list(range(1500))").results[0]
+    assert long.json == list(range(1500))
+    assert "..." not in long.text and long.text.split()[-1] == "1499]"  # not cut at 1000 items, as E2B
 
 
 # -- streaming ------------------------------------------------------------------------------------

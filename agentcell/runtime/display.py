@@ -164,6 +164,7 @@ def build_shell() -> ContextShell:
     config.InteractiveShell.colors = "nocolor"
     config.InteractiveShell.xmode = "Context"
     config.InteractiveShell.autocall = 0
+    config.PlainTextFormatter.max_seq_length = 0  # as E2B's kernels: long lists' text is not cut at 1000
     shell = ContextShell.instance(config=config)
     shell.enable_matplotlib("inline")
     e2b_formatters.install(shell)
