@@ -27,20 +27,30 @@ class _Flusher:
     def __init__(self) -> None:
         self.streams: list[io.TextIOBase] = []
         self._wake = threading.Event()
-        self._pid = 0  # the process whose thread runs; a fork of it (user code's) starts its own
+        self.pending = False  # kicked, not yet flushed: writes until then need not kick again
+        self._started = False
+        self._hooked = False
+
+    def _forked(self) -> None:  # a fork (user code's) has no thread: it starts its own on need
+        self._wake = threading.Event()
+        self.pending = self._started = False
 
     def kick(self) -> None:
-        if self._pid != os.getpid():
-            self._pid = os.getpid()
-            self._wake = threading.Event()
+        if not self._started:
+            self._started = True
+            if not self._hooked:
+                self._hooked = True
+                os.register_at_fork(after_in_child=self._forked)
             threading.Thread(target=self._run, args=(self._wake,), name="agentcell-stdio-flush", daemon=True).start()
+        self.pending = True
         self._wake.set()
 
     def _run(self, wake: threading.Event) -> None:
         while True:
             wake.wait()
             time.sleep(FLUSH_DELAY)
-            wake.clear()  # a write after this kicks again; one before it is in the flush below
+            wake.clear()  # before pending: a kick between the two would be lost the other way round
+            self.pending = False  # a write after this kicks again; one before it is in the flush below
             for stream in self.streams:
                 with contextlib.suppress(Exception):  # closed or replaced by user code
                     stream.flush()
@@ -52,9 +62,9 @@ _flusher = _Flusher()
 class PromptStream(io.TextIOWrapper):
     """A line-buffered text stream whose unterminated writes are flushed by _flusher."""
 
-    def write(self, s: Any) -> int:
-        n = super().write(s)
-        if s and s[-1] != "\n":  # line buffering flushed everything up to a newline already
+    def write(self, s: Any, _write: Any = io.TextIOWrapper.write) -> int:  # a local: print calls this a lot
+        n = _write(self, s)
+        if s[-1:] != "\n" and not _flusher.pending:  # line buffering flushed up to a newline already
             _flusher.kick()
         return n
 
