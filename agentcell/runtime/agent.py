@@ -75,6 +75,7 @@ def preload() -> None:
     fig.savefig(io.BytesIO(), format="png")
     plt.close(fig)
     shell.display_formatter.format(pd.DataFrame({"a": [1, 2]}))
+    shell.display_formatter.format([1, {"a": 2.5}])  # E2B's JSON formatter (orjson)
     try:
         exec(compile("def _f():\n    1 / 0\n_f()", "<warmup>", "exec"), {})
     except ZeroDivisionError:

@@ -9,6 +9,10 @@ mime bundles straight to ``sink``, the current run's emitter.
 from __future__ import annotations
 
 import base64
+import datetime
+import json
+import math
+import numbers
 from collections.abc import Callable
 from typing import Any
 
@@ -17,6 +21,8 @@ from IPython.core.displaypub import DisplayPublisher
 from IPython.core.interactiveshell import InteractiveShell
 from traitlets import Type
 from traitlets.config import Config
+
+from agentcell.runtime import e2b_formatters
 
 INLINE_BACKEND = "module://matplotlib_inline.backend_inline"
 
@@ -45,6 +51,50 @@ def _discard(line: dict[str, Any]) -> None:
 
 
 sink: Sink = _discard  # set by the context process to the current run's emitter
+
+
+def _json_default(obj: Any) -> Any:
+    """What json cannot encode by itself, as Jupyter's message packer does: NumPy and other numbers
+    as numbers, dates as ISO strings, arrays as lists; anything else as its repr."""
+    if isinstance(obj, numbers.Integral):
+        return int(obj)
+    if isinstance(obj, numbers.Real):
+        return float(obj)
+    if isinstance(obj, datetime.date | datetime.time):
+        return obj.isoformat()
+    if isinstance(obj, bytes | bytearray):
+        return base64.b64encode(obj).decode()
+    tolist = getattr(obj, "tolist", None)  # NumPy arrays (a pandas column's values, say)
+    if callable(tolist):
+        try:
+            return tolist()
+        except Exception:
+            pass
+    return repr(obj)
+
+
+def _finite(obj: Any) -> Any:
+    """`obj` with NaN and infinities as null: JSON has no such numbers (JSON.parse of the JS SDK fails)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_finite(v) for v in obj]
+    if isinstance(obj, numbers.Real) and not isinstance(obj, numbers.Integral):
+        return _finite(float(obj))
+    if not isinstance(obj, str | int | bool | type(None)):
+        converted = _json_default(obj)
+        return converted if isinstance(converted, str) else _finite(converted)
+    return obj
+
+
+def encode_line(line: dict[str, Any]) -> bytes:
+    """One E2B line as compact, valid JSON."""
+    try:
+        return json.dumps(line, separators=(",", ":"), default=_json_default, allow_nan=False).encode()
+    except ValueError:  # a NaN or infinity somewhere (a DataFrame's missing values, say)
+        return json.dumps(_finite(line), separators=(",", ":"), default=_json_default, allow_nan=False).encode()
 
 
 def result_line(data: dict[str, Any], is_main_result: bool) -> dict[str, Any]:
@@ -114,6 +164,8 @@ def build_shell() -> ContextShell:
     config.InteractiveShell.colors = "nocolor"
     config.InteractiveShell.xmode = "Context"
     config.InteractiveShell.autocall = 0
+    config.PlainTextFormatter.max_seq_length = 0  # as E2B's kernels: long lists' text is not cut at 1000
     shell = ContextShell.instance(config=config)
     shell.enable_matplotlib("inline")
+    e2b_formatters.install(shell)
     return shell

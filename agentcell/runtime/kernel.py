@@ -22,7 +22,6 @@ import codecs
 import contextlib
 import ctypes
 import datetime
-import json
 import os
 import resource
 import signal
@@ -34,7 +33,7 @@ from collections.abc import Callable
 from typing import Any, NoReturn, Protocol
 
 from agentcell.errors import InvalidArgumentError, NotFoundError, SandboxError
-from agentcell.runtime import display, forkstate, kernel_bash, kernel_node, rootcaps
+from agentcell.runtime import display, forkstate, kernel_bash, kernel_node, rootcaps, stdio
 from agentcell.runtime.kernel_exec import KernelSpec
 from agentcell.runtime.processes import CHILD_OOM_SCORE_ADJ, set_oom_score_adj
 from agentcell.runtime.protocol import ProtocolError, encode_frame, read_frame, recv_frame
@@ -74,8 +73,7 @@ class LineSink(Protocol):
     def hold_line(self, line: bytes) -> bool: ...
 
 
-def encode_line(line: dict[str, Any]) -> bytes:
-    return json.dumps(line, separators=(",", ":"), default=repr).encode()
+encode_line = display.encode_line
 
 _shell: display.ContextShell | None = None
 
@@ -533,10 +531,7 @@ def _scrub_inherited_environ() -> None:
 
 
 def _install_stdio() -> None:
-    sys.stdin = open(0, encoding="utf-8", closefd=False)  # noqa: SIM115
-    sys.stdout = open(1, "w", encoding="utf-8", errors="backslashreplace", closefd=False, buffering=1)  # noqa: SIM115
-    sys.stderr = open(2, "w", encoding="utf-8", errors="backslashreplace", closefd=False, buffering=1)  # noqa: SIM115
-    sys.__stdin__, sys.__stdout__, sys.__stderr__ = sys.stdin, sys.stdout, sys.stderr
+    stdio.install()  # line-buffered, and what is printed without a newline goes out within ~10 ms
 
 
 def _flush_stdio() -> None:
