@@ -13,6 +13,7 @@ import pytest
 from e2b_code_interpreter import Sandbox as CodeSandbox
 
 from agentcell import Sandbox
+from agentcell.runtime import kernel_java
 
 pytestmark = pytest.mark.skipif(shutil.which("node") is None, reason="the host has no node (scripts/setup installs it)")
 
@@ -215,6 +216,34 @@ def test_contexts_listing_and_defaults(server_url: str) -> None:
         s.kill()
 
 
+def test_java(sbx: Sandbox, e2b_env: str) -> None:
+    """Java through JShell in one JVM per context, when the host has a JDK (this one does: Debian's)."""
+    if kernel_java._missing():
+        pytest.skip(f"no JDK on this host: {kernel_java._missing()} (test_unknown_and_missing_languages_are_400 checks the 400)")
+    ctx = sbx.create_code_context(language="java")
+    assert ctx.language == "java"
+    assert sbx.run_code("int x = 40;\nString greet(String n) { return \"hi \" + n; }", context=ctx).error is None
+    r = sbx.run_code('System.out.println(greet("you")); x + 2', context=ctx)
+    assert (r.logs.stdout, r.text) == (["hi you\n"], "42")
+    r = sbx.run_code('int[] a = new int[1]; a[3]', context=ctx)
+    assert r.error is not None and r.error.name == "java.lang.ArrayIndexOutOfBoundsException", r.error
+    r = sbx.run_code("undefinedThing + 1", context=ctx)
+    assert r.error is not None and r.error.name == "CompilationException"
+    with pytest.raises(Exception, match="timed out"):
+        sbx.run_code("while (true) { x++; }", context=ctx, timeout=2)
+    assert sbx.run_code("x > 40", context=ctx).text == "true"  # interrupted, state kept
+    r = sbx.run_code('System.getProperty("FOO", "none")', context=ctx, envs={"FOO": "bar"})
+    assert r.text == "bar" and sbx.run_code('System.getProperty("FOO", "none")', context=ctx).text == "none"
+    # as E2B's Java kernel: the sandbox's env vars are system properties (its own env-var tests)
+    s = CodeSandbox.create(envs={"TEST_ENV_VAR": "supertest"})
+    try:
+        assert s.run_code('System.getProperty("TEST_ENV_VAR")', language="java").text.strip() == "supertest"
+        r = s.run_code('System.getProperty("TEST_ENV_VAR")', language="java", envs={"TEST_ENV_VAR": "overwrite"})
+        assert r.text.strip() == "overwrite"
+    finally:
+        s.kill()
+
+
 def test_unknown_and_missing_languages_are_400(sbx: Sandbox, server_url: str) -> None:
     headers = {"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "49999",
                "X-Access-Token": sbx._conn.access_token or ""}
@@ -223,7 +252,8 @@ def test_unknown_and_missing_languages_are_400(sbx: Sandbox, server_url: str) ->
         assert r.status_code == 400 and "cobol" in r.text and "javascript" in r.text
         r = http.post("/contexts", json={"language": "cobol"})
         assert r.status_code == 400
-        for lang, needs in (("r", "Rscript"), ("java", "JDK")):
+        missing = [("r", "Rscript")] + ([("java", "JDK")] if kernel_java._missing() else [])
+        for lang, needs in missing:
             r = http.post("/execute", json={"code": "1", "language": lang})
             assert r.status_code == 400 and needs in r.text, r.text
             r = http.post("/contexts", json={"language": lang})

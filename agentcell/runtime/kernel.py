@@ -33,7 +33,7 @@ from collections.abc import Callable
 from typing import Any, NoReturn, Protocol
 
 from agentcell.errors import InvalidArgumentError, NotFoundError, SandboxError
-from agentcell.runtime import display, forkstate, kernel_bash, kernel_node, rootcaps, stdio
+from agentcell.runtime import display, forkstate, kernel_bash, kernel_java, kernel_node, rootcaps, stdio
 from agentcell.runtime.kernel_exec import KernelSpec
 from agentcell.runtime.processes import CHILD_OOM_SCORE_ADJ, set_oom_score_adj
 from agentcell.runtime.protocol import ProtocolError, encode_frame, read_frame, recv_frame
@@ -51,7 +51,6 @@ LISTED_DEFAULTS = ("python", "javascript")
 # E2B's code interpreter has kernels for these; agentcell says what it would need instead of a bare "unknown".
 _UNSUPPORTED = {
     "r": "r contexts are not supported by agentcell: it would need R (Rscript) and an R kernel",
-    "java": "java contexts are not supported by agentcell: it would need a JDK and a Java kernel",
 }
 INTERRUPT_GRACE = 2.0  # seconds a run gets to stop after SIGINT before its kernel is killed
 MAX_LINE = 32 << 20  # the largest single output line (a result, e.g. a PNG or HTML) a run may produce
@@ -89,7 +88,7 @@ def normalize_language(language: str | None) -> str:
     lang = (language or "python").strip().lower()
     if lang not in LANGUAGES:
         raise InvalidArgumentError(f"language {language!r} is not supported; agentcell contexts run "
-                                   "python, javascript (js), typescript (ts) and bash")  # fmt: skip
+                                   "python, javascript (js), typescript (ts), bash and java")  # fmt: skip
     return LANGUAGES[lang]
 
 
@@ -659,4 +658,5 @@ _KERNELS: dict[str, KernelSpec] = {
     "javascript": kernel_node.JAVASCRIPT,
     "typescript": kernel_node.TYPESCRIPT,
     "bash": kernel_bash.BASH,
+    "java": kernel_java.JAVA,
 }

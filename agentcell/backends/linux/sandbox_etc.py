@@ -9,6 +9,7 @@ sandbox, and no view of later host changes); world-readable files only, never /e
 
 from __future__ import annotations
 
+import glob
 import os
 import shutil
 import stat
@@ -31,6 +32,7 @@ COPIED = (
     "locale.alias",  # locale names (setlocale)
     "shells",  # valid login shells (chsh, some tools check it)
 )
+COPIED_PATTERNS = ("java-*-openjdk",)  # Debian's JDK conf (java.security ...): Java contexts, any JVM
 _NEVER = ("ssl/private",)  # the host's TLS private keys
 
 # Generated: the sandbox's own users and name service, and shell start-up files that keep the PATH
@@ -85,7 +87,10 @@ def trust(etc: str, ca_path: str) -> None:
 
 def copy_from_host(etc: str, host_etc: str = "/etc") -> None:
     """Copy the COPIED entries of `host_etc` that exist into `etc` (a fresh directory)."""
-    for name in COPIED:
+    names = list(COPIED)
+    for pattern in COPIED_PATTERNS:
+        names += sorted(os.path.basename(p) for p in glob.glob(os.path.join(host_etc, pattern)))
+    for name in names:
         _copy(os.path.join(host_etc, name), os.path.join(etc, name), name)
 
 
