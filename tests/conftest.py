@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -126,3 +127,15 @@ def e2b_env(server_url: str) -> Iterator[str]:
     """Point the official e2b SDKs at the server (both planes on one URL); yields the URL."""
     with e2b_pointed_at(server_url):
         yield server_url
+
+
+@pytest.fixture
+def host_secret() -> Iterator[Path]:
+    """A file on the host, outside any sandbox, in two places an attacker would look."""
+    token = uuid.uuid4().hex
+    paths = [Path(f"/root/agentcell-secret-{token}"), Path(f"/tmp/agentcell-secret-{token}")]
+    for p in paths:
+        p.write_text(token)
+    yield paths[1]
+    for p in paths:
+        p.unlink(missing_ok=True)

@@ -10,7 +10,6 @@ import os
 import socket
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,17 +32,6 @@ def attacker(server_url: str, neighbour: Sandbox) -> Iterator[Sandbox]:
     with Sandbox.create(api_url=server_url) as fresh:
         assert fresh.run_code("6 * 7").text == "42"
 
-
-@pytest.fixture
-def host_secret() -> Iterator[Path]:
-    """A file on the host, outside any sandbox, in two places an attacker would look."""
-    token = uuid.uuid4().hex
-    paths = [Path(f"/root/agentcell-secret-{token}"), Path(f"/tmp/agentcell-secret-{token}")]
-    for p in paths:
-        p.write_text(token)
-    yield paths[1]
-    for p in paths:
-        p.unlink(missing_ok=True)
 
 
 def test_cannot_read_host_files(attacker: Sandbox, host_secret: Path) -> None:

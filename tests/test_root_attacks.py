@@ -41,16 +41,6 @@ def neighbour_unharmed(neighbour: Sandbox, server_url: str) -> Iterator[None]:
     assert sh(neighbour, "echo ok")[1] == "ok\n"
 
 
-@pytest.fixture
-def host_secret() -> Iterator[Path]:
-    token = uuid.uuid4().hex
-    paths = [Path(f"/root/agentcell-secret-{token}"), Path(f"/tmp/agentcell-secret-{token}")]
-    for p in paths:
-        p.write_text(token)
-    yield paths[1]
-    for p in paths:
-        p.unlink(missing_ok=True)
-
 
 def test_root_cannot_read_host_files_or_processes(attacker: Sandbox, host_secret: Path) -> None:
     for path in (host_secret, Path("/root") / host_secret.name):

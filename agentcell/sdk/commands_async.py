@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import inspect
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
 from typing import Any
@@ -13,16 +12,10 @@ from agentcell.sdk import commands as c
 from agentcell.sdk import fast_async_http
 from agentcell.sdk.config import SandboxConnection
 from agentcell.sdk.connect_rpc import astream, aunary
+from agentcell.sdk.methods import call_back
 from agentcell.sdk.models import CommandResult, ProcessInfo
 
 OnOutput = Callable[[str], Any] | None
-
-
-async def _call(cb: Callable[[Any], Any] | None, value: Any) -> None:
-    if cb is not None:
-        r = cb(value)
-        if inspect.isawaitable(r):
-            await r
 
 
 class AsyncCommandHandle:
@@ -51,11 +44,11 @@ class AsyncCommandHandle:
                     continue
                 out, err, pty = chunk
                 if out is not None:
-                    await _call(on_stdout, out)
+                    await call_back(on_stdout, out)
                 elif err is not None:
-                    await _call(on_stderr, err)
+                    await call_back(on_stderr, err)
                 elif pty is not None:
-                    await _call(on_pty, pty)
+                    await call_back(on_pty, pty)
         finally:
             await self._events.aclose()  # type: ignore[attr-defined]
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import inspect
 import json
 import urllib.parse
 import zlib
@@ -17,6 +16,7 @@ from agentcell.sdk import fast_async_http as fah
 from agentcell.sdk import files as f
 from agentcell.sdk.config import SandboxConnection
 from agentcell.sdk.connect_rpc import astream, aunary
+from agentcell.sdk.methods import call_back
 from agentcell.sdk.models import (
     EntryInfo,
     FilesystemEvent,
@@ -34,13 +34,6 @@ def _decoded(encoding: str | None, content: bytes) -> bytes:
 
 def _url(path: str) -> str:
     return "/files?" + urllib.parse.urlencode({"path": path})
-
-
-async def _call(cb: Callable[[Any], Any] | None, value: Any) -> None:
-    if cb is not None:
-        r = cb(value)
-        if inspect.isawaitable(r):
-            await r
 
 
 class AsyncWatchHandle:
@@ -61,12 +54,12 @@ class AsyncWatchHandle:
             async for msg in self._events:
                 raw = msg.get("event", msg).get("filesystem")
                 if raw and (event := event_from_json(raw)) is not None:
-                    await _call(self._on_event, event)
+                    await call_back(self._on_event, event)
         except Exception as e:
             error = e
         finally:
             await self._events.aclose()  # type: ignore[attr-defined]
-        await _call(self._on_exit, error)
+        await call_back(self._on_exit, error)
 
     async def stop(self) -> None:
         self._task.cancel()

@@ -1,9 +1,10 @@
 """`hybrid`: a method callable on an instance (`sbx.kill()`) or on the class (`Sandbox.kill(sandbox_id)`),
-as e2b's `class_method_variant` does."""
+as e2b's `class_method_variant` does; `call_back`: a user's callback, sync or async."""
 
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -32,3 +33,11 @@ class hybrid:  # noqa: N801 - used as a decorator
             return class_variant(*args, **kwargs)
 
         return call
+
+
+async def call_back(cb: Callable[[Any], Any] | None, value: Any) -> None:
+    """Call a user's callback (the async SDK takes plain functions and coroutine functions alike)."""
+    if cb is not None:
+        r = cb(value)
+        if inspect.isawaitable(r):
+            await r
