@@ -177,3 +177,57 @@ def test_root_fork_bomb_and_memory_hog_are_contained(server_url: str) -> None:
         code, _, _ = root(sbx, "python3 -c 'x = bytearray(600 << 20)'")
         assert code != 0  # OOM-killed inside the sandbox's memory cgroup
         assert sh(sbx, "echo alive")[1] == "alive\n"
+
+
+def test_root_cannot_reach_the_host_or_change_the_network(attacker: Sandbox) -> None:
+    """test_attacks' host-loopback probe again as root, and what root would try first: new routes,
+    addresses, links, firewall rules, raw sockets, the host's sysctls (no NET_ADMIN, no NET_RAW)."""
+    import socket
+    import threading
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+    accepted: list[socket.socket] = []
+
+    def accept() -> None:
+        listener.settimeout(5)
+        try:
+            accepted.append(listener.accept()[0])
+        except OSError:
+            pass
+
+    t = threading.Thread(target=accept)
+    t.start()
+    try:
+        out = py(attacker, "import socket\n"
+                           "s = socket.socket(); s.settimeout(2)\n"
+                           f"try:\n    s.connect(('127.0.0.1', {port})); print('connected')\n"
+                           "except OSError as e:\n    print(type(e).__name__)\n"
+                           "try:\n    socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP); print('raw')\n"
+                           "except OSError as e:\n    print('no raw', e.errno)\n"
+                           "try:\n    socket.socket(socket.AF_PACKET, socket.SOCK_RAW); print('packet')\n"
+                           "except OSError as e:\n    print('no packet', e.errno)\n")
+        assert "connected" not in out and "raw\n" not in out and "packet\n" not in out, out
+    finally:
+        t.join()
+        listener.close()
+    assert accepted == []
+    for cmd in ("ip route add 127.0.0.0/8 dev lo table 100", "ip addr add 192.0.2.99/32 dev lo",
+                "ip link add x type dummy", "ip link set lo down", "nft flush ruleset",
+                "sh -c 'echo 1 > /proc/sys/net/ipv4/ip_forward'", "sh -c 'echo 0 > /proc/sys/kernel/randomize_va_space'",
+                "hostname other-name", "sysctl -w kernel.hostname=x"):
+        code, _, _ = root(attacker, cmd + " 2>/dev/null")
+        assert code != 0, f"root could run: {cmd}"
+    assert root(attacker, "cat /proc/sys/kernel/hostname")[1].strip() == attacker.sandbox_id
+
+
+def test_root_sees_no_more_of_the_host(attacker: Sandbox) -> None:
+    """test_info_leaks again as root: the kernel log, symbols, /sys and the covered /proc files stay
+    closed whatever root's capabilities (no SYSLOG, no SYS_ADMIN)."""
+    assert root(attacker, "dmesg 2>/dev/null | head -1")[1] == ""
+    _, out, _ = root(attacker, "head -3 /proc/kallsyms; cat /proc/cmdline /proc/sys/kernel/random/boot_id /proc/keys")
+    assert out.strip() == "" or set(out.split()) <= {"0000000000000000"}, out
+    assert root(attacker, "ls /sys 2>/dev/null | wc -l")[1].strip() == "0"
+    assert root(attacker, "cat /proc/1/environ /proc/1/cmdline 2>&1 | grep -c AGENTCELL || true")[1].strip() in ("", "0")
