@@ -13,6 +13,34 @@ import jdk.jshell.*;
 
 public class Runner {
     static OutputStream ctrlOut;
+
+    // System.out / System.err of the snippets: each line goes to the agent as one stdout/stderr line
+    // without its newline, as E2B's Java kernel sends them; a partial line goes at the run's end.
+    static class LineStream extends OutputStream {
+        final String kind;
+        final ByteArrayOutputStream buf = new ByteArrayOutputStream();
+
+        LineStream(String kind) { this.kind = kind; }
+
+        @Override public synchronized void write(int b) throws IOException {
+            if (b == '\n') emit(); else buf.write(b);
+            if (buf.size() >= 1 << 20) emit();  // a line without end is sent in pieces
+        }
+
+        @Override public synchronized void write(byte[] b, int off, int len) throws IOException {
+            for (int i = off; i < off + len; i++) write(b[i]);
+        }
+
+        @Override public synchronized void flush() throws IOException { if (buf.size() > 0) emit(); }
+
+        void emit() throws IOException {
+            String text = buf.toString(StandardCharsets.UTF_8);
+            buf.reset();
+            frame("{\"line\":true}", "{\"type\":" + json(kind) + ",\"text\":" + json(text) + ",\"timestamp\":"
+                    + json(java.time.OffsetDateTime.now(java.time.ZoneOffset.UTC).toString()) + "}");
+        }
+    }
+
     static int runs = 1;
 
     static FileDescriptor fd(int n) throws Exception {
@@ -152,6 +180,8 @@ public class Runner {
         ctrlOut = new FileOutputStream(fd(3));
         BufferedReader ctrlIn = new BufferedReader(new InputStreamReader(new FileInputStream(fd(3)), StandardCharsets.US_ASCII));
         System.setIn(new ByteArrayInputStream(new byte[0]));
+        System.setOut(new PrintStream(new LineStream("stdout"), true, StandardCharsets.UTF_8));
+        System.setErr(new PrintStream(new LineStream("stderr"), true, StandardCharsets.UTF_8));
         System.getenv().forEach((k, v) -> { if (System.getProperty(k) == null) System.setProperty(k, v); });
         JShell shell = JShell.builder().executionEngine("local").out(System.out).err(System.err).build();
         shell.eval("int __agentcell_warm = 1;");  // the compiler's first use is slow: paid while starting
