@@ -119,7 +119,7 @@ def test_pie_chart(code: Sandbox) -> None:
 def test_box_and_whisker_chart(code: Sandbox) -> None:
     ex = _ok(code, "import matplotlib.pyplot as plt\n"
                    "fig, ax = plt.subplots()\n"
-                   "ax.boxplot([[1, 2, 3, 4, 5], [2, 4, 6, 8, 10]], tick_labels=['A', 'B'], patch_artist=True)\nplt.show()")  # fmt: skip
+                   "ax.boxplot([[1, 2, 3, 4, 5], [2, 4, 6, 8, 10]], labels=['A', 'B'], patch_artist=True)\nplt.show()")  # fmt: skip
     chart = ex.results[0].chart
     assert isinstance(chart, BoxAndWhiskerChart) and chart.type == ChartType.BOX_AND_WHISKER
     assert [e.label for e in chart.elements] == ["A", "B"]
