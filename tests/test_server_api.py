@@ -78,7 +78,6 @@ def test_create_v1_and_templates(http: httpx.Client) -> None:
         ({"templateID": "base", "limits": {"bogus": 1}}, "bogus"),
         ({"templateID": "base", "limits": {"pids": "many"}}, "pids"),
         # the tests' server runs with --egress-uplink none (conftest): no internet to give
-        ({"templateID": "base", "allow_internet_access": True}, "--egress-uplink none"),
         ({"templateID": "base", "network": {"allowOut": ["1.1.1.1"]}}, "--egress-uplink none"),
         ({"templateID": "base", "network": {"allowOut": ["exa mple.com"]}}, "not a CIDR"),
         ({"templateID": "base", "network": {"denyOut": "1.1.1.1"}}, "must be a list"),
@@ -87,6 +86,18 @@ def test_create_v1_and_templates(http: httpx.Client) -> None:
 )
 def test_create_validation(http: httpx.Client, body: dict[str, Any], fragment: str) -> None:
     assert_error(http.post("/v2/sandboxes", json=body), 400, fragment)
+
+
+def test_internet_asked_of_a_server_without_uplink(http: httpx.Client) -> None:
+    """E2B's JS SDK sends allow_internet_access: true in every create: a server without an uplink
+    (the tests' one) gives such a sandbox no internet, and says so, rather than refusing it."""
+    r = http.post("/v2/sandboxes", json={"templateID": "base", "allow_internet_access": True})
+    assert r.status_code == 201, r.text
+    sid = r.json()["sandboxID"]
+    try:
+        assert http.get(f"/sandboxes/{sid}").json()["allowInternetAccess"] is False
+    finally:
+        http.delete(f"/sandboxes/{sid}")
 
 
 def test_invalid_json_is_400(http: httpx.Client, sbx: dict[str, Any]) -> None:

@@ -289,8 +289,12 @@ class ControlPlane:
         default = self.cfg.internet_by_default and self.manager.backend.has_egress
         policy = network_policy(body, network, default if internet_default is None else internet_default)
         if policy.internet and not self.manager.backend.has_egress:
-            raise HTTPError(400, "this server gives sandboxes no internet (its operator started it with "
-                                 "--egress-uplink none); create the sandbox with allow_internet_access=False")
+            if policy.allow_out or policy.deny_out or network.get("rules"):
+                raise HTTPError(400, "this server gives sandboxes no internet (its operator started it with "
+                                     "--egress-uplink none), so it cannot carry out network rules; leave them out")
+            # E2B's JS SDK asks for the internet in every create (allowInternetAccess defaults to true):
+            # on a server without an uplink that is a sandbox without one, as get_info then says.
+            return dataclasses.replace(policy, internet=False)
         return policy
 
     def _record(self, request: Request) -> SandboxRecord:
