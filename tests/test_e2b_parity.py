@@ -200,7 +200,7 @@ def test_agentcell_get_metrics_and_properties(server_url: str) -> None:
         assert Sandbox.get_metrics(sbx.sandbox_id, api_url=server_url)
         assert sbx.get_metrics(start=before - datetime.timedelta(hours=2), end=before - datetime.timedelta(hours=1)) == []
         assert sbx.sandbox_domain and sbx.get_host(80).endswith(sbx.sandbox_domain)
-        assert sbx.envd_api_url == server_url
+        assert sbx.envd_api_url == server_url and sbx.download_url("/tmp/x").startswith(sbx.envd_direct_url + "/files?")
         assert Sandbox.default_template == "base" and Sandbox.default_sandbox_timeout == 300
 
 

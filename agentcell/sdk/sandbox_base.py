@@ -21,6 +21,12 @@ class ConnectedSandbox:
         """Where this SDK sends the sandbox's data-plane calls (the server; routed by headers)."""
         return self._conn.config.base_url
 
+    @property
+    def envd_direct_url(self) -> str:
+        """The base of download_url() / upload_url(): the server, which finds the sandbox by the
+        URL's signature (e2b's direct URL)."""
+        return self._conn.config.base_url
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(sandbox_id={self.sandbox_id!r}, url={self._conn.config.base_url!r})"
 
