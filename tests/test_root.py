@@ -164,3 +164,41 @@ def test_pip_install_of_a_local_wheel(e2b_env: str, user: str) -> None:
         assert host_venvs == ""
     finally:
         s.kill()
+
+
+def test_files_api_as_root(server_url: str, e2b_env: str) -> None:
+    """files.* with user="root": root's files, where root may go, relative paths from /root (as envd);
+    the default user's files API stays the user's."""
+    import httpx
+    from e2b import Sandbox as E2BSandbox
+    from e2b import SandboxException
+
+    sbx = E2BSandbox.create()
+    try:
+        info = sbx.files.write("/etc/agentcell-root-file", "root wrote this", user="root")
+        assert info.path == "/etc/agentcell-root-file"
+        assert sh_e2b(sbx, "stat -c %U:%G /etc/agentcell-root-file") == "root:root"
+        assert sbx.files.write("notes.txt", "x", user="root").path == "/root/notes.txt"
+        sbx.commands.run("echo secret > /root/only-root && chmod 600 /root/only-root", user="root")
+        assert sbx.files.read("/root/only-root", user="root") == "secret\n"
+        with pytest.raises(SandboxException, match="Permission denied"):  # the user may not read root's file
+            sbx.files.read("/root/only-root")
+        with pytest.raises(SandboxException, match="Permission denied"):  # nor write the system
+            sbx.files.write("/etc/user-wrote-this", "x")
+        assert "only-root" in [e.name for e in sbx.files.list("/root", user="root")]
+        sbx.files.make_dir("/opt/rootdir", user="root")
+        sbx.files.rename("/opt/rootdir", "/opt/rootdir2", user="root")
+        sbx.files.remove("/opt/rootdir2", user="root")
+        assert not sbx.files.exists("/opt/rootdir2", user="root")
+        # a signed upload URL as root, with a plain `file` form field (E2B's JS signing test)
+        url = sbx.upload_url("/root/signed.txt", user="root", use_signature_expiration=60)
+        r = httpx.post(url, files={"file": (None, "signed content")})
+        assert r.status_code == 200, r.text
+        assert r.json()[0]["path"] == "/root/signed.txt"
+        assert sbx.files.read("/root/signed.txt", user="root") == "signed content"
+    finally:
+        sbx.kill()
+
+
+def sh_e2b(sbx, cmd: str) -> str:  # type: ignore[no-untyped-def]
+    return sbx.commands.run(cmd, user="root").stdout.strip()

@@ -570,31 +570,36 @@ async def _proc_resize(agent: Agent, call: Call, frame: Frame) -> dict[str, Any]
 # -- filesystem -------------------------------------------------------------------------------------
 @op("fs.stat")
 async def _fs_stat(agent: Agent, call: Call, frame: Frame) -> dict[str, Any]:
-    return {"entry": agent.fs.stat(frame.header.get("path"))}
+    with agent.fs.acting_as(frame.header.get("user")):
+        return {"entry": agent.fs.stat(frame.header.get("path"))}
 
 
 @op("fs.list")
 async def _fs_list(agent: Agent, call: Call, frame: Frame) -> dict[str, Any]:
-    return {"entries": agent.fs.list(frame.header.get("path"), _field(frame, "depth", int, 1))}
+    with agent.fs.acting_as(frame.header.get("user")):
+        return {"entries": agent.fs.list(frame.header.get("path"), _field(frame, "depth", int, 1))}
 
 
 @op("fs.mkdir")
 async def _fs_mkdir(agent: Agent, call: Call, frame: Frame) -> dict[str, Any]:
-    entry = agent.fs.mkdir(frame.header.get("path"))
+    with agent.fs.acting_as(frame.header.get("user")):
+        entry = agent.fs.mkdir(frame.header.get("path"))
     agent.watchers.pump()  # a recursive watcher watches the new directory before the answer goes out
     return {"entry": entry}
 
 
 @op("fs.move")
 async def _fs_move(agent: Agent, call: Call, frame: Frame) -> dict[str, Any]:
-    entry = agent.fs.move(frame.header.get("source"), frame.header.get("destination"))
+    with agent.fs.acting_as(frame.header.get("user")):
+        entry = agent.fs.move(frame.header.get("source"), frame.header.get("destination"))
     agent.watchers.pump()
     return {"entry": entry}
 
 
 @op("fs.remove")
 async def _fs_remove(agent: Agent, call: Call, frame: Frame) -> dict[str, Any]:
-    agent.fs.remove(frame.header.get("path"))
+    with agent.fs.acting_as(frame.header.get("user")):
+        agent.fs.remove(frame.header.get("path"))
     agent.watchers.pump()
     return {}
 
@@ -643,7 +648,8 @@ async def _fs_watcher_remove(agent: Agent, call: Call, frame: Frame) -> dict[str
 
 @op("fs.read")
 async def _fs_read(agent: Agent, call: Call, frame: Frame) -> dict[str, Any]:
-    path, fd = agent.fs.open_for_read(frame.header.get("path"))
+    with agent.fs.acting_as(frame.header.get("user")):  # the open only: the fd reads what it may
+        path, fd = agent.fs.open_for_read(frame.header.get("path"))
     size = 0
     try:
         while True:
@@ -667,12 +673,15 @@ async def _fs_read(agent: Agent, call: Call, frame: Frame) -> dict[str, Any]:
 async def _fs_write(agent: Agent, call: Call, frame: Frame) -> dict[str, Any]:
     metadata = _field(frame, "metadata", dict)
     path = frame.header.get("path")
+    user = frame.header.get("user")
     if not frame.header.get("stream"):
-        entry = agent.fs.write(path, frame.payload, metadata)
+        with agent.fs.acting_as(user):
+            entry = agent.fs.write(path, frame.payload, metadata)
         agent.watchers.pump()
         return {"entry": entry}
     # The content follows in ``data`` frames, written as they arrive: nothing is held in memory.
-    upload = agent.fs.open_upload(path)
+    with agent.fs.acting_as(user):  # the temp file is made as `user`; writes go to its fd
+        upload = agent.fs.open_upload(path)
     done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     def on_data(piece: Frame) -> None:
@@ -689,12 +698,14 @@ async def _fs_write(agent: Agent, call: Call, frame: Frame) -> dict[str, Any]:
     call.take_data(on_data)
     try:
         await done
-        entry = upload.finish(metadata)
+        with agent.fs.acting_as(user):
+            entry = upload.finish(metadata)
         agent.watchers.pump()
         return {"entry": entry}
     finally:
         call.take_data(None)
-        upload.close()
+        with agent.fs.acting_as(user):
+            upload.close()
 
 
 # -- ports served out -------------------------------------------------------------------------------

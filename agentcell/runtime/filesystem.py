@@ -24,6 +24,7 @@ from agentcell.errors import (
     ResourceExhaustedError,
     SandboxError,
 )
+from agentcell.runtime import rootcaps
 
 CHUNK = 1 << 20
 MAX_READ = 2 << 30  # the largest file files.read returns (the disk of a sandbox is far smaller)
@@ -77,6 +78,21 @@ class FileSystem:
         # temp file -> destination of the uploads of late: a watcher that reads their events after the
         # upload ended still reports them as writes of the destination
         self._uploads: collections.OrderedDict[str, str] = collections.OrderedDict()
+
+    @contextlib.contextmanager
+    def acting_as(self, user: str | None) -> Iterator[None]:
+        """The block's operations as `user` (the files API's `user`): root's make root's files, may
+        go where the sandbox's root may, and resolve relative paths against /root. Synchronous
+        calls only (rootcaps.files_as)."""
+        if not rootcaps.check(user):
+            yield
+            return
+        home, self.home = self.home, rootcaps.ROOT_HOME
+        try:
+            with rootcaps.files_as(user):
+                yield
+        finally:
+            self.home = home
 
     def upload_target(self, path: str) -> str | None:
         return self._uploads.get(path)

@@ -19,7 +19,10 @@ from collections.abc import Iterator
 
 from agentcell.errors import PermissionDeniedError
 
+CAP_CHOWN, CAP_DAC_OVERRIDE, CAP_FOWNER = 0, 1, 3
 CAP_KILL, CAP_SETGID, CAP_SETUID = 5, 6, 7
+_FILE_CAPS = (1 << CAP_CHOWN | 1 << CAP_DAC_OVERRIDE | 1 << CAP_FOWNER | 1 << CAP_SETUID | 1 << CAP_SETGID)
+SANDBOX_UID = 1000
 ROOT_HOME = "/root"
 _SBIN = ("/usr/local/sbin", "/usr/sbin", "/sbin")
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -102,6 +105,26 @@ def kill_capability() -> Iterator[None]:
     finally:
         if raise_it:
             _set(permitted, effective)
+
+
+@contextlib.contextmanager
+def files_as(user: str | None) -> Iterator[None]:
+    """File operations of the block as `user`: for root, this thread's fsuid/fsgid 0 (what is made is
+    root's) with root's file capabilities effective, as a command run as root would have them. Only
+    around synchronous calls: an await inside would let another request's operation run as root."""
+    if not check(user):
+        yield
+        return
+    permitted, effective = _get()
+    _set(permitted, permitted & _FILE_CAPS)
+    try:
+        _libc.setfsgid(0)
+        _libc.setfsuid(0)
+        yield
+    finally:
+        _libc.setfsuid(SANDBOX_UID)  # back before the capabilities go (always allowed: it is our uid)
+        _libc.setfsgid(SANDBOX_UID)
+        _set(permitted, effective)
 
 
 def check(user: str | None) -> bool:

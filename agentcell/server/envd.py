@@ -68,11 +68,7 @@ def check_user(ctx: RequestContext, root_ok: bool = False) -> str:
     if user == "root":
         if root_ok:
             return "root"
-        raise ConnectError(
-            Code.PERMISSION_DENIED,
-            "file operations as root are not supported yet: files are read and written as 'user' "
-            "(run a command as root instead, e.g. commands.run('cp ...', user='root'))",
-        )
+        raise ConnectError(Code.PERMISSION_DENIED, "this call cannot run as root: leave the user out")
     raise ConnectError(Code.PERMISSION_DENIED, f"unknown user '{user}': the users are 'user' and 'root'")
 
 
@@ -282,32 +278,32 @@ def _path(path: str) -> str:
 
 class FilesystemService:
     async def stat(self, request: fs.StatRequest, ctx: RequestContext) -> fs.StatResponse:
-        check_user(ctx)
-        header = await _call("fs.stat", path=_path(request.path))
+        user = check_user(ctx, root_ok=True)
+        header = await _call("fs.stat", user=user, path=_path(request.path))
         return fs.StatResponse(entry=entry_info(header.get("entry")))
 
     async def make_dir(self, request: fs.MakeDirRequest, ctx: RequestContext) -> fs.MakeDirResponse:
-        check_user(ctx)
-        header = await _call("fs.mkdir", path=_path(request.path))
+        user = check_user(ctx, root_ok=True)
+        header = await _call("fs.mkdir", user=user, path=_path(request.path))
         return fs.MakeDirResponse(entry=entry_info(header.get("entry")))
 
     async def move(self, request: fs.MoveRequest, ctx: RequestContext) -> fs.MoveResponse:
-        check_user(ctx)
-        header = await _call("fs.move", source=_path(request.source), destination=_path(request.destination))
+        user = check_user(ctx, root_ok=True)
+        header = await _call("fs.move", user=user, source=_path(request.source), destination=_path(request.destination))
         return fs.MoveResponse(entry=entry_info(header.get("entry")))
 
     async def list_dir(self, request: fs.ListDirRequest, ctx: RequestContext) -> fs.ListDirResponse:
-        check_user(ctx)
+        user = check_user(ctx, root_ok=True)
         depth = int(request.depth) or 1
         if depth > MAX_LIST_DEPTH:
             raise ConnectError(Code.INVALID_ARGUMENT, f"depth must be at most {MAX_LIST_DEPTH}")
-        header = await _call("fs.list", path=_path(request.path), depth=depth)
+        header = await _call("fs.list", user=user, path=_path(request.path), depth=depth)
         entries = header.get("entries")
         return fs.ListDirResponse(entries=[entry_info(e) for e in entries] if isinstance(entries, list) else [])
 
     async def remove(self, request: fs.RemoveRequest, ctx: RequestContext) -> fs.RemoveResponse:
-        check_user(ctx)
-        await _call("fs.remove", path=_path(request.path))
+        user = check_user(ctx, root_ok=True)
+        await _call("fs.remove", user=user, path=_path(request.path))
         return fs.RemoveResponse()
 
     # Directory watchers (runtime/watcher.py): WatchDir streams (async SDK); the sync SDK polls with

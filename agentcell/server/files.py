@@ -6,6 +6,8 @@ The root router has already checked the access token or the URL signature (auth.
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import contextlib
 import zlib
 from collections.abc import AsyncIterator
@@ -21,13 +23,22 @@ from agentcell.server.streams import HTTP_PIECE, LiveStream, client_gone, curren
 from agentcell.server.uploads import MultipartStream, boundary_of, capped, gunzipped, too_large
 
 
-def _check_user(request: Request) -> None:
+def _user(request: Request) -> str:
+    """Who reads or writes: the `username` query parameter (signed URLs) or the SDK's Basic
+    authorization; `user` or the sandbox's `root` (runtime/filesystem.py FileSystem.acting_as)."""
     user = request.query_params.get("username")
+    if not user:
+        scheme, _, value = (request.headers.get("authorization") or "").partition(" ")
+        if scheme.lower() == "basic":
+            try:
+                user = base64.b64decode(value.strip(), validate=True).decode().partition(":")[0]
+            except (binascii.Error, UnicodeDecodeError):
+                raise HTTPError(400, "malformed Basic authorization header") from None
     if user in (None, "", "user"):
-        return
+        return "user"
     if user == "root":
-        raise HTTPError(401, "running as root is not supported: files are owned by the sandbox user 'user'")
-    raise HTTPError(401, f"unknown user '{user}': the only user is 'user'")
+        return "root"
+    raise HTTPError(401, f"unknown user '{user}': the users are 'user' and 'root'")
 
 
 def _required_path(request: Request) -> str:
@@ -43,9 +54,9 @@ async def health(request: Request) -> Response:
 
 async def download(request: Request) -> Response:
     path = _required_path(request)
-    _check_user(request)
+    user = _user(request)
     gone = asyncio.ensure_future(client_gone(request.receive))
-    batches = current_sandbox.get().channel.batches("fs.read", until=gone, path=path)
+    batches = current_sandbox.get().channel.batches("fs.read", until=gone, path=path, user=user)
     # Wait for the first frame so that not_found / a directory become proper HTTP errors.
     first = await first_batch(batches, gone)
     gzip_ok = "gzip" in request.headers.get("accept-encoding", "").lower()
@@ -86,9 +97,11 @@ def _metadata(request: Request) -> dict[str, str] | None:
     return meta or None
 
 
-async def _write(path: str, chunks: AsyncIterator[bytes], metadata: dict[str, str] | None) -> dict[str, Any]:
+async def _write(path: str, chunks: AsyncIterator[bytes], metadata: dict[str, str] | None,
+                 user: str = "user") -> dict[str, Any]:
     try:
-        header = (await current_sandbox.get().channel.upload("fs.write", chunks, path=path, metadata=metadata)).header
+        header = (await current_sandbox.get().channel.upload("fs.write", chunks, path=path, metadata=metadata,
+                                                             user=user)).header
     except SandboxError as e:
         raise from_sandbox_error(e) from None
     entry: Any = header.get("entry") or {}
@@ -138,7 +151,7 @@ def upload_handler(max_bytes: int, slots: UploadSlots):  # type: ignore[no-untyp
 
     async def _upload(request: Request) -> Response:
         query_path = request.query_params.get("path")
-        _check_user(request)
+        user = _user(request)
         metadata = _metadata(request)
         content_type = request.headers.get("content-type", "")
         length = request.headers.get("content-length")
@@ -149,13 +162,15 @@ def upload_handler(max_bytes: int, slots: UploadSlots):  # type: ignore[no-untyp
             if content_type.startswith("multipart/form-data"):
                 results = []
                 async for part in MultipartStream(body, boundary_of(content_type)).parts():
-                    if part.filename is None:
+                    # The path query parameter names the destination of a single-file upload; there
+                    # (as envd) a `file` field without a filename is the content too.
+                    single = bool(query_path) and not results
+                    if part.filename is None and not (single and part.name == "file"):
                         continue  # a plain form field, not a file
-                    # The path query parameter names the destination of a single-file upload.
-                    dest = query_path if (query_path and not results) else part.filename
+                    dest = query_path if single else part.filename
                     if not dest:
                         raise HTTPError(400, "each file part needs a filename (the destination path)")
-                    results.append(await _write(dest, part.data(), metadata))
+                    results.append(await _write(dest, part.data(), metadata, user))
                 if not results:
                     raise HTTPError(400, "the multipart body has no file parts")
                 return JSONResponse(results)
@@ -166,6 +181,6 @@ def upload_handler(max_bytes: int, slots: UploadSlots):  # type: ignore[no-untyp
                 body = gunzipped(body, max_bytes)
             elif encoding not in ("", "identity"):
                 raise HTTPError(400, f"unsupported Content-Encoding {encoding!r}; use gzip or none")
-            return JSONResponse([await _write(query_path, body, metadata)])
+            return JSONResponse([await _write(query_path, body, metadata, user)])
 
     return upload
