@@ -371,7 +371,11 @@ def test_event_flood_is_bounded(e2b_env: str, server: object) -> None:
             return exits
 
         exits = asyncio.run(stalled())
-        assert exits and exits[0] is not None and "overflow" in str(exits[0])
+        # Whether the kernel's queue overflows depends on how much the socket buffers between the
+        # agent and the stalled client absorbed (megabytes on loopback); either way the stream ended,
+        # with envd's overflow error if it did, and nothing grew without bound.
+        assert exits, "the stalled watch never ended"
+        assert exits[0] is None or "overflow" in str(exits[0]), exits
         assert _agent_rss_kib(s) - agent_before < 32 << 10
     finally:
         s.kill()
