@@ -46,6 +46,40 @@ async def probe_backend(**options: Any) -> AsyncIterator[LinuxBackend]:
         await be.close()
 
 
+@contextlib.contextmanager
+def host_listener() -> Iterator[tuple[int, list[Any]]]:
+    """A TCP listener on the host's loopback for 5 s: (its port, the connections it accepted). A
+    sandbox must never reach it."""
+    import socket
+    import threading
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    accepted: list[Any] = []
+
+    def accept() -> None:
+        listener.settimeout(5)
+        try:
+            accepted.append(listener.accept()[0])
+        except OSError:
+            pass
+
+    t = threading.Thread(target=accept)
+    t.start()
+    try:
+        yield listener.getsockname()[1], accepted
+    finally:
+        t.join()
+        listener.close()
+
+
+CONNECT_CODE = ("import socket\n"
+                "s = socket.socket(); s.settimeout(2)\n"
+                "try:\n    s.connect(('127.0.0.1', {port})); print('connected')\n"
+                "except OSError as e:\n    print(type(e).__name__)\n")
+
+
 def create_sandbox(http: httpx.Client, **body: Any) -> dict[str, Any]:
     """POST /v2/sandboxes with `body` (templateID base), asserting 201; the response's JSON."""
     r = http.post("/v2/sandboxes", json={"templateID": "base", **body})

@@ -7,14 +7,12 @@ the neighbour (created before the attack) still computes and the server still cr
 from __future__ import annotations
 
 import os
-import socket
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers import secret_scan_code, sh
+from helpers import CONNECT_CODE, host_listener, secret_scan_code, sh
 
 from agentcell import Sandbox
 
@@ -64,35 +62,12 @@ def test_cannot_see_host_processes(attacker: Sandbox) -> None:
 
 
 def test_cannot_reach_host_loopback(attacker: Sandbox) -> None:
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen()
-    port = listener.getsockname()[1]
-    accepted: list[socket.socket] = []
-
-    def accept() -> None:
-        listener.settimeout(5)
-        try:
-            accepted.append(listener.accept()[0])
-        except OSError:
-            pass
-
-    t = threading.Thread(target=accept)
-    t.start()
-    try:
-        r = attacker.run_code(
-            "import socket\n"
-            "s = socket.socket(); s.settimeout(2)\n"
-            f"try:\n    s.connect(('127.0.0.1', {port})); print('connected')\n"
-            "except OSError as e:\n    print(type(e).__name__)\n"
-        )
+    with host_listener() as (port, accepted):
+        r = attacker.run_code(CONNECT_CODE.format(port=port))
         assert "connected" not in "".join(r.logs.stdout)
         # Nothing but loopback inside, and no route anywhere.
         _, out, _ = sh(attacker, "ip -o link 2>/dev/null || cat /proc/net/dev")
         assert "eth" not in out and "veth" not in out
-    finally:
-        t.join()
-        listener.close()
     assert accepted == []
 
 

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers import sh
+from helpers import CONNECT_CODE, host_listener, sh
 
 from agentcell import Sandbox
 
@@ -182,37 +182,13 @@ def test_root_fork_bomb_and_memory_hog_are_contained(server_url: str) -> None:
 def test_root_cannot_reach_the_host_or_change_the_network(attacker: Sandbox) -> None:
     """test_attacks' host-loopback probe again as root, and what root would try first: new routes,
     addresses, links, firewall rules, raw sockets, the host's sysctls (no NET_ADMIN, no NET_RAW)."""
-    import socket
-    import threading
-
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen()
-    port = listener.getsockname()[1]
-    accepted: list[socket.socket] = []
-
-    def accept() -> None:
-        listener.settimeout(5)
-        try:
-            accepted.append(listener.accept()[0])
-        except OSError:
-            pass
-
-    t = threading.Thread(target=accept)
-    t.start()
-    try:
-        out = py(attacker, "import socket\n"
-                           "s = socket.socket(); s.settimeout(2)\n"
-                           f"try:\n    s.connect(('127.0.0.1', {port})); print('connected')\n"
-                           "except OSError as e:\n    print(type(e).__name__)\n"
-                           "try:\n    socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP); print('raw')\n"
-                           "except OSError as e:\n    print('no raw', e.errno)\n"
-                           "try:\n    socket.socket(socket.AF_PACKET, socket.SOCK_RAW); print('packet')\n"
-                           "except OSError as e:\n    print('no packet', e.errno)\n")
+    with host_listener() as (port, accepted):
+        out = py(attacker, CONNECT_CODE.format(port=port) +
+                 "try:\n    socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP); print('raw')\n"
+                 "except OSError as e:\n    print('no raw', e.errno)\n"
+                 "try:\n    socket.socket(socket.AF_PACKET, socket.SOCK_RAW); print('packet')\n"
+                 "except OSError as e:\n    print('no packet', e.errno)\n")
         assert "connected" not in out and "raw\n" not in out and "packet\n" not in out, out
-    finally:
-        t.join()
-        listener.close()
     assert accepted == []
     for cmd in ("ip route add 127.0.0.0/8 dev lo table 100", "ip addr add 192.0.2.99/32 dev lo",
                 "ip link add x type dummy", "ip link set lo down", "nft flush ruleset",

@@ -22,7 +22,6 @@ from agentcell.errors import PermissionDeniedError
 CAP_CHOWN, CAP_DAC_OVERRIDE, CAP_FOWNER = 0, 1, 3
 CAP_KILL, CAP_SETGID, CAP_SETUID = 5, 6, 7
 _FILE_CAPS = (1 << CAP_CHOWN | 1 << CAP_DAC_OVERRIDE | 1 << CAP_FOWNER | 1 << CAP_SETUID | 1 << CAP_SETGID)
-SANDBOX_UID = 1000
 ROOT_HOME = "/root"
 _SBIN = ("/usr/local/sbin", "/usr/sbin", "/sbin")
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -94,17 +93,22 @@ def become_root() -> None:
 
 
 @contextlib.contextmanager
-def kill_capability() -> Iterator[None]:
-    """CAP_KILL effective for the block (the agent signals commands it ran as root), in this thread."""
+def _effective(mask: int) -> Iterator[None]:
+    """The permitted capabilities of `mask` effective for the block, in this thread."""
     permitted, effective = _get()
-    raise_it = bool(permitted & (1 << CAP_KILL)) and not effective & (1 << CAP_KILL)
-    if raise_it:
-        _set(permitted, effective | 1 << CAP_KILL)
+    raised = permitted & mask & ~effective
+    if raised:
+        _set(permitted, effective | raised)
     try:
         yield
     finally:
-        if raise_it:
+        if raised:
             _set(permitted, effective)
+
+
+def kill_capability() -> contextlib.AbstractContextManager[None]:
+    """CAP_KILL effective for the block (the agent signals commands it ran as root), in this thread."""
+    return _effective(1 << CAP_KILL)
 
 
 @contextlib.contextmanager
@@ -115,16 +119,14 @@ def files_as(user: str | None) -> Iterator[None]:
     if not check(user):
         yield
         return
-    permitted, effective = _get()
-    _set(permitted, permitted & _FILE_CAPS)
-    try:
+    with _effective(_FILE_CAPS):
         _libc.setfsgid(0)
         _libc.setfsuid(0)
-        yield
-    finally:
-        _libc.setfsuid(SANDBOX_UID)  # back before the capabilities go (always allowed: it is our uid)
-        _libc.setfsgid(SANDBOX_UID)
-        _set(permitted, effective)
+        try:
+            yield
+        finally:  # back before the capabilities go (always allowed: they are the agent's own ids)
+            _libc.setfsuid(os.getuid())
+            _libc.setfsgid(os.getgid())
 
 
 def check(user: str | None) -> bool:

@@ -19,7 +19,7 @@ from agentcell.errors import (
     SandboxNotRunningException,
     TimeoutException,
 )
-from agentcell.sdk.config import Endpoint
+from agentcell.sdk.config import ENVD_PORT, Endpoint
 
 _LIMITS = httpx.Limits(max_connections=256, max_keepalive_connections=64, keepalive_expiry=60)
 _lock = threading.Lock()
@@ -139,7 +139,7 @@ HEALTH_PATH = "/health"
 
 def probe_headers(sandbox_id: str) -> dict[str, str]:
     """envd's /health of the sandbox: no token needed; the server answers 502 once it is gone."""
-    return {"E2b-Sandbox-Id": sandbox_id, "E2b-Sandbox-Port": "49983"}
+    return {"E2b-Sandbox-Id": sandbox_id, "E2b-Sandbox-Port": ENVD_PORT}
 
 
 def cut_off_error(e: BaseException, what: str, timed_out: bool, gone: bool) -> SandboxException:

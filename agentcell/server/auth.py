@@ -11,6 +11,7 @@ false: then they need the `E2B-Traffic-Access-Token`. All comparisons are consta
 from __future__ import annotations
 
 import base64
+import binascii
 import hashlib
 import hmac
 import time
@@ -114,6 +115,32 @@ def signed_sandbox(scope: dict[str, Any], tokens: Iterable[tuple[str, str]]) -> 
     if expiration is not None and expiration < time.time():
         return None, EXPIRED_SIGNATURE
     return found, None
+
+
+class MalformedAuthorization(ValueError):
+    pass
+
+
+def basic_user(authorization: str | None) -> str | None:
+    """The name in `Authorization: Basic base64("<user>:")` (how E2B's SDKs say who runs a call),
+    None without such a header; MalformedAuthorization when it cannot be decoded."""
+    scheme, _, value = (authorization or "").partition(" ")
+    if scheme.lower() != "basic":
+        return None
+    try:
+        return base64.b64decode(value.strip(), validate=True).decode().partition(":")[0]
+    except (binascii.Error, UnicodeDecodeError):
+        raise MalformedAuthorization("malformed Basic authorization header") from None
+
+
+def run_as(name: str | None) -> str:
+    """A data-plane call's user: `user` (also when none is named) or the sandbox's `root`;
+    ValueError for any other name."""
+    if name in (None, "", "user"):
+        return "user"
+    if name == "root":
+        return "root"
+    raise ValueError(f"unknown user '{name}': the users are 'user' and 'root'")
 
 
 def data_plane_refusal(scope: dict[str, Any], access_token: str, port: int) -> str | None:

@@ -8,8 +8,6 @@ the root router after it checked the access token.
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import contextlib
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -27,7 +25,7 @@ from protobuf.wkt.google.protobuf.timestamp_pb import Timestamp
 
 from agentcell.errors import InvalidArgumentError, SandboxError, SandboxGoneError
 from agentcell.runtime.protocol import KEEPALIVE
-from agentcell.server import validate
+from agentcell.server import auth, validate
 from agentcell.server.errors import log_incident
 from agentcell.server.streams import agent_call, current_sandbox, drop_connection
 
@@ -52,24 +50,16 @@ def connect_error(e: SandboxError) -> ConnectError:
 
 def check_user(ctx: RequestContext, root_ok: bool = False) -> str:
     """Run-as user from `Authorization: Basic base64("<user>:")`: `user`, or `root` where `root_ok`
-    (processes: the sandbox's root, uid 0 of its own user namespace)."""
-    auth = ctx.request_headers.get("authorization")
-    if not auth:
-        return "user"
-    scheme, _, value = auth.partition(" ")
-    if scheme.lower() != "basic":
-        return "user"
+    (the sandbox's root, uid 0 of its own user namespace)."""
     try:
-        user = base64.b64decode(value.strip(), validate=True).decode().partition(":")[0]
-    except (binascii.Error, UnicodeDecodeError):
-        raise ConnectError(Code.INVALID_ARGUMENT, "malformed Basic authorization header") from None
-    if user in ("", "user"):
-        return "user"
-    if user == "root":
-        if root_ok:
-            return "root"
+        user = auth.run_as(auth.basic_user(ctx.request_headers.get("authorization")))
+    except auth.MalformedAuthorization as e:
+        raise ConnectError(Code.INVALID_ARGUMENT, str(e)) from None
+    except ValueError as e:
+        raise ConnectError(Code.PERMISSION_DENIED, str(e)) from None
+    if user == "root" and not root_ok:
         raise ConnectError(Code.PERMISSION_DENIED, "this call cannot run as root: leave the user out")
-    raise ConnectError(Code.PERMISSION_DENIED, f"unknown user '{user}': the users are 'user' and 'root'")
+    return user
 
 
 def _keepalive_interval(ctx: RequestContext) -> float:

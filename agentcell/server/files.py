@@ -6,8 +6,6 @@ The root router has already checked the access token or the URL signature (auth.
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import contextlib
 import zlib
 from collections.abc import AsyncIterator
@@ -18,6 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from agentcell.errors import SandboxError
+from agentcell.server import auth
 from agentcell.server.errors import HTTPError, from_sandbox_error, json_error
 from agentcell.server.streams import HTTP_PIECE, LiveStream, client_gone, current_sandbox, first_batch
 from agentcell.server.uploads import MultipartStream, boundary_of, capped, gunzipped, too_large
@@ -26,19 +25,12 @@ from agentcell.server.uploads import MultipartStream, boundary_of, capped, gunzi
 def _user(request: Request) -> str:
     """Who reads or writes: the `username` query parameter (signed URLs) or the SDK's Basic
     authorization; `user` or the sandbox's `root` (runtime/filesystem.py FileSystem.acting_as)."""
-    user = request.query_params.get("username")
-    if not user:
-        scheme, _, value = (request.headers.get("authorization") or "").partition(" ")
-        if scheme.lower() == "basic":
-            try:
-                user = base64.b64decode(value.strip(), validate=True).decode().partition(":")[0]
-            except (binascii.Error, UnicodeDecodeError):
-                raise HTTPError(400, "malformed Basic authorization header") from None
-    if user in (None, "", "user"):
-        return "user"
-    if user == "root":
-        return "root"
-    raise HTTPError(401, f"unknown user '{user}': the users are 'user' and 'root'")
+    try:
+        return auth.run_as(request.query_params.get("username") or auth.basic_user(request.headers.get("authorization")))
+    except auth.MalformedAuthorization as e:
+        raise HTTPError(400, str(e)) from None
+    except ValueError as e:
+        raise HTTPError(401, str(e)) from None
 
 
 def _required_path(request: Request) -> str:
