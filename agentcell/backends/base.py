@@ -97,6 +97,9 @@ class SandboxSpec:
     envs: dict[str, str] = field(default_factory=dict)  # default environment of every process and context
     network: NetworkPolicy = field(default_factory=NetworkPolicy)  # its way out; default: none
     secrets: SecretSet = field(default_factory=SecretSet)  # values the egress puts in its requests
+    # a disk archive (backends/disk_archive.py) the sandbox starts with: E2B's filesystem snapshot,
+    # or the files of a sandbox paused with mode="filesystem" that is resumed (a cold start)
+    files: str | None = None
 
 
 @dataclass(slots=True)
@@ -173,3 +176,36 @@ class Backend(abc.ABC):
     async def capacity(self) -> Capacity | None:
         """The budget all sandboxes share and its use now; None if the backend cannot tell."""
         return None
+
+    # lifecycle: pause/resume, filesystem and memory snapshots -------------------------------------
+
+    # whether checkpoint() / restore() work: E2B's memory snapshots (pause to disk, fork, snapshots
+    # with mode="full"); a backend without them answers those with a clear error, never a silent
+    # filesystem-only copy
+    memory_snapshots: bool = False
+
+    @abc.abstractmethod
+    async def pause(self, sandbox: RunningSandbox) -> None:
+        """Stop every process of the sandbox where it is (the cgroup freezer): no CPU, memory stays
+        resident, its agent answers nothing until resume(). Idempotent."""
+
+    @abc.abstractmethod
+    async def resume(self, sandbox: RunningSandbox) -> None:
+        """Undo pause(): every process runs on from where it stopped. Idempotent."""
+
+    @abc.abstractmethod
+    async def export_files(self, sandbox: RunningSandbox, dest: str, max_bytes: int) -> int:
+        """Write the sandbox's writable files (/home/user, /tmp, the writable root's upper layers) to
+        `dest` as a disk archive (backends/disk_archive.py); the size written. The caller pauses the
+        sandbox first so that the archive is consistent. Raises ResourceExhaustedError past max_bytes."""
+
+    async def checkpoint(self, sandbox: RunningSandbox, image_dir: str, leave_running: bool) -> int:
+        """Save the whole sandbox (memory, processes, files) to `image_dir` (which must not exist);
+        its size on disk. Without `leave_running`, the sandbox is gone afterwards (hibernation)."""
+        raise NotImplementedError(f"the {self.name} backend cannot save a sandbox's memory")
+
+    async def restore(self, image_dir: str, spec: SandboxSpec) -> RunningSandbox:
+        """A new sandbox from a checkpoint(): the image's memory and files, `spec`'s id (new, or the
+        hibernated sandbox's own), limits and envs; random generators reseeded. Like create(), it
+        returns once the agent is ready and claimed."""
+        raise NotImplementedError(f"the {self.name} backend cannot save a sandbox's memory")
