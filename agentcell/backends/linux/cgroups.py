@@ -19,6 +19,7 @@ its forced minimum per socket (one skb each way), which the kernel never refuses
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import itertools
@@ -35,7 +36,9 @@ ROOT = "/sys/fs/cgroup"
 GROUP = "agentcell"
 _CPU_PERIOD_US = 100_000
 _MIN_SOCKET_BYTES = 4 << 20
-_V1_CONTROLLERS = ("memory", "pids", "cpu", "cpuacct")
+# freezer: pause/resume (Cgroups.freeze); a host without it cannot pause sandboxes
+_V1_CONTROLLERS = ("memory", "pids", "cpu", "cpuacct", "freezer")
+_FREEZE_TIMEOUT_S = 5.0
 _INSTANCE_RE = re.compile(r"^(\d+)-(\d+)-(\d+)$")
 _instance_seq = itertools.count()
 
@@ -183,11 +186,50 @@ class Cgroups:
                 busy = True
         return not busy
 
+    def freeze(self) -> None:
+        """Stop every task of the cgroup where it is (no CPU; memory stays resident) and wait until
+        all are stopped: a task in an uninterruptible sleep stops only when it leaves it."""
+        self._set_frozen(True)
+
+    def thaw(self) -> None:
+        self._set_frozen(False)
+
+    def frozen(self) -> bool:
+        if self.v2:
+            return "frozen 1" in _read(f"{self.dirs['unified']}/cgroup.events")
+        return _read(f"{self._freezer()}/freezer.state").strip() == "FROZEN"
+
+    def _freezer(self) -> str:
+        d = self.dirs.get("freezer")
+        if d is None:
+            raise CgroupError(errno.ENOENT, "cgroup v1's freezer controller is not mounted: sandboxes cannot pause")
+        return d
+
+    def _set_frozen(self, frozen: bool) -> None:
+        if self.v2:
+            path, value = f"{self.dirs['unified']}/cgroup.freeze", "1" if frozen else "0"
+        else:
+            path, value = f"{self._freezer()}/freezer.state", "FROZEN" if frozen else "THAWED"
+        sc.write_file(path, value)
+        deadline = time.monotonic() + _FREEZE_TIMEOUT_S
+        delay = 0.0002
+        while self.frozen() != frozen:  # v1 reads FREEZING until the last task stopped
+            if time.monotonic() > deadline:
+                if frozen:  # never leave a half-frozen sandbox behind
+                    self._set_frozen(False)
+                raise CgroupError(errno.EBUSY, f"the sandbox did not {'stop' if frozen else 'start'} within "
+                                               f"{_FREEZE_TIMEOUT_S:g} s")
+            if not self.v2 and frozen:
+                sc.write_file(path, value)  # v1: a write retries the tasks that were busy
+            time.sleep(delay)
+            delay = min(delay * 2, 0.01)
+
     def exists(self) -> bool:
         return any(os.path.isdir(d) for d in self._unique_dirs())
 
     def kill_all(self) -> None:
         """SIGKILL every task still in the cgroup (a safety net; pid 1's death normally does it)."""
+        self.thaw_quietly()
         if self.v2 and os.path.exists(f"{self.dirs['unified']}/cgroup.kill"):
             try:
                 sc.write_file(f"{self.dirs['unified']}/cgroup.kill", "1")
@@ -204,6 +246,14 @@ class Cgroups:
                     os.kill(int(pid), 9)
                 except OSError:
                     pass
+
+    def thaw_quietly(self) -> None:
+        """Thaw a cgroup about to be killed: on v1 a frozen task does not die until thawed."""
+        try:
+            path = f"{self.dirs['unified']}/cgroup.freeze" if self.v2 else f"{self._freezer()}/freezer.state"
+            sc.write_file(path, "0" if self.v2 else "THAWED")
+        except OSError:
+            pass
 
     def stats(self) -> SandboxStats:
         if self.v2:
@@ -291,6 +341,10 @@ def kill_tree(rel: str) -> int:
                     n += 1
                 except OSError:
                     pass
+            for name, value in (("freezer.state", "THAWED"), ("cgroup.freeze", "0")):  # frozen tasks die thawed
+                if pids and os.path.exists(f"{dirpath}/{name}"):
+                    with contextlib.suppress(OSError):
+                        sc.write_file(f"{dirpath}/{name}", value)
     return n
 
 
