@@ -110,6 +110,17 @@ def main() -> None:
                    "e.g. an internal package mirror. Default: none of them.")
 @click.option("--internet-default", type=click.Choice(["on", "off"]), default=None, envvar="AGENTCELL_INTERNET_DEFAULT",
               help="Whether a create that does not say gets internet (default: on when there is an uplink).")
+@click.option("--state-dir", default="/var/lib/agentcell", show_default=True, type=click.Path(file_okay=False),
+              help="Where snapshots and the files of paused sandboxes are kept (root-only).")
+@click.option("--paused-ttl", default=86400, show_default=True, type=click.IntRange(1),
+              help="Seconds a paused sandbox is kept; then it is removed.")
+@click.option("--max-paused", default=100, show_default=True, type=click.IntRange(0),
+              help="Paused sandboxes kept at once; more pauses are refused (a timeout's pause kills instead).")
+@click.option("--snapshot-quota-mb", default=10240, show_default=True, type=click.IntRange(1),
+              help="Disk all snapshots together may take.")
+@click.option("--max-snapshots", default=1000, show_default=True, type=click.IntRange(0), help="Snapshots kept at once.")
+@click.option("--max-fork", default=16, show_default=True, type=click.IntRange(1, 256),
+              help="Most sandboxes one fork may make.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 def serve(**opts: Any) -> None:

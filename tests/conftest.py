@@ -51,6 +51,8 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._log = log_path.open("wb")
+        if "--state-dir" not in args:  # its snapshots and paused sandboxes' files: its own, gone with the test run
+            args = ("--state-dir", tempfile.mkdtemp(prefix="agentcell-state-"), *args)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "agentcell.server", "--host", "127.0.0.1", "--port", str(self.port), *args],
             cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,

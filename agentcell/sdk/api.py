@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json as _json
 import re
 import urllib.parse
 from collections.abc import Mapping
@@ -74,6 +75,100 @@ def create_body(template: str, timeout_s: int | None, metadata: dict[str, str] |
     if secrets:
         body["secrets"] = {name: dict(spec) for name, spec in secrets.items()}  # agentcell extension
     return body
+
+
+def snapshot_memory(mode: str | None, keep_memory: bool | None = None, what: str = "mode") -> bool | None:
+    """e2b's mode ("full" | "filesystem", or the older keep_memory) as the API's `memory` flag;
+    None leaves the choice to the server."""
+    if mode is not None and keep_memory is not None:
+        raise InvalidArgumentException(f"pass either {what} or the deprecated keep_memory, not both")
+    if mode is None:
+        return None if keep_memory is None else bool(keep_memory)
+    if mode not in ("full", "filesystem"):
+        raise InvalidArgumentException(f"{what} must be 'full' or 'filesystem', got {mode!r}")
+    return mode == "full"
+
+
+def lifecycle_body(lifecycle: Mapping[str, Any] | None) -> dict[str, Any]:
+    """e2b's SandboxLifecycle as the create fields autoPause / autoPauseMemory / autoResume.
+    on_timeout is "kill" | "pause" | {"action": ..., "mode": "full" | "filesystem"}."""
+    if not lifecycle:
+        return {}
+    raw = lifecycle.get("on_timeout")
+    opts: Mapping[str, Any] = raw if isinstance(raw, Mapping) else {}
+    action = opts.get("action") if isinstance(raw, Mapping) else raw
+    if raw is not None and action not in ("kill", "pause"):
+        raise InvalidArgumentException(f"on_timeout must be 'kill' or 'pause', got {action!r}")
+    if ("mode" in opts or "keep_memory" in opts) and action != "pause":
+        raise InvalidArgumentException("mode is only allowed when on_timeout's action is 'pause'")
+    memory = snapshot_memory(opts.get("mode"), opts.get("keep_memory"), 'on_timeout["mode"]')
+    auto_resume = lifecycle.get("auto_resume")
+    if auto_resume and action != "pause":
+        raise InvalidArgumentException("auto_resume can only be True when on_timeout is 'pause'")
+    if auto_resume and memory is False:
+        raise InvalidArgumentException("auto_resume cannot be combined with mode 'filesystem': such a sandbox is "
+                                       "resumed explicitly (Sandbox.connect)")
+    body: dict[str, Any] = {}
+    if raw is not None:
+        body["autoPause"] = action == "pause"
+    if memory is not None and action == "pause":
+        body["autoPauseMemory"] = memory
+    if auto_resume is not None:
+        body["autoResume"] = {"enabled": bool(auto_resume)}
+    return body
+
+
+def connect_body(timeout_s: int | None, on_resume: str = "restore") -> dict[str, Any]:
+    """e2b's connect: on_resume "restore" (memory, if it was kept) or "reboot" (a cold start from its files)."""
+    if on_resume not in ("restore", "reboot"):
+        raise InvalidArgumentException(f"on_resume must be 'restore' or 'reboot', got {on_resume!r}")
+    body: dict[str, Any] = {"timeout": int(timeout_s)} if timeout_s else {}
+    if on_resume == "reboot":
+        body["memory"] = False
+    return body
+
+
+def pause_body(keep_memory: bool | None, mode: str | None) -> dict[str, Any]:
+    memory = snapshot_memory(mode, keep_memory)
+    return {} if memory is None else {"memory": memory}
+
+
+def snapshot_body(name: str | None, mode: str | None) -> dict[str, Any]:
+    body: dict[str, Any] = {"name": name} if name else {}
+    memory = snapshot_memory(mode)
+    if memory is not None:
+        body["memory"] = memory
+    return body
+
+
+def fork_body(timeout_s: int | None, count: int | None) -> dict[str, Any]:
+    if count is not None and (not isinstance(count, int) or count < 1):
+        raise InvalidArgumentException("count must be at least 1")
+    body: dict[str, Any] = {}
+    if timeout_s is not None:
+        body["timeout"] = int(timeout_s)
+    if count is not None:
+        body["count"] = count
+    return body
+
+
+def fork_results(data: Any) -> list[tuple[dict[str, Any] | None, Exception | None]]:
+    """The fork response's entries: (sandbox JSON, None) or (None, the error as an exception)."""
+    out: list[tuple[dict[str, Any] | None, Exception | None]] = []
+    for entry in data if isinstance(data, list) else []:
+        sandbox = entry.get("sandbox") if isinstance(entry, dict) else None
+        if isinstance(sandbox, dict):
+            out.append((sandbox, None))
+            continue
+        err = entry.get("error") if isinstance(entry, dict) else None
+        err = err if isinstance(err, dict) else {}
+        out.append((None, error_from_http(int(err.get("code", 500)), _json.dumps(err).encode(), None, "fork")))
+    return out
+
+
+def snapshot_params(sandbox_id: str | None, name: str | None, limit: int | None, next_token: str | None) -> dict[str, str]:
+    params = {"sandboxID": sandbox_id, "name": name, "limit": str(limit) if limit else None, "nextToken": next_token}
+    return {k: v for k, v in params.items() if v}
 
 
 def network_update_body(network: Mapping[str, Any]) -> dict[str, Any]:

@@ -193,6 +193,8 @@ class SandboxInfo:
     limits: dict[str, Any] | None = None  # agentcell extension: the sandbox's enforced limits
     allow_internet_access: bool | None = None
     network: dict[str, Any] | None = None  # allowOut, denyOut, allowPublicTraffic, as the server has them
+    lifecycle: dict[str, Any] | None = None  # {"onTimeout": "kill" | "pause", "autoResume": bool}
+    pause_mode: str | None = None  # a paused sandbox's: "full" (memory kept) | "filesystem"
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> SandboxInfo:
@@ -212,7 +214,25 @@ class SandboxInfo:
             limits=d.get("limits"),
             allow_internet_access=d.get("allowInternetAccess"),
             network=d.get("network"),
+            lifecycle=d.get("lifecycle"),
+            pause_mode=d.get("pauseMode"),
         )
+
+
+@dataclass
+class SnapshotInfo:
+    """e2b's SnapshotInfo: the id to create sandboxes from, its names; plus agentcell's mode and size."""
+
+    snapshot_id: str
+    names: list[str] = field(default_factory=list)
+    mode: str | None = None  # "full" | "filesystem"
+    sandbox_id: str | None = None
+    size_bytes: int | None = None
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> SnapshotInfo:
+        return cls(snapshot_id=d["snapshotID"], names=list(d.get("names") or []), mode=d.get("mode"),
+                   sandbox_id=d.get("sandboxID"), size_bytes=d.get("sizeBytes"))
 
 
 # --- code interpreter -------------------------------------------------------------------------------

@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 import json
+import urllib.parse
 from collections.abc import Callable, Iterator, Mapping
 from datetime import datetime
 from typing import Any
 
 import httpx
 
+from agentcell.errors import SandboxException
 from agentcell.sdk import api
 from agentcell.sdk.code_sync import CodeInterpreter
 from agentcell.sdk.commands_sync import Commands
 from agentcell.sdk.config import ConnectionConfig, SandboxConnection, resolve
 from agentcell.sdk.files_sync import Filesystem
 from agentcell.sdk.methods import hybrid
-from agentcell.sdk.models import Context, Execution, SandboxInfo, SandboxMetrics, SandboxQuery
+from agentcell.sdk.models import Context, Execution, SandboxInfo, SandboxMetrics, SandboxQuery, SnapshotInfo
 from agentcell.sdk.pty import Pty
 from agentcell.sdk.sandbox_base import ConnectedSandbox
 from agentcell.sdk.transport import error_from_http, error_from_transport, sync_client, timeout
@@ -44,6 +46,29 @@ class SandboxPaginator:
         return [SandboxInfo.from_json(d) for d in r.json()]
 
     def __iter__(self) -> Iterator[SandboxInfo]:
+        while self.has_next:
+            yield from self.next_items()
+
+
+class SnapshotPaginator:
+    """Pages of list_snapshots(): `while p.has_next: p.next_items()`; iterating it walks every page."""
+
+    def __init__(self, config: ConnectionConfig, params: dict[str, str]) -> None:
+        self._config = config
+        self._params = params
+        self.next_token: str | None = params.get("nextToken")
+        self.has_next = True
+
+    def next_items(self) -> list[SnapshotInfo]:
+        if not self.has_next:
+            raise StopIteration("no more snapshots to list")
+        params = {**self._params, **({"nextToken": self.next_token} if self.next_token else {})}
+        r = api.call(self._config, "GET", "/snapshots", params=params)
+        self.next_token = r.headers.get("x-next-token") or None
+        self.has_next = self.next_token is not None
+        return [SnapshotInfo.from_json(d) for d in r.json()]
+
+    def __iter__(self) -> Iterator[SnapshotInfo]:
         while self.has_next:
             yield from self.next_items()
 
@@ -78,7 +103,7 @@ class Sandbox(ConnectedSandbox):
                request_timeout: float | None = None, limits: dict[str, Any] | None = None,
                allow_internet_access: bool | None = None, network: Mapping[str, Any] | None = None,
                secrets: Mapping[str, Mapping[str, Any]] | None = None, secure: bool | None = None,
-               idempotency_key: str | None = None) -> Sandbox:
+               idempotency_key: str | None = None, lifecycle: Mapping[str, Any] | None = None) -> Sandbox:
         """Create a sandbox living `timeout` seconds (extend with set_timeout). Without api_url or
         AGENTCELL_URL an embedded local server is started for this process.
 
@@ -88,6 +113,7 @@ class Sandbox(ConnectedSandbox):
         config = resolve(api_url, api_key, request_timeout)
         body = api.create_body(template, timeout, metadata, envs, limits, allow_internet_access, network, secrets,
                                secure)
+        body.update(api.lifecycle_body(lifecycle))  # e2b's lifecycle: on_timeout "pause", auto_resume
         r = api.call(config, "POST", "/v2/sandboxes", json=body, ok=(201, 200),
                      headers=api.create_headers(idempotency_key))
         sandbox_id, token = api.sandbox_fields(r.json())
@@ -95,18 +121,21 @@ class Sandbox(ConnectedSandbox):
 
     @classmethod
     def _cls_connect(cls, sandbox_id: str, timeout: int | None = None, api_key: str | None = None,
-                     api_url: str | None = None, request_timeout: float | None = None) -> Sandbox:
+                     api_url: str | None = None, request_timeout: float | None = None,
+                     on_resume: str = "restore") -> Sandbox:
         config = resolve(api_url, api_key, request_timeout)
-        body = {"timeout": int(timeout)} if timeout else {}
+        body = api.connect_body(timeout, on_resume)
         r = api.call(config, "POST", f"/v2/sandboxes/{sandbox_id}/connect", json=body, ok=(200, 201),
                      sandbox_id=sandbox_id)
         sid, token = api.sandbox_fields(r.json())
         return cls(SandboxConnection(config, sid, token, **api.sandbox_extras(r.json())))
 
     @hybrid("_cls_connect")
-    def connect(self, timeout: int | None = None, request_timeout: float | None = None) -> Sandbox:
-        """Sandbox.connect(sandbox_id) attaches to a running sandbox; sbx.connect() refreshes its timeout."""
-        body = {"timeout": int(timeout)} if timeout else {}
+    def connect(self, timeout: int | None = None, request_timeout: float | None = None,
+                on_resume: str = "restore") -> Sandbox:
+        """Sandbox.connect(sandbox_id) attaches to a sandbox, resuming it if paused (on_resume="reboot": a cold
+        start from its files); sbx.connect() does the same for this one, or refreshes its timeout."""
+        body = api.connect_body(timeout, on_resume)
         api.call(self._conn.config, "POST", f"/v2/sandboxes/{self.sandbox_id}/connect", json=body, ok=(200, 201),
                  sandbox_id=self.sandbox_id, request_timeout=request_timeout)
         return self
@@ -220,6 +249,90 @@ class Sandbox(ConnectedSandbox):
 
     def __exit__(self, *exc: object) -> None:
         self.kill()
+
+    # --- pause, resume, snapshots, fork (e2b's API) --------------------------------------------------
+
+    @staticmethod
+    def _cls_pause(sandbox_id: str, keep_memory: bool | None = None, mode: str | None = None,
+                   api_key: str | None = None, api_url: str | None = None,
+                   request_timeout: float | None = None) -> bool:
+        r = api.call(resolve(api_url, api_key, request_timeout), "POST", f"/sandboxes/{sandbox_id}/pause",
+                     json=api.pause_body(keep_memory, mode), ok=(204, 200, 409), sandbox_id=sandbox_id)
+        return r.status_code != 409
+
+    @hybrid("_cls_pause")
+    def pause(self, keep_memory: bool | None = None, mode: str | None = None,
+              request_timeout: float | None = None) -> bool:
+        """Pause the sandbox; False if it was paused already. mode "full" (the default) keeps its memory:
+        it is frozen where it is and resumed in milliseconds by connect(); "filesystem" keeps only its
+        files (a resume cold-starts it). A sandbox created with lifecycle auto_resume is resumed by its
+        next request."""
+        r = api.call(self._conn.config, "POST", f"/sandboxes/{self.sandbox_id}/pause",
+                     json=api.pause_body(keep_memory, mode), ok=(204, 200, 409), sandbox_id=self.sandbox_id,
+                     request_timeout=request_timeout)
+        return r.status_code != 409
+
+    beta_pause = pause
+
+    @staticmethod
+    def _cls_create_snapshot(sandbox_id: str, name: str | None = None, mode: str | None = None,
+                             api_key: str | None = None, api_url: str | None = None,
+                             request_timeout: float | None = None) -> SnapshotInfo:
+        r = api.call(resolve(api_url, api_key, request_timeout), "POST", f"/sandboxes/{sandbox_id}/snapshots",
+                     json=api.snapshot_body(name, mode), ok=(201, 200), sandbox_id=sandbox_id)
+        return SnapshotInfo.from_json(r.json())
+
+    @hybrid("_cls_create_snapshot")
+    def create_snapshot(self, name: str | None = None, mode: str | None = None,
+                        request_timeout: float | None = None) -> SnapshotInfo:
+        """A snapshot of the sandbox (it is paused for the moment it takes); create sandboxes from it
+        with `create(snapshot.snapshot_id)`. mode "filesystem": its files; "full": memory too (the gvisor
+        backend); None: the most the server's backend can keep."""
+        r = api.call(self._conn.config, "POST", f"/sandboxes/{self.sandbox_id}/snapshots",
+                     json=api.snapshot_body(name, mode), ok=(201, 200), sandbox_id=self.sandbox_id,
+                     request_timeout=request_timeout)
+        return SnapshotInfo.from_json(r.json())
+
+    @staticmethod
+    def _cls_list_snapshots(sandbox_id: str | None = None, limit: int | None = None, next_token: str | None = None,
+                            name: str | None = None, api_key: str | None = None, api_url: str | None = None,
+                            request_timeout: float | None = None) -> SnapshotPaginator:
+        return SnapshotPaginator(resolve(api_url, api_key, request_timeout), api.snapshot_params(sandbox_id, name, limit, next_token))
+
+    @hybrid("_cls_list_snapshots")
+    def list_snapshots(self, limit: int | None = None, next_token: str | None = None, name: str | None = None,
+                       request_timeout: float | None = None) -> SnapshotPaginator:
+        """This sandbox's snapshots (Sandbox.list_snapshots(): all of them), newest first, in pages."""
+        return SnapshotPaginator(self._conn.config, api.snapshot_params(self.sandbox_id, name, limit, next_token))
+
+    @staticmethod
+    def delete_snapshot(snapshot_id: str, api_key: str | None = None, api_url: str | None = None,
+                        request_timeout: float | None = None) -> bool:
+        """Delete a snapshot; False if there is none of that id."""
+        r = api.call(resolve(api_url, api_key, request_timeout), "DELETE", f"/templates/{urllib.parse.quote(snapshot_id, safe='')}",
+                     ok=(204, 200, 404))
+        return r.status_code != 404
+
+    @staticmethod
+    def _cls_fork(sandbox_id: str, timeout: int | None = None, count: int | None = None,
+                  api_key: str | None = None, api_url: str | None = None,
+                  request_timeout: float | None = None) -> list[Sandbox | Exception]:
+        config = resolve(api_url, api_key, request_timeout)
+        r = api.call(config, "POST", f"/sandboxes/{sandbox_id}/fork", json=api.fork_body(timeout, count),
+                     ok=(201, 200), sandbox_id=sandbox_id)
+        return [Sandbox(SandboxConnection(config, *api.sandbox_fields(d), **api.sandbox_extras(d))) if d is not None
+                else err or SandboxException("the fork failed") for d, err in api.fork_results(r.json())]
+
+    @hybrid("_cls_fork")
+    def fork(self, timeout: int | None = None, count: int | None = None,
+             request_timeout: float | None = None) -> list[Sandbox | Exception]:
+        """`count` (default 1) new sandboxes, each an independent copy of this one's memory, processes and
+        files (the gvisor backend); an entry is the exception when that one could not start."""
+        config = self._conn.config
+        r = api.call(config, "POST", f"/sandboxes/{self.sandbox_id}/fork", json=api.fork_body(timeout, count),
+                     ok=(201, 200), sandbox_id=self.sandbox_id, request_timeout=request_timeout)
+        return [Sandbox(SandboxConnection(config, *api.sandbox_fields(d), **api.sandbox_extras(d))) if d is not None
+                else err or SandboxException("the fork failed") for d, err in api.fork_results(r.json())]
 
     # --- code interpreter -------------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import re
+from pathlib import Path
 from typing import Any
 
 from starlette.applications import Starlette
@@ -33,7 +34,8 @@ from agentcell.server.envd import READ_MAX_BYTES, filesystem_app, process_app
 from agentcell.server.errors import HTTPError, internal_error, json_error, sandbox_not_found
 from agentcell.server.hosts import HostPolicy, check_exposure
 from agentcell.server.http_protocol import DROP_EXTENSION
-from agentcell.server.registry import Admission, SandboxManager, SandboxRecord
+from agentcell.server.registry import Admission, Retention, SandboxManager, SandboxRecord
+from agentcell.server.snapshots import SnapshotStore
 from agentcell.server.streams import current_drop, current_sandbox
 
 log = logging.getLogger("agentcell.server")
@@ -105,9 +107,13 @@ class AgentcellApp:
                                                                     config.egress_allow_ranges),
                                               memory_reserve_bytes=config.memory_reserve_mb << 20
                                               if config.memory_reserve_mb is not None else None)
+        state_dir = Path(config.state_dir)
         self.manager = SandboxManager(self.backend, config.max_sandboxes,
-                                      Admission(config.memory_overcommit, config.pids_overcommit))
-        self.control = Starlette(routes=ControlPlane(config, self.manager).routes(), exception_handlers=_HANDLERS)
+                                      Admission(config.memory_overcommit, config.pids_overcommit),
+                                      Retention(config.paused_ttl, config.max_paused), state_dir)
+        self.snapshots = SnapshotStore(state_dir / "snapshots", config.snapshot_quota_mb << 20, config.max_snapshots)
+        self.control = Starlette(routes=ControlPlane(config, self.manager, self.snapshots).routes(),
+                                 exception_handlers=_HANDLERS)
         self.envd_http = Starlette(
             routes=[
                 Route("/health", files.health, methods=["GET"]),
@@ -129,6 +135,7 @@ class AgentcellApp:
             if message["type"] == "lifespan.startup":
                 try:
                     await self.backend.start()
+                    self.snapshots.load()
                     await self.manager.start()
                 except Exception as e:
                     log.exception("startup failed")
@@ -169,8 +176,8 @@ class AgentcellApp:
             await self.control(scope, receive, send)
             return
         sandbox_id, port = target
-        rec = self.manager.get(sandbox_id) if _SANDBOX_ID_RE.match(sandbox_id) else None
-        if rec is None:
+        rec = self.manager.find(sandbox_id) if _SANDBOX_ID_RE.match(sandbox_id) else None
+        if rec is None or (rec.paused and not rec.lifecycle.auto_resume):  # E2B: a paused sandbox is "not found"
             await sandbox_not_found(sandbox_id)(scope, receive, send)
             return
         if port not in (ENVD_PORT, INTERPRETER_PORT):
@@ -190,6 +197,9 @@ class AgentcellApp:
             return
         if port == INTERPRETER_PORT and (refusal := json_content_type_refusal(scope)):
             await json_error(415, refusal)(scope, receive, send)
+            return
+        if (rec := await self._awake(rec)) is None:
+            await sandbox_not_found(sandbox_id)(scope, receive, send)
             return
         token = current_sandbox.set(rec)
         drop_token = current_drop.set(scope.get("extensions", {}).get(DROP_EXTENSION))
@@ -224,11 +234,20 @@ class AgentcellApp:
         finally:
             current_sandbox.reset(token)
 
+    async def _awake(self, rec: SandboxRecord) -> SandboxRecord | None:
+        """A request that passed its checks resumes a paused sandbox whose lifecycle says so
+        (E2B's auto_resume); only then, so that no stranger can wake a sandbox."""
+        return await self.manager.resume_on_traffic(rec) if rec.paused else rec
+
     async def _user_port(self, rec: SandboxRecord, port: int, scope: Any, receive: Any, send: Any) -> None:
         """A port served out of the sandbox: public unless the sandbox was created with
         allowPublicTraffic false, then E2B's traffic token is needed (auth.py)."""
         if refusal := auth.user_port_refusal(scope, rec.access_token, rec.public_traffic):
             await json_error(401, refusal)(scope, receive, send)
+            return
+        sandbox_id = rec.sandbox_id
+        if (rec := await self._awake(rec)) is None:  # type: ignore[assignment]
+            await sandbox_not_found(sandbox_id)(scope, receive, send)
             return
         if not 0 < port < 65536:
             await ports.port_not_open(rec.sandbox_id, port)(scope, receive, send)

@@ -32,6 +32,13 @@ class ServerConfig:
     memory_overcommit: float = 32.0
     pids_overcommit: float = 4.0
     backend: str = "linux"
+    # --- lifecycle (docs/architecture.md, "Pause, resume, snapshots") ---
+    state_dir: str = "/var/lib/agentcell"  # snapshots and the files of paused sandboxes
+    paused_ttl: int = 86400  # seconds a paused sandbox is kept, then removed
+    max_paused: int = 100  # paused sandboxes kept at once
+    snapshot_quota_mb: int = 10240  # disk all snapshots together may take
+    max_snapshots: int = 1000
+    max_fork: int = 16  # most sandboxes one fork makes
     uid_base: int | None = None  # first host uid of this server's sandboxes; None = a free range
     # The `domain` reported to SDKs. None = the Host the request came to, so an SDK without
     # E2B_SANDBOX_URL never falls back to E2B's own cloud domain.

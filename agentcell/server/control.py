@@ -30,7 +30,14 @@ from agentcell.server.errors import HTTPError, internal_error
 from agentcell.server.hosts import local_domain
 from agentcell.server.idempotency import IdempotentCreates, parse_key
 from agentcell.server.metrics import MIN_GAP_S, metric_json
-from agentcell.server.registry import CapacityError, SandboxManager, SandboxRecord
+from agentcell.server.registry import (
+    AlreadyPausedError,
+    CapacityError,
+    Lifecycle,
+    SandboxManager,
+    SandboxRecord,
+)
+from agentcell.server.snapshots import Snapshot, SnapshotError, SnapshotStore, tree_size
 
 ENVD_VERSION = "0.6.13"
 BUILTIN_TEMPLATE = "code-interpreter-v1"
@@ -174,9 +181,31 @@ def network_policy(body: dict[str, Any], network: dict[str, Any], internet_defau
         raise HTTPError(400, f"invalid network rule: {e}") from None
 
 
+def _optional_bool(body: dict[str, Any], key: str) -> bool | None:
+    value = body.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise HTTPError(400, f"'{key}' must be a boolean")
+    return value
+
+
+def _lifecycle(body: dict[str, Any]) -> Lifecycle:
+    """E2B's create fields autoPause (on_timeout "pause"), autoPauseMemory (what that pause keeps)
+    and autoResume {"enabled"} (traffic resumes the paused sandbox)."""
+    auto_pause = _optional_bool(body, "autoPause")
+    memory = _optional_bool(body, "autoPauseMemory")
+    resume = body.get("autoResume")
+    if resume is not None and not (isinstance(resume, dict) and isinstance(resume.get("enabled", False), bool)):
+        raise HTTPError(400, "'autoResume' must be an object like {\"enabled\": true}")
+    auto_resume = bool(resume and resume.get("enabled"))
+    if auto_resume and not auto_pause:
+        raise HTTPError(400, "autoResume needs autoPause: only a sandbox paused at its timeout can be resumed by traffic")
+    if auto_resume and memory is False:
+        raise HTTPError(400, "autoResume cannot be combined with autoPauseMemory false: a sandbox paused without its "
+                             "memory is resumed explicitly (Sandbox.connect)")
+    return Lifecycle("pause" if auto_pause else "kill", auto_resume, memory is not False)
+
+
 def _reject_unsupported(body: dict[str, Any]) -> None:
-    if body.get("autoPause") is True:
-        raise HTTPError(400, "autoPause is not supported by agentcell yet: sandboxes are killed at their timeout")
     if body.get("volumeMounts"):
         raise HTTPError(400, "volume mounts are not supported by agentcell yet")
 
@@ -211,9 +240,9 @@ def _time_param(query: Any, name: str) -> datetime | None:
 UNSERVED = (
     ("/sandboxes/metrics", "metrics of many sandboxes at once"),
     ("/sandboxes/{sandbox_id}/logs", "sandbox logs"), ("/v2/sandboxes/{sandbox_id}/logs", "sandbox logs"),
-    ("/snapshots", "snapshots"), ("/default-templates", "template builds"), ("/templates", "template builds"),
+    ("/default-templates", "template builds"), ("/templates", "template builds"),
     ("/v2/templates", "template builds"), ("/v3/templates", "template builds"),
-    ("/templates/tags", "template tags"), ("/templates/{template_id}", "template builds"),
+    ("/templates/tags", "template tags"),
     ("/v2/templates/{template_id}", "template builds"), ("/templates/{template_id}/{rest:path}", "template builds"),
     ("/v2/templates/{template_id}/{rest:path}", "template builds"),
     ("/secrets", "stored secrets (pass them in the create body: secrets=)"),
@@ -226,9 +255,10 @@ UNSERVED = (
 
 
 class ControlPlane:
-    def __init__(self, cfg: ServerConfig, manager: SandboxManager) -> None:
+    def __init__(self, cfg: ServerConfig, manager: SandboxManager, snapshots: SnapshotStore) -> None:
         self.cfg = cfg
         self.manager = manager
+        self.snapshots = snapshots
         self._idempotent = IdempotentCreates()
 
     def _domain(self, request: Request) -> str | None:
@@ -257,11 +287,12 @@ class ControlPlane:
             "sandboxID": rec.sandbox_id,
             "clientID": rec.client_id,
             "startedAt": rfc3339(rec.started_at),
-            "endAt": rfc3339(rec.end_at),
+            # a paused sandbox's end: when the server stops keeping it
+            "endAt": rfc3339(self.manager.paused_until(rec) if rec.paused else rec.end_at),
             "cpuCount": max(1, math.ceil(rec.limits.cpu_count)),
             "memoryMB": rec.limits.memory_mb,
             "diskSizeMB": rec.limits.disk_limit_mb,
-            "state": "running",
+            "state": rec.state,
             "envdVersion": ENVD_VERSION,
             "metadata": rec.metadata,
             "volumeMounts": [],
@@ -275,7 +306,8 @@ class ControlPlane:
             "allowInternetAccess": rec.network.internet,
             "network": {**rec.network.info(), "allowPublicTraffic": rec.public_traffic, "rules": rec.rules_info},
             "secrets": rec.secret_hosts,  # agentcell extension: names and hosts only
-            "lifecycle": {"autoResume": False, "onTimeout": "kill"},
+            "lifecycle": {"autoResume": rec.lifecycle.auto_resume, "onTimeout": rec.lifecycle.on_timeout},
+            **({"pauseMode": rec.pause_mode} if rec.paused else {}),
             "limits": {
                 "memoryMB": rec.limits.memory_mb,
                 "pids": rec.limits.pids,
@@ -298,8 +330,19 @@ class ControlPlane:
         return policy
 
     def _record(self, request: Request) -> SandboxRecord:
+        """The running sandbox the path names (404 for a paused one too: resume it first)."""
         sandbox_id = request.path_params["sandbox_id"]
         rec = self.manager.get(sandbox_id)
+        if rec is None:
+            if self.manager.find(sandbox_id) is not None:
+                raise HTTPError(404, f"sandbox '{sandbox_id}' is paused: resume it first (Sandbox.connect)")
+            raise HTTPError(404, f"sandbox '{sandbox_id}' not found")
+        return rec
+
+    def _any_record(self, request: Request) -> SandboxRecord:
+        """The sandbox the path names, running or paused."""
+        sandbox_id = request.path_params["sandbox_id"]
+        rec = self.manager.find(sandbox_id)
         if rec is None:
             raise HTTPError(404, f"sandbox '{sandbox_id}' not found")
         return rec
@@ -318,8 +361,15 @@ class ControlPlane:
         template = body.get("templateID", "base")
         if not isinstance(template, str):
             raise HTTPError(400, "'templateID' must be a string")
+        snapshot = None
         if template not in TEMPLATES:
-            raise HTTPError(404, f"template '{template}' not found; available: base, code-interpreter-v1")
+            snapshot = self.snapshots.find(template)
+            if snapshot is None:
+                raise HTTPError(404, f"template '{template}' not found; available: base, code-interpreter-v1, "
+                                     "or the id or name of a snapshot (GET /snapshots)")
+            if snapshot.backend != self.manager.backend.name:
+                raise HTTPError(400, f"snapshot '{template}' was taken on the {snapshot.backend} backend; this server "
+                                     f"runs {self.manager.backend.name}")
         timeout = _timeout(self.cfg, body, self.cfg.default_timeout)
         try:
             metadata = validate.string_map(body.get("metadata"), "metadata", validate.MAX_METADATA_BYTES)
@@ -327,7 +377,10 @@ class ControlPlane:
         except InvalidArgumentError as e:
             raise HTTPError(400, e.message) from None
         limits = _limits(self.cfg, body)
+        if snapshot is not None and body.get("limits") is None and (kept := snapshot.source_limits()) is not None:
+            limits = kept  # the snapshot's own, as E2B's snapshot templates keep their resources
         _reject_unsupported(body)
+        lifecycle = _lifecycle(body)
         public_traffic = _public_traffic(body)
         network = _network_object(body)
         policy = self._policy(body, network)
@@ -344,7 +397,9 @@ class ControlPlane:
         try:
             rec = await self.manager.create(
                 template_id=template, alias=template, timeout=timeout, metadata=metadata, envs=envs, limits=limits,
-                network=policy, secrets=secrets,
+                network=policy, secrets=secrets, lifecycle=lifecycle,
+                files=self.snapshots.content(snapshot) if snapshot and snapshot.mode == "filesystem" else None,
+                image=self.snapshots.content(snapshot) if snapshot and snapshot.mode == "full" else None,
             )
         except CapacityError as e:
             raise HTTPError(429, str(e)) from None
@@ -364,9 +419,9 @@ class ControlPlane:
             else bool(asked)
         return self.sandbox_json(rec, request)
 
-    def _filtered(self, request: Request) -> list[SandboxRecord]:
+    def _filtered(self, request: Request, running: bool = True, paused: bool = False) -> list[SandboxRecord]:
         q = request.query_params
-        records = self.manager.list()
+        records = (self.manager.list() if running else []) + (self.manager.list_paused() if paused else [])
         meta_raw = q.get("metadata")
         if meta_raw:
             # The SDK encodes metadata as urlencode({quote(k): quote(v)}): decode twice.
@@ -401,7 +456,7 @@ class ControlPlane:
             raise HTTPError(400, "'limit' must be an integer") from None
         if not 1 <= limit <= 100:
             raise HTTPError(400, "'limit' must be between 1 and 100")
-        records = self._filtered(request) if "running" in states else []
+        records = self._filtered(request, running="running" in states, paused="paused" in states)
         records.sort(key=lambda r: (r.started_at, r.sandbox_id), reverse=order == "desc")
         token = q.get("nextToken")
         if token:
@@ -418,7 +473,7 @@ class ControlPlane:
         return JSONResponse([self.listed_json(r) for r in page], headers=headers)
 
     async def get(self, request: Request) -> Response:
-        return JSONResponse(self.detail_json(self._record(request), request))
+        return JSONResponse(self.detail_json(self._any_record(request), request))
 
     async def update_network(self, request: Request) -> Response:
         """E2B's PUT /sandboxes/{id}/network: the whole egress configuration is replaced (what the body
@@ -439,6 +494,8 @@ class ControlPlane:
             raise HTTPError(404 if isinstance(e, SandboxGoneError) else 500, e.message) from None
         rec.network = policy
         rec.rules_info = SecretSet(rules=rules).rules_info()
+        # what a cold resume starts it with
+        rec.spec = dataclasses.replace(rec.spec, network=policy, secrets=dataclasses.replace(rec.spec.secrets, rules=rules))
         return Response(status_code=204)
 
     async def events(self, request: Request) -> Response:
@@ -465,31 +522,160 @@ class ControlPlane:
         if "timeout" not in body:
             raise HTTPError(400, "'timeout' is required")
         timeout = _timeout(self.cfg, body, self.cfg.default_timeout)
-        self.manager.set_timeout(self._record(request), timeout)
+        self.manager.set_timeout(self._any_record(request), timeout)
         return Response(status_code=204)
 
     async def connect(self, request: Request) -> Response:
+        """E2B's connect: a running sandbox's endAt is extended (200); a paused one is resumed (201),
+        from its memory, or with "memory": false (on_resume="reboot") cold-started from its files."""
         body = await json_body(request, required=False)
         timeout = _timeout(self.cfg, body, self.cfg.default_timeout)
-        rec = self._record(request)
-        self.manager.extend_timeout(rec, timeout)
-        return JSONResponse(self.sandbox_json(rec, request), status_code=200)
+        memory = _optional_bool(body, "memory")
+        rec = self._any_record(request)
+        resumed = await self._resume(rec, timeout, memory)
+        return JSONResponse(self.sandbox_json(rec, request), status_code=201 if resumed else 200)
 
     async def resume(self, request: Request) -> Response:
-        await json_body(request, required=False)
-        sandbox_id = request.path_params["sandbox_id"]
-        if self.manager.get(sandbox_id) is not None:
-            raise HTTPError(409, f"sandbox '{sandbox_id}' is already running")
-        raise HTTPError(404, f"sandbox '{sandbox_id}' not found (agentcell cannot pause, so there is nothing to resume)")
+        """E2B's older resume (SDKs <= 2.5): 409 when the sandbox runs."""
+        body = await json_body(request, required=False)
+        timeout = _timeout(self.cfg, body, self.cfg.default_timeout)
+        auto_pause = _optional_bool(body, "autoPause")
+        memory = _optional_bool(body, "memory")
+        rec = self._any_record(request)
+        if not rec.paused:
+            raise HTTPError(409, f"sandbox '{rec.sandbox_id}' is already running")
+        await self._resume(rec, timeout, memory)
+        if auto_pause is not None:
+            rec.lifecycle = dataclasses.replace(rec.lifecycle, on_timeout="pause" if auto_pause else "kill")
+        return JSONResponse(self.sandbox_json(rec, request), status_code=201)
 
-    def _unsupported(self, what: str):  # type: ignore[no-untyped-def]
-        async def handler(request: Request) -> Response:
-            self._record(request)  # an unknown sandbox is still a 404
-            # Any status >= 300 with a message becomes SandboxException("501: <message>") in the SDK;
-            # 409 is avoided for pause because the SDK reads it as "already paused" and returns False.
-            raise HTTPError(501, f"{what} is not supported by agentcell yet")
+    async def _resume(self, rec: SandboxRecord, timeout: int, memory: bool | None) -> bool:
+        try:
+            return await self.manager.resume(rec, timeout, memory)
+        except CapacityError as e:
+            raise HTTPError(429, str(e)) from None
+        except SandboxGoneError:
+            raise HTTPError(404, f"sandbox '{rec.sandbox_id}' not found") from None
+        except (SandboxError, BackendUnavailableError, OSError) as e:
+            raise internal_error(f"resuming {rec.sandbox_id}", e, "the sandbox could not be resumed") from None
 
-        return handler
+    async def pause(self, request: Request) -> Response:
+        """E2B's pause: 204; 409 when already paused. "memory" (default true) keeps its memory
+        (frozen, resumed in ms); false keeps only its files and stops everything else."""
+        body = await json_body(request, required=False)
+        memory = _optional_bool(body, "memory")
+        _optional_bool(body, "requireHealthyGuest")  # the agent is asked nothing to pause: always healthy
+        rec = self._any_record(request)
+        try:
+            await self.manager.pause(rec, memory is not False)
+        except AlreadyPausedError as e:
+            raise HTTPError(409, str(e)) from None
+        except CapacityError as e:
+            raise HTTPError(429, str(e)) from None
+        except SandboxGoneError:
+            raise HTTPError(404, f"sandbox '{rec.sandbox_id}' not found") from None
+        except (SandboxError, OSError) as e:
+            if isinstance(e, SandboxError) and e.code == "resource_exhausted":
+                raise HTTPError(507, f"the sandbox's files could not be kept: {e.message}") from None
+            raise internal_error(f"pausing {rec.sandbox_id}", e, "the sandbox could not be paused") from None
+        return Response(status_code=204)
+
+    def _memory_snapshots(self, what: str) -> None:
+        backend = self.manager.backend
+        if not backend.memory_snapshots:
+            raise HTTPError(400, f"{what} needs a backend that can save a sandbox's memory: this server runs the "
+                                 f"{backend.name} backend; start it with --backend gvisor (or take a snapshot with "
+                                 "mode=\"filesystem\")")
+
+    async def create_snapshot(self, request: Request) -> Response:
+        """E2B's POST /sandboxes/{id}/snapshots: {"name"?, "memory"?} -> 201 {snapshotID, names}.
+        memory true ("full") needs the gvisor backend; unset, the server takes what its backend can."""
+        body = await json_body(request, required=False)
+        name = body.get("name")
+        if name is not None and not isinstance(name, str):
+            raise HTTPError(400, "'name' must be a string")
+        memory = _optional_bool(body, "memory")
+        if memory is True:
+            self._memory_snapshots('a snapshot with mode="full" (memory)')
+        rec = self._any_record(request)
+        full = memory is not False and self.manager.backend.memory_snapshots and rec.pause_mode != "filesystem"
+        try:
+            template_id, directory, room = self.snapshots.begin(name or None)
+        except SnapshotError as e:
+            raise HTTPError(e.status, e.message) from None
+        snap = Snapshot(template_id=template_id, name=name or None, mode="full" if full else "filesystem",
+                        backend=self.manager.backend.name, sandbox_id=rec.sandbox_id, source_template=rec.template_id,
+                        created_at=datetime.now(UTC).timestamp(), size_bytes=0,
+                        limits=dataclasses.asdict(rec.limits))
+        content = self.snapshots.content(snap)
+        try:
+            if full:
+                await self.manager.checkpoint(rec, content)
+            else:
+                await self.manager.snapshot_files(rec, content, room)
+            snap.size_bytes = tree_size(content)
+            if snap.size_bytes > room:
+                raise CapacityError("the snapshot is bigger than what is left of this server's snapshot quota")
+        except BaseException as e:
+            self.snapshots.abort(template_id, room)
+            if isinstance(e, CapacityError) or (isinstance(e, SandboxError) and e.code == "resource_exhausted"):
+                raise HTTPError(429, f"the snapshot does not fit in this server's snapshot quota: {e}") from None
+            if isinstance(e, SandboxGoneError):
+                raise HTTPError(404, f"sandbox '{rec.sandbox_id}' not found") from None
+            if isinstance(e, SandboxError | OSError | NotImplementedError):
+                raise internal_error(f"snapshotting {rec.sandbox_id}", e, "the snapshot could not be taken") from None
+            raise
+        self.snapshots.commit(snap, room)
+        return JSONResponse({"snapshotID": snap.snapshot_id, "names": snap.names}, status_code=201)
+
+    async def list_snapshots(self, request: Request) -> Response:
+        """E2B's GET /snapshots ?sandboxID&name&limit&nextToken, newest first; X-Next-Token pages."""
+        q = request.query_params
+        try:
+            limit = int(q.get("limit", "100"))
+        except ValueError:
+            raise HTTPError(400, "'limit' must be an integer") from None
+        if not 1 <= limit <= 100:
+            raise HTTPError(400, "'limit' must be between 1 and 100")
+        snaps = self.snapshots.list(q.get("sandboxID") or None, q.get("name") or None)
+        token = q.get("nextToken")
+        if token:
+            ids = [s.template_id for s in snaps]
+            if token not in ids:
+                raise HTTPError(400, "invalid 'nextToken' (the snapshot it points to is gone; list again)")
+            snaps = snaps[ids.index(token) + 1:]
+        page = snaps[:limit]
+        headers = {"X-Next-Token": page[-1].template_id} if len(snaps) > limit else {}
+        return JSONResponse([s.info() for s in page], headers=headers)
+
+    async def delete_template(self, request: Request) -> Response:
+        """E2B's DELETE /templates/{id}: deletes a snapshot (templates are not built here)."""
+        ref = unquote(request.path_params["template_id"])
+        if ref in TEMPLATES:
+            raise HTTPError(400, f"'{ref}' is a built-in template; it cannot be deleted")
+        if not self.snapshots.delete(ref):
+            raise HTTPError(404, f"snapshot '{ref}' not found")
+        return Response(status_code=204)
+
+    async def fork(self, request: Request) -> Response:
+        """E2B's POST /sandboxes/{id}/fork {"timeout"?, "count"?}: `count` new sandboxes restored from
+        one checkpoint of this one (memory, processes, files), each its own id, hostname and limits."""
+        body = await json_body(request, required=False)
+        timeout = _timeout(self.cfg, body, self.cfg.default_timeout)
+        count = body.get("count", 1)
+        if not _is_int(count) or not 1 <= count <= self.cfg.max_fork:
+            raise HTTPError(400, f"'count' must be an integer between 1 and {self.cfg.max_fork}")
+        rec = self._any_record(request)
+        self._memory_snapshots("fork")
+        results = await self.manager.fork(rec, count, timeout)
+        answers: list[dict[str, Any]] = []
+        for r in results:
+            if isinstance(r, SandboxRecord):
+                answers.append({"sandbox": self.sandbox_json(r, request)})
+            else:
+                status = 429 if isinstance(r, CapacityError) else 500
+                answers.append({"error": {"code": status, "message": f"the fork could not be started: {r}"}})
+        return JSONResponse(answers, status_code=201)
 
     async def template_alias(self, request: Request) -> Response:
         """E2B's GET /templates/aliases/{alias} (Template.exists): the templates this server has."""
@@ -508,13 +694,14 @@ class ControlPlane:
     async def metrics(self, request: Request) -> Response:
         """E2B's metrics of one sandbox: the samples within `start`..`end` (unix seconds; default
         its whole kept history), a fresh one included when the range reaches now."""
-        rec = self._record(request)
+        rec = self._any_record(request)  # a paused one's history is kept; it takes no new samples
         start = _unix_seconds(request, "start", 0)
         end = _unix_seconds(request, "end", None)
         if end is not None and end < start:
             raise HTTPError(400, "'end' must not be before 'start'")
         try:
-            await rec.sample(self.manager.backend, MIN_GAP_S)
+            if not rec.paused:
+                await rec.sample(self.manager.backend, MIN_GAP_S)
         except SandboxGoneError:
             raise HTTPError(404, f"sandbox {rec.sandbox_id} was not found") from None
         except Exception as e:
@@ -549,8 +736,11 @@ class ControlPlane:
             Route(sid + "/connect", self.connect, methods=["POST"]),
             Route("/v2" + sid + "/connect", self.connect, methods=["POST"]),
             Route(sid + "/resume", self.resume, methods=["POST"]),
-            Route(sid + "/pause", self._unsupported("pause"), methods=["POST"]),
-            Route(sid + "/fork", self._unsupported("fork"), methods=["POST"]),
-            Route(sid + "/snapshots", self._unsupported("snapshots"), methods=["POST"]),
+            Route(sid + "/pause", self.pause, methods=["POST"]),
+            Route(sid + "/fork", self.fork, methods=["POST"]),
+            Route(sid + "/snapshots", self.create_snapshot, methods=["POST"]),
+            Route("/snapshots", self.list_snapshots, methods=["GET"]),
+            Route("/templates/{template_id}", self.delete_template, methods=["DELETE"]),
+            Route("/templates/{template_id}", self._not_served("template builds"), methods=["GET", "POST", "PUT", "PATCH"]),
             Route(sid + "/metrics", self.metrics, methods=["GET"]),
         ]

@@ -1,8 +1,12 @@
-"""The sandbox registry: creates, finds, times out and kills sandboxes.
+"""The sandbox registry: creates, finds, pauses, resumes, times out and kills sandboxes.
 
-One record per live sandbox. A sandbox leaves the registry when it is killed, when its `endAt` passes
-(the reaper), or when its agent channel closes (the agent died); in every case the backend kills it.
-Killing one sandbox never touches another: each kill is its own task and errors are contained.
+One record per sandbox, running or paused. A running sandbox leaves the registry when it is killed,
+when its `endAt` passes (the reaper; or it is paused then, if its lifecycle says so), or when its agent
+channel closes (the agent died); in every case the backend kills it. A paused sandbox is either
+frozen ("full": its processes stopped where they were, memory resident) or only its files are kept
+("filesystem": a disk archive in the state dir, nothing running); it is kept `paused_ttl` seconds,
+then removed. Killing one sandbox never touches another: each kill is its own task and errors are
+contained.
 """
 
 from __future__ import annotations
@@ -11,15 +15,18 @@ import asyncio
 import contextlib
 import logging
 import secrets
+import shutil
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 from agentcell.backends.base import Backend, Limits, RunningSandbox, SandboxSpec
 from agentcell.backends.network_policy import NetworkPolicy
 from agentcell.backends.secrets import SecretSet
+from agentcell.errors import SandboxGoneError
 from agentcell.runtime.protocol import AgentChannel
 from agentcell.server.metrics import SAMPLE_INTERVAL_S, MetricsHistory, sample_due
 
@@ -27,6 +34,27 @@ log = logging.getLogger("agentcell.server")
 
 class CapacityError(Exception):
     """The server cannot take another sandbox now (count, committed limits, or use)."""
+
+
+class AlreadyPausedError(Exception):
+    """pause() of a sandbox that is paused (E2B answers 409)."""
+
+
+@dataclass(frozen=True)
+class Lifecycle:
+    """E2B's lifecycle: what a timeout does, and whether traffic resumes a paused sandbox."""
+
+    on_timeout: str = "kill"  # "kill" | "pause"
+    auto_resume: bool = False  # a data-plane request to the paused sandbox resumes it
+    pause_memory: bool = True  # an auto-pause keeps memory ("full") or only the files ("filesystem")
+
+
+@dataclass(frozen=True)
+class Retention:
+    """How many paused sandboxes the server keeps, and for how long (the operator's choice)."""
+
+    paused_ttl: float = 86400.0  # seconds a paused sandbox is kept, then removed
+    max_paused: int = 100  # more explicit pauses are refused (429); a timeout's pause kills instead
 
 
 @dataclass(frozen=True)
@@ -60,14 +88,34 @@ class SandboxRecord:
     internet_at_create: bool = False  # update_network's default for allow_internet_access
     secret_hosts: dict[str, dict[str, list[str]]] = field(default_factory=dict)  # names and hosts, no values
     rules_info: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # network.rules, values redacted
+    # what it was started with (envs, secrets, network and rules as last set): a cold resume starts it
+    # again from it. Held in memory only: secrets never reach the disk.
+    spec: SandboxSpec = field(default_factory=SandboxSpec)
+    lifecycle: Lifecycle = field(default_factory=Lifecycle)
+    timeout_s: int = 300  # its last timeout: what an auto-resume gives it
+    state: str = "running"  # "running" | "paused"
+    pause_mode: str | None = None  # "full" (frozen) | "filesystem" (its files in `files`, nothing running)
+    paused_at: datetime | None = None
+    files: Path | None = None  # the disk archive of a sandbox paused with mode "filesystem"
+    pausing: bool = False  # a timeout's pause is under way
 
     metrics: MetricsHistory = field(init=False)  # on the record: it goes when the sandbox goes
+    lock: asyncio.Lock = field(init=False)  # one pause, resume or snapshot at a time
 
     def __post_init__(self) -> None:
         self.metrics = MetricsHistory(self.started_at.timestamp())
+        self.lock = asyncio.Lock()
 
     def alive(self) -> bool:
         return not self.channel.closed.is_set()
+
+    @property
+    def paused(self) -> bool:
+        return self.state == "paused"
+
+    def holds_memory(self) -> bool:
+        """Running, or paused with its memory resident: its limits count against the server's budget."""
+        return self.pause_mode != "filesystem"
 
     async def sample(self, backend: Backend, gap: float) -> None:
         """Add a metrics sample if the last is at least `gap` seconds old (raises as backend.stats)."""
@@ -81,10 +129,14 @@ def _now() -> datetime:
 
 
 class SandboxManager:
-    def __init__(self, backend: Backend, max_sandboxes: int = 1000, admission: Admission | None = None) -> None:
+    def __init__(self, backend: Backend, max_sandboxes: int = 1000, admission: Admission | None = None,
+                 retention: Retention | None = None, state_dir: Path | None = None) -> None:
         self.backend = backend
         self.max_sandboxes = max_sandboxes
         self.admission = admission or Admission()
+        self.retention = retention or Retention()
+        self.state_dir = state_dir or Path("/var/lib/agentcell")
+        self.paused_dir = self.state_dir / "paused"  # the disk archives of sandboxes paused with mode "filesystem"
         self._sandboxes: dict[str, SandboxRecord] = {}
         self._pending: list[Limits] = []  # creations in flight count as if they ran
         self._tasks: set[asyncio.Task[None]] = set()
@@ -111,13 +163,30 @@ class SandboxManager:
     # queries ---------------------------------------------------------------------------------------
 
     def get(self, sandbox_id: str) -> SandboxRecord | None:
+        """The running sandbox of that id (None for a paused one)."""
         rec = self._sandboxes.get(sandbox_id)
-        if rec is None or not rec.alive() or rec.end_at <= _now():
+        if rec is None or rec.paused or not rec.alive() or rec.end_at <= _now():
             return None
         return rec
 
+    def find(self, sandbox_id: str) -> SandboxRecord | None:
+        """The sandbox of that id, running or paused."""
+        rec = self._sandboxes.get(sandbox_id)
+        if rec is not None and rec.paused:
+            return rec
+        return self.get(sandbox_id)
+
     def list(self) -> list[SandboxRecord]:
-        return [r for r in self._sandboxes.values() if r.alive() and r.end_at > _now()]
+        """The running sandboxes."""
+        return [r for r in self._sandboxes.values() if not r.paused and r.alive() and r.end_at > _now()]
+
+    def list_paused(self) -> list[SandboxRecord]:
+        return [r for r in self._sandboxes.values() if r.paused]
+
+    def paused_until(self, rec: SandboxRecord) -> datetime:
+        """When a paused sandbox is removed (the operator's retention)."""
+        assert rec.paused_at is not None
+        return rec.paused_at + timedelta(seconds=self.retention.paused_ttl)
 
     # mutations -------------------------------------------------------------------------------------
 
@@ -132,29 +201,20 @@ class SandboxManager:
         limits: Limits,
         network: NetworkPolicy | None = None,
         secrets: SecretSet | None = None,
+        lifecycle: Lifecycle | None = None,
+        files: Path | None = None,
+        image: Path | None = None,
     ) -> SandboxRecord:
-        if len(self._sandboxes) + len(self._pending) >= self.max_sandboxes:
-            raise CapacityError(f"the server already runs its maximum of {self.max_sandboxes} sandboxes")
-        await self._admit(limits)
-        self._pending.append(limits)
-        try:
-            # The backend picks the id: it is a standby's, prepared before this request.
-            spec = SandboxSpec(sandbox_id="", template="base", limits=limits, envs=dict(envs),
-                               network=network or NetworkPolicy(), secrets=secrets or SecretSet())
-            running = await self.backend.create(spec)
-            sandbox_id = running.sandbox_id
-            try:
-                running.sock.setblocking(False)
-                channel = await AgentChannel.open(running.sock)
-            except BaseException:
-                with contextlib.suppress(Exception):
-                    await self.backend.kill(running)
-                raise
-        finally:
-            self._pending.remove(limits)
+        """A new sandbox; with `files`, it starts with that disk archive's files; with `image`, it is
+        restored from that checkpoint (memory and files)."""
+        # The backend picks the id: it is a standby's, prepared before this request.
+        spec = SandboxSpec(sandbox_id="", template="base", limits=limits, envs=dict(envs),
+                           network=network or NetworkPolicy(), secrets=secrets or SecretSet(),
+                           files=str(files) if files else None)
+        running, channel = await self._start(spec, image)
         now = _now()
         rec = SandboxRecord(
-            sandbox_id=sandbox_id,
+            sandbox_id=running.sandbox_id,
             template_id=template_id,
             alias=alias,
             metadata=dict(metadata),
@@ -166,11 +226,41 @@ class SandboxManager:
             channel=channel,
             network=spec.network,
             secret_hosts=spec.secrets.public(),
+            spec=replace(spec, sandbox_id=running.sandbox_id, files=None),
+            lifecycle=lifecycle or Lifecycle(),
+            timeout_s=timeout,
         )
-        self._sandboxes[sandbox_id] = rec
-        self._spawn(self._watch_channel(rec))
+        self._sandboxes[rec.sandbox_id] = rec
+        self._spawn(self._watch_channel(rec, channel))
         self._wake.set()
         return rec
+
+    async def _start(self, spec: SandboxSpec, image: Path | None = None) -> tuple[RunningSandbox, AgentChannel]:
+        """Admission, then the backend's create (or restore), then the agent channel."""
+        if self._live_count() + len(self._pending) >= self.max_sandboxes:
+            raise CapacityError(f"the server already runs its maximum of {self.max_sandboxes} sandboxes")
+        limits = spec.limits
+        await self._admit(limits)
+        self._pending.append(limits)
+        try:
+            if image is not None:
+                running = await self.backend.restore(str(image), spec)
+            else:
+                running = await self.backend.create(spec)
+            try:
+                running.sock.setblocking(False)
+                channel = await AgentChannel.open(running.sock)
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    await self.backend.kill(running)
+                raise
+        finally:
+            self._pending.remove(limits)
+        return running, channel
+
+    def _live_count(self) -> int:
+        """Sandboxes that hold a slot of the backend: running, or paused with memory."""
+        return sum(1 for r in self._sandboxes.values() if r.holds_memory())
 
     async def _admit(self, limits: Limits) -> None:
         """Raise CapacityError if a sandbox with `limits` would promise or take too much."""
@@ -178,7 +268,7 @@ class SandboxManager:
         if cap is None:
             return
         adm = self.admission
-        held = [r.limits for r in self._sandboxes.values()] + self._pending
+        held = [r.limits for r in self._sandboxes.values() if r.holds_memory()] + self._pending
         memory = (sum(x.memory_mb for x in held) + limits.memory_mb) << 20
         pids = sum(x.pids for x in held) + limits.pids
         mib = 1 << 20
@@ -200,15 +290,153 @@ class SandboxManager:
                                 "share: no new sandbox until some are killed")
 
     async def kill(self, sandbox_id: str) -> bool:
-        """Kill a sandbox; False if there is no such live sandbox."""
+        """Kill a sandbox, running or paused; False if there is no such sandbox."""
         rec = self._sandboxes.pop(sandbox_id, None)
         if rec is None:
             return False
-        was_alive = rec.alive() and rec.end_at > _now()
+        was_alive = rec.paused or (rec.alive() and rec.end_at > _now())
         await self._destroy(rec, "the sandbox was killed")
         return was_alive
 
+    # pause and resume ---------------------------------------------------------------------------------
+
+    async def pause(self, rec: SandboxRecord, memory: bool, *, by_timeout: bool = False) -> None:
+        """Pause a running sandbox: frozen (memory resident, ms) or, without `memory`, its files kept
+        and everything else stopped. Raises AlreadyPausedError, CapacityError (too many paused)."""
+        async with rec.lock:
+            if rec.paused:
+                raise AlreadyPausedError(f"sandbox {rec.sandbox_id} is already paused")
+            if self._sandboxes.get(rec.sandbox_id) is not rec or not rec.alive():
+                raise SandboxGoneError(f"sandbox {rec.sandbox_id} is gone")
+            if len(self.list_paused()) >= self.retention.max_paused:
+                raise CapacityError(f"this server keeps at most {self.retention.max_paused} paused sandboxes: "
+                                    "kill or resume some first")
+            await self.backend.pause(rec.running)
+            if not memory:
+                try:
+                    rec.files = await self._export(rec)
+                except BaseException:
+                    with contextlib.suppress(Exception):
+                        await self.backend.resume(rec.running)
+                    raise
+            rec.state, rec.pause_mode, rec.paused_at = "paused", "full" if memory else "filesystem", _now()
+            if not memory:  # nothing of it runs any more: its files are all that is kept
+                await self._destroy_running(rec, "the sandbox was paused")
+            log.info("sandbox %s paused (%s)%s", rec.sandbox_id, rec.pause_mode, " at its timeout" if by_timeout else "")
+        self._wake.set()
+
+    async def resume(self, rec: SandboxRecord, timeout: int | None, memory: bool | None = None) -> bool:
+        """Resume a paused sandbox (False if it was running: then only its timeout is extended).
+        `memory` False (E2B's on_resume="reboot") cold-starts it from its files even when its memory
+        was kept. The timeout counts from now; None: its last one."""
+        async with rec.lock:
+            if not rec.paused:
+                self.extend_timeout(rec, timeout if timeout is not None else rec.timeout_s)
+                return False
+            if rec.pause_mode == "full" and memory is not False:
+                await self.backend.resume(rec.running)
+            else:
+                await self._cold_start(rec)
+            rec.state, rec.pause_mode, rec.paused_at = "running", None, None
+            rec.timeout_s = timeout if timeout is not None else rec.timeout_s
+            rec.end_at = _now() + timedelta(seconds=rec.timeout_s)
+        self._wake.set()
+        log.info("sandbox %s resumed", rec.sandbox_id)
+        return True
+
+    async def _cold_start(self, rec: SandboxRecord) -> None:
+        """Start a paused sandbox again from its files: the same id, token, limits, envs and network."""
+        if rec.pause_mode == "full":  # a reboot of a frozen sandbox: its files first, then it goes
+            rec.files = await self._export(rec)
+            await self._destroy_running(rec, "the sandbox was rebooted")
+            rec.pause_mode = "filesystem"
+        assert rec.files is not None
+        running, channel = await self._start(replace(rec.spec, sandbox_id=rec.sandbox_id, files=str(rec.files)))
+        rec.running, rec.channel = running, channel
+        self._spawn(self._watch_channel(rec, channel))
+        with contextlib.suppress(OSError):
+            rec.files.unlink()
+        rec.files = None
+
+    async def _export(self, rec: SandboxRecord) -> Path:
+        """The disk archive of a frozen sandbox, in the state dir."""
+        self.paused_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        path = self.paused_dir / f"{rec.sandbox_id}.tar"
+        try:
+            await self.backend.export_files(rec.running, str(path), (rec.limits.disk_limit_mb << 20) * 2 + (64 << 20))
+        except BaseException:
+            with contextlib.suppress(OSError):
+                path.unlink()
+            raise
+        return path
+
+    async def snapshot_files(self, rec: SandboxRecord, dest: Path, max_bytes: int) -> None:
+        """Its files as a disk archive at `dest`; a running sandbox is paused meanwhile (ms to
+        seconds, by its disk's size) so that the archive is consistent."""
+        async with rec.lock:
+            if rec.pause_mode == "filesystem":
+                assert rec.files is not None
+                if rec.files.stat().st_size > max_bytes:
+                    raise CapacityError("the snapshot would pass this server's snapshot quota")
+                shutil.copyfile(rec.files, dest)
+                return
+            if not rec.paused:
+                await self.backend.pause(rec.running)
+            try:
+                await self.backend.export_files(rec.running, str(dest), max_bytes)
+            finally:
+                if not rec.paused:
+                    await self.backend.resume(rec.running)
+
+    async def checkpoint(self, rec: SandboxRecord, image_dir: Path) -> int:
+        """Its memory, processes and files at `image_dir`; it runs on (a frozen one stays frozen)."""
+        async with rec.lock:
+            if rec.pause_mode == "filesystem":
+                raise SandboxGoneError(f"sandbox {rec.sandbox_id} was paused without its memory: resume it first")
+            if rec.paused:
+                await self.backend.resume(rec.running)
+            try:
+                return await self.backend.checkpoint(rec.running, str(image_dir), leave_running=True)
+            finally:
+                if rec.paused:
+                    await self.backend.pause(rec.running)
+
+    async def fork(self, rec: SandboxRecord, count: int, timeout: int) -> list[SandboxRecord | BaseException]:
+        """`count` new sandboxes restored from one checkpoint of `rec`, each with its own id, hostname
+        and cgroup (the backend's restore), its template, metadata, envs, limits, network and lifecycle."""
+        image = self.state_dir / "forks" / uuid.uuid4().hex
+        image.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        try:
+            await self.checkpoint(rec, image)
+            results = await asyncio.gather(*(
+                self.create(template_id=rec.template_id, alias=rec.alias, timeout=timeout, metadata=rec.metadata,
+                            envs=rec.spec.envs, limits=rec.limits, network=rec.network, secrets=rec.spec.secrets,
+                            lifecycle=rec.lifecycle, image=image)
+                for _ in range(count)), return_exceptions=True)
+        finally:
+            await asyncio.to_thread(shutil.rmtree, image, True)
+        for r in results:
+            if isinstance(r, BaseException) and not isinstance(r, Exception):
+                raise r  # a cancellation
+        return list(results)
+
+    async def resume_on_traffic(self, rec: SandboxRecord) -> SandboxRecord | None:
+        """E2B's auto_resume: a request to a paused sandbox resumes it (with its last timeout).
+        None if it cannot be (not set to, or the resume failed)."""
+        if not rec.paused:
+            return rec
+        if not rec.lifecycle.auto_resume:
+            return None
+        try:
+            await self.resume(rec, None)
+        except Exception as e:  # noqa: BLE001 - the request gets E2B's "not found"
+            log.warning("sandbox %s: resume on traffic failed: %s", rec.sandbox_id, e)
+            return None
+        return self.get(rec.sandbox_id)
+
     def set_timeout(self, rec: SandboxRecord, timeout: int) -> None:
+        """endAt = now + timeout; of a paused sandbox, the timeout it gets when it is resumed."""
+        rec.timeout_s = timeout
         rec.end_at = _now() + timedelta(seconds=timeout)
         self._wake.set()
 
@@ -227,6 +455,14 @@ class SandboxManager:
         task.add_done_callback(self._tasks.discard)
 
     async def _destroy(self, rec: SandboxRecord, reason: str) -> None:
+        """Everything of a sandbox that leaves the registry: its processes and its kept files."""
+        await self._destroy_running(rec, reason)
+        if rec.files is not None:
+            with contextlib.suppress(OSError):
+                rec.files.unlink()
+            rec.files = None
+
+    async def _destroy_running(self, rec: SandboxRecord, reason: str) -> None:
         try:
             await rec.channel.close(reason)
         except Exception:
@@ -236,12 +472,13 @@ class SandboxManager:
         except Exception:
             log.exception("killing sandbox %s failed", rec.sandbox_id)
 
-    async def _watch_channel(self, rec: SandboxRecord) -> None:
-        await rec.channel.closed.wait()
-        if self._sandboxes.get(rec.sandbox_id) is rec:
-            log.warning("sandbox %s: agent channel closed (%s); removing it", rec.sandbox_id, rec.channel.close_reason)
+    async def _watch_channel(self, rec: SandboxRecord, channel: AgentChannel) -> None:
+        await channel.closed.wait()
+        # a channel closed by a pause or reboot, or replaced by a resume, is not the sandbox dying
+        if self._sandboxes.get(rec.sandbox_id) is rec and rec.channel is channel and rec.pause_mode != "filesystem":
+            log.warning("sandbox %s: agent channel closed (%s); removing it", rec.sandbox_id, channel.close_reason)
             del self._sandboxes[rec.sandbox_id]
-            await self._destroy(rec, rec.channel.close_reason)
+            await self._destroy(rec, channel.close_reason)
 
     async def _sample_loop(self) -> None:
         """Every sandbox's metrics every SAMPLE_INTERVAL_S (a few cgroup file reads each), yielding
@@ -249,7 +486,7 @@ class SandboxManager:
         while True:
             await asyncio.sleep(SAMPLE_INTERVAL_S)
             for rec in list(self._sandboxes.values()):
-                if rec.alive():
+                if rec.alive() and not rec.paused:
                     try:
                         await rec.sample(self.backend, SAMPLE_INTERVAL_S / 2)
                     except Exception as e:  # a sandbox going away meanwhile
@@ -260,13 +497,17 @@ class SandboxManager:
         while True:
             try:
                 now = _now()
-                expired = [r for r in self._sandboxes.values() if r.end_at <= now]
-                for rec in expired:
-                    if self._sandboxes.get(rec.sandbox_id) is rec:
-                        del self._sandboxes[rec.sandbox_id]
-                        log.info("sandbox %s timed out", rec.sandbox_id)
-                        self._spawn(self._destroy(rec, "the sandbox timed out"))
-                upcoming = [r.end_at for r in self._sandboxes.values()]
+                for rec in list(self._sandboxes.values()):
+                    if rec.paused and self.paused_until(rec) <= now:
+                        self._remove(rec, "the paused sandbox reached the end of its retention")
+                    elif not rec.paused and not rec.pausing and rec.end_at <= now:
+                        if rec.lifecycle.on_timeout == "pause":
+                            rec.pausing = True
+                            self._spawn(self._pause_at_timeout(rec))
+                        else:
+                            self._remove(rec, "the sandbox timed out")
+                upcoming = [self.paused_until(r) if r.paused else r.end_at for r in self._sandboxes.values()
+                            if not r.pausing]
                 delay = min(((min(upcoming) - now).total_seconds(), 1.0)) if upcoming else 1.0
                 self._wake.clear()
                 with contextlib.suppress(TimeoutError):
@@ -276,3 +517,23 @@ class SandboxManager:
             except Exception:
                 log.exception("reaper iteration failed")
                 await asyncio.sleep(1)
+
+    def _remove(self, rec: SandboxRecord, reason: str) -> None:
+        if self._sandboxes.get(rec.sandbox_id) is rec:
+            del self._sandboxes[rec.sandbox_id]
+            log.info("sandbox %s: %s", rec.sandbox_id, reason)
+            self._spawn(self._destroy(rec, reason))
+
+    async def _pause_at_timeout(self, rec: SandboxRecord) -> None:
+        """E2B's on_timeout "pause"; a sandbox that cannot be paused (too many paused, a failure) is
+        killed, as a timeout would without it."""
+        try:
+            await self.pause(rec, rec.lifecycle.pause_memory, by_timeout=True)
+        except AlreadyPausedError:
+            pass
+        except Exception as e:  # noqa: BLE001
+            log.warning("sandbox %s: pausing at its timeout failed (%s): killing it", rec.sandbox_id, e)
+            self._remove(rec, "the sandbox timed out")
+        finally:
+            rec.pausing = False
+            self._wake.set()

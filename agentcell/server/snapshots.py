@@ -1,0 +1,173 @@
+"""Snapshots kept on disk: E2B's `create_snapshot`, `list_snapshots`, `delete_snapshot`, and the
+snapshot id a `Sandbox.create(snapshot_id)` starts from.
+
+Each snapshot is a directory under the server's state dir, `snapshots/<template id>/`, holding
+`meta.json` and its content: `files.tar` (a disk archive, backends/disk_archive.py: mode
+"filesystem") or `image/` (a backend's checkpoint: mode "full"). They survive a server restart.
+Together they are bounded by the operator's quota (bytes and count): a snapshot that would pass it
+is refused, and a half-written one is removed.
+
+Ids follow E2B's: a snapshot is a template; its id is `<name>:default` when it was given a name,
+else `<template id>:default`; `names` lists the named forms. A create may name it by any of them,
+with or without the tag.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from agentcell.backends.base import Limits, new_sandbox_id
+
+TAG = "default"
+NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
+_DIR_RE = re.compile(r"^[a-z0-9]{20}$")
+
+
+class SnapshotError(Exception):
+    """A snapshot cannot be made, found or used; `status` is the HTTP status to answer with."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+@dataclass
+class Snapshot:
+    template_id: str  # the directory's name: 20 lowercase letters and digits
+    name: str | None
+    mode: str  # "full" (memory and files) | "filesystem"
+    backend: str
+    sandbox_id: str  # the sandbox it was taken of
+    source_template: str  # that sandbox's template
+    created_at: float
+    size_bytes: int
+    limits: dict[str, Any] = field(default_factory=dict)  # the source's limits (a create's defaults)
+
+    @property
+    def snapshot_id(self) -> str:
+        return f"{self.name or self.template_id}:{TAG}"
+
+    @property
+    def names(self) -> list[str]:
+        return [f"{self.name}:{TAG}"] if self.name else []
+
+    def info(self) -> dict[str, Any]:
+        """E2B's SnapshotInfo, plus what agentcell adds (mode, source, size)."""
+        return {"snapshotID": self.snapshot_id, "names": self.names, "mode": self.mode,
+                "sandboxID": self.sandbox_id, "templateID": self.template_id, "sizeBytes": self.size_bytes,
+                "createdAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.created_at))}
+
+    def source_limits(self) -> Limits | None:
+        try:
+            return Limits(**self.limits) if self.limits else None
+        except TypeError:
+            return None
+
+
+class SnapshotStore:
+    def __init__(self, root: Path, quota_bytes: int, max_count: int) -> None:
+        self.root = root
+        self.quota_bytes = quota_bytes
+        self.max_count = max_count
+        self._snapshots: dict[str, Snapshot] = {}
+        self._reserved = 0  # bytes promised to snapshots being written
+
+    def load(self) -> None:
+        """Read the snapshots a previous run left; remove half-written ones (no meta.json)."""
+        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        for d in self.root.iterdir():
+            if not _DIR_RE.match(d.name):
+                continue
+            try:
+                snap = Snapshot(**json.loads((d / "meta.json").read_text()))
+            except (OSError, ValueError, TypeError):
+                shutil.rmtree(d, ignore_errors=True)
+                continue
+            self._snapshots[snap.template_id] = snap
+
+    # --- queries ---------------------------------------------------------------------------------
+
+    def find(self, ref: str) -> Snapshot | None:
+        """The snapshot `ref` names: its id or a name, with or without the tag."""
+        base = ref[: -len(TAG) - 1] if ref.endswith(":" + TAG) else ref
+        for snap in self._snapshots.values():
+            if base in (snap.template_id, snap.name):
+                return snap
+        return None
+
+    def list(self, sandbox_id: str | None = None, name: str | None = None) -> list[Snapshot]:
+        snaps = sorted(self._snapshots.values(), key=lambda s: (-s.created_at, s.template_id))
+        if sandbox_id:
+            snaps = [s for s in snaps if s.sandbox_id == sandbox_id]
+        if name:
+            base = name[: -len(TAG) - 1] if name.endswith(":" + TAG) else name
+            snaps = [s for s in snaps if s.name == base]
+        return snaps
+
+    def used_bytes(self) -> int:
+        return sum(s.size_bytes for s in self._snapshots.values()) + self._reserved
+
+    def content(self, snap: Snapshot) -> Path:
+        d = self.root / snap.template_id
+        return d / ("image" if snap.mode == "full" else "files.tar")
+
+    # --- mutations -------------------------------------------------------------------------------
+
+    def begin(self, name: str | None) -> tuple[str, Path, int]:
+        """A new snapshot's id, its directory (created) and the bytes it may take; raises
+        SnapshotError when the name is bad or taken, or the quota is spent."""
+        if name is not None:
+            if not NAME_RE.match(name):
+                raise SnapshotError(400, f"snapshot name {name!r} must be 1-63 lowercase letters, digits, '.', '_' "
+                                         "or '-', starting with a letter or digit")
+            if self.find(name) is not None:
+                raise SnapshotError(409, f"a snapshot named {name!r} exists already: delete it or choose another name")
+        if len(self._snapshots) >= self.max_count:
+            raise SnapshotError(429, f"this server keeps at most {self.max_count} snapshots: delete some first")
+        room = self.quota_bytes - self.used_bytes()
+        if room <= 0:
+            raise SnapshotError(429, f"the snapshots on this server use all of their {self.quota_bytes >> 20} MiB: "
+                                     "delete some first")
+        template_id = new_sandbox_id()
+        d = self.root / template_id
+        d.mkdir(parents=True, mode=0o700)
+        self._reserved += room
+        return template_id, d, room
+
+    def commit(self, snap: Snapshot, reserved: int) -> None:
+        self._reserved -= reserved
+        d = self.root / snap.template_id
+        tmp = d / "meta.json.tmp"
+        tmp.write_text(json.dumps(asdict(snap)))
+        os.replace(tmp, d / "meta.json")  # the snapshot exists once its meta.json does
+        self._snapshots[snap.template_id] = snap
+
+    def abort(self, template_id: str, reserved: int) -> None:
+        self._reserved -= reserved
+        shutil.rmtree(self.root / template_id, ignore_errors=True)
+
+    def delete(self, ref: str) -> bool:
+        snap = self.find(ref)
+        if snap is None:
+            return False
+        del self._snapshots[snap.template_id]
+        with contextlib.suppress(OSError):
+            (self.root / snap.template_id / "meta.json").unlink()
+        shutil.rmtree(self.root / snap.template_id, ignore_errors=True)
+        return True
+
+
+def tree_size(path: Path) -> int:
+    """Bytes a snapshot's content takes (a file, or a directory's files)."""
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
