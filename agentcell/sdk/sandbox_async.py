@@ -261,7 +261,7 @@ class AsyncSandbox(ConnectedSandbox):
     # --- pause, resume, snapshots, fork (e2b's API) --------------------------------------------------
 
     @staticmethod
-    def _cls_pause(sandbox_id: str, keep_memory: bool | None = None, mode: str | None = None,
+    async def _cls_pause(sandbox_id: str, keep_memory: bool | None = None, mode: str | None = None,
                    api_key: str | None = None, api_url: str | None = None,
                    request_timeout: float | None = None) -> bool:
         r = await api.acall(await aresolve(api_url, api_key, request_timeout), "POST", f"/sandboxes/{sandbox_id}/pause",
@@ -283,7 +283,7 @@ class AsyncSandbox(ConnectedSandbox):
     beta_pause = pause
 
     @staticmethod
-    def _cls_create_snapshot(sandbox_id: str, name: str | None = None, mode: str | None = None,
+    async def _cls_create_snapshot(sandbox_id: str, name: str | None = None, mode: str | None = None,
                              api_key: str | None = None, api_url: str | None = None,
                              request_timeout: float | None = None) -> SnapshotInfo:
         r = await api.acall(await aresolve(api_url, api_key, request_timeout), "POST", f"/sandboxes/{sandbox_id}/snapshots",
