@@ -78,6 +78,10 @@ def main() -> None:
 @click.option("--uid-base", default=None, type=click.IntRange(1000, (1 << 31) - 1),
               help="First host uid of this server's sandboxes (default: a free range, disjoint from other servers').")
 @click.option("--backend", default="linux", show_default=True, type=click.Choice(["linux"]), help="Isolation backend.")
+@click.option("--template-backend", "template_backends", multiple=True, metavar="TEMPLATE=BACKEND",
+              help="Run this template's sandboxes on another backend, e.g. code-interpreter-v1=gvisor (repeatable).")
+@click.option("--create-backends", "create_backends", multiple=True, metavar="BACKEND",
+              help="A backend a create may ask for by name (its body's \"backend\"; repeatable). Default: none.")
 @click.option("--max-memory-mb", type=click.IntRange(32), default=None,
               help="Most memory one sandbox may ask for (default 8192).")
 @click.option("--max-pids", type=click.IntRange(8), default=None, help="Most processes+threads per sandbox (default 1024).")
@@ -141,6 +145,11 @@ def serve(**opts: Any) -> None:
     defaults = Limits()
     limits = Limits(**{f.name: d if (d := getattr(defaults, f.name)) is None else min(d, getattr(max_limits, f.name))
                        for f in dataclasses.fields(Limits)})
+    pairs = [item.partition("=") for item in opts["template_backends"]]
+    if any(not t or not b for t, _, b in pairs):
+        raise click.BadParameter("use TEMPLATE=BACKEND, e.g. code-interpreter-v1=gvisor", param_hint="--template-backend")
+    opts["template_backends"] = tuple((t, b) for t, _, b in pairs)
+    opts["create_backends"] = tuple(opts["create_backends"])
     opts["tune_sysctls"] = opts.pop("host_sysctls")
     opts["egress_dns"] = tuple(opts["egress_dns"])
     opts["egress_allow_ranges"] = tuple(opts["egress_allow_ranges"])

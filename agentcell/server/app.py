@@ -26,7 +26,7 @@ from agentcell.server import auth, files, interpreter, ports
 from agentcell.server.asgi import declared_length, has_body, header, is_connect_rpc
 from agentcell.server.auth import ENVD_PORT, INTERPRETER_PORT
 from agentcell.server.bodies import BUDGET_KEY, BodyBudget, json_content_type_refusal
-from agentcell.server.config import ServerConfig
+from agentcell.server.config import ServerConfig, backend_names
 from agentcell.server.config import check as check_config
 from agentcell.server.control import ControlPlane
 from agentcell.server.edge import EdgeGuard
@@ -98,19 +98,14 @@ class AgentcellApp:
     def __init__(self, config: ServerConfig, backend: Backend | None = None) -> None:
         check_config(config)
         self.config = config
-        self.backend = backend or get_backend(config.backend, uid_base=config.uid_base,
-                                              max_sandboxes=config.max_sandboxes, tune_sysctls=config.tune_sysctls,
-                                              ptys_per_sandbox=config.ptys_per_sandbox,
-                                              standbys=config.standbys, standby_limits=config.limits,
-                                              egress=EgressSettings(config.egress_uplink, config.egress_dns,
-                                                                    config.egress_ca_bundle,
-                                                                    config.egress_allow_ranges),
-                                              memory_reserve_bytes=config.memory_reserve_mb << 20
-                                              if config.memory_reserve_mb is not None else None)
+        self.backend = backend or _build_backend(config.backend, config)
+        # the other backends templates or creates may use (--template-backend, --create-backends)
+        self.others = {name: _build_backend(name, config) for name in backend_names(config)[1:]
+                       if name != self.backend.name}
         state_dir = Path(config.state_dir)
         self.manager = SandboxManager(self.backend, config.max_sandboxes,
                                       Admission(config.memory_overcommit, config.pids_overcommit),
-                                      Retention(config.paused_ttl, config.max_paused), state_dir)
+                                      Retention(config.paused_ttl, config.max_paused), state_dir, self.others)
         self.snapshots = SnapshotStore(state_dir / "snapshots", config.snapshot_quota_mb << 20, config.max_snapshots)
         self.control = Starlette(routes=ControlPlane(config, self.manager, self.snapshots).routes(),
                                  exception_handlers=_HANDLERS)
@@ -134,7 +129,8 @@ class AgentcellApp:
             message = await receive()
             if message["type"] == "lifespan.startup":
                 try:
-                    await self.backend.start()
+                    for b in (self.backend, *self.others.values()):
+                        await b.start()
                     self.snapshots.load()
                     await self.manager.start()
                 except Exception as e:
@@ -145,7 +141,8 @@ class AgentcellApp:
             elif message["type"] == "lifespan.shutdown":
                 try:
                     await self.manager.close()
-                    await self.backend.close()
+                    for b in (self.backend, *self.others.values()):
+                        await b.close()
                 except Exception:
                     log.exception("shutdown failed")
                 await send({"type": "lifespan.shutdown.complete"})
@@ -282,6 +279,19 @@ class AgentcellApp:
         finally:
             if held:
                 await budget.release(held.pop())
+
+
+def _build_backend(name: str, config: ServerConfig) -> Backend:
+    if name != "linux":
+        return get_backend(name, max_sandboxes=config.max_sandboxes, standbys=config.standbys,
+                           standby_limits=config.limits, state_dir=config.state_dir)
+    return get_backend(name, uid_base=config.uid_base, max_sandboxes=config.max_sandboxes,
+                       tune_sysctls=config.tune_sysctls, ptys_per_sandbox=config.ptys_per_sandbox,
+                       standbys=config.standbys, standby_limits=config.limits,
+                       egress=EgressSettings(config.egress_uplink, config.egress_dns, config.egress_ca_bundle,
+                                             config.egress_allow_ranges),
+                       memory_reserve_bytes=config.memory_reserve_mb << 20
+                       if config.memory_reserve_mb is not None else None)
 
 
 def create_app(config: ServerConfig, backend: Backend | None = None) -> AgentcellApp:

@@ -31,7 +31,9 @@ class ServerConfig:
     # them may use at once (the parent cgroup's memory and pids limits).
     memory_overcommit: float = 32.0
     pids_overcommit: float = 4.0
-    backend: str = "linux"
+    backend: str = "linux"  # the default backend
+    template_backends: tuple[tuple[str, str], ...] = ()  # (template, backend): the template's sandboxes run there
+    create_backends: tuple[str, ...] = ()  # backends a create may ask for by name ("backend": agentcell extension)
     # --- lifecycle (docs/architecture.md, "Pause, resume, snapshots") ---
     state_dir: str = "/var/lib/agentcell"  # snapshots and the files of paused sandboxes
     paused_ttl: int = 86400  # seconds a paused sandbox is kept, then removed
@@ -74,6 +76,12 @@ class ServerConfig:
         if self.internet_default is None:
             return self.egress_uplink != "none"
         return self.internet_default
+
+
+def backend_names(config: ServerConfig) -> list[str]:
+    """Every backend the server runs: the default first."""
+    names = [config.backend, *(b for _, b in config.template_backends), *config.create_backends]
+    return list(dict.fromkeys(names))
 
 
 def check(config: ServerConfig) -> None:

@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from agentcell.backends.base import LIMIT_RANGES, Limits
+from agentcell.backends.base import LIMIT_RANGES, Backend, Limits
 from agentcell.backends.network_policy import ALL_TRAFFIC, NetworkPolicy, PolicyError
 from agentcell.backends.secrets import SecretError, SecretSet, parse_rules
 from agentcell.errors import BackendUnavailableError, InvalidArgumentError, SandboxError, SandboxGoneError
@@ -317,13 +317,15 @@ class ControlPlane:
             },
         }
 
-    def _policy(self, body: dict[str, Any], network: dict[str, Any], internet_default: bool | None = None) -> NetworkPolicy:
-        default = self.cfg.internet_by_default and self.manager.backend.has_egress
+    def _policy(self, body: dict[str, Any], network: dict[str, Any], backend: Backend,
+                internet_default: bool | None = None) -> NetworkPolicy:
+        default = self.cfg.internet_by_default and backend.has_egress
         policy = network_policy(body, network, default if internet_default is None else internet_default)
-        if policy.internet and not self.manager.backend.has_egress:
+        if policy.internet and not backend.has_egress:
             if policy.allow_out or policy.deny_out or network.get("rules"):
-                raise HTTPError(400, "this server gives sandboxes no internet (its operator started it with "
-                                     "--egress-uplink none), so it cannot carry out network rules; leave them out")
+                raise HTTPError(400, f"sandboxes of the {backend.name} backend get no internet on this server (its "
+                                     "operator started it with --egress-uplink none, or the backend has no network), "
+                                     "so it cannot carry out network rules; leave them out")
             # E2B's JS SDK asks for the internet in every create (allowInternetAccess defaults to true):
             # on a server without an uplink that is a sandbox without one, as get_info then says.
             return dataclasses.replace(policy, internet=False)
@@ -367,9 +369,7 @@ class ControlPlane:
             if snapshot is None:
                 raise HTTPError(404, f"template '{template}' not found; available: base, code-interpreter-v1, "
                                      "or the id or name of a snapshot (GET /snapshots)")
-            if snapshot.backend != self.manager.backend.name:
-                raise HTTPError(400, f"snapshot '{template}' was taken on the {snapshot.backend} backend; this server "
-                                     f"runs {self.manager.backend.name}")
+        backend = self._backend(body, template, snapshot)
         timeout = _timeout(self.cfg, body, self.cfg.default_timeout)
         try:
             metadata = validate.string_map(body.get("metadata"), "metadata", validate.MAX_METADATA_BYTES)
@@ -383,12 +383,12 @@ class ControlPlane:
         lifecycle = _lifecycle(body)
         public_traffic = _public_traffic(body)
         network = _network_object(body)
-        policy = self._policy(body, network)
+        policy = self._policy(body, network, backend)
         try:
             secrets = dataclasses.replace(SecretSet.parse(body.get("secrets")), rules=parse_rules(network.get("rules")))
         except SecretError as e:
             raise HTTPError(400, str(e)) from None
-        if secrets and not self.manager.backend.has_egress:
+        if secrets and not backend.has_egress:
             raise HTTPError(400, "secrets need the egress proxy, and this server gives sandboxes no internet "
                                  "(--egress-uplink none)")
         clash = sorted(set(secrets.envs()) & set(envs))
@@ -397,7 +397,7 @@ class ControlPlane:
         try:
             rec = await self.manager.create(
                 template_id=template, alias=template, timeout=timeout, metadata=metadata, envs=envs, limits=limits,
-                network=policy, secrets=secrets, lifecycle=lifecycle,
+                network=policy, secrets=secrets, lifecycle=lifecycle, backend=backend,
                 files=self.snapshots.content(snapshot) if snapshot and snapshot.mode == "filesystem" else None,
                 image=self.snapshots.content(snapshot) if snapshot and snapshot.mode == "full" else None,
             )
@@ -415,7 +415,7 @@ class ControlPlane:
         # what update_network falls back to: the create's allow_internet_access (explicit, or the
         # server's default), not its lists, which an update replaces (E2B: an empty update clears them)
         asked = _field(body, "allowInternetAccess", "allow_internet_access")
-        rec.internet_at_create = (self.cfg.internet_by_default and self.manager.backend.has_egress) if asked is None \
+        rec.internet_at_create = (self.cfg.internet_by_default and backend.has_egress) if asked is None \
             else bool(asked)
         return self.sandbox_json(rec, request)
 
@@ -481,13 +481,13 @@ class ControlPlane:
         so an update meant to narrow the lists never opens a sandbox created without internet."""
         body = await json_body(request)
         rec = self._record(request)
-        policy = self._policy(body, body, internet_default=rec.internet_at_create)
+        policy = self._policy(body, body, rec.backend, internet_default=rec.internet_at_create)
         try:
             rules = parse_rules(body.get("rules"))
         except SecretError as e:
             raise HTTPError(400, str(e)) from None
         try:
-            await self.manager.backend.set_network(rec.running, policy, rules)
+            await rec.backend.set_network(rec.running, policy, rules)
         except InvalidArgumentError as e:
             raise HTTPError(400, e.message) from None
         except SandboxError as e:
@@ -503,7 +503,7 @@ class ControlPlane:
         ?follow=true, then each new one as it happens, until the sandbox is gone."""
         rec = self._record(request)
         follow = request.query_params.get("follow", "false").lower() in ("1", "true", "yes")
-        events = self.manager.backend.network_events(rec.sandbox_id, follow)
+        events = rec.backend.network_events(rec.sandbox_id, follow)
 
         async def lines() -> AsyncIterator[bytes]:
             async for event in events:
@@ -580,11 +580,32 @@ class ControlPlane:
             raise internal_error(f"pausing {rec.sandbox_id}", e, "the sandbox could not be paused") from None
         return Response(status_code=204)
 
-    def _memory_snapshots(self, what: str) -> None:
-        backend = self.manager.backend
+    def _backend(self, body: dict[str, Any], template: str, snapshot: Snapshot | None) -> Backend:
+        """The backend a create runs on: its snapshot's; else the body's `backend` (an agentcell extension,
+        where the operator allows it: --create-backends); else the template's (--template-backend); else
+        the server's default (--backend)."""
+        backends = self.manager.backends
+        if snapshot is not None:
+            if snapshot.backend not in backends:
+                raise HTTPError(400, f"snapshot '{template}' was taken on the {snapshot.backend} backend, which this "
+                                     f"server does not run (it runs {', '.join(backends)})")
+            return backends[snapshot.backend]
+        asked = body.get("backend")
+        if asked is not None:
+            if not isinstance(asked, str):
+                raise HTTPError(400, "'backend' must be a string")
+            if asked not in self.cfg.create_backends:
+                allowed = ", ".join(self.cfg.create_backends) or "none"
+                raise HTTPError(400, f"this server's operator lets creates choose among these backends: {allowed} "
+                                     f"(--create-backends), not {asked!r}")
+            return backends[asked]
+        name = dict(self.cfg.template_backends).get(TEMPLATES.get(template, template))
+        return backends[name] if name else self.manager.backend
+
+    def _memory_snapshots(self, backend: Backend, what: str) -> None:
         if not backend.memory_snapshots:
-            raise HTTPError(400, f"{what} needs a backend that can save a sandbox's memory: this server runs the "
-                                 f"{backend.name} backend; start it with --backend gvisor (or take a snapshot with "
+            raise HTTPError(400, f"{what} needs a backend that can save a sandbox's memory: this sandbox runs on the "
+                                 f"{backend.name} backend; use the gvisor backend (or take a snapshot with "
                                  "mode=\"filesystem\")")
 
     async def create_snapshot(self, request: Request) -> Response:
@@ -595,16 +616,16 @@ class ControlPlane:
         if name is not None and not isinstance(name, str):
             raise HTTPError(400, "'name' must be a string")
         memory = _optional_bool(body, "memory")
-        if memory is True:
-            self._memory_snapshots('a snapshot with mode="full" (memory)')
         rec = self._any_record(request)
-        full = memory is not False and self.manager.backend.memory_snapshots and rec.pause_mode != "filesystem"
+        if memory is True:
+            self._memory_snapshots(rec.backend, 'a snapshot with mode="full" (memory)')
+        full = memory is not False and rec.backend.memory_snapshots and rec.pause_mode != "filesystem"
         try:
             template_id, directory, room = self.snapshots.begin(name or None)
         except SnapshotError as e:
             raise HTTPError(e.status, e.message) from None
         snap = Snapshot(template_id=template_id, name=name or None, mode="full" if full else "filesystem",
-                        backend=self.manager.backend.name, sandbox_id=rec.sandbox_id, source_template=rec.template_id,
+                        backend=rec.backend.name, sandbox_id=rec.sandbox_id, source_template=rec.template_id,
                         created_at=datetime.now(UTC).timestamp(), size_bytes=0,
                         limits=dataclasses.asdict(rec.limits))
         content = self.snapshots.content(snap)
@@ -666,7 +687,7 @@ class ControlPlane:
         if not _is_int(count) or not 1 <= count <= self.cfg.max_fork:
             raise HTTPError(400, f"'count' must be an integer between 1 and {self.cfg.max_fork}")
         rec = self._any_record(request)
-        self._memory_snapshots("fork")
+        self._memory_snapshots(rec.backend, "fork")
         results = await self.manager.fork(rec, count, timeout)
         answers: list[dict[str, Any]] = []
         for r in results:
@@ -701,7 +722,7 @@ class ControlPlane:
             raise HTTPError(400, "'end' must not be before 'start'")
         try:
             if not rec.paused:
-                await rec.sample(self.manager.backend, MIN_GAP_S)
+                await rec.sample(rec.backend, MIN_GAP_S)
         except SandboxGoneError:
             raise HTTPError(404, f"sandbox {rec.sandbox_id} was not found") from None
         except Exception as e:

@@ -81,6 +81,7 @@ class SandboxRecord:
     end_at: datetime
     running: RunningSandbox
     channel: AgentChannel
+    backend: Backend  # the one that runs it (a server may have several: per template, per create)
     client_id: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
     access_token: str = field(default_factory=lambda: secrets.token_urlsafe(24))
     public_traffic: bool = True  # its served-out ports need no traffic token (E2B's allowPublicTraffic)
@@ -130,15 +131,17 @@ def _now() -> datetime:
 
 class SandboxManager:
     def __init__(self, backend: Backend, max_sandboxes: int = 1000, admission: Admission | None = None,
-                 retention: Retention | None = None, state_dir: Path | None = None) -> None:
-        self.backend = backend
+                 retention: Retention | None = None, state_dir: Path | None = None,
+                 others: dict[str, Backend] | None = None) -> None:
+        self.backend = backend  # the default one
+        self.backends = {backend.name: backend, **(others or {})}
         self.max_sandboxes = max_sandboxes
         self.admission = admission or Admission()
         self.retention = retention or Retention()
         self.state_dir = state_dir or Path("/var/lib/agentcell")
         self.paused_dir = self.state_dir / "paused"  # the disk archives of sandboxes paused with mode "filesystem"
         self._sandboxes: dict[str, SandboxRecord] = {}
-        self._pending: list[Limits] = []  # creations in flight count as if they ran
+        self._pending: list[tuple[Backend, Limits]] = []  # creations in flight count as if they ran
         self._tasks: set[asyncio.Task[None]] = set()
         self._reaper: asyncio.Task[None] | None = None
         self._sampler: asyncio.Task[None] | None = None
@@ -204,6 +207,7 @@ class SandboxManager:
         lifecycle: Lifecycle | None = None,
         files: Path | None = None,
         image: Path | None = None,
+        backend: Backend | None = None,
     ) -> SandboxRecord:
         """A new sandbox; with `files`, it starts with that disk archive's files; with `image`, it is
         restored from that checkpoint (memory and files)."""
@@ -211,7 +215,8 @@ class SandboxManager:
         spec = SandboxSpec(sandbox_id="", template="base", limits=limits, envs=dict(envs),
                            network=network or NetworkPolicy(), secrets=secrets or SecretSet(),
                            files=str(files) if files else None)
-        running, channel = await self._start(spec, image)
+        backend = backend or self.backend
+        running, channel = await self._start(backend, spec, image)
         now = _now()
         rec = SandboxRecord(
             sandbox_id=running.sandbox_id,
@@ -224,6 +229,7 @@ class SandboxManager:
             end_at=now + timedelta(seconds=timeout),
             running=running,
             channel=channel,
+            backend=backend,
             network=spec.network,
             secret_hosts=spec.secrets.public(),
             spec=replace(spec, sandbox_id=running.sandbox_id, files=None),
@@ -235,40 +241,43 @@ class SandboxManager:
         self._wake.set()
         return rec
 
-    async def _start(self, spec: SandboxSpec, image: Path | None = None) -> tuple[RunningSandbox, AgentChannel]:
+    async def _start(self, backend: Backend, spec: SandboxSpec,
+                     image: Path | None = None) -> tuple[RunningSandbox, AgentChannel]:
         """Admission, then the backend's create (or restore), then the agent channel."""
         if self._live_count() + len(self._pending) >= self.max_sandboxes:
             raise CapacityError(f"the server already runs its maximum of {self.max_sandboxes} sandboxes")
         limits = spec.limits
-        await self._admit(limits)
-        self._pending.append(limits)
+        await self._admit(limits, backend)
+        pending = (backend, limits)
+        self._pending.append(pending)
         try:
             if image is not None:
-                running = await self.backend.restore(str(image), spec)
+                running = await backend.restore(str(image), spec)
             else:
-                running = await self.backend.create(spec)
+                running = await backend.create(spec)
             try:
                 running.sock.setblocking(False)
                 channel = await AgentChannel.open(running.sock)
             except BaseException:
                 with contextlib.suppress(Exception):
-                    await self.backend.kill(running)
+                    await backend.kill(running)
                 raise
         finally:
-            self._pending.remove(limits)
+            self._pending.remove(pending)
         return running, channel
 
     def _live_count(self) -> int:
         """Sandboxes that hold a slot of the backend: running, or paused with memory."""
         return sum(1 for r in self._sandboxes.values() if r.holds_memory())
 
-    async def _admit(self, limits: Limits) -> None:
-        """Raise CapacityError if a sandbox with `limits` would promise or take too much."""
-        cap = await self.backend.capacity()
+    async def _admit(self, limits: Limits, backend: Backend) -> None:
+        """Raise CapacityError if a sandbox with `limits` would promise or take too much of `backend`'s budget."""
+        cap = await backend.capacity()
         if cap is None:
             return
         adm = self.admission
-        held = [r.limits for r in self._sandboxes.values() if r.holds_memory()] + self._pending
+        held = [r.limits for r in self._sandboxes.values() if r.holds_memory() and r.backend is backend]
+        held += [lim for b, lim in self._pending if b is backend]
         memory = (sum(x.memory_mb for x in held) + limits.memory_mb) << 20
         pids = sum(x.pids for x in held) + limits.pids
         mib = 1 << 20
@@ -311,13 +320,13 @@ class SandboxManager:
             if len(self.list_paused()) >= self.retention.max_paused:
                 raise CapacityError(f"this server keeps at most {self.retention.max_paused} paused sandboxes: "
                                     "kill or resume some first")
-            await self.backend.pause(rec.running)
+            await rec.backend.pause(rec.running)
             if not memory:
                 try:
                     rec.files = await self._export(rec)
                 except BaseException:
                     with contextlib.suppress(Exception):
-                        await self.backend.resume(rec.running)
+                        await rec.backend.resume(rec.running)
                     raise
             rec.state, rec.pause_mode, rec.paused_at = "paused", "full" if memory else "filesystem", _now()
             if not memory:  # nothing of it runs any more: its files are all that is kept
@@ -334,7 +343,7 @@ class SandboxManager:
                 self.extend_timeout(rec, timeout if timeout is not None else rec.timeout_s)
                 return False
             if rec.pause_mode == "full" and memory is not False:
-                await self.backend.resume(rec.running)
+                await rec.backend.resume(rec.running)
             else:
                 await self._cold_start(rec)
             rec.state, rec.pause_mode, rec.paused_at = "running", None, None
@@ -351,7 +360,8 @@ class SandboxManager:
             await self._destroy_running(rec, "the sandbox was rebooted")
             rec.pause_mode = "filesystem"
         assert rec.files is not None
-        running, channel = await self._start(replace(rec.spec, sandbox_id=rec.sandbox_id, files=str(rec.files)))
+        running, channel = await self._start(rec.backend,
+                                             replace(rec.spec, sandbox_id=rec.sandbox_id, files=str(rec.files)))
         rec.running, rec.channel = running, channel
         self._spawn(self._watch_channel(rec, channel))
         with contextlib.suppress(OSError):
@@ -363,7 +373,7 @@ class SandboxManager:
         self.paused_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         path = self.paused_dir / f"{rec.sandbox_id}.tar"
         try:
-            await self.backend.export_files(rec.running, str(path), (rec.limits.disk_limit_mb << 20) * 2 + (64 << 20))
+            await rec.backend.export_files(rec.running, str(path), (rec.limits.disk_limit_mb << 20) * 2 + (64 << 20))
         except BaseException:
             with contextlib.suppress(OSError):
                 path.unlink()
@@ -381,12 +391,12 @@ class SandboxManager:
                 shutil.copyfile(rec.files, dest)
                 return
             if not rec.paused:
-                await self.backend.pause(rec.running)
+                await rec.backend.pause(rec.running)
             try:
-                await self.backend.export_files(rec.running, str(dest), max_bytes)
+                await rec.backend.export_files(rec.running, str(dest), max_bytes)
             finally:
                 if not rec.paused:
-                    await self.backend.resume(rec.running)
+                    await rec.backend.resume(rec.running)
 
     async def checkpoint(self, rec: SandboxRecord, image_dir: Path) -> int:
         """Its memory, processes and files at `image_dir`; it runs on (a frozen one stays frozen)."""
@@ -394,12 +404,12 @@ class SandboxManager:
             if rec.pause_mode == "filesystem":
                 raise SandboxGoneError(f"sandbox {rec.sandbox_id} was paused without its memory: resume it first")
             if rec.paused:
-                await self.backend.resume(rec.running)
+                await rec.backend.resume(rec.running)
             try:
-                return await self.backend.checkpoint(rec.running, str(image_dir), leave_running=True)
+                return await rec.backend.checkpoint(rec.running, str(image_dir), leave_running=True)
             finally:
                 if rec.paused:
-                    await self.backend.pause(rec.running)
+                    await rec.backend.pause(rec.running)
 
     async def fork(self, rec: SandboxRecord, count: int, timeout: int) -> list[SandboxRecord | BaseException]:
         """`count` new sandboxes restored from one checkpoint of `rec`, each with its own id, hostname
@@ -411,7 +421,7 @@ class SandboxManager:
             results = await asyncio.gather(*(
                 self.create(template_id=rec.template_id, alias=rec.alias, timeout=timeout, metadata=rec.metadata,
                             envs=rec.spec.envs, limits=rec.limits, network=rec.network, secrets=rec.spec.secrets,
-                            lifecycle=rec.lifecycle, image=image)
+                            lifecycle=rec.lifecycle, image=image, backend=rec.backend)
                 for _ in range(count)), return_exceptions=True)
         finally:
             await asyncio.to_thread(shutil.rmtree, image, True)
@@ -468,7 +478,7 @@ class SandboxManager:
         except Exception:
             log.exception("closing the channel of %s failed", rec.sandbox_id)
         try:
-            await self.backend.kill(rec.running)
+            await rec.backend.kill(rec.running)
         except Exception:
             log.exception("killing sandbox %s failed", rec.sandbox_id)
 
@@ -488,7 +498,7 @@ class SandboxManager:
             for rec in list(self._sandboxes.values()):
                 if rec.alive() and not rec.paused:
                     try:
-                        await rec.sample(self.backend, SAMPLE_INTERVAL_S / 2)
+                        await rec.sample(rec.backend, SAMPLE_INTERVAL_S / 2)
                     except Exception as e:  # a sandbox going away meanwhile
                         log.debug("sandbox %s: no metrics sample: %s", rec.sandbox_id, e)
                 await asyncio.sleep(0)
