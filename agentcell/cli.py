@@ -120,6 +120,9 @@ def main() -> None:
               help="Seconds a paused sandbox is kept; then it is removed.")
 @click.option("--max-paused", default=100, show_default=True, type=click.IntRange(0),
               help="Paused sandboxes kept at once; more pauses are refused (a timeout's pause kills instead).")
+@click.option("--hibernate-after", default=600, show_default=True, type=click.IntRange(0),
+              help="Seconds a sandbox stays paused with its memory resident before its memory is written to disk "
+                   "and freed (backends with memory snapshots; 0: never).")
 @click.option("--snapshot-quota-mb", default=10240, show_default=True, type=click.IntRange(1),
               help="Disk all snapshots together may take.")
 @click.option("--max-snapshots", default=1000, show_default=True, type=click.IntRange(0), help="Snapshots kept at once.")
@@ -150,6 +153,7 @@ def serve(**opts: Any) -> None:
         raise click.BadParameter("use TEMPLATE=BACKEND, e.g. code-interpreter-v1=gvisor", param_hint="--template-backend")
     opts["template_backends"] = tuple((t, b) for t, _, b in pairs)
     opts["create_backends"] = tuple(opts["create_backends"])
+    opts["hibernate_after"] = opts["hibernate_after"] or None
     opts["tune_sysctls"] = opts.pop("host_sysctls")
     opts["egress_dns"] = tuple(opts["egress_dns"])
     opts["egress_allow_ranges"] = tuple(opts["egress_allow_ranges"])

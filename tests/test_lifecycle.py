@@ -89,7 +89,7 @@ def test_kill_of_a_paused_sandbox(server_url: str, neighbour: Sandbox) -> None:
 
 
 def test_on_timeout_pause_then_explicit_resume(server_url: str) -> None:
-    sbx = Sandbox.create(api_url=server_url, timeout=2, lifecycle={"on_timeout": "pause"})
+    sbx = Sandbox.create(api_url=server_url, timeout=4, lifecycle={"on_timeout": "pause"})
     try:
         sbx.run_code("n = 7")
         info = sbx.get_info()

@@ -105,7 +105,7 @@ class AgentcellApp:
         state_dir = Path(config.state_dir)
         self.manager = SandboxManager(self.backend, config.max_sandboxes,
                                       Admission(config.memory_overcommit, config.pids_overcommit),
-                                      Retention(config.paused_ttl, config.max_paused), state_dir, self.others)
+                                      Retention(config.paused_ttl, config.max_paused, config.hibernate_after), state_dir, self.others)
         self.snapshots = SnapshotStore(state_dir / "snapshots", config.snapshot_quota_mb << 20, config.max_snapshots)
         self.control = Starlette(routes=ControlPlane(config, self.manager, self.snapshots).routes(),
                                  exception_handlers=_HANDLERS)

@@ -38,6 +38,7 @@ class ServerConfig:
     state_dir: str = "/var/lib/agentcell"  # snapshots and the files of paused sandboxes
     paused_ttl: int = 86400  # seconds a paused sandbox is kept, then removed
     max_paused: int = 100  # paused sandboxes kept at once
+    hibernate_after: int | None = 600  # seconds paused before a sandbox's memory goes to disk (gvisor); None: never
     snapshot_quota_mb: int = 10240  # disk all snapshots together may take
     max_snapshots: int = 1000
     max_fork: int = 16  # most sandboxes one fork makes

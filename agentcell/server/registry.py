@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+import os
 import secrets
 import shutil
 import time
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -55,6 +57,10 @@ class Retention:
 
     paused_ttl: float = 86400.0  # seconds a paused sandbox is kept, then removed
     max_paused: int = 100  # more explicit pauses are refused (429); a timeout's pause kills instead
+    # a sandbox paused with its memory this long is written to disk and its memory freed (backends
+    # with memory snapshots: hibernation); None: never
+    hibernate_after: float | None = 600.0
+    shutdown_budget: float = 10.0  # seconds a stopping server spends keeping paused sandboxes on disk
 
 
 @dataclass(frozen=True)
@@ -79,8 +85,8 @@ class SandboxRecord:
     limits: Limits
     started_at: datetime
     end_at: datetime
-    running: RunningSandbox
-    channel: AgentChannel
+    running: RunningSandbox | None  # None: a paused sandbox kept on disk that a previous server run left
+    channel: AgentChannel | None
     backend: Backend  # the one that runs it (a server may have several: per template, per create)
     client_id: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
     access_token: str = field(default_factory=lambda: secrets.token_urlsafe(24))
@@ -98,7 +104,8 @@ class SandboxRecord:
     pause_mode: str | None = None  # "full" (frozen) | "filesystem" (its files in `files`, nothing running)
     paused_at: datetime | None = None
     files: Path | None = None  # the disk archive of a sandbox paused with mode "filesystem"
-    pausing: bool = False  # a timeout's pause is under way
+    image: Path | None = None  # the checkpoint of a hibernated sandbox (paused "full", its memory on disk)
+    pausing: bool = False  # a timeout's pause or a hibernation is under way
 
     metrics: MetricsHistory = field(init=False)  # on the record: it goes when the sandbox goes
     lock: asyncio.Lock = field(init=False)  # one pause, resume or snapshot at a time
@@ -108,15 +115,20 @@ class SandboxRecord:
         self.lock = asyncio.Lock()
 
     def alive(self) -> bool:
-        return not self.channel.closed.is_set()
+        return self.channel is not None and not self.channel.closed.is_set()
 
     @property
     def paused(self) -> bool:
         return self.state == "paused"
 
+    @property
+    def on_disk(self) -> bool:
+        """Paused with nothing running: its files (mode "filesystem") or its checkpoint (hibernated)."""
+        return self.files is not None or self.image is not None
+
     def holds_memory(self) -> bool:
         """Running, or paused with its memory resident: its limits count against the server's budget."""
-        return self.pause_mode != "filesystem"
+        return not (self.paused and self.on_disk)
 
     async def sample(self, backend: Backend, gap: float) -> None:
         """Add a metrics sample if the last is at least `gap` seconds old (raises as backend.stats)."""
@@ -150,6 +162,7 @@ class SandboxManager:
     # lifecycle -----------------------------------------------------------------------------------
 
     async def start(self) -> None:
+        self._load_kept()
         self._reaper = asyncio.get_running_loop().create_task(self._reap_loop())
         self._sampler = asyncio.get_running_loop().create_task(self._sample_loop())
 
@@ -159,9 +172,124 @@ class SandboxManager:
                 task.cancel()
                 with contextlib.suppress(BaseException):
                     await task
+        await self._keep_paused_on_disk()
+        kept = [sid for sid, r in self._sandboxes.items() if r.paused and r.on_disk and self._persisted(r)]
+        for sid in kept:  # a later server run resumes them
+            self._sandboxes.pop(sid)
         await asyncio.gather(*(self.kill(sid) for sid in list(self._sandboxes)), return_exceptions=True)
         for t in list(self._tasks):
             t.cancel()
+
+    # paused sandboxes across server runs -------------------------------------------------------------
+
+    def _record_path(self, sandbox_id: str) -> Path:
+        return self.paused_dir / f"{sandbox_id}.json"
+
+    def _persisted(self, rec: SandboxRecord) -> bool:
+        return self._record_path(rec.sandbox_id).exists()
+
+    def _persist(self, rec: SandboxRecord) -> None:
+        """Write what a later server run needs to resume a sandbox kept on disk: never its secrets,
+        so a sandbox with secrets or header rules is not kept across runs."""
+        if rec.spec.secrets:
+            return
+        data = {
+            "sandbox_id": rec.sandbox_id, "template_id": rec.template_id, "alias": rec.alias,
+            "metadata": rec.metadata, "envs": rec.envs, "limits": asdict(rec.limits),
+            "started_at": rec.started_at.isoformat(), "timeout_s": rec.timeout_s, "client_id": rec.client_id,
+            "access_token": rec.access_token, "public_traffic": rec.public_traffic,
+            "network": [rec.network.internet, list(rec.network.allow_out), list(rec.network.deny_out)],
+            "internet_at_create": rec.internet_at_create, "lifecycle": asdict(rec.lifecycle),
+            "pause_mode": rec.pause_mode, "paused_at": rec.paused_at.isoformat() if rec.paused_at else None,
+            "files": str(rec.files) if rec.files else None, "image": str(rec.image) if rec.image else None,
+            "backend": rec.backend.name,
+        }
+        path = self._record_path(rec.sandbox_id)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data))
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, path)
+
+    def _unpersist(self, rec: SandboxRecord) -> None:
+        with contextlib.suppress(OSError):
+            self._record_path(rec.sandbox_id).unlink()
+
+    def _load_kept(self) -> None:
+        """The paused sandboxes a previous server run kept on disk, paused again here."""
+        if not self.paused_dir.is_dir():
+            return
+        for path in self.paused_dir.glob("*.json"):
+            try:
+                d = json.loads(path.read_text())
+                backend = self.backends[d["backend"]]
+                internet, allow, deny = d["network"]
+                spec = SandboxSpec(sandbox_id=d["sandbox_id"], limits=Limits(**d["limits"]), envs=d["envs"],
+                                   network=NetworkPolicy.parse(internet, allow, deny))
+                rec = SandboxRecord(
+                    sandbox_id=d["sandbox_id"], template_id=d["template_id"], alias=d["alias"], metadata=d["metadata"],
+                    envs=d["envs"], limits=spec.limits, started_at=datetime.fromisoformat(d["started_at"]),
+                    end_at=_now(), running=None, channel=None, backend=backend, client_id=d["client_id"],
+                    access_token=d["access_token"], public_traffic=d["public_traffic"], network=spec.network,
+                    internet_at_create=d["internet_at_create"], spec=spec, lifecycle=Lifecycle(**d["lifecycle"]),
+                    timeout_s=d["timeout_s"], state="paused", pause_mode=d["pause_mode"],
+                    paused_at=datetime.fromisoformat(d["paused_at"]),
+                    files=Path(d["files"]) if d["files"] else None, image=Path(d["image"]) if d["image"] else None)
+                if not rec.on_disk or not (rec.files or rec.image).exists():  # type: ignore[union-attr]
+                    raise ValueError("its files are gone")
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                log.warning("a kept paused sandbox (%s) cannot be resumed (%s): dropped", path.name, e)
+                with contextlib.suppress(OSError):
+                    path.unlink()
+                continue
+            self._sandboxes[rec.sandbox_id] = rec
+            log.info("sandbox %s: kept paused from a previous run", rec.sandbox_id)
+
+    async def _keep_paused_on_disk(self) -> None:
+        """A stopping server writes its frozen sandboxes to disk (a checkpoint where the backend can,
+        else their files) so that they can be resumed after it, within the shutdown budget."""
+        frozen = [r for r in self._sandboxes.values() if r.paused and not r.on_disk and not r.spec.secrets]
+        if not frozen:
+            return
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.retention.shutdown_budget):
+                for rec in frozen:
+                    try:
+                        await self._to_disk(rec)
+                    except Exception as e:  # noqa: BLE001 - that one is lost, the others go on
+                        log.warning("sandbox %s: could not be kept on disk at shutdown: %s", rec.sandbox_id, e)
+
+    async def _to_disk(self, rec: SandboxRecord) -> None:
+        """A frozen sandbox's memory (hibernation) or, without memory snapshots, its files to disk;
+        nothing of it runs afterwards."""
+        async with rec.lock:
+            if not rec.paused or rec.on_disk:
+                return
+            if rec.backend.memory_snapshots:
+                image = self.paused_dir / f"{rec.sandbox_id}.image"
+                self.paused_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+                await rec.backend.resume(rec.running)  # type: ignore[arg-type]
+                try:
+                    await rec.backend.checkpoint(rec.running, str(image), leave_running=False)  # type: ignore[arg-type]
+                except BaseException:
+                    shutil.rmtree(image, ignore_errors=True)
+                    with contextlib.suppress(Exception):
+                        await rec.backend.pause(rec.running)  # type: ignore[arg-type]
+                    raise
+                rec.image = image
+                log.info("sandbox %s hibernated: its memory is on disk", rec.sandbox_id)
+            else:
+                rec.files = await self._export(rec)
+                rec.pause_mode = "filesystem"
+            await self._destroy_running(rec, "the sandbox was written to disk")
+            self._persist(rec)
+
+    async def _hibernate(self, rec: SandboxRecord) -> None:
+        try:
+            await self._to_disk(rec)
+        except Exception as e:  # noqa: BLE001 - it stays paused in memory
+            log.warning("sandbox %s: hibernation failed, it stays paused in memory: %s", rec.sandbox_id, e)
+        finally:
+            rec.pausing = False
 
     # queries ---------------------------------------------------------------------------------------
 
@@ -331,6 +459,7 @@ class SandboxManager:
             rec.state, rec.pause_mode, rec.paused_at = "paused", "full" if memory else "filesystem", _now()
             if not memory:  # nothing of it runs any more: its files are all that is kept
                 await self._destroy_running(rec, "the sandbox was paused")
+                self._persist(rec)
             log.info("sandbox %s paused (%s)%s", rec.sandbox_id, rec.pause_mode, " at its timeout" if by_timeout else "")
         self._wake.set()
 
@@ -342,10 +471,13 @@ class SandboxManager:
             if not rec.paused:
                 self.extend_timeout(rec, timeout if timeout is not None else rec.timeout_s)
                 return False
-            if rec.pause_mode == "full" and memory is not False:
-                await rec.backend.resume(rec.running)
+            if rec.image is not None and memory is not False:
+                await self._restore_hibernated(rec)
+            elif rec.pause_mode == "full" and memory is not False:
+                await rec.backend.resume(rec.running)  # type: ignore[arg-type]
             else:
                 await self._cold_start(rec)
+            self._unpersist(rec)
             rec.state, rec.pause_mode, rec.paused_at = "running", None, None
             rec.timeout_s = timeout if timeout is not None else rec.timeout_s
             rec.end_at = _now() + timedelta(seconds=rec.timeout_s)
@@ -353,8 +485,19 @@ class SandboxManager:
         log.info("sandbox %s resumed", rec.sandbox_id)
         return True
 
+    async def _restore_hibernated(self, rec: SandboxRecord) -> None:
+        assert rec.image is not None
+        running, channel = await self._start(rec.backend, replace(rec.spec, sandbox_id=rec.sandbox_id), rec.image)
+        rec.running, rec.channel = running, channel
+        self._spawn(self._watch_channel(rec, channel))
+        await asyncio.to_thread(shutil.rmtree, rec.image, True)
+        rec.image = None
+
     async def _cold_start(self, rec: SandboxRecord) -> None:
         """Start a paused sandbox again from its files: the same id, token, limits, envs and network."""
+        if rec.pause_mode == "full" and rec.image is not None:  # a reboot of a hibernated sandbox
+            raise SandboxGoneError(f"sandbox {rec.sandbox_id} is hibernated: its files are inside its checkpoint; "
+                                   "resume it with its memory (on_resume=\"restore\")")
         if rec.pause_mode == "full":  # a reboot of a frozen sandbox: its files first, then it goes
             rec.files = await self._export(rec)
             await self._destroy_running(rec, "the sandbox was rebooted")
@@ -384,6 +527,8 @@ class SandboxManager:
         """Its files as a disk archive at `dest`; a running sandbox is paused meanwhile (ms to
         seconds, by its disk's size) so that the archive is consistent."""
         async with rec.lock:
+            if rec.image is not None:
+                raise SandboxGoneError(f"sandbox {rec.sandbox_id} is hibernated: resume it to snapshot its files")
             if rec.pause_mode == "filesystem":
                 assert rec.files is not None
                 if rec.files.stat().st_size > max_bytes:
@@ -401,8 +546,8 @@ class SandboxManager:
     async def checkpoint(self, rec: SandboxRecord, image_dir: Path) -> int:
         """Its memory, processes and files at `image_dir`; it runs on (a frozen one stays frozen)."""
         async with rec.lock:
-            if rec.pause_mode == "filesystem":
-                raise SandboxGoneError(f"sandbox {rec.sandbox_id} was paused without its memory: resume it first")
+            if rec.on_disk:
+                raise SandboxGoneError(f"sandbox {rec.sandbox_id} is kept on disk, not running: resume it first")
             if rec.paused:
                 await rec.backend.resume(rec.running)
             try:
@@ -471,21 +616,27 @@ class SandboxManager:
             with contextlib.suppress(OSError):
                 rec.files.unlink()
             rec.files = None
+        if rec.image is not None:
+            await asyncio.to_thread(shutil.rmtree, rec.image, True)
+            rec.image = None
+        self._unpersist(rec)
 
     async def _destroy_running(self, rec: SandboxRecord, reason: str) -> None:
-        try:
-            await rec.channel.close(reason)
-        except Exception:
-            log.exception("closing the channel of %s failed", rec.sandbox_id)
-        try:
-            await rec.backend.kill(rec.running)
-        except Exception:
-            log.exception("killing sandbox %s failed", rec.sandbox_id)
+        if rec.channel is not None:
+            try:
+                await rec.channel.close(reason)
+            except Exception:
+                log.exception("closing the channel of %s failed", rec.sandbox_id)
+        if rec.running is not None:
+            try:
+                await rec.backend.kill(rec.running)
+            except Exception:
+                log.exception("killing sandbox %s failed", rec.sandbox_id)
 
     async def _watch_channel(self, rec: SandboxRecord, channel: AgentChannel) -> None:
         await channel.closed.wait()
         # a channel closed by a pause or reboot, or replaced by a resume, is not the sandbox dying
-        if self._sandboxes.get(rec.sandbox_id) is rec and rec.channel is channel and rec.pause_mode != "filesystem":
+        if self._sandboxes.get(rec.sandbox_id) is rec and rec.channel is channel and not rec.on_disk:
             log.warning("sandbox %s: agent channel closed (%s); removing it", rec.sandbox_id, channel.close_reason)
             del self._sandboxes[rec.sandbox_id]
             await self._destroy(rec, channel.close_reason)
@@ -510,6 +661,9 @@ class SandboxManager:
                 for rec in list(self._sandboxes.values()):
                     if rec.paused and self.paused_until(rec) <= now:
                         self._remove(rec, "the paused sandbox reached the end of its retention")
+                    elif rec.paused and self._hibernation_due(rec, now):
+                        rec.pausing = True
+                        self._spawn(self._hibernate(rec))
                     elif not rec.paused and not rec.pausing and rec.end_at <= now:
                         if rec.lifecycle.on_timeout == "pause":
                             rec.pausing = True
@@ -527,6 +681,11 @@ class SandboxManager:
             except Exception:
                 log.exception("reaper iteration failed")
                 await asyncio.sleep(1)
+
+    def _hibernation_due(self, rec: SandboxRecord, now: datetime) -> bool:
+        after = self.retention.hibernate_after
+        return (after is not None and not rec.on_disk and not rec.pausing and rec.backend.memory_snapshots
+                and rec.paused_at is not None and rec.paused_at + timedelta(seconds=after) <= now)
 
     def _remove(self, rec: SandboxRecord, reason: str) -> None:
         if self._sandboxes.get(rec.sandbox_id) is rec:
