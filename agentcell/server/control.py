@@ -576,7 +576,7 @@ class ControlPlane:
             raise HTTPError(404, f"sandbox '{rec.sandbox_id}' not found") from None
         except (SandboxError, OSError) as e:
             if isinstance(e, SandboxError) and e.code == "resource_exhausted":
-                raise HTTPError(507, f"the sandbox's files could not be kept: {e.message}") from None
+                raise HTTPError(500, f"the sandbox's files could not be kept: {e.message}") from None
             raise internal_error(f"pausing {rec.sandbox_id}", e, "the sandbox could not be paused") from None
         return Response(status_code=204)
 
