@@ -291,15 +291,21 @@ def _opaque(fd: int) -> bool:
 
 
 def extract_archive(in_file: BinaryIO, disk_root_fd: int, host_uid: int, host_gid: int, root_uid: int,
-                    root_gid: int, *, overlays: Sequence[str]) -> int:
+                    root_gid: int, *, overlays: Sequence[str], protected: Sequence[str] = ()) -> int:
     """Recreate a disk archive's files in a fresh disk (host root, before the overlays are mounted);
     return the number of entries. The sandbox's 1000 becomes host_uid/gid, its 0 root_uid/gid.
 
+    `protected`: absolute paths inside the overlays that are mount points of the sandbox's root (the
+    runtime's binds): nothing may be put there or below, and the directories leading to one may only
+    be plain directories, so that mounting onto them by path goes where it always goes.
+
     Raises InvalidArgumentError for anything write_archive never makes (absolute names, "..", a name
     through a symlink, a hard link to a name that is not an earlier entry of the same place, a device
-    node other than a whiteout, a duplicate), ResourceExhaustedError when the disk is full."""
+    node other than a whiteout, a duplicate, a protected path), ResourceExhaustedError when the disk
+    is full."""
     old_umask = os.umask(0)  # modes are set exactly as archived
-    ex = _Extractor(disk_root_fd, (host_uid, host_gid), (root_uid, root_gid), places(overlays))
+    ex = _Extractor(disk_root_fd, (host_uid, host_gid), (root_uid, root_gid), places(overlays),
+                    [tuple(_components(p)) for p in protected])
     try:
         try:
             count = 0
@@ -325,8 +331,12 @@ def extract_archive(in_file: BinaryIO, disk_root_fd: int, host_uid: int, host_gi
 
 
 class _Extractor:
-    def __init__(self, root: int, user: tuple[int, int], sandbox_root: tuple[int, int], known: list[_Place]) -> None:
+    def __init__(self, root: int, user: tuple[int, int], sandbox_root: tuple[int, int], known: list[_Place],
+                 protected: list[tuple[str, ...]]) -> None:
         self.root = root
+        self.protected = protected
+        # nested overlays are mount points too, but their names go to their own place
+        self.overlay_paths = {tuple(p.name.split("/")[1:]) for p in known if p.overlay}
         self.dev = os.fstat(root).st_dev
         self.user = user
         self.sandbox_root = sandbox_root
@@ -438,6 +448,7 @@ class _Extractor:
         place, rel = self._resolve(name)
         if not rel:
             return  # the place's own directory: finish() decides its owner and mode
+        self._check_protected(place, rel, member)
         parent = self._dir(place, rel[:-1], name)
         leaf = rel[-1]
         uid, gid = self._ids(member)
@@ -471,6 +482,21 @@ class _Extractor:
         # the new symlink, fifo or whiteout itself (AT_SYMLINK_NOFOLLOW): never what a link names
         os.chown(leaf, uid, gid, dir_fd=parent, follow_symlinks=False)
         os.utime(leaf, ns=(int(member.mtime) * 10**9,) * 2, dir_fd=parent, follow_symlinks=False)
+
+    def _check_protected(self, place: _Place, rel: tuple[str, ...], member: tarfile.TarInfo) -> None:
+        if not place.overlay:
+            return
+        top = tuple(place.name.split("/")[1:])
+        path = top + rel  # the absolute path in the sandbox
+        for point in self.protected:
+            if point[:len(top)] != top or len(point) == len(top):
+                continue  # not inside this overlay
+            if path[:len(point)] == point and point not in self.overlay_paths:
+                raise InvalidArgumentError(f"disk archive entry {member.name!r}: /{'/'.join(point)} is the "
+                                           "sandbox runtime's own mount point")
+            if point[:len(path)] == path and not (member.isdir() and OPAQUE_PAX not in member.pax_headers):
+                raise InvalidArgumentError(f"disk archive entry {member.name!r} must be a plain directory: it "
+                                           f"leads to the mount point /{'/'.join(point)}")
 
     def _mkdir(self, parent: int, leaf: str, name: str, uid: int, gid: int, mode: int, opaque: bool) -> None:
         try:
