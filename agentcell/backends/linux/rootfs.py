@@ -118,9 +118,10 @@ def _write(path: str, text: str, mode: int = 0o644) -> None:
 _DIR_NOFOLLOW = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-def _open_nofollow(path: str, flags: int, mode: int = 0o644) -> int:
-    """Open absolute `path` from "/" one component at a time, none of them a symlink (ELOOP/ENOTDIR):
-    host root must not write where a link from a restored sandbox's files points."""
+def _parent_nofollow(path: str) -> tuple[int, str]:
+    """(an fd of the directory holding absolute `path`, its last name), opened from "/" one component
+    at a time, none of them a symlink (ELOOP/ENOTDIR): host root must not write where a link left by
+    a restored sandbox points."""
     parts = [p for p in path.split("/") if p]
     fd = os.open("/", _DIR_NOFOLLOW)
     try:
@@ -128,19 +129,32 @@ def _open_nofollow(path: str, flags: int, mode: int = 0o644) -> int:
             nxt = os.open(part, _DIR_NOFOLLOW, dir_fd=fd)
             os.close(fd)
             fd = nxt
-        return os.open(parts[-1], flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=fd)
-    finally:
+    except BaseException:
         os.close(fd)
+        raise
+    return fd, parts[-1]
 
 
 def _write_nofollow(path: str, text: str, mode: int | None = None, create: bool = True) -> None:
-    """_write() without following a symlink, into a regular file only (O_NONBLOCK: a fifo planted there
-    fails with ENXIO instead of hanging); `mode`: set on the file whatever it had."""
-    flags = os.O_WRONLY | os.O_TRUNC | os.O_NONBLOCK | os.O_NOCTTY | (os.O_CREAT if create else 0)
-    fd = _open_nofollow(path, flags)
+    """_write() without following a symlink, into a regular file: a link, fifo or device a restored
+    sandbox left at `path` is replaced by one (O_NONBLOCK: a fifo fails with ENXIO, never hangs).
+    `mode`: set on the file whatever it had; without `create`, a missing file stays missing."""
+    flags = os.O_WRONLY | os.O_TRUNC | os.O_NONBLOCK | os.O_NOCTTY | os.O_NOFOLLOW | os.O_CLOEXEC
+    parent, name = _parent_nofollow(path)
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, f"{path} is not a regular file")
+        try:
+            fd = os.open(name, flags | (os.O_CREAT if create else 0), 0o644, dir_fd=parent)
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                os.close(fd)
+                raise OSError(errno.ENXIO, "not a regular file")
+        except OSError as e:
+            if e.errno not in (errno.ELOOP, errno.ENXIO, errno.EACCES):
+                raise
+            os.unlink(name, dir_fd=parent)  # the entry itself (unlinkat never follows)
+            fd = os.open(name, flags | os.O_CREAT | os.O_EXCL, 0o644, dir_fd=parent)
+    finally:
+        os.close(parent)
+    try:
         os.write(fd, text.encode())
         if mode is not None:
             os.fchmod(fd, mode)
