@@ -309,7 +309,7 @@ def extract_archive(in_file: BinaryIO, disk_root_fd: int, host_uid: int, host_gi
     try:
         try:
             count = 0
-            with tarfile.open(fileobj=in_file, mode="r|") as tf:  # type: ignore[call-overload]
+            with tarfile.open(fileobj=in_file, mode="r:" if in_file.seekable() else "r|") as tf:  # type: ignore[call-overload]
                 for member in tf:
                     ex.add(member, tf)
                     count += 1
@@ -557,7 +557,7 @@ def summary(in_file: BinaryIO) -> dict[str, Any]:
     """Counts of an archive's entries by kind and the bytes of its files (for tests and tools)."""
     kinds: dict[str, int] = {}
     size = 0
-    with tarfile.open(fileobj=in_file, mode="r|") as tf:  # type: ignore[call-overload]
+    with tarfile.open(fileobj=in_file, mode="r:" if in_file.seekable() else "r|") as tf:  # type: ignore[call-overload]
         for m in tf:
             kind = ("dir" if m.isdir() else "file" if m.isreg() else "symlink" if m.issym() else
                     "hardlink" if m.islnk() else "fifo" if m.isfifo() else "whiteout" if m.ischr() else "other")
