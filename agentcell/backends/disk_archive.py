@@ -44,8 +44,9 @@ _CHUNK = 1 << 20
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # O_NONBLOCK: a name that turned into a fifo since its lstat must not hang the walk
 _READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
-# what a name that changed since it was listed gives (the sandbox may run during an export)
-_CHANGED = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.ENXIO, errno.EINVAL)
+# what a name that changed since it was listed gives (the sandbox may run during an export): gone, a
+# symlink now (ELOOP), a whiteout or socket (ENXIO, ENODEV, EACCES on the nodev disk)
+_CHANGED = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.ENXIO, errno.ENODEV, errno.EACCES, errno.EINVAL)
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_NOCTTY | os.O_CLOEXEC
 
 

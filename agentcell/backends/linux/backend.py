@@ -57,7 +57,8 @@ PREPARE_PARALLEL = 4  # standbys prepared at once: enough to overlap each one's 
 TIMING = os.environ.get("AGENTCELL_TIMING") == "1"  # debug: per-step create() stamps on stderr
 _ID_RE = re.compile(r"^[a-z0-9]{1,63}$")
 # a sandbox made from a disk archive extracts it before its agent starts: this much more time to be ready
-EXTRACT_BYTES_PER_S = 20e6
+# (generous: ~5,000 entries/s on a slow core, an entry 512 bytes at the least)
+EXTRACT_BYTES_PER_S = 2e6
 NO_EGRESS = ("this server gives sandboxes no internet (its operator started it with --egress-uplink none); "
              "create the sandbox with allow_internet_access=False")
 

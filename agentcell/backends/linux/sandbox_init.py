@@ -11,7 +11,10 @@ Then it reads the *preparation* from the server on its socket: the sandbox id th
 host id of its slot, the limits, the entry point. None of it is a tenant's: the server prepares
 standbys (backend.StandbyPool) before any request names them. With it the child sets the cgroup limits,
 makes the sandbox's user namespace with its two host ids mapped (root 0, user 1000), mounts the
-private parts of the root and its copy-on-write overlays (rootfs.finish), enters that namespace,
+private parts of the root and its copy-on-write overlays (rootfs.finish; a sandbox created from a
+filesystem snapshot gets the archive's fd right after its request frame and extracts it there), sends
+the server an O_PATH fd of its disk's root (a "disk" frame, for LinuxBackend.export_files) and closes
+its own, enters that namespace,
 unshares mount+net+ipc+uts+cgroup namespaces (owned by it, so the kernel locks the mounts), becomes
 uid 1000 with the root capability set permitted only (for commands run as the sandbox's root,
 runtime/rootcaps.py), and confines itself (Landlock, no_new_privs, seccomp) before it runs the entry
