@@ -384,6 +384,37 @@ async def test_an_archive_that_does_not_exist_is_an_invalid_argument(backend: Li
         await Box.create(backend, files=str(workdir))
 
 
+def descendants(pid: int) -> list[int]:
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        found.append(p)
+        for task in os.listdir(f"/proc/{p}/task"):
+            with open(f"/proc/{p}/task/{task}/children") as f:
+                todo += [int(c) for c in f.read().split()]
+    return found
+
+
+async def test_no_process_of_the_sandbox_holds_its_disk_root(backend: LinuxBackend) -> None:
+    """The disk's root fd goes to the server only: inside, it would reach the overlays' upper layers
+    (and their whiteouts and xattrs) beside the mounts."""
+    a = await Box.create(backend)
+    try:
+        await a.sh("sleep 30 >/dev/null 2>&1 &")
+        disk = os.fstat(a.sandbox.disk_fd)
+        pids = descendants(a.sandbox.host_pid)
+        assert len(pids) >= 2
+        for pid in pids:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                try:
+                    st = os.stat(f"/proc/{pid}/fd/{fd}")
+                except OSError:
+                    continue
+                assert (st.st_dev, st.st_ino) != (disk.st_dev, disk.st_ino), (pid, fd)
+    finally:
+        await a.close()
+
+
 async def test_export_stops_at_max_bytes(backend: LinuxBackend, workdir: Path) -> None:
     a = await Box.create(backend)
     try:
