@@ -28,6 +28,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import struct
 import tarfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -161,22 +162,62 @@ def write_archive(disk_root_fd: int, out_file: BinaryIO, max_bytes: int, owners:
     paths, `overlays[n]`'s upper layer at .root/<n>/up. Best paused: a running sandbox's changes during
     the walk may or may not be in the archive (never anything outside the disk)."""
     dev = os.fstat(disk_root_fd).st_dev
-    out = _Limited(out_file, max_bytes)
-    # "w" writes headers and data straight through `out` (no compression: a tmpfs's files are in memory
-    # anyway, and the server may compress at rest)
-    with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tf:  # type: ignore[call-overload]
-        for place in places(overlays):
-            fd = _open_path(disk_root_fd, place.disk, dev)
-            if fd is None:
-                continue  # e.g. an overlay path this host does not have
-            try:
-                _write_place(tf, out, place, fd, dev, owners)
-            finally:
-                os.close(fd)
+    out = _Limited(out_file, max_bytes)  # uncompressed: the server may compress at rest
+    for place in places(overlays):
+        fd = _open_path(disk_root_fd, place.disk, dev)
+        if fd is None:
+            continue  # e.g. an overlay path this host does not have
+        try:
+            _write_place(out, place, fd, dev, owners)
+        finally:
+            os.close(fd)
+    out.write(bytes(2 * tarfile.BLOCKSIZE))  # the end of the archive
     return out.written
 
 
-def _write_place(tf: tarfile.TarFile, out: _Limited, place: _Place, top: int, dev: int, owners: Owners) -> None:
+# A ustar header, for the entries that need no pax header (tarfile's own encoder costs ~100 us each)
+_USTAR = struct.Struct("100s8s8s8s12s12s8s1s100s8s32s32s8s8s155s12x")
+
+
+def _octal(n: int, size: int) -> bytes:
+    return b"%0*o\0" % (size - 1, n)
+
+
+def _ustar(info: tarfile.TarInfo) -> bytes | None:
+    """The header tarfile would write for `info`, or None for one that needs pax records (non-ASCII or
+    long names, big numbers, our own keys)."""
+    name = info.name + "/" if info.type == tarfile.DIRTYPE else info.name
+    if info.pax_headers or not (name.isascii() and info.linkname.isascii()) or len(info.linkname) > 100:
+        return None
+    if max(info.uid, info.gid) >= 8**7 or info.size >= 8**11 or not 0 <= info.mtime < 8**11:
+        return None
+    prefix = ""
+    if len(name) > 100:  # ustar's prefix field: split at a slash
+        cut = name.find("/", max(0, len(name) - 101))
+        if cut <= 0 or cut > 155 or len(name) - cut - 1 > 100 or cut == len(name) - 1:
+            return None
+        prefix, name = name[:cut], name[cut + 1:]
+    dev = _octal(0, 8) if info.type in (tarfile.CHRTYPE, tarfile.BLKTYPE) else b""
+    buf = _USTAR.pack(name.encode(), _octal(info.mode & 0o7777, 8), _octal(info.uid, 8), _octal(info.gid, 8),
+                      _octal(info.size, 12), _octal(int(info.mtime), 12), b" " * 8, info.type,
+                      info.linkname.encode(), tarfile.POSIX_MAGIC, b"", b"", dev, dev, prefix.encode())
+    return buf[:148] + b"%06o\0" % sum(buf) + buf[155:]
+
+
+def _emit(out: _Limited, info: tarfile.TarInfo, data: _Exactly | None = None) -> None:
+    """One entry: its header(s), then its data padded to a block."""
+    header = _ustar(info)
+    out.write(header if header is not None else info.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape"))
+    if data is not None:
+        left = info.size
+        while left:
+            chunk = data.read(min(_CHUNK, left))
+            out.write(chunk)
+            left -= len(chunk)
+        out.write(bytes(-info.size % tarfile.BLOCKSIZE))
+
+
+def _write_place(out: _Limited, place: _Place, top: int, dev: int, owners: Owners) -> None:
     links: dict[tuple[int, int], str] = {}  # (dev, ino) -> first name: hard links within this place
     # depth-first, one open directory fd per level: (fd, its names left, its path below the place)
     stack: list[tuple[int, Iterator[str], tuple[str, ...]]] = [(top, iter(sorted(os.listdir(top))), ())]
@@ -192,7 +233,7 @@ def _write_place(tf: tarfile.TarFile, out: _Limited, place: _Place, top: int, de
             path = (*rel, name)
             if path in place.skip:
                 continue
-            sub = _write_entry(tf, out, place, fd, name, path, dev, owners, links)
+            sub = _write_entry(out, place, fd, name, path, dev, owners, links)
             if sub is not None:
                 if len(stack) >= MAX_DEPTH:
                     os.close(sub)
@@ -216,7 +257,7 @@ def _info(place: _Place, path: tuple[str, ...], st: os.stat_result, owners: Owne
     return info
 
 
-def _write_entry(tf: tarfile.TarFile, out: _Limited, place: _Place, parent: int, name: str,
+def _write_entry(out: _Limited, place: _Place, parent: int, name: str,
                  path: tuple[str, ...], dev: int, owners: Owners, links: dict[tuple[int, int], str]) -> int | None:
     """Archive one entry of `parent`; a directory's open fd is returned for the walk to descend."""
     try:
@@ -234,7 +275,7 @@ def _write_entry(tf: tarfile.TarFile, out: _Limited, place: _Place, parent: int,
         info.type = tarfile.DIRTYPE
         if place.overlay and _opaque(fd):
             info.pax_headers = {OPAQUE_PAX: "y"}
-        tf.addfile(info)
+        _emit(out, info)
         return fd
     if stat.S_ISREG(st.st_mode):
         try:
@@ -252,13 +293,13 @@ def _write_entry(tf: tarfile.TarFile, out: _Limited, place: _Place, parent: int,
             if st.st_nlink > 1 and key in links:
                 info.type = tarfile.LNKTYPE
                 info.linkname = links[key]
-                tf.addfile(info)
+                _emit(out, info)
                 return None
             if st.st_nlink > 1:
                 links[key] = info.name
             info.size = st.st_size
             out.check(st.st_size)  # fail before reading a file that cannot fit
-            tf.addfile(info, _Exactly(fd, st.st_size))  # type: ignore[arg-type]
+            _emit(out, info, _Exactly(fd, st.st_size))
         finally:
             os.close(fd)
         return None
@@ -277,7 +318,7 @@ def _write_entry(tf: tarfile.TarFile, out: _Limited, place: _Place, parent: int,
         info.type = tarfile.CHRTYPE  # an overlay whiteout (0:0); devmajor/devminor stay 0
     else:
         return None  # sockets, real device nodes: not files
-    tf.addfile(info)
+    _emit(out, info)
     return None
 
 
