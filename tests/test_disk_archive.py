@@ -173,6 +173,67 @@ async def test_user_pip_install_into_the_venv_round_trips(backend: LinuxBackend,
         await b.close()
 
 
+def snapshot_tree(root: Path) -> dict[bytes, tuple[Any, ...]]:
+    """Every entry below `root`: (type, mode, size, data or link target, mtime) by its path in bytes."""
+    seen = {}
+    for dirpath, dirnames, filenames in os.walk(os.fsencode(root)):
+        for name in dirnames + filenames:
+            path = os.path.join(dirpath, name)
+            st = os.lstat(path)
+            data = os.readlink(path) if os.path.islink(path) else \
+                Path(os.fsdecode(path)).read_bytes() if os.path.isfile(path) else b""
+            mtime = None if os.path.isdir(path) and not os.path.islink(path) else int(st.st_mtime)
+            seen[os.path.relpath(path, os.fsencode(root))] = (st.st_mode, st.st_size if not os.path.isdir(path) else 0,
+                                                               data, mtime)
+    return seen
+
+
+def test_the_format_round_trips_odd_names_without_a_sandbox(tmp_path: Path) -> None:
+    """write_archive / extract_archive alone, on plain directories: names past ustar's 100 bytes (its
+    prefix field and pax records), non-ASCII and non-UTF-8 names, long link targets, hard links; the
+    headers of plain entries are byte for byte what tarfile writes."""
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    home = src / "home"
+    deep = home / "/".join(["d" * 40] * 5)
+    deep.mkdir(parents=True)
+    (deep / ("f" * 90)).write_text("deep")
+    (home / ("e" * 99)).mkdir()
+    (home / "ü" / "ñ").mkdir(parents=True)
+    (home / "ü" / "ñ" / "é").write_text("unicode")
+    (src / "tmp").mkdir()
+    with open(os.path.join(os.fsencode(src), b"tmp/bad\xff"), "wb") as f:
+        f.write(b"not utf-8")
+    os.symlink("t" * 150, home / "longlink")
+    os.symlink("../tmp", home / "rel")
+    (home / "a").write_bytes(os.urandom(5000))
+    os.link(home / "a", home / "b")
+    os.mkfifo(home / "fifo")
+    os.utime(home / "a", (1_600_000_000, 1_600_000_000))
+    root_fd = os.open(src, os.O_PATH | os.O_DIRECTORY)
+    try:
+        out = io.BytesIO()
+        size = disk_archive.write_archive(root_fd, out, GIB, disk_archive.Owners(0, 0), overlays=["/usr"])
+    finally:
+        os.close(root_fd)
+    assert size == len(out.getvalue())
+    out.seek(0)
+    with tarfile.open(fileobj=out) as tf:
+        for m in tf:
+            header = disk_archive._ustar(m)
+            if header is not None and len(m.name) < 100:
+                assert header == m.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape"), m.name
+    dst.mkdir()
+    dst_fd = os.open(dst, os.O_PATH | os.O_DIRECTORY)
+    try:
+        out.seek(0)
+        disk_archive.extract_archive(out, dst_fd, 0, 0, 0, 0, overlays=["/usr"])
+    finally:
+        os.close(dst_fd)
+    assert snapshot_tree(dst / "home") == snapshot_tree(home)
+    assert snapshot_tree(dst / "tmp") == snapshot_tree(src / "tmp")
+    assert os.stat(dst / "home" / "a").st_ino == os.stat(dst / "home" / "b").st_ino
+
+
 # -- a sandbox's links to the host ---------------------------------------------------------------
 
 
