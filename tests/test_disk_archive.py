@@ -431,6 +431,10 @@ async def test_an_archive_bigger_than_the_disk_fails_cleanly(backend: LinuxBacke
     archive = make_tar(workdir / "big.tar", [("home/big", bytes(24 << 20), {})])
     with pytest.raises(ResourceExhaustedError, match="does not fit"):
         await Box.create(backend, files=str(archive), limits=Limits(disk_mb=16))
+    # more entries than the disk has inodes (one per 8 KiB: 2048 for 16 MiB)
+    many = make_tar(workdir / "many.tar", [(f"tmp/f{i}", b"", {}) for i in range(3000)])
+    with pytest.raises(ResourceExhaustedError, match="does not fit"):
+        await Box.create(backend, files=str(many), limits=Limits(disk_mb=16))
     b = await Box.create(backend, files=str(archive), limits=Limits(disk_mb=64))  # fits in a bigger one
     try:
         assert (await b.sh("stat -c %s ~/big")).strip() == str(24 << 20)

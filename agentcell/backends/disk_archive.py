@@ -352,8 +352,9 @@ def extract_archive(in_file: BinaryIO, disk_root_fd: int, host_uid: int, host_gi
         try:
             count = 0
             with tarfile.open(fileobj=in_file, mode="r:" if in_file.seekable() else "r|") as tf:  # type: ignore[call-overload]
-                for member in tf:
+                while (member := tf.next()) is not None:
                     ex.add(member, tf)
+                    tf.members.clear()  # tarfile keeps every header it read: memory the sandbox pays for
                     count += 1
             ex.finish()
             return count
