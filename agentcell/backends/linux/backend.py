@@ -16,6 +16,7 @@ import re
 import select
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -23,6 +24,7 @@ from collections.abc import AsyncIterator
 from dataclasses import asdict, replace
 from typing import Any
 
+from agentcell.backends import disk_archive
 from agentcell.backends.base import (
     Backend,
     Capacity,
@@ -38,7 +40,13 @@ from agentcell.backends.linux.egress_service import Egress, EgressSettings
 from agentcell.backends.network_policy import NetworkPolicy
 from agentcell.backends.pool import StandbyPool
 from agentcell.backends.secrets import HeaderRule
-from agentcell.errors import BackendUnavailableError, InvalidArgumentError, SandboxError, SandboxGoneError
+from agentcell.errors import (
+    BackendUnavailableError,
+    InvalidArgumentError,
+    SandboxError,
+    SandboxGoneError,
+    error_from_code,
+)
 from agentcell.runtime import statedir
 from agentcell.runtime.protocol import PREFIX, encode_frame
 
@@ -48,6 +56,9 @@ STANDBYS = 4  # prepared sandboxes kept ready per template (--standbys)
 PREPARE_PARALLEL = 4  # standbys prepared at once: enough to overlap each one's cgroup-join wait
 TIMING = os.environ.get("AGENTCELL_TIMING") == "1"  # debug: per-step create() stamps on stderr
 _ID_RE = re.compile(r"^[a-z0-9]{1,63}$")
+# a sandbox made from a disk archive extracts it before its agent starts: this much more time to be ready
+# (generous: ~5,000 entries/s on a slow core, an entry 512 bytes at the least)
+EXTRACT_BYTES_PER_S = 2e6
 NO_EGRESS = ("this server gives sandboxes no internet (its operator started it with --egress-uplink none); "
              "create the sandbox with allow_internet_access=False")
 
@@ -65,6 +76,9 @@ class LinuxSandbox(RunningSandbox):
         self.killed = False
         self.linked = False  # has a link to the egress router (and rules there to remove at kill)
         self.kill_lock = asyncio.Lock()
+        # the root of its disk tmpfs (O_PATH, from sandbox_init's "disk" frame): export_files walks it
+        self.disk_fd = -1
+        self.owners = disk_archive.Owners(-1, -1)  # its user's host ids
 
     def alive(self) -> bool:
         if self.killed or self.pidfd < 0:
@@ -165,13 +179,18 @@ class _Zygote:
             self.proc.wait()
 
 
-async def _read_frame(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> dict[str, Any] | None:
-    """Read exactly one frame (never past it: the rest of the stream belongs to the server)."""
+async def _read_frame(loop: asyncio.AbstractEventLoop, sock: socket.socket,
+                      fds: list[int] | None = None) -> dict[str, Any] | None:
+    """Read exactly one frame (never past it: the rest of the stream belongs to the server). With
+    `fds`, the file descriptors that come with it (SCM_RIGHTS) are appended there."""
 
     async def exact(n: int) -> bytes | None:
         buf = bytearray()
         while len(buf) < n:
-            chunk = await loop.sock_recv(sock, n - len(buf))
+            if fds is None:
+                chunk = await loop.sock_recv(sock, n - len(buf))
+            else:
+                chunk = await _recv_with_fds(sock, n - len(buf), fds)
             if not chunk:
                 return None
             buf += chunk
@@ -190,6 +209,40 @@ async def _read_frame(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> d
     if not isinstance(header, dict):
         raise SandboxError("the sandbox sent a malformed handshake")
     return header
+
+
+async def _recv_with_fds(sock: socket.socket, n: int, fds: list[int]) -> bytes:
+    while True:
+        try:
+            data, got, _, _ = socket.recv_fds(sock, n, 1)
+            fds.extend(got)
+            return data
+        except BlockingIOError:
+            await _wait_readable(sock.fileno(), timeout=60.0)  # the caller's own timeout ends it sooner
+
+
+def _open_archive(path: str) -> int:
+    """The server's disk archive file, opened for the child (SCM_RIGHTS)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as e:
+        raise InvalidArgumentError(f"cannot open the filesystem snapshot {path}: {e.strerror}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise InvalidArgumentError(f"the filesystem snapshot {path} is not a file")
+    return fd
+
+
+def _export(disk_fd: int, dest: str, max_bytes: int, owners: disk_archive.Owners) -> int:
+    """write_archive into a new file at `dest` (removed again on failure)."""
+    overlays = [path for path, _ in rootfs.OVERLAYS]
+    try:
+        with open(dest, "wb") as out:
+            return disk_archive.write_archive(disk_fd, out, max_bytes, owners, overlays=overlays)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(dest)
+        raise
 
 
 class LinuxBackend(Backend):
@@ -394,7 +447,8 @@ class LinuxBackend(Backend):
         if (spec.network.internet or spec.secrets) and self.egress is None:
             raise InvalidArgumentError(NO_EGRESS)
         sandbox = None
-        if not spec.sandbox_id and self.standbys and _claimable(self.standby_limits, spec.limits):
+        # a sandbox that starts from a disk archive is prepared for it: a standby's disk is mounted already
+        if not spec.sandbox_id and not spec.files and self.standbys and _claimable(self.standby_limits, spec.limits):
             sandbox = await self._pool(spec.template).take()
             try:
                 sandbox.cgroups.retune(sandbox.limits, spec.limits)
@@ -402,7 +456,7 @@ class LinuxBackend(Backend):
                 await self.kill(sandbox)
                 sandbox = None
         if sandbox is None:
-            sandbox = await self._prepare(spec.template, spec.limits, spec.sandbox_id or self._new_id())
+            sandbox = await self._prepare(spec.template, spec.limits, spec.sandbox_id or self._new_id(), spec.files)
         try:
             sandbox.limits = spec.limits
             sandbox.cgroups.set_cpu_weight(standby=False)
@@ -421,9 +475,20 @@ class LinuxBackend(Backend):
         self.last_create_ms = (time.perf_counter() - t0) * 1000
         return sandbox
 
-    async def _prepare(self, template: str, limits: Limits, sandbox_id: str) -> LinuxSandbox:
-        """Fork and prepare a sandbox up to its agent's "ready"; it waits for its claim."""
+    async def _prepare(self, template: str, limits: Limits, sandbox_id: str, files: str | None = None) -> LinuxSandbox:
+        """Fork and prepare a sandbox up to its agent's "ready"; it waits for its claim. `files`: a disk
+        archive its disk starts with (extracted by the child, see rootfs.finish)."""
         t0_ns = time.perf_counter_ns()
+        files_fd = _open_archive(files) if files else -1
+        timeout = self.ready_timeout + (os.fstat(files_fd).st_size / EXTRACT_BYTES_PER_S if files else 0)
+        try:
+            return await self._prepare_with(template, limits, sandbox_id, files_fd, timeout, t0_ns)
+        finally:
+            if files_fd >= 0:
+                os.close(files_fd)
+
+    async def _prepare_with(self, template: str, limits: Limits, sandbox_id: str, files_fd: int, timeout: float,
+                            t0_ns: int) -> LinuxSandbox:
         slot = self._alloc_slot()
         host_id = self.uid_base + slot
         root_id = self.uid_base + self._slot_count + slot  # the sandbox's root: a host id of its own too
@@ -432,6 +497,8 @@ class LinuxBackend(Backend):
                    "root_uid": root_id, "root_gid": root_id, "entry": self.entry_point}  # fmt: skip
         if TIMING:
             request["t0_ns"] = t0_ns
+        if files_fd >= 0:
+            request["files"] = True  # the archive's fd follows the frame
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         sandbox: LinuxSandbox | None = None
         try:
@@ -439,21 +506,32 @@ class LinuxBackend(Backend):
             theirs.close()
             ours.setblocking(False)
             loop = asyncio.get_running_loop()
-            async with asyncio.timeout(self.ready_timeout):
+            async with asyncio.timeout(timeout):
                 await loop.sock_sendall(ours, encode_frame(request))
+                if files_fd >= 0:  # one byte on a fresh socket: never blocks
+                    socket.send_fds(ours, [b"F"], [files_fd])
                 first = await _read_frame(loop, ours)
                 if first is None or first.get("event") != "spawned":
-                    raise SandboxError(_setup_error(sandbox_id, first))
+                    raise _setup_failure(sandbox_id, first)
                 t_spawned = time.perf_counter_ns()
                 pid = int(first["host_pid"])
                 cgroup = str(first.get("cgroup", ""))
                 if not _cgroup_re(self.cgroup_parent).match(cgroup):
                     raise SandboxError(f"sandbox {sandbox_id}: the zygote named a foreign cgroup {cgroup!r}")
                 sandbox = LinuxSandbox(sandbox_id, ours, pid, os.pidfd_open(pid), slot, cgroup, limits)
+                sandbox.owners = disk_archive.Owners(host_id, host_id)
                 self._owned[sandbox_id] = sandbox
+                fds: list[int] = []
+                disk = await _read_frame(loop, ours, fds)  # from the child, before any sandbox code ran
+                for extra in fds[1:]:
+                    os.close(extra)
+                if fds:
+                    sandbox.disk_fd = fds[0]
+                if disk is None or disk.get("event") != "disk" or sandbox.disk_fd < 0:
+                    raise _setup_failure(sandbox_id, disk)
                 ready = await _read_frame(loop, ours)
                 if ready is None or ready.get("event") != "ready":
-                    raise SandboxError(_setup_error(sandbox_id, ready))
+                    raise _setup_failure(sandbox_id, ready)
                 if self.egress is not None:
                     await self.egress.connect(slot, pid)
                     sandbox.linked = True
@@ -466,7 +544,7 @@ class LinuxBackend(Backend):
                 self._slots.discard(slot)
             if isinstance(e, TimeoutError):
                 raise SandboxError(
-                    f"sandbox {sandbox_id} did not become ready within {self.ready_timeout:g} s; "
+                    f"sandbox {sandbox_id} did not become ready within {timeout:g} s; "
                     "check the server log for the agent's error") from None
             raise
         if TIMING:
@@ -489,6 +567,9 @@ class LinuxBackend(Backend):
                 await _wait_readable(sandbox.pidfd, timeout=5.0)
             with contextlib.suppress(OSError):
                 sandbox.sock.close()
+            if sandbox.disk_fd >= 0:  # the last reference to its disk's pages: before its cgroup goes
+                os.close(sandbox.disk_fd)
+                sandbox.disk_fd = -1
             await _remove_cgroups(sandbox.cgroups)
             if sandbox.pidfd >= 0:
                 os.close(sandbox.pidfd)
@@ -562,7 +643,15 @@ class LinuxBackend(Backend):
                                    f"{e.strerror or e}") from e
 
     async def export_files(self, sandbox: RunningSandbox, dest: str, max_bytes: int) -> int:
-        raise NotImplementedError("filesystem snapshots of the linux backend: under construction")
+        assert isinstance(sandbox, LinuxSandbox)
+        async with sandbox.kill_lock:  # a kill waits: it closes the disk fd
+            if sandbox.killed or sandbox.disk_fd < 0:
+                raise SandboxGoneError(f"sandbox {sandbox.sandbox_id} was killed")
+            disk_fd = os.dup(sandbox.disk_fd)
+        try:  # the walk (host root, through fds only: disk_archive.py) runs off the event loop
+            return await asyncio.to_thread(_export, disk_fd, dest, max_bytes, sandbox.owners)
+        finally:
+            os.close(disk_fd)
 
     async def stats(self, sandbox: RunningSandbox) -> SandboxStats:
         assert isinstance(sandbox, LinuxSandbox)
@@ -593,6 +682,14 @@ def _claimable(prepared: Limits, wanted: Limits) -> bool:
 
 def _cgroup_re(parent: str) -> re.Pattern[str]:
     return re.compile("^" + re.escape(parent) + r"/s[0-9]+-[0-9]+$")
+
+
+def _setup_failure(sandbox_id: str, frame: dict[str, Any] | None) -> SandboxError:
+    """The error for a bad handshake frame: the child's own code (e.g. invalid_argument for a bad disk
+    archive) when it sent one."""
+    message = _setup_error(sandbox_id, frame)
+    code = frame.get("code") if frame is not None and frame.get("event") == "error" else None
+    return error_from_code(code, message) if isinstance(code, str) else SandboxError(message)
 
 
 def _setup_error(sandbox_id: str, frame: dict[str, Any] | None) -> str:

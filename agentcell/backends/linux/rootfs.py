@@ -25,12 +25,17 @@ so not even the sandbox's namespace root could undo them.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import fcntl
+import fnmatch
 import functools
 import glob
 import os
+import stat
 from pathlib import Path
 
+from agentcell.backends import disk_archive
 from agentcell.backends.linux import procfs, runtime_store, sandbox_etc
 from agentcell.backends.linux import syscalls as sc
 
@@ -106,6 +111,86 @@ def _write(path: str, text: str, mode: int = 0o644) -> None:
         os.write(fd, text.encode())
     finally:
         os.close(fd)
+
+
+# Opens of finish()'s own writes through the overlays: after a disk archive was extracted their upper
+# layers hold what a sandbox left there, so no symlink may be followed on the way (see _open_nofollow).
+_DIR_NOFOLLOW = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _parent_nofollow(path: str) -> tuple[int, str]:
+    """(an fd of the directory holding absolute `path`, its last name), opened from "/" one component
+    at a time, none of them a symlink (ELOOP/ENOTDIR): host root must not write where a link left by
+    a restored sandbox points."""
+    parts = [p for p in path.split("/") if p]
+    fd = os.open("/", _DIR_NOFOLLOW)
+    try:
+        for part in parts[:-1]:
+            nxt = os.open(part, _DIR_NOFOLLOW, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, parts[-1]
+
+
+def _write_nofollow(path: str, text: str, mode: int | None = None, create: bool = True) -> None:
+    """_write() without following a symlink, into a regular file: a link, fifo or device a restored
+    sandbox left at `path` is replaced by one (O_NONBLOCK: a fifo fails with ENXIO, never hangs).
+    `mode`: set on the file whatever it had; without `create`, a missing file stays missing."""
+    flags = os.O_WRONLY | os.O_TRUNC | os.O_NONBLOCK | os.O_NOCTTY | os.O_NOFOLLOW | os.O_CLOEXEC
+    parent, name = _parent_nofollow(path)
+    try:
+        try:
+            fd = os.open(name, flags | (os.O_CREAT if create else 0), 0o644, dir_fd=parent)
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                os.close(fd)
+                raise OSError(errno.ENXIO, "not a regular file")
+        except OSError as e:
+            if e.errno not in (errno.ELOOP, errno.ENXIO, errno.EACCES):
+                raise
+            os.unlink(name, dir_fd=parent)  # the entry itself (unlinkat never follows)
+            fd = os.open(name, flags | os.O_CREAT | os.O_EXCL, 0o644, dir_fd=parent)
+    finally:
+        os.close(parent)
+    try:
+        os.write(fd, text.encode())
+        if mode is not None:
+            os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
+
+
+def _chown_dirs_nofollow(pattern: str, uid: int, gid: int) -> None:
+    """glob(pattern) + chown, for directories only, never through or onto a symlink."""
+    fds = [os.open("/", _DIR_NOFOLLOW)]
+    try:
+        for part in [p for p in pattern.split("/") if p]:
+            found: list[int] = []
+            for fd in fds:
+                names = fnmatch.filter(os.listdir(fd), part) if any(c in part for c in "*?[") else [part]
+                for name in names:
+                    try:
+                        found.append(os.open(name, _DIR_NOFOLLOW, dir_fd=fd))
+                    except OSError as e:
+                        if e.errno not in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
+                            raise
+            done, fds = fds, found
+            for fd in done:
+                os.close(fd)
+        for fd in fds:
+            os.fchown(fd, uid, gid)
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _mount_points_below(paths: list[str]) -> list[str]:
+    """Every mount point strictly below one of `paths` (from /proc/self/mountinfo)."""
+    with open("/proc/self/mountinfo") as f:
+        points = [line.split()[4].replace("\\040", " ") for line in f]
+    return sorted({p for p in points if any(p.startswith(path.rstrip("/") + "/") for path in paths)})
 
 
 def _etc(root: str, extra_ca: str | None = None) -> None:
@@ -218,7 +303,7 @@ def _overlay(path: str, flags: int, disk: str, n: int, userns_fd: int) -> None:
     try:
         lower, up, work = f"{disk}/.lower{n}", f"{disk}/.root/{n}/up", f"{disk}/.root/{n}/work"
         os.mkdir(lower)
-        os.makedirs(up)
+        os.makedirs(up, exist_ok=True)  # exists when a disk archive was extracted into it
         os.mkdir(work)
         st = os.stat(path)
         os.chmod(up, st.st_mode & 0o7777)
@@ -229,7 +314,10 @@ def _overlay(path: str, flags: int, disk: str, n: int, userns_fd: int) -> None:
             os.close(fd)
         # the overlay's root directory is the upper one: the owner the lower one shows in the namespace
         os.chown(up, os.stat(lower).st_uid, os.stat(lower).st_gid)
-        sc.mount("overlay", path, "overlay", _BASE | flags, f"lowerdir={lower},upperdir={up},workdir={work}")
+        # redirect_dir and metacopy off whatever the host's defaults: an upper layer then holds whole
+        # files and plain directories only, all that a disk archive (disk_archive.py) keeps
+        sc.mount("overlay", path, "overlay", _BASE | flags,
+                 f"lowerdir={lower},upperdir={up},workdir={work},redirect_dir=off,metacopy=off")
         sc.umount2(lower, sc.MNT_DETACH)  # the overlay holds its own private copy of the layer
         for point, tree in moved:
             sc.move_mount_fd(tree, point)
@@ -242,38 +330,56 @@ SUDO_PATH = "/usr/bin/sudo"
 SUDO_SHIM = (Path(__file__).parents[2] / "runtime" / "sudo_shim.py").read_text()
 
 
-def finish(sandbox_id: str, disk_mb: int, host_uid: int, host_gid: int, userns_fd: int = -1) -> None:
+def finish(sandbox_id: str, disk_mb: int, host_uid: int, host_gid: int, userns_fd: int = -1,
+           files_fd: int = -1, root_ids: tuple[int, int] = (0, 0)) -> int:
     """In the child, after enter() and once the request is known: the writable, private parts.
-    `userns_fd`: the sandbox's user namespace (its id maps); -1 leaves the template read-only."""
+    `userns_fd`: the sandbox's user namespace (its id maps); -1 leaves the template read-only.
+    `files_fd`: a disk archive (disk_archive.py) to start from, extracted before the overlays are
+    mounted; `root_ids`: the sandbox root's host ids, owner of the archive's root-owned files.
+    Returns an O_PATH fd of the disk's root (for the server's exports; the caller must not keep it)."""
     # One tmpfs of disk_mb for every writable place, so that together they hold at most disk_mb of the
     # sandbox's memory and a full disk is ENOSPC (Limits.validate keeps disk_mb below the memory limit).
     inodes = max(1024, disk_mb * 1024 // _DISK_KIB_PER_INODE)
     sc.mount("tmpfs", _SCRATCH, "tmpfs", _BASE, f"size={disk_mb}m,nr_inodes={inodes},mode=0755")
+    # the disk's root stays reachable through this fd once _SCRATCH is detached below
+    disk_fd = os.open(_SCRATCH, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     for target, name, mode in _WRITABLE:
         os.mkdir(f"{_SCRATCH}/{name}")
         os.chmod(f"{_SCRATCH}/{name}", mode)  # mkdir's mode goes through the umask
         if target == HOME:
             os.chown(f"{_SCRATCH}/{name}", host_uid, host_gid)
         sc.mount(f"{_SCRATCH}/{name}", target, None, sc.MS_BIND)  # keeps the tmpfs's nosuid, nodev
+    if files_fd >= 0:
+        # Host root writes a file from outside into the disk: only through the disk's fd, never
+        # following a symlink (disk_archive.py), and before any overlay is mounted (overlayfs must not
+        # see its upper layers change under it). The pages are the sandbox's (its memory cgroup), and
+        # the tmpfs's size makes an archive too big for the disk ENOSPC.
+        # Mount points inside the overlays (the runtime's binds, nested overlays) and the directories
+        # leading to them stay the template's: finish() mounts onto them by path below.
+        overlays = [path for path, _ in OVERLAYS]
+        with os.fdopen(files_fd, "rb") as archive:
+            disk_archive.extract_archive(archive, disk_fd, host_uid, host_gid, *root_ids, overlays=overlays,
+                                         protected=_mount_points_below(overlays))
     # generated /etc files: in the template they are empty placeholders
     etc_files = {"hosts": f"127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n127.0.1.1\t{sandbox_id}\n",
                  "hostname": sandbox_id + "\n"}
     if userns_fd >= 0:
-        os.mkdir(f"{_SCRATCH}/.root", 0o700)
+        if not os.path.isdir(f"{_SCRATCH}/.root"):  # an extracted archive made it
+            os.mkdir(f"{_SCRATCH}/.root", 0o700)
         for n, (path, flags) in enumerate(OVERLAYS):
             if os.path.isdir(path):
                 _overlay(path, flags, _SCRATCH, n, userns_fd)
+        # Written through the overlays as host root, so never following a symlink: with a disk archive
+        # extracted, the upper layers hold what a sandbox left there (_write_nofollow).
         for name, text in etc_files.items():  # through the overlay: owned by the sandbox's root
-            _write(f"/etc/{name}", text)
-        _write(SUDO_PATH, SUDO_SHIM)  # the sandbox's sudo: asks the agent (runtime/sudo.py)
-        os.chmod(SUDO_PATH, 0o755)
-        if os.path.exists(f"{DPKG_DB}/statoverride"):  # names host users and groups the sandbox has not
-            _write(f"{DPKG_DB}/statoverride", "")
+            _write_nofollow(f"/etc/{name}", text)
+        _write_nofollow(SUDO_PATH, SUDO_SHIM, 0o755)  # the sandbox's sudo: asks the agent (runtime/sudo.py)
+        with contextlib.suppress(FileNotFoundError):  # names host users and groups the sandbox has not
+            _write_nofollow(f"{DPKG_DB}/statoverride", "", create=False)
         for pattern in USER_OWNED:  # a directory's copy-up: its entries stay below until changed
-            for path in glob.glob(pattern):
-                os.chown(path, host_uid, host_gid)
+            _chown_dirs_nofollow(pattern, host_uid, host_gid)
         sc.umount2(_SCRATCH, sc.MNT_DETACH)  # the binds and overlays keep the tmpfs; its root is out of reach
-        return
+        return disk_fd
     sc.umount2(_SCRATCH, sc.MNT_DETACH)
     # without overlays: written on a scratch tmpfs, bound over the placeholders, scratch detached
     sc.mount("tmpfs", _SCRATCH, "tmpfs", _BASE | sc.MS_NOEXEC, "size=16k,mode=0755")
@@ -283,3 +389,4 @@ def finish(sandbox_id: str, disk_mb: int, host_uid: int, host_gid: int, userns_f
     for name in _PER_SANDBOX_ETC:
         sc.mount(f"{_SCRATCH}/{name}", f"/etc/{name}", None, sc.MS_BIND)
     sc.umount2(_SCRATCH, sc.MNT_DETACH)
+    return disk_fd

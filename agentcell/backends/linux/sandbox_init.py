@@ -11,7 +11,10 @@ Then it reads the *preparation* from the server on its socket: the sandbox id th
 host id of its slot, the limits, the entry point. None of it is a tenant's: the server prepares
 standbys (backend.StandbyPool) before any request names them. With it the child sets the cgroup limits,
 makes the sandbox's user namespace with its two host ids mapped (root 0, user 1000), mounts the
-private parts of the root and its copy-on-write overlays (rootfs.finish), enters that namespace,
+private parts of the root and its copy-on-write overlays (rootfs.finish; a sandbox created from a
+filesystem snapshot gets the archive's fd right after its request frame and extracts it there), sends
+the server an O_PATH fd of its disk's root (a "disk" frame, for LinuxBackend.export_files) and closes
+its own, enters that namespace,
 unshares mount+net+ipc+uts+cgroup namespaces (owned by it, so the kernel locks the mounts), becomes
 uid 1000 with the root capability set permitted only (for commands run as the sandbox's root,
 runtime/rootcaps.py), and confines itself (Landlock, no_new_privs, seccomp) before it runs the entry
@@ -40,6 +43,7 @@ from agentcell.backends.base import Limits
 from agentcell.backends.linux import landlock, ns_limits, rootfs
 from agentcell.backends.linux import syscalls as sc
 from agentcell.backends.linux.cgroups import Cgroups
+from agentcell.errors import SandboxError
 from agentcell.runtime.protocol import encode_frame, recv_frame
 
 SOCK_FD = 3  # the sandbox's socket to the server
@@ -61,9 +65,11 @@ def _send(fd: int, header: dict[str, Any]) -> None:
 
 def _fail(fd: int, step: str, exc: BaseException) -> NoReturn:
     msg = f"sandbox setup failed at {step}: {exc}"
+    # a typed error's code (e.g. a disk archive that is invalid or too big) reaches the creator as such
+    code = {"code": exc.code} if isinstance(exc, SandboxError) else {}
     try:
         traceback.print_exception(exc, file=sys.stderr)
-        _send(fd, {"id": 0, "event": "error", "message": msg})
+        _send(fd, {"id": 0, "event": "error", "message": msg, **code})
     finally:
         os._exit(1)
 
@@ -147,6 +153,28 @@ def _place_fds(sock_fd: int, server_pidfd: int) -> None:
     os.close(devnull)
 
 
+def _recv_archive(fd: int) -> int:
+    """The disk archive the server opened for this sandbox (SandboxSpec.files): one byte + SCM_RIGHTS
+    right after the request frame."""
+    with socket.socket(fileno=os.dup(fd)) as sock:
+        _, fds, _, _ = socket.recv_fds(sock, 1, 1)
+    if len(fds) != 1:
+        raise RuntimeError("the server announced a disk archive but sent none")
+    return fds[0]
+
+
+def _send_disk(fd: int, disk_fd: int) -> None:
+    """The disk's root (O_PATH) to the server, for its exports (LinuxBackend.export_files); the
+    sandbox never holds it: closed right after."""
+    data = encode_frame({"id": 0, "event": "disk"})
+    try:
+        with socket.socket(fileno=os.dup(fd)) as sock:
+            if socket.send_fds(sock, [data], [disk_fd]) != len(data):
+                raise RuntimeError("the disk frame was cut short")
+    finally:
+        os.close(disk_fd)
+
+
 def _host_pid() -> int:
     """Our pid as the host sees it: /proc is still the host's here (the zygote's mount namespace)."""
     with open("/proc/self/status") as f:
@@ -212,6 +240,7 @@ def _run_sandbox(fd: int, req: dict[str, Any], cg: Cgroups, cg_fds: list[int], e
         root_uid, root_gid = int(req.get("root_uid", 0)), int(req.get("root_gid", 0))
         if min(uid, gid, root_uid, root_gid) <= 0 or len({uid, root_uid}) < 2 or len({gid, root_gid}) < 2:
             raise ValueError("refusing to run a sandbox as host root, or with one host id for both of its users")
+        files_fd = _recv_archive(fd) if req.get("files") else -1  # never for a standby of the pool
         step = "cgroup limits"
         cg.set_limits(limits)
         for cg_fd in cg_fds:
@@ -225,7 +254,9 @@ def _run_sandbox(fd: int, req: dict[str, Any], cg: Cgroups, cg_fds: list[int], e
                                f"0 {root_gid} 1\n{rootfs.SANDBOX_UID} {gid} 1\n")
         step = "private mounts"
         _mark(step)
-        rootfs.finish(sandbox_id, limits.disk_limit_mb, uid, gid, userns)
+        disk_fd = rootfs.finish(sandbox_id, limits.disk_limit_mb, uid, gid, userns, files_fd, (root_uid, root_gid))
+        step = "disk handle"
+        _send_disk(fd, disk_fd)
         step = "enter the user namespace"
         _mark(step)
         os.setgroups([])
