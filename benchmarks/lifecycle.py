@@ -204,8 +204,8 @@ def main() -> None:
         c0 = cpu_seconds(cgs)
         time.sleep(5)
         paused_cpu = cpu_seconds(cgs) - c0
-        rows += [(f"CPU of {args.idle} idle sandboxes over 5 s, running", f"{running_cpu * 1000:8.1f} ms"),
-                 (f"CPU of {args.idle} idle sandboxes over 5 s, paused", f"{paused_cpu * 1000:8.1f} ms")]
+        rows += [(f"CPU of {args.idle} idle sandboxes over 5 s, running", f"{running_cpu * 1000:8.2f} ms"),
+                 (f"CPU of {args.idle} idle sandboxes over 5 s, paused", f"{paused_cpu * 1000:8.2f} ms")]
         for s in idle:
             s.kill()
     finally:

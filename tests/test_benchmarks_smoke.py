@@ -30,3 +30,14 @@ def test_side_by_side_runs_with_tiny_counts(tmp_path: Path) -> None:
     memory = data["figures"]["idle PSS/sandbox @2"]["cells"]
     for name in ("agentcell-tcp", "fork", "fork-ns"):
         assert memory[name]["p50"] > 0, (name, memory[name])
+
+
+def test_lifecycle_benchmark_runs_with_tiny_counts() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "lifecycle.py"), "--runs", "2", "--idle", "2", "--disk-mib", "1"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for row in ("pause (SDK", "baseline: freezer write alone", "create_snapshot(mode=filesystem)",
+                "create from snapshot", "paused"):
+        assert row in proc.stdout, (row, proc.stdout)
