@@ -181,12 +181,17 @@ def test_template_tools_still_work(sbx: Sandbox) -> None:
 
 
 MASKED = ("/proc/cmdline", "/proc/config.gz", "/proc/kallsyms", "/proc/keys", "/proc/key-users", "/proc/modules",
-          "/proc/sched_debug", "/proc/timer_list", "/proc/sys/kernel/random/boot_id", "/proc/interrupts",
+          "/proc/sched_debug", "/proc/timer_list", "/proc/interrupts",
           "/proc/partitions", "/proc/swaps")
 
 
 def test_proc_hides_kernel_and_host_details(sbx: Sandbox) -> None:
     sid = sbx.sandbox_id
+    # boot_id: the sandbox's own (a fresh one at each start), never the host's
+    host_boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    boot = sh(sbx, "cat /proc/sys/kernel/random/boot_id")[1].strip()
+    assert re.fullmatch(r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[0-9a-f]{4}-[0-9a-f]{12}", boot) and boot != host_boot
+    assert sh(sbx, "echo x > /proc/sys/kernel/random/boot_id; echo $?", user="root")[1].strip() != "0"
     for path in MASKED:
         if os.path.exists(path):
             code, out, _ = sh(sbx, f"cat {path} | head -c 200")

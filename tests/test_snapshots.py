@@ -85,6 +85,10 @@ def test_pause_without_memory_and_reboot(server_url: str) -> None:
     try:
         sbx.files.write("/home/user/marker.txt", "persisted")
         sbx.run_code("x = 1")
+        boot = sbx.files.read("/proc/sys/kernel/random/boot_id")
+        sbx.pause()
+        sbx.connect()
+        assert sbx.files.read("/proc/sys/kernel/random/boot_id") == boot  # a resume, not a start
         assert sbx.pause(mode="filesystem") is True
         info = sbx.get_info()
         assert info.state == "paused" and info.pause_mode == "filesystem"
@@ -93,6 +97,7 @@ def test_pause_without_memory_and_reboot(server_url: str) -> None:
         assert sbx.is_running()
         assert sbx.files.read("/home/user/marker.txt") == "persisted"
         assert "NameError" in str(sbx.run_code("x").error)
+        assert sbx.files.read("/proc/sys/kernel/random/boot_id") != boot  # a cold start: a new boot
         # on_resume="reboot" of a sandbox paused with its memory: its files, a fresh start
         sbx.run_code("y = 2")
         sbx.files.write("/home/user/second.txt", "2")

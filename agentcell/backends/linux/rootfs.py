@@ -33,6 +33,7 @@ import functools
 import glob
 import os
 import stat
+import uuid
 from pathlib import Path
 
 from agentcell.backends import disk_archive
@@ -266,6 +267,18 @@ def build_template(staging: str = STAGING, extra_ca: str | None = None) -> None:
     sc.mount(None, root, None, sc.MS_REMOUNT | _BASE | sc.MS_RDONLY)
 
 
+def _own_boot_id() -> None:
+    """The sandbox's own /proc/sys/kernel/random/boot_id (the host's is masked): a fresh one at every
+    start, the same across a pause, so that a program can tell a cold start from a resume (E2B's tests
+    do). A file on the disk's root, outside what an archive keeps, bound read-only over the mask."""
+    target = "/proc/sys/kernel/random/boot_id"
+    if not os.path.exists(target):
+        return
+    _write(f"{_SCRATCH}/.boot_id", f"{uuid.uuid4()}\n")
+    sc.mount(f"{_SCRATCH}/.boot_id", target, None, sc.MS_BIND)
+    sc.mount(None, target, None, sc.MS_REMOUNT | sc.MS_BIND | sc.MS_RDONLY | _BASE | sc.MS_NOEXEC)
+
+
 def enter(staging: str = STAGING) -> None:
     """In a standby child (host root, pid 1 of its pid ns, fresh copy of the zygote's mount ns)."""
     # proc for this child's own pid namespace; mounted as host root, so no visibility rule applies
@@ -378,8 +391,10 @@ def finish(sandbox_id: str, disk_mb: int, host_uid: int, host_gid: int, userns_f
             _write_nofollow(f"{DPKG_DB}/statoverride", "", create=False)
         for pattern in USER_OWNED:  # a directory's copy-up: its entries stay below until changed
             _chown_dirs_nofollow(pattern, host_uid, host_gid)
+        _own_boot_id()
         sc.umount2(_SCRATCH, sc.MNT_DETACH)  # the binds and overlays keep the tmpfs; its root is out of reach
         return disk_fd
+    _own_boot_id()
     sc.umount2(_SCRATCH, sc.MNT_DETACH)
     # without overlays: written on a scratch tmpfs, bound over the placeholders, scratch detached
     sc.mount("tmpfs", _SCRATCH, "tmpfs", _BASE | sc.MS_NOEXEC, "size=16k,mode=0755")
