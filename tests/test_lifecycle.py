@@ -190,3 +190,17 @@ def test_official_sdk_pause_and_resume(e2b_env: str) -> None:
         assert E2BSandbox.connect(sbx.sandbox_id).run_code("x").text == "41"
     finally:
         sbx.kill()
+
+
+def test_auto_resume_on_a_served_port(server_url: str) -> None:
+    """E2B's test_auto_resume_wakes_on_http_request, through header routing instead of HTTPS hosts."""
+    sbx = Sandbox.create(api_url=server_url, timeout=3, lifecycle={"on_timeout": "pause", "auto_resume": True})
+    try:
+        sbx.commands.run("python3 -m http.server 8000 --bind 127.0.0.1", background=True)
+        _wait_state(sbx, "paused")
+        r = httpx.get(f"{server_url}/", headers={"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "8000"},
+                      timeout=15)
+        assert r.status_code == 200 and "Directory listing" in r.text
+        assert sbx.get_info().state == "running"
+    finally:
+        sbx.kill()
