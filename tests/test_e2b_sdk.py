@@ -101,9 +101,14 @@ def test_info_list_timeout(sbx: Sandbox) -> None:
     assert sbx.get_metrics()
 
 
-def test_pause_is_an_honest_error(sbx: Sandbox) -> None:
-    with pytest.raises(SandboxException, match="pause is not supported"):
-        sbx.pause()
+def test_pause_and_resume(sbx: Sandbox) -> None:
+    sbx.files.write("/tmp/kept", "yes")
+    assert sbx.pause() is True
+    assert sbx.is_running() is False
+    assert Sandbox.connect(sbx.sandbox_id).files.read("/tmp/kept") == "yes"
+    assert sbx.is_running() is True
+    with pytest.raises(SandboxException, match="gvisor"):
+        sbx.fork()
 
 
 def test_kill_and_is_running(e2b_env: str) -> None:

@@ -313,7 +313,8 @@ def test_interpreter_takes_only_json_bodies(http: httpx.Client, sbx: dict[str, A
 
 def test_bodyless_and_charset_json_requests_still_work(http: httpx.Client, sbx: dict[str, Any]) -> None:
     sid = sbx["sandboxID"]
-    assert http.post(f"/sandboxes/{sid}/pause").status_code == 501  # not 415: there is no body
+    assert http.post(f"/sandboxes/{sid}/pause").status_code == 204  # not 415: there is no body
+    assert http.post(f"/sandboxes/{sid}/connect").status_code == 201  # resumed
     assert http.post(f"/sandboxes/{sid}/connect").status_code == 200
     h = data_plane(sbx, 49999, sbx["envdAccessToken"])
     ctx = http.post("/contexts", headers=h).json()
