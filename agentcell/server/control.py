@@ -11,7 +11,7 @@ import math
 import re
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import parse_qs, unquote
 
 from starlette.requests import Request
@@ -222,6 +222,29 @@ def _public_traffic(body: dict[str, Any]) -> bool:
     if not isinstance(value, bool):
         raise HTTPError(400, "'network.allowPublicTraffic' must be a boolean")
     return value
+
+
+def _page_limit(query: Any) -> int:
+    """E2B's `limit` of a listing: 1..100, default 100."""
+    try:
+        limit = int(query.get("limit", "100"))
+    except ValueError:
+        raise HTTPError(400, "'limit' must be an integer") from None
+    if not 1 <= limit <= 100:
+        raise HTTPError(400, "'limit' must be between 1 and 100")
+    return limit
+
+
+_T = TypeVar("_T")
+
+
+def _after(items: list[_T], ids: list[str], token: str | None, what: str) -> list[_T]:
+    """The items after the one whose id is `token` (E2B's nextToken: the last of the previous page)."""
+    if not token:
+        return items
+    if token not in ids:
+        raise HTTPError(400, f"invalid 'nextToken' (the {what} it points to is gone; list again)")
+    return items[ids.index(token) + 1:]
 
 
 def _time_param(query: Any, name: str) -> datetime | None:
@@ -450,22 +473,11 @@ class ControlPlane:
         order = q.get("order", "desc")
         if order not in ("asc", "desc"):
             raise HTTPError(400, "'order' must be asc or desc")
-        try:
-            limit = int(q.get("limit", "100"))
-        except ValueError:
-            raise HTTPError(400, "'limit' must be an integer") from None
-        if not 1 <= limit <= 100:
-            raise HTTPError(400, "'limit' must be between 1 and 100")
+        limit = _page_limit(q)
         records = self._filtered(request, running="running" in states, paused="paused" in states)
         records.sort(key=lambda r: (r.started_at, r.sandbox_id), reverse=order == "desc")
-        token = q.get("nextToken")
-        if token:
-            # The token is the id of the last sandbox of the previous page.
-            ids = [r.sandbox_id for r in records]
-            if token in ids:
-                records = records[ids.index(token) + 1 :]
-            else:
-                raise HTTPError(400, "invalid 'nextToken' (the sandbox it points to is gone; list again)")
+        # The token is the id of the last sandbox of the previous page.
+        records = _after(records, [r.sandbox_id for r in records], q.get("nextToken"), "sandbox")
         page = records[:limit]
         headers = {"X-Total-Running": str(len(self.manager.list()))}
         if len(records) > limit:
@@ -652,19 +664,9 @@ class ControlPlane:
     async def list_snapshots(self, request: Request) -> Response:
         """E2B's GET /snapshots ?sandboxID&name&limit&nextToken, newest first; X-Next-Token pages."""
         q = request.query_params
-        try:
-            limit = int(q.get("limit", "100"))
-        except ValueError:
-            raise HTTPError(400, "'limit' must be an integer") from None
-        if not 1 <= limit <= 100:
-            raise HTTPError(400, "'limit' must be between 1 and 100")
+        limit = _page_limit(q)
         snaps = self.snapshots.list(q.get("sandboxID") or None, q.get("name") or None)
-        token = q.get("nextToken")
-        if token:
-            ids = [s.template_id for s in snaps]
-            if token not in ids:
-                raise HTTPError(400, "invalid 'nextToken' (the snapshot it points to is gone; list again)")
-            snaps = snaps[ids.index(token) + 1:]
+        snaps = _after(snaps, [s.template_id for s in snaps], q.get("nextToken"), "snapshot")
         page = snaps[:limit]
         headers = {"X-Next-Token": page[-1].template_id} if len(snaps) > limit else {}
         return JSONResponse([s.info() for s in page], headers=headers)
