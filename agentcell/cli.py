@@ -77,7 +77,8 @@ def main() -> None:
                    "the default limits; each idle one holds ~15 MiB. 0: every create prepares its own.")
 @click.option("--uid-base", default=None, type=click.IntRange(1000, (1 << 31) - 1),
               help="First host uid of this server's sandboxes (default: a free range, disjoint from other servers').")
-@click.option("--backend", default="linux", show_default=True, type=click.Choice(["linux"]), help="Isolation backend.")
+@click.option("--backend", default="linux", show_default=True, type=click.Choice(["linux", "gvisor"]),
+              help="Isolation backend (gvisor: runsc sandboxes, no network; AGENTCELL_GVISOR_PLATFORM=ptrace).")
 @click.option("--max-memory-mb", type=click.IntRange(32), default=None,
               help="Most memory one sandbox may ask for (default 8192).")
 @click.option("--max-pids", type=click.IntRange(8), default=None, help="Most processes+threads per sandbox (default 1024).")
@@ -130,6 +131,10 @@ def serve(**opts: Any) -> None:
     defaults = Limits()
     limits = Limits(**{f.name: d if (d := getattr(defaults, f.name)) is None else min(d, getattr(max_limits, f.name))
                        for f in dataclasses.fields(Limits)})
+    if opts["backend"] == "gvisor" and opts["egress_uplink"] != "none":
+        # runsc's sandboxes cannot have a network here (google/gvisor#10704): no uplink to set up
+        click.echo("agentcell: the gvisor backend gives sandboxes no network: --egress-uplink none", err=True)
+        opts["egress_uplink"] = "none"
     opts["tune_sysctls"] = opts.pop("host_sysctls")
     opts["egress_dns"] = tuple(opts["egress_dns"])
     opts["egress_allow_ranges"] = tuple(opts["egress_allow_ranges"])

@@ -1,0 +1,330 @@
+"""GvisorBackend: every sandbox is a gVisor sandbox (runsc), its agent on a socket the sentry imported.
+
+A sandbox is `runsc run --detach` of a bundle whose root is the backend's read-only tree (rootfs.py)
+under a memory overlay, whose init is guest.py. Its stdin and stdout are one end of a socketpair; the
+server keeps the other (RunningSandbox.sock) and speaks the agent protocol on it, as with the linux
+backend. That socket is a host fd the sentry imported as the init's stdio, which checkpoint and restore
+handle (a restored sandbox gets the restoring runsc's stdio), unlike host UDS endpoints, which block a
+checkpoint.
+
+runsc puts the sandbox's host processes (sentry, gofer, systrap stubs) in the cgroup the spec names,
+/agentcell/<instance>/<sandbox id> in every hierarchy, with its memory limit and CPU quota: capacity
+accounting, stats, pause (the freezer) and kill (SIGKILL every task there) all work on that cgroup, as
+with the linux backend. A sandbox has its own runsc state directory, so removing it is all the cleanup
+runsc needs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import errno
+import json
+import os
+import re
+import select
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from typing import Any
+
+from agentcell.backends.base import (
+    Backend,
+    Capacity,
+    Limits,
+    RunningSandbox,
+    SandboxSpec,
+    SandboxStats,
+    new_sandbox_id,
+)
+from agentcell.backends.gvisor import reap, rootfs, spec
+from agentcell.backends.gvisor.runsc import Runsc
+from agentcell.backends.linux import cgroups, host, runtime_store, seccomp_filter
+from agentcell.backends.linux.backend import _read_frame
+from agentcell.errors import BackendUnavailableError, InvalidArgumentError, SandboxError, SandboxGoneError
+from agentcell.runtime.protocol import encode_frame
+
+STATE_BASE = "/run/agentcell/gvisor"
+READY_TIMEOUT = 60.0
+STANDBYS = 4  # sandboxes restored from the template and kept frozen, ready for a create (--standbys)  # a fresh sandbox imports the whole data-science stack under gVisor (~2-4 s)
+_ID_RE = re.compile(r"^[a-z0-9]{1,63}$")
+NO_NETWORK = ("the gvisor backend gives sandboxes no network at all (runsc --network=none: gVisor's netstack "
+              "cannot be attached to a network namespace in this runsc, google/gvisor#10704); create the "
+              "sandbox with allow_internet_access=False and no secrets, or use the linux backend")
+
+
+class GvisorSandbox(RunningSandbox):
+    def __init__(self, sandbox_id: str, sock: socket.socket, directory: str, cgroup: str, limits: Limits) -> None:
+        self.sandbox_id = sandbox_id
+        self.sock = sock
+        self.dir = directory  # bundle (config.json) and runsc's --root
+        self.cgroups = cgroups.Cgroups.at(cgroup.lstrip("/"))
+        self.limits = limits
+        self.host_pid = -1
+        self.pidfd = -1
+        self.killed = False
+        self.kill_lock = asyncio.Lock()
+
+    @property
+    def runsc_root(self) -> str:
+        return os.path.join(self.dir, "runsc")
+
+    def alive(self) -> bool:
+        if self.killed or self.pidfd < 0:
+            return False
+        poller = select.poll()
+        poller.register(self.pidfd, select.POLLIN)
+        return not poller.poll(0)
+
+
+class GvisorBackend(Backend):
+    name = "gvisor"
+    memory_snapshots = False
+
+    def __init__(self, max_sandboxes: int = 1000, platform: str | None = None, directfs: bool = False,
+                 ready_timeout: float = READY_TIMEOUT, state_base: str = STATE_BASE,
+                 host_tuning: host.HostTuning | None = None, standbys: int = STANDBYS,
+                 standby_limits: Limits | None = None, egress: Any = None, uid_base: int | None = None,
+                 **host_options: Any) -> None:
+        """The server passes the linux backend's options: `egress` must be none (no uplink), and
+        `uid_base` means nothing here (the guest kernel has its own ids)."""
+        if max_sandboxes < 1:
+            raise ValueError("max_sandboxes must be at least 1")
+        if egress is not None and getattr(egress, "enabled", False):
+            raise BackendUnavailableError("the gvisor backend gives sandboxes no network: start the server with "
+                                          "--egress-uplink none")
+        platform = platform or os.environ.get("AGENTCELL_GVISOR_PLATFORM") or "systrap"
+        self.standbys = standbys
+        self.standby_limits = standby_limits or Limits()
+        self.max_sandboxes = max_sandboxes
+        self.platform = platform
+        self.directfs = directfs
+        self.ready_timeout = ready_timeout
+        self.instance = cgroups.new_instance_id()
+        self.cgroup_parent = f"{cgroups.GROUP}/{self.instance}"
+        self.state_base = state_base
+        self.state = os.path.join(state_base, self.instance)
+        self.root = os.path.join(self.state, "root")
+        self.host_tuning = host_tuning or host.HostTuning(**host_options)
+        self.host_budget: host.HostBudget | None = None
+        self.runsc: Runsc | None = None
+        self._runtime: runtime_store.Store | None = None
+        self._watchdog: subprocess.Popen[bytes] | None = None
+        self._sandboxes: dict[str, GvisorSandbox] = {}
+        self._seccomp = ""
+        self.last_create_ms = 0.0
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if os.geteuid() != 0:
+            raise BackendUnavailableError("the gvisor backend must run as root (runsc, cgroups, the root tree's mounts)")
+        if self.runsc is not None:
+            return
+        self.runsc = await asyncio.to_thread(Runsc.find, self.platform, self.directfs)
+        try:
+            stale = await asyncio.to_thread(cgroups.remove_stale_instances)
+            if stale:
+                print(f"agentcell: removed the cgroups of {len(stale)} dead server(s): {', '.join(stale)}",
+                      file=sys.stderr)
+            await asyncio.to_thread(rootfs.remove_stale, self.state_base, cgroups.instance_alive)
+            cgroups.prepare_instance(self.instance)
+        except cgroups.CgroupError as e:
+            raise BackendUnavailableError(str(e)) from e
+        try:
+            self.host_budget = await asyncio.to_thread(host.prepare, self.cgroup_parent, self.max_sandboxes,
+                                                       self.host_tuning)
+        except OSError as e:
+            raise BackendUnavailableError(f"cannot limit what sandboxes take from the host: {e}") from e
+        reap.become_subreaper()
+        os.makedirs(self.state, mode=0o700, exist_ok=True)
+        os.makedirs(os.path.join(self.state, "sandboxes"), mode=0o700, exist_ok=True)
+        # sandboxes die with the server: see watchdog.py
+        self._watchdog = subprocess.Popen(
+            [sys.executable, "-m", "agentcell.backends.gvisor.watchdog", self.cgroup_parent, self.state],
+            stdin=subprocess.PIPE, start_new_session=True, close_fds=True)
+        self._runtime = await asyncio.to_thread(runtime_store.ensure)
+        await asyncio.to_thread(rootfs.build, self.root, self._runtime)
+        # the linux backend's filter, loaded by the guest init (guest.py)
+        self._seccomp = base64.b64encode(seccomp_filter.build().bpf).decode()
+
+    async def close(self) -> None:
+        for sb in list(self._sandboxes.values()):
+            with contextlib.suppress(Exception):
+                await self.kill(sb)
+        await asyncio.to_thread(rootfs.remove, self.root)
+        with contextlib.suppress(OSError):
+            await asyncio.to_thread(cgroups.remove_tree, self.cgroup_parent)
+        if self._watchdog is not None:  # it removes what is left (nothing, normally) and exits
+            assert self._watchdog.stdin is not None
+            self._watchdog.stdin.close()
+            await asyncio.to_thread(self._watchdog.wait)
+            self._watchdog = None
+        if self._runtime is not None:
+            self._runtime.close()
+            self._runtime = None
+        self.runsc = None
+
+    # -- sandboxes -------------------------------------------------------------------------------
+
+    def _check(self, spec_: SandboxSpec) -> None:
+        if spec_.sandbox_id and not _ID_RE.match(spec_.sandbox_id):
+            raise InvalidArgumentError(f"sandbox id must match {_ID_RE.pattern}, got {spec_.sandbox_id!r}")
+        if spec_.sandbox_id in self._sandboxes:
+            raise SandboxError(f"sandbox {spec_.sandbox_id} already exists", "already_exists")
+        try:
+            spec_.limits.validate()
+            host.check_limits(spec_.limits, self.host_budget)
+        except ValueError as e:
+            raise InvalidArgumentError(str(e)) from None
+        if spec_.network.internet or spec_.secrets:
+            raise InvalidArgumentError(NO_NETWORK)
+        if len(self._sandboxes) >= self.max_sandboxes:
+            raise SandboxError("too many sandboxes on this host", "resource_exhausted")
+
+    def _new_id(self) -> str:
+        sandbox_id = new_sandbox_id()
+        while sandbox_id in self._sandboxes:
+            sandbox_id = new_sandbox_id()
+        return sandbox_id
+
+    def _make_sandbox(self, sandbox_id: str, limits: Limits, sock: socket.socket) -> GvisorSandbox:
+        directory = os.path.join(self.state, "sandboxes", sandbox_id)
+        os.makedirs(directory, mode=0o700)
+        cgroup = f"/{self.cgroup_parent}/{sandbox_id}"
+        assert self._runtime is not None, "start() first"
+        config = spec.build(sandbox_id, self.root, cgroup, limits, self._runtime.layout)
+        with open(os.path.join(directory, "config.json"), "w") as f:
+            json.dump(config, f)
+        sb = GvisorSandbox(sandbox_id, sock, directory, cgroup, limits)
+        self._sandboxes[sandbox_id] = sb
+        return sb
+
+    async def _started(self, sb: GvisorSandbox) -> None:
+        """After runsc run/restore: the sandbox process's pid and a pidfd of it."""
+        with open(os.path.join(sb.dir, "pid")) as f:
+            sb.host_pid = int(f.read().strip())
+        sb.pidfd = os.pidfd_open(sb.host_pid)
+
+    async def create(self, spec_: SandboxSpec) -> RunningSandbox:
+        t0 = time.perf_counter()
+        self._check(spec_)
+        if spec_.files:
+            raise InvalidArgumentError("the gvisor backend cannot start a sandbox from a disk archive yet")
+        assert self.runsc is not None, "start() first"
+        sandbox_id = spec_.sandbox_id or self._new_id()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        sb = self._make_sandbox(sandbox_id, spec_.limits, ours)
+        try:
+            try:
+                await self.runsc.call(sb.runsc_root, "run", "--detach", f"--bundle={sb.dir}",
+                                      f"--pid-file={os.path.join(sb.dir, 'pid')}", sandbox_id, stdio=theirs.fileno())
+            finally:
+                theirs.close()
+            await self._started(sb)
+            ours.setblocking(False)
+            loop = asyncio.get_running_loop()
+            request = {"sandbox_id": sandbox_id, "limits": asdict(spec_.limits), "preload": True,
+                       "seccomp": self._seccomp}
+            async with asyncio.timeout(self.ready_timeout):
+                await loop.sock_sendall(ours, encode_frame(request))
+                ready = await _read_frame(loop, ours)
+            if ready is None or ready.get("event") != "ready":
+                raise SandboxError(f"sandbox {sandbox_id} exited during setup: {self._log_tail(sb)}")
+            await loop.sock_sendall(ours, encode_frame({"id": 0, "op": "claim", "envs": dict(spec_.envs),
+                                                        "hostname": sandbox_id}))
+        except BaseException as e:
+            await self.kill(sb)
+            if isinstance(e, TimeoutError):
+                raise SandboxError(f"sandbox {sandbox_id} did not become ready within {self.ready_timeout:g} s") from None
+            raise
+        ours.setblocking(True)
+        self.last_create_ms = (time.perf_counter() - t0) * 1000
+        return sb
+
+    def _log_tail(self, sb: GvisorSandbox) -> str:
+        try:
+            with open(os.path.join(sb.runsc_root, "runsc.err"), errors="replace") as f:
+                return f.read()[-1500:].strip() or "no output"
+        except OSError:
+            return "no output"
+
+    async def kill(self, sandbox: RunningSandbox) -> None:
+        assert isinstance(sandbox, GvisorSandbox)
+        sb = sandbox
+        async with sb.kill_lock:
+            if sb.killed:
+                return
+            sb.killed = True
+            with contextlib.suppress(OSError):
+                sb.sock.close()
+            await asyncio.to_thread(_kill_cgroup, sb.cgroups)
+            if sb.pidfd >= 0:
+                os.close(sb.pidfd)
+                sb.pidfd = -1
+            reap.reap()
+            await asyncio.to_thread(shutil.rmtree, sb.dir, True)
+            if self._sandboxes.get(sb.sandbox_id) is sb:
+                del self._sandboxes[sb.sandbox_id]
+
+    async def stats(self, sandbox: RunningSandbox) -> SandboxStats:
+        assert isinstance(sandbox, GvisorSandbox)
+        if sandbox.killed:
+            raise SandboxGoneError(f"sandbox {sandbox.sandbox_id} was killed")
+        try:
+            return sandbox.cgroups.stats()
+        except OSError as e:
+            raise SandboxGoneError(f"sandbox {sandbox.sandbox_id} has no cgroup any more: {e}") from e
+
+    async def capacity(self) -> Capacity | None:
+        if self.host_budget is None:
+            return None
+        try:
+            used = cgroups.Cgroups.at(self.cgroup_parent).stats()
+        except OSError:
+            return None
+        return Capacity(self.host_budget.memory_bytes, self.host_budget.pids, used.memory_bytes, used.pids)
+
+    async def pause(self, sandbox: RunningSandbox) -> None:
+        await self._freeze(sandbox, True)
+
+    async def resume(self, sandbox: RunningSandbox) -> None:
+        await self._freeze(sandbox, False)
+
+    async def _freeze(self, sandbox: RunningSandbox, frozen: bool) -> None:
+        """The host freezer: `runsc pause` leaves systrap's stubs spinning; a frozen cgroup takes no CPU."""
+        assert isinstance(sandbox, GvisorSandbox)
+        async with sandbox.kill_lock:
+            if sandbox.killed:
+                raise SandboxGoneError(f"sandbox {sandbox.sandbox_id} was killed")
+            try:
+                await asyncio.to_thread(sandbox.cgroups.freeze if frozen else sandbox.cgroups.thaw)
+            except OSError as e:
+                raise SandboxError(f"sandbox {sandbox.sandbox_id} could not be {'paused' if frozen else 'resumed'}: "
+                                   f"{e.strerror or e}") from e
+
+    async def export_files(self, sandbox: RunningSandbox, dest: str, max_bytes: int) -> int:
+        raise NotImplementedError("filesystem snapshots of the gvisor backend: under construction")
+
+
+def _kill_cgroup(cg: cgroups.Cgroups) -> None:
+    """SIGKILL every task of the sandbox (sentry, gofer, stubs), reap them, remove the cgroups."""
+    deadline = time.monotonic() + 10
+    delay = 0.002
+    while True:
+        cg.kill_all()  # thaws first: a frozen task dies only once thawed (v1)
+        reap.reap()
+        try:
+            if cg.remove():
+                return
+        except OSError as e:
+            if e.errno not in (errno.EBUSY, errno.ENOTEMPTY):
+                raise
+        if time.monotonic() > deadline:
+            raise SandboxError(f"the cgroups of sandbox {cg.sandbox_id} stay busy; remove them by hand")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
