@@ -44,12 +44,15 @@ from agentcell.backends.base import (
 from agentcell.backends.gvisor import reap, rootfs, spec
 from agentcell.backends.gvisor.runsc import Runsc
 from agentcell.backends.linux import cgroups, host, runtime_store, seccomp_filter
-from agentcell.backends.linux.backend import _read_frame
+from agentcell.backends.linux import syscalls as sc
+from agentcell.backends.linux.backend import _claimable, _read_frame
+from agentcell.backends.pool import StandbyPool
 from agentcell.errors import BackendUnavailableError, InvalidArgumentError, SandboxError, SandboxGoneError
 from agentcell.runtime.protocol import encode_frame
 
 STATE_BASE = "/run/agentcell/gvisor"
 READY_TIMEOUT = 60.0
+PREPARE_PARALLEL = 2  # standbys restored at once (each restore is ~0.3-0.6 s of CPU)
 STANDBYS = 4  # sandboxes restored from the template and kept frozen, ready for a create (--standbys)  # a fresh sandbox imports the whole data-science stack under gVisor (~2-4 s)
 _ID_RE = re.compile(r"^[a-z0-9]{1,63}$")
 NO_NETWORK = ("the gvisor backend gives sandboxes no network at all (runsc --network=none: gVisor's netstack "
@@ -114,7 +117,10 @@ class GvisorBackend(Backend):
         self.runsc: Runsc | None = None
         self._runtime: runtime_store.Store | None = None
         self._watchdog: subprocess.Popen[bytes] | None = None
-        self._sandboxes: dict[str, GvisorSandbox] = {}
+        self._sandboxes: dict[str, GvisorSandbox] = {}  # every sandbox with a process: standbys too
+        self.claimed: set[str] = set()
+        self._pool: StandbyPool[GvisorSandbox] | None = None
+        self.template = os.path.join(self.state, "template")  # the standbys' checkpoint image
         self._seccomp = ""
         self.last_create_ms = 0.0
 
@@ -151,8 +157,16 @@ class GvisorBackend(Backend):
         await asyncio.to_thread(rootfs.build, self.root, self._runtime)
         # the linux backend's filter, loaded by the guest init (guest.py)
         self._seccomp = base64.b64encode(seccomp_filter.build().bpf).decode()
+        if self.standbys:
+            await self._build_template()
+            self._pool = StandbyPool(self._prepare_standby, self.kill, GvisorSandbox.alive, self.standbys,
+                                     PREPARE_PARALLEL)
+            self._pool.fill()
 
     async def close(self) -> None:
+        if self._pool is not None:
+            await self._pool.close()
+            self._pool = None
         for sb in list(self._sandboxes.values()):
             with contextlib.suppress(Exception):
                 await self.kill(sb)
@@ -183,7 +197,7 @@ class GvisorBackend(Backend):
             raise InvalidArgumentError(str(e)) from None
         if spec_.network.internet or spec_.secrets:
             raise InvalidArgumentError(NO_NETWORK)
-        if len(self._sandboxes) >= self.max_sandboxes:
+        if len(self.claimed) >= self.max_sandboxes:
             raise SandboxError("too many sandboxes on this host", "resource_exhausted")
 
     def _new_id(self) -> str:
@@ -211,14 +225,41 @@ class GvisorBackend(Backend):
         sb.pidfd = os.pidfd_open(sb.host_pid)
 
     async def create(self, spec_: SandboxSpec) -> RunningSandbox:
+        """A standby restored from the template, thawed and claimed; or, for an id or limits no standby
+        has, a sandbox booted for it now (seconds: it imports the whole runtime)."""
         t0 = time.perf_counter()
         self._check(spec_)
         if spec_.files:
             raise InvalidArgumentError("the gvisor backend cannot start a sandbox from a disk archive yet")
+        sb: GvisorSandbox | None = None
+        if not spec_.sandbox_id and self._pool is not None and _claimable(self.standby_limits, spec_.limits):
+            sb = await self._pool.take()
+            try:
+                await asyncio.to_thread(_retune, sb.cgroups, sb.limits, spec_.limits)
+                await asyncio.to_thread(sb.cgroups.thaw)
+            except OSError:  # e.g. less memory than the standby already holds: boot one instead
+                await self.kill(sb)
+                sb = None
+        if sb is None:
+            sb = await self._boot(spec_.sandbox_id or self._new_id(), spec_.limits)
+        try:
+            sb.limits = spec_.limits
+            # the claim: the tenant's env vars, and the sandbox's own name (a restored template takes it)
+            await asyncio.get_running_loop().sock_sendall(sb.sock, encode_frame(
+                {"id": 0, "op": "claim", "envs": dict(spec_.envs), "hostname": sb.sandbox_id}))
+        except BaseException:
+            await self.kill(sb)
+            raise
+        sb.sock.setblocking(True)
+        self.claimed.add(sb.sandbox_id)
+        self.last_create_ms = (time.perf_counter() - t0) * 1000
+        return sb
+
+    async def _boot(self, sandbox_id: str, limits: Limits) -> GvisorSandbox:
+        """`runsc run` a sandbox up to its agent's "ready" (it then waits for its claim)."""
         assert self.runsc is not None, "start() first"
-        sandbox_id = spec_.sandbox_id or self._new_id()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        sb = self._make_sandbox(sandbox_id, spec_.limits, ours)
+        sb = self._make_sandbox(sandbox_id, limits, ours)
         try:
             try:
                 await self.runsc.call(sb.runsc_root, "run", "--detach", f"--bundle={sb.dir}",
@@ -228,22 +269,64 @@ class GvisorBackend(Backend):
             await self._started(sb)
             ours.setblocking(False)
             loop = asyncio.get_running_loop()
-            request = {"sandbox_id": sandbox_id, "limits": asdict(spec_.limits), "preload": True,
+            request = {"sandbox_id": sandbox_id, "limits": asdict(limits), "preload": True,
                        "seccomp": self._seccomp}
             async with asyncio.timeout(self.ready_timeout):
                 await loop.sock_sendall(ours, encode_frame(request))
                 ready = await _read_frame(loop, ours)
             if ready is None or ready.get("event") != "ready":
                 raise SandboxError(f"sandbox {sandbox_id} exited during setup: {self._log_tail(sb)}")
-            await loop.sock_sendall(ours, encode_frame({"id": 0, "op": "claim", "envs": dict(spec_.envs),
-                                                        "hostname": sandbox_id}))
         except BaseException as e:
             await self.kill(sb)
             if isinstance(e, TimeoutError):
                 raise SandboxError(f"sandbox {sandbox_id} did not become ready within {self.ready_timeout:g} s") from None
             raise
-        ours.setblocking(True)
-        self.last_create_ms = (time.perf_counter() - t0) * 1000
+        return sb
+
+    # -- the warm pool: standbys restored from a template image ---------------------------------
+
+    async def _build_template(self) -> None:
+        """Boot one sandbox whose agent has imported everything, its default context warm, waiting
+        for its claim, and save it; standbys are restored from it. A restored copy redraws its random
+        generators at the claim (guest.claimed, and the context on the claim's env vars: kernel.py)."""
+        assert self.runsc is not None
+        t0 = time.perf_counter()
+        sb = await self._boot(self._new_id(), self.standby_limits)
+        try:
+            shutil.rmtree(self.template, ignore_errors=True)
+            await self.runsc.call(sb.runsc_root, "checkpoint", f"--image-path={self.template}", "--compression=none",
+                                  sb.sandbox_id, timeout=120)
+        finally:
+            await self.kill(sb)
+        print(f"agentcell: gvisor template saved in {time.perf_counter() - t0:.1f} s "
+              f"({_du(self.template) >> 20} MiB)", file=sys.stderr)
+
+    async def _restore(self, image: str, sandbox_id: str, limits: Limits) -> GvisorSandbox:
+        """A new sandbox from a checkpoint image: its own id, bundle, cgroup (limits) and socket."""
+        assert self.runsc is not None, "start() first"
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        sb = self._make_sandbox(sandbox_id, limits, ours)
+        try:
+            try:
+                await self.runsc.call(sb.runsc_root, "restore", "--detach", f"--image-path={image}",
+                                      f"--bundle={sb.dir}", f"--pid-file={os.path.join(sb.dir, 'pid')}", sandbox_id,
+                                      stdio=theirs.fileno(), timeout=120)
+            finally:
+                theirs.close()
+            await self._started(sb)
+        except BaseException:
+            await self.kill(sb)
+            raise
+        return sb
+
+    async def _prepare_standby(self) -> GvisorSandbox:
+        sb = await self._restore(self.template, self._new_id(), self.standby_limits)
+        try:
+            # idle systrap stubs spin (2-7 % of a core each): a standby waits frozen
+            await asyncio.to_thread(sb.cgroups.freeze)
+        except BaseException:
+            await self.kill(sb)
+            raise
         return sb
 
     def _log_tail(self, sb: GvisorSandbox) -> str:
@@ -270,6 +353,7 @@ class GvisorBackend(Backend):
             await asyncio.to_thread(shutil.rmtree, sb.dir, True)
             if self._sandboxes.get(sb.sandbox_id) is sb:
                 del self._sandboxes[sb.sandbox_id]
+                self.claimed.discard(sb.sandbox_id)
 
     async def stats(self, sandbox: RunningSandbox) -> SandboxStats:
         assert isinstance(sandbox, GvisorSandbox)
@@ -309,6 +393,28 @@ class GvisorBackend(Backend):
 
     async def export_files(self, sandbox: RunningSandbox, dest: str, max_bytes: int) -> int:
         raise NotImplementedError("filesystem snapshots of the gvisor backend: under construction")
+
+
+def _du(path: str) -> int:
+    total = 0
+    for dirpath, _dirs, files in os.walk(path):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
+    return total
+
+
+def _retune(cg: cgroups.Cgroups, old: Limits, new: Limits) -> None:
+    """A standby's memory limit and CPU quota for its claim (what runsc wrote at restore)."""
+    if new.cpu_count != old.cpu_count:
+        quota = str(max(1000, int(new.cpu_count * 100_000)))
+        if cg.v2:
+            sc.write_file(f"{cg.dirs['unified']}/cpu.max", f"{quota} 100000")
+        else:
+            sc.write_file(f"{cg.dirs['cpu']}/cpu.cfs_quota_us", quota)
+    if new.memory_mb != old.memory_mb:
+        path = f"{cg.dirs['unified']}/memory.max" if cg.v2 else f"{cg.dirs['memory']}/memory.limit_in_bytes"
+        sc.write_file(path, str(spec.host_memory_bytes(new)))
 
 
 def _kill_cgroup(cg: cgroups.Cgroups) -> None:

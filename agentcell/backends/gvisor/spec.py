@@ -19,6 +19,17 @@ _HOST_TASKS_PER_PID = 4
 _HOST_TASKS_BASE = 256
 
 
+# The sentry holds the guest's page cache of the runtime's files (Python, numpy, pandas ... read through
+# the gofer) and its own heap in memory the host charges to the sandbox (~200 MiB with the preloaded
+# runtime): the linux backend's sandboxes share those pages with their zygote, uncharged. The host limit
+# is the tenant's memory_mb plus this much, so that memory_mb stays what the tenant's code can use.
+SENTRY_OVERHEAD_MB = 256
+
+
+def host_memory_bytes(limits: Limits) -> int:
+    return (limits.memory_mb + SENTRY_OVERHEAD_MB) << 20
+
+
 def host_pids(limits: Limits) -> int:
     return _HOST_TASKS_BASE + _HOST_TASKS_PER_PID * limits.pids
 
@@ -57,7 +68,7 @@ def build(sandbox_id: str, root: str, cgroup: str, limits: Limits, layout: runti
         "linux": {
             "cgroupsPath": cgroup,
             "resources": {
-                "memory": {"limit": limits.memory_mb << 20},
+                "memory": {"limit": host_memory_bytes(limits)},
                 "cpu": {"quota": max(1000, int(limits.cpu_count * _CPU_PERIOD_US)), "period": _CPU_PERIOD_US},
                 "pids": {"limit": host_pids(limits)},
             },
