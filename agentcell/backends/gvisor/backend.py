@@ -54,6 +54,7 @@ STATE_BASE = "/run/agentcell/gvisor"
 READY_TIMEOUT = 60.0
 PREPARE_PARALLEL = 2  # standbys restored at once (each restore is ~0.3-0.6 s of CPU)
 STANDBYS = 4  # sandboxes restored from the template and kept frozen, ready for a create (--standbys)  # a fresh sandbox imports the whole data-science stack under gVisor (~2-4 s)
+_RENAME_CALL = (1 << 31) - 1  # the call id of restore()'s rename: never one of the server's (they count from 1)
 _ID_RE = re.compile(r"^[a-z0-9]{1,63}$")
 NO_NETWORK = ("the gvisor backend gives sandboxes no network at all (runsc --network=none: gVisor's netstack "
               "cannot be attached to a network namespace in this runsc, google/gvisor#10704); create the "
@@ -86,7 +87,7 @@ class GvisorSandbox(RunningSandbox):
 
 class GvisorBackend(Backend):
     name = "gvisor"
-    memory_snapshots = False
+    memory_snapshots = True
 
     def __init__(self, max_sandboxes: int = 1000, platform: str | None = None, directfs: bool = False,
                  ready_timeout: float = READY_TIMEOUT, state_base: str = STATE_BASE,
@@ -393,6 +394,57 @@ class GvisorBackend(Backend):
 
     async def export_files(self, sandbox: RunningSandbox, dest: str, max_bytes: int) -> int:
         raise NotImplementedError("filesystem snapshots of the gvisor backend: under construction")
+
+    # -- memory snapshots: runsc checkpoint / restore --------------------------------------------
+
+    async def checkpoint(self, sandbox: RunningSandbox, image_dir: str, leave_running: bool) -> int:
+        assert isinstance(sandbox, GvisorSandbox) and self.runsc is not None
+        sb = sandbox
+        if os.path.exists(image_dir):
+            raise InvalidArgumentError(f"{image_dir} exists already")
+        async with sb.kill_lock:
+            if sb.killed:
+                raise SandboxGoneError(f"sandbox {sb.sandbox_id} was killed")
+            frozen = await asyncio.to_thread(sb.cgroups.frozen)
+            if frozen:  # the sentry saves the sandbox itself: it has to run
+                await asyncio.to_thread(sb.cgroups.thaw)
+            try:
+                args = ["checkpoint", f"--image-path={image_dir}", "--compression=none"]
+                if leave_running:
+                    args.append("--leave-running")
+                await self.runsc.call(sb.runsc_root, *args, sb.sandbox_id, timeout=300)
+                with open(os.path.join(image_dir, "agentcell.json"), "w") as f:
+                    json.dump({"sandbox_id": sb.sandbox_id, "limits": asdict(sb.limits)}, f)
+            finally:
+                if frozen and leave_running:
+                    await asyncio.to_thread(sb.cgroups.freeze)
+        if not leave_running:  # hibernated: its processes are gone, what is left of it goes too
+            await self.kill(sb)
+        return _du(image_dir)
+
+    async def restore(self, image_dir: str, spec_: SandboxSpec) -> RunningSandbox:
+        """A new sandbox from a checkpoint of a claimed one: its memory, processes and files, and
+        `spec_`'s id and limits (memory and CPU: the disk's size and the rlimits are the image's).
+        Its agent serves at once (it was claimed); it takes its own host name and redraws its
+        generators (guest.py's gvisor.rename) before this returns."""
+        self._check(spec_)
+        sandbox_id = spec_.sandbox_id or self._new_id()
+        sb = await self._restore(image_dir, sandbox_id, spec_.limits)
+        try:
+            sb.sock.setblocking(False)
+            loop = asyncio.get_running_loop()
+            async with asyncio.timeout(self.ready_timeout):
+                await loop.sock_sendall(sb.sock, encode_frame({"id": _RENAME_CALL, "op": "gvisor.rename",
+                                                               "hostname": sandbox_id}))
+                answer = await _read_frame(loop, sb.sock)
+            if answer is None or answer.get("id") != _RENAME_CALL or answer.get("error"):
+                raise SandboxError(f"sandbox {sandbox_id} restored from {image_dir} did not take its name: {answer}")
+        except BaseException:
+            await self.kill(sb)
+            raise
+        sb.sock.setblocking(True)
+        self.claimed.add(sandbox_id)
+        return sb
 
 
 def _du(path: str) -> int:

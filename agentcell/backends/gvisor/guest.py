@@ -9,17 +9,19 @@ the sentry's threads and kill the whole sandbox), then drops to what the linux b
 (sandbox_init.py): uid 1000, the root capability set permitted only, no_new_privs, the same seccomp
 filter, and serves the agent protocol.
 
-Once a sandbox is claimed, CAP_SYS_ADMIN (kept permitted so a restored template can take its new host
-name, `claimed`) is gone from every set: nothing the tenant runs can ever hold it.
+A restored template or checkpoint takes its new host name through _Namer, a child that alone keeps
+CAP_SYS_ADMIN: the agent and everything the tenant runs never hold it.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import ctypes
 import errno
 import fcntl
 import os
+import re
 import socket
 import sys
 from typing import Any
@@ -33,9 +35,7 @@ from agentcell.runtime.protocol import recv_frame
 SOCK_FD = 3
 CAP_SETPCAP = 8
 CAP_SYS_ADMIN = 21
-# held until the claim only: the host name of a restored template (SYS_ADMIN), and dropping it from
-# the bounding set (SETPCAP)
-_CLAIM_CAPS = (1 << CAP_SYS_ADMIN) | (1 << CAP_SETPCAP)
+_ID_RE = re.compile(r"^[a-z0-9]{1,63}$")
 _HOSTS = "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n127.0.1.1\t{name}\n"
 
 
@@ -72,36 +72,92 @@ def _set_rlimits(limits: Limits) -> None:
                 raise
 
 
+class _Namer:
+    """A child the init forks before it drops its privileges, keeping only CAP_SYS_ADMIN and
+    CAP_DAC_OVERRIDE, to give the sandbox a new host name when a template or a checkpoint is restored
+    as another sandbox. It reads names from a pipe only the agent holds, and does nothing else: the
+    agent itself never holds CAP_SYS_ADMIN, and nothing the sandbox runs can reach the pipe."""
+
+    def __init__(self) -> None:
+        r, w = os.pipe2(os.O_CLOEXEC)
+        done_r, done_w = os.pipe2(os.O_CLOEXEC)
+        pid = os.fork()
+        if pid == 0:
+            os.close(w)
+            os.close(done_r)
+            self._serve(r, done_w)
+        os.close(r)
+        os.close(done_w)
+        self._w, self._done = w, done_r
+
+    @staticmethod
+    def _serve(r: int, done: int) -> None:
+        try:
+            for fd in range(3, 1024):  # the sandbox's socket above all
+                if fd not in (r, done):
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
+            keep = (CAP_SYS_ADMIN, 1)  # CAP_DAC_OVERRIDE: /etc/hosts is root's
+            _bound_capabilities(keep)
+            sc.capset(sum(1 << c for c in keep), sum(1 << c for c in keep))
+            with os.fdopen(r, "rb") as f:
+                for line in f:
+                    name = line.strip().decode()
+                    ok = _ID_RE.match(name) is not None
+                    if ok:
+                        sc.sethostname(name)
+                        _name_files(name)
+                    os.write(done, b"1" if ok else b"0")
+        finally:
+            os._exit(0)
+
+    def rename(self, name: str) -> None:
+        os.write(self._w, name.encode() + b"\n")
+        if os.read(self._done, 1) != b"1":
+            raise ValueError(f"invalid sandbox name {name!r}")
+
+
+_namer: _Namer | None = None
+
+
+def _renamed(name: object) -> dict[str, str]:
+    """The sandbox is `name` now: host name, /etc files, redrawn generators (this process's)."""
+    if not isinstance(name, str) or not name or name == socket.gethostname():
+        return {}
+    assert _namer is not None
+    _namer.rename(name)
+    forkstate.refresh()
+    return {"HOSTNAME": name}
+
+
 def claimed(header: dict[str, Any]) -> dict[str, str]:
-    """At the claim (agent.serve's hook): a sandbox restored from a template takes its own name, its
-    generators are redrawn, and CAP_SYS_ADMIN goes for good. The env vars it returns join the claim's."""
-    name = header.get("hostname")
-    extra: dict[str, str] = {}
-    if isinstance(name, str) and name and name != socket.gethostname():
-        with rootcaps._effective((1 << CAP_SYS_ADMIN) | (1 << rootcaps.CAP_DAC_OVERRIDE)):
-            sc.sethostname(name)
-            _name_files(name)
-        extra["HOSTNAME"] = name
-        forkstate.refresh()
-    with rootcaps._effective(1 << CAP_SETPCAP):
-        for cap in (CAP_SYS_ADMIN, CAP_SETPCAP):
-            if not sandbox_init.ROOT_CAPS_MASK & (1 << cap):
-                sc.prctl(sc.PR_CAPBSET_DROP, cap)
-    permitted, _ = rootcaps._get()
-    rootcaps._set(permitted & (sandbox_init.ROOT_CAPS_MASK & ~(1 << CAP_SYS_ADMIN)), 0)
-    return extra
+    """At the claim (agent.serve's hook): a standby restored from the template takes its own name;
+    the env vars returned join the claim's (the claim itself makes every context redraw its own)."""
+    return _renamed(header.get("hostname"))
+
+
+def _register_rename_op() -> None:
+    """``gvisor.rename``: a sandbox restored from a checkpoint of a claimed one (a fork, a resumed
+    hibernation under another id) takes its own name; its contexts redraw their generators."""
+    from agentcell.runtime import agent
+
+    @agent.op("gvisor.rename")
+    async def _rename(ag: Any, call: Any, frame: Any) -> dict[str, Any]:
+        envs = _renamed(frame.header.get("hostname"))
+        if envs:
+            ag.claim(envs)  # the contexts get the new HOSTNAME, and redraw their generators with it
+        return {}
 
 
 def _bound_capabilities(keep: tuple[int, ...]) -> None:
     """sandbox_init's, less the ambient set: the sentry has none to clear (PR_CAP_AMBIENT is EINVAL)."""
-    for cap in range(64):
+    for cap in [c for c in range(64) if c != CAP_SETPCAP] + [CAP_SETPCAP]:  # the one that allows it last
         if cap not in keep:
             try:
                 sc.prctl(sc.PR_CAPBSET_DROP, cap)
             except OSError as e:
                 if e.errno != errno.EINVAL:  # past the last capability
                     raise
-                break
 
 
 def _load_seccomp(bpf: bytes) -> None:
@@ -132,7 +188,10 @@ def main() -> None:
     # answers make it refuse the filter's; the program itself the sentry runs as Linux does
     bpf = base64.b64decode(req["seccomp"])
     # the linux agent's identity: uid 1000, the root set permitted only (runtime/rootcaps.py)
-    keep = (*sandbox_init.ROOT_CAPS, CAP_SYS_ADMIN, CAP_SETPCAP)
+    global _namer
+    _namer = _Namer()
+    _register_rename_op()
+    keep = sandbox_init.ROOT_CAPS
     _bound_capabilities(keep)
     sc.prctl(sc.PR_SET_KEEPCAPS, 1)
     os.setgroups([])
@@ -140,7 +199,7 @@ def main() -> None:
     os.setresuid(rootfs.SANDBOX_UID, rootfs.SANDBOX_UID, rootfs.SANDBOX_UID)
     sc.prctl(sc.PR_SET_KEEPCAPS, 0)
     sc.prctl(sc.PR_SET_NO_NEW_PRIVS, 1)
-    sc.capset(sandbox_init.ROOT_CAPS_MASK | _CLAIM_CAPS, 0)
+    sc.capset(sandbox_init.ROOT_CAPS_MASK, 0)
     sc.prctl(sc.PR_SET_DUMPABLE, 1)
     _load_seccomp(bpf)
     rootcaps.GUEST_KERNEL = True  # uid 0 here is the guest kernel's root, never the host's

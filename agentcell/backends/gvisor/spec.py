@@ -36,7 +36,7 @@ def host_pids(limits: Limits) -> int:
 
 def build(sandbox_id: str, root: str, cgroup: str, limits: Limits, layout: runtime_store.Layout) -> dict[str, Any]:
     """`root`: the backend's read-only tree (rootfs.build); `cgroup`: e.g. /agentcell/<instance>/<id>."""
-    caps = [f"CAP_{_CAP_NAMES[c]}" for c in (*sandbox_init.ROOT_CAPS, 8, 21)]
+    caps = [f"CAP_{_CAP_NAMES[c]}" for c in (*sandbox_init.ROOT_CAPS, 8, 21)]  # SETPCAP: to bound the rest
     disk = f"size={limits.disk_limit_mb}m"
     bin_dir = layout.executable.rsplit("/", 1)[0]
     return {
