@@ -41,9 +41,9 @@ from agentcell.backends.base import (
     SandboxStats,
     new_sandbox_id,
 )
-from agentcell.backends.gvisor import reap, rootfs, spec
+from agentcell.backends.gvisor import reap, rootfs, seccomp_extra, spec
 from agentcell.backends.gvisor.runsc import Runsc
-from agentcell.backends.linux import cgroups, host, runtime_store, seccomp_filter
+from agentcell.backends.linux import cgroups, host, runtime_store
 from agentcell.backends.linux import syscalls as sc
 from agentcell.backends.linux.backend import _claimable, _read_frame
 from agentcell.backends.pool import StandbyPool
@@ -156,8 +156,8 @@ class GvisorBackend(Backend):
             stdin=subprocess.PIPE, start_new_session=True, close_fds=True)
         self._runtime = await asyncio.to_thread(runtime_store.ensure)
         await asyncio.to_thread(rootfs.build, self.root, self._runtime)
-        # the linux backend's filter, loaded by the guest init (guest.py)
-        self._seccomp = base64.b64encode(seccomp_filter.build().bpf).decode()
+        # the linux backend's filter and more (seccomp_extra.py), loaded by the guest init (guest.py)
+        self._seccomp = base64.b64encode(seccomp_extra.build()).decode()
         if self.standbys:
             await self._build_template()
             self._pool = StandbyPool(self._prepare_standby, self.kill, GvisorSandbox.alive, self.standbys,
