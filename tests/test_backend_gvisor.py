@@ -225,3 +225,28 @@ async def test_sandboxes_die_with_their_server() -> None:
     assert not _runsc_processes(state)
     assert not os.path.exists(state)
     assert not any(os.path.exists(f"/sys/fs/cgroup/{c}/{rel}") for c in ("memory", "pids", "freezer", "cpu"))
+
+
+async def test_export_files_is_a_tar_of_home_and_tmp(backend: GvisorBackend, tmp_path: Path) -> None:
+    import tarfile
+
+    from agentcell.errors import ResourceExhaustedError
+
+    box = await Box.create(backend)
+    try:
+        await box.run("open('/home/user/a.txt', 'w').write('home data')\nopen('/tmp/b.txt', 'w').write('tmp data')")
+        await backend.pause(box.sb)
+        size = await backend.export_files(box.sb, str(tmp_path / "disk.tar"), 64 << 20)
+        assert size == (tmp_path / "disk.tar").stat().st_size
+        with tarfile.open(tmp_path / "disk.tar") as tar:
+            names = tar.getnames()
+            assert "home/a.txt" in names and "tmp/b.txt" in names, names
+            member = tar.extractfile("home/a.txt")
+            assert member is not None and member.read() == b"home data"
+            assert tar.getmember("home/a.txt").uid == 1000
+        assert box.sb.cgroups.frozen()  # paused before, paused after
+        with pytest.raises(ResourceExhaustedError):
+            await backend.export_files(box.sb, str(tmp_path / "small.tar"), 1024)
+        assert not (tmp_path / "small.tar").exists()
+    finally:
+        await backend.kill(box.sb)

@@ -47,7 +47,13 @@ from agentcell.backends.linux import cgroups, host, runtime_store
 from agentcell.backends.linux import syscalls as sc
 from agentcell.backends.linux.backend import _claimable, _read_frame
 from agentcell.backends.pool import StandbyPool
-from agentcell.errors import BackendUnavailableError, InvalidArgumentError, SandboxError, SandboxGoneError
+from agentcell.errors import (
+    BackendUnavailableError,
+    InvalidArgumentError,
+    ResourceExhaustedError,
+    SandboxError,
+    SandboxGoneError,
+)
 from agentcell.runtime.protocol import encode_frame
 
 STATE_BASE = "/run/agentcell/gvisor"
@@ -330,9 +336,9 @@ class GvisorBackend(Backend):
             raise
         return sb
 
-    def _log_tail(self, sb: GvisorSandbox) -> str:
+    def _log_tail(self, sb: GvisorSandbox, name: str = "runsc.err") -> str:
         try:
-            with open(os.path.join(sb.runsc_root, "runsc.err"), errors="replace") as f:
+            with open(os.path.join(sb.runsc_root, name), errors="replace") as f:
                 return f.read()[-1500:].strip() or "no output"
         except OSError:
             return "no output"
@@ -393,7 +399,58 @@ class GvisorBackend(Backend):
                                    f"{e.strerror or e}") from e
 
     async def export_files(self, sandbox: RunningSandbox, dest: str, max_bytes: int) -> int:
-        raise NotImplementedError("filesystem snapshots of the gvisor backend: under construction")
+        """/home/user and /tmp as a pax tar with top directories home/ and tmp/ (disk_archive.py's
+        names; the root overlay's changes are not in it), made by tar inside the guest (runsc exec, as
+        the guest's root) and written here as it comes, cut off past `max_bytes`. The guest has to
+        run for it: a paused sandbox is thawed for the export, and frozen again after it."""
+        assert isinstance(sandbox, GvisorSandbox) and self.runsc is not None
+        sb = sandbox
+        async with sb.kill_lock:
+            if sb.killed:
+                raise SandboxGoneError(f"sandbox {sb.sandbox_id} was killed")
+            frozen = await asyncio.to_thread(sb.cgroups.frozen)
+            if frozen:
+                await asyncio.to_thread(sb.cgroups.thaw)
+            try:
+                return await self._tar(sb, dest, max_bytes)
+            finally:
+                if frozen:
+                    await asyncio.to_thread(sb.cgroups.freeze)
+
+    async def _tar(self, sb: GvisorSandbox, dest: str, max_bytes: int) -> int:
+        assert self.runsc is not None
+        argv = self.runsc.argv(sb.runsc_root, "exec", "--user=0:0", sb.sandbox_id, "/usr/bin/tar", "--format=pax",
+                               "--numeric-owner", "--sparse", "-C", "/", "--transform=s,^home/user,home,",
+                               "-cf", "-", "home/user", "tmp")
+        fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        written = 0
+        with open(os.path.join(sb.runsc_root, "export.err"), "wb") as err:
+            proc = await asyncio.create_subprocess_exec(*argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                                        stderr=err, cwd="/")
+        assert proc.stdout is not None
+        try:
+            while chunk := await proc.stdout.read(1 << 20):
+                written += len(chunk)
+                if written > max_bytes:
+                    raise ResourceExhaustedError(f"the files of sandbox {sb.sandbox_id} are over {max_bytes} bytes")
+                view = memoryview(chunk)
+                while view:
+                    view = view[os.write(fd, view):]
+            if await proc.wait() not in (0, 1):  # 1: a file changed while it was read
+                raise SandboxError(f"tar in sandbox {sb.sandbox_id} failed: {self._log_tail(sb, 'export.err')}")
+        except BaseException:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+            os.close(fd)
+            fd = -1
+            with contextlib.suppress(OSError):
+                os.unlink(dest)
+            raise
+        finally:
+            if fd >= 0:
+                os.close(fd)
+        return written
 
     # -- memory snapshots: runsc checkpoint / restore --------------------------------------------
 

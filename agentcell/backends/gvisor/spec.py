@@ -24,7 +24,7 @@ _HOST_TASKS_BASE = 1024
 # runtime): the linux backend's sandboxes share those pages with their zygote, uncharged. And a fork in
 # the guest copies more on write than Linux does (measured: 60 forked Pythons, ~250 MiB). The host
 # limit is the tenant's memory_mb plus this much, so that memory_mb stays about what its code can use.
-SENTRY_OVERHEAD_MB = 512
+SENTRY_OVERHEAD_MB = 256
 
 
 def host_memory_bytes(limits: Limits) -> int:
