@@ -77,7 +77,8 @@ def main() -> None:
                    "the default limits; each idle one holds ~15 MiB. 0: every create prepares its own.")
 @click.option("--uid-base", default=None, type=click.IntRange(1000, (1 << 31) - 1),
               help="First host uid of this server's sandboxes (default: a free range, disjoint from other servers').")
-@click.option("--backend", default="linux", show_default=True, type=click.Choice(["linux"]), help="Isolation backend.")
+@click.option("--backend", default="linux", show_default=True, type=click.Choice(["linux", "gvisor"]),
+              help="Isolation backend (gvisor: runsc sandboxes, no network; AGENTCELL_GVISOR_PLATFORM=ptrace).")
 @click.option("--template-backend", "template_backends", multiple=True, metavar="TEMPLATE=BACKEND",
               help="Run this template's sandboxes on another backend, e.g. code-interpreter-v1=gvisor (repeatable).")
 @click.option("--create-backends", "create_backends", multiple=True, metavar="BACKEND",
@@ -154,6 +155,11 @@ def serve(**opts: Any) -> None:
     opts["template_backends"] = tuple((t, b) for t, _, b in pairs)
     opts["create_backends"] = tuple(opts["create_backends"])
     opts["hibernate_after"] = opts["hibernate_after"] or None
+    if "linux" not in {opts["backend"], *(b for _, b in opts["template_backends"]), *opts["create_backends"]} \
+            and opts["egress_uplink"] != "none":
+        # runsc's sandboxes cannot have a network here (google/gvisor#10704): no uplink to set up
+        click.echo("agentcell: the gvisor backend gives sandboxes no network: --egress-uplink none", err=True)
+        opts["egress_uplink"] = "none"
     opts["tune_sysctls"] = opts.pop("host_sysctls")
     opts["egress_dns"] = tuple(opts["egress_dns"])
     opts["egress_allow_ranges"] = tuple(opts["egress_allow_ranges"])

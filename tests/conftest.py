@@ -30,6 +30,10 @@ REPO = Path(__file__).resolve().parent.parent
 # traffic out of this machine. Tests of egress pass --egress-uplink netns:<a test's "internet"> instead.
 os.environ["AGENTCELL_EGRESS_UPLINK"] = "none"
 SERVER_ENV_CANARY = "canary-" + os.urandom(8).hex()
+# The session server's backend: AGENTCELL_TEST_BACKEND=gvisor runs the suites against runsc sandboxes.
+TEST_BACKEND = os.environ.get("AGENTCELL_TEST_BACKEND", "linux")
+BACKEND_ARGS = ("--backend", TEST_BACKEND) if TEST_BACKEND != "linux" else ()
+GVISOR = TEST_BACKEND == "gvisor"
 
 
 def _free_port() -> int:
@@ -98,7 +102,7 @@ def server(server_log: Path) -> Iterator[ServerProcess | None]:
         return
     # The canary stands for the secrets an operator's server environment holds (API keys, cloud
     # credentials); tests check that no sandbox can find it.
-    srv = ServerProcess(server_log, env={"AGENTCELL_TEST_CANARY": SERVER_ENV_CANARY})
+    srv = ServerProcess(server_log, *BACKEND_ARGS, env={"AGENTCELL_TEST_CANARY": SERVER_ENV_CANARY})
     try:
         srv.wait_ready()
         yield srv

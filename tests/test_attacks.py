@@ -12,9 +12,17 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import GVISOR
 from helpers import CONNECT_CODE, host_listener, secret_scan_code, sh
 
 from agentcell import Sandbox
+
+# gVisor has no OOM killer of its own: a sandbox past its memory limit is killed whole by the host's
+# memory cgroup (contained: the fixture checks the neighbour and the server), not just its greediest
+# process, and a fork in the guest copies far more on write than Linux (60 sleeping Python children
+# of the context take ~500 MiB), so the fork loop meets the memory limit before RLIMIT_NPROC.
+_GVISOR_OOM = pytest.mark.xfail(GVISOR, reason="gvisor: a sandbox past its memory limit dies whole (no guest OOM "
+                                "killer); forks cost ~8 MiB each in the guest", strict=False)
 
 
 @pytest.fixture
@@ -71,6 +79,7 @@ def test_cannot_reach_host_loopback(attacker: Sandbox) -> None:
     assert accepted == []
 
 
+@_GVISOR_OOM
 def test_fork_bomb_is_contained(attacker: Sandbox) -> None:
     # An unbounded fork loop: the pids limit (64) stops it with EAGAIN, well before the host notices.
     r = attacker.run_code(
@@ -98,6 +107,7 @@ def test_fork_bomb_is_contained(attacker: Sandbox) -> None:
     assert sh(attacker, "echo recovered")[1] == "recovered\n"
 
 
+@_GVISOR_OOM
 def test_memory_hog_is_contained(attacker: Sandbox) -> None:
     r = attacker.run_code("x = b'1' * (600 * 1024 * 1024); 'survived'")
     assert r.text != "'survived'"

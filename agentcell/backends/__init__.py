@@ -13,7 +13,11 @@ def get_backend(name: str = "linux", **options: Any) -> Backend:
         from agentcell.backends.linux.backend import LinuxBackend
 
         return LinuxBackend(**options)
-    raise ValueError(f"unknown backend {name!r}; available: linux")
+    if name == "gvisor":
+        from agentcell.backends.gvisor.backend import GvisorBackend
+
+        return GvisorBackend(**options)
+    raise ValueError(f"unknown backend {name!r}; available: linux, gvisor")
 
 
 __all__ = ["Backend", "Limits", "RunningSandbox", "SandboxSpec", "SandboxStats", "get_backend"]

@@ -229,7 +229,9 @@ async def _serve(sock: socket.socket, config: dict[str, Any]) -> None:
         claim = await read_frame(reader)
         if claim is None or claim.header.get("op") != "claim":
             return
-        agent.claim({str(k): str(v) for k, v in (claim.header.get("envs") or {}).items()})
+        on_claim = config.get("on_claim")  # the backend's own step at the claim (gvisor: the host name)
+        extra = on_claim(claim.header) if callable(on_claim) else {}
+        agent.claim({**extra, **{str(k): str(v) for k, v in (claim.header.get("envs") or {}).items()}})
         await agent.run(reader)
     finally:
         sudo_service.close()

@@ -27,7 +27,11 @@ def refresh() -> None:
         key[0] = 0x80000000  # as seed(): only its top bit is used, and the key must not be all zero
         nprandom.set_state(("MT19937", key, 624, 0, 0.0))
     # Python's random module reseeds its global instance in every fork child by itself
-    # (os.register_at_fork); tempfile's name generator is its own Random, redrawn here.
+    # (os.register_at_fork), but not in a process restored from a checkpoint (gvisor's templates).
+    random = sys.modules.get("random")
+    if random is not None:
+        random.seed()
+    # tempfile's name generator is its own Random, redrawn here.
     tempfile = sys.modules.get("tempfile")
     if tempfile is not None:
         tempfile._name_sequence = None  # type: ignore[attr-defined]

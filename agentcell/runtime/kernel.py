@@ -621,6 +621,9 @@ def _serve_kernel(sock: socket.socket) -> NoReturn:
         if "set_env" in frame.header:  # the claim's env vars (ContextManager.update_envs)
             os.environ.clear()
             os.environ.update({str(k): str(v) for k, v in frame.header["set_env"].items()})
+            # a context restored from a template (the gvisor backend) was not forked for its sandbox:
+            # its generators are redrawn at the claim, before any user code
+            forkstate.refresh()
             continue
         code = frame.payload.decode("utf-8", "replace")
         env_vars = {str(k): str(v) for k, v in (frame.header.get("env_vars") or {}).items()}

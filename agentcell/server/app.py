@@ -282,14 +282,12 @@ class AgentcellApp:
 
 
 def _build_backend(name: str, config: ServerConfig) -> Backend:
-    if name != "linux":
-        return get_backend(name, max_sandboxes=config.max_sandboxes, standbys=config.standbys,
-                           standby_limits=config.limits, state_dir=config.state_dir)
+    # every backend takes the linux one's options; only linux has an egress (gvisor: no network yet)
+    egress = EgressSettings(config.egress_uplink, config.egress_dns, config.egress_ca_bundle,
+                            config.egress_allow_ranges) if name == "linux" else None
     return get_backend(name, uid_base=config.uid_base, max_sandboxes=config.max_sandboxes,
                        tune_sysctls=config.tune_sysctls, ptys_per_sandbox=config.ptys_per_sandbox,
-                       standbys=config.standbys, standby_limits=config.limits,
-                       egress=EgressSettings(config.egress_uplink, config.egress_dns, config.egress_ca_bundle,
-                                             config.egress_allow_ranges),
+                       standbys=config.standbys, standby_limits=config.limits, egress=egress,
                        memory_reserve_bytes=config.memory_reserve_mb << 20
                        if config.memory_reserve_mb is not None else None)
 

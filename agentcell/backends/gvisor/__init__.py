@@ -1,0 +1,1 @@
+"""The gvisor backend: every sandbox is a gVisor (runsc) sandbox; see backend.py."""

@@ -1,0 +1,229 @@
+"""The sandbox's init inside gVisor: prepares the guest as its root, then becomes the agent as uid 1000.
+
+runsc starts it (pid 1 of the guest kernel) as the guest's root, with the sandbox's socket as stdin
+and stdout (a host socket the sentry imported: unlike a host UDS it survives checkpoint and restore,
+each restore getting the new sandbox's socket). It reads its *preparation* frame on that socket (the
+sandbox id, its limits), writes the sandbox's own /etc/hosts, /etc/hostname and sudo through the root's
+memory overlay, sets the rlimits (RLIMIT_NPROC stands for the pids limit: a host pids.max would count
+the sentry's threads and kill the whole sandbox), then drops to what the linux backend's agent is
+(sandbox_init.py): uid 1000, the root capability set permitted only, no_new_privs, the same seccomp
+filter, and serves the agent protocol.
+
+A restored template or checkpoint takes its new host name through _Namer, a child that alone keeps
+CAP_SYS_ADMIN: the agent and everything the tenant runs never hold it.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import ctypes
+import errno
+import fcntl
+import os
+import re
+import socket
+import sys
+from typing import Any
+
+from agentcell.backends.base import Limits
+from agentcell.backends.linux import ns_limits, rootfs, sandbox_init, seccomp_filter
+from agentcell.backends.linux import syscalls as sc
+from agentcell.runtime import forkstate, rootcaps
+from agentcell.runtime.protocol import recv_frame
+
+SOCK_FD = 3
+CAP_SETPCAP = 8
+CAP_SYS_ADMIN = 21
+_ID_RE = re.compile(r"^[a-z0-9]{1,63}$")
+_HOSTS = "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n127.0.1.1\t{name}\n"
+
+
+def _write(path: str, text: str, mode: int = 0o644) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
+    try:
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+
+
+def _name_files(sandbox_id: str) -> None:
+    _write("/etc/hostname", sandbox_id + "\n")
+    _write("/etc/hosts", _HOSTS.format(name=sandbox_id))
+
+
+def _set_rlimits(limits: Limits) -> None:
+    """ns_limits' values, each clamped to the hard limit runsc gave the init (raising it is refused)."""
+    import resource
+
+    inf = resource.RLIM_INFINITY
+    for which, (soft, hard) in ns_limits.rlimits(limits).items():
+        _, cur = resource.getrlimit(which)
+        if cur != inf and (hard == inf or hard > cur):
+            hard = cur
+        if hard != inf and (soft == inf or soft > hard):
+            soft = hard
+        try:
+            resource.setrlimit(which, (soft, hard))
+        except ValueError:
+            # the sentry refuses some it does not implement (RLIMIT_SIGPENDING reads 0/0 and cannot be
+            # set): those bound nothing here; the ones that are limits must hold
+            if which in (resource.RLIMIT_NPROC, resource.RLIMIT_NOFILE, resource.RLIMIT_FSIZE):
+                raise
+
+
+class _Namer:
+    """A child the init forks before it drops its privileges, keeping only CAP_SYS_ADMIN and
+    CAP_DAC_OVERRIDE, to give the sandbox a new host name when a template or a checkpoint is restored
+    as another sandbox. It reads names from a pipe only the agent holds, and does nothing else: the
+    agent itself never holds CAP_SYS_ADMIN, and nothing the sandbox runs can reach the pipe."""
+
+    def __init__(self) -> None:
+        r, w = os.pipe2(os.O_CLOEXEC)
+        done_r, done_w = os.pipe2(os.O_CLOEXEC)
+        pid = os.fork()
+        if pid == 0:
+            os.close(w)
+            os.close(done_r)
+            self._serve(r, done_w)
+        os.close(r)
+        os.close(done_w)
+        self._w, self._done = w, done_r
+
+    @staticmethod
+    def _serve(r: int, done: int) -> None:
+        try:
+            for fd in range(3, 1024):  # the sandbox's socket above all
+                if fd not in (r, done):
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
+            keep = (CAP_SYS_ADMIN, 1)  # CAP_DAC_OVERRIDE: /etc/hosts is root's
+            _bound_capabilities(keep)
+            sc.capset(sum(1 << c for c in keep), sum(1 << c for c in keep))
+            with os.fdopen(r, "rb") as f:
+                for line in f:
+                    name = line.strip().decode()
+                    ok = _ID_RE.match(name) is not None
+                    if ok:
+                        sc.sethostname(name)
+                        _name_files(name)
+                    os.write(done, b"1" if ok else b"0")
+        finally:
+            os._exit(0)
+
+    def rename(self, name: str) -> None:
+        os.write(self._w, name.encode() + b"\n")
+        if os.read(self._done, 1) != b"1":
+            raise ValueError(f"invalid sandbox name {name!r}")
+
+
+_namer: _Namer | None = None
+
+
+def _renamed(name: object) -> dict[str, str]:
+    """The sandbox is `name` now: host name, /etc files, redrawn generators (this process's)."""
+    if not isinstance(name, str) or not name or name == socket.gethostname():
+        return {}
+    assert _namer is not None
+    _namer.rename(name)
+    forkstate.refresh()
+    return {"HOSTNAME": name}
+
+
+def claimed(header: dict[str, Any]) -> dict[str, str]:
+    """At the claim (agent.serve's hook): a standby restored from the template takes its own name;
+    the env vars returned join the claim's (the claim itself makes every context redraw its own)."""
+    return _renamed(header.get("hostname"))
+
+
+def _register_rename_op() -> None:
+    """``gvisor.rename``: a sandbox restored from a checkpoint of a claimed one (a fork, a resumed
+    hibernation under another id) takes its own name; its contexts redraw their generators."""
+    from agentcell.runtime import agent
+
+    @agent.op("gvisor.rename")
+    async def _rename(ag: Any, call: Any, frame: Any) -> dict[str, Any]:
+        envs = _renamed(frame.header.get("hostname"))
+        if envs:
+            ag.claim(envs)  # the contexts get the new HOSTNAME, and redraw their generators with it
+        return {}
+
+
+def _bound_capabilities(keep: tuple[int, ...]) -> None:
+    """sandbox_init's, less the ambient set: the sentry has none to clear (PR_CAP_AMBIENT is EINVAL)."""
+    for cap in [c for c in range(64) if c != CAP_SETPCAP] + [CAP_SETPCAP]:  # the one that allows it last
+        if cap not in keep:
+            try:
+                sc.prctl(sc.PR_CAPBSET_DROP, cap)
+            except OSError as e:
+                if e.errno != errno.EINVAL:  # past the last capability
+                    raise
+
+
+def _load_seccomp(bpf: bytes) -> None:
+    buf = ctypes.create_string_buffer(bpf, len(bpf))
+    prog = seccomp_filter._SockFprog(len(bpf) // 8, ctypes.addressof(buf))
+    sc.prctl(sc.PR_SET_NO_NEW_PRIVS, 1)
+    sc.prctl(seccomp_filter.PR_SET_SECCOMP, seccomp_filter.SECCOMP_MODE_FILTER, ctypes.addressof(prog))
+
+
+def main() -> None:
+    # the socket away from 0/1/2, which every child inherits
+    fd = fcntl.fcntl(0, fcntl.F_DUPFD_CLOEXEC, SOCK_FD)
+    devnull = os.open("/dev/null", os.O_RDWR | os.O_CLOEXEC)
+    for i in (0, 1):
+        os.dup2(devnull, i)
+    sock = socket.socket(fileno=fd)
+    frame = recv_frame(sock)
+    if frame is None:
+        os._exit(0)
+    req = frame.header
+    sandbox_id = str(req["sandbox_id"])
+    limits = Limits(**req["limits"])
+    # as the guest's root, through the root's memory overlay
+    _name_files(sandbox_id)
+    _write(rootfs.SUDO_PATH, rootfs.SUDO_SHIM, 0o755)
+    _set_rlimits(limits)
+    # built by the backend on the host: libseccomp probes the kernel's actions, and the sentry's
+    # answers make it refuse the filter's; the program itself the sentry runs as Linux does
+    bpf = base64.b64decode(req["seccomp"])
+    # the linux agent's identity: uid 1000, the root set permitted only (runtime/rootcaps.py)
+    global _namer
+    _namer = _Namer()
+    _register_rename_op()
+    keep = sandbox_init.ROOT_CAPS
+    _bound_capabilities(keep)
+    sc.prctl(sc.PR_SET_KEEPCAPS, 1)
+    os.setgroups([])
+    os.setresgid(rootfs.SANDBOX_UID, rootfs.SANDBOX_UID, rootfs.SANDBOX_UID)
+    os.setresuid(rootfs.SANDBOX_UID, rootfs.SANDBOX_UID, rootfs.SANDBOX_UID)
+    sc.prctl(sc.PR_SET_KEEPCAPS, 0)
+    sc.prctl(sc.PR_SET_NO_NEW_PRIVS, 1)
+    sc.capset(sandbox_init.ROOT_CAPS_MASK, 0)
+    sc.prctl(sc.PR_SET_DUMPABLE, 1)
+    _load_seccomp(bpf)
+    rootcaps.GUEST_KERNEL = True  # uid 0 here is the guest kernel's root, never the host's
+    envs = sandbox_init.default_envs(sandbox_id)
+    os.environ.clear()
+    os.environ.update(envs)
+    os.chdir(rootfs.HOME)
+    from agentcell.runtime import agent
+
+    config = {"sandbox_id": sandbox_id, "envs": envs, "home": rootfs.HOME, "child_oom_score_adj": 0,
+              "on_claim": claimed}
+    if req.get("preload"):
+        agent.preload()
+    os.dup2(devnull, 2)  # the host's log file until now: nothing the sandbox runs may write there
+    os.close(devnull)
+    agent.serve(sock, config)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except BaseException as e:  # noqa: BLE001 - pid 1: say why on the host's log, then end the sandbox
+        import traceback
+
+        traceback.print_exception(e, file=sys.stderr)
+        sys.stderr.flush()
+        os._exit(1)

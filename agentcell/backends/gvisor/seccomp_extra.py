@@ -1,0 +1,31 @@
+"""The guest's seccomp filter: the linux backend's, plus rules that keep signals off the agent.
+
+Linux lets nothing in a pid namespace kill its init with a signal init has no handler for (SIGKILL
+above all), and the linux backend's agent is that init. The sentry delivers such signals, so the
+agent (pid 1 of the guest, the sandbox's user like the code it runs) would die of `kill -9 1`: here
+signals whose target is pid 1 are refused instead (kill, tgkill, rt_sigqueueinfo, rt_tgsigqueueinfo,
+pidfd_open of pid 1), and tkill and pidfd_send_signal, which could name one of its threads or a pidfd
+of it otherwise, are refused outright (glibc and Go use tgkill; tkill is obsolete).
+kill(-1, ...) never reaches init, in gVisor as in Linux.
+"""
+
+from __future__ import annotations
+
+import errno
+
+import pyseccomp as seccomp
+
+from agentcell.backends.linux import seccomp_filter
+
+_TO_PID_1 = ("kill", "tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo", "pidfd_open")
+_NEVER = ("tkill", "pidfd_send_signal")
+
+
+def build() -> bytes:
+    f = seccomp_filter.rules()
+    eperm = seccomp.ERRNO(errno.EPERM)
+    for name in _TO_PID_1:  # the pid is an int: its low 32 bits
+        f.add_rule(eperm, name, seccomp.Arg(0, seccomp.MASKED_EQ, 0xFFFFFFFF, 1))
+    for name in _NEVER:
+        f.add_rule(eperm, name)
+    return seccomp_filter.Filter(f).bpf

@@ -1,0 +1,154 @@
+"""The gvisor backend's lifecycle figures, measured on the backend itself (no HTTP in between).
+
+    PYTHONPATH=. .venv/bin/python benchmarks/gvisor_lifecycle.py [--runs 10] [--idle 20] [--platform systrap]
+
+Prints one line per figure: pool create -> first run_code result, pool refill, pause/resume,
+checkpoint time and image size, restore -> first result, a fork of 8 (8 concurrent restores), PSS
+per idle sandbox, and the CPU that N idle sandboxes take unfrozen and frozen. Run as root with runsc.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import glob
+import os
+import shutil
+import statistics
+import tempfile
+import time
+
+from agentcell.backends.base import SandboxSpec
+from agentcell.backends.gvisor.backend import GvisorBackend, GvisorSandbox
+from agentcell.backends.linux import cgroups
+from agentcell.runtime.protocol import AgentChannel, line_dicts
+
+
+def pct(samples: list[float]) -> str:
+    ms = sorted(s * 1000 for s in samples)
+    p95 = ms[min(len(ms) - 1, round(0.95 * (len(ms) - 1)))]
+    return f"p50 {statistics.median(ms):.1f} ms, p95 {p95:.1f} ms (n={len(ms)})"
+
+
+async def first_result(sb: GvisorSandbox, code: str = "6 * 7") -> str:
+    channel = await AgentChannel.open(sb.sock)
+    text = ""
+    async for d in line_dicts(channel.stream("code.run", code.encode())):
+        if d.get("type") == "result":
+            text = d.get("text", "")
+    return text
+
+
+def pss_bytes(sb: GvisorSandbox) -> int:
+    total = 0
+    pids = {p for d in sb.cgroups.dirs.values() for p in open(f"{d}/cgroup.procs").read().split()}
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/smaps_rollup") as f:
+                for line in f:
+                    if line.startswith("Pss:"):
+                        total += int(line.split()[1]) << 10
+        except OSError:
+            pass
+    return total
+
+
+def cpu_seconds(rel: str) -> float:
+    return cgroups.Cgroups.at(rel).stats().cpu_seconds
+
+
+async def main(args: argparse.Namespace) -> None:
+    be = GvisorBackend(max_sandboxes=args.idle + 20, standbys=2, platform=args.platform)
+    t0 = time.perf_counter()
+    await be.start()
+    print(f"start (template built and saved): {time.perf_counter() - t0:.1f} s, template image "
+          f"{sum(os.path.getsize(p) for p in glob.glob(be.template + '/*')) >> 20} MiB")
+    tmp = tempfile.mkdtemp(dir="/run/agentcell")
+    try:
+        assert be._pool is not None
+        # pool refill: a standby restored from the template and frozen
+        refills = []
+        for _ in range(3):
+            t = time.perf_counter()
+            sb = await be._prepare_standby()
+            refills.append(time.perf_counter() - t)
+            await be.kill(sb)
+        print(f"pool refill (restore template + freeze), per standby: {pct(refills)}")
+
+        creates = []
+        for _ in range(args.runs):
+            while be._pool.ready < 1:
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.3)  # a quiet machine for the measurement
+            t = time.perf_counter()
+            sb = await be.create(SandboxSpec())
+            assert await first_result(sb) == "42"
+            creates.append(time.perf_counter() - t)
+            await be.kill(sb)
+        print(f"pool create -> first run_code result: {pct(creates)}")
+
+        sb = await be.create(SandboxSpec())
+        await first_result(sb)
+        pauses, resumes = [], []
+        for _ in range(20):
+            t = time.perf_counter()
+            await be.pause(sb)
+            pauses.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            await be.resume(sb)
+            resumes.append(time.perf_counter() - t)
+        print(f"pause (freezer): {pct(pauses)}; resume: {pct(resumes)}")
+
+        image = os.path.join(tmp, "image")
+        t = time.perf_counter()
+        size = await be.checkpoint(sb, image, leave_running=True)
+        print(f"checkpoint --leave-running of an idle sandbox: {(time.perf_counter() - t) * 1000:.0f} ms, "
+              f"image {size >> 20} MiB (no compression)")
+        restores = []
+        for _ in range(3):
+            t = time.perf_counter()
+            kid = await be.restore(image, SandboxSpec())
+            assert await first_result(kid) == "42"
+            restores.append(time.perf_counter() - t)
+            await be.kill(kid)
+        print(f"restore -> first run_code result: {pct(restores)}")
+        t = time.perf_counter()
+        kids = await asyncio.gather(*(be.restore(image, SandboxSpec()) for _ in range(8)))
+        await asyncio.gather(*(first_result(k) for k in kids))
+        print(f"fork of 8 (8 concurrent restores, each answering): {time.perf_counter() - t:.2f} s wall")
+        print(f"PSS of a restored, idle sandbox (sentry + gofer + stubs): "
+              f"{statistics.median(pss_bytes(k) for k in kids) / (1 << 20):.0f} MiB (median of 8)")
+        for k in kids:
+            await be.kill(k)
+        await be.kill(sb)
+
+        idle = []
+        for _ in range(args.idle):
+            s = await be.create(SandboxSpec())
+            await first_result(s, "1")
+            idle.append(s)
+        print(f"PSS per idle sandbox (claimed, one run): "
+              f"{statistics.median(pss_bytes(s) for s in idle) / (1 << 20):.0f} MiB (median of {len(idle)})")
+        await asyncio.sleep(2)
+        for frozen in (False, True):
+            if frozen:
+                for s in idle:
+                    await be.pause(s)
+            c0 = sum(cpu_seconds(s.cgroups.sandbox_id) for s in idle)
+            await asyncio.sleep(5)
+            c1 = sum(cpu_seconds(s.cgroups.sandbox_id) for s in idle)
+            print(f"CPU of {len(idle)} idle sandboxes, {'frozen' if frozen else 'unfrozen'}: "
+                  f"{(c1 - c0) / 5 * 100:.1f} % of one core")
+        for s in idle:
+            await be.kill(s)
+    finally:
+        await be.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--runs", type=int, default=10)
+    parser.add_argument("--idle", type=int, default=20)
+    parser.add_argument("--platform", default="systrap", choices=("systrap", "ptrace"))
+    asyncio.run(main(parser.parse_args()))
