@@ -1,11 +1,13 @@
-"""Filesystem snapshots and pauses without memory on the linux backend: E2B's create_snapshot,
-list_snapshots, delete_snapshot, Sandbox.create(snapshot_id), pause(mode="filesystem"),
-connect(on_resume="reboot"), and paused sandboxes kept across a server restart."""
+"""Snapshots, fork, pauses without memory: E2B's create_snapshot, list_snapshots, delete_snapshot,
+Sandbox.create(snapshot_id), fork, pause(mode="filesystem"), connect(on_resume="reboot"), hibernation,
+and paused sandboxes kept across a server restart. On the linux backend a snapshot keeps the files
+(a create from it is a cold start); on gvisor (AGENTCELL_TEST_BACKEND=gvisor) it keeps memory too."""
 
 from __future__ import annotations
 
 import os
 import stat
+import time
 from pathlib import Path
 
 import httpx
@@ -15,6 +17,10 @@ from agentcell import Sandbox
 from agentcell.errors import SandboxException
 from tests.conftest import ServerProcess
 from tests.helpers import sh
+
+GVISOR = os.environ.get("AGENTCELL_TEST_BACKEND", "linux") == "gvisor"
+BACKEND_ARGS = ("--backend", "gvisor") if GVISOR else ()
+memory_only = pytest.mark.skipif(not GVISOR, reason="memory snapshots need the gvisor backend")
 
 
 def test_snapshot_then_create_from_it(server_url: str) -> None:
@@ -32,7 +38,8 @@ def test_snapshot_then_create_from_it(server_url: str) -> None:
         listed = Sandbox.list_snapshots(api_url=server_url).next_items()
         assert snap.snapshot_id in [s.snapshot_id for s in listed]
         mine = src.list_snapshots().next_items()
-        assert [s.snapshot_id for s in mine] == [snap.snapshot_id] and mine[0].mode == "filesystem"
+        assert [s.snapshot_id for s in mine] == [snap.snapshot_id]
+        assert mine[0].mode == ("full" if GVISOR else "filesystem")  # the most the backend keeps
         assert [s.snapshot_id for s in Sandbox.list_snapshots(name=snap.names[0], api_url=server_url).next_items()] \
             == [snap.snapshot_id]
         assert Sandbox.list_snapshots(name="no-such-name", api_url=server_url).next_items() == []
@@ -45,7 +52,8 @@ def test_snapshot_then_create_from_it(server_url: str) -> None:
                 assert child.files.read("/tmp/scratch.txt") == "tmp too"
                 assert sh(child, "/usr/local/bin/mytool >/dev/null; cat /usr/local/bin/mytool")[1] == "tool\n"
                 assert sh(child, "test -e /etc/motd; echo $?")[1] == "1\n"
-                assert "live" not in child.run_code("dir()").text  # files only: a cold start
+                # linux: files only, a cold start; gvisor: its memory too
+                assert ("live" in child.run_code("dir()").text) is GVISOR
                 assert sh(child, "stat -c %U /home/user/notes/a.txt /usr/local/bin/mytool")[1] == "user\nroot\n"
             a.files.write("/home/user/notes/a.txt", "changed in a")
             assert b.files.read("/home/user/notes/a.txt") == "from the source"
@@ -112,7 +120,7 @@ def test_pause_without_memory_and_reboot(server_url: str) -> None:
 def test_snapshot_quota_refuses_and_leaves_nothing(tmp_path: Path) -> None:
     state = tmp_path / "state"
     srv = ServerProcess(tmp_path / "server.log", "--standbys", "0", "--snapshot-quota-mb", "2",
-                        "--state-dir", str(state))
+                        "--state-dir", str(state), *BACKEND_ARGS)
     srv.wait_ready()
     try:
         sbx = Sandbox.create(api_url=srv.url, timeout=60)
@@ -134,7 +142,7 @@ def test_snapshot_quota_refuses_and_leaves_nothing(tmp_path: Path) -> None:
 
 def test_paused_sandboxes_survive_a_server_restart(tmp_path: Path) -> None:
     state = tmp_path / "state"
-    args = ("--standbys", "0", "--state-dir", str(state))
+    args = ("--standbys", "0", "--state-dir", str(state), *BACKEND_ARGS)
     srv = ServerProcess(tmp_path / "a.log", *args)
     srv.wait_ready()
     try:
@@ -183,10 +191,63 @@ def test_official_sdk_snapshots(e2b_env: str) -> None:
         assert not sbx.is_running()
         resumed = sbx.connect()
         assert resumed.files.read("/home/user/test.txt") == "content from original sandbox"
-        from e2b.exceptions import InvalidArgumentException
-        from e2b.exceptions import SandboxException as E2BSandboxException
-        with pytest.raises((InvalidArgumentException, E2BSandboxException)) as e:
-            sbx.fork()
-        assert "gvisor" in str(e.value)
+        if not GVISOR:
+            from e2b.exceptions import InvalidArgumentException
+            from e2b.exceptions import SandboxException as E2BSandboxException
+            with pytest.raises((InvalidArgumentException, E2BSandboxException)) as e:
+                sbx.fork()
+            assert "gvisor" in str(e.value)
     finally:
         sbx.kill()
+
+
+@memory_only
+def test_fork_copies_memory_into_independent_sandboxes(server_url: str) -> None:
+    src = Sandbox.create(api_url=server_url, timeout=120)
+    try:
+        src.run_code("import random, uuid\ncounter = 41")
+        src.files.write("/tmp/state.txt", "before fork")
+        forks = src.fork(count=3, timeout=60)
+        assert all(isinstance(f, Sandbox) for f in forks), forks
+        try:
+            ids = {f.sandbox_id for f in forks}
+            assert len(ids) == 3 and src.sandbox_id not in ids
+            draws = set()
+            for f in forks:
+                assert f.run_code("counter + 1").text == "42"  # its memory
+                assert f.files.read("/tmp/state.txt") == "before fork"
+                assert sh(f, "hostname")[1].strip() == f.sandbox_id  # its own name
+                draws.add(f.run_code("(random.random(), str(uuid.uuid4()))").text)
+                f.run_code("counter = -1")
+                f.files.write("/tmp/state.txt", f.sandbox_id)
+            assert len(draws) == 3  # random generators reseeded in each
+            assert src.run_code("counter").text == "41"  # the source is untouched
+            assert src.files.read("/tmp/state.txt") == "before fork"
+            assert src.fork(count=1)  # and can fork again
+        finally:
+            for f in forks:
+                if isinstance(f, Sandbox):
+                    f.kill()
+    finally:
+        src.kill()
+
+
+@memory_only
+def test_hibernation_frees_memory_and_keeps_state(tmp_path: Path) -> None:
+    srv = ServerProcess(tmp_path / "server.log", "--standbys", "0", "--hibernate-after", "1",
+                        "--state-dir", str(tmp_path / "state"), *BACKEND_ARGS)
+    srv.wait_ready()
+    try:
+        sbx = Sandbox.create(api_url=srv.url, timeout=120)
+        sbx.run_code("big = bytearray(64 << 20); big[123] = 7")
+        sbx.pause()
+        deadline = time.monotonic() + 30
+        while not any((tmp_path / "state" / "paused").glob("*.image")):
+            assert time.monotonic() < deadline, "never hibernated"
+            time.sleep(0.2)
+        assert sbx.get_info().state == "paused"
+        sbx.connect()
+        assert sbx.run_code("big[123], len(big)").text == "(7, 67108864)"
+        sbx.kill()
+    finally:
+        srv.stop()
