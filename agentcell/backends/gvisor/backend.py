@@ -236,8 +236,6 @@ class GvisorBackend(Backend):
         has, a sandbox booted for it now (seconds: it imports the whole runtime)."""
         t0 = time.perf_counter()
         self._check(spec_)
-        if spec_.files:
-            raise InvalidArgumentError("the gvisor backend cannot start a sandbox from a disk archive yet")
         sb: GvisorSandbox | None = None
         if not spec_.sandbox_id and self._pool is not None and _claimable(self.standby_limits, spec_.limits):
             sb = await self._pool.take()
@@ -251,6 +249,8 @@ class GvisorBackend(Backend):
             sb = await self._boot(spec_.sandbox_id or self._new_id(), spec_.limits)
         try:
             sb.limits = spec_.limits
+            if spec_.files:  # before the claim: the tenant's code finds its files in place
+                await self._untar(sb, spec_.files)
             # the claim: the tenant's env vars, and the sandbox's own name (a restored template takes it)
             await asyncio.get_running_loop().sock_sendall(sb.sock, encode_frame(
                 {"id": 0, "op": "claim", "envs": dict(spec_.envs), "hostname": sb.sandbox_id}))
@@ -416,6 +416,36 @@ class GvisorBackend(Backend):
             finally:
                 if frozen:
                     await asyncio.to_thread(sb.cgroups.freeze)
+
+    async def _untar(self, sb: GvisorSandbox, archive: str) -> None:
+        """A disk archive's home/ and tmp/ into the sandbox, by tar inside the guest (as its root, so
+        the archive's owners and modes are kept): whatever the archive holds lands in the sandbox's own
+        memory-backed files and nowhere else. The archive is fed through a pipe, never donated as a
+        file (runsc chowns the stdio it hands the guest)."""
+        assert self.runsc is not None
+        argv = self.runsc.argv(sb.runsc_root, "exec", "--user=0:0", sb.sandbox_id, "/usr/bin/tar", "-x",
+                               "--numeric-owner", "--same-permissions", "-C", "/", "--anchored", "--exclude=root",
+                               "--transform=s,^home,home/user,", "-f", "-")
+        with open(os.path.join(sb.runsc_root, "import.err"), "wb") as err, private_null(sb.runsc_root) as null:
+            proc = await asyncio.create_subprocess_exec(*argv, stdin=subprocess.PIPE, stdout=null, stderr=err, cwd="/")
+        assert proc.stdin is not None
+        try:
+            with open(archive, "rb") as f:
+                while chunk := await asyncio.to_thread(f.read, 1 << 20):
+                    proc.stdin.write(chunk)
+                    await proc.stdin.drain()
+            proc.stdin.close()
+            code = await proc.wait()
+        except BaseException:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+            raise
+        if code != 0:
+            tail = self._log_tail(sb, "import.err")
+            if "No space left" in tail:
+                raise ResourceExhaustedError(f"the archive's files do not fit in sandbox {sb.sandbox_id}'s disk")
+            raise InvalidArgumentError(f"the disk archive could not be extracted in sandbox {sb.sandbox_id}: {tail}")
 
     async def _tar(self, sb: GvisorSandbox, dest: str, max_bytes: int) -> int:
         assert self.runsc is not None
