@@ -156,6 +156,7 @@ class GvisorBackend(Backend):
         reap.become_subreaper()
         os.makedirs(self.state, mode=0o700, exist_ok=True)
         os.makedirs(os.path.join(self.state, "sandboxes"), mode=0o700, exist_ok=True)
+        self.runsc = self.runsc.with_private_null(self.state)
         # sandboxes die with the server: see watchdog.py
         self._watchdog = subprocess.Popen(
             [sys.executable, "-m", "agentcell.backends.gvisor.watchdog", self.cgroup_parent, self.state],

@@ -11,8 +11,10 @@ truncated through it).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import shutil
+import stat
 import subprocess
 from dataclasses import dataclass
 from typing import BinaryIO
@@ -28,6 +30,18 @@ class Runsc:
     binary: str
     platform: str = "systrap"
     directfs: bool = False
+    # A character device 1:3 (null) of our own, bound over /dev/null in a mount namespace of runsc's:
+    # runsc chowns the null device its sandbox process gets as stdio to that process's user (nobody),
+    # which made the host's /dev/null nobody's. None: runsc sees the host's /dev/null.
+    null_dev: str | None = None
+
+    def with_private_null(self, directory: str) -> Runsc:
+        """The same runsc, every call of it in a mount namespace whose /dev/null is a node in `directory`."""
+        path = os.path.join(directory, "null")
+        if not os.path.exists(path):
+            os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+        os.chmod(path, 0o666)
+        return dataclasses.replace(self, null_dev=path)
 
     @classmethod
     def find(cls, platform: str = "systrap", directfs: bool = False) -> Runsc:
@@ -46,7 +60,11 @@ class Runsc:
         return cls(binary, platform, directfs)
 
     def argv(self, root: str, *args: str) -> list[str]:
-        return [self.binary, f"--root={root}", "--network=none", "--overlay2=root:memory",
+        wrap: list[str] = []
+        if self.null_dev:
+            wrap = ["unshare", "--mount", "--propagation", "private", "--", "/bin/sh", "-c",
+                    'mount --bind "$0" /dev/null && exec "$@"', self.null_dev]
+        return [*wrap, self.binary, f"--root={root}", "--network=none", "--overlay2=root:memory",
                 f"--directfs={'true' if self.directfs else 'false'}", f"--platform={self.platform}",
                 "--host-uds=none", *args]
 
