@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import GVISOR, REPO
 from helpers import memory_scan_code, sh
 
 from agentcell import Sandbox
@@ -195,12 +195,21 @@ def test_proc_hides_kernel_and_host_details(sbx: Sandbox) -> None:
     for path in MASKED:
         if os.path.exists(path):
             code, out, _ = sh(sbx, f"cat {path} | head -c 200")
-            assert out == "", (path, out)
-    assert sh(sbx, "ls /proc/acpi /proc/bus /proc/scsi /proc/irq /proc/fs 2>/dev/null")[1].split() == [
-        p + ":" for p in ("/proc/acpi", "/proc/bus", "/proc/fs", "/proc/irq", "/proc/scsi") if os.path.exists(p)]
+            if GVISOR:  # the sentry's own /proc: what it has there is made up, never the host's
+                host = Path(path).read_bytes()[:200].decode(errors="replace") if path != "/proc/kallsyms" else ""
+                assert not host.strip() or host not in out, (path, out)
+            else:
+                assert out == "", (path, out)
+    listed = sh(sbx, "ls /proc/acpi /proc/bus /proc/scsi /proc/irq /proc/fs 2>/dev/null")[1].split()
+    if GVISOR:  # the sentry's: absent, or empty directories
+        assert all(word.endswith(":") for word in listed), listed
+    else:
+        assert listed == [p + ":" for p in ("/proc/acpi", "/proc/bus", "/proc/fs", "/proc/irq", "/proc/scsi")
+                          if os.path.exists(p)]
     # What programs need stays: their own process, the machine's load and memory, their own network.
+    pid_max = "" if GVISOR else " /proc/sys/kernel/pid_max"  # the sentry has none
     code, out, err = sh(sbx, "head -c 100 /proc/self/status /proc/cpuinfo /proc/meminfo /proc/stat /proc/loadavg "
-                             "/proc/uptime /proc/version /proc/net/dev /proc/sys/kernel/pid_max >/dev/null && "
+                             f"/proc/uptime /proc/version /proc/net/dev{pid_max} >/dev/null && "
                              "cat /proc/sys/kernel/hostname && python3 -c 'import os; print(os.cpu_count() > 0)'")
     assert code == 0 and out.split() == [sid, "True"], err
     assert sh(sbx, "echo 1 > /proc/sys/kernel/hostname")[0] != 0
@@ -208,7 +217,7 @@ def test_proc_hides_kernel_and_host_details(sbx: Sandbox) -> None:
     for cmd in ("umount /proc/cmdline", "umount -l /proc/cmdline", "umount -l /proc",
                 "mount --bind /proc/version /proc/cmdline", "mount -t proc proc /tmp"):
         assert sh(sbx, cmd)[0] != 0, cmd
-    assert sh(sbx, "cat /proc/cmdline")[1] == ""
+    assert GVISOR or sh(sbx, "cat /proc/cmdline")[1] == ""
 
 
 def test_proc_masks_resist_the_sandbox_namespace_root() -> None:
@@ -276,6 +285,8 @@ def test_etc_holds_only_what_programs_need(sbx: Sandbox) -> None:
     assert code == 0 and "user" in out, err
 
 
+@pytest.mark.skipif(GVISOR, reason="the linux backend's zygote state dir on the host: a gvisor sandbox's caches "
+                    "are made in its own guest kernel")
 def test_zygote_state_dir_is_private(server_url: str) -> None:
     with Sandbox.create(api_url=server_url) as s:
         r = s.run_code("import matplotlib; (matplotlib.get_cachedir(), get_ipython().ipython_dir)")

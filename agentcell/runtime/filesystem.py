@@ -188,6 +188,9 @@ class FileSystem:
         try:
             fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError as e:
+            if e.errno == errno.EIO:  # a device that cannot even be opened (gVisor's /dev/tty): say what it is
+                with contextlib.suppress(OSError):
+                    _check_regular(p, os.stat(p).st_mode, None, "read")
             raise os_error(e, p) from None
         try:
             st = os.fstat(fd)

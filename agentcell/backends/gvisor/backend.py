@@ -99,9 +99,11 @@ class GvisorBackend(Backend):
                  ready_timeout: float = READY_TIMEOUT, state_base: str = STATE_BASE,
                  host_tuning: host.HostTuning | None = None, standbys: int = STANDBYS,
                  standby_limits: Limits | None = None, egress: Any = None, uid_base: int | None = None,
-                 **host_options: Any) -> None:
+                 state_dir: str | None = None, **host_options: Any) -> None:
         """The server passes the linux backend's options: `egress` must be none (no uplink), and
-        `uid_base` means nothing here (the guest kernel has its own ids)."""
+        `uid_base` means nothing here (the guest kernel has its own ids). `state_dir` (the server's
+        snapshots) is not used: runsc's state and the template image live in `state_base`, on /run,
+        as they do not outlive a boot (images the server keeps go where checkpoint() is told)."""
         if max_sandboxes < 1:
             raise ValueError("max_sandboxes must be at least 1")
         if egress is not None and getattr(egress, "enabled", False):
