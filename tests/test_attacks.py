@@ -18,11 +18,15 @@ from helpers import CONNECT_CODE, host_listener, secret_scan_code, sh
 from agentcell import Sandbox
 
 # gVisor has no OOM killer of its own: a sandbox past its memory limit is killed whole by the host's
-# memory cgroup (contained: the fixture checks the neighbour and the server), not just its greediest
-# process, and a fork in the guest copies far more on write than Linux (60 sleeping Python children
-# of the context take ~500 MiB), so the fork loop meets the memory limit before RLIMIT_NPROC.
-_GVISOR_OOM = pytest.mark.xfail(GVISOR, reason="gvisor: a sandbox past its memory limit dies whole (no guest OOM "
-                                "killer); forks cost ~8 MiB each in the guest", strict=False)
+# memory cgroup, not just its greediest process, and a fork in the guest copies far more on write than
+# Linux (60 sleeping Python children of the context take ~500 MiB), so the fork loop meets the memory
+# limit before RLIMIT_NPROC. There the attacker's sandbox may die; what must hold on every backend is
+# that the attack ends, and that neighbours and the server are untouched (the fixture checks both).
+
+
+def _killed_whole(sbx: Sandbox) -> bool:
+    """On gvisor, whether the attack took its own sandbox down (and only it): then it is gone."""
+    return GVISOR and not sbx.is_running()
 
 
 @pytest.fixture
@@ -79,24 +83,29 @@ def test_cannot_reach_host_loopback(attacker: Sandbox) -> None:
     assert accepted == []
 
 
-@_GVISOR_OOM
 def test_fork_bomb_is_contained(attacker: Sandbox) -> None:
     # An unbounded fork loop: the pids limit (64) stops it with EAGAIN, well before the host notices.
-    r = attacker.run_code(
-        "import os, time\n"
-        "kids, err = [], None\n"
-        "try:\n"
-        "    while len(kids) < 10000:\n"
-        "        pid = os.fork()\n"
-        "        if pid == 0:\n"
-        "            time.sleep(60); os._exit(0)\n"
-        "        kids.append(pid)\n"
-        "except OSError as e:\n"
-        "    err = e.errno\n"
-        "for k in kids: os.kill(k, 9)\n"
-        "for k in kids: os.waitpid(k, 0)\n"
-        "(len(kids), err)"
-    )
+    try:
+        r = attacker.run_code(
+            "import os, time\n"
+            "kids, err = [], None\n"
+            "try:\n"
+            "    while len(kids) < 10000:\n"
+            "        pid = os.fork()\n"
+            "        if pid == 0:\n"
+            "            time.sleep(60); os._exit(0)\n"
+            "        kids.append(pid)\n"
+            "except OSError as e:\n"
+            "    err = e.errno\n"
+            "for k in kids: os.kill(k, 9)\n"
+            "for k in kids: os.waitpid(k, 0)\n"
+            "(len(kids), err)"
+        )
+    except Exception:  # noqa: BLE001 - gvisor: the sandbox died with the request
+        assert _killed_whole(attacker)
+        return
+    if r.error is not None and _killed_whole(attacker):
+        return  # gvisor: the loop met the memory limit first and the host killed that sandbox alone
     forked, err = eval(r.text)
     assert err == 11 and 10 <= forked < 64, (forked, err)  # EAGAIN
     # The classic shell bomb, for a few seconds, while the fixture's neighbour keeps working.
@@ -107,11 +116,16 @@ def test_fork_bomb_is_contained(attacker: Sandbox) -> None:
     assert sh(attacker, "echo recovered")[1] == "recovered\n"
 
 
-@_GVISOR_OOM
 def test_memory_hog_is_contained(attacker: Sandbox) -> None:
-    r = attacker.run_code("x = b'1' * (600 * 1024 * 1024); 'survived'")
+    try:
+        r = attacker.run_code("x = b'1' * (600 * 1024 * 1024); 'survived'")
+    except Exception:  # noqa: BLE001 - gvisor: the sandbox died with the request
+        assert _killed_whole(attacker)
+        return
     assert r.text != "'survived'"
     assert r.error is not None  # MemoryError, or the context was OOM-killed (UnexpectedEndOfExecution)
+    if _killed_whole(attacker):
+        return
     # The sandbox's agent outlives its code: a new run works (the context restarts).
     assert attacker.run_code("1 + 1").text == "2"
 
