@@ -99,7 +99,9 @@ def _lo_up() -> None:
 # raw sockets anyway), MKNOD (device nodes are useless on nodev mounts and refused in a user namespace),
 # AUDIT_WRITE (no audit from a user namespace), SYS_CHROOT (seccomp refuses chroot) and SETFCAP (file
 # capabilities mean nothing under no_new_privs). No SYS_ADMIN, SYS_PTRACE, NET_ADMIN ...
-CAP_CHOWN, CAP_DAC_OVERRIDE, CAP_FOWNER, CAP_FSETID, CAP_KILL, CAP_SETGID, CAP_SETUID, CAP_SETPCAP = range(8)
+# linux/capability.h's numbers (2, CAP_DAC_READ_SEARCH, is not in the set: it was, by a range(8) that
+# numbered these names from 0, which also left CAP_SETPCAP out)
+CAP_CHOWN, CAP_DAC_OVERRIDE, CAP_FOWNER, CAP_FSETID, CAP_KILL, CAP_SETGID, CAP_SETUID, CAP_SETPCAP = 0, 1, 3, 4, 5, 6, 7, 8
 CAP_NET_BIND_SERVICE = 10
 ROOT_CAPS = (CAP_CHOWN, CAP_DAC_OVERRIDE, CAP_FOWNER, CAP_FSETID, CAP_KILL, CAP_SETGID, CAP_SETUID, CAP_SETPCAP,
              CAP_NET_BIND_SERVICE)
