@@ -34,13 +34,12 @@ from typing import Any
 
 from agentcell.backends.base import (
     Backend,
-    Capacity,
     Limits,
     RunningSandbox,
     SandboxSpec,
-    SandboxStats,
     new_sandbox_id,
 )
+from agentcell.backends.cgroup_backend import CgroupSandboxes
 from agentcell.backends.gvisor import reap, rootfs, seccomp_extra, spec
 from agentcell.backends.gvisor.runsc import Runsc, private_null
 from agentcell.backends.linux import cgroups, host, runtime_store
@@ -91,7 +90,7 @@ class GvisorSandbox(RunningSandbox):
         return not poller.poll(0)
 
 
-class GvisorBackend(Backend):
+class GvisorBackend(CgroupSandboxes, Backend):
     name = "gvisor"
     memory_snapshots = True
 
@@ -364,42 +363,6 @@ class GvisorBackend(Backend):
             if self._sandboxes.get(sb.sandbox_id) is sb:
                 del self._sandboxes[sb.sandbox_id]
                 self.claimed.discard(sb.sandbox_id)
-
-    async def stats(self, sandbox: RunningSandbox) -> SandboxStats:
-        assert isinstance(sandbox, GvisorSandbox)
-        if sandbox.killed:
-            raise SandboxGoneError(f"sandbox {sandbox.sandbox_id} was killed")
-        try:
-            return sandbox.cgroups.stats()
-        except OSError as e:
-            raise SandboxGoneError(f"sandbox {sandbox.sandbox_id} has no cgroup any more: {e}") from e
-
-    async def capacity(self) -> Capacity | None:
-        if self.host_budget is None:
-            return None
-        try:
-            used = cgroups.Cgroups.at(self.cgroup_parent).stats()
-        except OSError:
-            return None
-        return Capacity(self.host_budget.memory_bytes, self.host_budget.pids, used.memory_bytes, used.pids)
-
-    async def pause(self, sandbox: RunningSandbox) -> None:
-        await self._freeze(sandbox, True)
-
-    async def resume(self, sandbox: RunningSandbox) -> None:
-        await self._freeze(sandbox, False)
-
-    async def _freeze(self, sandbox: RunningSandbox, frozen: bool) -> None:
-        """The host freezer: `runsc pause` leaves systrap's stubs spinning; a frozen cgroup takes no CPU."""
-        assert isinstance(sandbox, GvisorSandbox)
-        async with sandbox.kill_lock:
-            if sandbox.killed:
-                raise SandboxGoneError(f"sandbox {sandbox.sandbox_id} was killed")
-            try:
-                await asyncio.to_thread(sandbox.cgroups.freeze if frozen else sandbox.cgroups.thaw)
-            except OSError as e:
-                raise SandboxError(f"sandbox {sandbox.sandbox_id} could not be {'paused' if frozen else 'resumed'}: "
-                                   f"{e.strerror or e}") from e
 
     async def export_files(self, sandbox: RunningSandbox, dest: str, max_bytes: int) -> int:
         """/home/user and /tmp as a pax tar with top directories home/ and tmp/ (disk_archive.py's

@@ -27,13 +27,12 @@ from typing import Any
 from agentcell.backends import disk_archive
 from agentcell.backends.base import (
     Backend,
-    Capacity,
     Limits,
     RunningSandbox,
     SandboxSpec,
-    SandboxStats,
     new_sandbox_id,
 )
+from agentcell.backends.cgroup_backend import CgroupSandboxes
 from agentcell.backends.linux import cgroups, host, rootfs, runtime_store, uids
 from agentcell.backends.linux.egress import EgressError
 from agentcell.backends.linux.egress_service import Egress, EgressSettings
@@ -245,7 +244,7 @@ def _export(disk_fd: int, dest: str, max_bytes: int, owners: disk_archive.Owners
         raise
 
 
-class LinuxBackend(Backend):
+class LinuxBackend(CgroupSandboxes, Backend):
     name = "linux"
 
     def __init__(self, entry_point: str = DEFAULT_ENTRY, uid_base: int | None = None, max_sandboxes: int = 1000,
@@ -616,32 +615,6 @@ class LinuxBackend(Backend):
         log = self.egress.events
         return log.follow(sandbox_id, 0) if follow else _listed(log.since(sandbox_id))
 
-    async def capacity(self) -> Capacity | None:
-        if self.host_budget is None:
-            return None
-        try:
-            used = cgroups.Cgroups.at(self.cgroup_parent).stats()
-        except OSError:
-            return None
-        return Capacity(self.host_budget.memory_bytes, self.host_budget.pids, used.memory_bytes, used.pids)
-
-    async def pause(self, sandbox: RunningSandbox) -> None:
-        await self._freeze(sandbox, True)
-
-    async def resume(self, sandbox: RunningSandbox) -> None:
-        await self._freeze(sandbox, False)
-
-    async def _freeze(self, sandbox: RunningSandbox, frozen: bool) -> None:
-        assert isinstance(sandbox, LinuxSandbox)
-        async with sandbox.kill_lock:  # never against a kill: its cgroups are going away
-            if sandbox.killed:
-                raise SandboxGoneError(f"sandbox {sandbox.sandbox_id} was killed")
-            try:  # waits (ms) for the last task to stop: off the event loop
-                await asyncio.to_thread(sandbox.cgroups.freeze if frozen else sandbox.cgroups.thaw)
-            except OSError as e:
-                raise SandboxError(f"sandbox {sandbox.sandbox_id} could not be {'paused' if frozen else 'resumed'}: "
-                                   f"{e.strerror or e}") from e
-
     async def export_files(self, sandbox: RunningSandbox, dest: str, max_bytes: int) -> int:
         assert isinstance(sandbox, LinuxSandbox)
         async with sandbox.kill_lock:  # a kill waits: it closes the disk fd
@@ -652,15 +625,6 @@ class LinuxBackend(Backend):
             return await asyncio.to_thread(_export, disk_fd, dest, max_bytes, sandbox.owners)
         finally:
             os.close(disk_fd)
-
-    async def stats(self, sandbox: RunningSandbox) -> SandboxStats:
-        assert isinstance(sandbox, LinuxSandbox)
-        if sandbox.killed:
-            raise SandboxGoneError(f"sandbox {sandbox.sandbox_id} was killed")
-        try:
-            return sandbox.cgroups.stats()
-        except OSError as e:
-            raise SandboxGoneError(f"sandbox {sandbox.sandbox_id} has no cgroup any more: {e}") from e
 
 
 async def _no_events() -> AsyncIterator[dict[str, Any]]:
