@@ -36,20 +36,9 @@ SOCK_FD = 3
 CAP_SETPCAP = 8
 CAP_SYS_ADMIN = 21
 _ID_RE = re.compile(r"^[a-z0-9]{1,63}$")
-_HOSTS = "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n127.0.1.1\t{name}\n"
-
-
-def _write(path: str, text: str, mode: int = 0o644) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
-    try:
-        os.write(fd, text.encode())
-    finally:
-        os.close(fd)
-
-
 def _name_files(sandbox_id: str) -> None:
-    _write("/etc/hostname", sandbox_id + "\n")
-    _write("/etc/hosts", _HOSTS.format(name=sandbox_id))
+    rootfs.write_file("/etc/hostname", sandbox_id + "\n")
+    rootfs.write_file("/etc/hosts", rootfs.etc_hosts(sandbox_id))
 
 
 def _set_rlimits(limits: Limits) -> None:
@@ -182,7 +171,7 @@ def main() -> None:
     limits = Limits(**req["limits"])
     # as the guest's root, through the root's memory overlay
     _name_files(sandbox_id)
-    _write(rootfs.SUDO_PATH, rootfs.SUDO_SHIM, 0o755)
+    rootfs.write_file(rootfs.SUDO_PATH, rootfs.SUDO_SHIM, 0o755)
     _set_rlimits(limits)
     # built by the backend on the host: libseccomp probes the kernel's actions, and the sentry's
     # answers make it refuse the filter's; the program itself the sentry runs as Linux does

@@ -106,7 +106,12 @@ def python_paths() -> tuple[str, ...]:
     return runtime_store.running_paths()
 
 
-def _write(path: str, text: str, mode: int = 0o644) -> None:
+def etc_hosts(name: str) -> str:
+    """A sandbox's /etc/hosts: loopback, and its own name (its id) on 127.0.1.1."""
+    return f"127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n127.0.1.1\t{name}\n"
+
+
+def write_file(path: str, text: str, mode: int = 0o644) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
     try:
         os.write(fd, text.encode())
@@ -137,7 +142,7 @@ def _parent_nofollow(path: str) -> tuple[int, str]:
 
 
 def _write_nofollow(path: str, text: str, mode: int | None = None, create: bool = True) -> None:
-    """_write() without following a symlink, into a regular file: a link, fifo or device a restored
+    """write_file() without following a symlink, into a regular file: a link, fifo or device a restored
     sandbox left at `path` is replaced by one (O_NONBLOCK: a fifo fails with ENXIO, never hangs).
     `mode`: set on the file whatever it had; without `create`, a missing file stays missing."""
     flags = os.O_WRONLY | os.O_TRUNC | os.O_NONBLOCK | os.O_NOCTTY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -203,7 +208,7 @@ def _etc(root: str, extra_ca: str | None = None) -> None:
         sandbox_etc.trust(etc, extra_ca)
     files = {**sandbox_etc.generated(SANDBOX_UID, HOME), **{name: "" for name in _PER_SANDBOX_ETC}}
     for name, text in files.items():
-        _write(f"{etc}/{name}", text)
+        write_file(f"{etc}/{name}", text)
     os.symlink("/proc/self/mounts", f"{etc}/mtab")
     sc.mount(None, etc, None, sc.MS_REMOUNT | _BASE | sc.MS_NOEXEC | sc.MS_RDONLY)
 
@@ -274,7 +279,7 @@ def _own_boot_id() -> None:
     target = "/proc/sys/kernel/random/boot_id"
     if not os.path.exists(target):
         return
-    _write(f"{_SCRATCH}/.boot_id", f"{uuid.uuid4()}\n")
+    write_file(f"{_SCRATCH}/.boot_id", f"{uuid.uuid4()}\n")
     sc.mount(f"{_SCRATCH}/.boot_id", target, None, sc.MS_BIND)
     sc.mount(None, target, None, sc.MS_REMOUNT | sc.MS_BIND | sc.MS_RDONLY | _BASE | sc.MS_NOEXEC)
 
@@ -374,8 +379,7 @@ def finish(sandbox_id: str, disk_mb: int, host_uid: int, host_gid: int, userns_f
             disk_archive.extract_archive(archive, disk_fd, host_uid, host_gid, *root_ids, overlays=overlays,
                                          protected=_mount_points_below(overlays))
     # generated /etc files: in the template they are empty placeholders
-    etc_files = {"hosts": f"127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n127.0.1.1\t{sandbox_id}\n",
-                 "hostname": sandbox_id + "\n"}
+    etc_files = {"hosts": etc_hosts(sandbox_id), "hostname": sandbox_id + "\n"}
     if userns_fd >= 0:
         if not os.path.isdir(f"{_SCRATCH}/.root"):  # an extracted archive made it
             os.mkdir(f"{_SCRATCH}/.root", 0o700)
@@ -399,7 +403,7 @@ def finish(sandbox_id: str, disk_mb: int, host_uid: int, host_gid: int, userns_f
     # without overlays: written on a scratch tmpfs, bound over the placeholders, scratch detached
     sc.mount("tmpfs", _SCRATCH, "tmpfs", _BASE | sc.MS_NOEXEC, "size=16k,mode=0755")
     for name, text in etc_files.items():
-        _write(f"{_SCRATCH}/{name}", text)
+        write_file(f"{_SCRATCH}/{name}", text)
     sc.mount(None, _SCRATCH, None, sc.MS_REMOUNT | _BASE | sc.MS_NOEXEC | sc.MS_RDONLY)  # the superblock
     for name in _PER_SANDBOX_ETC:
         sc.mount(f"{_SCRATCH}/{name}", f"/etc/{name}", None, sc.MS_BIND)
