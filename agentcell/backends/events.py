@@ -1,0 +1,52 @@
+"""The shape of a sandbox's behaviour record (issue 10), shared by the host-side collectors and the
+server's event store.
+
+An event is a flat JSON object. Every event has:
+
+* ``time``   -- seconds since the epoch (float), when the host saw it;
+* ``kind``   -- one of KINDS below (``process.exec``, ``file.write``, ``deny.syscall`` ...);
+* ``source`` -- who vouches for it: ``host`` (a kernel mechanism observed from outside the sandbox,
+  which the sandbox cannot forge or suppress), ``api`` (the server, for an API call on the sandbox) or
+  ``self`` (written by the sandbox into its own channel: never trust it);
+* ``pid`` / ``ppid`` -- the process inside the sandbox (its pid namespace's numbers) when known,
+  else None; ``host_pid`` may be added by a collector that only knows the host's number.
+
+The store adds ``sandbox_id`` and ``seq`` (per sandbox, from 1, in the order events were stored).
+Collectors call an ``EventSink`` with the sandbox id and the event; a sink never blocks and never
+raises (the store counts what it drops).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+EventSink = Callable[[str, dict[str, Any]], None]
+
+KINDS = (
+    # processes: exec {path, argv, cwd, uid}; exit {code | signal, duration_s, comm}
+    "process.exec", "process.exit",
+    # files in the sandbox's writable places {path, size, count}; rename {path, to}; chmod {mode}
+    "file.create", "file.write", "file.delete", "file.rename", "file.chmod",
+    # network, from the egress router / resolver / proxy {proto, dst, dport, rule, bytes_out, bytes_in ...}
+    "net.connect", "net.deny", "dns.query",
+    # refused operations: seccomp {syscall, nr}; Landlock / read-only {path, reason}; EACCES/EPERM {path, errno}
+    "deny.syscall", "deny.write", "deny.access",
+    # limits {detail}: oom {victim pid, comm}, pids, disk, cpu {throttled_s}, timeout
+    "limit.oom", "limit.pids", "limit.disk", "limit.cpu", "limit.timeout",
+    # the sandbox's life as the server saw it, and API calls {action, key_id, ...}
+    "sandbox.created", "sandbox.killed", "sandbox.paused", "sandbox.resumed", "api.call",
+    # the store's own notes: events it dropped {count, reason}
+    "record.dropped",
+)
+KIND_SET = frozenset(KINDS)
+SOURCES = ("host", "api", "self")
+
+
+def event(kind: str, *, source: str = "host", pid: int | None = None, ppid: int | None = None,
+          at: float | None = None, **fields: Any) -> dict[str, Any]:
+    """One event; ``at`` defaults to now."""
+    assert kind in KIND_SET, kind
+    return {"time": time.time() if at is None else at, "kind": kind, "source": source, "pid": pid,
+            "ppid": ppid, **fields}

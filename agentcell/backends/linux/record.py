@@ -1,0 +1,36 @@
+"""The linux backend's behaviour record (issue 10): what each host-side collector watches, and the
+protocol they share. The collectors observe a sandbox from outside it (kernel interfaces read by the
+server as host root), so code in the sandbox can neither forge nor suppress their events.
+
+A collector is started once per server, told of each sandbox when a tenant claims it (`watch`) and
+when it is killed (`unwatch`), and calls its `EventSink` (agentcell/backends/events.py) on the
+server's event loop for each event.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from agentcell.backends.linux import cgroups
+
+
+@dataclass(frozen=True)
+class WatchTarget:
+    """What a collector may know of one sandbox."""
+
+    sandbox_id: str
+    host_pid: int  # the sandbox's pid 1 (its agent's init), in the host's numbers
+    host_uids: tuple[int, ...]  # the host ids its processes run as: its user's, its root's
+    cgroup: cgroups.Cgroups  # its cgroups (memory, pids, cpu, freezer)
+    disk_fd: int  # O_PATH fd of the root of its disk tmpfs (home, tmp, shm, overlay uppers); dup to keep
+
+
+class Collector(Protocol):
+    async def start(self) -> None: ...
+
+    def watch(self, target: WatchTarget) -> None: ...
+
+    def unwatch(self, sandbox_id: str) -> None: ...
+
+    async def close(self) -> None: ...
