@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import json
 import os
 import signal
 import sys
@@ -129,6 +130,16 @@ def main() -> None:
 @click.option("--max-snapshots", default=1000, show_default=True, type=click.IntRange(0), help="Snapshots kept at once.")
 @click.option("--max-fork", default=16, show_default=True, type=click.IntRange(1, 256),
               help="Most sandboxes one fork may make.")
+@click.option("--events-retention", default=7 * 86400, show_default=True, type=click.IntRange(0),
+              help="Seconds a sandbox's behaviour record (GET /sandboxes/{id}/events) is kept after it is gone.")
+@click.option("--events-per-sandbox", default=100_000, show_default=True, type=click.IntRange(100),
+              help="Events kept per sandbox; more are counted as dropped.")
+@click.option("--events-rate", default=2000.0, show_default=True, type=click.FloatRange(min=1),
+              help="Events per second one sandbox may add to its record (a burst of 10 s of it); more are counted as dropped.")
+@click.option("--events-max-mb", default=1024, show_default=True, type=click.IntRange(16),
+              help="Disk the behaviour records of all sandboxes may take (the oldest ended ones go first).")
+@click.option("--audit-log", default=None, metavar="PATH|-",
+              help="Also write every event of every sandbox as a JSON line to this file ('-': stdout), for a SIEM.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 def serve(**opts: Any) -> None:
@@ -246,6 +257,35 @@ def kill(sandbox_ids: tuple[str, ...], api_url: str | None, api_key: str | None)
             click.echo(f"{sid}: not found", err=True)
             failed = True
     sys.exit(1 if failed else 0)
+
+
+@main.command()
+@click.argument("sandbox_id")
+@click.option("--json", "as_json", is_flag=True, help="The report as JSON instead of text.")
+@_opts
+def report(sandbox_id: str, as_json: bool, api_url: str | None, api_key: str | None) -> None:
+    """A sandbox's behaviour report: processes, files, hosts, denials, limits and flags (also after it is gone)."""
+    from agentcell import Sandbox
+
+    if not (api_url or os.environ.get("AGENTCELL_URL")):
+        raise click.UsageError("report needs a running server: pass --api-url or set AGENTCELL_URL")
+    got = Sandbox.report(sandbox_id, format="json" if as_json else "text", api_key=api_key, api_url=api_url)
+    click.echo(json.dumps(got, indent=2) if as_json else str(got).rstrip("\n"))
+
+
+@main.command()
+@click.argument("sandbox_id")
+@click.option("--kind", "kinds", multiple=True, help="Only these kinds (repeatable; 'file.' for a prefix).")
+@click.option("--follow", is_flag=True, help="Then stream new events until the sandbox is gone.")
+@_opts
+def events(sandbox_id: str, kinds: tuple[str, ...], follow: bool, api_url: str | None, api_key: str | None) -> None:
+    """A sandbox's behaviour record as JSON lines, oldest first."""
+    from agentcell import Sandbox
+
+    if not (api_url or os.environ.get("AGENTCELL_URL")):
+        raise click.UsageError("events needs a running server: pass --api-url or set AGENTCELL_URL")
+    for e in Sandbox.events(sandbox_id, kinds=list(kinds) or None, follow=follow, api_key=api_key, api_url=api_url):
+        click.echo(json.dumps(e, separators=(",", ":")))
 
 
 if __name__ == "__main__":

@@ -12,10 +12,9 @@ import abc
 import secrets
 import socket
 import string
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
 
+from agentcell.backends.events import Recorder
 from agentcell.backends.network_policy import NetworkPolicy
 from agentcell.backends.secrets import HeaderRule, SecretSet
 
@@ -168,10 +167,12 @@ class Backend(abc.ABC):
         """Replace a running sandbox's way out and E2B's header rules (new connections follow at once)."""
         raise NotImplementedError(f"the {self.name} backend has no egress")
 
-    def network_events(self, sandbox_id: str, follow: bool) -> AsyncIterator[dict[str, Any]]:
-        """The sandbox's connection events, oldest first; with `follow`, then new ones as they come,
-        until the sandbox is gone."""
-        raise NotImplementedError(f"the {self.name} backend keeps no network events")
+    recorder: Recorder | None = None
+
+    def attach_recorder(self, recorder: Recorder) -> None:
+        """Where this backend's events go (issue 10; before start()). Backends with host-side
+        collectors (linux) override this to start them; every backend's sandboxes get a record."""
+        self.recorder = recorder
 
     async def capacity(self) -> Capacity | None:
         """The budget all sandboxes share and its use now; None if the backend cannot tell."""

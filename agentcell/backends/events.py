@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 EventSink = Callable[[str, dict[str, Any]], None]
 
@@ -50,3 +50,14 @@ def event(kind: str, *, source: str = "host", pid: int | None = None, ppid: int 
     assert kind in KIND_SET, kind
     return {"time": time.time() if at is None else at, "kind": kind, "source": source, "pid": pid,
             "ppid": ppid, **fields}
+
+
+class Recorder(Protocol):
+    """Where a backend's events go (the server's EventStore): `begin` when a tenant's sandbox starts
+    (before any of its code runs), `add` for each event, `end` once it is gone."""
+
+    def begin(self, sandbox_id: str) -> None: ...
+
+    def add(self, sandbox_id: str, event: dict[str, Any]) -> None: ...
+
+    def end(self, sandbox_id: str) -> None: ...

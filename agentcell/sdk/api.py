@@ -270,3 +270,23 @@ def sandbox_extras(data: dict[str, Any]) -> dict[str, str | None]:
     domain, traffic = data.get("domain"), data.get("trafficAccessToken")
     return {"domain": domain if isinstance(domain, str) else None,
             "traffic_access_token": traffic if isinstance(traffic, str) else None}
+
+
+def events_query(kinds: str | list[str] | None, since: float | datetime | None, until: float | datetime | None,
+                 follow: bool) -> dict[str, str]:
+    """The query of GET /sandboxes/{id}/events (agentcell extension)."""
+    params: dict[str, str] = {}
+    if kinds:
+        params["kind"] = kinds if isinstance(kinds, str) else ",".join(kinds)
+    for name, t in (("since", since), ("until", until)):
+        if t is not None:
+            params[name] = str(t.timestamp() if isinstance(t, datetime) else float(t))
+    if follow:
+        params["follow"] = "true"
+    return params
+
+
+def report_query(format: str) -> dict[str, str]:
+    if format not in ("json", "text"):
+        raise InvalidArgumentException(f"format must be 'json' or 'text', got {format!r}")
+    return {"format": format}

@@ -184,28 +184,37 @@ class AsyncSandbox(ConnectedSandbox):
         r = await api.acall(await aresolve(api_url, api_key, request_timeout), "GET", f"/sandboxes/{sandbox_id}", sandbox_id=sandbox_id)
         return SandboxInfo.from_json(r.json())
 
-    async def events(self, follow: bool = False, request_timeout: float | None = None
-                     ) -> AsyncIterator[dict[str, Any]]:
-        """agentcell extension: the sandbox's connection events (time, proto, dst, dport, domain,
-        verdict, rule, bytes_out, bytes_in, state), oldest first; with `follow`, then each new one as it
-        happens until the sandbox is gone."""
-        config = self._conn.config
-        rt = request_timeout or config.request_timeout or None
-        path = f"/sandboxes/{self.sandbox_id}/events" + ("?follow=true" if follow else "")
-        try:
-            r = await fast_async_http.client(config.endpoint).request(
-                "GET", path, headers=config.control_headers(), connect=rt, read=None if follow else rt, stream=True)
-        except fast_async_http.HTTPError as e:
-            raise fast_async_http.transport_error(e, "events") from None
-        try:
-            if r.status_code != 200:
-                raise error_from_http(r.status_code, await r.read(), self.sandbox_id, "events")
-            async for line in r.aiter_lines():
-                if line.strip():
-                    yield json.loads(line)
-        finally:
-            await r.aclose()
+    @staticmethod
+    def _cls_events(sandbox_id: str, kinds: str | list[str] | None = None, since: float | datetime | None = None,
+                    until: float | datetime | None = None, follow: bool = False, api_key: str | None = None,
+                    api_url: str | None = None, request_timeout: float | None = None) -> AsyncIterator[dict[str, Any]]:
+        async def config() -> ConnectionConfig:
+            return await aresolve(api_url, api_key, request_timeout)
 
+        return _events(config, sandbox_id, kinds, since, until, follow, request_timeout)
+
+    @hybrid("_cls_events")
+    def events(self, kinds: str | list[str] | None = None, since: float | datetime | None = None,
+               until: float | datetime | None = None, follow: bool = False,
+               request_timeout: float | None = None) -> AsyncIterator[dict[str, Any]]:
+        """agentcell extension: the sandbox's behaviour record, oldest first (see Sandbox.events);
+        ``async for event in sbx.events(kinds="process.")``. Also ``AsyncSandbox.events(sandbox_id)``."""
+        conn = self._conn.config
+
+        async def config() -> ConnectionConfig:
+            return conn
+
+        return _events(config, self.sandbox_id, kinds, since, until, follow, request_timeout)
+
+    @staticmethod
+    async def _cls_report(sandbox_id: str, format: str = "json", api_key: str | None = None,
+                          api_url: str | None = None, request_timeout: float | None = None) -> dict[str, Any] | str:
+        return await _report(await aresolve(api_url, api_key, request_timeout), sandbox_id, format, request_timeout)
+
+    @hybrid("_cls_report")
+    async def report(self, format: str = "json", request_timeout: float | None = None) -> dict[str, Any] | str:
+        """agentcell extension: the behaviour record summed up for a reviewer (see Sandbox.report)."""
+        return await _report(self._conn.config, self.sandbox_id, format, request_timeout)
     async def update_network(self, network: Mapping[str, Any], request_timeout: float | None = None) -> None:
         """Replace the sandbox's egress rules (e2b's update_network: ``allow_out``, ``deny_out``,
         ``allow_internet_access``; what is left out is cleared). New connections follow within
@@ -366,3 +375,32 @@ class AsyncSandbox(ConnectedSandbox):
 
     async def restart_code_context(self, context: Context | str, request_timeout: float | None = None) -> None:
         await self._code.restart_code_context(context, request_timeout)
+
+
+async def _events(config: Callable[[], Any], sandbox_id: str, kinds: str | list[str] | None,
+                  since: float | datetime | None, until: float | datetime | None, follow: bool,
+                  request_timeout: float | None) -> AsyncIterator[dict[str, Any]]:
+    conf: ConnectionConfig = await config()
+    rt = request_timeout or conf.request_timeout or None
+    query = urllib.parse.urlencode(api.events_query(kinds, since, until, follow), doseq=True)
+    path = f"/sandboxes/{sandbox_id}/events" + (f"?{query}" if query else "")
+    try:
+        r = await fast_async_http.client(conf.endpoint).request(
+            "GET", path, headers=conf.control_headers(), connect=rt, read=None if follow else rt, stream=True)
+    except fast_async_http.HTTPError as e:
+        raise fast_async_http.transport_error(e, "events") from None
+    try:
+        if r.status_code != 200:
+            raise error_from_http(r.status_code, await r.read(), sandbox_id, "events")
+        async for line in r.aiter_lines():
+            if line.strip():
+                yield json.loads(line)
+    finally:
+        await r.aclose()
+
+
+async def _report(config: ConnectionConfig, sandbox_id: str, format: str,
+                  request_timeout: float | None) -> dict[str, Any] | str:
+    r = await api.acall(config, "GET", f"/sandboxes/{sandbox_id}/report", params=api.report_query(format),
+                        sandbox_id=sandbox_id, request_timeout=request_timeout)
+    return r.text if format == "text" else r.json()

@@ -178,25 +178,35 @@ class Sandbox(ConnectedSandbox):
         r = api.call(resolve(api_url, api_key, request_timeout), "GET", f"/sandboxes/{sandbox_id}", sandbox_id=sandbox_id)
         return SandboxInfo.from_json(r.json())
 
-    def events(self, follow: bool = False, request_timeout: float | None = None) -> Iterator[dict[str, Any]]:
-        """agentcell extension: the sandbox's connection events (time, proto, dst, dport, domain,
-        verdict, rule, bytes_out, bytes_in, state), oldest first; with `follow`, then each new one as it
-        happens until the sandbox is gone."""
-        config = self._conn.config
-        t = timeout(request_timeout or config.request_timeout)
-        if follow:
-            t = httpx.Timeout(t.connect, read=None, write=t.write, pool=t.pool)
-        try:
-            with sync_client(config.endpoint).stream(
-                    "GET", f"/sandboxes/{self.sandbox_id}/events", params={"follow": "true"} if follow else None,
-                    headers=config.control_headers(), timeout=t) as r:
-                if r.status_code != 200:
-                    raise error_from_http(r.status_code, r.read(), self.sandbox_id, "events")
-                for line in r.iter_lines():
-                    if line.strip():
-                        yield json.loads(line)
-        except httpx.HTTPError as e:
-            raise error_from_transport(e, "events") from None
+    @staticmethod
+    def _cls_events(sandbox_id: str, kinds: str | list[str] | None = None, since: float | datetime | None = None,
+                    until: float | datetime | None = None, follow: bool = False, api_key: str | None = None,
+                    api_url: str | None = None, request_timeout: float | None = None) -> Iterator[dict[str, Any]]:
+        return _events(resolve(api_url, api_key, request_timeout), sandbox_id, kinds, since, until, follow,
+                       request_timeout)
+
+    @hybrid("_cls_events")
+    def events(self, kinds: str | list[str] | None = None, since: float | datetime | None = None,
+               until: float | datetime | None = None, follow: bool = False,
+               request_timeout: float | None = None) -> Iterator[dict[str, Any]]:
+        """agentcell extension: the sandbox's behaviour record, oldest first: processes, files,
+        network, denials, limits and API calls, one dict per event (``time``, ``kind``, ``seq``,
+        ``source``, ``pid`` ...; docs/record.md). `kinds` filters ("process.exec", or a prefix such
+        as "file."); with `follow`, then each new event until the sandbox is gone. Also
+        ``Sandbox.events(sandbox_id)``, which works after the sandbox is gone too."""
+        return _events(self._conn.config, self.sandbox_id, kinds, since, until, follow, request_timeout)
+
+    @staticmethod
+    def _cls_report(sandbox_id: str, format: str = "json", api_key: str | None = None, api_url: str | None = None,
+                    request_timeout: float | None = None) -> dict[str, Any] | str:
+        return _report(resolve(api_url, api_key, request_timeout), sandbox_id, format, request_timeout)
+
+    @hybrid("_cls_report")
+    def report(self, format: str = "json", request_timeout: float | None = None) -> dict[str, Any] | str:
+        """agentcell extension: the behaviour record summed up for a reviewer (processes, files,
+        hosts, denials, limits, flags citing events); `format="text"` for the text a person reads.
+        Also ``Sandbox.report(sandbox_id)``, after the sandbox is gone too."""
+        return _report(self._conn.config, self.sandbox_id, format, request_timeout)
 
     def update_network(self, network: Mapping[str, Any], request_timeout: float | None = None) -> None:
         """Replace the sandbox's egress rules (e2b's update_network: ``allow_out``, ``deny_out``,
@@ -358,3 +368,27 @@ class Sandbox(ConnectedSandbox):
 
     def restart_code_context(self, context: Context | str, request_timeout: float | None = None) -> None:
         self._code.restart_code_context(context, request_timeout)
+
+
+def _events(config: ConnectionConfig, sandbox_id: str, kinds: str | list[str] | None, since: float | datetime | None,
+            until: float | datetime | None, follow: bool, request_timeout: float | None) -> Iterator[dict[str, Any]]:
+    t = timeout(request_timeout or config.request_timeout)
+    if follow:
+        t = httpx.Timeout(t.connect, read=None, write=t.write, pool=t.pool)
+    params = api.events_query(kinds, since, until, follow)
+    try:
+        with sync_client(config.endpoint).stream("GET", f"/sandboxes/{sandbox_id}/events", params=params,
+                                                 headers=config.control_headers(), timeout=t) as r:
+            if r.status_code != 200:
+                raise error_from_http(r.status_code, r.read(), sandbox_id, "events")
+            for line in r.iter_lines():
+                if line.strip():
+                    yield json.loads(line)
+    except httpx.HTTPError as e:
+        raise error_from_transport(e, "events") from None
+
+
+def _report(config: ConnectionConfig, sandbox_id: str, format: str, request_timeout: float | None) -> dict[str, Any] | str:
+    r = api.call(config, "GET", f"/sandboxes/{sandbox_id}/report", params=api.report_query(format),
+                 sandbox_id=sandbox_id, request_timeout=request_timeout)
+    return r.text if format == "text" else r.json()

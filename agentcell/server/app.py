@@ -9,9 +9,11 @@ own proxy, so `E2B_SANDBOX_URL` pointing here just works.
 from __future__ import annotations
 
 import logging
+import os
 import re
+import sys
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -22,7 +24,7 @@ from starlette.routing import Route
 from agentcell.backends import get_backend
 from agentcell.backends.base import Backend
 from agentcell.backends.linux.egress_service import EgressSettings
-from agentcell.server import auth, files, interpreter, ports
+from agentcell.server import api_events, auth, files, interpreter, ports
 from agentcell.server.asgi import declared_length, has_body, header, is_connect_rpc
 from agentcell.server.auth import ENVD_PORT, INTERPRETER_PORT
 from agentcell.server.bodies import BUDGET_KEY, BodyBudget, json_content_type_refusal
@@ -32,6 +34,8 @@ from agentcell.server.control import ControlPlane
 from agentcell.server.edge import EdgeGuard
 from agentcell.server.envd import READ_MAX_BYTES, filesystem_app, process_app
 from agentcell.server.errors import HTTPError, internal_error, json_error, sandbox_not_found
+from agentcell.server.event_store import ROW_BYTES, EventStore
+from agentcell.server.event_store import Limits as EventLimits
 from agentcell.server.hosts import HostPolicy, check_exposure
 from agentcell.server.http_protocol import DROP_EXTENSION
 from agentcell.server.registry import Admission, Retention, SandboxManager, SandboxRecord
@@ -103,9 +107,16 @@ class AgentcellApp:
         self.others = {name: _build_backend(name, config) for name in backend_names(config)[1:]
                        if name != self.backend.name}
         state_dir = Path(config.state_dir)
+        self.events = EventStore(state_dir / "events.db", EventLimits(
+            per_sandbox=config.events_per_sandbox, rate=config.events_rate, burst=int(config.events_rate * 10),
+            max_rows=(config.events_max_mb << 20) // ROW_BYTES, retention_s=config.events_retention),
+            audit_log=_audit_log(config.audit_log))
+        for b in (self.backend, *self.others.values()):
+            b.attach_recorder(self.events)
         self.manager = SandboxManager(self.backend, config.max_sandboxes,
                                       Admission(config.memory_overcommit, config.pids_overcommit),
-                                      Retention(config.paused_ttl, config.max_paused, config.hibernate_after), state_dir, self.others)
+                                      Retention(config.paused_ttl, config.max_paused, config.hibernate_after), state_dir,
+                                      self.others, self.events)
         self.snapshots = SnapshotStore(state_dir / "snapshots", config.snapshot_quota_mb << 20, config.max_snapshots)
         self.control = Starlette(routes=ControlPlane(config, self.manager, self.snapshots).routes(),
                                  exception_handlers=_HANDLERS)
@@ -129,6 +140,7 @@ class AgentcellApp:
             message = await receive()
             if message["type"] == "lifespan.startup":
                 try:
+                    await self.events.start()
                     for b in (self.backend, *self.others.values()):
                         await b.start()
                     self.snapshots.load()
@@ -143,6 +155,7 @@ class AgentcellApp:
                     await self.manager.close()
                     for b in (self.backend, *self.others.values()):
                         await b.close()
+                    await self.events.close()
                 except Exception:
                     log.exception("shutdown failed")
                 await send({"type": "lifespan.shutdown.complete"})
@@ -170,7 +183,12 @@ class AgentcellApp:
             if refusal := json_content_type_refusal(scope):
                 await json_error(415, refusal)(scope, receive, send)
                 return
-            await self.control(scope, receive, send)
+            acted = api_events.control_action(scope["method"], scope["path"])
+            if acted is not None:  # a call that acts on one sandbox goes into its record
+                await api_events.recorded(self.events.add, *acted, api_events.control_key(scope), self.control,
+                                          scope, receive, send)
+            else:
+                await self.control(scope, receive, send)
             return
         sandbox_id, port = target
         rec = self.manager.find(sandbox_id) if _SANDBOX_ID_RE.match(sandbox_id) else None
@@ -200,14 +218,17 @@ class AgentcellApp:
             return
         token = current_sandbox.set(rec)
         drop_token = current_drop.set(scope.get("extensions", {}).get(DROP_EXTENSION))
+        if port == ENVD_PORT:
+            app = self._connect_rpc if is_connect_rpc(scope["path"]) else self.envd_http
+        else:
+            app = self.interpreter
         try:
-            if port == ENVD_PORT:
-                if is_connect_rpc(scope["path"]):
-                    await self._connect_rpc(scope, receive, send)
-                else:
-                    await self.envd_http(scope, receive, send)
+            action = api_events.data_plane_action(scope["method"], scope["path"], port == INTERPRETER_PORT)
+            if action is not None:
+                await api_events.recorded(self.events.add, rec.sandbox_id, action, api_events.data_plane_key(scope),
+                                          app, scope, receive, send)
             else:
-                await self.interpreter(scope, receive, send)
+                await app(scope, receive, send)
         finally:
             current_drop.reset(drop_token)
             current_sandbox.reset(token)
@@ -227,7 +248,10 @@ class AgentcellApp:
             return
         token = current_sandbox.set(rec)
         try:
-            await self.envd_http(scope, receive, send)
+            action = api_events.data_plane_action(scope["method"], "/files", False)
+            assert action is not None
+            await api_events.recorded(self.events.add, rec.sandbox_id, action, "signed-url", self.envd_http,
+                                      scope, receive, send)
         finally:
             current_sandbox.reset(token)
 
@@ -279,6 +303,16 @@ class AgentcellApp:
         finally:
             if held:
                 await budget.release(held.pop())
+
+
+def _audit_log(target: str | None) -> IO[str] | None:
+    """`serve --audit-log`: "-" is stdout; a path is appended to (0600, the operator's SIEM reads it)."""
+    if target is None:
+        return None
+    if target == "-":
+        return sys.stdout
+    fd = os.open(target, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    return os.fdopen(fd, "a", buffering=1 << 16)
 
 
 def _build_backend(name: str, config: ServerConfig) -> Backend:

@@ -42,6 +42,12 @@ class ServerConfig:
     snapshot_quota_mb: int = 10240  # disk all snapshots together may take
     max_snapshots: int = 1000
     max_fork: int = 16  # most sandboxes one fork makes
+    # --- the behaviour record (issue 10; server/event_store.py) ---
+    events_retention: int = 7 * 86400  # seconds a sandbox's record is kept after it is gone
+    events_per_sandbox: int = 100_000  # events kept per sandbox (more are counted, not kept)
+    events_rate: float = 2000.0  # events per second per sandbox and source (burst: 10 s of it)
+    events_max_mb: int = 1024  # disk the whole record store may take, roughly
+    audit_log: str | None = None  # also write every event as a JSON line here ("-": stdout)
     uid_base: int | None = None  # first host uid of this server's sandboxes; None = a free range
     # The `domain` reported to SDKs. None = the Host the request came to, so an SDK without
     # E2B_SANDBOX_URL never falls back to E2B's own cloud domain.

@@ -5,6 +5,7 @@ Every non-2xx answer is `{"code": <status>, "message": ...}` with a status the S
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import math
@@ -19,14 +20,16 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from agentcell.backends.base import LIMIT_RANGES, Backend, Limits
+from agentcell.backends.events import KIND_SET, KINDS
 from agentcell.backends.network_policy import ALL_TRAFFIC, NetworkPolicy, PolicyError
 from agentcell.backends.secrets import SecretError, SecretSet, parse_rules
 from agentcell.errors import BackendUnavailableError, InvalidArgumentError, SandboxError, SandboxGoneError
-from agentcell.server import validate
+from agentcell.server import api_events, report, validate
 from agentcell.server.auth import traffic_token
 from agentcell.server.bodies import JSON_LIMIT, read_json
 from agentcell.server.config import ServerConfig
 from agentcell.server.errors import HTTPError, internal_error
+from agentcell.server.event_store import EventStore
 from agentcell.server.hosts import local_domain
 from agentcell.server.idempotency import IdempotentCreates, parse_key
 from agentcell.server.metrics import MIN_GAP_S, metric_json
@@ -224,6 +227,36 @@ def _public_traffic(body: dict[str, Any]) -> bool:
     return value
 
 
+def _epoch(query: Any, name: str) -> float | None:
+    value = query.get(name)
+    if value is None:
+        return None
+    try:
+        t = float(value)
+    except ValueError:
+        try:
+            t = datetime.fromisoformat(value).timestamp()
+        except ValueError:
+            raise HTTPError(400, f"'{name}' must be epoch seconds or an ISO 8601 time, got {value!r}") from None
+    if not math.isfinite(t):
+        raise HTTPError(400, f"'{name}' must be a finite time")
+    return t
+
+
+def _int_param(query: Any, name: str, default: int) -> int:
+    try:
+        value = int(query.get(name, default))
+    except ValueError:
+        raise HTTPError(400, f"'{name}' must be an integer") from None
+    if value < 0:
+        raise HTTPError(400, f"'{name}' must be at least 0")
+    return value
+
+
+def _jsonable(value: Any) -> Any:
+    return sorted(value) if isinstance(value, set) else str(value)
+
+
 def _page_limit(query: Any) -> int:
     """E2B's `limit` of a listing: 1..100, default 100."""
     try:
@@ -283,6 +316,7 @@ class ControlPlane:
         self.manager = manager
         self.snapshots = snapshots
         self._idempotent = IdempotentCreates()
+        self._reports = asyncio.Semaphore(4)
 
     def _domain(self, request: Request) -> str | None:
         # get_host(port) is "{port}-{id}.{domain}": without --domain, the name this request came to,
@@ -423,6 +457,7 @@ class ControlPlane:
                 network=policy, secrets=secrets, lifecycle=lifecycle, backend=backend,
                 files=self.snapshots.content(snapshot) if snapshot and snapshot.mode == "filesystem" else None,
                 image=self.snapshots.content(snapshot) if snapshot and snapshot.mode == "full" else None,
+                caller=api_events.control_key(request.scope), origin=f"snapshot {template}" if snapshot else None,
             )
         except CapacityError as e:
             raise HTTPError(429, str(e)) from None
@@ -510,18 +545,46 @@ class ControlPlane:
         rec.spec = dataclasses.replace(rec.spec, network=policy, secrets=dataclasses.replace(rec.spec.secrets, rules=rules))
         return Response(status_code=204)
 
+    def _recorded(self, request: Request) -> tuple[EventStore, str]:
+        """The store and the sandbox id whose record the path names (alive, paused or gone)."""
+        sandbox_id = request.path_params["sandbox_id"]
+        store = self.manager.events
+        if store is None or not store.known(sandbox_id):
+            raise HTTPError(404, f"sandbox '{sandbox_id}' has no behaviour record here (never created on this "
+                                 "server, or its record is past the retention time)")
+        return store, sandbox_id
+
     async def events(self, request: Request) -> Response:
-        """agentcell extension: the sandbox's connection events as NDJSON, oldest first; with
-        ?follow=true, then each new one as it happens, until the sandbox is gone."""
-        rec = self._record(request)
-        follow = request.query_params.get("follow", "false").lower() in ("1", "true", "yes")
-        events = rec.backend.network_events(rec.sandbox_id, follow)
+        """agentcell extension: the sandbox's behaviour record as NDJSON, oldest first. Filters:
+        kind= (repeatable or comma-separated; "file." matches a prefix), since= / until= (epoch
+        seconds), after= (a seq); follow=true streams each new event until the sandbox is gone."""
+        store, sandbox_id = self._recorded(request)
+        q = request.query_params
+        follow = q.get("follow", "false").lower() in ("1", "true", "yes")
+        kinds = [k for value in q.getlist("kind") for k in value.split(",") if k]
+        unknown = [k for k in kinds if k not in KIND_SET and not (k.endswith(".") and any(
+            x.startswith(k) for x in KIND_SET))]
+        if unknown:
+            raise HTTPError(400, f"unknown event kind {unknown[0]!r}; kinds: {', '.join(KINDS)} (or a prefix like 'file.')")
+        since, until = _epoch(q, "since"), _epoch(q, "until")
+        after = _int_param(q, "after", 0)
+        events = store.follow(sandbox_id, after, kinds, since, until, live=follow)
 
         async def lines() -> AsyncIterator[bytes]:
             async for event in events:
-                yield json.dumps(event, separators=(",", ":")).encode() + b"\n"
+                yield json.dumps(event, separators=(",", ":"), default=str).encode() + b"\n"
 
         return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+    async def report(self, request: Request) -> Response:
+        """agentcell extension: the record summed up for a reviewer (server/report.py); JSON, or
+        ?format=text."""
+        store, sandbox_id = self._recorded(request)
+        async with self._reports:  # a report pages through up to 100,000 events: a few at a time
+            built = await asyncio.to_thread(report.build, store.iterate(sandbox_id), store.summary(sandbox_id))
+        if request.query_params.get("format") == "text":
+            return Response(report.render(built), media_type="text/plain; charset=utf-8")
+        return JSONResponse(json.loads(json.dumps(built, default=_jsonable)))
 
     async def kill(self, request: Request) -> Response:
         sandbox_id = request.path_params["sandbox_id"]
@@ -756,6 +819,7 @@ class ControlPlane:
             Route(sid + "/timeout", self.set_timeout, methods=["POST"]),
             Route(sid + "/network", self.update_network, methods=["PUT"]),
             Route(sid + "/events", self.events, methods=["GET"]),
+            Route(sid + "/report", self.report, methods=["GET"]),
             Route(sid + "/connect", self.connect, methods=["POST"]),
             Route("/v2" + sid + "/connect", self.connect, methods=["POST"]),
             Route(sid + "/resume", self.resume, methods=["POST"]),

@@ -25,7 +25,7 @@ from protobuf.wkt.google.protobuf.timestamp_pb import Timestamp
 
 from agentcell.errors import InvalidArgumentError, SandboxError, SandboxGoneError
 from agentcell.runtime.protocol import KEEPALIVE
-from agentcell.server import auth, validate
+from agentcell.server import api_events, auth, validate
 from agentcell.server.errors import log_incident
 from agentcell.server.streams import agent_call, current_sandbox, drop_connection
 
@@ -154,6 +154,7 @@ class ProcessService:
             "timeout_ms": max(int(remaining), 1) if remaining is not None else 0,
             "user": user,
         }
+        api_events.note(cmd=" ".join([proc.cmd, *proc.args]), cwd=fields["cwd"], user=user)
         async for event in _process_stream("proc.start", ctx, **fields):
             yield pb.StartResponse(event=event)
 
@@ -274,11 +275,13 @@ class FilesystemService:
 
     async def make_dir(self, request: fs.MakeDirRequest, ctx: RequestContext) -> fs.MakeDirResponse:
         user = check_user(ctx, root_ok=True)
+        api_events.note(path=request.path, user=user)
         header = await _call("fs.mkdir", user=user, path=_path(request.path))
         return fs.MakeDirResponse(entry=entry_info(header.get("entry")))
 
     async def move(self, request: fs.MoveRequest, ctx: RequestContext) -> fs.MoveResponse:
         user = check_user(ctx, root_ok=True)
+        api_events.note(path=request.source, to=request.destination, user=user)
         header = await _call("fs.move", user=user, source=_path(request.source), destination=_path(request.destination))
         return fs.MoveResponse(entry=entry_info(header.get("entry")))
 
@@ -293,6 +296,7 @@ class FilesystemService:
 
     async def remove(self, request: fs.RemoveRequest, ctx: RequestContext) -> fs.RemoveResponse:
         user = check_user(ctx, root_ok=True)
+        api_events.note(path=request.path, user=user)
         await _call("fs.remove", user=user, path=_path(request.path))
         return fs.RemoveResponse()
 

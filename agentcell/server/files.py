@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from agentcell.errors import SandboxError
-from agentcell.server import auth
+from agentcell.server import api_events, auth
 from agentcell.server.errors import HTTPError, from_sandbox_error, json_error
 from agentcell.server.streams import HTTP_PIECE, LiveStream, client_gone, current_sandbox, first_batch
 from agentcell.server.uploads import MultipartStream, boundary_of, capped, gunzipped, too_large
@@ -47,6 +47,7 @@ async def health(request: Request) -> Response:
 async def download(request: Request) -> Response:
     path = _required_path(request)
     user = _user(request)
+    api_events.note(path=path, user=user)
     gone = asyncio.ensure_future(client_gone(request.receive))
     batches = current_sandbox.get().channel.batches("fs.read", until=gone, path=path, user=user)
     # Wait for the first frame so that not_found / a directory become proper HTTP errors.
@@ -165,6 +166,7 @@ def upload_handler(max_bytes: int, slots: UploadSlots):  # type: ignore[no-untyp
                     results.append(await _write(dest, part.data(), metadata, user))
                 if not results:
                     raise HTTPError(400, "the multipart body has no file parts")
+                api_events.note(paths=[str(r.get("path")) for r in results][:100], files=len(results), user=user)
                 return JSONResponse(results)
             if not query_path:
                 raise HTTPError(400, "the 'path' query parameter is required for an octet-stream upload")
@@ -173,6 +175,7 @@ def upload_handler(max_bytes: int, slots: UploadSlots):  # type: ignore[no-untyp
                 body = gunzipped(body, max_bytes)
             elif encoding not in ("", "identity"):
                 raise HTTPError(400, f"unsupported Content-Encoding {encoding!r}; use gzip or none")
+            api_events.note(path=query_path, user=user)
             return JSONResponse([await _write(query_path, body, metadata, user)])
 
     return upload

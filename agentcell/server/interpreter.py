@@ -16,7 +16,7 @@ from starlette.routing import Route
 
 from agentcell.errors import InvalidArgumentError, SandboxError, SandboxGoneError
 from agentcell.runtime.protocol import Frame
-from agentcell.server import validate
+from agentcell.server import api_events, validate
 from agentcell.server.bodies import EXECUTE_LIMIT
 from agentcell.server.control import json_body
 from agentcell.server.errors import HTTPError, from_sandbox_error
@@ -78,6 +78,8 @@ async def execute(request: Request) -> Response:
     if context_id and language:
         raise HTTPError(400, "Only one of context_id or language can be provided")
     language = _LANGUAGES.get(language, language)
+    api_events.note(language=language or ("python" if not context_id else None), context_id=context_id,
+                    code=api_events.excerpt(code))
     try:
         env_vars = validate.env_map(body.get("env_vars"), "env_vars") or None
     except InvalidArgumentError as e:

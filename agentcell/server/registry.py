@@ -26,11 +26,15 @@ from pathlib import Path
 from typing import Any
 
 from agentcell.backends.base import Backend, Limits, RunningSandbox, SandboxSpec
+from agentcell.backends.events import event
 from agentcell.backends.network_policy import NetworkPolicy
 from agentcell.backends.secrets import SecretSet
 from agentcell.errors import SandboxGoneError
 from agentcell.runtime.protocol import AgentChannel
+from agentcell.server.event_store import EventStore
 from agentcell.server.metrics import SAMPLE_INTERVAL_S, MetricsHistory, sample_due
+
+RECORD_GRACE_S = 1.0  # a killed sandbox's record takes events this long after the kill
 
 log = logging.getLogger("agentcell.server")
 
@@ -144,8 +148,9 @@ def _now() -> datetime:
 class SandboxManager:
     def __init__(self, backend: Backend, max_sandboxes: int = 1000, admission: Admission | None = None,
                  retention: Retention | None = None, state_dir: Path | None = None,
-                 others: dict[str, Backend] | None = None) -> None:
+                 others: dict[str, Backend] | None = None, events: EventStore | None = None) -> None:
         self.backend = backend  # the default one
+        self.events = events  # every sandbox's behaviour record (issue 10); None: none kept
         self.backends = {backend.name: backend, **(others or {})}
         self.max_sandboxes = max_sandboxes
         self.admission = admission or Admission()
@@ -336,6 +341,8 @@ class SandboxManager:
         files: Path | None = None,
         image: Path | None = None,
         backend: Backend | None = None,
+        caller: str | None = None,
+        origin: str | None = None,
     ) -> SandboxRecord:
         """A new sandbox; with `files`, it starts with that disk archive's files; with `image`, it is
         restored from that checkpoint (memory and files)."""
@@ -365,9 +372,25 @@ class SandboxManager:
             timeout_s=timeout,
         )
         self._sandboxes[rec.sandbox_id] = rec
+        self._record(rec.sandbox_id, "sandbox.created", begin=True, template=template_id, backend=backend.name,
+                     limits=asdict(limits), timeout_s=timeout, key_id=caller, origin=origin)
         self._spawn(self._watch_channel(rec, channel))
         self._wake.set()
         return rec
+
+    def _record(self, sandbox_id: str, kind: str, *, begin: bool = False, **fields: Any) -> None:
+        """An event of the sandbox's life as the server sees it, in its behaviour record."""
+        if self.events is None:
+            return
+        if begin:
+            self.events.begin(sandbox_id)
+        self.events.add(sandbox_id, event(kind, source="api", **{k: v for k, v in fields.items() if v is not None}))
+
+    def _end_record(self, sandbox_id: str) -> None:
+        """The record closes a moment after the kill, so that the kernel's last events (the exits of
+        the killed processes) still land in it."""
+        if self.events is not None:
+            asyncio.get_running_loop().call_later(RECORD_GRACE_S, self.events.end, sandbox_id)
 
     async def _start(self, backend: Backend, spec: SandboxSpec,
                      image: Path | None = None) -> tuple[RunningSandbox, AgentChannel]:
@@ -461,6 +484,7 @@ class SandboxManager:
                 await self._destroy_running(rec, "the sandbox was paused")
                 self._persist(rec)
             log.info("sandbox %s paused (%s)%s", rec.sandbox_id, rec.pause_mode, " at its timeout" if by_timeout else "")
+            self._record(rec.sandbox_id, "sandbox.paused", mode=rec.pause_mode, at_timeout=by_timeout or None)
         self._wake.set()
 
     async def resume(self, rec: SandboxRecord, timeout: int | None, memory: bool | None = None) -> bool:
@@ -482,6 +506,7 @@ class SandboxManager:
             rec.timeout_s = timeout if timeout is not None else rec.timeout_s
             rec.end_at = _now() + timedelta(seconds=rec.timeout_s)
         self._wake.set()
+        self._record(rec.sandbox_id, "sandbox.resumed", begin=True, memory=memory is not False)
         log.info("sandbox %s resumed", rec.sandbox_id)
         return True
 
@@ -566,7 +591,8 @@ class SandboxManager:
             results = await asyncio.gather(*(
                 self.create(template_id=rec.template_id, alias=rec.alias, timeout=timeout, metadata=rec.metadata,
                             envs=rec.spec.envs, limits=rec.limits, network=rec.network, secrets=rec.spec.secrets,
-                            lifecycle=rec.lifecycle, image=image, backend=rec.backend)
+                            lifecycle=rec.lifecycle, image=image, backend=rec.backend,
+                            origin=f"fork of {rec.sandbox_id}")
                 for _ in range(count)), return_exceptions=True)
         finally:
             await asyncio.to_thread(shutil.rmtree, image, True)
@@ -611,7 +637,9 @@ class SandboxManager:
 
     async def _destroy(self, rec: SandboxRecord, reason: str) -> None:
         """Everything of a sandbox that leaves the registry: its processes and its kept files."""
+        self._record(rec.sandbox_id, "sandbox.killed", reason=reason)
         await self._destroy_running(rec, reason)
+        self._end_record(rec.sandbox_id)
         if rec.files is not None:
             with contextlib.suppress(OSError):
                 rec.files.unlink()
@@ -669,6 +697,7 @@ class SandboxManager:
                             rec.pausing = True
                             self._spawn(self._pause_at_timeout(rec))
                         else:
+                            self._record(rec.sandbox_id, "limit.timeout", timeout_s=rec.timeout_s)
                             self._remove(rec, "the sandbox timed out")
                 upcoming = [self.paused_until(r) if r.paused else r.end_at for r in self._sandboxes.values()
                             if not r.pausing]

@@ -20,7 +20,7 @@ import stat
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import Callable
 from dataclasses import asdict, replace
 from typing import Any
 
@@ -33,9 +33,11 @@ from agentcell.backends.base import (
     new_sandbox_id,
 )
 from agentcell.backends.cgroup_backend import CgroupSandboxes
+from agentcell.backends.events import EventSink, Recorder, event
 from agentcell.backends.linux import cgroups, host, rootfs, runtime_store, uids
 from agentcell.backends.linux.egress import EgressError
 from agentcell.backends.linux.egress_service import Egress, EgressSettings
+from agentcell.backends.linux.record import Collector, WatchTarget
 from agentcell.backends.network_policy import NetworkPolicy
 from agentcell.backends.pool import StandbyPool
 from agentcell.backends.secrets import HeaderRule
@@ -78,6 +80,7 @@ class LinuxSandbox(RunningSandbox):
         # the root of its disk tmpfs (O_PATH, from sandbox_init's "disk" frame): export_files walks it
         self.disk_fd = -1
         self.owners = disk_archive.Owners(-1, -1)  # its user's host ids
+        self.host_uids: tuple[int, ...] = ()  # the host uids its processes run as (its user's, its root's)
 
     def alive(self) -> bool:
         if self.killed or self.pidfd < 0:
@@ -86,6 +89,9 @@ class LinuxSandbox(RunningSandbox):
         poller.register(self.pidfd, select.POLLIN)
         return not poller.poll(0)  # readable = exited
 
+
+# The behaviour record's host-side collectors (issue 10), each made with the recorder's sink.
+COLLECTORS: tuple[Callable[[EventSink], Collector], ...] = ()
 
 SPAWN = b"spawn"  # see zygote.SPAWN
 _ZYGOTE_ENV = {"PATH", "LANG", "LC_ALL", "PYTHONPATH", "TZ", "AGENTCELL_TIMING"}
@@ -289,6 +295,31 @@ class LinuxBackend(CgroupSandboxes, Backend):
         self.host_tuning = host_tuning or host.HostTuning(**host_options)
         # what all sandboxes together may use (the parent cgroup's limits), known once start() set them
         self.host_budget: host.HostBudget | None = None
+        # the behaviour record's host-side collectors (record.py), made by attach_recorder()
+        self.collectors: list[Collector] = []
+
+    def attach_recorder(self, recorder: Recorder) -> None:
+        self.recorder = recorder
+        self.collectors = [make(recorder.add) for make in COLLECTORS]
+
+    def _watch(self, sandbox: LinuxSandbox) -> None:
+        """A tenant's sandbox: its record starts, and the collectors watch it, before its claim."""
+        if self.recorder is None:
+            return
+        self.recorder.begin(sandbox.sandbox_id)
+        target = WatchTarget(sandbox.sandbox_id, sandbox.host_pid, sandbox.host_uids, sandbox.cgroups,
+                             sandbox.disk_fd)
+        for collector in self.collectors:
+            try:
+                collector.watch(target)
+            except OSError as e:  # a record with a gap, said in the record, rather than no sandbox
+                self.recorder.add(sandbox.sandbox_id, event("record.dropped", count=0,
+                                                            reason=f"{type(collector).__name__}: {e}"))
+
+    def _unwatch(self, sandbox: LinuxSandbox) -> None:
+        for collector in self.collectors:
+            with contextlib.suppress(Exception):
+                collector.unwatch(sandbox.sandbox_id)
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -332,6 +363,10 @@ class LinuxBackend(CgroupSandboxes, Backend):
                     f"cannot set up the sandboxes' egress router: {e} (start with --egress-uplink none to run "
                     "without internet for sandboxes)") from e
             self.egress = egress
+        if self.egress is not None and self.recorder is not None:
+            self.egress.sink = self.recorder.add  # connection and DNS events join the behaviour record
+        for collector in self.collectors:
+            await collector.start()
         try:  # host-wide pools and the parent cgroup's limits (see host.py)
             self.host_budget = await asyncio.to_thread(host.prepare, self.cgroup_parent, self.max_sandboxes,
                                                        self.host_tuning)
@@ -406,6 +441,9 @@ class LinuxBackend(CgroupSandboxes, Backend):
         if self.egress is not None:
             await self.egress.close()
             self.egress = None
+        for collector in self.collectors:
+            with contextlib.suppress(Exception):
+                await collector.close()
         with contextlib.suppress(OSError):
             await asyncio.to_thread(cgroups.remove_tree, self.cgroup_parent)
         if self._uid_range is not None:
@@ -461,6 +499,7 @@ class LinuxBackend(CgroupSandboxes, Backend):
             sandbox.cgroups.set_cpu_weight(standby=False)
             if self.egress is not None:  # before the claim: the tenant's first code meets its policy
                 await self.egress.apply(sandbox.slot, spec.network, sandbox.sandbox_id, spec.secrets)
+            self._watch(sandbox)
             # The claim: the tenant's env vars go to this sandbox's agent and nowhere else.
             # secrets: their placeholders only; the values stay here, with the egress proxy
             envs = {**spec.envs, **spec.secrets.envs()}
@@ -519,6 +558,7 @@ class LinuxBackend(CgroupSandboxes, Backend):
                     raise SandboxError(f"sandbox {sandbox_id}: the zygote named a foreign cgroup {cgroup!r}")
                 sandbox = LinuxSandbox(sandbox_id, ours, pid, os.pidfd_open(pid), slot, cgroup, limits)
                 sandbox.owners = disk_archive.Owners(host_id, host_id)
+                sandbox.host_uids = (host_id, root_id)
                 self._owned[sandbox_id] = sandbox
                 fds: list[int] = []
                 disk = await _read_frame(loop, ours, fds)  # from the child, before any sandbox code ran
@@ -564,6 +604,7 @@ class LinuxBackend(CgroupSandboxes, Backend):
                     signal.pidfd_send_signal(sandbox.pidfd, signal.SIGKILL)  # pid 1 dies: the whole ns dies
                 sandbox.cgroups.thaw_quietly()  # a paused sandbox's tasks die only once thawed (v1)
                 await _wait_readable(sandbox.pidfd, timeout=5.0)
+            self._unwatch(sandbox)  # its last events (exits, the last writes) are in: before its disk goes
             with contextlib.suppress(OSError):
                 sandbox.sock.close()
             if sandbox.disk_fd >= 0:  # the last reference to its disk's pages: before its cgroup goes
@@ -609,12 +650,6 @@ class LinuxBackend(CgroupSandboxes, Backend):
             return
         await self.egress.apply(sandbox.slot, policy, rules=rules)
 
-    def network_events(self, sandbox_id: str, follow: bool) -> AsyncIterator[dict[str, Any]]:
-        if self.egress is None:
-            return _no_events()
-        log = self.egress.events
-        return log.follow(sandbox_id, 0) if follow else _listed(log.since(sandbox_id))
-
     async def export_files(self, sandbox: RunningSandbox, dest: str, max_bytes: int) -> int:
         assert isinstance(sandbox, LinuxSandbox)
         async with sandbox.kill_lock:  # a kill waits: it closes the disk fd
@@ -625,16 +660,6 @@ class LinuxBackend(CgroupSandboxes, Backend):
             return await asyncio.to_thread(_export, disk_fd, dest, max_bytes, sandbox.owners)
         finally:
             os.close(disk_fd)
-
-
-async def _no_events() -> AsyncIterator[dict[str, Any]]:
-    return
-    yield {}
-
-
-async def _listed(events: list[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
-    for e in events:
-        yield e
 
 
 def _claimable(prepared: Limits, wanted: Limits) -> bool:

@@ -108,15 +108,17 @@ class PolicyResolver(asyncio.DatagramProtocol):
     a stranger, or a sandbox without internet); `pin(source ip, pins)` is awaited with the addresses
     of an answer before the answer is sent; `make_socket(family, type)` makes each upstream socket (default:
     a plain one in the caller's namespace, for tests); `on_refused(source ip, name)` hears of each
-    name refused."""
+    name refused, `on_answered(source ip, name, type, addresses, rcode)` of each query answered."""
 
     def __init__(self, upstream: tuple[str, int], rules_for: Callable[[str], DomainRules | None],
                  pin: Callable[[str, list[Pin]], Awaitable[None]],
                  make_socket: Callable[[int, int], Awaitable[socket.socket]] | None = None,
-                 on_refused: Callable[[str, str], None] | None = None, never_list: NeverList | None = None) -> None:
+                 on_refused: Callable[[str, str], None] | None = None, never_list: NeverList | None = None,
+                 on_answered: Callable[[str, str, str, list[str], str], None] | None = None) -> None:
         self.never = never_list or _DEFAULT_NEVER
         self.upstream = upstream
         self.on_refused = on_refused
+        self.on_answered = on_answered
         self.rules_for = rules_for
         self.pin = pin
         self.make_socket = make_socket
@@ -163,6 +165,7 @@ class PolicyResolver(asyncio.DatagramProtocol):
             reply = await self._forward(forwarded)
         except (dns.exception.DNSException, OSError, TimeoutError) as e:
             log.debug("upstream failed for %s: %s", name, e)
+            self._answered(source, query, [], "SERVFAIL")
             return _servfail(query)
         response = dns.message.make_response(query)
         response.set_rcode(reply.rcode())
@@ -173,8 +176,18 @@ class PolicyResolver(asyncio.DatagramProtocol):
                 await self.pin(source, pins)
             except Exception as e:  # an answer whose addresses are not open would only fail later
                 log.warning("could not pin %s for %s: %s", name, source, e)
+                self._answered(source, query, [], "SERVFAIL")
                 return _servfail(query)
+        self._answered(source, query, [str(a) for rrset in response.answer for a in rrset
+                                       if rrset.rdtype in (dns.rdatatype.A, dns.rdatatype.AAAA)],
+                       dns.rcode.to_text(reply.rcode()))
         return response
+
+    def _answered(self, source: str, query: dns.message.Message, addresses: list[str], rcode: str) -> None:
+        if self.on_answered is not None:
+            q = query.question[0]
+            self.on_answered(source, q.name.to_text(omit_final_dot=True), dns.rdatatype.to_text(q.rdtype),
+                             addresses[:32], rcode)
 
     async def _forward(self, query: dns.message.Message) -> dns.message.Message:
         if self.make_socket is None:

@@ -100,6 +100,8 @@ class Egress:
         # Bounded: ~670 bytes an event, so at most ~140 MB if 1,024 sandboxes each fill their 200.
         self.events = EventLog(per_key=EVENTS_PER_SANDBOX, max_keys=EVENT_LOGS)
         self._owner: dict[int, str] = {}  # slot -> the sandbox id it serves
+        # where events go: the in-memory log, or the server's behaviour record (issue 10) once attached
+        self.sink: Callable[[str, dict[str, object]], None] = self.events.add
         self._collector: EventCollector | None = None
         self._interceptor: Interceptor | None = None
         self._secrets: dict[int, SecretSet] = {}
@@ -134,7 +136,8 @@ class Egress:
             if not upstream:
                 log.warning("no upstream DNS server (pass --egress-dns): sandboxes' names will not resolve")
             self.resolver = PolicyResolver((upstream, 53), self._rules_for, self._pin, self._socket,
-                                           on_refused=self._refused, never_list=self.never)
+                                           on_refused=self._refused, never_list=self.never,
+                                           on_answered=self._answered)
             loop = asyncio.get_running_loop()
             udp = await self._in_router(lambda: _bound(socket.SOCK_DGRAM))
             self._udp, _ = await loop.create_datagram_endpoint(lambda: self.resolver, sock=udp)
@@ -289,14 +292,22 @@ class Egress:
         pinned = self._pins.get(slot, {}).get(str(event.get("dst")))
         if pinned is not None:
             event = {**event, "domain": pinned.last}
-        self.events.add(owner, event)
+        kind = "net.deny" if event.get("verdict") == "denied" else "net.connect"
+        self.sink(owner, {"kind": kind, "source": "host", "pid": None, "ppid": None, **event})
 
-    def _refused(self, source: str, name: str) -> None:
+    def _dns_event(self, source: str, **fields: object) -> None:
         slot = slot_of(source)
         owner = self._owner.get(slot) if slot is not None else None
         if owner is not None:
-            self.events.add(owner, {"time": time.time(), "proto": "dns", "domain": name, "verdict": "denied",
-                                    "rule": "domain", "state": "denied"})
+            self.sink(owner, {"time": time.time(), "kind": "dns.query", "source": "host", "pid": None, "ppid": None,
+                              "proto": "dns", **fields})
+
+    def _refused(self, source: str, name: str) -> None:
+        self._dns_event(source, domain=name, verdict="denied", rule="domain", state="denied")
+
+    def _answered(self, source: str, name: str, rdtype: str, addresses: list[str], rcode: str) -> None:
+        self._dns_event(source, domain=name, type=rdtype, answers=addresses, rcode=rcode, verdict="allowed",
+                        state="answered")
 
     # -- the resolver's callbacks ---------------------------------------------------------------
 

@@ -1,0 +1,428 @@
+"""The behaviour record's store (issue 10): every sandbox's events, in order, in SQLite under the
+server's state dir, kept for an operator-set time after the sandbox is gone.
+
+Bounds, so that no sandbox can flood the server or starve a neighbour's record:
+
+* a per-sandbox **rate** (token bucket, per source: what the sandbox causes cannot use up the budget
+  of the API's own events) and a per-sandbox **cap** on stored events. What is over either is
+  counted, not stored; one ``record.dropped`` {count, reason} note per second says how many went;
+* a **store-wide** cap on rows: past it, the records of the sandboxes that ended longest ago go
+  first; if only live sandboxes' records are left, new events are dropped (and counted);
+* the writer is one thread fed by a bounded queue; ``add`` never blocks the event loop.
+
+Readers see an event as soon as ``add`` returns (unwritten ones are served from memory), so
+``follow`` streams without waiting for the disk. ``audit_log`` receives every stored event as one
+JSON line (``serve --audit-log``), for the operator's SIEM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import queue
+import sqlite3
+import threading
+import time
+from collections.abc import AsyncIterator, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from agentcell.backends.events import KIND_SET
+
+log = logging.getLogger("agentcell.events")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS events (
+    sandbox_id TEXT NOT NULL, seq INTEGER NOT NULL, time REAL NOT NULL, kind TEXT NOT NULL, body TEXT NOT NULL,
+    PRIMARY KEY (sandbox_id, seq)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS sandboxes (
+    sandbox_id TEXT PRIMARY KEY, started REAL NOT NULL, ended REAL, events INTEGER NOT NULL DEFAULT 0,
+    dropped INTEGER NOT NULL DEFAULT 0);
+"""
+_READ_CHUNK = 1000  # rows per query while a reader pages through a record
+ROW_BYTES = 300  # about what an event takes in the database, index included (for --events-max-mb)
+
+
+@dataclass
+class Limits:
+    per_sandbox: int = 100_000  # events kept per sandbox
+    rate: float = 2000.0  # events per second per sandbox and source, sustained ...
+    burst: int = 20_000  # ... and at once
+    max_rows: int = 4_000_000  # events kept store-wide (~1 GiB of SQLite)
+    retention_s: float = 7 * 86400  # how long a record outlives its sandbox
+    queue: int = 100_000  # events waiting for the writer, store-wide
+
+
+@dataclass
+class _Bucket:
+    tokens: float
+    at: float
+
+
+@dataclass
+class _Record:
+    """What the loop knows of one sandbox's record."""
+
+    seq: int = 0  # the last seq handed out
+    stored: int = 0
+    ended: bool = False
+    dropped: dict[str, int] = field(default_factory=dict)  # reason -> not yet noted
+    dropped_total: int = 0
+    buckets: dict[str, _Bucket] = field(default_factory=dict)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class EventStore:
+    def __init__(self, path: Path | None, limits: Limits | None = None, audit_log: IO[str] | None = None) -> None:
+        self.path = path  # None: an in-memory database (tests, embedded use without a state dir)
+        self.limits = limits or Limits()
+        self.audit_log = audit_log
+        self._records: dict[str, _Record] = {}
+        self._pending: dict[str, list[dict[str, Any]]] = {}  # added, not yet committed (served to readers)
+        self._pending_lock = threading.Lock()
+        self._queue: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._queued = 0
+        self._rows = 0
+        self._db: sqlite3.Connection | None = None
+        self._writer: threading.Thread | None = None
+        self._reader_lock = threading.Lock()
+        self._janitor: asyncio.Task[None] | None = None
+        self.stats = {"stored": 0, "dropped": 0, "evicted_sandboxes": 0}
+
+    # -- life ------------------------------------------------------------------------------------
+
+    def open(self) -> None:
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        target = str(self.path) if self.path is not None else "file:agentcell-events?mode=memory&cache=shared"
+        self._db = sqlite3.connect(target, check_same_thread=False, uri=self.path is None, isolation_level=None)
+        if self.path is not None:
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self.path.chmod(0o600)
+        self._db.executescript(_SCHEMA)
+        # a restart: records of sandboxes that were running are closed now (they are gone)
+        self._db.execute("UPDATE sandboxes SET ended = ? WHERE ended IS NULL", (time.time(),))
+        self._rows = self._db.execute("SELECT COUNT(*) FROM events").fetchone()[0]
+        self._writer = threading.Thread(target=self._write_loop, name="agentcell-events", daemon=True)
+        self._writer.start()
+
+    async def start(self) -> None:
+        self.open()
+        self._janitor = asyncio.get_running_loop().create_task(self._janitor_loop())
+
+    async def close(self) -> None:
+        if self._janitor is not None:
+            self._janitor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._janitor
+        self._note_drops()
+        if self._writer is not None:
+            self._queue.put(("stop", None))
+            await asyncio.to_thread(self._writer.join, 10)
+        for rec in self._records.values():
+            rec.ended = True
+            rec.changed.set()
+        if self._db is not None:
+            self._db.close()
+            self._db = None
+
+    # -- writing (the event loop) ----------------------------------------------------------------
+
+    def begin(self, sandbox_id: str) -> None:
+        """A sandbox's record starts (its create); idempotent."""
+        rec = self._records.get(sandbox_id)
+        if rec is None:  # new, or a record from before a restart (a paused sandbox resumed): go on from it
+            rec = self._records[sandbox_id] = _Record(seq=self._max_seq(sandbox_id))
+            rec.stored = rec.seq
+        elif not rec.ended:
+            return
+        rec.ended = False
+        self._queue.put(("begin", (sandbox_id, time.time())))
+
+    def end(self, sandbox_id: str) -> None:
+        """The sandbox is gone: readers that follow it stop once they have read everything."""
+        rec = self._records.get(sandbox_id)
+        if rec is None or rec.ended:
+            return
+        self._note_drops(sandbox_id)
+        rec.ended = True
+        rec.changed.set()
+        self._queue.put(("end", (sandbox_id, time.time())))
+
+    def add(self, sandbox_id: str, event: dict[str, Any]) -> None:
+        """Store one event (an EventSink): never blocks, never raises; what is over a bound is counted."""
+        rec = self._records.get(sandbox_id)
+        if rec is None or rec.ended:
+            return  # a standby's (no tenant's code ran) or a sandbox already gone: nothing to keep
+        reason = self._refusal(rec, event)
+        if reason is not None:
+            rec.dropped[reason] = rec.dropped.get(reason, 0) + 1
+            rec.dropped_total += 1
+            self.stats["dropped"] += 1
+            return
+        self._store(sandbox_id, rec, event)
+
+    def _refusal(self, rec: _Record, event: dict[str, Any]) -> str | None:
+        lim = self.limits
+        if rec.stored >= lim.per_sandbox:
+            return "per-sandbox cap"
+        if self._queued >= lim.queue:
+            return "writer behind"
+        if self._rows + self._queued >= lim.max_rows + lim.max_rows // 10:
+            return "store full"  # only live sandboxes' records are left to keep (the janitor evicts ended ones)
+        source = str(event.get("source", "host"))
+        now = time.monotonic()
+        b = rec.buckets.get(source)
+        if b is None:
+            b = rec.buckets[source] = _Bucket(float(lim.burst), now)
+        b.tokens = min(float(lim.burst), b.tokens + (now - b.at) * lim.rate)
+        b.at = now
+        if b.tokens < 1:
+            return "rate limit"
+        b.tokens -= 1
+        return None
+
+    def _store(self, sandbox_id: str, rec: _Record, event: dict[str, Any]) -> None:
+        rec.seq += 1
+        rec.stored += 1
+        stored = {**event, "sandbox_id": sandbox_id, "seq": rec.seq}
+        if stored.get("kind") not in KIND_SET:
+            stored["kind"] = "record.dropped"  # never: collectors use events.KINDS; kept visible if it happens
+        with self._pending_lock:
+            self._pending.setdefault(sandbox_id, []).append(stored)
+        self._queued += 1
+        self._queue.put(("event", stored))
+        self.stats["stored"] += 1
+        rec.changed.set()
+
+    def _note_drops(self, sandbox_id: str | None = None) -> None:
+        """One record.dropped per reason for what was dropped since the last note."""
+        ids = [sandbox_id] if sandbox_id is not None else list(self._records)
+        for sid in ids:
+            rec = self._records.get(sid)
+            if rec is None or not rec.dropped:
+                continue
+            for reason, count in rec.dropped.items():
+                note = {"time": time.time(), "kind": "record.dropped", "source": "host", "pid": None, "ppid": None,
+                        "count": count, "reason": reason, "dropped_total": rec.dropped_total}
+                self._store(sid, rec, note)  # past every bound: a note per reason per second at most
+            rec.dropped.clear()
+            self._queue.put(("dropped", (sid, rec.dropped_total)))
+
+    # -- the writer thread -----------------------------------------------------------------------
+
+    def _write_loop(self) -> None:
+        assert self._db is not None
+        db = self._db
+        while True:
+            items = [self._queue.get()]
+            with contextlib.suppress(queue.Empty):
+                while len(items) < 5000:
+                    items.append(self._queue.get_nowait())
+            stop = False
+            events: list[dict[str, Any]] = []
+            try:
+                with self._reader_lock:
+                    db.execute("BEGIN")
+                    for op, arg in items:
+                        if op == "event":
+                            events.append(arg)
+                        elif op == "begin":
+                            db.execute("INSERT INTO sandboxes (sandbox_id, started) VALUES (?, ?) ON CONFLICT"
+                                       "(sandbox_id) DO UPDATE SET ended = NULL", arg)
+                        elif op == "end":
+                            db.execute("UPDATE sandboxes SET ended = ? WHERE sandbox_id = ?", (arg[1], arg[0]))
+                        elif op == "dropped":
+                            db.execute("UPDATE sandboxes SET dropped = ? WHERE sandbox_id = ?", (arg[1], arg[0]))
+                        elif op == "stop":
+                            stop = True
+                    db.executemany(
+                        "INSERT OR IGNORE INTO events (sandbox_id, seq, time, kind, body) VALUES (?, ?, ?, ?, ?)",
+                        [(e["sandbox_id"], e["seq"], e["time"], e["kind"], _dumps(e)) for e in events])
+                    counts: dict[str, int] = {}
+                    for e in events:
+                        counts[e["sandbox_id"]] = counts.get(e["sandbox_id"], 0) + 1
+                    db.executemany("UPDATE sandboxes SET events = events + ? WHERE sandbox_id = ?",
+                                   [(n, sid) for sid, n in counts.items()])
+                    db.execute("COMMIT")
+            except sqlite3.Error:
+                log.exception("event store: a write failed; %d events lost", len(events))
+                with contextlib.suppress(sqlite3.Error):
+                    db.execute("ROLLBACK")
+            self._rows += len(events)
+            self._forget_pending(events)
+            self._queued -= len(events)
+            if self.audit_log is not None and events:
+                self._write_audit_log(events)
+            if stop:
+                return
+
+    def _forget_pending(self, events: list[dict[str, Any]]) -> None:
+        with self._pending_lock:
+            for e in events:
+                pending = self._pending.get(e["sandbox_id"])
+                if pending and pending[0] is e:
+                    pending.pop(0)
+                    if not pending:
+                        del self._pending[e["sandbox_id"]]
+
+    def _write_audit_log(self, events: list[dict[str, Any]]) -> None:
+        assert self.audit_log is not None
+        try:
+            self.audit_log.write("".join(_dumps(e) + "\n" for e in events))
+            self.audit_log.flush()
+        except (OSError, ValueError):
+            log.exception("audit log: write failed")
+
+    # -- reading ---------------------------------------------------------------------------------
+
+    def known(self, sandbox_id: str) -> bool:
+        if sandbox_id in self._records:
+            return True
+        return self._query_one("SELECT 1 FROM sandboxes WHERE sandbox_id = ?", (sandbox_id,)) is not None
+
+    def summary(self, sandbox_id: str) -> dict[str, Any] | None:
+        row = self._query_one("SELECT started, ended, events, dropped FROM sandboxes WHERE sandbox_id = ?",
+                              (sandbox_id,))
+        rec = self._records.get(sandbox_id)
+        if row is None and rec is None:
+            return None
+        started, ended, _, dropped = row if row is not None else (None, None, 0, 0)
+        return {"sandbox_id": sandbox_id, "started": started, "ended": ended,
+                "events": rec.seq if rec is not None else self._max_seq(sandbox_id),
+                "dropped": rec.dropped_total if rec is not None else dropped}
+
+    def _max_seq(self, sandbox_id: str) -> int:
+        row = self._query_one("SELECT MAX(seq) FROM events WHERE sandbox_id = ?", (sandbox_id,))
+        return int(row[0] or 0) if row else 0
+
+    def _query_one(self, sql: str, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        if self._db is None:
+            return None
+        with self._reader_lock:
+            return self._db.execute(sql, args).fetchone()
+
+    def read(self, sandbox_id: str, after: int = 0, kinds: Iterable[str] | None = None,
+             since: float | None = None, until: float | None = None, limit: int = _READ_CHUNK) -> list[dict[str, Any]]:
+        """Up to `limit` events with seq > `after`, oldest first, filtered by kind (or kind prefix,
+        "file.") and time."""
+        wanted = tuple(kinds or ())
+        out: list[dict[str, Any]] = []
+        if self._db is not None:
+            sql = "SELECT body FROM events WHERE sandbox_id = ? AND seq > ?"
+            args: list[Any] = [sandbox_id, after]
+            if since is not None:
+                sql += " AND time >= ?"
+                args.append(since)
+            if until is not None:
+                sql += " AND time <= ?"
+                args.append(until)
+            sql += " ORDER BY seq LIMIT ?"
+            args.append(limit)
+            with self._reader_lock:
+                rows = self._db.execute(sql, args).fetchall()
+                with self._pending_lock:
+                    pending = list(self._pending.get(sandbox_id, ()))
+            out = [json.loads(body) for (body,) in rows]
+        else:
+            pending = []
+        last = out[-1]["seq"] if out else after
+        if len(out) < limit:  # then the ones not yet written
+            out += [e for e in pending if e["seq"] > last and (since is None or e["time"] >= since)
+                    and (until is None or e["time"] <= until)][: limit - len(out)]
+        return [e for e in out if _kind_matches(e["kind"], wanted)]
+
+    async def follow(self, sandbox_id: str, after: int = 0, kinds: Iterable[str] | None = None,
+                     since: float | None = None, until: float | None = None, live: bool = False,
+                     ) -> AsyncIterator[dict[str, Any]]:
+        """The record from `after`; with `live`, then each new event until the sandbox is gone."""
+        wanted = tuple(kinds or ())
+        while True:
+            rec = self._records.get(sandbox_id)
+            if rec is not None:
+                rec.changed.clear()
+            batch = await asyncio.to_thread(self._read_raw, sandbox_id, after, since, until)
+            for e in batch:
+                after = e["seq"]
+                if _kind_matches(e["kind"], wanted):
+                    yield e
+            if len(batch) >= _READ_CHUNK:
+                continue
+            if not live or rec is None or rec.ended:
+                return  # read() serves the events not yet written too: nothing is missed
+            await rec.changed.wait()
+
+    def iterate(self, sandbox_id: str) -> Iterator[dict[str, Any]]:
+        """The whole record, page by page (a worker thread's reader: report building)."""
+        after = 0
+        while True:
+            page = self.read(sandbox_id, after)
+            yield from page
+            if len(page) < _READ_CHUNK:
+                return
+            after = page[-1]["seq"]
+
+    def _read_raw(self, sandbox_id: str, after: int, since: float | None, until: float | None) -> list[dict[str, Any]]:
+        return self.read(sandbox_id, after, None, since, until)
+
+    # -- retention -------------------------------------------------------------------------------
+
+    async def _janitor_loop(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            self._note_drops()
+            with self._pending_lock:  # ended records live on in the database only
+                for sid in [s for s, r in self._records.items() if r.ended and s not in self._pending]:
+                    del self._records[sid]
+            try:
+                await asyncio.to_thread(self._evict)
+            except sqlite3.Error:
+                log.exception("event store: eviction failed")
+
+    def _evict(self, now: float | None = None) -> None:
+        """Forget records past their retention, and the oldest ended ones while over max_rows."""
+        if self._db is None:
+            return
+        now = time.time() if now is None else now
+        with self._reader_lock:
+            gone = [r[0] for r in self._db.execute(
+                "SELECT sandbox_id FROM sandboxes WHERE ended IS NOT NULL AND ended < ?",
+                (now - self.limits.retention_s,))]
+            if self._rows > self.limits.max_rows:
+                excess = self._rows - self.limits.max_rows
+                for sid, n in self._db.execute(
+                        "SELECT sandbox_id, events FROM sandboxes WHERE ended IS NOT NULL ORDER BY ended"):
+                    if excess <= 0:
+                        break
+                    if sid not in gone:
+                        gone.append(sid)
+                        excess -= n
+        for sid in gone:
+            self._forget(sid)
+
+    def _forget(self, sandbox_id: str) -> None:
+        assert self._db is not None
+        with self._reader_lock:
+            n = self._db.execute("DELETE FROM events WHERE sandbox_id = ?", (sandbox_id,)).rowcount
+            self._db.execute("DELETE FROM sandboxes WHERE sandbox_id = ?", (sandbox_id,))
+        self._rows -= max(n, 0)
+        self.stats["evicted_sandboxes"] += 1
+        rec = self._records.get(sandbox_id)
+        if rec is not None and rec.ended:
+            del self._records[sandbox_id]
+
+    @property
+    def full(self) -> bool:
+        return self._rows >= self.limits.max_rows
+
+
+def _kind_matches(kind: str, wanted: tuple[str, ...]) -> bool:
+    return not wanted or any(kind == w or (w.endswith(".") and kind.startswith(w)) for w in wanted)
+
+
+def _dumps(event: dict[str, Any]) -> str:
+    return json.dumps(event, separators=(",", ":"), default=str)
