@@ -1,0 +1,125 @@
+"""The behaviour record end to end (issue 10): a real server and real sandboxes; what the API did to
+a sandbox, read through /events, the SDK, the report and the CLI, during and after the sandbox's life."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from agentcell import Sandbox
+from agentcell.errors import InvalidArgumentException, NotFoundException
+
+
+def _wait_for(sbx_id: str, url: str, pred: Any, within: float = 10) -> list[dict[str, Any]]:
+    deadline = time.monotonic() + within
+    while True:
+        got = list(Sandbox.events(sbx_id, api_url=url))
+        if pred(got):
+            return got
+        assert time.monotonic() < deadline, f"the record never showed it: {[e['kind'] for e in got]}"
+        time.sleep(0.2)
+
+
+def test_api_calls_and_the_sandbox_life_are_in_its_record(server_url: str) -> None:
+    sbx = Sandbox.create(api_url=server_url, timeout=120)
+    sid = sbx.sandbox_id
+    sbx.run_code("x = 6 * 7")
+    sbx.commands.run("echo recorded")
+    sbx.files.write("/home/user/notes.txt", "hello")
+    assert sbx.files.read("/home/user/notes.txt") == "hello"
+    sbx.kill()
+    events = _wait_for(sid, server_url, lambda got: any(e["kind"] == "sandbox.killed" for e in got))
+    assert [e["seq"] for e in events] == list(range(1, len(events) + 1))
+    assert all(e["sandbox_id"] == sid for e in events)
+    created = events[0]
+    assert created["kind"] == "sandbox.created" and created["source"] == "api"
+    assert created["template"] and created["limits"]["memory_mb"] > 0
+    calls = {e["action"]: e for e in events if e["kind"] == "api.call"}
+    run = calls["run_code"]
+    assert run["code"]["excerpt"] == "x = 6 * 7" and run["status"] == 200 and run["source"] == "api"
+    assert "echo recorded" in calls["process.Start"]["cmd"]
+    assert calls["files.write"]["path"] == "/home/user/notes.txt"
+    assert calls["files.read"]["path"] == "/home/user/notes.txt"
+    assert calls["sandbox.kill"]["status"] == 204
+    token = sbx._conn.envd_headers.get("X-Access-Token")
+    for e in calls.values():  # who did it: a key id, never the credential
+        assert e["key_id"] and (token is None or token not in json.dumps(e))
+    assert any(e["kind"] == "sandbox.killed" and e["reason"] for e in events)
+
+
+def test_filters_and_errors(server_url: str) -> None:
+    with Sandbox.create(api_url=server_url, timeout=60) as sbx:
+        sbx.commands.run("true")
+        sbx.run_code("1")
+        only = list(sbx.events(kinds="api.call"))
+        assert only and {e["kind"] for e in only} == {"api.call"}
+        t_mid = time.time()
+        time.sleep(0.05)
+        sbx.run_code("2")
+        later = list(sbx.events(kinds=["api.call"], since=t_mid))
+        assert [e["code"]["excerpt"] for e in later] == ["2"]
+        with pytest.raises(InvalidArgumentException, match="unknown event kind"):
+            list(sbx.events(kinds="process.fork"))
+        r = httpx.get(f"{server_url}/sandboxes/{sbx.sandbox_id}/events", params={"since": "yesterday"})
+        assert r.status_code == 400 and "since" in r.text
+    with pytest.raises(NotFoundException):
+        list(Sandbox.events("nosuchsandbox0000000", api_url=server_url))
+
+
+def test_follow_streams_live_and_ends_with_the_sandbox(server_url: str) -> None:
+    sbx = Sandbox.create(api_url=server_url, timeout=60)
+    seen: list[dict[str, Any]] = []
+    done = threading.Event()
+
+    def follow() -> None:
+        for e in sbx.events(follow=True):
+            seen.append(e)
+        done.set()
+
+    t = threading.Thread(target=follow, daemon=True)
+    t.start()
+    time.sleep(0.3)
+    sbx.commands.run("echo live-one")
+    deadline = time.monotonic() + 5
+    while not any("live-one" in str(e.get("cmd")) for e in seen):
+        assert time.monotonic() < deadline, "a followed record did not show the call as it happened"
+        time.sleep(0.05)
+    sbx.kill()
+    assert done.wait(10), "following did not end when the sandbox was gone"
+    assert any(e["kind"] == "sandbox.killed" for e in seen)
+
+
+def test_report_and_cli_after_the_sandbox_is_gone(server_url: str) -> None:
+    sbx = Sandbox.create(api_url=server_url, timeout=60)
+    sid = sbx.sandbox_id
+    sbx.run_code("print('reviewed')")
+    sbx.files.write("/home/user/.bashrc", "echo persisted")
+    sbx.kill()
+    _wait_for(sid, server_url, lambda got: any(e["kind"] == "sandbox.killed" for e in got))
+    deadline = time.monotonic() + 10
+    while (rep := Sandbox.report(sid, api_url=server_url))["ended"] is None:  # closed a moment after the kill
+        assert time.monotonic() < deadline, "the record was never closed"
+        time.sleep(0.2)
+    assert rep["sandbox_id"] == sid
+    assert rep["api_calls"]["run_code"] == 1 and rep["api_calls"]["files.write"] == 1
+    assert rep["counts"]["sandbox.created"] == 1
+    text = Sandbox.report(sid, format="text", api_url=server_url)
+    assert sid in text and "API CALLS" in text
+    env = {**os.environ, "AGENTCELL_URL": server_url}
+    out = subprocess.run([sys.executable, "-m", "agentcell.cli", "report", sid], env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert sid in out.stdout and "PROCESSES" in out.stdout
+    out = subprocess.run([sys.executable, "-m", "agentcell.cli", "events", sid, "--kind", "api.call"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    lines = [json.loads(x) for x in out.stdout.splitlines()]
+    assert lines and all(e["kind"] == "api.call" for e in lines)
