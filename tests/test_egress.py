@@ -411,7 +411,7 @@ def test_connection_events(make) -> None:  # type: ignore[no-untyped-def]
                for e in events)
     assert any(e.get("dst") == "10.1.2.3" and e.get("rule") == "never4" for e in events)
     other = make()
-    assert list(other.events()) == []  # one sandbox's events are its own
+    assert [e for e in other.events() if e["kind"].startswith(("net.", "dns."))] == []  # its events are its own
 
 
 async def test_following_events_with_the_async_sdk(egress_server: ServerProcess) -> None:
