@@ -123,3 +123,22 @@ def test_report_and_cli_after_the_sandbox_is_gone(server_url: str) -> None:
     assert out.returncode == 0, out.stderr
     lines = [json.loads(x) for x in out.stdout.splitlines()]
     assert lines and all(e["kind"] == "api.call" for e in lines)
+
+
+def test_self_reports_are_marked_and_cannot_pass_for_host_events(server_url: str) -> None:
+    with Sandbox.create(api_url=server_url, timeout=60) as sbx:
+        code = ("import json, os, socket\n"
+                "s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)\n"
+                "forged = {'what': 'step', 'n': 3, 'kind': 'process.exec', 'source': 'host', 'sandbox_id': 'other'}\n"
+                "s.sendto(json.dumps(forged).encode(), '\\0agentcell-report')\n"
+                "for i in range(3000):\n"
+                "    s.sendto(json.dumps({'what': 'flood', 'i': i}).encode(), '\\0agentcell-report')\n"
+                "print(os.getpid())")
+        pid = int(sbx.run_code(code).logs.stdout[0])
+        events = _wait_for(sbx.sandbox_id, server_url, lambda got: any(e["kind"] == "self.report" for e in got))
+        mine = [e for e in events if e["kind"] == "self.report"]
+        first = mine[0]
+        assert first["source"] == "self" and first["what"] == "step" and first["pid"] == pid
+        assert first["data"]["source"] == "host" and first["sandbox_id"] == sbx.sandbox_id  # kept as data only
+        assert not any(e["kind"] == "process.exec" and e.get("source") == "host" and e.get("n") == 3 for e in events)
+        assert all(e["sandbox_id"] == sbx.sandbox_id for e in events)

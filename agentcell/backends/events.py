@@ -37,6 +37,8 @@ KINDS = (
     "limit.oom", "limit.pids", "limit.disk", "limit.cpu", "limit.timeout",
     # the sandbox's life as the server saw it, and API calls {action, key_id, ...}
     "sandbox.created", "sandbox.killed", "sandbox.paused", "sandbox.resumed", "api.call",
+    # what code in the sandbox said of itself (runtime/self_report.py; source "self") {what, data}
+    "self.report",
     # the store's own notes: events it dropped {count, reason}
     "record.dropped",
 )

@@ -40,6 +40,7 @@ from agentcell.runtime.kernel import ContextManager
 from agentcell.runtime.processes import ProcessTable, Subscriber
 from agentcell.runtime.protocol import CHUNK, Frame, ProtocolError, encode_frame, read_frame
 from agentcell.runtime.reaper import Reaper
+from agentcell.runtime.self_report import SelfReports
 from agentcell.runtime.sudo import SudoService
 
 __all__ = ["preload", "serve"]
@@ -217,6 +218,7 @@ async def _serve(sock: socket.socket, config: dict[str, Any]) -> None:
     agent = Agent(writer, ProcessTable(the_reaper, envs, home, oom), FileSystem(home),
                   ContextManager(the_reaper, envs, home, oom))  # fmt: skip
     sudo_service = SudoService(the_reaper, oom)
+    self_reports: SelfReports | None = None
     sudo_service.start(loop)  # /usr/bin/sudo's way to root (runtime/sudo.py); nothing of a tenant's in it
     try:
         with contextlib.suppress(SandboxError, OSError, ProtocolError, TimeoutError):
@@ -232,8 +234,12 @@ async def _serve(sock: socket.socket, config: dict[str, Any]) -> None:
         on_claim = config.get("on_claim")  # the backend's own step at the claim (gvisor: the host name)
         extra = on_claim(claim.header) if callable(on_claim) else {}
         agent.claim({**extra, **{str(k): str(v) for k, v in (claim.header.get("envs") or {}).items()}})
+        self_reports = SelfReports(lambda report: writer.write(encode_frame({"id": 0, "event": "report", **report})))
+        self_reports.start(loop)
         await agent.run(reader)
     finally:
+        if self_reports is not None:
+            self_reports.close()
         sudo_service.close()
         agent.watchers.close()
         agent.processes.kill_all()

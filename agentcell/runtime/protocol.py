@@ -18,7 +18,7 @@ import itertools
 import json
 import socket
 import struct
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -230,6 +230,8 @@ class AgentChannel:
         self._assembling = 0
         self.closed = asyncio.Event()
         self.close_reason = "the sandbox was stopped"
+        # a self-reported event's header (set by the server; None: such frames are dropped)
+        self.on_report: Callable[[dict[str, Any]], None] | None = None
         self._pump = asyncio.get_running_loop().create_task(self._read_loop())
 
     @classmethod
@@ -247,6 +249,10 @@ class AgentChannel:
                 if frame.header.get("event") == "ack":  # not flow-controlled: handled here, never queued
                     if call is not None:
                         call.ack(frame.header.get("bytes"))
+                    continue
+                if frame.header.get("event") == "report" and frame.header.get("id") == 0:
+                    if self.on_report is not None:  # the sandbox's own word (runtime/self_report.py)
+                        self.on_report(frame.header)
                     continue
                 if frame.done:
                     if call is not None:

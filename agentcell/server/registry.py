@@ -662,6 +662,11 @@ class SandboxManager:
                 log.exception("killing sandbox %s failed", rec.sandbox_id)
 
     async def _watch_channel(self, rec: SandboxRecord, channel: AgentChannel) -> None:
+        if self.events is not None:
+            events, sandbox_id = self.events, rec.sandbox_id
+            channel.on_report = lambda h: events.add(sandbox_id, event(
+                "self.report", source="self", pid=h.get("pid") if isinstance(h.get("pid"), int) else None,
+                what=str(h.get("what"))[:200], data=h.get("data") if isinstance(h.get("data"), dict) else None))
         await channel.closed.wait()
         # a channel closed by a pause or reboot, or replaced by a resume, is not the sandbox dying
         if self._sandboxes.get(rec.sandbox_id) is rec and rec.channel is channel and not rec.on_disk:
