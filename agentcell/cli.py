@@ -130,6 +130,8 @@ def main() -> None:
 @click.option("--max-snapshots", default=1000, show_default=True, type=click.IntRange(0), help="Snapshots kept at once.")
 @click.option("--max-fork", default=16, show_default=True, type=click.IntRange(1, 256),
               help="Most sandboxes one fork may make.")
+@click.option("--record/--no-record", default=True, show_default=True,
+              help="Keep every sandbox's behaviour record (processes, files, network, denials, limits, API calls).")
 @click.option("--events-retention", default=7 * 86400, show_default=True, type=click.IntRange(0),
               help="Seconds a sandbox's behaviour record (GET /sandboxes/{id}/events) is kept after it is gone.")
 @click.option("--events-per-sandbox", default=100_000, show_default=True, type=click.IntRange(100),

@@ -107,12 +107,14 @@ class AgentcellApp:
         self.others = {name: _build_backend(name, config) for name in backend_names(config)[1:]
                        if name != self.backend.name}
         state_dir = Path(config.state_dir)
+        # the behaviour record (issue 10); --no-record: none kept, no collectors (the overhead's baseline)
         self.events = EventStore(state_dir / "events.db", EventLimits(
             per_sandbox=config.events_per_sandbox, rate=config.events_rate, burst=int(config.events_rate * 10),
             max_rows=(config.events_max_mb << 20) // ROW_BYTES, retention_s=config.events_retention),
-            audit_log=_audit_log(config.audit_log))
+            audit_log=_audit_log(config.audit_log)) if config.record else None
         for b in (self.backend, *self.others.values()):
-            b.attach_recorder(self.events)
+            if self.events is not None:
+                b.attach_recorder(self.events)
         self.manager = SandboxManager(self.backend, config.max_sandboxes,
                                       Admission(config.memory_overcommit, config.pids_overcommit),
                                       Retention(config.paused_ttl, config.max_paused, config.hibernate_after), state_dir,
@@ -140,7 +142,8 @@ class AgentcellApp:
             message = await receive()
             if message["type"] == "lifespan.startup":
                 try:
-                    await self.events.start()
+                    if self.events is not None:
+                        await self.events.start()
                     for b in (self.backend, *self.others.values()):
                         await b.start()
                     self.snapshots.load()
@@ -155,7 +158,8 @@ class AgentcellApp:
                     await self.manager.close()
                     for b in (self.backend, *self.others.values()):
                         await b.close()
-                    await self.events.close()
+                    if self.events is not None:
+                        await self.events.close()
                 except Exception:
                     log.exception("shutdown failed")
                 await send({"type": "lifespan.shutdown.complete"})
@@ -184,7 +188,7 @@ class AgentcellApp:
                 await json_error(415, refusal)(scope, receive, send)
                 return
             acted = api_events.control_action(scope["method"], scope["path"])
-            if acted is not None:  # a call that acts on one sandbox goes into its record
+            if acted is not None and self.events is not None:  # a call that acts on one sandbox goes into its record
                 await api_events.recorded(self.events.add, *acted, api_events.control_key(scope), self.control,
                                           scope, receive, send)
             else:
@@ -224,7 +228,7 @@ class AgentcellApp:
             app = self.interpreter
         try:
             action = api_events.data_plane_action(scope["method"], scope["path"], port == INTERPRETER_PORT)
-            if action is not None:
+            if action is not None and self.events is not None:
                 await api_events.recorded(self.events.add, rec.sandbox_id, action, api_events.data_plane_key(scope),
                                           app, scope, receive, send, _secret_pairs(rec))
             else:
@@ -249,9 +253,11 @@ class AgentcellApp:
         token = current_sandbox.set(rec)
         try:
             action = api_events.data_plane_action(scope["method"], "/files", False)
-            assert action is not None
-            await api_events.recorded(self.events.add, rec.sandbox_id, action, "signed-url", self.envd_http,
-                                      scope, receive, send, _secret_pairs(rec))
+            if action is not None and self.events is not None:
+                await api_events.recorded(self.events.add, rec.sandbox_id, action, "signed-url", self.envd_http,
+                                          scope, receive, send, _secret_pairs(rec))
+            else:
+                await self.envd_http(scope, receive, send)
         finally:
             current_sandbox.reset(token)
 

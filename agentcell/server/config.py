@@ -43,6 +43,7 @@ class ServerConfig:
     max_snapshots: int = 1000
     max_fork: int = 16  # most sandboxes one fork makes
     # --- the behaviour record (issue 10; server/event_store.py) ---
+    record: bool = True  # False: no record, no collectors (--no-record)
     events_retention: int = 7 * 86400  # seconds a sandbox's record is kept after it is gone
     events_per_sandbox: int = 100_000  # events kept per sandbox (more are counted, not kept)
     events_rate: float = 2000.0  # events per second per sandbox and source (burst: 10 s of it)

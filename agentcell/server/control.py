@@ -549,7 +549,9 @@ class ControlPlane:
         """The store and the sandbox id whose record the path names (alive, paused or gone)."""
         sandbox_id = request.path_params["sandbox_id"]
         store = self.manager.events
-        if store is None or not store.known(sandbox_id):
+        if store is None:
+            raise HTTPError(404, "this server keeps no behaviour records (it was started with --no-record)")
+        if not store.known(sandbox_id):
             raise HTTPError(404, f"sandbox '{sandbox_id}' has no behaviour record here (never created on this "
                                  "server, or its record is past the retention time)")
         return store, sandbox_id
