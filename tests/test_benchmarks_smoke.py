@@ -41,3 +41,10 @@ def test_lifecycle_benchmark_runs_with_tiny_counts() -> None:
     for row in ("pause (SDK", "baseline: freezer write alone", "create_snapshot(mode=filesystem)",
                 "create from snapshot", "paused"):
         assert row in proc.stdout, (row, proc.stdout)
+
+
+def test_record_overhead_benchmark_runs_with_tiny_counts() -> None:
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "record_overhead.py"), "--runs", "2"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.count("overhead") == 3 and "events recorded for one build" in proc.stdout
