@@ -4,7 +4,7 @@ The network part builds, like tests/test_egress_router.py, a router namespace, t
 sandbox namespaces and an "internet" namespace on documentation ranges that also answers on a
 forbidden address (10.1.2.3): an HTTP server and a UDP echo. The router's only route leads there, so
 nothing can leave the machine. The host's links, addresses, routes and ruleset must be unchanged and
-every namespace made here gone at the end. The EventLog part needs no network and no root.
+every namespace made here gone at the end. The parsing part needs no network and no root.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import pytest
 from agentcell.backends.linux.egress import Router, link_addresses
 from agentcell.backends.linux.egress_events import (
     EventCollector,
-    EventLog,
     EventsError,
     deny_log,
     deny_rules,
@@ -162,12 +161,12 @@ def net() -> Iterator[Router]:
 
 class Collected:
     def __init__(self, router: Router) -> None:
-        self.log = EventLog()
-        self.collector = EventCollector(self.log.add)
+        self.log: list[tuple[int, dict[str, Any]]] = []
+        self.collector = EventCollector(lambda slot, event: self.log.append((slot, event)))
         self.collector.start(router.path, asyncio.get_running_loop())
 
     def events(self, slot: int, **match: Any) -> list[dict[str, Any]]:
-        return [e for e in self.log.since(slot) if all(e.get(k) == v for k, v in match.items())]
+        return [e for s, e in self.log if s == slot and all(e.get(k) == v for k, v in match.items())]
 
 
 @pytest.fixture
@@ -189,13 +188,13 @@ async def test_an_allowed_get_opens_then_closes_with_bytes(col: Collected) -> No
     received = int(out.split()[1])
     assert received > len(BODY)
     opened = await until(lambda: col.events(1, state="open", dst=WEB, dport=PORT))
-    assert len(opened) == 1, col.log.since(1)
+    assert len(opened) == 1, col.events(1)
     ev = opened[0]
     assert ev["proto"] == "tcp" and ev["verdict"] == "allowed" and ev["src"] == link_addresses(1)[1]
     assert ev["bytes_in"] == 0 and isinstance(ev["time"], float) and abs(ev["time"] - time.time()) < 10
     # TIME_WAIT is 1 s in this router (enable_accounting(tcp_time_wait=1)); the DESTROY follows it
     closed = await until(lambda: col.events(1, state="closed", id=ev["id"]), timeout=15)
-    assert len(closed) == 1, col.log.since(1)
+    assert len(closed) == 1, col.events(1)
     c = closed[0]
     assert (c["dst"], c["dport"], c["proto"], c["verdict"]) == (WEB, PORT, "tcp", "allowed")
     assert c["bytes_in"] >= received  # L3 bytes: the payload plus IP and TCP headers
@@ -206,7 +205,7 @@ async def test_an_allowed_get_opens_then_closes_with_bytes(col: Collected) -> No
 async def test_a_forbidden_address_is_a_denied_event_naming_the_rule(col: Collected) -> None:
     assert not (await run_in(SBX1, GET, FORBIDDEN, str(PORT), "0.5")).startswith("ok")
     denied = await until(lambda: col.events(1, state="denied", dst=FORBIDDEN))
-    assert denied, col.log.since(1)
+    assert denied, col.events(1)
     ev = denied[0]
     assert (ev["verdict"], ev["rule"], ev["proto"], ev["dport"]) == ("denied", "never4", "tcp", PORT)
     assert ev["bytes_in"] == ev["bytes_out"] == 0 and abs(ev["time"] - time.time()) < 10
@@ -214,7 +213,7 @@ async def test_a_forbidden_address_is_a_denied_event_naming_the_rule(col: Collec
     # a sandbox's own deny list, logged by a rule in its chain
     assert not (await run_in(SBX1, GET, OTHER_WEB, str(PORT), "0.5")).startswith("ok")
     denied = await until(lambda: col.events(1, state="denied", dst=OTHER_WEB))
-    assert denied and denied[0]["rule"] == "deny", col.log.since(1)
+    assert denied and denied[0]["rule"] == "deny", col.events(1)
 
 
 async def test_each_sandbox_has_its_own_events(col: Collected) -> None:
@@ -224,8 +223,8 @@ async def test_each_sandbox_has_its_own_events(col: Collected) -> None:
     assert await until(lambda: col.events(2, state="open", dst=WEB))
     assert await until(lambda: col.events(2, state="denied", dst=FORBIDDEN, rule="never4"))
     mine = link_addresses(2)[1]
-    assert all(e["src"] == mine for e in col.log.since(2))
-    assert not [e for e in col.log.since(1) if e["src"] == mine]
+    assert all(e["src"] == mine for e in col.events(2))
+    assert not [e for e in col.events(1) if e["src"] == mine]
 
 
 async def test_a_forged_source_makes_no_event_anywhere(col: Collected) -> None:
@@ -235,7 +234,7 @@ async def test_a_forged_source_makes_no_event_anywhere(col: Collected) -> None:
     for dst in (FORBIDDEN, WEB):
         assert await run_in(SBX1, SPOOF, neighbour, dst, "4321") == "sent"
     await asyncio.sleep(0.5)
-    assert not [e for slot in (1, 2) for e in col.log.since(slot) if e.get("dport") == 4321]
+    assert not [e for slot in (1, 2) for e in col.events(slot) if e.get("dport") == 4321]
 
 
 async def test_udp_allowed_and_a_denied_flood(col: Collected, net: Router) -> None:
@@ -261,22 +260,6 @@ async def test_udp_allowed_and_a_denied_flood(col: Collected, net: Router) -> No
     assert col.collector.stats["lost_nflog"] == 0
 
 
-async def test_follow_sees_events_as_they_happen(col: Collected) -> None:
-    got: list[dict[str, Any]] = []
-
-    async def reader() -> None:
-        async for ev in col.log.follow(1):
-            got.append(ev)
-
-    task = asyncio.create_task(reader())
-    await asyncio.sleep(0)
-    out = await run_in(SBX1, GET, WEB, str(PORT), "2")
-    assert out.startswith("ok"), out
-    assert await until(lambda: [e for e in got if e.get("state") == "open" and e.get("dst") == WEB])
-    col.log.close(1)
-    await asyncio.wait_for(task, 2)
-
-
 async def test_the_nflog_group_is_bound_once(col: Collected, net: Router) -> None:
     with pytest.raises(EventsError, match="bound by another socket"):
         nflog_socket(net.path)
@@ -300,59 +283,7 @@ def test_socket_overruns_are_counted_not_raised() -> None:
     assert c.stats["lost_conntrack"] == 2
 
 
-# --- the event log, no network ------------------------------------------------------------------------
-
-
-def _ev(i: int) -> dict[str, Any]:
-    return {"time": float(i), "proto": "tcp", "dst": "203.0.113.10", "dport": 443, "verdict": "allowed",
-            "rule": "policy", "bytes_out": 0, "bytes_in": 0, "state": "open"}
-
-
-async def test_a_slow_follower_loses_events_instead_of_growing() -> None:
-    log = EventLog(per_key=50, follower_queue=10)
-    got: list[dict[str, Any]] = []
-
-    async def reader() -> None:
-        async for ev in log.follow("a"):
-            got.append(ev)
-            await asyncio.sleep(0.01)  # slow
-
-    task = asyncio.create_task(reader())
-    await asyncio.sleep(0)
-    for i in range(5000):
-        log.add("a", _ev(i))
-    queued = [len(f.queue) for f in log._followers["a"]]
-    assert max(queued) <= 10
-    log.add("a", _ev(5000))
-    log.close("a")
-    await asyncio.wait_for(task, 5)
-    assert [e["seq"] for e in got[:10]] == list(range(1, 11))  # what was queued is delivered in order
-    assert got[10:] == [{"type": "lost", "count": 4991}]  # then one marker for all that was dropped
-    assert len(log.since("a")) == 50 and log.since("a")[-1]["seq"] == 5001
-    assert "a" not in log._followers
-
-
-def test_rings_and_keys_are_bounded() -> None:
-    log = EventLog(per_key=3, max_keys=2)
-    for i in range(10):
-        log.add(1, _ev(i))
-    assert [e["seq"] for e in log.since(1)] == [8, 9, 10]
-    assert [e["seq"] for e in log.since(1, 9)] == [10]
-    log.add(2, _ev(0))
-    log.close(2)
-    log.add(3, _ev(0))  # evicts the closed key first
-    assert sorted(log.keys()) == [1, 3]
-    log.add(4, _ev(0))  # no closed key: the least recently written goes
-    assert sorted(log.keys()) == [3, 4]
-
-
-async def test_follow_of_a_closed_key_ends_after_its_backlog() -> None:
-    log = EventLog()
-    for i in range(3):
-        log.add("k", _ev(i))
-    log.close("k")
-    assert [e["seq"] async for e in log.follow("k", seq=1)] == [2, 3]
-    assert [e async for e in log.follow("k")] == []
+# --- parsing, no network ----------------------------------------------------------------------------
 
 
 def test_fragments_and_parsing() -> None:

@@ -61,8 +61,8 @@ yet stop a sandbox from forging a neighbour's source address (the forward chain 
 router shows it), so until the router drops forged sources (`iifname "s<slot>" ip saddr != <its .2>
 drop`, or rp_filter=1 there) a sandbox can put allowed events into a neighbour's log.
 
-`EventLog` keeps the events (bounded ring per sandbox, bounded number of sandboxes, followers that
-cannot grow memory); `EventCollector` ties the two readers to an asyncio loop.
+`EventCollector` ties the two readers to an asyncio loop; the events go to the server's behaviour
+record (server/event_store.py), which keeps them per sandbox, bounded.
 
 Nothing here uses pyroute2 (its sockets open lazily in the caller's namespace) or touches the calling
 process's own namespace.
@@ -79,8 +79,7 @@ import re
 import socket
 import struct
 import time
-from collections import OrderedDict, deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 from agentcell.backends.linux.egress import (
@@ -94,7 +93,7 @@ from agentcell.backends.linux.egress import (
     sysctl_in,
 )
 
-__all__ = ["EventCollector", "EventLog", "EventsError", "deny_log", "deny_rules", "enable_accounting", "slot_of"]
+__all__ = ["EventCollector", "EventsError", "deny_log", "deny_rules", "enable_accounting", "slot_of"]
 
 
 # --- netlink constants (linux/netlink.h, linux/netfilter/nfnetlink*.h) ----------------------------------
@@ -362,125 +361,6 @@ def parse_nflog(kind: int, payload: bytes) -> dict[str, Any] | None:
 
 
 # --- the event log ------------------------------------------------------------------------------------
-
-
-class _Follower:
-    __slots__ = ("queue", "lost", "wake", "ended", "limit")
-
-    def __init__(self, limit: int) -> None:
-        self.queue: deque[dict[str, Any]] = deque()
-        self.lost = 0
-        self.wake = asyncio.Event()
-        self.ended = False
-        self.limit = limit
-
-    def push(self, event: dict[str, Any]) -> None:
-        if self.lost or len(self.queue) >= self.limit:
-            self.lost += 1  # keep what is queued, drop the newest; the reader sees a "lost" marker
-        else:
-            self.queue.append(event)
-        self.wake.set()
-
-
-class EventLog:
-    """Per-key (sandbox) bounded event rings, with followers.
-
-    Each key keeps its last `per_key` events; at most `max_keys` keys are kept (the oldest closed key
-    goes first, else the least recently written one). Each event gets a per-key sequence number `seq`
-    (1, 2, ...). A follower has a queue of `follower_queue` events; when it falls behind, newer events
-    are dropped for it and it reads `{"type": "lost", "count": N}` in their place. Use from one thread
-    (the event loop's): `add` and `close` are synchronous and never block."""
-
-    def __init__(self, per_key: int = 1000, max_keys: int = 4096, follower_queue: int = 1000) -> None:
-        self.per_key, self.max_keys, self.follower_queue = per_key, max_keys, follower_queue
-        self._rings: OrderedDict[Any, deque[dict[str, Any]]] = OrderedDict()
-        self._seq: dict[Any, int] = {}
-        self._closed: set[Any] = set()
-        self._followers: dict[Any, set[_Follower]] = {}
-
-    def add(self, key: Any, event: dict[str, Any]) -> dict[str, Any]:
-        """Store a copy of `event` with its `seq`; returns the copy."""
-        ring = self._rings.get(key)
-        if ring is None:
-            self._evict()
-            ring = self._rings[key] = deque(maxlen=self.per_key)
-            self._closed.discard(key)
-        else:
-            self._rings.move_to_end(key)
-        seq = self._seq.get(key, 0) + 1
-        self._seq[key] = seq
-        stored = {**event, "seq": seq}
-        ring.append(stored)
-        for f in self._followers.get(key, ()):
-            f.push(stored)
-        return stored
-
-    def _evict(self) -> None:
-        while len(self._rings) >= self.max_keys:
-            victim = next((k for k in self._rings if k in self._closed), None)
-            if victim is None:
-                victim = next(iter(self._rings))
-            self.forget(victim)
-
-    def since(self, key: Any, seq: int = 0) -> list[dict[str, Any]]:
-        """The kept events of `key` whose seq is greater than `seq` (oldest first). A gap between `seq`
-        and the first one returned means the ring dropped events in between."""
-        return [e for e in self._rings.get(key, ()) if e["seq"] > seq]
-
-    def keys(self) -> list[Any]:
-        return list(self._rings)
-
-    async def follow(self, key: Any, seq: int | None = None) -> AsyncIterator[dict[str, Any]]:
-        """Events of `key` as they are added (first the kept ones after `seq`, if given), until
-        `close(key)` (or `forget`). A closed key's follow ends after its kept events."""
-        f = _Follower(self.follower_queue)
-        backlog = self.since(key, seq) if seq is not None else []
-        if key in self._closed:
-            for e in backlog:
-                yield e
-            return
-        self._followers.setdefault(key, set()).add(f)
-        try:
-            for e in backlog[-self.follower_queue:]:
-                yield e
-            while True:
-                while f.queue:
-                    yield f.queue.popleft()
-                if f.lost:
-                    lost, f.lost = f.lost, 0
-                    yield {"type": "lost", "count": lost}
-                    continue
-                if f.ended:
-                    return
-                f.wake.clear()
-                await f.wake.wait()
-        finally:
-            s = self._followers.get(key)
-            if s is not None:
-                s.discard(f)
-                if not s:
-                    del self._followers[key]
-
-    def _end_followers(self, key: Any) -> None:
-        for f in self._followers.get(key, ()):
-            f.ended = True
-            f.wake.set()
-
-    def close(self, key: Any) -> None:
-        """The sandbox is gone: followers end (after what they have queued); its events stay until
-        evicted, first among keys."""
-        self._closed.add(key)
-        self._end_followers(key)
-
-    def forget(self, key: Any) -> None:
-        """Drop `key`'s events now (followers end)."""
-        self._end_followers(key)
-        self._rings.pop(key, None)
-        self._seq.pop(key, None)
-        self._closed.discard(key)
-
-
-# --- the collector -------------------------------------------------------------------------------------
 
 
 class EventCollector:

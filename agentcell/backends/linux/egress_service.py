@@ -36,7 +36,7 @@ from agentcell.backends.linux.egress import (
 )
 from agentcell.backends.linux.egress_ca import EgressCA
 from agentcell.backends.linux.egress_dns import DomainRules, Pin, PolicyResolver, serve_tcp
-from agentcell.backends.linux.egress_events import EventCollector, EventLog
+from agentcell.backends.linux.egress_events import EventCollector
 from agentcell.backends.linux.egress_proxy import Interceptor, listening_socket
 from agentcell.backends.linux.egress_sni import Claim
 from agentcell.backends.network_policy import NetworkPolicy
@@ -48,8 +48,6 @@ T = TypeVar("T")
 NETNS_PREFIX = "agentcell-"
 CLOSED = NetworkPolicy()
 NO_SECRETS = SecretSet()
-EVENTS_PER_SANDBOX = 200  # the most recent ones are kept
-EVENT_LOGS = 1024  # sandboxes whose events are kept (the killed ones go first)
 
 
 @dataclass(frozen=True)
@@ -96,12 +94,10 @@ class Egress:
         self._pins: dict[int, dict[str, _Pinned]] = {}  # slot -> address -> what its resolver answered
         self._udp: asyncio.DatagramTransport | None = None
         self._tcp: asyncio.Server | None = None
-        # connection events, per sandbox id (slots are reused): kept after a kill until evicted.
-        # Bounded: ~670 bytes an event, so at most ~140 MB if 1,024 sandboxes each fill their 200.
-        self.events = EventLog(per_key=EVENTS_PER_SANDBOX, max_keys=EVENT_LOGS)
         self._owner: dict[int, str] = {}  # slot -> the sandbox id it serves
-        # where events go: the in-memory log, or the server's behaviour record (issue 10) once attached
-        self.sink: Callable[[str, dict[str, object]], None] = self.events.add
+        # where connection and DNS events go, by sandbox id (slots are reused): the server's behaviour
+        # record (issue 10) once the backend attached it; nowhere without one (--no-record)
+        self.sink: Callable[[str, dict[str, object]], None] = lambda owner, event: None
         self._collector: EventCollector | None = None
         self._interceptor: Interceptor | None = None
         self._secrets: dict[int, SecretSet] = {}
@@ -245,9 +241,7 @@ class Egress:
         self._rules.pop(slot, None)
         self._pins.pop(slot, None)
         self._secrets.pop(slot, None)
-        owner = self._owner.pop(slot, None)
-        if owner is not None:
-            self.events.close(owner)
+        self._owner.pop(slot, None)
         try:
             commands = self.router.disconnect_commands(slot)
             if commands:
