@@ -68,6 +68,9 @@ def build(events: Iterable[dict[str, Any]], summary: dict[str, Any] | None = Non
             node = {"pid": e.get("pid"), "ppid": e.get("ppid"), "path": e.get("path"), "argv": e.get("argv"),
                     "uid": e.get("uid"), "start": t, "end": None, "exit": None, "seq": e.get("seq")}
             if isinstance(e.get("pid"), int) and (e["pid"] in procs or len(procs) < MAX_TRACKED):
+                before = procs.get(e["pid"])
+                if before is not None:  # the same process ran a new program (exec without fork)
+                    before["end"], before["exit"] = t, "exec"
                 procs[e["pid"]] = node
             if len(tree) < 10 * MAX_LISTED:
                 tree.append(node)
@@ -187,7 +190,8 @@ def render(report: dict[str, Any]) -> str:
     out.append("\nPROCESSES")
     for p in report["processes"][:MAX_LISTED]:
         argv = " ".join(str(a) for a in (p.get("argv") or [p.get("path")]))
-        status = "running" if p["end"] is None else f"exit {p['exit']}"
+        status = "running" if p["end"] is None else "exec'd a new program" if p["exit"] == "exec" \
+            else f"exit {p['exit']}"
         out.append(f"  [{p.get('pid')}<-{p.get('ppid')}] {argv[:120]}  ({status})")
     out.append("\nFILES")
     for f in report["files"][:MAX_LISTED]:
@@ -198,8 +202,14 @@ def render(report: dict[str, Any]) -> str:
                    f"out {h['bytes_out']} B in {h['bytes_in']} B")
     out.append("\nDENIED")
     for d in report["denials"][:MAX_LISTED]:
-        what = d.get("syscall") or d.get("path") or d.get("dst") or d.get("domain")
-        out.append(f"  {d.get('kind')} {what} {d.get('rule') or d.get('reason') or d.get('errno') or ''}".rstrip())
+        if d.get("kind") == "deny.syscall":
+            what = d.get("syscall")
+        else:
+            what = d.get("path") or d.get("dst") or d.get("domain")
+            if d.get("syscall"):
+                what = f"{what} ({d['syscall']})"
+        why = d.get("rule") or d.get("reason") or (f"errno {d['errno']}" if d.get("errno") else "")
+        out.append(f"  {d.get('kind')} {what} {why}".rstrip())
     out.append("\nLIMITS")
     for x in report["limits"]:
         out.append(f"  {x.get('kind')} {({k: v for k, v in x.items() if k not in ('kind', 'time', 'seq')})}")
