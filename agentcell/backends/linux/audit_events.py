@@ -95,10 +95,11 @@ class AuditCollector:
     """See the module docstring. `uid_first`..`uid_last`: the server's whole host uid range."""
 
     def __init__(self, sink: EventSink, uid_first: int, uid_last: int, *, budget: int = 1000,
-                 window_s: float = 1.0, backlog: int = 8192) -> None:
+                 window_s: float = 1.0, backlog: int = 8192, exempt_host: bool = True) -> None:
         self.sink = sink
         self.first, self.last = uid_first, uid_last
         self.budget, self.window_s, self.backlog = budget, window_s, backlog
+        self.exempt_host = exempt_host
         self.key = f"agentcell:{uid_first}-{uid_last}:"
         self._by_uid: dict[int, _Sandbox] = {}
         self._by_id: dict[str, _Sandbox] = {}
@@ -129,6 +130,13 @@ class AuditCollector:
                                  self.key + "deny"))
         return rules
 
+    def host_exemption(self) -> list[an.Rule]:
+        """Task rules: a process forked outside the uid range gets no audit context, so its syscalls
+        keep the kernel's fast path. Only sandbox processes forked by the agent (after it took its
+        sandbox's ids) are audited; the agent itself (pid 1, forked as root by the zygote) is not."""
+        return [an.Rule(an.FILTER_TASK, an.NEVER, (), ((an.F_UID, op, bound),), self.key + "host")
+                for op, bound in ((an.OP_LT, self.first), (an.OP_GT, self.last))]
+
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         try:
@@ -145,6 +153,7 @@ class AuditCollector:
                 "the kernel's audit failure mode is panic (auditctl -f 2): a sandbox flooding refused syscalls "
                 "would panic the host; set auditctl -f 1 or run the server without the kernel audit record")
         self.remove_stale()
+        foreign = bool(self._ctl.rules())  # someone else audits this host: leave their tasks alone
         self._exits = ProcConnector()
         try:
             if status.pid == 0:
@@ -155,7 +164,10 @@ class AuditCollector:
                     self._saved = an.Status(enabled=status.enabled)
                     self._ctl.set_status(enabled=1)
             self._reader.sock.setblocking(False)
-            for rule in self.rules():
+            rules = self.rules()
+            if self.daemon and not foreign and self.exempt_host:
+                rules += self.host_exemption()
+            for rule in rules:
                 self._ctl.add_rule(rule)
                 self._rules.append(rule)
         except BaseException:
@@ -172,10 +184,12 @@ class AuditCollector:
         # registered from the reading socket: the kernel sends records to the port that registered
         self._reader.set_status(pid=os.getpid())
         self.daemon = True
-        self._saved = an.Status(enabled=status.enabled, backlog_limit=status.backlog_limit,
-                                backlog_wait_time=status.backlog_wait_time)
-        # no task ever waits for us (wait 0); a burst queues in the kernel rather than being lost
-        self._ctl.set_status(enabled=1, backlog_limit=max(self.backlog, status.backlog_limit), backlog_wait_time=0)
+        self._saved = an.Status(enabled=status.enabled, failure=status.failure, backlog_limit=status.backlog_limit,
+                                backlog_wait_time=status.backlog_wait_time, lost=status.lost)
+        # No task ever waits for us (wait 0); a burst queues in the kernel rather than being lost; a
+        # full backlog is counted silently (failure 0), not written to the kernel log for every record.
+        self._ctl.set_status(enabled=1, failure=0, backlog_limit=max(self.backlog, status.backlog_limit),
+                             backlog_wait_time=0)
 
     def remove_stale(self) -> int:
         """Remove rules of this uid range left by a server that died (or by us): their key says whose."""
@@ -213,10 +227,13 @@ class AuditCollector:
         if ctl is not None and self._saved is not None:
             saved = self._saved
             values = {"enabled": saved.enabled}
-            if saved.backlog_limit:
-                values.update(backlog_limit=saved.backlog_limit, backlog_wait_time=saved.backlog_wait_time)
+            if saved.backlog_limit:  # we were the daemon
+                values.update(failure=saved.failure, backlog_limit=saved.backlog_limit,
+                              backlog_wait_time=saved.backlog_wait_time)
             with contextlib.suppress(OSError):
                 ctl.set_status(**values)
+                if saved.backlog_limit and saved.lost == 0:  # the losses were ours: count from 0 again
+                    ctl.set_status(lost=0)
             self._saved = None
         for sock in (self._reader, self._ctl, self._exits):
             if sock is not None:
@@ -257,7 +274,9 @@ class AuditCollector:
         if state.count >= self.budget:
             state.dropped += 1
             self.stats["dropped"] += 1
-            if state.dropped >= self.budget * _SUPPRESS_FACTOR and state.suppressed is None:
+            # a flood going on now (not a backlog being read late): stop it at the source
+            if state.dropped >= self.budget * _SUPPRESS_FACTOR and state.suppressed is None \
+                    and time.time() - ev["time"] < self.window_s:
                 self._suppress(state)
             return
         state.count += 1
@@ -324,7 +343,7 @@ class AuditCollector:
 
     def _on_audit(self) -> None:
         assert self._reader is not None
-        for _ in range(256):  # then let the loop run; the reader fires again
+        for _ in range(64):  # then let the loop run; the reader fires again
             try:
                 data = self._reader.sock.recv(1 << 16)
             except BlockingIOError:
@@ -416,7 +435,8 @@ class AuditCollector:
             state.procs.add(host_pid)
         proc.comm = comm
         self._emit(state, event("process.exec", pid=pid, ppid=ppid, at=syscall.time, path=path, argv=args, cwd=cwd,
-                                uid=inside_uid, exe=syscall.fields.get("exe"), host_pid=host_pid))
+                                uid=inside_uid, exe=syscall.fields.get("exe"), host_pid=host_pid,
+                                host_ppid=host_ppid))
         early = self._early_exits.pop(host_pid, None)
         if early is not None and early[0].monotonic_ns / 1e9 >= _monotonic_of(syscall.time):
             self._exit(early[0])

@@ -29,6 +29,7 @@ _NLMSG = struct.Struct("=IHHII")  # len, type, flags, seq, pid
 
 # struct audit_status's mask bits
 S_ENABLED, S_FAILURE, S_PID, S_RATE_LIMIT, S_BACKLOG_LIMIT, S_BACKLOG_WAIT_TIME = 1, 2, 4, 8, 0x10, 0x20
+S_LOST = 0x40  # alone in a request: reset the lost counter
 
 
 @dataclass
@@ -151,7 +152,7 @@ class AuditSocket:
                     continue  # a record, or an answer to an earlier request
                 if mtype == NLMSG_ERROR:
                     err = -struct.unpack_from("=i", body)[0]
-                    if err:
+                    if err > 0:  # (resetting the lost counter acks with its old value: not an error)
                         raise AuditError(err, f"audit {what or msg_type}: {os.strerror(err)}")
                     if msg_type not in (AUDIT_GET, AUDIT_LIST_RULES):
                         return answers
@@ -170,7 +171,7 @@ class AuditSocket:
 
     def set_status(self, **values: int) -> None:
         bits = {"enabled": S_ENABLED, "failure": S_FAILURE, "pid": S_PID, "rate_limit": S_RATE_LIMIT,
-                "backlog_limit": S_BACKLOG_LIMIT, "backlog_wait_time": S_BACKLOG_WAIT_TIME}
+                "backlog_limit": S_BACKLOG_LIMIT, "backlog_wait_time": S_BACKLOG_WAIT_TIME, "lost": S_LOST}
         st = Status(mask=sum(bits[k] for k in values), **values)
         self.request(AUDIT_SET, st.pack(), what=f"set {', '.join(values)}")
 
