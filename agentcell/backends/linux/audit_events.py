@@ -220,10 +220,7 @@ class AuditCollector:
             self._rules.clear()
             with contextlib.suppress(OSError):
                 self.remove_stale()
-        if self.daemon and self._reader is not None:
-            with contextlib.suppress(OSError):
-                self._reader.set_status(pid=0)
-            self.daemon = False
+        # settings back while still the daemon: the kernel's notes of the changes come to us, not to its log
         if ctl is not None and self._saved is not None:
             saved = self._saved
             values = {"enabled": saved.enabled}
@@ -232,9 +229,13 @@ class AuditCollector:
                               backlog_wait_time=saved.backlog_wait_time)
             with contextlib.suppress(OSError):
                 ctl.set_status(**values)
-                if saved.backlog_limit and saved.lost == 0:  # the losses were ours: count from 0 again
+                if saved.backlog_limit and saved.lost == 0 and ctl.status().lost:  # the losses were ours
                     ctl.set_status(lost=0)
             self._saved = None
+        if self.daemon and self._reader is not None:  # audit is off again: unregistering writes no note
+            with contextlib.suppress(OSError):
+                self._reader.set_status(pid=0)
+            self.daemon = False
         for sock in (self._reader, self._ctl, self._exits):
             if sock is not None:
                 sock.close()
