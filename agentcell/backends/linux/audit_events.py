@@ -191,6 +191,31 @@ class AuditCollector:
         self._ctl.set_status(enabled=1, failure=0, backlog_limit=max(self.backlog, status.backlog_limit),
                              backlog_wait_time=0)
 
+    def _step_aside(self) -> None:
+        """Another audit daemon (the operator's auditd) asks for the role: give it up, put the
+        settings back, and read from the multicast group from now on. (The kernel refused that
+        daemon's first attempt while we held the role: it registers on its next.)"""
+        assert self._loop is not None and self._reader is not None and self._ctl is not None
+        print("agentcell audit: another audit daemon wants the kernel's records: reading next to it",
+              file=sys.stderr)
+        old = self._reader
+        self._loop.remove_reader(old.fileno())
+        saved, self._saved = self._saved, None
+        with contextlib.suppress(OSError):
+            if saved is not None:
+                self._ctl.set_status(failure=saved.failure, backlog_limit=saved.backlog_limit,
+                                     backlog_wait_time=saved.backlog_wait_time)
+            old.set_status(pid=0)
+        old.close()
+        self.daemon = False
+        for rule in [r for r in self._rules if r.key == self.key + "host"]:  # its tasks are its business
+            with contextlib.suppress(OSError):
+                self._ctl.delete_rule(rule)
+            self._rules.remove(rule)
+        self._reader = an.AuditSocket(groups=1 << (an.AUDIT_NLGRP_READLOG - 1))
+        self._reader.sock.setblocking(False)
+        self._loop.add_reader(self._reader.fileno(), self._on_audit)
+
     def remove_stale(self) -> int:
         """Remove rules of this uid range left by a server that died (or by us): their key says whose."""
         assert self._ctl is not None
@@ -359,6 +384,9 @@ class AuditCollector:
                 self._on_record(mtype, body)
 
     def _on_record(self, mtype: int, body: bytes) -> None:
+        if mtype == an.REPLACE and self.daemon:
+            self._step_aside()
+            return
         if mtype == an.EOE:
             rec = ar.parse(mtype, body)
             if rec is not None:

@@ -23,6 +23,7 @@ NLMSG_ERROR, NLMSG_DONE = 2, 3
 # record types
 SYSCALL, PATH, CWD, EXECVE, EOE, SECCOMP, PROCTITLE = 1300, 1302, 1307, 1309, 1320, 1326, 1327
 LANDLOCK_ACCESS, LANDLOCK_DOMAIN = 1423, 1424
+REPLACE = 1329  # to the audit daemon: another process asks to be the daemon
 
 NLM_F_REQUEST, NLM_F_ACK = 1, 4
 _NLMSG = struct.Struct("=IHHII")  # len, type, flags, seq, pid
