@@ -101,6 +101,8 @@ class AuditCollector:
         self.budget, self.window_s, self.backlog = budget, window_s, backlog
         self.exempt_host = exempt_host
         self.key = f"agentcell:{uid_first}-{uid_last}:"
+        self._key_b = f'key="{self.key}'.encode()
+        self._names: dict[int, str | None] = {}  # syscall numbers' names
         self._by_uid: dict[int, _Sandbox] = {}
         self._by_id: dict[str, _Sandbox] = {}
         self._procs: dict[int, _Proc] = {}
@@ -384,25 +386,33 @@ class AuditCollector:
                 self._on_record(mtype, body)
 
     def _on_record(self, mtype: int, body: bytes) -> None:
+        """Records of one syscall share a serial: a Landlock record comes during the call, then SYSCALL
+        (ours if it has our key), its EXECVE/CWD/PATH, and EOE. A record whose serial has nothing
+        pending is someone else's and is skipped unparsed."""
         if mtype == an.REPLACE and self.daemon:
             self._step_aside()
             return
-        if mtype == an.EOE:
+        if mtype == an.SECCOMP:  # complete in itself (uid, pid, syscall); the SYSCALL record adds nothing
             rec = ar.parse(mtype, body)
             if rec is not None:
-                entry = self._pending.pop(rec.serial, None)
-                if entry is not None:
-                    self._complete(entry[1])
+                self.stats["records"] += 1
+                self._seccomp(rec)
             return
-        if mtype not in (an.SYSCALL, an.EXECVE, an.CWD, an.PATH, an.SECCOMP, an.LANDLOCK_ACCESS):
+        if mtype in (an.EXECVE, an.CWD, an.PATH, an.EOE) or (mtype == an.SYSCALL and self._key_b not in body):
+            stamp = ar.head(body)
+            entry = self._pending.get(stamp[1]) if stamp is not None else None
+            if entry is None:
+                return
+            if mtype == an.EOE:
+                del self._pending[stamp[1]]  # type: ignore[index]
+                self._complete(entry[1])
+                return
+        elif mtype not in (an.SYSCALL, an.LANDLOCK_ACCESS):
             return
         rec = ar.parse(mtype, body)
         if rec is None:
             return
         self.stats["records"] += 1
-        if mtype == an.SECCOMP:  # complete in itself (uid, pid, syscall); the SYSCALL record adds nothing
-            self._seccomp(rec)
-            return
         entry = self._pending.get(rec.serial)
         if entry is None:
             if len(self._pending) > 4096:  # never unbounded, whatever the kernel sends
@@ -424,16 +434,17 @@ class AuditCollector:
         state, _ = found
         nr = rec.int("syscall")
         arch = rec.int("arch", 16)
-        name = None
-        if nr is not None:
+        name = self._names.get(nr) if nr is not None else None
+        if name is None and nr is not None and nr not in self._names:
             with contextlib.suppress(Exception):
                 name = pyseccomp.resolve_syscall(arch or pyseccomp.system_arch(), nr).decode()
+            self._names[nr] = name
         if name in _NOT_DENIALS:
             return
         host_pid = rec.int("pid")
         action = _SECCOMP_ACTIONS.get((rec.int("code", 16) or 0) & 0xFFFF0000, "other")
         self._emit(state, event("deny.syscall", pid=_ns_pid(host_pid, state), at=rec.time, syscall=name, nr=nr,
-                                action=action, comm=rec.fields.get("comm"), host_pid=host_pid))
+                                action=action, comm=rec.get("comm"), host_pid=host_pid))
 
     def _complete(self, recs: list[ar.Record]) -> None:
         syscall = next((r for r in recs if r.type == an.SYSCALL), None)
@@ -443,7 +454,7 @@ class AuditCollector:
         if found is None:
             return
         state, inside_uid = found
-        key = syscall.fields.get("key", "")
+        key = syscall.get("key", "")
         landlock = [r for r in recs if r.type == an.LANDLOCK_ACCESS]
         if key == self.key + "exec":
             self._exec(state, inside_uid, syscall, recs)
@@ -453,10 +464,10 @@ class AuditCollector:
     def _exec(self, state: _Sandbox, inside_uid: int, syscall: ar.Record, recs: list[ar.Record]) -> None:
         host_pid = syscall.int("pid") or 0
         host_ppid = syscall.int("ppid")
-        cwd = next((r.fields.get("cwd") for r in recs if r.type == an.CWD), None)
+        cwd = next((r.get("cwd") for r in recs if r.type == an.CWD), None)
         args = ar.argv([r for r in recs if r.type == an.EXECVE])
-        path = _path(recs, cwd, first=True) or syscall.fields.get("exe")
-        comm = syscall.fields.get("comm", "")
+        path = _path(recs, cwd, first=True) or syscall.get("exe")
+        comm = syscall.get("comm", "")
         pid, ppid = _ns_pid(host_pid, state), _ns_pid(host_ppid, state)
         proc = self._procs.get(host_pid)
         if proc is None or proc.sandbox is not state:  # a second exec of a process keeps its start
@@ -464,7 +475,7 @@ class AuditCollector:
             state.procs.add(host_pid)
         proc.comm = comm
         self._emit(state, event("process.exec", pid=pid, ppid=ppid, at=syscall.time, path=path, argv=args, cwd=cwd,
-                                uid=inside_uid, exe=syscall.fields.get("exe"), host_pid=host_pid,
+                                uid=inside_uid, exe=syscall.get("exe"), host_pid=host_pid,
                                 host_ppid=host_ppid))
         early = self._early_exits.pop(host_pid, None)
         if early is not None and early[0].monotonic_ns / 1e9 >= _monotonic_of(syscall.time):
@@ -473,15 +484,15 @@ class AuditCollector:
     def _deny(self, state: _Sandbox, syscall: ar.Record, recs: list[ar.Record], landlock: list[ar.Record]) -> None:
         nr = syscall.int("syscall") or 0
         err = -(syscall.int("exit") or 0)
-        cwd = next((r.fields.get("cwd") for r in recs if r.type == an.CWD), None)
-        path = _path(recs, cwd) or (landlock[0].fields.get("path") if landlock else None)
+        cwd = next((r.get("cwd") for r in recs if r.type == an.CWD), None)
+        path = _path(recs, cwd) or (landlock[0].get("path") if landlock else None)
         host_pid = syscall.int("pid")
         if path is not None and _AGENT_NOISE.match(path):
             return
         common = {"pid": _ns_pid(host_pid, state), "at": syscall.time, "path": path, "syscall": PATH_SYSCALLS.get(nr, nr),
-                  "comm": syscall.fields.get("comm"), "host_pid": host_pid}
+                  "comm": syscall.get("comm"), "host_pid": host_pid}
         if landlock:
-            self._emit(state, event("deny.write", reason="landlock", blockers=landlock[0].fields.get("blockers"),
+            self._emit(state, event("deny.write", reason="landlock", blockers=landlock[0].get("blockers"),
                                     errno=err, **common))
         elif err == _EROFS:
             self._emit(state, event("deny.write", reason="read-only", errno=err, **common))
@@ -560,8 +571,8 @@ def _path(recs: list[ar.Record], cwd: str | None, first: bool = False) -> str | 
     if first:
         chosen = min(paths, key=lambda r: r.int("item") or 0)
     else:
-        chosen = next((r for r in paths if r.fields.get("nametype") != "PARENT"), paths[0])
-    name = chosen.fields.get("name")
+        chosen = next((r for r in paths if r.raw.get("nametype") != "PARENT"), paths[0])
+    name = chosen.get("name")
     if name is None or name == "(null)":
         return None
     if not name.startswith("/") and cwd:

@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass, field
 
 _HEAD = re.compile(r"^audit\((\d+)\.(\d+):(\d+)\): ?")
+_FIELD = re.compile(r" ([\w\[\]-]+)=([^ ]*)")
+_HEAD_B = re.compile(rb"^audit\((\d+)\.(\d+):(\d+)\)")
 # fields the kernel may hex-encode (audit_log_untrustedstring / audit_log_n_hex)
 _UNTRUSTED = re.compile(r"^(comm|exe|name|cwd|path|proctitle|a\d+(\[\d+\])?)$")
 _HEX = re.compile(r"^[0-9A-F]+$")
@@ -22,11 +24,15 @@ class Record:
     type: int
     time: float
     serial: int
-    fields: dict[str, str] = field(default_factory=dict)
+    raw: dict[str, str] = field(default_factory=dict)  # values as the kernel wrote them
+
+    def get(self, name: str, default: str | None = None) -> str | None:
+        value = self.raw.get(name)
+        return default if value is None else decode(name, value)
 
     def int(self, name: str, base: int = 10) -> int | None:
         try:
-            return int(self.fields[name], base)
+            return int(self.raw[name], base)
         except (KeyError, ValueError):
             return None
 
@@ -39,17 +45,21 @@ def decode(name: str, value: str) -> str:
     return value
 
 
+def head(text: bytes) -> tuple[float, int] | None:
+    """(time, serial) of a record."""
+    m = _HEAD_B.match(text)
+    return None if m is None else (int(m.group(1)) + int(m.group(2)) / 1000, int(m.group(3)))
+
+
 def parse(rtype: int, text: bytes) -> Record | None:
-    """One record (None if it is not a record's text)."""
+    """One record (None if it is not a record's text). Values are decoded when read (`get`)."""
     s = text.rstrip(b"\0\n").decode(errors="replace")
     m = _HEAD.match(s)
     if m is None:
         return None
     rec = Record(rtype, int(m.group(1)) + int(m.group(2)) / 1000, int(m.group(3)))
-    for token in s[m.end():].split(" "):
-        name, eq, value = token.partition("=")
-        if eq and name not in rec.fields:  # the first wins: a later duplicate cannot override
-            rec.fields[name] = decode(name, value)
+    # reversed: the first of duplicate names wins (a later one cannot override it)
+    rec.raw = dict(reversed(_FIELD.findall(" " + s[m.end():])))
     return rec
 
 
@@ -60,7 +70,8 @@ def argv(records: list[Record]) -> list[str]:
     pieces: dict[int, dict[int, str]] = {}
     argc = 0
     for rec in records:
-        for name, value in rec.fields.items():
+        for name, raw in rec.raw.items():
+            value = decode(name, raw)
             if name == "argc":
                 argc = max(argc, int(value)) if value.isdigit() else argc
             elif name[0] == "a" and name[1:].isdigit():
