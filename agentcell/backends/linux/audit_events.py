@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import json
 import os
 import re
 import sys
@@ -45,6 +46,7 @@ import pyseccomp
 from agentcell.backends.events import EventSink, event
 from agentcell.backends.linux import audit_netlink as an
 from agentcell.backends.linux import audit_records as ar
+from agentcell.backends.linux import uids
 from agentcell.backends.linux.audit_proc import Exit, ProcConnector
 from agentcell.backends.linux.record import WatchTarget
 from agentcell.errors import BackendUnavailableError
@@ -69,7 +71,8 @@ _SECCOMP_ACTIONS = {0x00050000: "errno", 0x80000000: "kill_process", 0x00000000:
 _NOT_DENIALS = frozenset({"clone3"})
 # the agent's own attempts, refused as intended, on every command: raising a child's OOM score
 _AGENT_NOISE = re.compile(r"^/proc/(self|\d+)/oom_score_adj$")
-_SUPPRESS_FACTOR = 4  # a sandbox past budget * this in one window is excluded in the kernel
+_SUPPRESS_FACTOR = 4
+ORIGINAL = "/run/agentcell/audit-original.json"  # a sandbox past budget * this in one window is excluded in the kernel
 
 
 @dataclass
@@ -133,11 +136,13 @@ class AuditCollector:
         return rules
 
     def host_exemption(self) -> list[an.Rule]:
-        """Task rules: a process forked outside the uid range gets no audit context, so its syscalls
-        keep the kernel's fast path. Only sandbox processes forked by the agent (after it took its
-        sandbox's ids) are audited; the agent itself (pid 1, forked as root by the zygote) is not."""
-        return [an.Rule(an.FILTER_TASK, an.NEVER, (), ((an.F_UID, op, bound),), self.key + "host")
-                for op, bound in ((an.OP_LT, self.first), (an.OP_GT, self.last))]
+        """A task rule: a process forked with a host id below every agentcell range (uids.AUTO_START,
+        or this server's range if an operator put it lower) gets no audit context, so the host's own
+        processes keep the kernel's fast syscall path. Sandbox processes (forked by their agent after it
+        took the sandbox's ids), of this server or another, are audited; the agent itself (pid 1, forked
+        as root by the zygote) is not."""
+        return [an.Rule(an.FILTER_TASK, an.NEVER, (), ((an.F_UID, an.OP_LT, min(self.first, uids.AUTO_START)),),
+                        self.key + "host")]
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -155,7 +160,8 @@ class AuditCollector:
                 "the kernel's audit failure mode is panic (auditctl -f 2): a sandbox flooding refused syscalls "
                 "would panic the host; set auditctl -f 1 or run the server without the kernel audit record")
         self.remove_stale()
-        foreign = bool(self._ctl.rules())  # someone else audits this host: leave their tasks alone
+        # someone else audits this host: leave their tasks alone
+        foreign = any(not an.rule_key(r).startswith("agentcell:") for r in self._ctl.rules())
         self._exits = ProcConnector()
         try:
             if status.pid == 0:
@@ -186,12 +192,21 @@ class AuditCollector:
         # registered from the reading socket: the kernel sends records to the port that registered
         self._reader.set_status(pid=os.getpid())
         self.daemon = True
-        self._saved = an.Status(enabled=status.enabled, failure=status.failure, backlog_limit=status.backlog_limit,
-                                backlog_wait_time=status.backlog_wait_time, lost=status.lost)
+        self._saved = _original(status)
         # No task ever waits for us (wait 0); a burst queues in the kernel rather than being lost; a
         # full backlog is counted silently (failure 0), not written to the kernel log for every record.
         self._ctl.set_status(enabled=1, failure=0, backlog_limit=max(self.backlog, status.backlog_limit),
                              backlog_wait_time=0)
+
+    def _take_over(self, status: an.Status) -> None:
+        """Become the daemon: records would otherwise go to the kernel log."""
+        assert self._loop is not None and self._reader is not None
+        self._loop.remove_reader(self._reader.fileno())
+        self._reader.close()
+        self._become_daemon(status)
+        assert self._reader is not None
+        self._reader.sock.setblocking(False)
+        self._loop.add_reader(self._reader.fileno(), self._on_audit)
 
     def _step_aside(self) -> None:
         """Another audit daemon (the operator's auditd) asks for the role: give it up, put the
@@ -203,6 +218,8 @@ class AuditCollector:
         old = self._reader
         self._loop.remove_reader(old.fileno())
         saved, self._saved = self._saved, None
+        with contextlib.suppress(OSError):
+            os.unlink(ORIGINAL)  # the settings are that daemon's business now
         with contextlib.suppress(OSError):
             if saved is not None:
                 self._ctl.set_status(failure=saved.failure, backlog_limit=saved.backlog_limit,
@@ -247,8 +264,14 @@ class AuditCollector:
             self._rules.clear()
             with contextlib.suppress(OSError):
                 self.remove_stale()
+        # another agentcell server still reads the records: audit stays on, and that server takes over
+        # as the daemon at its next tick
+        others = False
+        if ctl is not None:
+            with contextlib.suppress(OSError):
+                others = any(an.rule_key(r).startswith("agentcell:") for r in ctl.rules())
         # settings back while still the daemon: the kernel's notes of the changes come to us, not to its log
-        if ctl is not None and self._saved is not None:
+        if ctl is not None and self._saved is not None and not others:
             saved = self._saved
             values = {"enabled": saved.enabled}
             if saved.backlog_limit:  # we were the daemon
@@ -259,6 +282,8 @@ class AuditCollector:
                 if saved.backlog_limit and saved.lost == 0 and ctl.status().lost:  # the losses were ours
                     ctl.set_status(lost=0)
             self._saved = None
+            with contextlib.suppress(OSError):
+                os.unlink(ORIGINAL)
         if self.daemon and self._reader is not None:  # audit is off again: unregistering writes no note
             with contextlib.suppress(OSError):
                 self._reader.set_status(pid=0)
@@ -355,6 +380,11 @@ class AuditCollector:
             self._complete(recs)  # no EOE came (records without a syscall's context)
         while self._early_exits and next(iter(self._early_exits.values()))[1] < now - 5.0:
             self._early_exits.popitem(last=False)
+        if not self.daemon and self._ctl is not None and self._reader is not None:
+            with contextlib.suppress(OSError):
+                status = self._ctl.status()
+                if status.pid == 0:  # the daemon (another agentcell server, or auditd) went away
+                    self._take_over(status)
         if self.daemon and self._ctl is not None:
             with contextlib.suppress(OSError):
                 lost = self._ctl.status().lost
@@ -536,6 +566,24 @@ class AuditCollector:
         self._emit(proc.sandbox, event("process.exit", pid=proc.pid, ppid=proc.ppid, at=at, comm=proc.comm,
                                        duration_s=round(max(at - proc.start, 0.0), 6), host_pid=ex.host_pid,
                                        **fields))
+
+
+def _original(status: an.Status) -> an.Status:
+    """The audit settings as they were before any agentcell server changed them: kept in a file by
+    the first server that became the daemon, put back by the last one to close."""
+    try:
+        with open(ORIGINAL) as f:
+            return an.Status(**{k: int(v) for k, v in json.load(f).items()})
+    except (OSError, ValueError, TypeError):
+        pass
+    saved = an.Status(enabled=status.enabled, failure=status.failure, backlog_limit=status.backlog_limit,
+                      backlog_wait_time=status.backlog_wait_time, lost=status.lost)
+    with contextlib.suppress(OSError):
+        os.makedirs(os.path.dirname(ORIGINAL), exist_ok=True)
+        with open(ORIGINAL, "w") as f:
+            json.dump({"enabled": saved.enabled, "failure": saved.failure, "backlog_limit": saved.backlog_limit,
+                       "backlog_wait_time": saved.backlog_wait_time, "lost": saved.lost}, f)
+    return saved
 
 
 def _monotonic_of(wall: float) -> float:
