@@ -318,7 +318,10 @@ async def test_a_flood_of_refused_syscalls_is_bounded_and_counted(backend: Linux
         assert dropped and sum(e["count"] for e in dropped) > 0
         assert len(dropped) <= windows
         assert lag < 0.5, f"the server's loop stalled {lag:.2f} s"
-        assert exec_of(await recorder.wait(quiet.id, lambda evs: bool(exec_of(evs, "/bin/true"))), "/bin/true")
+        # the other sandbox's exec is recorded, or (the flood filled the kernel's backlog meanwhile) it is
+        # told that records were lost: never silently
+        quiet_events = await recorder.wait(quiet.id, lambda evs: bool(exec_of(evs, "/bin/true")))
+        assert exec_of(quiet_events, "/bin/true") or of_kind(quiet_events, "record.dropped"), quiet_events
         # once the flood is over (and its backlog read), the flooding sandbox is recorded again
         seen = -1
         while seen != len(recorder.events[flood.id]):

@@ -173,6 +173,10 @@ class AuditCollector:
                     self._ctl.set_status(enabled=1)
             self._reader.sock.setblocking(False)
             rules = self.rules()
+            if self.daemon:  # nobody else reads them: the kernel need not write what we never read
+                rules.append(an.Rule(an.FILTER_EXCLUDE, an.NEVER, (), (
+                    (an.F_MSGTYPE, an.OP_EQ, an.PROCTITLE), (an.F_UID, an.OP_GE, self.first),
+                    (an.F_UID, an.OP_LE, self.last)), self.key + "proctitle"))
             if self.daemon and not foreign and self.exempt_host:
                 rules += self.host_exemption()
             for rule in rules:
@@ -350,8 +354,8 @@ class AuditCollector:
         if self._ctl is None:
             return
         uids = sorted(state.target.host_uids)
-        rule = an.Rule(0x05, an.NEVER, (), ((an.F_UID, an.OP_GE, uids[0]), (an.F_UID, an.OP_LE, uids[-1])),
-                       self.key + "flood")  # AUDIT_FILTER_EXCLUDE (5): by record type and task
+        rule = an.Rule(an.FILTER_EXCLUDE, an.NEVER, (), ((an.F_UID, an.OP_GE, uids[0]), (an.F_UID, an.OP_LE, uids[-1])),
+                       self.key + "flood")
         try:
             self._ctl.add_rule(rule)
         except OSError as e:
