@@ -161,7 +161,12 @@ class AuditCollector:
                 "would panic the host; set auditctl -f 1 or run the server without the kernel audit record")
         self.remove_stale()
         # someone else audits this host: leave their tasks alone
-        foreign = any(not an.rule_key(r).startswith("agentcell:") for r in self._ctl.rules())
+        theirs = [r for r in self._ctl.rules() if not an.rule_key(r).startswith("agentcell:")]
+        foreign = bool(theirs)
+        if any(an.rule_head(r)[:2] == (an.FILTER_TASK, an.NEVER) for r in theirs):
+            print("agentcell audit: the host's audit rules include `-a never,task` (a common default): processes "
+                  "forked under it have no audit context, so sandbox execs and refusals may go unrecorded; "
+                  "remove that rule to record them", file=sys.stderr)
         self._exits = ProcConnector()
         try:
             if status.pid == 0:

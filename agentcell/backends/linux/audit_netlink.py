@@ -96,6 +96,12 @@ class Rule:
 
 
 
+def rule_head(data: bytes) -> tuple[int, int]:
+    """(list, action) of a rule as AUDIT_LIST_RULES sends it."""
+    flags, action = struct.unpack_from("=II", data)
+    return flags & ~0x10, action  # less AUDIT_FILTER_PREPEND
+
+
 def rule_key(data: bytes) -> str:
     """The key (`-k`) of a rule as AUDIT_LIST_RULES sends it ("" if none)."""
     head = _RULE_HEAD.unpack_from(data)
