@@ -195,6 +195,16 @@ async def test_fifty_short_processes_are_all_recorded(box: Box, recorder: Record
     assert exits[killed["host_pid"]]["signal"] == 9 and "code" not in exits[killed["host_pid"]]
 
 
+async def test_arguments_as_given_spaces_quotes_and_long_ones(box: Box, recorder: Recorder) -> None:
+    """The kernel hex-encodes arguments with spaces or quotes and splits long ones over several fields
+    and records: argv comes back exactly."""
+    long = "x" * 20_000
+    await box.sh(f"/bin/echo 'two words' 'say \"hi\"' {long} 'naïve' > /dev/null")
+    events = await recorder.wait(box.id, lambda evs: bool(of_kind(evs, "process.exec")))
+    echo = exec_of(events, "/bin/echo", "two words", 'say "hi"', long, "naïve")
+    assert echo is not None, [e["argv"][:2] for e in of_kind(events, "process.exec")]
+
+
 # -- refused operations --------------------------------------------------------------------------
 
 
