@@ -170,8 +170,15 @@ class AuditCollector:
         self._exits = ProcConnector()
         try:
             if status.pid == 0:
-                self._become_daemon(status)
-            else:  # the operator's auditd: read next to it, change nothing of its settings
+                try:
+                    self._become_daemon(status)
+                except an.AuditError as e:
+                    if e.errno != errno.EEXIST:
+                        raise
+                    if self._reader is not None:
+                        self._reader.close()
+                    self._reader = None  # another daemon registered just now: read next to it
+            if self._reader is None:  # the operator's auditd: read next to it, change nothing of its settings
                 self._reader = an.AuditSocket(groups=1 << (an.AUDIT_NLGRP_READLOG - 1))
                 if not status.enabled:
                     self._saved = an.Status(enabled=status.enabled)
