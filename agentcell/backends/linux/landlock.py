@@ -18,6 +18,10 @@ REMOVE_DIR, REMOVE_FILE, MAKE_CHAR, MAKE_DIR = 1 << 4, 1 << 5, 1 << 6, 1 << 7
 MAKE_REG, MAKE_SOCK, MAKE_FIFO, MAKE_BLOCK, MAKE_SYM = 1 << 8, 1 << 9, 1 << 10, 1 << 11, 1 << 12
 REFER, TRUNCATE, IOCTL_DEV = 1 << 13, 1 << 14, 1 << 15  # ABI 2, 3, 5
 SCOPE_ABSTRACT_UNIX_SOCKET, SCOPE_SIGNAL = 1, 2  # ABI 6
+# ABI 7 (6.15+) writes an audit record for each denial (the behaviour record's deny.write,
+# audit_events.py), by default only until the confined process execs: the sandbox's commands are
+# exec'd programs, so ask for their denials too. Nothing is written while audit is off.
+RESTRICT_SELF_LOG_NEW_EXEC_ON = 1 << 1
 
 _FILE_RIGHTS = EXECUTE | WRITE_FILE | READ_FILE | TRUNCATE | IOCTL_DEV
 
@@ -105,7 +109,8 @@ def restrict(abi: int | None = None) -> int:
         _add(ruleset, "/dev/pts", (READ_FILE | WRITE_FILE | READ_DIR | TRUNCATE | IOCTL_DEV) & handled)
         # /proc/self/oom_score_adj and friends; the kernel's own permission checks still apply
         _add(ruleset, "/proc", (READ_FILE | WRITE_FILE | READ_DIR | TRUNCATE) & handled)
-        _check(_libc.syscall(ctypes.c_long(_SYS_RESTRICT), ctypes.c_int(ruleset), ctypes.c_uint32(0)), "restrict_self")
+        flags = RESTRICT_SELF_LOG_NEW_EXEC_ON if abi >= 7 else 0
+        _check(_libc.syscall(ctypes.c_long(_SYS_RESTRICT), ctypes.c_int(ruleset), ctypes.c_uint32(flags)), "restrict_self")
     finally:
         os.close(ruleset)
     return abi

@@ -1,0 +1,661 @@
+"""The kernel-audit collector of the behaviour record (issue 10): execs, exits and refused operations of
+every process of a sandbox, observed from the host.
+
+Mechanisms (docs/record-kernel.md has the measurements behind the choice):
+
+* execs and permission errors: audit rules on syscall exit, limited to the server's host uid range
+  (every sandbox process runs as one of its ids), keyed ``agentcell:<first>-<last>:<what>`` so a
+  server removes its own rules at close and a dead server's stale ones at start. The kernel writes the
+  SYSCALL record (host pid, ppid, uid, comm, exe), EXECVE (argv), CWD and PATH records of the call,
+  before the exec'd program runs a single instruction: a `true` that exits at once is recorded too.
+* seccomp refusals: the sandbox's filter is loaded with SECCOMP_FILTER_FLAG_LOG (seccomp_filter.py),
+  so the kernel writes a SECCOMP record for each syscall it refuses (RET_ERRNO is in
+  /proc/sys/kernel/seccomp/actions_logged by default).
+* Landlock refusals: ABI 7 kernels (6.15+) write LANDLOCK_ACCESS records; landlock.py asks for them
+  after exec too (LANDLOCK_RESTRICT_SELF_LOG_NEW_EXEC_ON).
+* exits: the proc connector (audit_proc.py), which has the signal of a killed process.
+
+The records are read as the audit daemon when none is registered (then nothing reaches the kernel
+log), or from the read-only multicast group next to the operator's auditd (whose log then holds the
+sandboxes' records too). The collector never lets the kernel block a task for it: as the daemon it sets
+a large backlog with no wait (a full backlog drops records, which the kernel counts and we report).
+
+Bounds: each sandbox gets `budget` events per `window_s`; what it causes beyond that is counted and
+reported as one ``record.dropped`` per window, and a sandbox far over budget is excluded in the
+kernel (an exclude rule on its uids) for the rest of the window, so a flood of denied syscalls costs
+neither the kernel's queue nor the server's loop. A netlink overrun (ENOBUFS) and the kernel's own
+lost counter are reported to every watched sandbox, since the lost records cannot be attributed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import json
+import os
+import re
+import sys
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyseccomp
+
+from agentcell.backends.events import EventSink, event
+from agentcell.backends.linux import audit_netlink as an
+from agentcell.backends.linux import audit_records as ar
+from agentcell.backends.linux import uids
+from agentcell.backends.linux.audit_proc import Exit, ProcConnector
+from agentcell.backends.linux.record import WatchTarget
+from agentcell.errors import BackendUnavailableError
+
+SANDBOX_UID = 1000  # rootfs.SANDBOX_UID: what the sandbox's user id is inside
+EXECVE, EXECVEAT = 59, 322
+# syscalls that take a path and may be refused with EACCES/EPERM/EROFS (x86_64 numbers)
+PATH_SYSCALLS = {
+    2: "open", 257: "openat", 437: "openat2", 85: "creat", 76: "truncate", 83: "mkdir", 258: "mkdirat",
+    87: "unlink", 263: "unlinkat", 84: "rmdir", 82: "rename", 264: "renameat", 316: "renameat2",
+    86: "link", 265: "linkat", 88: "symlink", 266: "symlinkat", 90: "chmod", 268: "fchmodat",
+    452: "fchmodat2", 92: "chown", 94: "lchown", 260: "fchownat", 133: "mknod", 259: "mknodat",
+    132: "utime", 235: "utimes", 280: "utimensat", 188: "setxattr", 189: "lsetxattr",
+}
+_OPEN_FLAGS_ARG = {2: "a1", 257: "a2"}  # open(path, flags), openat(dirfd, path, flags)
+_WRITE_INTENT = 0o1 | 0o2 | 0o100 | 0o1000  # O_WRONLY | O_RDWR | O_CREAT | O_TRUNC
+_EACCES, _EPERM, _EROFS = 13, 1, 30
+# the record's code is the filter's action only (its errno is not logged)
+_SECCOMP_ACTIONS = {0x00050000: "errno", 0x80000000: "kill_process", 0x00000000: "kill_thread", 0x00030000: "trap"}
+# refused by the filter but not worth a record: glibc tries clone3 for every thread and spawn and
+# falls back to clone (seccomp_filter.NOT_IMPLEMENTED)
+_NOT_DENIALS = frozenset({"clone3"})
+# the agent's own attempts, refused as intended, on every command: raising a child's OOM score
+_AGENT_NOISE = re.compile(r"^/proc/(self|\d+)/oom_score_adj$")
+_SUPPRESS_FACTOR = 4
+ORIGINAL = "/run/agentcell/audit-original.json"  # a sandbox past budget * this in one window is excluded in the kernel
+
+
+@dataclass
+class _Sandbox:
+    target: WatchTarget
+    window_start: float = 0.0
+    count: int = 0
+    dropped: int = 0
+    suppressed: an.Rule | None = None
+    procs: set[int] = field(default_factory=set)  # host pids seen exec'ing, for their exits
+
+
+@dataclass
+class _Proc:
+    sandbox: _Sandbox
+    start: float
+    comm: str
+    pid: int | None
+    ppid: int | None
+
+
+class AuditCollector:
+    """See the module docstring. `uid_first`..`uid_last`: the server's whole host uid range."""
+
+    def __init__(self, sink: EventSink, uid_first: int, uid_last: int, *, budget: int = 1000,
+                 window_s: float = 1.0, backlog: int = 8192, exempt_host: bool = True) -> None:
+        self.sink = sink
+        self.first, self.last = uid_first, uid_last
+        self.budget, self.window_s, self.backlog = budget, window_s, backlog
+        self.exempt_host = exempt_host
+        self.key = f"agentcell:{uid_first}-{uid_last}:"
+        self._key_b = f'key="{self.key}'.encode()
+        self._names: dict[int, str | None] = {}  # syscall numbers' names
+        self._by_uid: dict[int, _Sandbox] = {}
+        self._by_id: dict[str, _Sandbox] = {}
+        self._procs: dict[int, _Proc] = {}
+        self._early_exits: OrderedDict[int, tuple[Exit, float]] = OrderedDict()  # exits seen before their exec
+        self._pending: OrderedDict[int, tuple[float, list[ar.Record]]] = OrderedDict()  # serial -> records
+        self._ctl: an.AuditSocket | None = None
+        self._reader: an.AuditSocket | None = None
+        self._exits: ProcConnector | None = None
+        self._saved: an.Status | None = None  # what we changed in the kernel's audit status, to restore
+        self.daemon = False  # registered as the audit daemon (else: the multicast group)
+        self._rules: list[an.Rule] = []
+        self._tick: asyncio.TimerHandle | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.lost_overruns = 0  # ENOBUFS on our socket
+        self._kernel_lost = 0
+        self.stats = {"records": 0, "events": 0, "dropped": 0}
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def rules(self) -> list[an.Rule]:
+        uids = ((an.F_ARCH, an.OP_EQ, an.ARCH_X86_64), (an.F_UID, an.OP_GE, self.first),
+                (an.F_UID, an.OP_LE, self.last))
+        rules = [an.Rule(an.FILTER_EXIT, an.ALWAYS, (EXECVE, EXECVEAT), (*uids, (an.F_SUCCESS, an.OP_EQ, 1)),
+                         self.key + "exec")]
+        for err in (_EACCES, _EPERM, _EROFS):
+            rules.append(an.Rule(an.FILTER_EXIT, an.ALWAYS, tuple(PATH_SYSCALLS), (*uids, (an.F_EXIT, an.OP_EQ, -err)),
+                                 self.key + "deny"))
+        return rules
+
+    def host_exemption(self) -> list[an.Rule]:
+        """A task rule: a process forked with a host id below every agentcell range (uids.AUTO_START,
+        or this server's range if an operator put it lower) gets no audit context, so the host's own
+        processes keep the kernel's fast syscall path. Sandbox processes (forked by their agent after it
+        took the sandbox's ids), of this server or another, are audited; the agent itself (pid 1, forked
+        as root by the zygote) is not."""
+        return [an.Rule(an.FILTER_TASK, an.NEVER, (), ((an.F_UID, an.OP_LT, min(self.first, uids.AUTO_START)),),
+                        self.key + "host")]
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        try:
+            self._ctl = an.AuditSocket()
+            status = self._ctl.status()
+        except OSError as e:
+            raise BackendUnavailableError(f"cannot reach the kernel's audit subsystem ({e}); the behaviour "
+                                          "record needs CONFIG_AUDITSYSCALL and host root") from None
+        if status.enabled == 2:
+            raise BackendUnavailableError("the kernel's audit configuration is locked (auditctl -e 2): its rules "
+                                          "cannot be changed until reboot, so the behaviour record cannot use it")
+        if status.failure == 2:
+            raise BackendUnavailableError(
+                "the kernel's audit failure mode is panic (auditctl -f 2): a sandbox flooding refused syscalls "
+                "would panic the host; set auditctl -f 1 or run the server without the kernel audit record")
+        self.remove_stale()
+        # someone else audits this host: leave their tasks alone
+        theirs = [r for r in self._ctl.rules() if not an.rule_key(r).startswith("agentcell:")]
+        foreign = bool(theirs)
+        if any(an.rule_head(r)[:2] == (an.FILTER_TASK, an.NEVER) for r in theirs):
+            print("agentcell audit: the host's audit rules include `-a never,task` (a common default): processes "
+                  "forked under it have no audit context, so sandbox execs and refusals may go unrecorded; "
+                  "remove that rule to record them", file=sys.stderr)
+        self._exits = ProcConnector()
+        try:
+            if status.pid == 0:
+                try:
+                    self._become_daemon(status)
+                except an.AuditError as e:
+                    if e.errno != errno.EEXIST:
+                        raise
+                    if self._reader is not None:
+                        self._reader.close()
+                    self._reader = None  # another daemon registered just now: read next to it
+            if self._reader is None:  # the operator's auditd: read next to it, change nothing of its settings
+                self._reader = an.AuditSocket(groups=1 << (an.AUDIT_NLGRP_READLOG - 1))
+                if not status.enabled:
+                    self._saved = an.Status(enabled=status.enabled)
+                    self._ctl.set_status(enabled=1)
+            self._reader.sock.setblocking(False)
+            rules = self.rules()
+            if self.daemon:  # nobody else reads them: the kernel need not write what we never read
+                rules.append(an.Rule(an.FILTER_EXCLUDE, an.NEVER, (), (
+                    (an.F_MSGTYPE, an.OP_EQ, an.PROCTITLE), (an.F_UID, an.OP_GE, self.first),
+                    (an.F_UID, an.OP_LE, self.last)), self.key + "proctitle"))
+            if self.daemon and not foreign and self.exempt_host:
+                rules += self.host_exemption()
+            for rule in rules:
+                self._ctl.add_rule(rule)
+                self._rules.append(rule)
+        except BaseException:
+            await self.close()
+            raise
+        self._kernel_lost = self._ctl.status().lost
+        self._loop.add_reader(self._reader.fileno(), self._on_audit)
+        self._loop.add_reader(self._exits.fileno(), self._on_exits)
+        self._tick = self._loop.call_later(self.window_s, self._on_tick)
+
+    def _become_daemon(self, status: an.Status) -> None:
+        assert self._ctl is not None
+        self._reader = an.AuditSocket()
+        # registered from the reading socket: the kernel sends records to the port that registered
+        self._reader.set_status(pid=os.getpid())
+        self.daemon = True
+        self._saved = _original(status)
+        # No task ever waits for us (wait 0); a burst queues in the kernel rather than being lost; a
+        # full backlog is counted silently (failure 0), not written to the kernel log for every record.
+        self._ctl.set_status(enabled=1, failure=0, backlog_limit=max(self.backlog, status.backlog_limit),
+                             backlog_wait_time=0)
+
+    def _take_over(self, status: an.Status) -> None:
+        """Become the daemon: records would otherwise go to the kernel log."""
+        assert self._loop is not None and self._reader is not None
+        self._loop.remove_reader(self._reader.fileno())
+        self._reader.close()
+        self._become_daemon(status)
+        assert self._reader is not None
+        self._reader.sock.setblocking(False)
+        self._loop.add_reader(self._reader.fileno(), self._on_audit)
+
+    def _step_aside(self) -> None:
+        """Another audit daemon (the operator's auditd) asks for the role: give it up, put the
+        settings back, and read from the multicast group from now on. (The kernel refused that
+        daemon's first attempt while we held the role: it registers on its next.)"""
+        assert self._loop is not None and self._reader is not None and self._ctl is not None
+        print("agentcell audit: another audit daemon wants the kernel's records: reading next to it",
+              file=sys.stderr)
+        old = self._reader
+        self._loop.remove_reader(old.fileno())
+        saved, self._saved = self._saved, None
+        with contextlib.suppress(OSError):
+            os.unlink(ORIGINAL)  # the settings are that daemon's business now
+        with contextlib.suppress(OSError):
+            if saved is not None:
+                self._ctl.set_status(failure=saved.failure, backlog_limit=saved.backlog_limit,
+                                     backlog_wait_time=saved.backlog_wait_time)
+            old.set_status(pid=0)
+        old.close()
+        self.daemon = False
+        for rule in [r for r in self._rules if r.key == self.key + "host"]:  # its tasks are its business
+            with contextlib.suppress(OSError):
+                self._ctl.delete_rule(rule)
+            self._rules.remove(rule)
+        self._reader = an.AuditSocket(groups=1 << (an.AUDIT_NLGRP_READLOG - 1))
+        self._reader.sock.setblocking(False)
+        self._loop.add_reader(self._reader.fileno(), self._on_audit)
+
+    def remove_stale(self) -> int:
+        """Remove rules of this uid range left by a server that died (or by us): their key says whose."""
+        assert self._ctl is not None
+        removed = 0
+        for raw in self._ctl.rules():
+            key = an.rule_key(raw)
+            if key.startswith(self.key):
+                removed += self._ctl.delete_rule(raw)
+        return removed
+
+    async def close(self) -> None:
+        if self._tick is not None:
+            self._tick.cancel()
+            self._tick = None
+        loop = self._loop
+        for src in (self._reader, self._exits):
+            if src is not None and loop is not None:
+                with contextlib.suppress(ValueError, OSError):
+                    loop.remove_reader(src.fileno())
+        ctl = self._ctl
+        if ctl is not None:
+            for state in self._by_id.values():
+                self._unsuppress(state)
+            for rule in self._rules:
+                with contextlib.suppress(OSError):
+                    ctl.delete_rule(rule)
+            self._rules.clear()
+            with contextlib.suppress(OSError):
+                self.remove_stale()
+        # another agentcell server still reads the records: audit stays on, and that server takes over
+        # as the daemon at its next tick
+        others = False
+        if ctl is not None:
+            with contextlib.suppress(OSError):
+                others = any(an.rule_key(r).startswith("agentcell:") for r in ctl.rules())
+        # settings back while still the daemon: the kernel's notes of the changes come to us, not to its log
+        if ctl is not None and self._saved is not None and not others:
+            saved = self._saved
+            values = {"enabled": saved.enabled}
+            if saved.backlog_limit:  # we were the daemon
+                values.update(failure=saved.failure, backlog_limit=saved.backlog_limit,
+                              backlog_wait_time=saved.backlog_wait_time)
+            with contextlib.suppress(OSError):
+                ctl.set_status(**values)
+                if saved.backlog_limit and saved.lost == 0 and ctl.status().lost:  # the losses were ours
+                    ctl.set_status(lost=0)
+            self._saved = None
+            with contextlib.suppress(OSError):
+                os.unlink(ORIGINAL)
+        if self.daemon and self._reader is not None:  # audit is off again: unregistering writes no note
+            with contextlib.suppress(OSError):
+                self._reader.set_status(pid=0)
+            self.daemon = False
+        for sock in (self._reader, self._ctl, self._exits):
+            if sock is not None:
+                sock.close()
+        self._reader = self._ctl = self._exits = None
+
+    # -- sandboxes -----------------------------------------------------------------------------
+
+    def watch(self, target: WatchTarget) -> None:
+        state = _Sandbox(target, window_start=time.monotonic())
+        self._by_id[target.sandbox_id] = state
+        for uid in target.host_uids:
+            if not self.first <= uid <= self.last:
+                raise ValueError(f"sandbox {target.sandbox_id}: host uid {uid} is outside {self.first}-{self.last}")
+            self._by_uid[uid] = state
+
+    def unwatch(self, sandbox_id: str) -> None:
+        state = self._by_id.pop(sandbox_id, None)
+        if state is None:
+            return
+        self._flush_dropped(state)
+        self._unsuppress(state)
+        for uid in state.target.host_uids:
+            if self._by_uid.get(uid) is state:
+                del self._by_uid[uid]
+        for pid in state.procs:
+            proc = self._procs.get(pid)
+            if proc is not None and proc.sandbox is state:
+                del self._procs[pid]
+
+    # -- emitting, within each sandbox's budget ------------------------------------------------
+
+    def _emit(self, state: _Sandbox, ev: dict[str, Any]) -> None:
+        now = time.monotonic()
+        if now - state.window_start >= self.window_s:
+            self._flush_dropped(state)
+            state.window_start, state.count = now, 0
+        if state.count >= self.budget:
+            state.dropped += 1
+            self.stats["dropped"] += 1
+            # a flood going on now (not a backlog being read late): stop it at the source
+            if state.dropped >= self.budget * _SUPPRESS_FACTOR and state.suppressed is None \
+                    and time.time() - ev["time"] < self.window_s:
+                self._suppress(state)
+            return
+        state.count += 1
+        self.stats["events"] += 1
+        self.sink(state.target.sandbox_id, ev)
+
+    def _flush_dropped(self, state: _Sandbox) -> None:
+        if state.dropped:
+            reason = "rate limit"
+            if state.suppressed is not None:
+                reason += " (its records were excluded in the kernel for the rest of the window, uncounted)"
+            self.sink(state.target.sandbox_id, event("record.dropped", count=state.dropped, reason=reason,
+                                                     window_s=self.window_s))
+            state.dropped = 0
+
+    def _suppress(self, state: _Sandbox) -> None:
+        """Stop the kernel from writing this sandbox's records until the window ends."""
+        if self._ctl is None:
+            return
+        uids = sorted(state.target.host_uids)
+        rule = an.Rule(an.FILTER_EXCLUDE, an.NEVER, (), ((an.F_UID, an.OP_GE, uids[0]), (an.F_UID, an.OP_LE, uids[-1])),
+                       self.key + "flood")
+        try:
+            self._ctl.add_rule(rule)
+        except OSError as e:
+            print(f"agentcell audit: cannot exclude sandbox {state.target.sandbox_id}'s records: {e}", file=sys.stderr)
+            return
+        state.suppressed = rule
+
+    def _unsuppress(self, state: _Sandbox) -> None:
+        if state.suppressed is not None and self._ctl is not None:
+            with contextlib.suppress(OSError):
+                self._ctl.delete_rule(state.suppressed)
+        state.suppressed = None
+
+    def _on_tick(self) -> None:
+        """Once a window: report drops of quiet sandboxes, lift exclusions, expire partial records."""
+        assert self._loop is not None
+        self._tick = self._loop.call_later(self.window_s, self._on_tick)
+        now = time.monotonic()
+        for state in self._by_id.values():
+            if now - state.window_start >= self.window_s:
+                self._flush_dropped(state)
+                self._unsuppress(state)
+                state.window_start, state.count = now, 0
+        while self._pending and next(iter(self._pending.values()))[0] < now - 2.0:
+            _, (_, recs) = self._pending.popitem(last=False)
+            self._complete(recs)  # no EOE came (records without a syscall's context)
+        while self._early_exits and next(iter(self._early_exits.values()))[1] < now - 5.0:
+            self._early_exits.popitem(last=False)
+        if not self.daemon and self._ctl is not None and self._reader is not None:
+            with contextlib.suppress(OSError):
+                status = self._ctl.status()
+                if status.pid == 0:  # the daemon (another agentcell server, or auditd) went away
+                    self._take_over(status)
+        if self.daemon and self._ctl is not None:
+            with contextlib.suppress(OSError):
+                lost = self._ctl.status().lost
+                if lost > self._kernel_lost:
+                    self._lost(lost - self._kernel_lost, "the kernel's audit backlog was full")
+                self._kernel_lost = lost
+
+    def _lost(self, count: int | None, reason: str) -> None:
+        for state in self._by_id.values():
+            self.sink(state.target.sandbox_id, event("record.dropped", count=count, reason=reason + " (host-wide: "
+                                                     "records of any sandbox may be among them)"))
+
+    # -- the audit stream ----------------------------------------------------------------------
+
+    def _on_audit(self) -> None:
+        assert self._reader is not None
+        for _ in range(64):  # then let the loop run; the reader fires again
+            try:
+                data = self._reader.sock.recv(1 << 16)
+            except BlockingIOError:
+                return
+            except OSError as e:
+                if e.errno == errno.ENOBUFS:
+                    self.lost_overruns += 1
+                    self._lost(None, "the server's audit socket overflowed")
+                    continue
+                raise
+            for mtype, _seq, body in an.split(data):
+                self._on_record(mtype, body)
+
+    def _on_record(self, mtype: int, body: bytes) -> None:
+        """Records of one syscall share a serial: a Landlock record comes during the call, then SYSCALL
+        (ours if it has our key), its EXECVE/CWD/PATH, and EOE. A record whose serial has nothing
+        pending is someone else's and is skipped unparsed."""
+        if mtype == an.REPLACE and self.daemon:
+            self._step_aside()
+            return
+        if mtype == an.SECCOMP:  # complete in itself (uid, pid, syscall); the SYSCALL record adds nothing
+            rec = ar.parse(mtype, body)
+            if rec is not None:
+                self.stats["records"] += 1
+                self._seccomp(rec)
+            return
+        if mtype in (an.EXECVE, an.CWD, an.PATH, an.EOE) or (mtype == an.SYSCALL and self._key_b not in body):
+            stamp = ar.head(body)
+            entry = self._pending.get(stamp[1]) if stamp is not None else None
+            if entry is None:
+                return
+            if mtype == an.EOE:
+                del self._pending[stamp[1]]  # type: ignore[index]
+                self._complete(entry[1])
+                return
+        elif mtype not in (an.SYSCALL, an.LANDLOCK_ACCESS):
+            return
+        rec = ar.parse(mtype, body)
+        if rec is None:
+            return
+        self.stats["records"] += 1
+        entry = self._pending.get(rec.serial)
+        if entry is None:
+            if len(self._pending) > 4096:  # never unbounded, whatever the kernel sends
+                self._pending.popitem(last=False)
+            entry = self._pending[rec.serial] = (time.monotonic(), [])
+        entry[1].append(rec)
+
+    def _sandbox_of(self, rec: ar.Record) -> tuple[_Sandbox, int] | None:
+        uid = rec.int("uid")
+        state = self._by_uid.get(uid) if uid is not None else None
+        if state is None or uid is None:
+            return None
+        return state, (SANDBOX_UID if uid == state.target.host_uids[0] else 0)
+
+    def _seccomp(self, rec: ar.Record) -> None:
+        found = self._sandbox_of(rec)
+        if found is None:
+            return
+        state, _ = found
+        nr = rec.int("syscall")
+        arch = rec.int("arch", 16)
+        name = self._names.get(nr) if nr is not None else None
+        if name is None and nr is not None and nr not in self._names:
+            with contextlib.suppress(Exception):
+                name = pyseccomp.resolve_syscall(arch or pyseccomp.system_arch(), nr).decode()
+            self._names[nr] = name
+        if name in _NOT_DENIALS:
+            return
+        host_pid = rec.int("pid")
+        action = _SECCOMP_ACTIONS.get((rec.int("code", 16) or 0) & 0xFFFF0000, "other")
+        self._emit(state, event("deny.syscall", pid=_ns_pid(host_pid, state), at=rec.time, syscall=name, nr=nr,
+                                action=action, comm=rec.get("comm"), host_pid=host_pid))
+
+    def _complete(self, recs: list[ar.Record]) -> None:
+        syscall = next((r for r in recs if r.type == an.SYSCALL), None)
+        if syscall is None:
+            return
+        found = self._sandbox_of(syscall)
+        if found is None:
+            return
+        state, inside_uid = found
+        key = syscall.get("key", "")
+        landlock = [r for r in recs if r.type == an.LANDLOCK_ACCESS]
+        if key == self.key + "exec":
+            self._exec(state, inside_uid, syscall, recs)
+        elif landlock or key == self.key + "deny":
+            self._deny(state, syscall, recs, landlock)
+
+    def _exec(self, state: _Sandbox, inside_uid: int, syscall: ar.Record, recs: list[ar.Record]) -> None:
+        host_pid = syscall.int("pid") or 0
+        host_ppid = syscall.int("ppid")
+        cwd = next((r.get("cwd") for r in recs if r.type == an.CWD), None)
+        args = ar.argv([r for r in recs if r.type == an.EXECVE])
+        path = _path(recs, cwd, first=True) or syscall.get("exe")
+        comm = syscall.get("comm", "")
+        parent = self._procs.get(host_ppid or 0)
+        pid = _ns_pid(host_pid, state)
+        known = parent is not None and parent.sandbox is state and parent.pid is not None
+        ppid = parent.pid if known and parent is not None else _ns_pid(host_ppid, state)
+        proc = self._procs.get(host_pid)
+        if proc is None or proc.sandbox is not state:  # a second exec of a process keeps its start
+            proc = self._procs[host_pid] = _Proc(state, syscall.time, comm, pid, ppid)
+            state.procs.add(host_pid)
+        proc.comm = comm
+        self._emit(state, event("process.exec", pid=pid, ppid=ppid, at=syscall.time, path=path, argv=args, cwd=cwd,
+                                uid=inside_uid, exe=syscall.get("exe"), host_pid=host_pid,
+                                host_ppid=host_ppid))
+        early = self._early_exits.pop(host_pid, None)
+        if early is not None and early[0].monotonic_ns / 1e9 >= _monotonic_of(syscall.time):
+            self._exit(early[0])
+
+    def _deny(self, state: _Sandbox, syscall: ar.Record, recs: list[ar.Record], landlock: list[ar.Record]) -> None:
+        nr = syscall.int("syscall") or 0
+        err = -(syscall.int("exit") or 0)
+        cwd = next((r.get("cwd") for r in recs if r.type == an.CWD), None)
+        path = _path(recs, cwd) or (landlock[0].get("path") if landlock else None)
+        host_pid = syscall.int("pid")
+        if path is not None and _AGENT_NOISE.match(path):
+            return
+        common = {"pid": _ns_pid(host_pid, state), "at": syscall.time, "path": path, "syscall": PATH_SYSCALLS.get(nr, nr),
+                  "comm": syscall.get("comm"), "host_pid": host_pid}
+        if landlock:
+            self._emit(state, event("deny.write", reason="landlock", blockers=landlock[0].get("blockers"),
+                                    errno=err, **common))
+        elif err == _EROFS:
+            self._emit(state, event("deny.write", reason="read-only", errno=err, **common))
+        elif _writes(nr, syscall):
+            self._emit(state, event("deny.write", reason="permission", errno=err, **common))
+        else:
+            self._emit(state, event("deny.access", errno=err, **common))
+
+    # -- exits ---------------------------------------------------------------------------------
+
+    def _on_exits(self) -> None:
+        assert self._exits is not None
+        for _ in range(256):
+            try:
+                exits = self._exits.read()
+            except BlockingIOError:
+                return
+            except OSError as e:
+                if e.errno == errno.ENOBUFS:  # exits of unknown processes lost: theirs stay unreported
+                    self.lost_overruns += 1
+                    continue
+                raise
+            for ex in exits:
+                if ex.host_pid in self._procs:
+                    self._exit(ex)
+                else:  # its exec may still be on its way through the audit queue
+                    self._early_exits[ex.host_pid] = (ex, time.monotonic())
+                    if len(self._early_exits) > 8192:
+                        self._early_exits.popitem(last=False)
+
+    def _exit(self, ex: Exit) -> None:
+        proc = self._procs.pop(ex.host_pid, None)
+        if proc is None:
+            return
+        proc.sandbox.procs.discard(ex.host_pid)
+        at = _wall_of(ex.monotonic_ns)
+        fields: dict[str, Any] = {"code": ex.code} if ex.signal is None else {"signal": ex.signal}
+        self._emit(proc.sandbox, event("process.exit", pid=proc.pid, ppid=proc.ppid, at=at, comm=proc.comm,
+                                       duration_s=round(max(at - proc.start, 0.0), 6), host_pid=ex.host_pid,
+                                       **fields))
+
+
+def _original(status: an.Status) -> an.Status:
+    """The audit settings as they were before any agentcell server changed them: kept in a file by
+    the first server that became the daemon, put back by the last one to close."""
+    try:
+        with open(ORIGINAL) as f:
+            return an.Status(**{k: int(v) for k, v in json.load(f).items()})
+    except (OSError, ValueError, TypeError):
+        pass
+    saved = an.Status(enabled=status.enabled, failure=status.failure, backlog_limit=status.backlog_limit,
+                      backlog_wait_time=status.backlog_wait_time, lost=status.lost)
+    with contextlib.suppress(OSError):
+        os.makedirs(os.path.dirname(ORIGINAL), exist_ok=True)
+        with open(ORIGINAL, "w") as f:
+            json.dump({"enabled": saved.enabled, "failure": saved.failure, "backlog_limit": saved.backlog_limit,
+                       "backlog_wait_time": saved.backlog_wait_time, "lost": saved.lost}, f)
+    return saved
+
+
+def _monotonic_of(wall: float) -> float:
+    return wall - time.time() + time.monotonic() - 0.01  # audit stamps are coarse (jiffies)
+
+
+def _wall_of(monotonic_ns: int) -> float:
+    return time.time() - (time.monotonic_ns() - monotonic_ns) / 1e9
+
+
+def _ns_pid(host_pid: int | None, state: _Sandbox) -> int | None:
+    """The pid inside the sandbox, while the process exists and still runs as one of its ids."""
+    if not host_pid:
+        return None
+    try:  # os.open/os.read: a third of what a buffered open costs, once per exec
+        fd = os.open(f"/proc/{host_pid}/status", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        status = os.read(fd, 4096)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    nspid = uid = None
+    for line in status.split(b"\n"):
+        if line.startswith(b"NSpid:"):
+            nspid = line.split()[-1]
+        elif line.startswith(b"Uid:"):
+            uid = int(line.split()[1])
+    if uid not in state.target.host_uids or nspid is None:
+        return None  # gone, its pid reused by another process
+    return int(nspid)
+
+
+def _path(recs: list[ar.Record], cwd: str | None, first: bool = False) -> str | None:
+    """The path a syscall named: its PATH record (not the parent directory's), made absolute."""
+    paths = [r for r in recs if r.type == an.PATH]
+    if not paths:
+        return None
+    if first:
+        chosen = min(paths, key=lambda r: r.int("item") or 0)
+    else:
+        chosen = next((r for r in paths if r.raw.get("nametype") != "PARENT"), paths[0])
+    name = chosen.get("name")
+    if name is None or name == "(null)":
+        return None
+    if not name.startswith("/") and cwd:
+        name = os.path.normpath(os.path.join(cwd, name))
+    return name
+
+
+def _writes(nr: int, syscall: ar.Record) -> bool:
+    """Whether the refused call meant to change something (an open for writing or creating, a mkdir ...)."""
+    arg = _OPEN_FLAGS_ARG.get(nr)
+    if arg is not None:
+        flags = syscall.int(arg, 16) or 0
+        return bool(flags & _WRITE_INTENT)
+    return nr != 437  # openat2 keeps its flags in memory: a read unless we know better
