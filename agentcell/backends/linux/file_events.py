@@ -1,12 +1,41 @@
-"""fanotify, through ctypes: the kernel half of the file collector."""
+"""The file collector of the behaviour record (issue 10): what a sandbox creates, writes, deletes,
+renames and chmods on its disk, seen by fanotify from the host.
+
+Every place a sandbox can write (/home/user, /tmp, /dev/shm and the upper layers of its copy-on-write
+overlays over /usr, /etc, /var ...) is a directory of ONE tmpfs, its disk (rootfs.finish). So one
+filesystem mark (FAN_MARK_FILESYSTEM) on that tmpfs sees every change the sandbox makes, whatever mount,
+bind or overlay it went through, and nothing else: another sandbox's disk is another superblock, and
+the host's files are never on it. The group reports file handles (FAN_REPORT_DFID_NAME + TARGET_FID),
+which the collector turns back into paths with open_by_handle_at on the disk's root, then into the
+paths the sandbox sees (home -> /home/user, .root/<n>/up -> rootfs.OVERLAYS[n] ...).
+
+One fanotify group per sandbox: its queue is its own (a flood overflows only the flooder's queue, and
+the overflow is reported to it as record.dropped), at 2 fds per sandbox (the group and the disk's root).
+Writes are coalesced per file (one file.write {size, count} once the file is quiet), and each sandbox
+has bounded state (pending writes, path cache) and a rate limit; what is cut is counted (record.dropped).
+
+Overlay internals are translated: a copy-up (the lower file linked into the upper layer, the
+`trusted.overlay.origin` xattr on it) is no create; a whiteout renamed into the upper layer is a delete;
+what happens in an overlay's work directory is not the sandbox's doing and is skipped.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import errno
 import os
+import stat
 import struct
-from dataclasses import dataclass
+import sys
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from agentcell.backends.events import EventSink, event
+from agentcell.backends.linux import rootfs
+from agentcell.backends.linux.record import WatchTarget
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.fanotify_init.argtypes = (ctypes.c_uint, ctypes.c_uint)
@@ -118,3 +147,478 @@ def read_events(group: int, size: int = 1 << 16) -> list[Raw] | None:
         if e.errno == errno.EAGAIN:
             return None
         raise
+
+
+# -- the collector ---------------------------------------------------------------------------------
+QUIET_S = 1.0  # a file nobody wrote for this long: its coalesced file.write goes out
+CLOSED_QUIET_S = 0.2  # ... sooner once it was closed after writing
+MAX_AGE_S = 5.0  # a file written without pause: a file.write every so often all the same
+TICK_S = 0.2  # how often pending writes are looked at (only while some are pending)
+MAX_PENDING = 1024  # coalesced writes kept per sandbox; beyond, the oldest goes out at once
+PATH_CACHE = 4096  # directory handle -> path entries kept per sandbox
+RATE = 1000.0  # events/s a sandbox may put in its record, sustained ...
+BURST = 10_000.0  # ... and at once; beyond, they are counted and reported as record.dropped
+READ_SIZE = 32 << 10  # one read() per wake-up: a few hundred events, then the loop serves others
+UNWATCH_READS = 64  # what unwatch reads of a queue the sandbox filled before it ended
+WHITEOUT = "whiteout"
+_ORIGIN = "trusted.overlay.origin"  # on a file or directory an overlay copied up from its lower layer
+_OPAQUE = "trusted.overlay.opaque"  # on a directory made where a lower one was deleted
+
+# disk directory -> the sandbox's path (rootfs._WRITABLE), and .root/<n>/up -> rootfs.OVERLAYS[n]
+_PLACES = {name: target for target, name, _ in rootfs._WRITABLE}
+_OVERLAY_PATHS = tuple(path for path, _ in rootfs.OVERLAYS)
+
+
+def sandbox_path(disk_path: str) -> str | None:
+    """The path a sandbox sees for `disk_path` (relative to its disk's root, as readlink shows it);
+    None for the disk's own internals (overlay work directories, .boot_id ...)."""
+    parts = disk_path.split("/", 4)  # "", first, second, third, rest
+    first = parts[1] if len(parts) > 1 else ""
+    if first in _PLACES:
+        rest = disk_path[len(first) + 1:]
+        return _PLACES[first] + rest
+    if first == ".root" and len(parts) > 3 and parts[3] == "up" and parts[2].isdigit():
+        n = int(parts[2])
+        if n < len(_OVERLAY_PATHS):
+            return _OVERLAY_PATHS[n] + ("/" + parts[4] if len(parts) > 4 else "")
+    return None
+
+
+def _in_work(disk_path: str) -> bool:
+    parts = disk_path.split("/", 4)
+    return len(parts) > 3 and parts[1] == ".root" and parts[3] == "work"
+
+
+def _in_upper(disk_path: str) -> bool:
+    parts = disk_path.split("/", 4)
+    return len(parts) > 3 and parts[1] == ".root" and parts[3] == "up"
+
+
+@dataclass(slots=True)
+class _Write:
+    path: str
+    first: float
+    last: float
+    host_pid: int
+    pid: int | None
+    count: int = 0
+    closed: bool = False
+
+
+@dataclass(slots=True)
+class _Watched:
+    target: WatchTarget
+    group: int
+    root: int  # the disk's root, opened for open_by_handle_at (an O_PATH fd is not enough there)
+    pid_depth: int  # the sandbox's pid namespace: its level in a process's NSpid
+    pidns: int  # ... and its inode
+    paths: OrderedDict[bytes, str] = field(default_factory=OrderedDict)  # dir handle -> disk path
+    writes: OrderedDict[bytes, _Write] = field(default_factory=OrderedDict)  # file handle -> pending
+    internal: OrderedDict[bytes, None] = field(default_factory=OrderedDict)  # overlays' work files
+    modes: OrderedDict[bytes, tuple[int, int, int]] = field(default_factory=OrderedDict)  # dir -> mode, owner
+    tokens: float = BURST
+    refilled: float = field(default_factory=time.monotonic)
+    dropped: dict[str, int] = field(default_factory=dict)  # reason -> events not recorded
+    pids: dict[int, int | None] = field(default_factory=dict)  # host pid -> sandbox pid, per batch
+    events: int = 0  # fanotify events read (for the benchmark)
+
+
+class FileCollector:
+    """The file collector (record.Collector): one fanotify group per watched sandbox."""
+
+    def __init__(self, sink: EventSink, *, rate: float = RATE, burst: float = BURST,
+                 max_pending: int = MAX_PENDING, tune_sysctl: bool = True) -> None:
+        self.sink = sink
+        self.rate = rate
+        self.burst = burst
+        self.max_pending = max_pending
+        self.tune_sysctl = tune_sysctl  # raise fs.fanotify.max_user_groups when groups run out
+        self._watched: dict[str, _Watched] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._timer: asyncio.TimerHandle | None = None
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+
+    async def close(self) -> None:
+        for sandbox_id in list(self._watched):
+            self.unwatch(sandbox_id)
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    # -- watch / unwatch ---------------------------------------------------------------------------
+    def watch(self, target: WatchTarget) -> None:
+        if target.sandbox_id in self._watched:
+            return
+        loop = self._loop or asyncio.get_running_loop()
+        self._loop = loop
+        root = os.open(f"/proc/self/fd/{target.disk_fd}", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            group = self._new_group()
+            try:
+                mark_filesystem(group, root)
+            except BaseException:
+                os.close(group)
+                raise
+        except BaseException:
+            os.close(root)
+            raise
+        depth, pidns = _pidns(target.host_pid)
+        w = _Watched(target, group, root, depth, pidns, tokens=self.burst)
+        self._watched[target.sandbox_id] = w
+        loop.add_reader(group, self._readable, w)
+
+    def unwatch(self, sandbox_id: str) -> None:
+        """Read what is still queued, send every pending write, forget the sandbox. Call it once the
+        sandbox's processes are dead (or its last events may come after)."""
+        w = self._watched.pop(sandbox_id, None)
+        if w is None:
+            return
+        assert self._loop is not None
+        self._loop.remove_reader(w.group)
+        try:
+            for _ in range(UNWATCH_READS):
+                if not self._read(w):
+                    break
+            self._flush(w, None)
+        finally:
+            os.close(w.group)
+            os.close(w.root)
+
+    def _new_group(self) -> int:
+        try:
+            return fanotify_init()
+        except OSError as e:
+            if e.errno != errno.EMFILE or not self.tune_sysctl:
+                raise
+        path = "/proc/sys/fs/fanotify/max_user_groups"  # 128 by default: far below 1,000 sandboxes
+        with open(path) as f:
+            current = int(f.read())
+        with open(path, "w") as f:
+            f.write(str(current + 1024))
+        print(f"agentcell: raised fs.fanotify.max_user_groups to {current + 1024} (one group per sandbox)",
+              file=sys.stderr, flush=True)
+        return fanotify_init()
+
+    def stats(self, sandbox_id: str) -> dict[str, Any]:
+        """What the collector holds for a sandbox (tests and benchmarks)."""
+        w = self._watched[sandbox_id]
+        return {"pending": len(w.writes), "paths": len(w.paths), "events": w.events, "dropped": dict(w.dropped)}
+
+    # -- reading -------------------------------------------------------------------------------------
+    def _readable(self, w: _Watched) -> None:
+        try:
+            self._read(w)
+        except Exception as e:  # a collector bug must not take the server's loop down
+            print(f"agentcell: file events of {w.target.sandbox_id}: {e!r}", file=sys.stderr, flush=True)
+        self._arm()
+
+    def _read(self, w: _Watched) -> bool:
+        raws = read_events(w.group, READ_SIZE)
+        if not raws:
+            return False
+        now = time.time()
+        w.pids.clear()
+        w.events += len(raws)
+        for raw in raws:
+            self._handle(w, raw, now)
+        return True
+
+    def _handle(self, w: _Watched, raw: Raw, now: float) -> None:
+        mask = raw.mask
+        if mask & FAN_Q_OVERFLOW:
+            w.dropped["kernel queue overflow (each loses an unknown number of events)"] = (
+                w.dropped.get("kernel queue overflow (each loses an unknown number of events)", 0) + 1)
+            return
+        is_dir = bool(mask & FAN_ONDIR)
+        if mask & FAN_RENAME:
+            self._rename(w, raw, now, is_dir)
+            mask &= ~FAN_RENAME
+            if not mask & ~FAN_ONDIR:
+                return
+        if not raw.dir:
+            return  # e.g. the link count of a file already unlinked: its delete said it all
+        parent = self._dir_path(w, raw.dir)
+        if parent is None:
+            return
+        if _in_work(parent):
+            if mask & FAN_CREATE and raw.fid:
+                _remember(w.internal, raw.fid, 256)  # a copy-up's or a whiteout's first steps
+            return
+        disk_path = parent if raw.name in ("", ".") else f"{parent}/{raw.name}"
+        path = sandbox_path(disk_path)
+        if path is None:
+            return
+        create = bool(mask & FAN_CREATE)
+        if create and raw.name not in ("", "."):
+            if is_dir and raw.fid:
+                _remember(w.paths, raw.fid, PATH_CACHE, disk_path)
+            if _in_upper(parent) and raw.fid and self._copied_up(w, raw.fid):
+                create = False  # the overlay brought a lower file up: no create of the sandbox's
+            if create:
+                # the kernel merged a create and a delete of this name: in which order, the entry says
+                if mask & FAN_DELETE and self._exists(w, raw.dir, raw.name):
+                    self._delete(w, raw, now, path, is_dir)
+                    mask &= ~FAN_DELETE
+                self._emit(w, "file.create", raw.pid, now, path=path, **_dir(is_dir))
+        if mask & (FAN_MODIFY | FAN_CLOSE_WRITE) and raw.fid and not is_dir:
+            self._wrote(w, raw, now, path, bool(mask & FAN_MODIFY), bool(mask & FAN_CLOSE_WRITE))
+        if mask & FAN_ATTRIB and not (mask & FAN_CREATE and create):
+            self._attrib(w, raw, now, path, parent)
+        if mask & FAN_DELETE:
+            self._delete(w, raw, now, path, is_dir)
+
+    def _rename(self, w: _Watched, raw: Raw, now: float, is_dir: bool) -> None:
+        old_parent = self._dir_path(w, raw.dir) if raw.dir else None
+        new_parent = self._dir_path(w, raw.new_dir) if raw.new_dir else None
+        if old_parent is None or new_parent is None:
+            return
+        old_disk, new_disk = f"{old_parent}/{raw.name}", f"{new_parent}/{raw.new_name}"
+        if is_dir:  # the cached paths below it are stale now
+            for key in [k for k, p in w.paths.items() if p == old_disk or p.startswith(old_disk + "/")]:
+                del w.paths[key]
+            if raw.fid:
+                _remember(w.paths, raw.fid, PATH_CACHE, new_disk)
+        to = sandbox_path(new_disk)
+        if _in_work(old_parent):
+            # the last step of an overlay's work: a whiteout (a delete), a file made where a lower one
+            # was deleted, a directory made so (opaque) or copied up (neither: nothing of the sandbox's)
+            if to is None or not raw.fid:
+                return
+            kind = self._upper_kind(w, raw.fid, is_dir)
+            if kind == "whiteout":
+                self._emit(w, "file.delete", raw.pid, now, path=to)
+            elif kind == "new":
+                self._emit(w, "file.create", raw.pid, now, path=to, **_dir(is_dir))
+            return
+        path = sandbox_path(old_disk)
+        if path is None or to is None:
+            return  # into the work directory: the other half of an overlay's exchange
+        if raw.fid and not is_dir:
+            self._flush_one(w, raw.fid)
+        self._emit(w, "file.rename", raw.pid, now, path=path, to=to, **_dir(is_dir))
+
+    def _delete(self, w: _Watched, raw: Raw, now: float, path: str, is_dir: bool) -> None:
+        if raw.fid:
+            if is_dir:
+                w.paths.pop(raw.fid, None)
+            else:
+                self._flush_one(w, raw.fid)
+        self._emit(w, "file.delete", raw.pid, now, path=path, **_dir(is_dir))
+
+    def _wrote(self, w: _Watched, raw: Raw, now: float, path: str, modified: bool, closed: bool) -> None:
+        pending = w.writes.get(raw.fid)
+        if pending is None:
+            if not modified:
+                return  # closed without a write we saw
+            if len(w.writes) >= self.max_pending:
+                self._flush_one(w, next(iter(w.writes)))
+            pending = _Write(path, now, now, raw.pid, self._pid(w, raw.pid))
+            w.writes[raw.fid] = pending
+        pending.path = path
+        if modified:
+            pending.count += 1
+            pending.last = now
+            pending.closed = False
+        if closed:
+            pending.closed = True
+
+    def _attrib(self, w: _Watched, raw: Raw, now: float, path: str, parent: str) -> None:
+        """A mode, owner or time change: recorded as file.chmod when it was not only the times (a write
+        or `touch` leaves ctime == mtime; chmod and chown move ctime alone). A directory's: when its
+        mode or owner is not what the collector saw before (an overlay sets the times of the upper
+        directories it copies into); a directory in an overlay it never saw before is not reported."""
+        own = raw.name in ("", ".")
+        key = raw.dir if own else raw.fid
+        if not key or key in w.internal:
+            return
+        st = self._stat(w, key)
+        if st is None:
+            return
+        if stat.S_ISDIR(st.st_mode):
+            seen = w.modes.get(key)
+            now_mode = (st.st_mode, st.st_uid, st.st_gid)
+            _remember(w.modes, key, PATH_CACHE, now_mode)
+            if seen == now_mode or (seen is None and (_in_upper(parent) or st.st_ctime_ns == st.st_mtime_ns)):
+                return
+        elif st.st_ctime_ns == st.st_mtime_ns:
+            return
+        self._emit(w, "file.chmod", raw.pid, now, path=path, mode=f"{stat.S_IMODE(st.st_mode):04o}",
+                   **_dir(stat.S_ISDIR(st.st_mode)))
+
+    # -- pending writes ------------------------------------------------------------------------------
+    def _flush_one(self, w: _Watched, fid: bytes) -> None:
+        pending = w.writes.pop(fid, None)
+        if pending is not None:
+            self._emit_write(w, fid, pending)
+
+    def _emit_write(self, w: _Watched, fid: bytes, p: _Write) -> None:
+        st = self._stat(w, fid)
+        self._emit(w, "file.write", p.host_pid, p.last, p.pid, path=p.path,
+                   size=st.st_size if st is not None else None, count=p.count, first=p.first)
+
+    def _flush(self, w: _Watched, now: float | None) -> None:
+        """Send the pending writes that are due (all when `now` is None), and what was dropped."""
+        for fid, p in list(w.writes.items()):
+            if now is None or now - p.last >= (CLOSED_QUIET_S if p.closed else QUIET_S) \
+                    or now - p.first >= MAX_AGE_S:
+                del w.writes[fid]
+                self._emit_write(w, fid, p)
+        for reason, count in w.dropped.items():
+            self.sink(w.target.sandbox_id, event("record.dropped", count=count, reason=reason, collector="file"))
+        w.dropped.clear()
+
+    def _arm(self) -> None:
+        if self._timer is None and self._loop is not None and any(
+                w.writes or w.dropped for w in self._watched.values()):
+            self._timer = self._loop.call_later(TICK_S, self._tick)
+
+    def _tick(self) -> None:
+        self._timer = None
+        now = time.time()
+        for w in list(self._watched.values()):
+            try:
+                self._flush(w, now)
+            except Exception as e:
+                print(f"agentcell: file events of {w.target.sandbox_id}: {e!r}", file=sys.stderr, flush=True)
+        self._arm()
+
+    # -- output --------------------------------------------------------------------------------------
+    def _emit(self, w: _Watched, kind: str, host_pid: int, at: float, pid: int | None = -1,
+              **fields: Any) -> None:
+        """Into the sink, within the sandbox's rate (a token bucket); what is over it is counted."""
+        mono = time.monotonic()
+        w.tokens = min(self.burst, w.tokens + (mono - w.refilled) * self.rate)
+        w.refilled = mono
+        if w.tokens < 1:
+            reason = f"over the file events rate ({self.rate:g}/s, bursts of {self.burst:g})"
+            w.dropped[reason] = w.dropped.get(reason, 0) + 1
+            return
+        w.tokens -= 1
+        if pid == -1:
+            pid = self._pid(w, host_pid)
+        self.sink(w.target.sandbox_id, event(kind, pid=pid, at=at, host_pid=host_pid, **fields))
+
+    # -- the kernel's answers --------------------------------------------------------------------------
+    def _dir_path(self, w: _Watched, handle: bytes) -> str | None:
+        """A directory handle's path on the disk ("/home/x"), from the cache or the kernel."""
+        path = w.paths.get(handle)
+        if path is not None:
+            w.paths.move_to_end(handle)
+            return path
+        try:
+            fd = open_handle(w.root, handle)
+        except OSError:
+            return None  # gone already (ESTALE), and never seen made
+        try:
+            path = os.readlink(f"/proc/self/fd/{fd}")
+            st = os.fstat(fd)
+        finally:
+            os.close(fd)
+        _remember(w.modes, handle, PATH_CACHE, (st.st_mode, st.st_uid, st.st_gid))
+        if path.endswith(" (deleted)"):
+            return None
+        _remember(w.paths, handle, PATH_CACHE, path)
+        return path
+
+    def _stat(self, w: _Watched, handle: bytes) -> os.stat_result | None:
+        try:
+            fd = open_handle(w.root, handle)
+        except OSError:
+            return None
+        try:
+            return os.fstat(fd)
+        finally:
+            os.close(fd)
+
+    def _exists(self, w: _Watched, dir_handle: bytes, name: str) -> bool:
+        try:
+            fd = open_handle(w.root, dir_handle)
+        except OSError:
+            return False
+        try:
+            os.stat(name, dir_fd=fd, follow_symlinks=False)
+            return True
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
+
+    def _xattrs(self, w: _Watched, handle: bytes) -> tuple[os.stat_result, set[str]] | None:
+        try:
+            fd = open_handle(w.root, handle)
+        except OSError:
+            return None
+        try:
+            st = os.fstat(fd)
+            try:  # through the magic link: an O_PATH fd has no f*xattr
+                names = set(os.listxattr(f"/proc/self/fd/{fd}"))
+            except OSError:
+                names = set()
+            return st, names
+        finally:
+            os.close(fd)
+
+    def _copied_up(self, w: _Watched, fid: bytes) -> bool:
+        found = self._xattrs(w, fid)
+        return found is not None and _ORIGIN in found[1]
+
+    def _upper_kind(self, w: _Watched, fid: bytes, is_dir: bool) -> str:
+        """What an overlay renamed from its work directory into an upper one: "whiteout", "new" (made
+        by the sandbox) or "copy" (a copy-up)."""
+        found = self._xattrs(w, fid)
+        if found is None:
+            return "copy"
+        st, names = found
+        if stat.S_ISCHR(st.st_mode) and st.st_rdev == 0:
+            return WHITEOUT
+        if is_dir:
+            return "new" if _OPAQUE in names else "copy"
+        return "copy" if _ORIGIN in names else "new"
+
+    def _pid(self, w: _Watched, host_pid: int) -> int | None:
+        """The sandbox's number for a host pid, while the process lives (NSpid); None for a process
+        outside the sandbox's pid namespace (host root's own writes) or gone."""
+        if host_pid <= 0:
+            return None
+        if host_pid in w.pids:
+            return w.pids[host_pid]
+        ns = _nspid(host_pid)
+        pid = ns[w.pid_depth] if ns is not None and len(ns) > w.pid_depth and w.pid_depth > 0 else None
+        if pid is not None and _pidns(host_pid)[1] != w.pidns:
+            pid = None  # a sibling namespace at the same level (or the pid was reused meanwhile)
+        w.pids[host_pid] = pid
+        return pid
+
+
+def _dir(is_dir: bool) -> dict[str, Any]:
+    return {"dir": True} if is_dir else {}
+
+
+def _remember(cache: OrderedDict[bytes, Any], key: bytes, limit: int, value: Any = None) -> None:
+    cache[key] = value
+    cache.move_to_end(key)
+    while len(cache) > limit:
+        cache.popitem(last=False)
+
+
+def _nspid(host_pid: int) -> list[int] | None:
+    try:
+        with open(f"/proc/{host_pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"NSpid:"):
+                    return [int(x) for x in line.split()[1:]]
+    except OSError:
+        return None
+    return None
+
+
+def _pidns(pid: int) -> tuple[int, int]:
+    """(the level of `pid`'s pid namespace, where its numbers stand in NSpid; the namespace's inode)."""
+    ns = _nspid(pid)
+    try:
+        ino = os.stat(f"/proc/{pid}/ns/pid").st_ino
+    except OSError:
+        ino = -1
+    return (len(ns) - 1 if ns else 0), ino
