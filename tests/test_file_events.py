@@ -289,3 +289,20 @@ async def test_a_flood_of_creations_is_bounded_and_counted(
     finally:
         await backend.kill(flood.sandbox)
         collector.unwatch(flood.id)
+
+
+async def test_names_cannot_hide_or_break_events(box: Box, record: Record) -> None:
+    """A directory named like a deleted one, a name that is not UTF-8, a newline in a name."""
+    await box.py("""
+        import os
+        os.mkdir("/tmp/x (deleted)")
+        open("/tmp/x (deleted)/inside", "w").close()
+        open(b"/tmp/\\xff\\xfe", "w").close()
+        open("/tmp/two\\nlines", "w").close()
+    """)
+    events = await record.wait(box, lambda ev: any(e["path"] == "/tmp/two\nlines" for e in ev))
+    got = brief(events)
+    assert ("file.create", "/tmp/x (deleted)/inside") in got
+    assert ("file.create", "/tmp/\\xff\\xfe") in got  # the bytes, escaped: valid text
+    for e in events:
+        e["path"].encode()  # no lone surrogates

@@ -162,6 +162,7 @@ READ_SIZE = 64 << 10  # per read(): ~1,000 events
 READS_PER_SLICE = 4  # then the loop serves others before reading on
 UNWATCH_READS = 64  # what unwatch reads of a queue the sandbox filled before it ended
 WHITEOUT = "whiteout"
+_UNKNOWN = "path unknown (its directory was gone before the collector looked)"
 _ORIGIN = "trusted.overlay.origin"  # on a file or directory an overlay copied up from its lower layer
 _OPAQUE = "trusted.overlay.opaque"  # on a directory made where a lower one was deleted
 
@@ -350,8 +351,7 @@ class FileCollector:
     def _handle(self, w: _Watched, raw: Raw, now: float) -> None:
         mask = raw.mask
         if mask & FAN_Q_OVERFLOW:
-            w.dropped["kernel queue overflow (each loses an unknown number of events)"] = (
-                w.dropped.get("kernel queue overflow (each loses an unknown number of events)", 0) + 1)
+            _count(w, "kernel queue overflow (each loses an unknown number of events)")
             return
         is_dir = bool(mask & FAN_ONDIR)
         if mask & FAN_RENAME:
@@ -361,8 +361,12 @@ class FileCollector:
                 return
         if not raw.dir:
             return  # e.g. the link count of a file already unlinked: its delete said it all
+        if not mask & (FAN_MODIFY | FAN_CLOSE_WRITE) and not self._has_token(w):
+            _count(w, self._over_rate)  # spare the lookups: it would not be recorded anyway
+            return
         parent = self._dir_path(w, raw.dir)
         if parent is None:
+            _count(w, _UNKNOWN)
             return
         if _in_work(parent):
             if mask & FAN_CREATE and raw.fid:
@@ -395,6 +399,7 @@ class FileCollector:
         old_parent = self._dir_path(w, raw.dir) if raw.dir else None
         new_parent = self._dir_path(w, raw.new_dir) if raw.new_dir else None
         if old_parent is None or new_parent is None:
+            _count(w, _UNKNOWN)
             return
         old_disk, new_disk = f"{old_parent}/{raw.name}", f"{new_parent}/{raw.new_name}"
         if is_dir:  # the cached paths below it are stale now
@@ -507,19 +512,29 @@ class FileCollector:
         self._arm()
 
     # -- output --------------------------------------------------------------------------------------
-    def _emit(self, w: _Watched, kind: str, host_pid: int, at: float, pid: int | None = -1,
-              **fields: Any) -> None:
-        """Into the sink, within the sandbox's rate (a token bucket); what is over it is counted."""
+    @property
+    def _over_rate(self) -> str:
+        return f"over the file events rate ({self.rate:g}/s, bursts of {self.burst:g})"
+
+    def _has_token(self, w: _Watched) -> bool:
         mono = time.monotonic()
         w.tokens = min(self.burst, w.tokens + (mono - w.refilled) * self.rate)
         w.refilled = mono
-        if w.tokens < 1:
-            reason = f"over the file events rate ({self.rate:g}/s, bursts of {self.burst:g})"
-            w.dropped[reason] = w.dropped.get(reason, 0) + 1
+        return w.tokens >= 1
+
+    def _emit(self, w: _Watched, kind: str, host_pid: int, at: float, pid: int | None = -1,
+              **fields: Any) -> None:
+        """Into the sink, within the sandbox's rate (a token bucket); what is over it is counted."""
+        if not self._has_token(w):
+            _count(w, self._over_rate)
             return
         w.tokens -= 1
         if pid == -1:
             pid = self._pid(w, host_pid)
+        for key in ("path", "to"):  # names are bytes: valid text for JSON and SQLite, whatever they hold
+            value = fields.get(key)
+            if value is not None and not value.isascii():
+                fields[key] = value.encode(errors="surrogateescape").decode(errors="backslashreplace")
         self.sink(w.target.sandbox_id, event(kind, pid=pid, at=at, host_pid=host_pid, **fields))
 
     # -- the kernel's answers --------------------------------------------------------------------------
@@ -539,7 +554,7 @@ class FileCollector:
         finally:
             os.close(fd)
         _remember(w.modes, handle, PATH_CACHE, (st.st_mode, st.st_uid, st.st_gid))
-        if path.endswith(" (deleted)"):
+        if st.st_nlink == 0:  # removed meanwhile: readlink says "... (deleted)"
             return None
         _remember(w.paths, handle, PATH_CACHE, path)
         return path
@@ -616,6 +631,10 @@ class FileCollector:
 
 def _dir(is_dir: bool) -> dict[str, Any]:
     return {"dir": True} if is_dir else {}
+
+
+def _count(w: _Watched, reason: str) -> None:
+    w.dropped[reason] = w.dropped.get(reason, 0) + 1
 
 
 def _remember(cache: OrderedDict[bytes, Any], key: bytes, limit: int, value: Any = None) -> None:
