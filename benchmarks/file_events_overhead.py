@@ -48,20 +48,20 @@ d = "/home/user/w"
 shutil.rmtree(d, ignore_errors=True)
 os.mkdir(d)
 data = b"x" * 4096
-t = time.perf_counter()
+t, c = time.perf_counter(), time.process_time()
 for i in range({n}):
     with open(f"{{d}}/f{{i}}", "wb") as f:
         f.write(data)
-print((time.perf_counter() - t) * 1000)
+print((time.perf_counter() - t) * 1000, (time.process_time() - c) * 1000)
 """
 TREE = """
 import os, shutil, sysconfig, time
 sp = sysconfig.get_paths()["purelib"]
 dst = os.path.join(sp, "IPython_copy")
 shutil.rmtree(dst, ignore_errors=True)
-t = time.perf_counter()
+t, c = time.perf_counter(), time.process_time()
 shutil.copytree(os.path.join(sp, "IPython"), dst)
-print((time.perf_counter() - t) * 1000, sum(len(f) for _, _, f in os.walk(dst)))
+print((time.perf_counter() - t) * 1000, (time.process_time() - c) * 1000, sum(len(f) for _, _, f in os.walk(dst)))
 """
 FLOOD = """
 import os, time
@@ -113,6 +113,7 @@ async def overhead(be: LinuxBackend, args: argparse.Namespace) -> None:
     assert isinstance(sb, LinuxSandbox)
     ch = await AgentChannel.open(sb.sock)
     times: dict[tuple[str, bool], list[float]] = {}
+    sandbox_cpu: dict[tuple[str, bool], list[float]] = {}
     cpu: dict[tuple[str, bool], list[float]] = {}
     events: dict[str, list[int]] = {}
     files = 0
@@ -129,10 +130,11 @@ async def overhead(be: LinuxBackend, args: argparse.Namespace) -> None:
                         collector.unwatch(sb.sandbox_id)
                     c1 = time.process_time()
                     if name == "tree":
-                        files = int(out[1])
+                        files = int(out[2])
                     if r == 0:
                         continue
                     times.setdefault((name, on), []).append(float(out[0]))
+                    sandbox_cpu.setdefault((name, on), []).append(float(out[1]))
                     cpu.setdefault((name, on), []).append((c1 - c0) * 1000)
                     if on:
                         events.setdefault(name, []).append(recorded[0] - before)
@@ -141,11 +143,16 @@ async def overhead(be: LinuxBackend, args: argparse.Namespace) -> None:
             off, on = times[(name, False)], times[(name, True)]
             ratio = statistics.median(on) / statistics.median(off) - 1
             extra_cpu = statistics.median(cpu[(name, True)]) - statistics.median(cpu[(name, False)])
+            c_off, c_on = sandbox_cpu[(name, False)], sandbox_cpu[(name, True)]
+            c_ratio = statistics.median(c_on) / statistics.median(c_off) - 1
             print(f"{name:7} {what}")
-            print(f"        off {fmt(off)}")
-            print(f"        on  {fmt(on)}   {ratio * 100:+.1f} %")
+            print(f"        wall time off {fmt(off)}")
+            print(f"        wall time on  {fmt(on)}   {ratio * 100:+.1f} %")
+            print(f"        its CPU time off {fmt(c_off)}")
+            print(f"        its CPU time on  {fmt(c_on)}   {c_ratio * 100:+.1f} %  (the kernel's part of the cost)")
+            n_events = statistics.median(events[name])
             print(f"        server CPU for the collector: {extra_cpu:.1f} ms per run; "
-                  f"{statistics.median(events[name]):.0f} events recorded per run")
+                  f"{n_events:.0f} events recorded per run ({extra_cpu * 1000 / max(1, n_events):.0f} µs each)")
     finally:
         await collector.close()
         await be.kill(sb)
@@ -211,6 +218,7 @@ def groups(n: int) -> None:
 
 
 async def main(args: argparse.Namespace) -> None:
+    print(f"load average before: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (wall times are only as steady as that)")
     be = LinuxBackend(entry_point=PROBE, max_sandboxes=10, standbys=0, ready_timeout=60)
     await be.start()
     try:
@@ -219,6 +227,7 @@ async def main(args: argparse.Namespace) -> None:
     finally:
         await be.close()
     groups(args.groups)
+    print(f"load average after: {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":

@@ -257,17 +257,13 @@ class FileCollector:
             return
         loop = self._loop or asyncio.get_running_loop()
         self._loop = loop
-        root = os.open(f"/proc/self/fd/{target.disk_fd}", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
-            group = self._new_group()
-            try:
-                mark_filesystem(group, root)
-            except BaseException:
-                os.close(group)
-                raise
-        except BaseException:
-            os.close(root)
-            raise
+            group, root = self._mark(target)
+        except OSError as e:  # the sandbox runs all the same; its record says what it lacks
+            print(f"agentcell: no file events for sandbox {target.sandbox_id}: {e}", file=sys.stderr, flush=True)
+            self.sink(target.sandbox_id, event("record.dropped", count=1, collector="file",
+                                               reason=f"no file events for this sandbox: {e.strerror or e}"))
+            return
         depth, pidns = _pidns(target.host_pid)
         w = _Watched(target, group, root, depth, pidns, tokens=self.burst)
         self._watched[target.sandbox_id] = w
@@ -293,6 +289,21 @@ class FileCollector:
         finally:
             os.close(w.group)
             os.close(w.root)
+
+    def _mark(self, target: WatchTarget) -> tuple[int, int]:
+        """A group marking the sandbox's disk, and the disk's root opened for open_by_handle_at."""
+        root = os.open(f"/proc/self/fd/{target.disk_fd}", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            group = self._new_group()
+            try:
+                mark_filesystem(group, root)
+            except BaseException:
+                os.close(group)
+                raise
+        except BaseException:
+            os.close(root)
+            raise
+        return group, root
 
     def _new_group(self) -> int:
         try:
