@@ -349,3 +349,24 @@ async def test_a_sandbox_it_cannot_watch_gets_a_note_not_an_error(box: Box) -> N
     assert rec.of(box)[0]["reason"].startswith("no file events for this sandbox")
     col.unwatch(box.id)
     await col.close()
+
+
+async def test_rm_rf_of_a_tree_made_before_the_watch_names_every_file(box: Box) -> None:
+    """The collector never saw these directories made, and they are gone when it looks: the batch's
+    own deletes of them name their files."""
+    await box.sh("mkdir -p /home/user/old/a/b && touch /home/user/old/a/b/f1 /home/user/old/a/f2 /home/user/old/f3")
+    rec = Record()
+    col = file_events.FileCollector(rec)
+    await col.start()
+    col.watch(target(box.sandbox))
+    try:
+        await box.sh("rm -rf /home/user/old")
+        events = await rec.wait(box, lambda ev: any(e["path"] == "/home/user/old" for e in ev))
+        assert sorted(brief(events)) == sorted([
+            ("file.delete", "/home/user/old/a/b/f1"), ("file.delete", "/home/user/old/a/b", "dir"),
+            ("file.delete", "/home/user/old/a/f2"), ("file.delete", "/home/user/old/a", "dir"),
+            ("file.delete", "/home/user/old/f3"), ("file.delete", "/home/user/old", "dir"),
+        ]), events
+    finally:
+        col.unwatch(box.id)
+        await col.close()

@@ -222,6 +222,7 @@ class _Watched:
     refilled: float = field(default_factory=time.monotonic)
     dropped: dict[str, int] = field(default_factory=dict)  # reason -> events not recorded
     pids: dict[int, int | None] = field(default_factory=dict)  # host pid -> sandbox pid, per batch
+    gone: dict[bytes, tuple[bytes, str]] = field(default_factory=dict)  # dirs the batch removes
     events: int = 0  # fanotify events read (for the benchmark)
     reading: bool = False  # the loop watches its group's fd
     later: asyncio.Handle | None = None  # ... or a read is scheduled
@@ -355,6 +356,10 @@ class FileCollector:
         now = time.time()
         w.pids.clear()
         w.events += len(raws)
+        # the directories this batch removes, by handle: the events of their files, which come first,
+        # are named through them (`rm -rf` of a tree the collector never saw made: gone when it looks)
+        w.gone = {r.fid: (r.dir, r.name) for r in raws
+                  if r.mask & FAN_DELETE and r.mask & FAN_ONDIR and r.fid and r.dir}
         for raw in raws:
             self._handle(w, raw, now)
         return True
@@ -549,16 +554,17 @@ class FileCollector:
         self.sink(w.target.sandbox_id, event(kind, pid=pid, at=at, host_pid=host_pid, **fields))
 
     # -- the kernel's answers --------------------------------------------------------------------------
-    def _dir_path(self, w: _Watched, handle: bytes) -> str | None:
-        """A directory handle's path on the disk ("/home/x"), from the cache or the kernel."""
+    def _dir_path(self, w: _Watched, handle: bytes, depth: int = 0) -> str | None:
+        """A directory handle's path on the disk ("/home/x"), from the cache, the kernel, or (removed
+        already) the batch's own delete of it."""
         path = w.paths.get(handle)
         if path is not None:
             w.paths.move_to_end(handle)
             return path
         try:
             fd = open_handle(w.root, handle)
-        except OSError:
-            return None  # gone already (ESTALE), and never seen made
+        except OSError:  # gone already (ESTALE)
+            return self._removed_dir_path(w, handle, depth)
         try:
             path = os.readlink(f"/proc/self/fd/{fd}")
             st = os.fstat(fd)
@@ -566,7 +572,18 @@ class FileCollector:
             os.close(fd)
         _remember(w.modes, handle, PATH_CACHE, (st.st_mode, st.st_uid, st.st_gid))
         if st.st_nlink == 0:  # removed meanwhile: readlink says "... (deleted)"
+            return self._removed_dir_path(w, handle, depth)
+        _remember(w.paths, handle, PATH_CACHE, path)
+        return path
+
+    def _removed_dir_path(self, w: _Watched, handle: bytes, depth: int) -> str | None:
+        where = w.gone.get(handle)
+        if where is None or depth > 64:
             return None
+        parent = self._dir_path(w, where[0], depth + 1)
+        if parent is None:
+            return None
+        path = f"{parent}/{where[1]}"
         _remember(w.paths, handle, PATH_CACHE, path)
         return path
 
