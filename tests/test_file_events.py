@@ -370,3 +370,26 @@ async def test_rm_rf_of_a_tree_made_before_the_watch_names_every_file(box: Box) 
     finally:
         col.unwatch(box.id)
         await col.close()
+
+
+async def test_pip_install_into_the_venv_is_recorded(box: Box, record: Record) -> None:
+    """`pip install` of a wheel (made in the sandbox: no network) as the default user: its files land in
+    the venv's overlay and are recorded at the paths the sandbox imports them from."""
+    site = (await box.sh("python3 -c 'import sysconfig; print(sysconfig.get_paths()[\"purelib\"])'")).strip()
+    await box.py("""
+        import zipfile
+        with zipfile.ZipFile("/tmp/fepkg-1.0-py3-none-any.whl", "w") as z:
+            z.writestr("fepkg/__init__.py", "VALUE = 42\\n")
+            z.writestr("fepkg-1.0.dist-info/METADATA", "Metadata-Version: 2.1\\nName: fepkg\\nVersion: 1.0\\n")
+            z.writestr("fepkg-1.0.dist-info/WHEEL", "Wheel-Version: 1.0\\nGenerator: t\\nRoot-Is-Purelib: true\\nTag: py3-none-any\\n")
+            z.writestr("fepkg-1.0.dist-info/RECORD", "")
+    """)
+    await box.sh("python3 -m pip install --no-index --no-deps --no-cache-dir -q /tmp/fepkg-1.0-py3-none-any.whl"
+                 " && python3 -c 'import fepkg; assert fepkg.VALUE == 42'")
+    events = await record.wait(box, lambda ev: any(e["kind"] == "file.write" and e["path"] == f"{site}/fepkg/__init__.py"
+                                                   for e in ev))
+    got = brief([e for e in events if e["path"].startswith(site)])
+    assert ("file.create", f"{site}/fepkg", "dir") in got
+    assert ("file.write", f"{site}/fepkg/__init__.py", 11) in got
+    assert any(g[0] == "file.create" and g[1].startswith(f"{site}/fepkg-1.0.dist-info/") for g in got)
+    assert not [g for g in got if "/work/" in g[1]]  # nothing of the overlays' insides
