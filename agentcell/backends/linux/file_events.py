@@ -158,6 +158,7 @@ RATE = 1000.0  # events/s a sandbox may put in its record, sustained ...
 BURST = 10_000.0  # ... and at once; beyond, they are counted and reported as record.dropped
 BATCH_S = 0.05  # a woken reader waits this long first: events pile up (and the kernel merges them) so
 # that a busy sandbox costs 20 wake-ups a second, not one per event (its queue holds 16,384)
+FLOOD_PAUSE_S = 0.5  # ... and a sandbox over its rate waits this long
 READ_SIZE = 64 << 10  # per read(): ~1,000 events
 READS_PER_SLICE = 4  # then the loop serves others before reading on
 UNWATCH_READS = 64  # what unwatch reads of a queue the sandbox filled before it ended
@@ -287,6 +288,8 @@ class FileCollector:
                 if not self._read(w):
                     break
             self._flush(w, None)
+        except Exception as e:  # called from a kill: never fails it
+            print(f"agentcell: file events of {sandbox_id}: {e!r}", file=sys.stderr, flush=True)
         finally:
             os.close(w.group)
             os.close(w.root)
@@ -344,6 +347,10 @@ class FileCollector:
                 w.later = self._loop.call_soon(self._drain, w)
         except Exception as e:  # a collector bug must not take the server's loop down
             print(f"agentcell: file events of {w.target.sandbox_id}: {e!r}", file=sys.stderr, flush=True)
+        if w.later is None and w.tokens < 1:
+            # over its rate: its queue is read less often, the kernel merges (and at worst drops and
+            # counts) its events, so that a flooding sandbox costs the server little
+            w.later = self._loop.call_later(FLOOD_PAUSE_S, self._drain, w)
         if w.later is None:
             self._loop.add_reader(w.group, self._readable, w)
             w.reading = True
@@ -418,7 +425,9 @@ class FileCollector:
             _count(w, _UNKNOWN)
             return
         old_disk, new_disk = f"{old_parent}/{raw.name}", f"{new_parent}/{raw.new_name}"
-        if is_dir:  # the cached paths below it are stale now
+        if is_dir:  # the cached paths below it are stale now: forgotten (all of them, cheaper, in a flood)
+            if len(w.paths) > 512 or not self._has_token(w):
+                w.paths.clear()
             for key in [k for k, p in w.paths.items() if p == old_disk or p.startswith(old_disk + "/")]:
                 del w.paths[key]
             if raw.fid:
@@ -430,7 +439,7 @@ class FileCollector:
             if to is None or not raw.fid:
                 return
             kind = self._upper_kind(w, raw.fid, is_dir)
-            if kind == "whiteout":
+            if kind == WHITEOUT:
                 self._emit(w, "file.delete", raw.pid, now, path=to)
             elif kind == "new":
                 self._emit(w, "file.create", raw.pid, now, path=to, **_dir(is_dir))
@@ -520,7 +529,7 @@ class FileCollector:
     def _tick(self) -> None:
         self._timer = None
         now = time.time()
-        for w in list(self._watched.values()):
+        for w in [w for w in self._watched.values() if w.writes or w.dropped]:
             try:
                 self._flush(w, now)
             except Exception as e:
