@@ -6,6 +6,7 @@ One sandbox of the linux backend (the probe agent: only the backend is measured)
 over `--runs`, each run alternating the collector off (the sandbox not watched) and on:
 
 * `writes`: `--writes` files of 4 KiB written in /home/user (open, write, close each), timed inside;
+* `build`: the issue's build-like mix: `--writes` files as above and an exec of `true` every 10th;
 * `tree`: a pip-like tree copy: a real package directory of the venv (IPython, ~ 500 files) copied
   into site-packages under a new name (through the copy-on-write overlay, as `pip install` writes),
   timed inside;
@@ -53,6 +54,23 @@ for i in range({n}):
     with open(f"{{d}}/f{{i}}", "wb") as f:
         f.write(data)
 print((time.perf_counter() - t) * 1000, (time.process_time() - c) * 1000)
+"""
+BUILD = """
+import os, time, shutil, subprocess
+d = "/home/user/b"
+shutil.rmtree(d, ignore_errors=True)
+os.mkdir(d)
+data = b"x" * 4096
+def cpu():
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+t, c = time.perf_counter(), cpu()
+for i in range({n}):
+    with open(f"{{d}}/f{{i}}", "wb") as f:
+        f.write(data)
+    if i % 10 == 0:
+        subprocess.run(["true"])
+print((time.perf_counter() - t) * 1000, (cpu() - c) * 1000)
 """
 TREE = """
 import os, shutil, sysconfig, time
@@ -120,7 +138,8 @@ async def overhead(be: LinuxBackend, args: argparse.Namespace) -> None:
     try:
         for r in range(args.runs + 1):  # the first round warms up (page cache, the overlay's copy-ups)
             for on in ((False, True) if r % 2 else (True, False)):
-                for name, code in (("writes", WRITES.format(n=args.writes)), ("tree", TREE)):
+                for name, code in (("writes", WRITES.format(n=args.writes)), ("tree", TREE),
+                                   ("build", BUILD.format(n=args.writes))):
                     if on:
                         collector.watch(target(sb))
                     before, c0 = recorded[0], time.process_time()
@@ -139,7 +158,8 @@ async def overhead(be: LinuxBackend, args: argparse.Namespace) -> None:
                     if on:
                         events.setdefault(name, []).append(recorded[0] - before)
         for name, what in (("writes", f"{args.writes} files of 4 KiB in /home/user"),
-                           ("tree", f"a {files}-file package copied into site-packages (overlay)")):
+                           ("tree", f"a {files}-file package copied into site-packages (overlay)"),
+                           ("build", f"build-like: {args.writes} files of 4 KiB and {args.writes // 10} execs")):
             off, on = times[(name, False)], times[(name, True)]
             ratio = statistics.median(on) / statistics.median(off) - 1
             extra_cpu = statistics.median(cpu[(name, True)]) - statistics.median(cpu[(name, False)])
@@ -150,6 +170,7 @@ async def overhead(be: LinuxBackend, args: argparse.Namespace) -> None:
             print(f"        wall time on  {fmt(on)}   {ratio * 100:+.1f} %")
             print(f"        its CPU time off {fmt(c_off)}")
             print(f"        its CPU time on  {fmt(c_on)}   {c_ratio * 100:+.1f} %  (the kernel's part of the cost)")
+            print(f"        min wall time off/on: {min(off):.1f} / {min(on):.1f} ms  {(min(on) / min(off) - 1) * 100:+.1f} %")
             n_events = statistics.median(events[name])
             print(f"        server CPU for the collector: {extra_cpu:.1f} ms per run; "
                   f"{n_events:.0f} events recorded per run ({extra_cpu * 1000 / max(1, n_events):.0f} µs each)")
