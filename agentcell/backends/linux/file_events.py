@@ -284,8 +284,8 @@ class FileCollector:
         if w.later is not None:
             w.later.cancel()
         try:
-            for _ in range(UNWATCH_READS):
-                if not self._read(w):
+            for _ in range(UNWATCH_READS // READS_PER_SLICE):
+                if not self._read(w, READS_PER_SLICE):
                     break
             self._flush(w, None)
         except Exception as e:  # called from a kill: never fails it
@@ -340,10 +340,7 @@ class FileCollector:
         assert self._loop is not None
         w.later = None
         try:
-            for _ in range(READS_PER_SLICE):
-                if not self._read(w):
-                    break
-            else:  # more queued: after the others had their turn
+            if self._read(w, READS_PER_SLICE):  # more queued: after the others had their turn
                 w.later = self._loop.call_soon(self._drain, w)
         except Exception as e:  # a collector bug must not take the server's loop down
             print(f"agentcell: file events of {w.target.sandbox_id}: {e!r}", file=sys.stderr, flush=True)
@@ -356,20 +353,28 @@ class FileCollector:
             w.reading = True
         self._arm()
 
-    def _read(self, w: _Watched) -> bool:
-        raws = read_events(w.group, READ_SIZE)
+    def _read(self, w: _Watched, reads: int) -> bool:
+        """Up to `reads` reads of the queue, then their events in order; True if more may be queued."""
+        raws: list[Raw] = []
+        more = True
+        for _ in range(reads):
+            got = read_events(w.group, READ_SIZE)
+            if not got:
+                more = False
+                break
+            raws += got
         if not raws:
             return False
         now = time.time()
         w.pids.clear()
         w.events += len(raws)
-        # the directories this batch removes, by handle: the events of their files, which come first,
+        # the directories these events remove, by handle: the events of their files, which come first,
         # are named through them (`rm -rf` of a tree the collector never saw made: gone when it looks)
         w.gone = {r.fid: (r.dir, r.name) for r in raws
                   if r.mask & FAN_DELETE and r.mask & FAN_ONDIR and r.fid and r.dir}
         for raw in raws:
             self._handle(w, raw, now)
-        return True
+        return more
 
     def _handle(self, w: _Watched, raw: Raw, now: float) -> None:
         mask = raw.mask
