@@ -273,6 +273,7 @@ async def test_a_flood_of_creations_is_bounded_and_counted(
         elapsed = time.monotonic() - t0
         stats = collector.stats(flood.id)
         assert stats["pending"] <= file_events.MAX_PENDING and stats["paths"] <= file_events.PATH_CACHE
+        assert stats["path_chars"] <= file_events.PATH_CACHE_BYTES
         await backend.kill(flood.sandbox)
         collector.unwatch(flood.id)  # reads the rest of its queue, reports what was dropped
         creates = record.of(flood, "file.create", "/tmp/fl/")
@@ -293,7 +294,7 @@ async def test_a_flood_of_creations_is_bounded_and_counted(
         collector.unwatch(flood.id)
 
 
-async def test_names_cannot_hide_or_break_events(box: Box, record: Record) -> None:
+async def test_names_cannot_hide_or_break_events(box: Box, record: Record, collector: file_events.FileCollector) -> None:
     """A directory named like a deleted one, a name that is not UTF-8, a newline in a name."""
     await box.py("""
         import os
@@ -302,7 +303,19 @@ async def test_names_cannot_hide_or_break_events(box: Box, record: Record) -> No
         open(b"/tmp/\\xff\\xfe", "w").close()
         open("/tmp/two\\nlines", "w").close()
     """)
-    events = await record.wait(box, lambda ev: any(e["path"] == "/tmp/two\nlines" for e in ev))
+    # and deep, long names: the collector's cache of them stays within its bounds
+    await box.py("""
+        import os
+        p = "/tmp/deep"
+        os.mkdir(p)
+        for i in range(60):
+            p += "/" + chr(97 + i % 26) * 60
+            os.mkdir(p)
+            open(p + "/f", "w").close()
+    """)
+    events = await record.wait(box, lambda ev: any(e["path"] == "/tmp/two\nlines" for e in ev)
+                               and len([e for e in ev if e["path"].startswith("/tmp/deep/") and e["path"].endswith("/f")]) == 60)
+    assert collector.stats(box.id)["path_chars"] <= file_events.PATH_CACHE_BYTES
     got = brief(events)
     assert ("file.create", "/tmp/x (deleted)/inside") in got
     assert ("file.create", "/tmp/\\xff\\xfe") in got  # the bytes, escaped: valid text

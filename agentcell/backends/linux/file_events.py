@@ -152,8 +152,9 @@ QUIET_S = 1.0  # a file nobody wrote for this long: its coalesced file.write goe
 CLOSED_QUIET_S = 0.2  # ... sooner once it was closed after writing
 MAX_AGE_S = 5.0  # a file written without pause: a file.write every so often all the same
 TICK_S = 0.2  # how often pending writes are looked at (only while some are pending)
-MAX_PENDING = 1024  # coalesced writes kept per sandbox; beyond, the oldest goes out at once
-PATH_CACHE = 4096  # directory handle -> path entries kept per sandbox
+MAX_PENDING = 512  # coalesced writes kept per sandbox; beyond, the oldest goes out at once
+PATH_CACHE = 4096  # directory handle -> path entries kept per sandbox ...
+PATH_CACHE_BYTES = 256 << 10  # ... and their characters at most (a path may be 4 KiB long)
 RATE = 1000.0  # events/s a sandbox may put in its record, sustained ...
 BURST = 10_000.0  # ... and at once; beyond, they are counted and reported as record.dropped
 BATCH_S = 0.05  # a woken reader waits this long first: events pile up (and the kernel merges them) so
@@ -161,6 +162,7 @@ BATCH_S = 0.05  # a woken reader waits this long first: events pile up (and the 
 FLOOD_PAUSE_S = 0.5  # ... and a sandbox over its rate waits this long
 READ_SIZE = 64 << 10  # per read(): ~1,000 events
 READS_PER_SLICE = 4  # then the loop serves others before reading on
+HOLD_MAX = 8192  # events kept for the next turn while their directory's delete is not read yet
 UNWATCH_READS = 64  # what unwatch reads of a queue the sandbox filled before it ended
 WHITEOUT = "whiteout"
 _UNKNOWN = "path unknown (its directory was gone before the collector looked)"
@@ -216,6 +218,7 @@ class _Watched:
     pid_depth: int  # the sandbox's pid namespace: its level in a process's NSpid
     pidns: int  # ... and its inode
     paths: OrderedDict[bytes, str] = field(default_factory=OrderedDict)  # dir handle -> disk path
+    path_chars: int = 0  # the cached paths' length, summed
     writes: OrderedDict[bytes, _Write] = field(default_factory=OrderedDict)  # file handle -> pending
     internal: OrderedDict[bytes, None] = field(default_factory=OrderedDict)  # overlays' work files
     modes: OrderedDict[bytes, tuple[int, int, int]] = field(default_factory=OrderedDict)  # dir -> mode, owner
@@ -224,6 +227,7 @@ class _Watched:
     dropped: dict[str, int] = field(default_factory=dict)  # reason -> events not recorded
     pids: dict[int, int | None] = field(default_factory=dict)  # host pid -> sandbox pid, per batch
     gone: dict[bytes, tuple[bytes, str]] = field(default_factory=dict)  # dirs the batch removes
+    held: list[Raw] = field(default_factory=list)  # events waiting for the next turn
     events: int = 0  # fanotify events read (for the benchmark)
     reading: bool = False  # the loop watches its group's fd
     later: asyncio.Handle | None = None  # ... or a read is scheduled
@@ -327,7 +331,8 @@ class FileCollector:
     def stats(self, sandbox_id: str) -> dict[str, Any]:
         """What the collector holds for a sandbox (tests and benchmarks)."""
         w = self._watched[sandbox_id]
-        return {"pending": len(w.writes), "paths": len(w.paths), "events": w.events, "dropped": dict(w.dropped)}
+        return {"pending": len(w.writes), "paths": len(w.paths), "path_chars": w.path_chars, "events": w.events,
+                "dropped": dict(w.dropped)}
 
     # -- reading -------------------------------------------------------------------------------------
     def _readable(self, w: _Watched) -> None:
@@ -355,7 +360,8 @@ class FileCollector:
 
     def _read(self, w: _Watched, reads: int) -> bool:
         """Up to `reads` reads of the queue, then their events in order; True if more may be queued."""
-        raws: list[Raw] = []
+        raws, w.held = w.held, []
+        held = len(raws)
         more = True
         for _ in range(reads):
             got = read_events(w.group, READ_SIZE)
@@ -367,47 +373,57 @@ class FileCollector:
             return False
         now = time.time()
         w.pids.clear()
-        w.events += len(raws)
+        w.events += len(raws) - held
         # the directories these events remove, by handle: the events of their files, which come first,
         # are named through them (`rm -rf` of a tree the collector never saw made: gone when it looks)
         w.gone = {r.fid: (r.dir, r.name) for r in raws
                   if r.mask & FAN_DELETE and r.mask & FAN_ONDIR and r.fid and r.dir}
-        for raw in raws:
-            self._handle(w, raw, now)
+        for i, raw in enumerate(raws):
+            if not self._handle(w, raw, now, final=not more or len(raws) - i > HOLD_MAX):
+                # its directory is gone and its delete not read yet: this and what follows wait for
+                # the next turn (in order), which reads on
+                w.held = raws[i:]
+                return True
         return more
 
-    def _handle(self, w: _Watched, raw: Raw, now: float) -> None:
+    def _handle(self, w: _Watched, raw: Raw, now: float, final: bool = True) -> bool:
+        """One event into the record; False (and nothing done) if its directory is unknown yet and
+        not `final`."""
         mask = raw.mask
         if mask & FAN_Q_OVERFLOW:
             _count(w, "kernel queue overflow (each loses an unknown number of events)")
-            return
+            return True
         is_dir = bool(mask & FAN_ONDIR)
         if mask & FAN_RENAME:
-            self._rename(w, raw, now, is_dir)
+            if not self._rename(w, raw, now, is_dir, final):
+                return False
             mask &= ~FAN_RENAME
             if not mask & ~FAN_ONDIR:
-                return
+                return True
+            final = True
         if not raw.dir:
-            return  # e.g. the link count of a file already unlinked: its delete said it all
+            return True  # e.g. the link count of a file already unlinked: its delete said it all
         if not mask & (FAN_MODIFY | FAN_CLOSE_WRITE) and not self._has_token(w):
             _count(w, self._over_rate)  # spare the lookups: it would not be recorded anyway
-            return
+            return True
         parent = self._dir_path(w, raw.dir)
         if parent is None:
+            if not final:
+                return False
             _count(w, _UNKNOWN)
-            return
+            return True
         if _in_work(parent):
             if mask & FAN_CREATE and raw.fid:
                 _remember(w.internal, raw.fid, 256)  # a copy-up's or a whiteout's first steps
-            return
+            return True
         disk_path = parent if raw.name in ("", ".") else f"{parent}/{raw.name}"
         path = sandbox_path(disk_path)
         if path is None:
-            return
+            return True
         create = bool(mask & FAN_CREATE)
         if create and raw.name not in ("", "."):
             if is_dir and raw.fid:
-                _remember(w.paths, raw.fid, PATH_CACHE, disk_path)
+                _cache_path(w, raw.fid, disk_path)
             if _in_upper(parent) and raw.fid and self._copied_up(w, raw.fid):
                 create = False  # the overlay brought a lower file up: no create of the sandbox's
             if create:
@@ -422,44 +438,49 @@ class FileCollector:
             self._attrib(w, raw, now, path, parent)
         if mask & FAN_DELETE:
             self._delete(w, raw, now, path, is_dir)
+        return True
 
-    def _rename(self, w: _Watched, raw: Raw, now: float, is_dir: bool) -> None:
+    def _rename(self, w: _Watched, raw: Raw, now: float, is_dir: bool, final: bool) -> bool:
         old_parent = self._dir_path(w, raw.dir) if raw.dir else None
         new_parent = self._dir_path(w, raw.new_dir) if raw.new_dir else None
         if old_parent is None or new_parent is None:
+            if not final:
+                return False
             _count(w, _UNKNOWN)
-            return
+            return True
         old_disk, new_disk = f"{old_parent}/{raw.name}", f"{new_parent}/{raw.new_name}"
         if is_dir:  # the cached paths below it are stale now: forgotten (all of them, cheaper, in a flood)
             if len(w.paths) > 512 or not self._has_token(w):
                 w.paths.clear()
+                w.path_chars = 0
             for key in [k for k, p in w.paths.items() if p == old_disk or p.startswith(old_disk + "/")]:
-                del w.paths[key]
+                w.path_chars -= len(w.paths.pop(key))
             if raw.fid:
-                _remember(w.paths, raw.fid, PATH_CACHE, new_disk)
+                _cache_path(w, raw.fid, new_disk)
         to = sandbox_path(new_disk)
         if _in_work(old_parent):
             # the last step of an overlay's work: a whiteout (a delete), a file made where a lower one
             # was deleted, a directory made so (opaque) or copied up (neither: nothing of the sandbox's)
             if to is None or not raw.fid:
-                return
+                return True
             kind = self._upper_kind(w, raw.fid, is_dir)
             if kind == WHITEOUT:
                 self._emit(w, "file.delete", raw.pid, now, path=to)
             elif kind == "new":
                 self._emit(w, "file.create", raw.pid, now, path=to, **_dir(is_dir))
-            return
+            return True
         path = sandbox_path(old_disk)
         if path is None or to is None:
-            return  # into the work directory: the other half of an overlay's exchange
+            return True  # into the work directory: the other half of an overlay's exchange
         if raw.fid and not is_dir:
             self._flush_one(w, raw.fid)
         self._emit(w, "file.rename", raw.pid, now, path=path, to=to, **_dir(is_dir))
+        return True
 
     def _delete(self, w: _Watched, raw: Raw, now: float, path: str, is_dir: bool) -> None:
         if raw.fid:
-            if is_dir:
-                w.paths.pop(raw.fid, None)
+            if is_dir and raw.fid in w.paths:
+                w.path_chars -= len(w.paths.pop(raw.fid))
             else:
                 self._flush_one(w, raw.fid)
         self._emit(w, "file.delete", raw.pid, now, path=path, **_dir(is_dir))
@@ -587,7 +608,7 @@ class FileCollector:
         _remember(w.modes, handle, PATH_CACHE, (st.st_mode, st.st_uid, st.st_gid))
         if st.st_nlink == 0:  # removed meanwhile: readlink says "... (deleted)"
             return self._removed_dir_path(w, handle, depth)
-        _remember(w.paths, handle, PATH_CACHE, path)
+        _cache_path(w, handle, path)
         return path
 
     def _removed_dir_path(self, w: _Watched, handle: bytes, depth: int) -> str | None:
@@ -598,7 +619,7 @@ class FileCollector:
         if parent is None:
             return None
         path = f"{parent}/{where[1]}"
-        _remember(w.paths, handle, PATH_CACHE, path)
+        _cache_path(w, handle, path)
         return path
 
     def _stat(self, w: _Watched, handle: bytes) -> os.stat_result | None:
@@ -673,6 +694,16 @@ class FileCollector:
 
 def _dir(is_dir: bool) -> dict[str, Any]:
     return {"dir": True} if is_dir else {}
+
+
+def _cache_path(w: _Watched, handle: bytes, path: str) -> None:
+    old = w.paths.pop(handle, None)
+    if old is not None:
+        w.path_chars -= len(old)
+    w.paths[handle] = path
+    w.path_chars += len(path)
+    while len(w.paths) > PATH_CACHE or w.path_chars > PATH_CACHE_BYTES:
+        w.path_chars -= len(w.paths.popitem(last=False)[1])
 
 
 def _count(w: _Watched, reason: str) -> None:
