@@ -1,0 +1,446 @@
+"""Limits a sandbox hit, observed from the host (issue 10): `limit.oom`, `limit.pids`, `limit.disk`,
+`limit.cpu`. A collector of agentcell/backends/linux/record.py's protocol.
+
+Sources, all read by the server as host root, none reachable from inside a sandbox:
+
+* **OOM kills**: the kernel log, read from /dev/kmsg (opened at its end, read when readable). The OOM
+  killer writes two records per kill: `oom-kill:constraint=...,task_memcg=<memory cgroup>,task=<comm>,
+  pid=<host pid>,uid=<host uid>` (rate limited by the kernel: 10 per 5 s host-wide, with the whole
+  report) and `Memory cgroup out of memory: Killed process <pid> (<comm>) total-vm:...kB, anon-rss:...kB,
+  file-rss:...kB, shmem-rss:...kB, UID:<host uid> ...` (never rate limited). A kill belongs to a sandbox
+  when the first record's task_memcg is exactly the sandbox's memory cgroup or, without it, when the
+  second's UID is one of the sandbox's host uids (each sandbox has ids of its own). The victim's pid in
+  the sandbox is read from /proc/<host pid>/status (NSpid) as the record arrives: the victim still
+  exists then (it dies once the killer has printed), else the event has `pid` None.
+  Only kernel-facility records count: a /dev/kmsg writer cannot give facility 0 (and a sandbox has no
+  /dev/kmsg), and the only sandbox-chosen text at the start of a kernel record is a 15-byte comm,
+  too short to spell either record. The cgroup's own OOM kill counter (v1 memory.oom_control's
+  `oom_kill`, v2 memory.events) is polled too: kills the log did not explain (records lost when the
+  log wrapped, no /dev/kmsg) still give an event, with `pid` None and their `count`.
+* **pids**: the pids cgroup's `max` counter (pids.events), forks it refused. Polled (a notification
+  exists, but kernfs files poll as always readable, useless in an event loop).
+* **disk**: the disk is one tmpfs of disk_mb (rootfs.finish), so full is ENOSPC. fstatvfs on a dup of
+  its root fd, polled; edge-triggered: one event when it fills (no free block or inode), armed again
+  once 2 % (at least 1 MiB) is free. A disk filled and emptied between two polls is not seen.
+* **CPU**: the CFS quota's throttling, cpu.stat's nr_throttled and throttled_time (v2 throttled_usec).
+  One event per `window` in which the sandbox was throttled, with the time throttled, and `streak`:
+  how many windows in a row it was (a crypto-miner's pattern: throttled window after window).
+
+Cost: one timer for all sandboxes; per watched sandbox and poll, three pread()s of cgroup files kept
+open and one fstatvfs (4 fds per sandbox). The poll runs in slices of `slice_size` sandboxes with the
+loop free between them; benchmarks/limit_events_cost.py measures it. Bounded: at most one event per
+kind per sandbox per `window`; more of the same kind in a window are folded into one event sent when
+the window ends, with `count` (OOM kills, refused forks).
+
+Wiring: `LimitsCollector(sink)`, `await start()` on the server's loop, `watch(WatchTarget)` when a
+tenant claims a sandbox, `unwatch(id)` before the backend removes its cgroups (a last poll then
+catches what the sandbox hit just before it died).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from agentcell.backends.events import EventSink, event
+from agentcell.backends.linux.record import WatchTarget
+
+KMSG = "/dev/kmsg"
+_KMSG_RECORDS_PER_WAKE = 512  # then the loop runs other callbacks before reading on
+_DISK_REARM_FRACTION = 0.02
+_DISK_REARM_MIN_BYTES = 1 << 20
+_PENDING_VICTIMS = 64  # oom-kill records waiting for their "Killed process" record
+
+# `oom-kill:` record (mm/oom_kill.c dump_oom_victim, memcontrol's print_oom_context). The cgroup paths
+# are the host's names; the comm is the task's and may hold anything but is at most 15 bytes: the greedy
+# `task=(.*)` with the line's end anchored takes the kernel's own `,pid=..,uid=..` tail.
+_OOM_KILL_RE = re.compile(
+    r"^oom-kill:constraint=(\w+),.*?(?:,oom_memcg=(/[^,]*))?,task_memcg=(/[^,]*),task=(.*),pid=(\d+),uid=(\d+)$")
+# the victim's record (mm/oom_kill.c __oom_kill_process)
+_KILLED_RE = re.compile(
+    r"^(Memory cgroup out of memory|Out of memory(?: \(oom_kill_allocating_task\))?): Killed process (\d+) "
+    r"\((.*)\) total-vm:(\d+)kB, anon-rss:(\d+)kB, file-rss:(\d+)kB, shmem-rss:(\d+)kB, UID:(\d+)")
+
+
+def _pread(fd: int) -> bytes:
+    return os.pread(fd, 4096, 0)  # a cgroup file is a seq_file: a read at 0 renders it afresh
+
+
+def _fields(text: bytes) -> dict[bytes, int]:
+    """A flat-keyed cgroup file ("key value" per line)."""
+    out = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(b" ")
+        if value.isdigit():
+            out[key] = int(value)
+    return out
+
+
+@dataclass
+class _Files:
+    """The cgroup files one sandbox's poll reads, open for its whole watch (v1 or v2 names)."""
+
+    oom: int  # memory.oom_control (v1) / memory.events (v2): `oom_kill`
+    pids: int  # pids.events: `max`
+    cpu: int  # cpu.stat
+    pids_max: str  # read only when a fork was refused
+    cpu_quota: tuple[str, ...]  # v1 cfs_quota_us + cfs_period_us, or v2 cpu.max
+    throttled_key: bytes
+    throttled_ns_per_unit: int
+
+    def close(self) -> None:
+        for fd in (self.oom, self.pids, self.cpu):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def _open_files(target: WatchTarget) -> _Files:
+    cg = target.cgroup
+    if cg.v2:
+        d = cg.dirs["unified"]
+        names = (f"{d}/memory.events", f"{d}/pids.events", f"{d}/cpu.stat")
+        quota: tuple[str, ...] = (f"{d}/cpu.max",)
+        pids_max, key, unit = f"{d}/pids.max", b"throttled_usec", 1000
+    else:
+        m, p, c = cg.dirs["memory"], cg.dirs["pids"], cg.dirs["cpu"]
+        names = (f"{m}/memory.oom_control", f"{p}/pids.events", f"{c}/cpu.stat")
+        quota = (f"{c}/cpu.cfs_quota_us", f"{c}/cpu.cfs_period_us")
+        pids_max, key, unit = f"{p}/pids.max", b"throttled_time", 1
+    fds: list[int] = []
+    try:
+        for name in names:
+            fds.append(os.open(name, os.O_RDONLY | os.O_CLOEXEC))
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return _Files(fds[0], fds[1], fds[2], pids_max, quota, key, unit)
+
+
+def _read_small(path: str) -> str:
+    with open(path) as f:
+        return f.read().strip()
+
+
+@dataclass
+class _Watched:
+    target: WatchTarget
+    files: _Files
+    disk_fd: int  # our own dup of the target's
+    memcg: str  # its memory cgroup as the kernel log names it: "/agentcell/<instance>/<name>"
+    oom_count: int = 0  # the counters at the last poll
+    pids_max_count: int = 0
+    throttled_periods: int = 0
+    throttled_ns: int = 0
+    periods: int = 0
+    oom_told: int = 0  # kills given an event: from the log, or unexplained by it
+    oom_counted_before: int = 0  # the counter one poll ago (the log had a whole interval to explain it)
+    disk_full: bool = False
+    cpu_window_start: float = 0.0
+    cpu_window_throttled_ns: int = 0
+    cpu_window_throttled: int = 0
+    cpu_window_periods: int = 0
+    cpu_streak: int = 0
+    last_sent: dict[str, float] = field(default_factory=dict)  # kind -> monotonic time of its last event
+    held: dict[str, dict[str, Any]] = field(default_factory=dict)  # kind -> event folded, sent at window end
+    gone: bool = False
+
+
+class LimitsCollector:
+    """The limits a sandbox hit (see the module's docstring). Runs on the server's event loop."""
+
+    def __init__(self, sink: EventSink, *, interval: float = 1.0, window: float = 10.0,
+                 slice_size: int = 100, kmsg: str = KMSG) -> None:
+        self.sink = sink
+        self.interval = interval
+        self.window = window  # at most one event per kind per sandbox per window; the CPU window
+        self.slice_size = slice_size
+        self.kmsg_path = kmsg
+        self._watched: dict[str, _Watched] = {}
+        self._by_memcg: dict[str, str] = {}  # memcg path -> sandbox id
+        self._by_uid: dict[int, str] = {}  # host uid -> sandbox id
+        self._victims: dict[int, tuple[str, dict[str, Any]]] = {}  # host pid -> (sandbox id, event so far)
+        self._kmsg_fd = -1
+        self._task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.kmsg_lost = 0  # records the log overwrote before we read them (EPIPE)
+
+    # -- the Collector protocol ------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        try:
+            fd = os.open(self.kmsg_path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as e:
+            print(f"agentcell: limit events: cannot read the kernel log {self.kmsg_path} ({e}); OOM kills are "
+                  "recorded from the cgroup counters only, without the victim", file=sys.stderr)
+        else:
+            os.lseek(fd, 0, os.SEEK_END)  # only what happens from now on
+            self._kmsg_fd = fd
+            self._loop.add_reader(fd, self._read_kmsg)
+        self._task = self._loop.create_task(self._run())
+
+    def watch(self, target: WatchTarget) -> None:
+        if target.sandbox_id in self._watched:
+            self.unwatch(target.sandbox_id)
+        files = _open_files(target)
+        try:
+            disk_fd = os.dup(target.disk_fd)
+        except OSError:
+            files.close()
+            raise
+        w = _Watched(target, files, disk_fd, "/" + target.cgroup.sandbox_id.strip("/"))
+        w.cpu_window_start = time.monotonic()
+        try:
+            self._sample(w, baseline=True)
+        except OSError:
+            files.close()
+            os.close(disk_fd)
+            raise
+        self._watched[target.sandbox_id] = w
+        self._by_memcg[w.memcg] = target.sandbox_id
+        for uid in target.host_uids:
+            self._by_uid[uid] = target.sandbox_id
+
+    def unwatch(self, sandbox_id: str) -> None:
+        w = self._watched.pop(sandbox_id, None)
+        if w is None:
+            return
+        if not w.gone:  # what it hit since the last poll (its cgroup is still there if the caller was early)
+            with contextlib.suppress(OSError):
+                self._poll_one(w, time.monotonic())
+        self._flush(w, force=True)
+        if self._by_memcg.get(w.memcg) == sandbox_id:
+            del self._by_memcg[w.memcg]
+        for uid in w.target.host_uids:
+            if self._by_uid.get(uid) == sandbox_id:
+                del self._by_uid[uid]
+        for pid in [p for p, (sid, _) in self._victims.items() if sid == sandbox_id]:
+            del self._victims[pid]
+        w.files.close()
+        with contextlib.suppress(OSError):
+            os.close(w.disk_fd)
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        if self._kmsg_fd >= 0:
+            if self._loop is not None:
+                self._loop.remove_reader(self._kmsg_fd)
+            os.close(self._kmsg_fd)
+            self._kmsg_fd = -1
+        for sandbox_id in list(self._watched):
+            self.unwatch(sandbox_id)
+
+    # -- polling -----------------------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        next_tick = time.monotonic()
+        while True:
+            next_tick += self.interval
+            await asyncio.sleep(max(0.0, next_tick - time.monotonic()))
+            watched = list(self._watched.values())
+            for i in range(0, len(watched), self.slice_size):
+                if i:
+                    await asyncio.sleep(0)  # the loop's other work between slices
+                self.poll(watched[i:i + self.slice_size])
+            if time.monotonic() > next_tick + self.interval:  # fell behind (a stalled loop): no burst of polls
+                next_tick = time.monotonic()
+
+    def poll(self, watched: list[_Watched] | None = None) -> None:
+        """One poll of `watched` (all by default): synchronous, for the timer and the benchmark."""
+        now = time.monotonic()
+        for w in self._watched.values() if watched is None else watched:
+            if w.gone or self._watched.get(w.target.sandbox_id) is not w:
+                continue
+            try:
+                self._poll_one(w, now)
+            except OSError as e:
+                if e.errno not in (errno.ENODEV, errno.ENOENT):
+                    raise
+                w.gone = True  # its cgroup was removed: it died; unwatch() will tidy up
+            self._flush(w)
+
+    def _sample(self, w: _Watched, baseline: bool = False) -> tuple[int, int, int, int, int]:
+        f = w.files
+        oom = _fields(_pread(f.oom)).get(b"oom_kill", 0)
+        refused = _fields(_pread(f.pids)).get(b"max", 0)
+        cpu = _fields(_pread(f.cpu))
+        periods, throttled = cpu.get(b"nr_periods", 0), cpu.get(b"nr_throttled", 0)
+        throttled_ns = cpu.get(f.throttled_key, 0) * f.throttled_ns_per_unit
+        if baseline:
+            w.oom_count = w.oom_told = w.oom_counted_before = oom
+            w.pids_max_count, w.periods, w.throttled_periods, w.throttled_ns = refused, periods, throttled, throttled_ns
+        return oom, refused, periods, throttled, throttled_ns
+
+    def _poll_one(self, w: _Watched, now: float) -> None:
+        oom, refused, periods, throttled, throttled_ns = self._sample(w)
+        # OOM kills the log did not explain within a whole poll interval
+        unexplained = w.oom_counted_before - w.oom_told
+        if unexplained > 0:
+            w.oom_told += unexplained
+            self._emit(w, event("limit.oom", count=unexplained, host_pid=None, comm=None, constraint=None,
+                                victim_known=False), now)
+        w.oom_counted_before, w.oom_count = oom, oom
+        if refused > w.pids_max_count:
+            try:
+                limit: int | str = int(_read_small(w.files.pids_max))
+            except (OSError, ValueError):
+                limit = "max"
+            self._emit(w, event("limit.pids", count=refused - w.pids_max_count, pids_max=limit), now)
+            w.pids_max_count = refused
+        self._poll_disk(w, now)
+        w.cpu_window_periods += max(0, periods - w.periods)
+        w.cpu_window_throttled += max(0, throttled - w.throttled_periods)
+        w.cpu_window_throttled_ns += max(0, throttled_ns - w.throttled_ns)
+        w.periods, w.throttled_periods, w.throttled_ns = periods, throttled, throttled_ns
+        if now - w.cpu_window_start >= self.window:
+            span = now - w.cpu_window_start
+            if w.cpu_window_throttled:
+                w.cpu_streak += 1
+                self._emit(w, event("limit.cpu", throttled_s=round(w.cpu_window_throttled_ns / 1e9, 3),
+                                    window_s=round(span, 3), throttled_periods=w.cpu_window_throttled,
+                                    periods=w.cpu_window_periods, cpu_limit=self._cpu_limit(w),
+                                    streak=w.cpu_streak), now)
+            else:
+                w.cpu_streak = 0
+            w.cpu_window_start = now
+            w.cpu_window_throttled = w.cpu_window_periods = w.cpu_window_throttled_ns = 0
+
+    def _poll_disk(self, w: _Watched, now: float) -> None:
+        st = os.fstatvfs(w.disk_fd)
+        size = st.f_blocks * st.f_frsize
+        free = st.f_bavail * st.f_frsize
+        if not w.disk_full:
+            if st.f_bavail == 0 or st.f_favail == 0:
+                w.disk_full = True
+                self._emit(w, event("limit.disk", used_mb=round((size - free) / (1 << 20), 1),
+                                    limit_mb=round(size / (1 << 20), 1),
+                                    reason="inodes" if st.f_bavail else "space"), now)
+        elif free >= max(_DISK_REARM_MIN_BYTES, size * _DISK_REARM_FRACTION) and st.f_favail > 0:
+            w.disk_full = False
+
+    @staticmethod
+    def _cpu_limit(w: _Watched) -> float | None:
+        try:
+            if len(w.files.cpu_quota) == 1:
+                quota, period = _read_small(w.files.cpu_quota[0]).split()
+            else:
+                quota, period = (_read_small(p) for p in w.files.cpu_quota)
+            return None if quota in ("max", "-1") else round(int(quota) / int(period), 3)
+        except (OSError, ValueError):
+            return None
+
+    # -- rate limit: one event per kind per sandbox per window ----------------------------------------------
+
+    def _emit(self, w: _Watched, ev: dict[str, Any], now: float) -> None:
+        kind = ev["kind"]
+        last = w.last_sent.get(kind)
+        if last is None or now - last >= self.window:
+            w.last_sent[kind] = now
+            self.sink(w.target.sandbox_id, ev)
+            return
+        held = w.held.get(kind)
+        if held is None:
+            w.held[kind] = ev
+        else:  # fold: the latest event's details, the window's total count
+            ev["count"] = held.get("count", 1) + ev.get("count", 1)
+            ev["time"] = held["time"]
+            w.held[kind] = ev
+
+    def _flush(self, w: _Watched, force: bool = False) -> None:
+        if not w.held:
+            return
+        now = time.monotonic()
+        for kind in list(w.held):
+            if force or now - w.last_sent.get(kind, 0.0) >= self.window:
+                w.last_sent[kind] = now
+                self.sink(w.target.sandbox_id, w.held.pop(kind))
+
+    # -- the kernel log ---------------------------------------------------------------------------------
+
+    def _read_kmsg(self) -> None:
+        for _ in range(_KMSG_RECORDS_PER_WAKE):
+            try:
+                record = os.read(self._kmsg_fd, 8192)
+            except BlockingIOError:
+                return
+            except BrokenPipeError:  # the ring overwrote records we had not read: the counters still count
+                self.kmsg_lost += 1
+                continue
+            except OSError:
+                return
+            if not record:
+                return
+            if b"oom-kill:" in record or b"Killed process" in record:
+                self._kmsg_record(record)
+
+    def _kmsg_record(self, record: bytes) -> None:
+        header, sep, rest = record.partition(b";")
+        prio = header.split(b",", 1)[0]
+        if not sep or not prio.isdigit() or int(prio) >> 3 != 0:  # not the kernel's own (facility 0)
+            return
+        text = rest.split(b"\n", 1)[0].decode("utf-8", "replace")
+        m = _OOM_KILL_RE.match(text)
+        if m is not None:
+            constraint, _oom_memcg, task_memcg, comm, pid, uid = m.groups()
+            sid = self._by_memcg.get(task_memcg)
+            if sid is not None and len(self._victims) < _PENDING_VICTIMS:
+                host_pid = int(pid)
+                self._victims[host_pid] = (sid, {
+                    "host_pid": host_pid, "comm": comm, "host_uid": int(uid),
+                    "constraint": "memcg" if constraint == "CONSTRAINT_MEMCG" else constraint.lower(),
+                    "pid": self._ns_pid(host_pid, task_memcg)})
+            return
+        m = _KILLED_RE.match(text)
+        if m is None:
+            return
+        message, pid, comm, total_vm, anon, file_rss, shmem, uid = m.groups()
+        host_pid = int(pid)
+        known = self._victims.pop(host_pid, None)
+        if known is not None:
+            sid, info = known
+        else:  # its oom-kill record was rate limited away: the uid tells whose it is
+            sid = self._by_uid.get(int(uid))
+            if sid is None:
+                return
+            w0 = self._watched.get(sid)
+            info = {"host_pid": host_pid, "comm": comm, "host_uid": int(uid),
+                    "constraint": "memcg" if message.startswith("Memory cgroup") else "global",
+                    "pid": self._ns_pid(host_pid, w0.memcg if w0 else None)}
+        w = self._watched.get(sid)
+        if w is None:
+            return
+        w.oom_told += 1
+        pid_in = info.pop("pid")
+        self._emit(w, event("limit.oom", pid=pid_in, count=1, victim_known=True,
+                            rss_kb=int(anon) + int(file_rss) + int(shmem), anon_rss_kb=int(anon),
+                            total_vm_kb=int(total_vm), **info), time.monotonic())
+
+    @staticmethod
+    def _ns_pid(host_pid: int, memcg: str | None) -> int | None:
+        """The victim's pid in its sandbox, while it still exists and is in the sandbox's memory cgroup."""
+        try:
+            with open(f"/proc/{host_pid}/status", "rb") as f:
+                status = f.read()
+            with open(f"/proc/{host_pid}/cgroup", "rb") as f:
+                groups = f.read().decode(errors="replace").splitlines()
+        except OSError:
+            return None
+        if memcg is None or not any(line.split(":", 2)[1] in ("memory", "") and line.split(":", 2)[2] == memcg
+                                    for line in groups if line.count(":") >= 2):
+            return None
+        for line in status.splitlines():
+            if line.startswith(b"NSpid:"):
+                return int(line.split()[-1])
+        return None

@@ -1,0 +1,225 @@
+"""The limits collector (agentcell/backends/linux/limit_events.py) against real sandboxes of the real
+agent: an OOM kill names its victim, a fork bomb, a full disk and a CPU quota each give their event,
+under their own sandbox only, and nothing a sandbox prints or names itself can make one."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from agentcell.backends.base import Limits, SandboxSpec
+from agentcell.backends.linux.backend import LinuxBackend, LinuxSandbox
+from agentcell.backends.linux.limit_events import LimitsCollector
+from agentcell.backends.linux.record import WatchTarget
+from agentcell.runtime.protocol import AgentChannel, line_dicts
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/proc/self/ns/user"),
+                                reason="the linux backend needs root and user namespaces")
+
+INTERVAL = 0.2
+WINDOW = 1.0
+
+
+class Recorder:
+    """The collector's sink: every event, by sandbox id."""
+
+    def __init__(self) -> None:
+        self.events: dict[str, list[dict[str, Any]]] = {}
+
+    def __call__(self, sandbox_id: str, ev: dict[str, Any]) -> None:
+        self.events.setdefault(sandbox_id, []).append(ev)
+
+    def of(self, sandbox_id: str, kind: str | None = None) -> list[dict[str, Any]]:
+        return [e for e in self.events.get(sandbox_id, []) if kind is None or e["kind"] == kind]
+
+    async def wait_for(self, sandbox_id: str, kind: str, n: int = 1, timeout: float = 10) -> list[dict[str, Any]]:
+        deadline = time.monotonic() + timeout
+        while len(self.of(sandbox_id, kind)) < n:
+            assert time.monotonic() < deadline, (kind, self.events)
+            await asyncio.sleep(0.05)
+        return self.of(sandbox_id, kind)
+
+
+class Box:
+    """A sandbox of the real agent: code contexts (code.run) and shell commands (proc.start)."""
+
+    def __init__(self, backend: LinuxBackend, sandbox: LinuxSandbox, channel: AgentChannel) -> None:
+        self.backend = backend
+        self.sandbox = sandbox
+        self.channel = channel
+        self.id = sandbox.sandbox_id
+
+    @classmethod
+    async def create(cls, backend: LinuxBackend, **limits: Any) -> Box:
+        sb = await backend.create(SandboxSpec(limits=Limits(**limits)))
+        assert isinstance(sb, LinuxSandbox)
+        return cls(backend, sb, await AgentChannel.open(sb.sock))
+
+    def target(self) -> WatchTarget:
+        """What the server would hand the collector for this sandbox."""
+        be, sb = self.backend, self.sandbox
+        uids = (be.uid_base + sb.slot, be.uid_base + be._slot_count + sb.slot)  # its user's, its root's
+        return WatchTarget(sb.sandbox_id, sb.host_pid, uids, sb.cgroups, sb.disk_fd)
+
+    async def code(self, src: str) -> list[dict[str, Any]]:
+        return [d async for d in line_dicts(self.channel.stream("code.run", src.encode()))]
+
+    async def sh(self, cmd: str, timeout_ms: int = 60_000) -> tuple[int, str]:
+        req = {"cmd": "/bin/bash", "args": ["-c", cmd], "envs": {}, "cwd": None, "tag": None, "stdin": False,
+               "pty": None, "timeout_ms": timeout_ms, "user": None}  # fmt: skip
+        out, end = b"", {}
+        async for f in self.channel.stream("proc.start", **req):
+            f.raise_for_error()
+            if f.header.get("event") in ("stdout", "stderr"):
+                out += f.payload
+            elif f.header.get("event") == "end":
+                end = f.header
+        return int(end.get("exit_code", -1)), out.decode(errors="replace")
+
+    async def close(self) -> None:
+        await self.channel.close()
+        await self.backend.kill(self.sandbox)
+
+
+@pytest.fixture(scope="module")
+async def backend() -> AsyncIterator[LinuxBackend]:
+    be = LinuxBackend(max_sandboxes=20, standbys=0, preload=False)
+    await be.start()
+    try:
+        yield be
+    finally:
+        await be.close()
+
+
+@pytest.fixture(scope="module")
+async def recorder() -> Recorder:
+    return Recorder()
+
+
+@pytest.fixture(scope="module")
+async def collector(recorder: Recorder) -> AsyncIterator[LimitsCollector]:
+    c = LimitsCollector(recorder, interval=INTERVAL, window=WINDOW)
+    await c.start()
+    try:
+        yield c
+    finally:
+        await c.close()
+
+
+@pytest.fixture(scope="module")
+async def neighbour(backend: LinuxBackend, collector: LimitsCollector) -> AsyncIterator[Box]:
+    """A quiet sandbox watched for the whole module: none of the others' events may land on it."""
+    b = await Box.create(backend)
+    collector.watch(b.target())
+    yield b
+    collector.unwatch(b.id)
+    await b.close()
+
+
+@pytest.fixture
+async def box_factory(backend: LinuxBackend, collector: LimitsCollector,
+                      neighbour: Box) -> AsyncIterator[Any]:
+    boxes: list[Box] = []
+
+    async def make(**limits: Any) -> Box:
+        b = await Box.create(backend, **limits)
+        boxes.append(b)
+        collector.watch(b.target())
+        return b
+
+    yield make
+    for b in boxes:
+        collector.unwatch(b.id)
+        await b.close()
+
+
+async def test_oom_kill_names_the_python_process(box_factory: Any, recorder: Recorder) -> None:
+    box = await box_factory(memory_mb=256)
+    out = await box.code("import os\nprint(os.getpid(), flush=True)\nhog = bytearray(400 << 20)\n")
+    pid = int(next(d["text"] for d in out if d.get("type") == "stdout"))
+    assert any(d.get("type") == "error" for d in out), out  # the context died
+    [oom] = await recorder.wait_for(box.id, "limit.oom")
+    assert oom["source"] == "host" and oom["victim_known"] is True
+    assert oom["comm"].startswith("python") and oom["pid"] == pid, oom
+    assert oom["constraint"] == "memcg" and oom["rss_kb"] > 150_000, oom
+    assert oom["host_pid"] != pid and oom["host_uid"] == box.target().host_uids[0]
+    await asyncio.sleep(4 * INTERVAL)  # the cgroup's counter agrees with the log: no second event
+    assert len(recorder.of(box.id, "limit.oom")) == 1, recorder.of(box.id)
+
+
+async def test_fork_bomb_gives_limit_pids(box_factory: Any, recorder: Recorder) -> None:
+    box = await box_factory(pids=32)
+    code, out = await box.sh(
+        "python3 -c \"\nimport os, time\nn = 0\nwhile True:\n"
+        "    try:\n        pid = os.fork()\n    except BlockingIOError:\n        break\n"
+        "    if pid == 0:\n        time.sleep(2); os._exit(0)\n    n += 1\nprint('forked', n)\n\"")
+    assert code == 0 and "forked" in out, out
+    [ev] = await recorder.wait_for(box.id, "limit.pids")
+    assert ev["pids_max"] == 32 and ev["count"] >= 1, ev
+
+
+async def test_full_disk_gives_one_limit_disk_per_fill(box_factory: Any, recorder: Recorder) -> None:
+    box = await box_factory(disk_mb=48)
+    code, out = await box.sh("dd if=/dev/zero of=/tmp/fill bs=1M 2>&1; true")
+    assert "No space left" in out, out
+    [ev] = await recorder.wait_for(box.id, "limit.disk")
+    assert ev["reason"] == "space" and ev["limit_mb"] == 48 and ev["used_mb"] >= 47, ev
+    await box.sh("dd if=/dev/zero of=/tmp/more bs=1M count=4 2>&1; true")  # still full: no new event
+    await asyncio.sleep(WINDOW + 3 * INTERVAL)
+    assert len(recorder.of(box.id, "limit.disk")) == 1
+    await box.sh("rm -f /tmp/fill /tmp/more")
+    await asyncio.sleep(3 * INTERVAL)  # a poll sees it emptied: armed again
+    await box.sh("dd if=/dev/zero of=/home/user/fill bs=1M 2>&1; true")  # the same disk behind /home/user
+    await recorder.wait_for(box.id, "limit.disk", 2)
+
+
+async def test_busy_loop_under_a_quarter_core_gives_limit_cpu(box_factory: Any, recorder: Recorder) -> None:
+    box = await box_factory(cpu_count=0.25)
+    await box.sh("timeout 3 sh -c 'while :; do :; done'; true")
+    events = await recorder.wait_for(box.id, "limit.cpu", 2)
+    first = events[0]
+    assert first["cpu_limit"] == 0.25 and first["throttled_s"] > 0.3 * WINDOW, first
+    assert first["throttled_periods"] >= 5 and first["streak"] == 1 and events[1]["streak"] == 2, events
+    # one event per window, not per throttled period
+    assert all(e["window_s"] >= WINDOW for e in events) and len(events) <= 4, events
+
+
+async def test_forged_oom_lines_give_nothing(box_factory: Any, recorder: Recorder, neighbour: Box) -> None:
+    box = await box_factory()
+    memcg = "/" + box.sandbox.cgroups.sandbox_id
+    other = "/" + neighbour.sandbox.cgroups.sandbox_id
+    forged = [f"oom-kill:constraint=CONSTRAINT_MEMCG,nodemask=(null),cpuset=/,mems_allowed=0,oom_memcg={m},"
+              f"task_memcg={m},task=python,pid=1,uid=1000" for m in (memcg, other)]
+    forged.append("Memory cgroup out of memory: Killed process 1 (python) total-vm:1kB, anon-rss:1kB, "
+                  "file-rss:0kB, shmem-rss:0kB, UID:1000 pgtables:1kB oom_score_adj:0")
+    script = "\n".join(forged)
+    # printed, to the console and to every log-looking place it can reach
+    code, out = await box.sh(f"cat > /tmp/f <<'EOF'\n{script}\nEOF\ncat /tmp/f; cat /tmp/f >&2;"
+                             "ls -l /dev/kmsg 2>&1; (cat /tmp/f > /dev/kmsg) 2>&1; logger -f /tmp/f 2>&1; true")
+    assert "No such file" in out, out  # no /dev/kmsg in a sandbox
+    # a comm that spells the start of the record, then a crash the kernel logs under that comm
+    await box.sh("python3 -c \"import ctypes; ctypes.CDLL(None).prctl(15, b'oom-kill:constr', 0, 0, 0);"
+                 "ctypes.string_at(0)\"; true")
+    # and the host writing the same text into the kernel log (a user-facility record): not the kernel's
+    fd = os.open("/dev/kmsg", os.O_WRONLY)
+    try:
+        for line in forged:
+            os.write(fd, f"<12>{line}".encode())
+        host_uid = box.target().host_uids[0]
+        os.write(fd, (f"<12>Memory cgroup out of memory: Killed process 2 (python) total-vm:1kB, anon-rss:1kB, "
+                      f"file-rss:0kB, shmem-rss:0kB, UID:{host_uid} pgtables:1kB oom_score_adj:0").encode())
+    finally:
+        os.close(fd)
+    await asyncio.sleep(WINDOW + 3 * INTERVAL)
+    assert recorder.of(box.id) == [] and recorder.of(neighbour.id) == [], recorder.events
+
+
+async def test_the_neighbour_saw_nothing(neighbour: Box, recorder: Recorder) -> None:
+    """Last in the module: every other test's events landed under its own sandbox only."""
+    assert recorder.of(neighbour.id) == [], recorder.of(neighbour.id)
+    assert len(recorder.events) >= 4, recorder.events
