@@ -89,39 +89,59 @@ class _Files:
 
     oom: int  # memory.oom_control (v1) / memory.events (v2): `oom_kill`
     pids: int  # pids.events: `max`
+    pids_current: int  # pids.current
+    pids_peak: int  # pids.peak (-1: none, or no longer needed)
     cpu: int  # cpu.stat
-    pids_max: str  # read only when a fork was refused
+    pids_limit: int
     cpu_quota: tuple[str, ...]  # v1 cfs_quota_us + cfs_period_us, or v2 cpu.max
     throttled_key: bytes
     throttled_ns_per_unit: int
 
     def close(self) -> None:
-        for fd in (self.oom, self.pids, self.cpu):
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        for fd in (self.oom, self.pids, self.pids_current, self.pids_peak, self.cpu):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+    def drop_peak(self) -> None:
+        if self.pids_peak >= 0:
+            os.close(self.pids_peak)
+            self.pids_peak = -1
 
 
 def _open_files(target: WatchTarget) -> _Files:
     cg = target.cgroup
     if cg.v2:
         d = cg.dirs["unified"]
-        names = (f"{d}/memory.events", f"{d}/pids.events", f"{d}/cpu.stat")
-        quota: tuple[str, ...] = (f"{d}/cpu.max",)
-        pids_max, key, unit = f"{d}/pids.max", b"throttled_usec", 1000
+        m = p = c = d
+        oom_name, quota = "memory.events", (f"{d}/cpu.max",)
+        key, unit = b"throttled_usec", 1000
     else:
         m, p, c = cg.dirs["memory"], cg.dirs["pids"], cg.dirs["cpu"]
-        names = (f"{m}/memory.oom_control", f"{p}/pids.events", f"{c}/cpu.stat")
-        quota = (f"{c}/cpu.cfs_quota_us", f"{c}/cpu.cfs_period_us")
-        pids_max, key, unit = f"{p}/pids.max", b"throttled_time", 1
+        oom_name, quota = "memory.oom_control", (f"{c}/cpu.cfs_quota_us", f"{c}/cpu.cfs_period_us")
+        key, unit = b"throttled_time", 1
+    limit = _read_small(f"{p}/pids.max")
     fds: list[int] = []
     try:
-        for name in names:
+        for name in (f"{m}/{oom_name}", f"{p}/pids.events", f"{p}/pids.current", f"{c}/cpu.stat"):
             fds.append(os.open(name, os.O_RDONLY | os.O_CLOEXEC))
+        try:
+            fds.append(os.open(f"{p}/pids.peak", os.O_RDONLY | os.O_CLOEXEC))
+        except FileNotFoundError:  # before linux 6.1
+            fds.append(-1)
     except BaseException:
         for fd in fds:
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
         raise
-    return _Files(fds[0], fds[1], fds[2], pids_max, quota, key, unit)
+    return _Files(fds[0], fds[1], fds[2], fds[4], fds[3], (1 << 62) if limit == "max" else int(limit), quota,
+                  key, unit)
+
+
+def _near(limit: int) -> int:
+    """Tasks from which a sandbox is at its pids limit: a fork may be refused (by the cgroup or by
+    RLIMIT_NPROC, which also counts its tasks still being reaped)."""
+    return limit - max(1, limit // 32)
 
 
 def _read_small(path: str) -> str:
@@ -137,6 +157,7 @@ class _Watched:
     memcg: str  # its memory cgroup as the kernel log names it: "/agentcell/<instance>/<name>"
     oom_count: int = 0  # the counters at the last poll
     pids_max_count: int = 0
+    pids_at_limit: bool = False  # edge trigger: armed again once well below the limit
     throttled_periods: int = 0
     throttled_ns: int = 0
     periods: int = 0
@@ -157,11 +178,13 @@ class LimitsCollector:
     """The limits a sandbox hit (see the module's docstring). Runs on the server's event loop."""
 
     def __init__(self, sink: EventSink, *, interval: float = 1.0, window: float = 10.0,
-                 slice_size: int = 100, kmsg: str = KMSG) -> None:
+                 slice_size: int = 100, kmsg: str = KMSG, cpu_min_ratio: float = 0.1) -> None:
         self.sink = sink
         self.interval = interval
         self.window = window  # at most one event per kind per sandbox per window; the CPU window
         self.slice_size = slice_size
+        # a window counts as throttled from this share of its periods: not a moment's burst of threads
+        self.cpu_min_ratio = cpu_min_ratio
         self.kmsg_path = kmsg
         self._watched: dict[str, _Watched] = {}
         self._by_memcg: dict[str, str] = {}  # memcg path -> sandbox id
@@ -271,20 +294,27 @@ class LimitsCollector:
                 w.gone = True  # its cgroup was removed: it died; unwatch() will tidy up
             self._flush(w)
 
-    def _sample(self, w: _Watched, baseline: bool = False) -> tuple[int, int, int, int, int]:
+    def _sample(self, w: _Watched, baseline: bool = False) -> tuple[int, int, int, int, int, int, int]:
         f = w.files
         oom = _fields(_pread(f.oom)).get(b"oom_kill", 0)
         refused = _fields(_pread(f.pids)).get(b"max", 0)
+        tasks = int(_pread(f.pids_current))
+        # pids.peak: a burst to the limit between two polls. It never goes down, so it tells only of the
+        # first one; it is closed once it did (or if the sandbox was there before its watch).
+        peak = int(_pread(f.pids_peak)) if f.pids_peak >= 0 else 0
+        if peak >= _near(f.pids_limit):
+            f.drop_peak()
         cpu = _fields(_pread(f.cpu))
         periods, throttled = cpu.get(b"nr_periods", 0), cpu.get(b"nr_throttled", 0)
         throttled_ns = cpu.get(f.throttled_key, 0) * f.throttled_ns_per_unit
         if baseline:
             w.oom_count = w.oom_told = w.oom_counted_before = oom
             w.pids_max_count, w.periods, w.throttled_periods, w.throttled_ns = refused, periods, throttled, throttled_ns
-        return oom, refused, periods, throttled, throttled_ns
+            peak = 0
+        return oom, refused, tasks, peak, periods, throttled, throttled_ns
 
     def _poll_one(self, w: _Watched, now: float) -> None:
-        oom, refused, periods, throttled, throttled_ns = self._sample(w)
+        oom, refused, tasks, peak, periods, throttled, throttled_ns = self._sample(w)
         # OOM kills the log did not explain within a whole poll interval
         unexplained = w.oom_counted_before - w.oom_told
         if unexplained > 0:
@@ -292,13 +322,7 @@ class LimitsCollector:
             self._emit(w, event("limit.oom", count=unexplained, host_pid=None, comm=None, constraint=None,
                                 victim_known=False), now)
         w.oom_counted_before, w.oom_count = oom, oom
-        if refused > w.pids_max_count:
-            try:
-                limit: int | str = int(_read_small(w.files.pids_max))
-            except (OSError, ValueError):
-                limit = "max"
-            self._emit(w, event("limit.pids", count=refused - w.pids_max_count, pids_max=limit), now)
-            w.pids_max_count = refused
+        self._poll_pids(w, refused, tasks, peak, now)
         self._poll_disk(w, now)
         w.cpu_window_periods += max(0, periods - w.periods)
         w.cpu_window_throttled += max(0, throttled - w.throttled_periods)
@@ -306,7 +330,7 @@ class LimitsCollector:
         w.periods, w.throttled_periods, w.throttled_ns = periods, throttled, throttled_ns
         if now - w.cpu_window_start >= self.window:
             span = now - w.cpu_window_start
-            if w.cpu_window_throttled:
+            if w.cpu_window_throttled and w.cpu_window_throttled >= self.cpu_min_ratio * w.cpu_window_periods:
                 w.cpu_streak += 1
                 self._emit(w, event("limit.cpu", throttled_s=round(w.cpu_window_throttled_ns / 1e9, 3),
                                     window_s=round(span, 3), throttled_periods=w.cpu_window_throttled,
@@ -316,6 +340,23 @@ class LimitsCollector:
                 w.cpu_streak = 0
             w.cpu_window_start = now
             w.cpu_window_throttled = w.cpu_window_periods = w.cpu_window_throttled_ns = 0
+
+    def _poll_pids(self, w: _Watched, refused: int, tasks: int, peak: int, now: float) -> None:
+        """Forks refused. RLIMIT_NPROC (ns_limits.py) equals the pids limit and is checked first, so a
+        fork bomb of one uid is mostly refused by it, which no counter records: a sandbox at its limit
+        (or whose peak reached it since the last poll) counts as refused too, once until it is well
+        below again."""
+        limit = w.files.pids_limit
+        at_limit = tasks >= _near(limit) or peak >= _near(limit)
+        counted = refused - w.pids_max_count
+        w.pids_max_count = refused
+        if counted > 0 or (at_limit and not w.pids_at_limit):
+            self._emit(w, event("limit.pids", count=counted, tasks=tasks, pids_max=limit,
+                                refused_by="cgroup" if counted > 0 else "limit"), now)
+        if at_limit:
+            w.pids_at_limit = True
+        elif tasks < limit - 2 * (limit - _near(limit)):
+            w.pids_at_limit = False
 
     def _poll_disk(self, w: _Watched, now: float) -> None:
         st = os.fstatvfs(w.disk_fd)
