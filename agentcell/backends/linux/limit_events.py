@@ -17,8 +17,11 @@ Sources, all read by the server as host root, none reachable from inside a sandb
   too short to spell either record. The cgroup's own OOM kill counter (v1 memory.oom_control's
   `oom_kill`, v2 memory.events) is polled too: kills the log did not explain (records lost when the
   log wrapped, no /dev/kmsg) still give an event, with `pid` None and their `count`.
-* **pids**: the pids cgroup's `max` counter (pids.events), forks it refused. Polled (a notification
-  exists, but kernfs files poll as always readable, useless in an event loop).
+* **pids**: the pids cgroup's `max` counter (pids.events), forks it refused; and pids.current at the
+  limit (or pids.peak, for a burst between polls), since RLIMIT_NPROC, set to the same number per uid
+  (ns_limits.py) and checked first, refuses a one-uid fork bomb before the cgroup does and no counter
+  records that. Edge-triggered like the disk. Polled (the counter has a notification, but kernfs
+  files poll as always readable, useless in an event loop).
 * **disk**: the disk is one tmpfs of disk_mb (rootfs.finish), so full is ENOSPC. fstatvfs on a dup of
   its root fd, polled; edge-triggered: one event when it fills (no free block or inode), armed again
   once 2 % (at least 1 MiB) is free. A disk filled and emptied between two polls is not seen.
@@ -26,8 +29,8 @@ Sources, all read by the server as host root, none reachable from inside a sandb
   One event per `window` in which the sandbox was throttled, with the time throttled, and `streak`:
   how many windows in a row it was (a crypto-miner's pattern: throttled window after window).
 
-Cost: one timer for all sandboxes; per watched sandbox and poll, three pread()s of cgroup files kept
-open and one fstatvfs (4 fds per sandbox). The poll runs in slices of `slice_size` sandboxes with the
+Cost: one timer for all sandboxes; per watched sandbox and poll, four pread()s of cgroup files kept
+open (five until pids.peak reached the limit once) and one fstatvfs: 6 fds per sandbox. The poll runs in slices of `slice_size` sandboxes with the
 loop free between them; benchmarks/limit_events_cost.py measures it. Bounded: at most one event per
 kind per sandbox per `window`; more of the same kind in a window are folded into one event sent when
 the window ends, with `count` (OOM kills, refused forks).
@@ -62,7 +65,7 @@ _PENDING_VICTIMS = 64  # oom-kill records waiting for their "Killed process" rec
 # are the host's names; the comm is the task's and may hold anything but is at most 15 bytes: the greedy
 # `task=(.*)` with the line's end anchored takes the kernel's own `,pid=..,uid=..` tail.
 _OOM_KILL_RE = re.compile(
-    r"^oom-kill:constraint=(\w+),.*?(?:,oom_memcg=(/[^,]*))?,task_memcg=(/[^,]*),task=(.*),pid=(\d+),uid=(\d+)$")
+    r"^oom-kill:constraint=(\w+),.*?,task_memcg=(/[^,]*),task=(.*),pid=(\d+),uid=(\d+)$")
 # the victim's record (mm/oom_kill.c __oom_kill_process)
 _KILLED_RE = re.compile(
     r"^(Memory cgroup out of memory|Out of memory(?: \(oom_kill_allocating_task\))?): Killed process (\d+) "
@@ -73,14 +76,18 @@ def _pread(fd: int) -> bytes:
     return os.pread(fd, 4096, 0)  # a cgroup file is a seq_file: a read at 0 renders it afresh
 
 
-def _fields(text: bytes) -> dict[bytes, int]:
-    """A flat-keyed cgroup file ("key value" per line)."""
-    out = {}
-    for line in text.splitlines():
-        key, _, value = line.partition(b" ")
-        if value.isdigit():
-            out[key] = int(value)
-    return out
+def _value(text: bytes, key: bytes) -> int:
+    """The value of `key` ("key value" lines) in a cgroup file; 0 if absent. A find, not a parse: the
+    poll's cost is mostly Python's, per sandbox."""
+    i = text.find(key)
+    if i < 0:
+        return 0
+    if i and text[i - 1] != 10:  # a longer key's tail
+        i = text.find(b"\n" + key) + 1
+        if i <= 0:
+            return 0
+    j = text.find(b"\n", i)
+    return int(text[i + len(key):j if j >= 0 else None])
 
 
 @dataclass
@@ -115,11 +122,11 @@ def _open_files(target: WatchTarget) -> _Files:
         d = cg.dirs["unified"]
         m = p = c = d
         oom_name, quota = "memory.events", (f"{d}/cpu.max",)
-        key, unit = b"throttled_usec", 1000
+        key, unit = b"throttled_usec ", 1000
     else:
         m, p, c = cg.dirs["memory"], cg.dirs["pids"], cg.dirs["cpu"]
         oom_name, quota = "memory.oom_control", (f"{c}/cpu.cfs_quota_us", f"{c}/cpu.cfs_period_us")
-        key, unit = b"throttled_time", 1
+        key, unit = b"throttled_time ", 1
     limit = _read_small(f"{p}/pids.max")
     fds: list[int] = []
     try:
@@ -155,8 +162,7 @@ class _Watched:
     files: _Files
     disk_fd: int  # our own dup of the target's
     memcg: str  # its memory cgroup as the kernel log names it: "/agentcell/<instance>/<name>"
-    oom_count: int = 0  # the counters at the last poll
-    pids_max_count: int = 0
+    pids_max_count: int = 0  # the counters at the last poll
     pids_at_limit: bool = False  # edge trigger: armed again once well below the limit
     throttled_periods: int = 0
     throttled_ns: int = 0
@@ -296,19 +302,19 @@ class LimitsCollector:
 
     def _sample(self, w: _Watched, baseline: bool = False) -> tuple[int, int, int, int, int, int, int]:
         f = w.files
-        oom = _fields(_pread(f.oom)).get(b"oom_kill", 0)
-        refused = _fields(_pread(f.pids)).get(b"max", 0)
+        oom = _value(_pread(f.oom), b"oom_kill ")
+        refused = _value(_pread(f.pids), b"max ")
         tasks = int(_pread(f.pids_current))
         # pids.peak: a burst to the limit between two polls. It never goes down, so it tells only of the
         # first one; it is closed once it did (or if the sandbox was there before its watch).
         peak = int(_pread(f.pids_peak)) if f.pids_peak >= 0 else 0
         if peak >= _near(f.pids_limit):
             f.drop_peak()
-        cpu = _fields(_pread(f.cpu))
-        periods, throttled = cpu.get(b"nr_periods", 0), cpu.get(b"nr_throttled", 0)
-        throttled_ns = cpu.get(f.throttled_key, 0) * f.throttled_ns_per_unit
+        cpu = _pread(f.cpu)
+        periods, throttled = _value(cpu, b"nr_periods "), _value(cpu, b"nr_throttled ")
+        throttled_ns = _value(cpu, f.throttled_key) * f.throttled_ns_per_unit
         if baseline:
-            w.oom_count = w.oom_told = w.oom_counted_before = oom
+            w.oom_told = w.oom_counted_before = oom
             w.pids_max_count, w.periods, w.throttled_periods, w.throttled_ns = refused, periods, throttled, throttled_ns
             peak = 0
         return oom, refused, tasks, peak, periods, throttled, throttled_ns
@@ -321,7 +327,7 @@ class LimitsCollector:
             w.oom_told += unexplained
             self._emit(w, event("limit.oom", count=unexplained, host_pid=None, comm=None, constraint=None,
                                 victim_known=False), now)
-        w.oom_counted_before, w.oom_count = oom, oom
+        w.oom_counted_before = oom
         self._poll_pids(w, refused, tasks, peak, now)
         self._poll_disk(w, now)
         w.cpu_window_periods += max(0, periods - w.periods)
@@ -434,9 +440,11 @@ class LimitsCollector:
         text = rest.split(b"\n", 1)[0].decode("utf-8", "replace")
         m = _OOM_KILL_RE.match(text)
         if m is not None:
-            constraint, _oom_memcg, task_memcg, comm, pid, uid = m.groups()
+            constraint, task_memcg, comm, pid, uid = m.groups()
             sid = self._by_memcg.get(task_memcg)
-            if sid is not None and len(self._victims) < _PENDING_VICTIMS:
+            if sid is not None:
+                if len(self._victims) >= _PENDING_VICTIMS:  # their second records were lost: the oldest goes
+                    del self._victims[next(iter(self._victims))]
                 host_pid = int(pid)
                 self._victims[host_pid] = (sid, {
                     "host_pid": host_pid, "comm": comm, "host_uid": int(uid),
