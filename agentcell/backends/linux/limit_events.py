@@ -47,7 +47,9 @@ import contextlib
 import errno
 import os
 import re
+import select
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,7 +58,7 @@ from agentcell.backends.events import EventSink, event
 from agentcell.backends.linux.record import WatchTarget
 
 KMSG = "/dev/kmsg"
-_KMSG_RECORDS_PER_WAKE = 512  # then the loop runs other callbacks before reading on
+_KMSG_RECORDS_PER_WAKE = 512  # then back to poll(), which also checks for close()
 _DISK_REARM_FRACTION = 0.02
 _DISK_REARM_MIN_BYTES = 1 << 20
 _PENDING_VICTIMS = 64  # oom-kill records waiting for their "Killed process" record
@@ -195,8 +197,11 @@ class LimitsCollector:
         self._watched: dict[str, _Watched] = {}
         self._by_memcg: dict[str, str] = {}  # memcg path -> sandbox id
         self._by_uid: dict[int, str] = {}  # host uid -> sandbox id
-        self._victims: dict[int, tuple[str, dict[str, Any]]] = {}  # host pid -> (sandbox id, event so far)
+        # host pid -> (sandbox id, event so far); the kernel log's thread's alone
+        self._victims: dict[int, tuple[str, dict[str, Any]]] = {}
         self._kmsg_fd = -1
+        self._kmsg_thread: threading.Thread | None = None
+        self._wake_w = -1  # a byte here stops the thread
         self._task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.kmsg_lost = 0  # records the log overwrote before we read them (EPIPE)
@@ -213,7 +218,12 @@ class LimitsCollector:
         else:
             os.lseek(fd, 0, os.SEEK_END)  # only what happens from now on
             self._kmsg_fd = fd
-            self._loop.add_reader(fd, self._read_kmsg)
+            wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC)
+            # A thread of its own, not the loop's reader: the victim's pid in the sandbox is readable only
+            # until its parent reaps it, a few ms after the kill, however busy the loop is.
+            self._kmsg_thread = threading.Thread(target=self._kmsg_main, args=(wake_r,), daemon=True,
+                                                 name="agentcell-limit-kmsg")
+            self._kmsg_thread.start()
         self._task = self._loop.create_task(self._run())
 
     def watch(self, target: WatchTarget) -> None:
@@ -251,8 +261,6 @@ class LimitsCollector:
         for uid in w.target.host_uids:
             if self._by_uid.get(uid) == sandbox_id:
                 del self._by_uid[uid]
-        for pid in [p for p, (sid, _) in self._victims.items() if sid == sandbox_id]:
-            del self._victims[pid]
         w.files.close()
         with contextlib.suppress(OSError):
             os.close(w.disk_fd)
@@ -263,9 +271,11 @@ class LimitsCollector:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
-        if self._kmsg_fd >= 0:
-            if self._loop is not None:
-                self._loop.remove_reader(self._kmsg_fd)
+        if self._kmsg_thread is not None:
+            os.write(self._wake_w, b"x")
+            await asyncio.to_thread(self._kmsg_thread.join)
+            self._kmsg_thread = None
+            os.close(self._wake_w)
             os.close(self._kmsg_fd)
             self._kmsg_fd = -1
         for sandbox_id in list(self._watched):
@@ -416,6 +426,19 @@ class LimitsCollector:
 
     # -- the kernel log ---------------------------------------------------------------------------------
 
+    def _kmsg_main(self, wake_r: int) -> None:
+        """The kernel log's thread: reads every record, hands OOM kills of watched sandboxes to the loop."""
+        poller = select.poll()
+        poller.register(self._kmsg_fd, select.POLLIN)
+        poller.register(wake_r, select.POLLIN)
+        try:
+            while True:
+                if any(fd == wake_r for fd, _ in poller.poll()):
+                    return
+                self._read_kmsg()
+        finally:
+            os.close(wake_r)
+
     def _read_kmsg(self) -> None:
         for _ in range(_KMSG_RECORDS_PER_WAKE):
             try:
@@ -430,13 +453,26 @@ class LimitsCollector:
             if not record:
                 return
             if b"oom-kill:" in record or b"Killed process" in record:
-                self._kmsg_record(record)
+                found = self._kmsg_record(record)
+                if found is not None and self._loop is not None:
+                    with contextlib.suppress(RuntimeError):  # the loop closed
+                        self._loop.call_soon_threadsafe(self._oom_seen, *found)
 
-    def _kmsg_record(self, record: bytes) -> None:
+    def _oom_seen(self, sandbox_id: str, ev: dict[str, Any]) -> None:
+        """On the loop: an OOM kill the log attributed to a sandbox."""
+        w = self._watched.get(sandbox_id)
+        if w is None:
+            return
+        w.oom_told += 1
+        self._emit(w, ev, time.monotonic())
+
+    def _kmsg_record(self, record: bytes) -> tuple[str, dict[str, Any]] | None:
+        """In the log's thread: (sandbox id, limit.oom event) for a kill of a watched sandbox's task. It
+        only reads the loop's maps (single dict lookups, atomic under the GIL)."""
         header, sep, rest = record.partition(b";")
         prio = header.split(b",", 1)[0]
         if not sep or not prio.isdigit() or int(prio) >> 3 != 0:  # not the kernel's own (facility 0)
-            return
+            return None
         text = rest.split(b"\n", 1)[0].decode("utf-8", "replace")
         m = _OOM_KILL_RE.match(text)
         if m is not None:
@@ -450,10 +486,10 @@ class LimitsCollector:
                     "host_pid": host_pid, "comm": comm, "host_uid": int(uid),
                     "constraint": "memcg" if constraint == "CONSTRAINT_MEMCG" else constraint.lower(),
                     "pid": self._ns_pid(host_pid, task_memcg)})
-            return
+            return None
         m = _KILLED_RE.match(text)
         if m is None:
-            return
+            return None
         message, pid, comm, total_vm, anon, file_rss, shmem, uid = m.groups()
         host_pid = int(pid)
         known = self._victims.pop(host_pid, None)
@@ -461,20 +497,16 @@ class LimitsCollector:
             sid, info = known
         else:  # its oom-kill record was rate limited away: the uid tells whose it is
             sid = self._by_uid.get(int(uid))
-            if sid is None:
-                return
-            w0 = self._watched.get(sid)
+            w = self._watched.get(sid) if sid is not None else None
+            if sid is None or w is None:
+                return None
             info = {"host_pid": host_pid, "comm": comm, "host_uid": int(uid),
                     "constraint": "memcg" if message.startswith("Memory cgroup") else "global",
-                    "pid": self._ns_pid(host_pid, w0.memcg if w0 else None)}
-        w = self._watched.get(sid)
-        if w is None:
-            return
-        w.oom_told += 1
+                    "pid": self._ns_pid(host_pid, w.memcg)}
         pid_in = info.pop("pid")
-        self._emit(w, event("limit.oom", pid=pid_in, count=1, victim_known=True,
-                            rss_kb=int(anon) + int(file_rss) + int(shmem), anon_rss_kb=int(anon),
-                            total_vm_kb=int(total_vm), **info), time.monotonic())
+        return sid, event("limit.oom", pid=pid_in, count=1, victim_known=True,
+                          rss_kb=int(anon) + int(file_rss) + int(shmem), anon_rss_kb=int(anon),
+                          total_vm_kb=int(total_vm), **info)
 
     @staticmethod
     def _ns_pid(host_pid: int, memcg: str | None) -> int | None:
