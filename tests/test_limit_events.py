@@ -259,13 +259,15 @@ async def test_full_disk_gives_one_limit_disk_per_fill(box_factory: Any, recorde
 
 async def test_busy_loop_under_a_quarter_core_gives_limit_cpu(box_factory: Any, recorder: Recorder) -> None:
     box = await box_factory(cpu_count=0.25)
-    await box.sh("timeout 3 sh -c 'while :; do :; done'; true")
+    # two busy loops: the quarter core's quota is gone early in every period, however loaded the host
+    await box.sh("for i in 1 2; do timeout 4 sh -c 'while :; do :; done' & done; wait; true")
     events = await recorder.wait_for(box.id, "limit.cpu", 2)
-    first = events[0]
-    assert first["cpu_limit"] == 0.25 and first["throttled_s"] > 0.3 * WINDOW, first
-    assert first["throttled_periods"] >= 5 and first["streak"] == 1 and events[1]["streak"] == 2, events
+    assert all(e["cpu_limit"] == 0.25 for e in events), events
+    assert max(e["throttled_s"] for e in events) > 0.3 * WINDOW, events
+    assert max(e["throttled_periods"] for e in events) >= 5, events
+    assert [e["streak"] for e in events[:2]] == [1, 2], events
     # one event per window, not per throttled period
-    assert all(e["window_s"] >= WINDOW for e in events) and len(events) <= 4, events
+    assert all(e["window_s"] >= WINDOW for e in events) and len(events) <= 6, events
 
 
 async def test_forged_oom_lines_give_nothing(box_factory: Any, recorder: Recorder, neighbour: Box) -> None:

@@ -29,8 +29,9 @@ Sources, all read by the server as host root, none reachable from inside a sandb
   One event per `window` in which the sandbox was throttled, with the time throttled, and `streak`:
   how many windows in a row it was (a crypto-miner's pattern: throttled window after window).
 
-Cost: one timer for all sandboxes; per watched sandbox and poll, four pread()s of cgroup files kept
-open (five until pids.peak reached the limit once) and one fstatvfs: 6 fds per sandbox. The poll runs in slices of `slice_size` sandboxes with the
+Cost: one timer for all sandboxes; per watched sandbox and poll, three pread()s of cgroup files kept
+open (four until pids.peak reached the limit once) and one fstatvfs, and cpu.stat once a window: 6
+fds per sandbox. The poll runs in slices of `slice_size` sandboxes with the
 loop free between them; benchmarks/limit_events_cost.py measures it. Bounded: at most one event per
 kind per sandbox per `window`; more of the same kind in a window are folded into one event sent when
 the window ends, with `count` (OOM kills, refused forks).
@@ -166,16 +167,13 @@ class _Watched:
     memcg: str  # its memory cgroup as the kernel log names it: "/agentcell/<instance>/<name>"
     pids_max_count: int = 0  # the counters at the last poll
     pids_at_limit: bool = False  # edge trigger: armed again once well below the limit
-    throttled_periods: int = 0
+    throttled_periods: int = 0  # cpu.stat at the current window's start
     throttled_ns: int = 0
     periods: int = 0
     oom_told: int = 0  # kills given an event: from the log, or unexplained by it
     oom_counted_before: int = 0  # the counter one poll ago (the log had a whole interval to explain it)
     disk_full: bool = False
     cpu_window_start: float = 0.0
-    cpu_window_throttled_ns: int = 0
-    cpu_window_throttled: int = 0
-    cpu_window_periods: int = 0
     cpu_streak: int = 0
     last_sent: dict[str, float] = field(default_factory=dict)  # kind -> monotonic time of its last event
     held: dict[str, dict[str, Any]] = field(default_factory=dict)  # kind -> event folded, sent at window end
@@ -310,7 +308,7 @@ class LimitsCollector:
                 w.gone = True  # its cgroup was removed: it died; unwatch() will tidy up
             self._flush(w)
 
-    def _sample(self, w: _Watched, baseline: bool = False) -> tuple[int, int, int, int, int, int, int]:
+    def _sample(self, w: _Watched, baseline: bool = False) -> tuple[int, int, int, int]:
         f = w.files
         oom = _value(_pread(f.oom), b"oom_kill ")
         refused = _value(_pread(f.pids), b"max ")
@@ -320,17 +318,22 @@ class LimitsCollector:
         peak = int(_pread(f.pids_peak)) if f.pids_peak >= 0 else 0
         if peak >= _near(f.pids_limit):
             f.drop_peak()
-        cpu = _pread(f.cpu)
-        periods, throttled = _value(cpu, b"nr_periods "), _value(cpu, b"nr_throttled ")
-        throttled_ns = _value(cpu, f.throttled_key) * f.throttled_ns_per_unit
         if baseline:
             w.oom_told = w.oom_counted_before = oom
-            w.pids_max_count, w.periods, w.throttled_periods, w.throttled_ns = refused, periods, throttled, throttled_ns
+            w.pids_max_count = refused
+            w.periods, w.throttled_periods, w.throttled_ns = self._sample_cpu(w)
             peak = 0
-        return oom, refused, tasks, peak, periods, throttled, throttled_ns
+        return oom, refused, tasks, peak
+
+    @staticmethod
+    def _sample_cpu(w: _Watched) -> tuple[int, int, int]:
+        """cpu.stat's periods, throttled periods, throttled ns: read once a window, not every poll."""
+        cpu = _pread(w.files.cpu)
+        return (_value(cpu, b"nr_periods "), _value(cpu, b"nr_throttled "),
+                _value(cpu, w.files.throttled_key) * w.files.throttled_ns_per_unit)
 
     def _poll_one(self, w: _Watched, now: float) -> None:
-        oom, refused, tasks, peak, periods, throttled, throttled_ns = self._sample(w)
+        oom, refused, tasks, peak = self._sample(w)
         # OOM kills the log did not explain within a whole poll interval
         unexplained = w.oom_counted_before - w.oom_told
         if unexplained > 0:
@@ -340,22 +343,21 @@ class LimitsCollector:
         w.oom_counted_before = oom
         self._poll_pids(w, refused, tasks, peak, now)
         self._poll_disk(w, now)
-        w.cpu_window_periods += max(0, periods - w.periods)
-        w.cpu_window_throttled += max(0, throttled - w.throttled_periods)
-        w.cpu_window_throttled_ns += max(0, throttled_ns - w.throttled_ns)
-        w.periods, w.throttled_periods, w.throttled_ns = periods, throttled, throttled_ns
         if now - w.cpu_window_start >= self.window:
-            span = now - w.cpu_window_start
-            if w.cpu_window_throttled and w.cpu_window_throttled >= self.cpu_min_ratio * w.cpu_window_periods:
-                w.cpu_streak += 1
-                self._emit(w, event("limit.cpu", throttled_s=round(w.cpu_window_throttled_ns / 1e9, 3),
-                                    window_s=round(span, 3), throttled_periods=w.cpu_window_throttled,
-                                    periods=w.cpu_window_periods, cpu_limit=self._cpu_limit(w),
-                                    streak=w.cpu_streak), now)
-            else:
-                w.cpu_streak = 0
-            w.cpu_window_start = now
-            w.cpu_window_throttled = w.cpu_window_periods = w.cpu_window_throttled_ns = 0
+            self._end_cpu_window(w, now)
+
+    def _end_cpu_window(self, w: _Watched, now: float) -> None:
+        periods, throttled, throttled_ns = self._sample_cpu(w)
+        n_periods, n_throttled = periods - w.periods, throttled - w.throttled_periods
+        if n_throttled > 0 and n_throttled >= self.cpu_min_ratio * n_periods:
+            w.cpu_streak += 1
+            self._emit(w, event("limit.cpu", throttled_s=round((throttled_ns - w.throttled_ns) / 1e9, 3),
+                                window_s=round(now - w.cpu_window_start, 3), throttled_periods=n_throttled,
+                                periods=n_periods, cpu_limit=self._cpu_limit(w), streak=w.cpu_streak), now)
+        else:
+            w.cpu_streak = 0
+        w.cpu_window_start = now
+        w.periods, w.throttled_periods, w.throttled_ns = periods, throttled, throttled_ns
 
     def _poll_pids(self, w: _Watched, refused: int, tasks: int, peak: int, now: float) -> None:
         """Forks refused. RLIMIT_NPROC (ns_limits.py) equals the pids limit and is checked first, so a
