@@ -3,15 +3,17 @@
 
 Sources, all read by the server as host root, none reachable from inside a sandbox:
 
-* **OOM kills**: the kernel log, read from /dev/kmsg (opened at its end, read when readable). The OOM
+* **OOM kills**: the kernel log, read from /dev/kmsg (opened at its end, by a thread). The OOM
   killer writes two records per kill: `oom-kill:constraint=...,task_memcg=<memory cgroup>,task=<comm>,
   pid=<host pid>,uid=<host uid>` (rate limited by the kernel: 10 per 5 s host-wide, with the whole
   report) and `Memory cgroup out of memory: Killed process <pid> (<comm>) total-vm:...kB, anon-rss:...kB,
   file-rss:...kB, shmem-rss:...kB, UID:<host uid> ...` (never rate limited). A kill belongs to a sandbox
   when the first record's task_memcg is exactly the sandbox's memory cgroup or, without it, when the
   second's UID is one of the sandbox's host uids (each sandbox has ids of its own). The victim's pid in
-  the sandbox is read from /proc/<host pid>/status (NSpid) as the record arrives: the victim still
-  exists then (it dies once the killer has printed), else the event has `pid` None.
+  the sandbox is read from /proc/<host pid>/status (NSpid, checked to be in the sandbox's memory
+  cgroup) as the record arrives, which is why a thread reads the log rather than the busy loop: the
+  victim exists until its parent reaps it, a few ms after the kill. If it is gone, `pid` is None and
+  `host_pid` still names it (the process collector's events can tell its number in the sandbox).
   Only kernel-facility records count: a /dev/kmsg writer cannot give facility 0 (and a sandbox has no
   /dev/kmsg), and the only sandbox-chosen text at the start of a kernel record is a 15-byte comm,
   too short to spell either record. The cgroup's own OOM kill counter (v1 memory.oom_control's
@@ -26,13 +28,14 @@ Sources, all read by the server as host root, none reachable from inside a sandb
   its root fd, polled; edge-triggered: one event when it fills (no free block or inode), armed again
   once 2 % (at least 1 MiB) is free. A disk filled and emptied between two polls is not seen.
 * **CPU**: the CFS quota's throttling, cpu.stat's nr_throttled and throttled_time (v2 throttled_usec).
-  One event per `window` in which the sandbox was throttled, with the time throttled, and `streak`:
-  how many windows in a row it was (a crypto-miner's pattern: throttled window after window).
+  One event per `window` in which the sandbox was throttled in at least `cpu_min_ratio` (10 %) of its
+  periods, with the time throttled, and `streak`: how many windows in a row it was (a crypto-miner's
+  pattern: throttled window after window). cpu.stat is read once a window, at its end.
 
 Cost: one timer for all sandboxes; per watched sandbox and poll, three pread()s of cgroup files kept
 open (four until pids.peak reached the limit once) and one fstatvfs, and cpu.stat once a window: 6
-fds per sandbox. The poll runs in slices of `slice_size` sandboxes with the
-loop free between them; benchmarks/limit_events_cost.py measures it. Bounded: at most one event per
+fds per sandbox. The poll runs in slices of `slice_size` sandboxes with the loop free between them;
+benchmarks/limit_events_cost.py measures it. Bounded: at most one event per
 kind per sandbox per `window`; more of the same kind in a window are folded into one event sent when
 the window ends, with `count` (OOM kills, refused forks).
 
@@ -302,10 +305,12 @@ class LimitsCollector:
                 continue
             try:
                 self._poll_one(w, now)
-            except OSError as e:
-                if e.errno not in (errno.ENODEV, errno.ENOENT):
-                    raise
-                w.gone = True  # its cgroup was removed: it died; unwatch() will tidy up
+            except (OSError, ValueError) as e:
+                # ENODEV: its cgroup was removed, it died (unwatch() tidies up); anything else would come
+                # back every poll: said once, and this sandbox is no longer polled
+                w.gone = True
+                if not (isinstance(e, OSError) and e.errno in (errno.ENODEV, errno.ENOENT)):
+                    print(f"agentcell: limit events: {w.target.sandbox_id} no longer watched: {e!r}", file=sys.stderr)
             self._flush(w)
 
     def _sample(self, w: _Watched, baseline: bool = False) -> tuple[int, int, int, int]:
