@@ -293,7 +293,10 @@ class LimitsCollector:
             for i in range(0, len(watched), self.slice_size):
                 if i:
                     await asyncio.sleep(0)  # the loop's other work between slices
-                self.poll(watched[i:i + self.slice_size])
+                try:
+                    self.poll(watched[i:i + self.slice_size])
+                except Exception as e:  # a bug must not end the record of every sandbox
+                    print(f"agentcell: limit events: poll failed: {e!r}", file=sys.stderr)
             if time.monotonic() > next_tick + self.interval:  # fell behind (a stalled loop): no burst of polls
                 next_tick = time.monotonic()
 
