@@ -265,7 +265,11 @@ async def test_busy_loop_under_a_quarter_core_gives_limit_cpu(box_factory: Any, 
     assert all(e["cpu_limit"] == 0.25 for e in events), events
     assert max(e["throttled_s"] for e in events) > 0.3 * WINDOW, events
     assert max(e["throttled_periods"] for e in events) >= 5, events
-    assert [e["streak"] for e in events[:2]] == [1, 2], events
+    # streak: windows in a row (on an oversubscribed host a window may fall short of its quota, unthrottled)
+    assert events[0]["streak"] == 1, events
+    for a, b in zip(events, events[1:], strict=False):
+        consecutive = b["time"] - a["time"] < 1.5 * WINDOW
+        assert b["streak"] == (a["streak"] + 1 if consecutive else 1), events
     # one event per window, not per throttled period
     assert all(e["window_s"] >= WINDOW for e in events) and len(events) <= 6, events
 
