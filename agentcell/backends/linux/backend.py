@@ -20,7 +20,6 @@ import stat
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import asdict, replace
 from typing import Any
 
@@ -33,10 +32,13 @@ from agentcell.backends.base import (
     new_sandbox_id,
 )
 from agentcell.backends.cgroup_backend import CgroupSandboxes
-from agentcell.backends.events import EventSink, Recorder, event
+from agentcell.backends.events import EventSink, event
 from agentcell.backends.linux import cgroups, host, rootfs, runtime_store, uids
+from agentcell.backends.linux.audit_events import AuditCollector
 from agentcell.backends.linux.egress import EgressError
 from agentcell.backends.linux.egress_service import Egress, EgressSettings
+from agentcell.backends.linux.file_events import FileCollector
+from agentcell.backends.linux.limit_events import LimitsCollector
 from agentcell.backends.linux.record import Collector, WatchTarget
 from agentcell.backends.network_policy import NetworkPolicy
 from agentcell.backends.pool import StandbyPool
@@ -89,9 +91,6 @@ class LinuxSandbox(RunningSandbox):
         poller.register(self.pidfd, select.POLLIN)
         return not poller.poll(0)  # readable = exited
 
-
-# The behaviour record's host-side collectors (issue 10), each made with the recorder's sink.
-COLLECTORS: tuple[Callable[[EventSink], Collector], ...] = ()
 
 SPAWN = b"spawn"  # see zygote.SPAWN
 _ZYGOTE_ENV = {"PATH", "LANG", "LC_ALL", "PYTHONPATH", "TZ", "AGENTCELL_TIMING"}
@@ -295,18 +294,37 @@ class LinuxBackend(CgroupSandboxes, Backend):
         self.host_tuning = host_tuning or host.HostTuning(**host_options)
         # what all sandboxes together may use (the parent cgroup's limits), known once start() set them
         self.host_budget: host.HostBudget | None = None
-        # the behaviour record's host-side collectors (record.py), made by attach_recorder()
+        # the behaviour record's host-side collectors (record.py), started by start() once a recorder is attached
         self.collectors: list[Collector] = []
+        self.missing_collectors: list[str] = []  # those that could not start here, and why
 
-    def attach_recorder(self, recorder: Recorder) -> None:
-        self.recorder = recorder
-        self.collectors = [make(recorder.add) for make in COLLECTORS]
+    def _make_collectors(self, sink: EventSink) -> list[Collector]:
+        """The behaviour record's host-side collectors (issue 10); the audit rules name this server's
+        host uid range, so they are made once start() reserved it."""
+        return [AuditCollector(sink, self.uid_base, self.uid_base + 2 * self._slot_count - 1),
+                FileCollector(sink, tune_sysctl=self.host_tuning.tune_sysctls), LimitsCollector(sink)]
+
+    async def _start_collectors(self) -> None:
+        """A collector that cannot run here (the kernel's audit locked, no fanotify ...) is left out and
+        said so, in the log and in each record (record.dropped at the claim): a record with a gap rather
+        than no sandboxes."""
+        assert self.recorder is not None
+        for collector in self._make_collectors(self.recorder.add):
+            try:
+                await collector.start()
+            except (BackendUnavailableError, OSError) as e:
+                print(f"agentcell: behaviour record without {type(collector).__name__}: {e}", file=sys.stderr)
+                self.missing_collectors.append(f"{type(collector).__name__}: {e}")
+                continue
+            self.collectors.append(collector)
 
     def _watch(self, sandbox: LinuxSandbox) -> None:
         """A tenant's sandbox: its record starts, and the collectors watch it, before its claim."""
         if self.recorder is None:
             return
         self.recorder.begin(sandbox.sandbox_id)
+        for why in self.missing_collectors:
+            self.recorder.add(sandbox.sandbox_id, event("record.dropped", count=0, reason=f"not recorded here: {why}"))
         target = WatchTarget(sandbox.sandbox_id, sandbox.host_pid, sandbox.host_uids, sandbox.cgroups,
                              sandbox.disk_fd)
         for collector in self.collectors:
@@ -365,8 +383,8 @@ class LinuxBackend(CgroupSandboxes, Backend):
             self.egress = egress
         if self.egress is not None and self.recorder is not None:
             self.egress.sink = self.recorder.add  # connection and DNS events join the behaviour record
-        for collector in self.collectors:
-            await collector.start()
+        if self.recorder is not None and not self.collectors:
+            await self._start_collectors()
         try:  # host-wide pools and the parent cgroup's limits (see host.py)
             self.host_budget = await asyncio.to_thread(host.prepare, self.cgroup_parent, self.max_sandboxes,
                                                        self.host_tuning)
