@@ -213,6 +213,12 @@ class EventStore:
             rec.dropped.clear()
             self._queue.put(("dropped", (sid, rec.dropped_total)))
 
+    async def flush(self) -> None:
+        """Until everything added so far is committed (and in the audit log)."""
+        done = threading.Event()
+        self._queue.put(("flush", done))
+        await asyncio.to_thread(done.wait, 30)
+
     # -- the writer thread -----------------------------------------------------------------------
 
     def _write_loop(self) -> None:
@@ -225,6 +231,7 @@ class EventStore:
                     items.append(self._queue.get_nowait())
             stop = False
             events: list[dict[str, Any]] = []
+            flushed: list[threading.Event] = []
             try:
                 with self._reader_lock:
                     db.execute("BEGIN")
@@ -238,6 +245,8 @@ class EventStore:
                             db.execute("UPDATE sandboxes SET ended = ? WHERE sandbox_id = ?", (arg[1], arg[0]))
                         elif op == "dropped":
                             db.execute("UPDATE sandboxes SET dropped = ? WHERE sandbox_id = ?", (arg[1], arg[0]))
+                        elif op == "flush":
+                            flushed.append(arg)
                         elif op == "stop":
                             stop = True
                     db.executemany(
@@ -258,6 +267,8 @@ class EventStore:
             self._queued -= len(events)
             if self.audit_log is not None and events:
                 self._write_audit_log(events)
+            for done in flushed:
+                done.set()
             if stop:
                 return
 
