@@ -30,7 +30,7 @@ class Discovery(abc.ABC):
     async def start(self, on_change: OnChange) -> None:
         """Report the endpoints known now (before returning), then keep watching in the background."""
 
-    async def close(self) -> None:
+    async def close(self) -> None:  # noqa: B027 - most adapters have nothing to stop
         """Stop watching."""
 
 
