@@ -247,8 +247,9 @@ class GatewayApp:
             cell.placed += 1
             if capture.passing:
                 return
-            log.info("cell %s refused a create (%d, %.0f ms); trying another", cell.cell_id, status,
-                     (time.monotonic() - started) * 1000)
+            cell.refusals += status in REFUSALS
+            log.warning("cell %s refused a create (%d, %.0f ms)%s", cell.cell_id, status,
+                        (time.monotonic() - started) * 1000, "; trying another" if status in REFUSALS else "")
             if status not in REFUSALS:  # 401: the cell key is wrong; no other cell will differ
                 break
         if capture is not None and capture.held:

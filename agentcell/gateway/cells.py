@@ -39,6 +39,7 @@ class CellState:
     sandboxes: int = 0
     placed: int = 0  # creates sent since the last poll (the poll's figures do not count them yet)
     inflight: int = 0  # creates sent and not answered
+    refusals: int = 0  # creates it refused at once (429/503), sent on to another cell
     last_ok: float = 0.0
     last_error: str = ""
     poller: asyncio.Task[None] | None = field(default=None, repr=False)
@@ -58,7 +59,7 @@ class CellState:
     def view(self) -> dict[str, Any]:
         return {"url": self.url, "cellId": self.cell_id, "up": self.up, "ready": self.ready,
                 "serving": self.serving, "draining": self.draining, "sandboxes": self.sandboxes,
-                "slots": self.slots, "load": self.load, "lastError": self.last_error or None}
+                "slots": self.slots, "load": self.load, "refusals": self.refusals, "lastError": self.last_error or None}
 
 
 class CellTable:
