@@ -103,23 +103,46 @@ async def forward(client: httpx.AsyncClient, base: str, scope: dict[str, Any], r
         raise CellUnreachable(str(e) or type(e).__name__) from None
     except httpx.HTTPError as e:
         raise CellFailed(str(e) or type(e).__name__) from None
+    loop = asyncio.get_running_loop()
+    # The request body is sent by now (HTTP/1.1: httpx sends it before reading the answer): receive()
+    # next says when the client goes away, and then the cell's stream (a command that never ends) is
+    # closed rather than read for nobody.
+    left = loop.create_task(_client_left(receive)) if body is None else None
+    pump = loop.create_task(_stream_response(scope, response, send))
     try:
-        out_headers = [(n.lower(), v) for n, v in response.headers.raw if n.lower() not in _RESPONSE_DROP]
-        await send({"type": "http.response.start", "status": response.status_code, "headers": out_headers})
-        try:
-            async for chunk in response.aiter_raw():
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        except httpx.HTTPError:
-            # the cell went away mid-stream: drop the client's connection as the cell's was (SDKs read
-            # a cut stream as "the sandbox is gone"), rather than end the body cleanly
-            drop = scope.get("extensions", {}).get("agentcell.drop")
-            if drop is not None:
-                drop()
-            return response.status_code
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        await asyncio.wait({pump, left} if left is not None else {pump}, return_when=asyncio.FIRST_COMPLETED)
+        if not pump.done():
+            pump.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await pump
         return response.status_code
     finally:
+        if left is not None:
+            left.cancel()
+        if not pump.done():
+            pump.cancel()
         await response.aclose()
+
+
+async def _client_left(receive: Any) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _stream_response(scope: dict[str, Any], response: httpx.Response, send: Any) -> None:
+    out_headers = [(n.lower(), v) for n, v in response.headers.raw if n.lower() not in _RESPONSE_DROP]
+    await send({"type": "http.response.start", "status": response.status_code, "headers": out_headers})
+    try:
+        async for chunk in response.aiter_raw():
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+    except httpx.HTTPError:
+        # the cell went away mid-stream: drop the client's connection as the cell's was (SDKs read a
+        # cut stream as "the sandbox is gone"), rather than end the body cleanly
+        drop = scope.get("extensions", {}).get("agentcell.drop")
+        if drop is not None:
+            drop()
+        return
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 def upgrade_requested(scope: dict[str, Any]) -> bool:
