@@ -11,6 +11,7 @@ local fake API server that plays a recorded EndpointSlice list and watch.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -93,7 +94,7 @@ def cells(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[ServerProce
                            env={"AGENTCELL_EGRESS_UPLINK": "none"}) for cid in CELL_IDS]
     try:
         for p in procs:
-            p.wait_ready()
+            p.wait_ready(timeout=300)  # they start together; a busy machine makes it slow (idle: seconds)
         yield procs
     finally:
         for p in procs:
@@ -404,6 +405,7 @@ async def test_kubernetes_discovery_follows_endpointslices() -> None:
         {"type": "MODIFIED", "object": _slice("cells-abc", "12", [both[0]])},
     ]
     requests: list[dict[str, str]] = []
+    done = asyncio.Event()
 
     async def endpointslices(request: web.Request) -> web.StreamResponse:
         requests.append(dict(request.query))
@@ -418,7 +420,8 @@ async def test_kubernetes_discovery_follows_endpointslices() -> None:
         for e in events:
             await asyncio.sleep(0.2)
             await resp.write(json.dumps(e).encode() + b"\n")
-        await asyncio.sleep(30)  # the watch stays open
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(done.wait(), 30)  # the watch stays open until the test ends
         return resp
 
     app = web.Application()
@@ -442,6 +445,7 @@ async def test_kubernetes_discovery_follows_endpointslices() -> None:
                             {a: (True, True), b: (False, True)},    # b terminating: no placement, still routed
                             {a: (True, True)}]                      # b gone
     finally:
+        done.set()
         await discovery.close()
         await api.close()
         await runner.cleanup()
