@@ -29,12 +29,14 @@ from agentcell.gateway import listing
 from agentcell.gateway.cells import CellState, CellTable
 from agentcell.gateway.discovery import Discovery
 from agentcell.gateway.forward import CellFailed, CellUnreachable, forward, relay_upgrade, upgrade_requested
+from agentcell.server.cell import CELL_ID_LEN
 from agentcell.server.errors import json_error, sandbox_not_found
 
 log = logging.getLogger("agentcell.gateway")
 
 _HOST_RE = re.compile(r"^\d+-([a-z0-9]+)\.")
-_CONTROL_ID_RE = re.compile(r"^/(?:v2/)?sandboxes/([a-z0-9]{1,64})(?:/|$)")
+# an id has a cell prefix and more: /sandboxes/metrics (no id) goes to a cell like any other path
+_CONTROL_ID_RE = re.compile(r"^/(?:v2/)?sandboxes/([a-z0-9]{%d,64})(?:/|$)" % (CELL_ID_LEN + 1))
 _CREATE_PATHS = frozenset({"/sandboxes", "/v2/sandboxes", "/sandboxes/", "/v2/sandboxes/"})
 MAX_CREATE_BODY = 1 << 20  # a create's JSON body is read whole (to retry it on another cell)
 MAX_SIGNED_BODY = 16 << 20  # an id-less signed upload is tried cell by cell: held at most this big

@@ -24,7 +24,8 @@ import httpx
 from agentcell.server.http_protocol import UPGRADE_EXTENSION
 
 HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"te", b"trailer",
-                        b"transfer-encoding", b"upgrade", b"proxy-authenticate", b"proxy-authorization"})
+                        b"transfer-encoding", b"upgrade", b"proxy-authenticate", b"proxy-authorization",
+                        b"expect"})  # uvicorn answered the client's 100-continue; httpx sends the body as it comes
 _RESPONSE_DROP = HOP_BY_HOP | {b"date", b"server"}  # uvicorn adds its own Date
 
 
