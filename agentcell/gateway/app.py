@@ -36,7 +36,7 @@ log = logging.getLogger("agentcell.gateway")
 
 _HOST_RE = re.compile(r"^\d+-([a-z0-9]+)\.")
 # an id has a cell prefix and more: /sandboxes/metrics (no id) goes to a cell like any other path
-_CONTROL_ID_RE = re.compile(r"^/(?:v2/)?sandboxes/([a-z0-9]{%d,64})(?:/|$)" % (CELL_ID_LEN + 1))
+_CONTROL_ID_RE = re.compile(rf"^/(?:v2/)?sandboxes/([a-z0-9]{{{CELL_ID_LEN + 1},64}})(?:/|$)")
 _CREATE_PATHS = frozenset({"/sandboxes", "/v2/sandboxes", "/sandboxes/", "/v2/sandboxes/"})
 MAX_CREATE_BODY = 1 << 20  # a create's JSON body is read whole (to retry it on another cell)
 MAX_SIGNED_BODY = 16 << 20  # an id-less signed upload is tried cell by cell: held at most this big
