@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/gateway.py --runs 2 --burst 6 --standbys 1      # a smoke run
 
 Rows (p50 / p95 over --runs, direct to a cell vs through the gateway, interleaved, and the ratio of p50s):
-* create -> first result (agentcell SDK: Sandbox.create + run_code("1"));
+* create -> first result (agentcell SDK: Sandbox.create + run_code("1")); direct: the three cells in turn;
 * run_code("1") on one sandbox, reached directly and through the gateway;
 * a burst of --burst concurrent creates through the gateway over three cells (wall time, per-create
   p50/p95, how they spread);
@@ -129,8 +129,8 @@ def main() -> None:
 
         create_direct: list[float] = []
         create_via: list[float] = []
-        for _ in range(a.runs):
-            create_direct.append(timed(lambda: create_and_run(direct_url)))
+        for i in range(a.runs):  # direct: the cells in turn, so both sides draw on three cells' standbys
+            create_direct.append(timed(lambda: create_and_run(cells[i % len(cells)][1])))
             create_via.append(timed(lambda: create_and_run(gw)))
         row("create -> first result", create_direct, create_via)
 
