@@ -130,7 +130,8 @@ def main() -> None:
         create_direct: list[float] = []
         create_via: list[float] = []
         for i in range(a.runs):  # direct: the cells in turn, so both sides draw on three cells' standbys
-            create_direct.append(timed(lambda: create_and_run(cells[i % len(cells)][1])))
+            url = cells[i % len(cells)][1]
+            create_direct.append(timed(lambda u=url: create_and_run(u)))  # type: ignore[misc]
             create_via.append(timed(lambda: create_and_run(gw)))
         row("create -> first result", create_direct, create_via)
 
