@@ -298,6 +298,19 @@ def test_unknown_cell_is_not_found(gw: str) -> None:
     assert httpx.get(gw + "/v2/sandboxes", headers={"X-API-KEY": "x"}).status_code == 200
 
 
+def test_the_gateway_checks_the_api_key(cells: list[ServerProcess], tmp_path: Path) -> None:
+    key = "e2b_" + "ab" * 20
+    keyed = GatewayProcess(tmp_path / "keyed.log", [cells[0].url], "--api-key", key)
+    try:
+        keyed.wait_ready()
+        assert httpx.get(keyed.url + "/v2/sandboxes").status_code == 401
+        assert httpx.get(keyed.url + "/v2/sandboxes", headers={"X-API-KEY": "e2b_wrong"}).status_code == 401
+        assert httpx.get(keyed.url + "/v2/sandboxes", headers={"X-API-KEY": key}).status_code == 200
+        assert httpx.get(keyed.url + "/health").status_code == 200  # no key: a probe
+    finally:
+        keyed.stop()
+
+
 # --- failures (destructive: the order matters) ----------------------------------------------------------
 
 
