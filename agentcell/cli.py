@@ -76,6 +76,12 @@ def main() -> None:
 @click.option("--standbys", default=4, show_default=True, type=click.IntRange(0, 1024),
               help="Sandboxes kept prepared (fenced, agent and default context started) for creates with "
                    "the default limits; each idle one holds ~15 MiB. 0: every create prepares its own.")
+@click.option("--cell-id", default=None, envvar="AGENTCELL_CELL_ID",
+              help="Run as a cell behind `agentcell gateway`: every sandbox id starts with this id (8 chars "
+                   "a-z0-9; a longer value such as a pod UID is hashed to 8). Default: none.")
+@click.option("--drain-grace", default=None, type=click.FloatRange(min=0),
+              help="Seconds SIGTERM waits for live sandboxes to end (creates get 429, /health 503) before "
+                   "stopping. Default: --max-timeout with --cell-id, else 0 (stop at once).")
 @click.option("--uid-base", default=None, type=click.IntRange(1000, (1 << 31) - 1),
               help="First host uid of this server's sandboxes (default: a free range, disjoint from other servers').")
 @click.option("--backend", default="linux", show_default=True, type=click.Choice(["linux", "gvisor"]),
@@ -174,6 +180,7 @@ def serve(**opts: Any) -> None:
         click.echo("agentcell: the gvisor backend gives sandboxes no network: --egress-uplink none", err=True)
         opts["egress_uplink"] = "none"
     opts["tune_sysctls"] = opts.pop("host_sysctls")
+    opts["cell_id"] = _cell_id(opts["cell_id"])
     opts["egress_dns"] = tuple(opts["egress_dns"])
     opts["egress_allow_ranges"] = tuple(opts["egress_allow_ranges"])
     opts["internet_default"] = None if opts["internet_default"] is None else opts["internet_default"] == "on"
@@ -187,6 +194,64 @@ def serve(**opts: Any) -> None:
         raise click.ClickException(str(e)) from None
     _watch_lifeline()
     run_server(config)
+
+
+@main.command()
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on. Any non-loopback address needs --api-key (or --insecure-no-auth).")
+@click.option("--port", default=DEFAULT_PORT, show_default=True, type=int, help="TCP port.")
+@click.option("--api-key", default=None, envvar="AGENTCELL_GATEWAY_API_KEY",
+              help="Require this X-API-KEY of clients on the control plane (default: accept any).")
+@click.option("--cell-api-key", default=None, envvar="AGENTCELL_CELL_API_KEY",
+              help="The X-API-KEY the cells require (default: --api-key).")
+@click.option("--insecure-no-auth", is_flag=True, help="Allow a non-loopback --host without --api-key.")
+@click.option("--discovery", default="static", show_default=True, type=click.Choice(["static", "kubernetes"]),
+              help="How cells are found: a fixed list, or the EndpointSlices of the cells' headless Service.")
+@click.option("--cell", "cells", multiple=True, metavar="URL", help="A cell, e.g. http://10.0.0.5:49982 (static; repeatable).")
+@click.option("--cells-file", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="A file of cell URLs, one a line, '#' comments (static).")
+@click.option("--k8s-service", default="agentcell-cells", show_default=True,
+              help="The cells' headless Service (kubernetes).")
+@click.option("--k8s-namespace", default=None,
+              help="Its namespace (default: the gateway pod's own, else 'default').")
+@click.option("--k8s-port-name", default=None, help="The EndpointSlice port to use (default: the first).")
+@click.option("--poll-interval", default=1.0, show_default=True, type=click.FloatRange(min=0.05),
+              help="Seconds between polls of each cell's /v1/cell (placement figures, liveness).")
+@click.option("--log-level", default="info", show_default=True,
+              type=click.Choice(["critical", "error", "warning", "info", "debug"]))
+def gateway(**opts: Any) -> None:
+    """Run a stateless gateway in front of many cells (agentcell serve --cell-id): docs/gateway.md."""
+    from agentcell.gateway.app import GatewayApp
+    from agentcell.gateway.app import serve as run_gateway
+    from agentcell.gateway.discovery import Discovery, StaticDiscovery
+    from agentcell.server.hosts import is_loopback
+
+    if opts["api_key"] == "":
+        raise click.BadParameter("is empty; pass a real key or leave the option out", param_hint="--api-key")
+    if not is_loopback(opts["host"]) and opts["api_key"] is None and not opts["insecure_no_auth"]:
+        raise click.ClickException(f"refusing to listen on {opts['host']!r} without an API key: pass --api-key KEY, "
+                                   "listen on 127.0.0.1, or pass --insecure-no-auth")
+    discovery: Discovery
+    try:
+        if opts["discovery"] == "static":
+            discovery = StaticDiscovery(opts["cells"], opts["cells_file"])
+        else:
+            from agentcell.gateway.kubernetes import KubernetesDiscovery
+
+            discovery = KubernetesDiscovery(opts["k8s_service"], opts["k8s_namespace"], opts["k8s_port_name"])
+    except (ValueError, OSError) as e:
+        raise click.ClickException(str(e)) from None
+    app = GatewayApp(discovery, opts["api_key"], opts["cell_api_key"], opts["poll_interval"])
+    run_gateway(app, opts["host"], opts["port"], opts["log_level"])
+
+
+def _cell_id(raw: str | None) -> str | None:
+    from agentcell.server.cell import normalise_cell_id
+
+    try:
+        return normalise_cell_id(raw)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--cell-id") from None
 
 
 def _opts(f):  # type: ignore[no-untyped-def]

@@ -88,6 +88,20 @@ def new_sandbox_id() -> str:
     return "".join(secrets.choice(_ID_ALPHABET) for _ in range(20))
 
 
+_cell_prefix = ""  # this server's cell id (server/cell.py), the first characters of its sandboxes' ids
+
+
+def set_sandbox_id_prefix(prefix: str) -> None:
+    """Every sandbox id made from now on starts with `prefix` (a gateway routes by it; "": none)."""
+    global _cell_prefix
+    _cell_prefix = prefix
+
+
+def new_cell_sandbox_id() -> str:
+    """A new sandbox's id: the cell id, if the server has one, then new_sandbox_id()."""
+    return _cell_prefix + new_sandbox_id()
+
+
 @dataclass(frozen=True, slots=True)
 class SandboxSpec:
     sandbox_id: str = ""  # ^[a-z0-9]+$, also the sandbox's hostname; "": the backend picks one

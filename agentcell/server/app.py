@@ -22,9 +22,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from agentcell.backends import get_backend
-from agentcell.backends.base import Backend
+from agentcell.backends.base import Backend, set_sandbox_id_prefix
 from agentcell.backends.linux.egress_service import EgressSettings
-from agentcell.server import api_events, auth, files, interpreter, ports
+from agentcell.server import api_events, auth, cell, files, interpreter, ports
 from agentcell.server.asgi import declared_length, has_body, header, is_connect_rpc
 from agentcell.server.auth import ENVD_PORT, INTERPRETER_PORT
 from agentcell.server.bodies import BUDGET_KEY, BodyBudget, json_content_type_refusal
@@ -102,6 +102,7 @@ class AgentcellApp:
     def __init__(self, config: ServerConfig, backend: Backend | None = None) -> None:
         check_config(config)
         self.config = config
+        set_sandbox_id_prefix(config.cell_id or "")  # before any standby is prepared (server/cell.py)
         self.backend = backend or _build_backend(config.backend, config)
         # the other backends templates or creates may use (--template-backend, --create-backends)
         self.others = {name: _build_backend(name, config) for name in backend_names(config)[1:]
@@ -119,6 +120,7 @@ class AgentcellApp:
                                       Admission(config.memory_overcommit, config.pids_overcommit),
                                       Retention(config.paused_ttl, config.max_paused, config.hibernate_after), state_dir,
                                       self.others, self.events)
+        self.cell = cell.Cell(config.cell_id, self.manager, config.max_sandboxes, cell.drain_grace(config))
         self.snapshots = SnapshotStore(state_dir / "snapshots", config.snapshot_quota_mb << 20, config.max_snapshots)
         self.control = Starlette(routes=ControlPlane(config, self.manager, self.snapshots).routes(),
                                  exception_handlers=_HANDLERS)
@@ -183,6 +185,8 @@ class AgentcellApp:
             api_key = self.config.api_key
             if api_key is not None and scope["path"] != "/health" and not auth.api_key_ok(scope, api_key):
                 await json_error(401, "invalid or missing X-API-KEY")(scope, receive, send)
+                return
+            if await self.cell.answer(scope, receive, send):  # /v1/cell; /health and creates while draining
                 return
             if refusal := json_content_type_refusal(scope):
                 await json_error(415, refusal)(scope, receive, send)
@@ -357,8 +361,9 @@ def serve(config: ServerConfig) -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 1 << 20, hard))
+    app = create_app(config)
     uv = uvicorn.Config(
-        create_app(config),
+        app,
         host=config.host,
         port=config.port,
         uds=config.uds,
@@ -370,4 +375,4 @@ def serve(config: ServerConfig) -> None:
         server_header=False,  # a proxied response keeps its own Server header (ports.py); no banner otherwise
         timeout_keep_alive=int(KEEP_ALIVE),
     )
-    uvicorn.Server(uv).run()
+    cell.DrainingServer(uv, app.cell).run()  # SIGTERM drains first (server/cell.py)

@@ -49,6 +49,9 @@ class ServerConfig:
     events_rate: float = 2000.0  # events per second per sandbox and source (burst: 10 s of it)
     events_max_mb: int = 1024  # disk the whole record store may take, roughly
     audit_log: str | None = None  # also write every event as a JSON line here ("-": stdout)
+    # --- a cell behind `agentcell gateway` (server/cell.py) ---
+    cell_id: str | None = None  # the prefix of every sandbox id; None: no cell id (ids as before)
+    drain_grace: float | None = None  # seconds SIGTERM waits for live sandboxes; None: max_timeout with a cell id, else 0
     uid_base: int | None = None  # first host uid of this server's sandboxes; None = a free range
     # The `domain` reported to SDKs. None = the Host the request came to, so an SDK without
     # E2B_SANDBOX_URL never falls back to E2B's own cloud domain.

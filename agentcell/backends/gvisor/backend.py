@@ -37,7 +37,7 @@ from agentcell.backends.base import (
     Limits,
     RunningSandbox,
     SandboxSpec,
-    new_sandbox_id,
+    new_cell_sandbox_id,
 )
 from agentcell.backends.cgroup_backend import CgroupSandboxes
 from agentcell.backends.gvisor import reap, rootfs, seccomp_extra, spec
@@ -210,9 +210,9 @@ class GvisorBackend(CgroupSandboxes, Backend):
             raise SandboxError("too many sandboxes on this host", "resource_exhausted")
 
     def _new_id(self) -> str:
-        sandbox_id = new_sandbox_id()
+        sandbox_id = new_cell_sandbox_id()
         while sandbox_id in self._sandboxes:
-            sandbox_id = new_sandbox_id()
+            sandbox_id = new_cell_sandbox_id()
         return sandbox_id
 
     def _make_sandbox(self, sandbox_id: str, limits: Limits, sock: socket.socket) -> GvisorSandbox:

@@ -29,7 +29,7 @@ from agentcell.backends.base import (
     Limits,
     RunningSandbox,
     SandboxSpec,
-    new_sandbox_id,
+    new_cell_sandbox_id,
 )
 from agentcell.backends.cgroup_backend import CgroupSandboxes
 from agentcell.backends.events import EventSink, event
@@ -412,9 +412,9 @@ class LinuxBackend(CgroupSandboxes, Backend):
         return pool
 
     def _new_id(self) -> str:
-        sandbox_id = new_sandbox_id()
+        sandbox_id = new_cell_sandbox_id()
         while sandbox_id in self._owned:
-            sandbox_id = new_sandbox_id()
+            sandbox_id = new_cell_sandbox_id()
         return sandbox_id
 
     async def _spawn(self, template: str, sock_fd: int) -> None:

@@ -1,0 +1,333 @@
+"""The gateway's ASGI app: API key, routing by the id's cell prefix, placement, list fan-out.
+
+| request | goes to |
+|---|---|
+| data plane (`E2b-Sandbox-Id` header, or Host `{port}-{id}.…`) | the cell named by the id's first CELL_ID_LEN chars |
+| `/sandboxes/{id}…`, `/v2/sandboxes/{id}…` | the same |
+| `POST /sandboxes`, `POST /v2/sandboxes` | the less loaded of two random ready cells; on 429/503 or a refused connection, another |
+| `GET /sandboxes`, `GET /v2/sandboxes`, `GET /snapshots` | every reachable cell, merged (listing.py) |
+| `/files` without a sandbox (a signed URL) | each cell in turn until one knows the signature |
+| `GET /health` | the gateway itself (no key); `GET /v1/cells`: its view of the cells (key) |
+| anything else on the control plane | one ready cell |
+
+An id whose cell is unknown, down or no longer serving gets E2B's 502 "The sandbox was not found".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import re
+import time
+from typing import Any
+
+import httpx
+from starlette.responses import JSONResponse
+
+from agentcell.gateway import listing
+from agentcell.gateway.cells import CellState, CellTable
+from agentcell.gateway.discovery import Discovery
+from agentcell.gateway.forward import CellFailed, CellUnreachable, forward, relay_upgrade, upgrade_requested
+from agentcell.server.cell import CELL_ID_LEN
+from agentcell.server.errors import json_error, sandbox_not_found
+
+log = logging.getLogger("agentcell.gateway")
+
+_HOST_RE = re.compile(r"^\d+-([a-z0-9]+)\.")
+# an id has a cell prefix and more: /sandboxes/metrics (no id) goes to a cell like any other path
+_CONTROL_ID_RE = re.compile(rf"^/(?:v2/)?sandboxes/([a-z0-9]{{{CELL_ID_LEN + 1},64}})(?:/|$)")
+_CREATE_PATHS = frozenset({"/sandboxes", "/v2/sandboxes", "/sandboxes/", "/v2/sandboxes/"})
+MAX_CREATE_BODY = 1 << 20  # a create's JSON body is read whole (to retry it on another cell)
+MAX_SIGNED_BODY = 16 << 20  # an id-less signed upload is tried cell by cell: held at most this big
+REFUSALS = frozenset({429, 503})  # a cell said no at once: the create may go elsewhere
+
+
+def _header(scope: dict[str, Any], name: bytes) -> str | None:
+    for n, v in scope["headers"]:
+        if n.lower() == name:
+            return v.decode("latin-1")
+    return None
+
+
+def data_plane_id(scope: dict[str, Any]) -> str | None:
+    """The sandbox id of a data-plane request (E2B's header, or a `{port}-{id}.` Host)."""
+    by_header = _header(scope, b"e2b-sandbox-id")
+    if by_header is not None:
+        return by_header.strip()
+    m = _HOST_RE.match((_header(scope, b"host") or "").lower())
+    return m.group(1) if m else None
+
+
+async def _read_body(receive: Any, most: int) -> bytes | None:
+    """The whole request body, or None past `most` bytes."""
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            break
+        data = message.get("body", b"")
+        size += len(data)
+        if size > most:
+            return None
+        chunks.append(data)
+        if not message.get("more_body", False):
+            break
+    return b"".join(chunks)
+
+
+def _replay(body: bytes) -> Any:
+    sent = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal sent
+        if sent:
+            await asyncio.Event().wait()  # like a client that stays: forward() reads the body once
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return receive
+
+
+class _Capture:
+    """An ASGI send that holds a short answer back (a refusal may be retried elsewhere) and streams
+    everything else through."""
+
+    def __init__(self, send: Any) -> None:
+        self._send = send
+        self.status = 0
+        self.held: list[dict[str, Any]] = []
+        self.passing = False
+
+    async def __call__(self, message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            self.status = message["status"]
+            self.passing = self.status not in REFUSALS and self.status != 401
+        if self.passing:
+            await self._send(message)
+        else:
+            self.held.append(message)
+
+    async def release(self) -> None:
+        for message in self.held:
+            await self._send(message)
+        self.held = []
+
+
+class GatewayApp:
+    def __init__(self, discovery: Discovery, api_key: str | None, cell_api_key: str | None,
+                 poll_interval: float = 1.0) -> None:
+        self.discovery = discovery
+        self.api_key = api_key
+        self.cell_api_key = cell_api_key if cell_api_key is not None else api_key
+        self.cells = CellTable(self.cell_api_key, poll_interval, poll_timeout=max(0.2, min(1.0, poll_interval)))
+        self.client: httpx.AsyncClient | None = None
+
+    # --- lifespan --------------------------------------------------------------------------------
+
+    async def startup(self) -> None:
+        # no read deadline: a stream (a command's output, a download) lasts as long as it lasts
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(None, connect=3.0), trust_env=False, http2=False,
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256, keepalive_expiry=30))
+        await self.discovery.start(self.cells.update)
+        await self.cells.wait_first_polls(timeout=3.0)
+
+    async def shutdown(self) -> None:
+        await self.discovery.close()
+        await self.cells.close()
+        if self.client is not None:
+            await self.client.aclose()
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    try:
+                        await self.startup()
+                    except Exception as e:
+                        log.exception("gateway startup failed")
+                        await send({"type": "lifespan.startup.failed", "message": str(e)})
+                        return
+                    await send({"type": "lifespan.startup.complete"})
+                elif message["type"] == "lifespan.shutdown":
+                    await self.shutdown()
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        if scope["type"] != "http":
+            return
+        await self.route(scope, receive, send)
+
+    # --- routing ---------------------------------------------------------------------------------
+
+    def _key_ok(self, scope: dict[str, Any]) -> bool:
+        if self.api_key is None:
+            return True
+        got = _header(scope, b"x-api-key") or ""
+        return hmac.compare_digest(got.encode(), self.api_key.encode())
+
+    async def route(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        sandbox_id = data_plane_id(scope)
+        if sandbox_id is not None:  # data plane: the cell checks the sandbox's own token
+            await self._to_sandbox(sandbox_id, scope, receive, send)
+            return
+        path, method = scope["path"], scope["method"]
+        if path == "/health":
+            ready = sum(1 for c in self.cells.by_url.values() if c.placeable)
+            await JSONResponse({"status": "ok", "cells": len(self.cells.routable()), "ready": ready})(
+                scope, receive, send)
+            return
+        if path == "/files" and method in ("GET", "POST"):
+            await self._signed_files(scope, receive, send)
+            return
+        if not self._key_ok(scope):
+            await json_error(401, "invalid or missing X-API-KEY")(scope, receive, send)
+            return
+        if path == "/v1/cells" and method == "GET":
+            await JSONResponse([c.view() for c in self.cells.by_url.values()])(scope, receive, send)
+            return
+        if m := _CONTROL_ID_RE.match(path):
+            await self._to_sandbox(m.group(1), scope, receive, send)
+            return
+        if path in _CREATE_PATHS and method == "POST":
+            await self._create(scope, receive, send)
+            return
+        if method == "GET" and path in ("/sandboxes", "/v2/sandboxes", "/snapshots"):
+            await self._list(scope, receive, send)
+            return
+        cell = self.cells.pick(set()) or next(iter(self.cells.routable()), None)
+        if cell is None:
+            await json_error(503, "no cell is reachable; retry shortly")(scope, receive, send)
+            return
+        await self._forward(cell, scope, receive, send)
+
+    async def _forward(self, cell: CellState, scope: dict[str, Any], receive: Any, send: Any,
+                       body: bytes | None = None) -> int:
+        assert self.client is not None
+        if upgrade_requested(scope):
+            await relay_upgrade(cell.url, scope, self.cell_api_key)
+            return 101
+        return await forward(self.client, cell.url, scope, receive, send, self.cell_api_key, body)
+
+    async def _to_sandbox(self, sandbox_id: str, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        cell = self.cells.route(sandbox_id)
+        if cell is None:
+            await sandbox_not_found(sandbox_id)(scope, receive, send)
+            return
+        try:
+            await self._forward(cell, scope, receive, send)
+        except CellUnreachable as e:
+            self.cells.mark_down(cell, f"connect failed: {e}")
+            await sandbox_not_found(sandbox_id)(scope, receive, send)
+        except CellFailed:  # the cell dropped the connection without an answer: it, or the sandbox, is gone
+            await sandbox_not_found(sandbox_id)(scope, receive, send)
+
+    async def _create(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        body = await _read_body(receive, MAX_CREATE_BODY)
+        if body is None:
+            await json_error(413, f"a create's body is at most {MAX_CREATE_BODY >> 10} KiB")(scope, receive, send)
+            return
+        tried: set[str] = set()
+        capture: _Capture | None = None
+        while (cell := self.cells.pick(tried)) is not None:
+            tried.add(cell.url)
+            capture = _Capture(send)
+            cell.inflight += 1
+            started = time.monotonic()
+            try:
+                status = await self._forward(cell, scope, _replay(body), capture, body)
+            except CellUnreachable as e:
+                self.cells.mark_down(cell, f"connect failed: {e}")
+                continue
+            except CellFailed as e:
+                await json_error(502, f"cell {cell.cell_id} failed while creating the sandbox ({e}); it may "
+                                      "or may not exist: list sandboxes, or create again")(scope, receive, send)
+                return
+            finally:
+                cell.inflight -= 1
+            cell.placed += 1
+            if capture.passing:
+                return
+            cell.refusals += status in REFUSALS
+            log.warning("cell %s refused a create (%d, %.0f ms)%s", cell.cell_id, status,
+                        (time.monotonic() - started) * 1000, "; trying another" if status in REFUSALS else "")
+            if status not in REFUSALS:  # 401: the cell key is wrong; no other cell will differ
+                break
+        if capture is not None and capture.held:
+            await capture.release()
+            return
+        await json_error(503, "no cell can take a new sandbox now (every cell is full, draining or down); "
+                              "retry shortly")(scope, receive, send)
+
+    async def _list(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        assert self.client is not None
+        cells = self.cells.routable()
+        query = scope.get("query_string", b"").decode("latin-1")
+        headers = self.cells.headers()
+        try:
+            if scope["path"] == "/v2/sandboxes":
+                page, token, running = await listing.list_v2(self.client, cells, query, headers)
+                out = {"x-total-running": str(running)}
+                if token:
+                    out["x-next-token"] = token
+                await JSONResponse(page, headers=out)(scope, receive, send)
+            else:
+                path = scope["path"]
+                items = await listing.list_v1(self.client, cells, query, headers) if path == "/sandboxes" else \
+                    await _concat(self.client, cells, path, query, headers)
+                await JSONResponse(items)(scope, receive, send)
+        except listing.ListError as e:
+            await json_error(e.status, e.message)(scope, receive, send)
+
+    async def _signed_files(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        """An SDK's download_url()/upload_url() under E2B_SANDBOX_URL names no sandbox: only the
+        cell whose sandbox signed it accepts it (the others answer 401), so try each in turn."""
+        body = b""
+        if scope["method"] == "POST":
+            got = await _read_body(receive, MAX_SIGNED_BODY)
+            if got is None:
+                await json_error(413, f"an upload to a signed URL without a sandbox id is at most "
+                                      f"{MAX_SIGNED_BODY >> 20} MiB through the gateway; use the SDK's "
+                                      "files.write (it names the sandbox)")(scope, receive, send)
+                return
+            body = got
+        capture: _Capture | None = None
+        for cell in self.cells.routable():
+            capture = _Capture(send)
+            try:
+                await self._forward(cell, scope, _replay(body), capture, body if body else None)
+            except (CellUnreachable, CellFailed):
+                continue
+            if capture.passing:
+                return
+        if capture is not None and capture.held:
+            await capture.release()
+            return
+        await json_error(401, "invalid signature")(scope, receive, send)
+
+
+async def _concat(client: httpx.AsyncClient, cells: list[CellState], path: str, query: str,
+                  headers: dict[str, str]) -> list[Any]:
+    url = path + ("?" + query if query else "")
+    answers = await asyncio.gather(*(client.get(c.url + url, headers=headers) for c in cells),
+                                   return_exceptions=True)
+    out: list[Any] = []
+    for r in answers:
+        if isinstance(r, httpx.Response) and r.status_code == 200:
+            out += r.json()
+    return out
+
+
+def serve(app: GatewayApp, host: str, port: int, log_level: str = "info", header_timeout: float = 10.0,
+          max_connections: int = 4096) -> None:
+    """Run the gateway in the foreground (uvicorn, with the server's guarded HTTP protocol: header
+    deadlines, connection cap, and upgrades handed over as raw connections)."""
+    import uvicorn
+
+    from agentcell.server.http_protocol import KEEP_ALIVE, guarded_protocol
+
+    uv = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on", ws="none",
+                        http=guarded_protocol(header_timeout, max_connections), server_header=False,
+                        timeout_keep_alive=int(KEEP_ALIVE), timeout_graceful_shutdown=5)
+    uvicorn.Server(uv).run()

@@ -1,0 +1,464 @@
+"""`agentcell gateway` in front of three real cells (docs/gateway.md), all on loopback.
+
+Three `agentcell serve --cell-id` processes (own state dirs, automatic disjoint uid ranges, no uplink,
+one standby; the third holds at most one sandbox) and two gateways with static discovery. Through a
+gateway: agentcell's SDK and the official e2b / e2b-code-interpreter SDKs, streams, files, a port and a
+WebSocket; placement and overflow; list merged; then the failures, the destructive ones last: a stopped
+cell, a killed gateway, a draining cell, a killed cell. The Kubernetes adapter is tested against a
+local fake API server that plays a recorded EndpointSlice list and watch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+
+from agentcell import Sandbox
+from agentcell.server.cell import CELL_ID_LEN, normalise_cell_id
+from tests.conftest import REPO, ServerProcess, _free_port
+from tests.helpers import e2b_pointed_at
+
+CELL_IDS = ("cellaaaa", "cellbbbb", "cellcccc")  # the third: --max-sandboxes 1
+PORT_SERVER = (Path(__file__).parent / "port_server.py").read_text()
+
+
+class GatewayProcess:
+    def __init__(self, log_path: Path, cells: list[str], *args: str) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self._log = log_path.open("wb")
+        cell_args = [a for c in cells for a in ("--cell", c)]
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "agentcell", "gateway", "--port", str(self.port), *cell_args, *args],
+            cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            assert self.proc.poll() is None, f"the gateway exited:\n{self.log()[-3000:]}"
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, f"the gateway did not start:\n{self.log()[-3000:]}"
+            time.sleep(0.1)
+
+    def cells(self) -> dict[str, dict[str, Any]]:
+        return {c["cellId"]: c for c in httpx.get(self.url + "/v1/cells", timeout=5).json() if c["cellId"]}
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+def _wait(what: str, check: Any, timeout: float = 15) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        got = check()
+        if got:
+            return got
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def cells(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[ServerProcess]]:
+    logs = tmp_path_factory.mktemp("cells")
+    procs = [ServerProcess(logs / f"{cid}.log", "--cell-id", cid, "--standbys", "1", "--drain-grace", "60",
+                           *(("--max-sandboxes", "1") if cid == CELL_IDS[2] else ()),
+                           env={"AGENTCELL_EGRESS_UPLINK": "none"}) for cid in CELL_IDS]
+    try:
+        for p in procs:
+            p.wait_ready(timeout=300)  # they start together; a busy machine makes it slow (idle: seconds)
+        yield procs
+    finally:
+        for p in procs:
+            if p.proc.poll() is None:
+                os.kill(p.pid, signal.SIGCONT)  # a test stopped it
+                p.proc.send_signal(signal.SIGINT)  # no drain: stop now
+            p.stop()
+
+
+@pytest.fixture(scope="module")
+def gateways(cells: list[ServerProcess], tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[GatewayProcess]]:
+    logs = tmp_path_factory.mktemp("gateways")
+    gws = [GatewayProcess(logs / f"gw{i}.log", [c.url for c in cells]) for i in range(2)]
+    try:
+        for g in gws:
+            g.wait_ready()
+        _wait("every cell up at both gateways", lambda: all(len(g.cells()) == 3 and all(
+            c["up"] for c in g.cells().values()) for g in gws))
+        yield gws
+    finally:
+        for g in gws:
+            g.stop()
+
+
+@pytest.fixture(scope="module")
+def gw(gateways: list[GatewayProcess]) -> str:
+    return gateways[0].url
+
+
+def _cell_of(sandbox_id: str) -> str:
+    return sandbox_id[:CELL_ID_LEN]
+
+
+def _gone(r: httpx.Response, sandbox_id: str) -> bool:
+    return r.status_code == 502 and r.json() == {"sandboxId": sandbox_id, "message": "The sandbox was not found",
+                                                 "code": 502}
+
+
+# --- the cell's own additions -------------------------------------------------------------------------
+
+
+def test_cell_ids_are_normalised() -> None:
+    assert normalise_cell_id("CellAAAA") == "cellaaaa"
+    uid = "3f2a9c1e-7b4d-4e2a-9f11-0c5d2e8b7a61"  # a pod UID from the downward API: hashed to 8
+    got = normalise_cell_id(uid)
+    assert got is not None and len(got) == CELL_ID_LEN and got.isalnum() and got == normalise_cell_id(uid.upper())
+    assert normalise_cell_id(None) is None and normalise_cell_id("") is None
+    with pytest.raises(ValueError, match="8 characters"):
+        normalise_cell_id("abc")
+
+
+def test_v1_cell_and_prefixed_ids(cells: list[ServerProcess]) -> None:
+    info = httpx.get(cells[2].url + "/v1/cell").json()
+    assert info["cellId"] == CELL_IDS[2] and info["draining"] is False
+    assert info["capacity"]["slots"] == 1 and info["capacity"]["maxSandboxes"] == 1
+    assert {"memoryLeft", "pidsLeft"} <= set(info["capacity"]) and 0 <= info["load"] <= 1
+    r = httpx.post(cells[0].url + "/v2/sandboxes", json={"templateID": "base", "timeout": 60})
+    sid = r.json()["sandboxID"]
+    try:
+        assert sid.startswith(CELL_IDS[0]) and len(sid) == CELL_ID_LEN + 20 and sid.isalnum() and sid.islower()
+        assert httpx.get(cells[0].url + "/v1/cell").json()["sandboxes"] == 1
+    finally:
+        httpx.delete(f"{cells[0].url}/sandboxes/{sid}")
+
+
+# --- through a gateway ----------------------------------------------------------------------------------
+
+
+def test_agentcell_sdk_through_the_gateway(gw: str) -> None:
+    with Sandbox.create(api_url=gw, timeout=120) as sbx:
+        assert _cell_of(sbx.sandbox_id) in CELL_IDS
+        seen: list[tuple[float, str]] = []
+        t0 = time.monotonic()
+        r = sbx.run_code("import time\nfor i in range(3):\n    print(i, flush=True); time.sleep(0.3)\n41 + 1",
+                         on_stdout=lambda m: seen.append((time.monotonic() - t0, str(m.line if hasattr(m, "line") else m))))
+        assert r.text == "42" and len(seen) == 3
+        assert seen[-1][0] - seen[0][0] > 0.4, f"the output came in one piece, not streamed: {seen}"
+        chunks: list[str] = []
+        out = sbx.commands.run("for i in 1 2 3; do echo line$i; sleep 0.2; done", on_stdout=chunks.append)
+        assert out.exit_code == 0 and out.stdout.split() == ["line1", "line2", "line3"] and len(chunks) >= 2
+        handle = sbx.commands.run("sleep 0.5; echo late", background=True)
+        again = sbx.commands.connect(handle.pid)
+        assert again.wait().stdout.strip() == "late"
+        blob = os.urandom(3 << 20)
+        sbx.files.write("/home/user/blob.bin", blob)
+        assert sbx.files.read("/home/user/blob.bin", format="bytes") == blob
+
+
+def test_e2b_sdks_through_the_gateway(gw: str) -> None:
+    from e2b import Sandbox as E2BSandbox
+    from e2b_code_interpreter import Sandbox as CISandbox
+
+    with e2b_pointed_at(gw):
+        sbx = CISandbox.create(timeout=120)
+        try:
+            assert _cell_of(sbx.sandbox_id) in CELL_IDS
+            lines: list[str] = []
+            r = sbx.run_code("for i in range(3): print('out', i)\n6 * 7", on_stdout=lambda m: lines.append(m.line))
+            assert r.text == "42" and "".join(lines).splitlines() == ["out 0", "out 1", "out 2"]
+            streamed: list[str] = []
+            assert sbx.commands.run("echo a; sleep 0.2; echo b", on_stdout=streamed.append).stdout == "a\nb\n"
+            bg = sbx.commands.run("sleep 0.3; echo bg-done", background=True)
+            assert sbx.commands.connect(bg.pid).wait().stdout.strip() == "bg-done"
+            sbx.files.write("/home/user/hello.txt", "hi through the gateway")
+            assert sbx.files.read("/home/user/hello.txt") == "hi through the gateway"
+            # a port served out of the sandbox, by Host {port}-{id}.{domain} as the SDK builds it
+            sbx.files.write("/tmp/port_server.py", PORT_SERVER)
+            sbx.commands.run("python /tmp/port_server.py 8000", background=True)
+            host = sbx.get_host(8000)
+            assert host == f"8000-{sbx.sandbox_id}.localhost:{urlsplit(gw).port}"
+
+            def echo() -> httpx.Response | None:
+                got = httpx.post(gw + "/echo?x=1", headers={"Host": host}, content=b"payload")
+                return got if got.status_code == 200 else None
+
+            assert json.loads(_wait("the port server", echo).text)["body"] == "payload"
+            big = httpx.get(gw + "/chunked?n=3000000", headers={"Host": host})
+            assert big.status_code == 200 and len(big.content) == 3000000
+            from websockets.sync.client import connect as ws_connect
+
+            sock = socket.create_connection(("127.0.0.1", urlsplit(gw).port))
+            with ws_connect(f"ws://{host}/ws", sock=sock, compression=None, max_size=None) as ws:
+                ws.send("hello")
+                assert ws.recv(timeout=10) == "hello"
+                blob = os.urandom(1 << 20)
+                ws.send(blob)
+                assert ws.recv(timeout=10) == blob
+            # the base e2b SDK too: connect to the same sandbox by id, through the gateway
+            plain = E2BSandbox.connect(sbx.sandbox_id)
+            assert plain.commands.run("cat /home/user/hello.txt").stdout == "hi through the gateway"
+        finally:
+            sbx.kill()
+        assert httpx.get(f"{gw}/sandboxes/{sbx.sandbox_id}").status_code == 404
+
+
+def _create(gw: str, **body: Any) -> str:
+    r = httpx.post(gw + "/v2/sandboxes", json={"templateID": "base", "timeout": 120, **body}, timeout=60)
+    assert r.status_code == 201, r.text
+    return r.json()["sandboxID"]
+
+
+def _kill_all(gw: str, ids: list[str]) -> None:
+    for sid in ids:
+        httpx.delete(f"{gw}/sandboxes/{sid}")
+
+
+def test_creates_spread_and_list_merges(gw: str, gateways: list[GatewayProcess]) -> None:
+    ids = [_create(gw, metadata={"suite": "gateway-list"}) for _ in range(6)]
+    try:
+        assert len({_cell_of(s) for s in ids}) >= 2, f"all creates went to one cell: {ids}"
+        assert sum(_cell_of(s) == CELL_IDS[2] for s in ids) <= 1  # the full cell holds one at most
+        listed = httpx.get(gateways[1].url + "/sandboxes", params={"metadata": "suite=gateway-list"}).json()
+        assert sorted(x["sandboxID"] for x in listed) == sorted(ids)
+        for order in ("desc", "asc"):  # v2, two at a time: one cursor over three cells
+            seen: list[dict[str, Any]] = []
+            token = None
+            for _ in range(10):
+                params = {"limit": "2", "order": order, "metadata": "suite=gateway-list", "state": "running"}
+                if token:
+                    params["nextToken"] = token
+                r = httpx.get(gateways[token is not None].url + "/v2/sandboxes", params=params)  # either gateway
+                assert r.status_code == 200, r.text
+                seen += r.json()
+                token = r.headers.get("x-next-token")
+                if not token:
+                    break
+            assert [x["sandboxID"] for x in seen] == [x["sandboxID"] for x in sorted(
+                seen, key=lambda x: (x["startedAt"], x["sandboxID"]), reverse=order == "desc")]
+            assert sorted(x["sandboxID"] for x in seen) == sorted(ids)
+        assert httpx.get(gw + "/v2/sandboxes", params={"nextToken": "!!"}).status_code == 400
+    finally:
+        _kill_all(gw, ids)
+
+
+def test_a_full_cell_overflows_to_another(cells: list[ServerProcess], tmp_path: Path) -> None:
+    """A gateway whose figures are stale (it polls once a minute) still places every create: the full
+    cell's 429 sends the create on to the other cell."""
+    stale = GatewayProcess(tmp_path / "stale.log", [cells[2].url, cells[0].url], "--poll-interval", "60")
+    filler = None
+    ids: list[str] = []
+    try:
+        stale.wait_ready()
+        filler = _create(cells[2].url)  # the full cell is full now; the gateway still believes it has a slot
+        for _ in range(8):
+            ids.append(_create(stale.url))
+            if stale.cells()[CELL_IDS[2]]["refusals"]:
+                break
+        assert stale.cells()[CELL_IDS[2]]["refusals"] == 1, "the full cell was never tried"
+        assert all(_cell_of(s) == CELL_IDS[0] for s in ids)
+    finally:
+        _kill_all(cells[0].url, ids)
+        if filler:
+            httpx.delete(f"{cells[2].url}/sandboxes/{filler}")
+        stale.stop()
+
+
+def test_unknown_cell_is_not_found(gw: str) -> None:
+    sid = "zzzzzzzz" + "a" * 20
+    assert _gone(httpx.get(gw + "/health", headers={"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": "49983"}), sid)
+    assert _gone(httpx.get(f"{gw}/sandboxes/{sid}"), sid)
+    assert httpx.get(gw + "/v2/sandboxes", headers={"X-API-KEY": "x"}).status_code == 200
+
+
+def test_the_gateway_checks_the_api_key(cells: list[ServerProcess], tmp_path: Path) -> None:
+    key = "e2b_" + "ab" * 20
+    keyed = GatewayProcess(tmp_path / "keyed.log", [cells[0].url], "--api-key", key)
+    try:
+        keyed.wait_ready()
+        assert httpx.get(keyed.url + "/v2/sandboxes").status_code == 401
+        assert httpx.get(keyed.url + "/v2/sandboxes", headers={"X-API-KEY": "e2b_wrong"}).status_code == 401
+        assert httpx.get(keyed.url + "/v2/sandboxes", headers={"X-API-KEY": key}).status_code == 200
+        assert httpx.get(keyed.url + "/health").status_code == 200  # no key: a probe
+    finally:
+        keyed.stop()
+
+
+# --- failures (destructive: the order matters) ----------------------------------------------------------
+
+
+def test_a_stopped_cell_is_marked_down_then_back(cells: list[ServerProcess], gateways: list[GatewayProcess]) -> None:
+    gw = gateways[0].url
+    sid = _create(cells[1].url)
+    token = httpx.get(f"{cells[1].url}/sandboxes/{sid}").json()["envdAccessToken"]
+    headers = {"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": "49999", "X-Access-Token": token}
+    os.kill(cells[1].pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        _wait("the stopped cell marked down", lambda: not gateways[0].cells()[CELL_IDS[1]]["up"], timeout=10)
+        noticed = time.monotonic() - t0
+        assert _gone(httpx.post(gw + "/execute", json={"code": "1"}, headers=headers), sid)
+        new = _create(gw)  # creates go elsewhere meanwhile
+        assert _cell_of(new) != CELL_IDS[1]
+        httpx.delete(f"{gw}/sandboxes/{new}")
+    finally:
+        os.kill(cells[1].pid, signal.SIGCONT)
+    _wait("the cell back up", lambda: gateways[0].cells()[CELL_IDS[1]]["up"], timeout=10)
+    r = httpx.post(gw + "/execute", json={"code": "20 + 22"}, headers=headers)
+    assert r.status_code == 200 and '"42"' in r.text
+    httpx.delete(f"{gw}/sandboxes/{sid}")
+    assert noticed < 5
+
+
+def test_killing_one_gateway_leaves_the_other_serving(gateways: list[GatewayProcess]) -> None:
+    first, second = gateways
+    sid = _create(first.url)
+    token = httpx.get(f"{first.url}/sandboxes/{sid}").json()["envdAccessToken"]
+    first.proc.kill()
+    first.proc.wait()
+    r = httpx.post(second.url + "/execute", json={"code": "x = 5; x * 2"},
+                   headers={"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": "49999", "X-Access-Token": token})
+    assert r.status_code == 200 and '"10"' in r.text
+    assert httpx.delete(f"{second.url}/sandboxes/{sid}").status_code == 204
+
+
+def test_a_terminated_cell_drains(cells: list[ServerProcess], gateways: list[GatewayProcess]) -> None:
+    gw = gateways[1].url
+    cell = cells[2]
+    sid = _create(cell.url)
+    token = httpx.get(f"{cell.url}/sandboxes/{sid}").json()["envdAccessToken"]
+    headers = {"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": "49999", "X-Access-Token": token}
+    cell.proc.send_signal(signal.SIGTERM)
+    _wait("health 503", lambda: httpx.get(cell.url + "/health").status_code == 503)
+    refused = httpx.post(cell.url + "/v2/sandboxes", json={"templateID": "base"})
+    assert refused.status_code == 429 and "draining" in refused.json()["message"]
+    _wait("the gateway sees it draining", lambda: gateways[1].cells()[CELL_IDS[2]]["draining"])
+    r = httpx.post(gw + "/execute", json={"code": "'still here'"}, headers=headers)  # its sandbox still answers
+    assert r.status_code == 200 and "still here" in r.text
+    new = _create(gw)
+    assert _cell_of(new) != CELL_IDS[2]
+    httpx.delete(f"{gw}/sandboxes/{new}")
+    assert cell.proc.poll() is None  # still up while its sandbox lives
+    httpx.delete(f"{gw}/sandboxes/{sid}")  # the last sandbox ends: the cell stops
+    assert cell.proc.wait(timeout=30) is not None
+
+
+def test_a_killed_cell_answers_not_found(cells: list[ServerProcess], gateways: list[GatewayProcess]) -> None:
+    gw = gateways[1].url
+    sid = _create(cells[0].url)
+    token = httpx.get(f"{cells[0].url}/sandboxes/{sid}").json()["envdAccessToken"]
+    cells[0].proc.kill()
+    cells[0].proc.wait()
+    r = httpx.post(gw + "/execute", json={"code": "1"},
+                   headers={"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": "49999", "X-Access-Token": token})
+    assert _gone(r, sid)
+    assert _gone(httpx.get(f"{gw}/sandboxes/{sid}"), sid)
+    new = _create(gw)  # the one cell left takes it
+    assert _cell_of(new) == CELL_IDS[1]
+    httpx.delete(f"{gw}/sandboxes/{new}")
+
+
+# --- Kubernetes discovery, against a fake API server on loopback ----------------------------------------
+
+
+def _slice(name: str, version: str, endpoints: list[tuple[str, bool, bool, bool]]) -> dict[str, Any]:
+    """An EndpointSlice as the API server sends it (recorded shape; (ip, ready, serving, terminating))."""
+    return {
+        "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice", "addressType": "IPv4",
+        "metadata": {"name": name, "namespace": "cells", "resourceVersion": version,
+                     "labels": {"kubernetes.io/service-name": "agentcell-cells"}},
+        "ports": [{"name": "http", "port": 49982, "protocol": "TCP"}],
+        "endpoints": [{"addresses": [ip], "conditions": {"ready": r, "serving": s, "terminating": t},
+                       "nodeName": f"node-{ip.rsplit('.', 1)[1]}",
+                       "targetRef": {"kind": "Pod", "name": f"cell-{ip.rsplit('.', 1)[1]}", "namespace": "cells",
+                                     "uid": f"00000000-0000-0000-0000-00000000000{ip.rsplit('.', 1)[1]}"}}
+                      for ip, r, s, t in endpoints],
+    }
+
+
+async def test_kubernetes_discovery_follows_endpointslices() -> None:
+    """List, then a watch stream: a cell is ready, terminating but serving (draining), then gone.
+    The real kubernetes_asyncio client deserialises it all."""
+    pytest.importorskip("kubernetes_asyncio")
+    from aiohttp import web
+    from kubernetes_asyncio import client
+
+    from agentcell.gateway.kubernetes import KubernetesDiscovery
+
+    both = [("192.0.2.1", True, True, False), ("192.0.2.2", True, True, False)]
+    events = [
+        {"type": "MODIFIED", "object": _slice("cells-abc", "11", [both[0], ("192.0.2.2", False, True, True)])},
+        {"type": "MODIFIED", "object": _slice("cells-abc", "12", [both[0]])},
+    ]
+    requests: list[dict[str, str]] = []
+    done = asyncio.Event()
+
+    async def endpointslices(request: web.Request) -> web.StreamResponse:
+        requests.append(dict(request.query))
+        assert request.query["labelSelector"] == "kubernetes.io/service-name=agentcell-cells"
+        if request.query.get("watch") not in ("true", "True", "1"):
+            return web.json_response({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSliceList",
+                                      "metadata": {"resourceVersion": "10"},
+                                      "items": [_slice("cells-abc", "10", both)]})
+        assert request.query["resourceVersion"] == "10"
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        for e in events:
+            await asyncio.sleep(0.2)
+            await resp.write(json.dumps(e).encode() + b"\n")
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(done.wait(), 30)  # the watch stays open until the test ends
+        return resp
+
+    app = web.Application()
+    app.router.add_get("/apis/discovery.k8s.io/v1/namespaces/cells/endpointslices", endpointslices)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = _free_port()
+    site = web.TCPSite(runner, "127.0.0.1", port)
+    await site.start()
+    conf = client.Configuration(host=f"http://127.0.0.1:{port}")
+    api = client.ApiClient(conf)
+    seen: list[dict[str, tuple[bool, bool]]] = []
+    discovery = KubernetesDiscovery("agentcell-cells", "cells", "http", api_client=api)
+    try:
+        await discovery.start(lambda eps: seen.append({e.url: (e.ready, e.serving) for e in eps}))
+        deadline = time.monotonic() + 10
+        while len(seen) < 3 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        a, b = "http://192.0.2.1:49982", "http://192.0.2.2:49982"
+        assert seen[:3] == [{a: (True, True), b: (True, True)},     # listed: both ready
+                            {a: (True, True), b: (False, True)},    # b terminating: no placement, still routed
+                            {a: (True, True)}]                      # b gone
+    finally:
+        done.set()
+        await discovery.close()
+        await api.close()
+        await runner.cleanup()
