@@ -34,6 +34,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 RUNTIME_STORE = "/var/lib/agentcell/runtime"
+UIDS = "/run/agentcell/uids"
 POD_MEMORY = 3 << 30
 POD_PIDS = 4096
 # every capability, in bit order (a privileged pod gets all its runtime has: see _held_caps)
@@ -114,6 +115,7 @@ def pod_spec(rootfs: str, args: list[str], env: dict[str, str], sock_dir: str, c
         *[_bind(p, p, ro=True) for p in image_paths()],
         _tmpfs("/run"), _tmpfs("/tmp", "1777"), _tmpfs("/var/lib/agentcell", "755"),
         _bind(RUNTIME_STORE, RUNTIME_STORE),  # the hostPath's runtime store: built once, shared
+        _bind(UIDS, UIDS),  # the hostPath of uid reservations: a range apart from the host servers''
         _bind(sock_dir, "/agentcell-sock"),
     ]
     caps = _held_caps()
@@ -269,13 +271,16 @@ def _sdk_sandbox(sock: str):
 @pytest.mark.parametrize("grace", [10.0, 0.0], ids=["sigterm", "sigkill"])
 def test_cell_runs_sandboxes_in_a_privileged_container(grace: float) -> None:
     """grace 0: the kubelet's SIGKILL once the grace period is over (no shutdown of the server's own)."""
-    uid_base = 1_900_000_000 + (os.getpid() % 1000) * 1000  # apart from host servers' ranges
+    os.makedirs(UIDS, exist_ok=True)
+    ranges_before = set(os.listdir(UIDS))
     args = [sys.executable, "-m", "agentcell", "serve", "--uds", "/agentcell-sock/agentcell.sock",
             "--insecure-no-auth", "--max-sandboxes", "4", "--standbys", "0", "--no-host-sysctls",
-            "--uid-base", str(uid_base), "--egress-uplink", "none"]
+            "--egress-uplink", "none"]
     with _pod(args, _env(), grace=grace) as (c, sock_dir, cgroups_path):
         sock = os.path.join(sock_dir, "agentcell.sock")
         _wait_for_socket(c, sock)
+        # its host uid range is reserved where the host's servers reserve theirs: disjoint from them
+        assert set(os.listdir(UIDS)) - ranges_before, "the cell reserved no uid range on the host"
         # the budget is the pod's: 3 GiB less the 1 GiB reserve, and 4096 tasks less 1024
         budget = [ln for ln in c.output().splitlines() if "all sandboxes of this server together" in ln]
         assert budget and "3072 tasks" in budget[0], c.output()

@@ -270,6 +270,8 @@ def test_the_cell_daemonset_is_a_privileged_drainable_guaranteed_pod_on_its_own_
     volumes = {v["name"]: v for v in pod["volumes"]}
     mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
     assert volumes[mounts["/var/lib/agentcell"]]["hostPath"]["path"] == "/var/lib/agentcell"
+    # uid ranges are reserved node-wide: a successor cell or a host server never gets the same ids
+    assert volumes[mounts["/run/agentcell/uids"]]["hostPath"]["path"] == "/run/agentcell/uids"
     # the runtime's own /sys/fs/cgroup (the container's cgroup, in its cgroup namespace) is the one
     # to use: a hostPath of the host's tree would put sandboxes outside the pod's cgroup and limits
     assert not any(v.get("hostPath", {}).get("path", "").startswith("/sys") for v in volumes.values())
