@@ -376,6 +376,7 @@ def test_the_pods_flags_exist_in_the_cli(objects: list[dict]) -> None:
 def test_the_dockerfile_builds_from_the_repository() -> None:
     text = (REPO / "deploy" / "Dockerfile").read_text()
     assert "pip install" in text and "COPY" in text
+    assert re.search(r"pip install .*-e \"\.\[[a-z,]*kubernetes", text), "the gateway's discovery needs the kubernetes extra"
     # /opt is the zygote's (a tmpfs with the neutral runtime paths over it): the venv lives elsewhere
     assert not re.search(r"python3? -m venv /opt", text)
     assert "/var/lib/agentcell" not in re.findall(r"^VOLUME.*", text, re.M), "state is the DaemonSet's hostPath"

@@ -33,6 +33,7 @@ import itertools
 import os
 import re
 import signal
+import sys
 import time
 from dataclasses import dataclass
 
@@ -110,6 +111,9 @@ def enter_container_leaf() -> list[int]:
     for _ in range(_LEAF_MOVE_ROUNDS):
         pids = _procs(ROOT)
         if not pids:
+            if moved:
+                print(f"agentcell: container mode: moved {len(moved)} process(es) of the container's root cgroup "
+                      f"into {leaf}", file=sys.stderr, flush=True)
             return moved
         for pid in pids:
             try:
