@@ -109,7 +109,10 @@ def enter_container_leaf() -> list[int]:
                                    "(privileged, or a writable cgroup mount)") from e
     moved: list[int] = []
     for _ in range(_LEAF_MOVE_ROUNDS):
-        pids = _procs(ROOT)
+        try:
+            pids = _procs(ROOT)
+        except OSError as e:
+            raise CgroupError(e.errno, f"cannot read {ROOT}/cgroup.procs ({e})") from e
         if not pids:
             if moved:
                 print(f"agentcell: container mode: moved {len(moved)} process(es) of the container's root cgroup "
