@@ -271,7 +271,10 @@ def _sdk_sandbox(sock: str):
 @pytest.mark.parametrize("grace", [10.0, 0.0], ids=["sigterm", "sigkill"])
 def test_cell_runs_sandboxes_in_a_privileged_container(grace: float) -> None:
     """grace 0: the kubelet's SIGKILL once the grace period is over (no shutdown of the server's own)."""
-    os.makedirs(UIDS, exist_ok=True)
+    from agentcell.runtime import statedir
+
+    os.makedirs(UIDS, mode=0o700, exist_ok=True)  # what the bind needs on a fresh host, as the server makes them
+    statedir.private_dir(RUNTIME_STORE)
     ranges_before = set(os.listdir(UIDS))
     args = [sys.executable, "-m", "agentcell", "serve", "--uds", "/agentcell-sock/agentcell.sock",
             "--insecure-no-auth", "--max-sandboxes", "4", "--standbys", "0", "--no-host-sysctls",
