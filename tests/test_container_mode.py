@@ -210,6 +210,14 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _host_dirs() -> None:
+    """The bind sources a fresh host lacks, made as the server makes them."""
+    from agentcell.runtime import statedir
+
+    os.makedirs(UIDS, mode=0o700, exist_ok=True)
+    statedir.private_dir(RUNTIME_STORE)
+
+
 @contextlib.contextmanager
 def _pod(args: list[str], env: dict[str, str], cgroup_mount: dict | None = None,
          grace: float = 10.0) -> Iterator[tuple[PodContainer, str, str]]:
@@ -222,6 +230,7 @@ def _pod(args: list[str], env: dict[str, str], cgroup_mount: dict | None = None,
         os.mkdir(bundle)
         rootfs = os.path.join(bundle, "rootfs")
         make_rootfs(rootfs)
+        _host_dirs()
         c = PodContainer(pod_spec(rootfs, args, env, sock_dir, cgroups_path, cgroup_mount), bundle, name)
         try:
             c.start()
@@ -271,10 +280,7 @@ def _sdk_sandbox(sock: str):
 @pytest.mark.parametrize("grace", [10.0, 0.0], ids=["sigterm", "sigkill"])
 def test_cell_runs_sandboxes_in_a_privileged_container(grace: float) -> None:
     """grace 0: the kubelet's SIGKILL once the grace period is over (no shutdown of the server's own)."""
-    from agentcell.runtime import statedir
-
-    os.makedirs(UIDS, mode=0o700, exist_ok=True)  # what the bind needs on a fresh host, as the server makes them
-    statedir.private_dir(RUNTIME_STORE)
+    _host_dirs()
     ranges_before = set(os.listdir(UIDS))
     args = [sys.executable, "-m", "agentcell", "serve", "--uds", "/agentcell-sock/agentcell.sock",
             "--insecure-no-auth", "--max-sandboxes", "4", "--standbys", "0", "--no-host-sysctls",
