@@ -9,6 +9,13 @@ v1 (hybrid hosts): one directory per controller, /sys/fs/cgroup/<controller>/age
 v2 (unified): one directory tree, /sys/fs/cgroup/agentcell/..., with the controllers enabled in the
 parents' cgroup.subtree_control.
 
+Container mode (a privileged pod, e.g. the Kubernetes DaemonSet): /sys/fs/cgroup is the root of the
+container's private cgroup namespace, not the host's root cgroup. On v2 that root holds the
+container's processes, and the "no internal processes" rule forbids enabling controllers for its
+children while it does: `enter_container_leaf` first moves every process there into a leaf,
+/sys/fs/cgroup/agentcell-server, as moby's dind entrypoint does. v1 has no such rule: the
+container's hierarchies (mounted at its own cgroup by the runtime) work as a host's do.
+
 Socket buffers: v2 charges them to memory.current, inside memory.max. v1 charges them only once
 `memory.kmem.tcp.limit_in_bytes` has been written for the cgroup (then to a separate counter, for
 TCP, UDP and every protocol with memory accounting): without it a 64 MiB sandbox queued gigabytes in
@@ -26,6 +33,7 @@ import itertools
 import os
 import re
 import signal
+import sys
 import time
 from dataclasses import dataclass
 
@@ -39,6 +47,9 @@ _MIN_SOCKET_BYTES = 4 << 20
 # freezer: pause/resume (Cgroups.freeze); a host without it cannot pause sandboxes
 _V1_CONTROLLERS = ("memory", "pids", "cpu", "cpuacct", "freezer")
 _FREEZE_TIMEOUT_S = 5.0
+# container mode, v2: where the container's own processes go so that its root can delegate controllers
+SERVER_LEAF = "agentcell-server"
+_LEAF_MOVE_ROUNDS = 50  # processes forked while we move the others are moved on the next round
 _INSTANCE_RE = re.compile(r"^(\d+)-(\d+)-(\d+)$")
 _instance_seq = itertools.count()
 
@@ -49,6 +60,75 @@ class CgroupError(OSError):
 
 def is_v2() -> bool:
     return os.path.exists(os.path.join(ROOT, "cgroup.controllers"))
+
+
+def in_container_root() -> bool:
+    """v2 and ROOT is some cgroup below the host's root: a container's private cgroup namespace (the
+    host's root cgroup has no cgroup.type; every other one has)."""
+    return is_v2() and os.path.exists(os.path.join(ROOT, "cgroup.type"))
+
+
+def _limit_or_none(path: str) -> int | None:
+    """A limit file's value; None if absent, "max", or v1's page-rounded LONG_MAX (no limit)."""
+    try:
+        text = _read(path).strip()
+    except FileNotFoundError:
+        return None
+    if text == "max" or int(text) >= 1 << 62:
+        return None
+    return int(text)
+
+
+def root_limits() -> tuple[int | None, int | None]:
+    """(memory bytes, pids) limits of the cgroup at ROOT itself: in container mode the container's (a
+    pod's resources.limits), which bound the server and all its sandboxes together; (None, None) on a
+    host, whose root cgroup has no limits."""
+    if is_v2():
+        return _limit_or_none(os.path.join(ROOT, "memory.max")), _limit_or_none(os.path.join(ROOT, "pids.max"))
+    bases = _v1_bases()
+    memory = _limit_or_none(os.path.join(bases["memory"], "memory.limit_in_bytes")) if "memory" in bases else None
+    pids = _limit_or_none(os.path.join(bases["pids"], "pids.max")) if "pids" in bases else None
+    return memory, pids
+
+
+def _procs(d: str) -> list[int]:
+    return [int(p) for p in _read(f"{d}/cgroup.procs").split()]
+
+
+def enter_container_leaf() -> list[int]:
+    """Container mode (v2): move every process of ROOT itself (this server, its threads with it, and
+    whatever else the container runs there, e.g. an init) into ROOT/SERVER_LEAF, so that ROOT may
+    enable controllers for agentcell/. Returns the pids moved; [] on a host or when already done."""
+    if not in_container_root():
+        return []
+    leaf = os.path.join(ROOT, SERVER_LEAF)
+    try:
+        os.makedirs(leaf, exist_ok=True)
+    except OSError as e:
+        raise CgroupError(e.errno, f"cannot create {leaf} ({e}); mount /sys/fs/cgroup read-write in the container "
+                                   "(privileged, or a writable cgroup mount)") from e
+    moved: list[int] = []
+    for _ in range(_LEAF_MOVE_ROUNDS):
+        try:
+            pids = _procs(ROOT)
+        except OSError as e:
+            raise CgroupError(e.errno, f"cannot read {ROOT}/cgroup.procs ({e})") from e
+        if not pids:
+            if moved:
+                print(f"agentcell: container mode: moved {len(moved)} process(es) of the container's root cgroup "
+                      f"into {leaf}", file=sys.stderr, flush=True)
+            return moved
+        for pid in pids:
+            try:
+                sc.write_file(f"{leaf}/cgroup.procs", str(pid))  # the whole thread group moves
+                moved.append(pid)
+            except ProcessLookupError:
+                pass  # exited meanwhile
+            except OSError as e:
+                raise CgroupError(e.errno, f"cannot move process {pid} from the container's root cgroup into "
+                                           f"{leaf} ({e})") from e
+    raise CgroupError(errno.EBUSY, f"processes keep appearing in {ROOT}/cgroup.procs: cannot empty the container's "
+                                   "root cgroup to enable its controllers")
 
 
 def _read(path: str) -> str:
@@ -396,6 +476,7 @@ def prepare_instance(instance: str) -> None:
     """Create agentcell/<instance> (and enable v2 controllers). Raises CgroupError with a fix."""
     if is_v2():
         parent = os.path.join(ROOT, GROUP)
+        enter_container_leaf()
         try:
             os.makedirs(os.path.join(parent, instance), exist_ok=True)
             for d in (ROOT, parent, os.path.join(parent, instance)):

@@ -16,7 +16,9 @@ filter); this module does the host's side, from `LinuxBackend.start()`:
 * limits on the cgroup above all of this server's sandboxes (agentcell/<instance>), and the same on
   agentcell/ shared by every server on the host (only ever lowered there): memory = MemTotal minus a
   reserve for the host (max(1 GiB, 10%)), and pids = min(pid_max, threads-max) minus a reserve
-  (max(1024, 10%)). On cgroup v1 an eighth of that memory goes to socket buffers, which v1 counts
+  (max(1024, 10%)). In a container (a pod) the container's own cgroup limits, when lower, take the
+  place of MemTotal and of the host's task count (`cgroups.root_limits`): they bound the server and
+  its sandboxes together. On cgroup v1 an eighth of that memory goes to socket buffers, which v1 counts
   apart (see cgroups.py). The result is `LinuxBackend.host_budget`, for admission control.
 
 AIO contexts (fs.aio-max-nr) need no sysctl: the seccomp filter answers io_setup with ENOSYS.
@@ -123,15 +125,16 @@ def max_open_files() -> int:
 
 def budget_for(tuning: HostTuning) -> tuple[int, int, int]:
     """(memory, socket, pids) of the parent cgroup, from this host's size."""
-    total = mem_total()
+    container_memory, container_pids = cgroups.root_limits()
+    total = min(mem_total(), container_memory or LONG_MAX)
     reserve = tuning.memory_reserve_bytes
     if reserve is None:
         reserve = max(_GiB, total // 10)
     page = os.sysconf("SC_PAGE_SIZE")  # the kernel keeps limits in pages
     memory = max(total - reserve, 256 << 20) // page * page
     sockets = 0 if cgroups.is_v2() else memory // 8 // page * page  # v1: socket buffers are counted apart
-    tasks = min(read_sysctl("kernel.pid_max"), read_sysctl("kernel.threads-max"))
-    pids = tasks - max(1024, tasks // 10)
+    tasks = min(read_sysctl("kernel.pid_max"), read_sysctl("kernel.threads-max"), container_pids or LONG_MAX)
+    pids = tasks - min(max(1024, tasks // 10), tasks // 2)  # a small pod's pids limit keeps half for sandboxes
     return memory - sockets, sockets, pids
 
 
