@@ -13,6 +13,8 @@ from typing import Any
 
 import click
 
+from agentcell.backends.base import COLLECTOR_NAMES
+
 DEFAULT_PORT = 49982
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -138,6 +140,9 @@ def main() -> None:
               help="Most sandboxes one fork may make.")
 @click.option("--record/--no-record", default=True, show_default=True,
               help="Keep every sandbox's behaviour record (processes, files, network, denials, limits, API calls).")
+@click.option("--record-collectors", default=",".join(COLLECTOR_NAMES), show_default=True, metavar="LIST",
+              help="The host-side collectors of the record that run (comma-separated): processes (execs, exits, "
+                   "refused syscalls and writes), files, limits. API calls, network and the sandbox's life are always kept.")
 @click.option("--events-retention", default=7 * 86400, show_default=True, type=click.IntRange(0),
               help="Seconds a sandbox's behaviour record (GET /sandboxes/{id}/events) is kept after it is gone.")
 @click.option("--events-per-sandbox", default=100_000, show_default=True, type=click.IntRange(100),
@@ -180,6 +185,10 @@ def serve(**opts: Any) -> None:
         click.echo("agentcell: the gvisor backend gives sandboxes no network: --egress-uplink none", err=True)
         opts["egress_uplink"] = "none"
     opts["tune_sysctls"] = opts.pop("host_sysctls")
+    collectors = tuple(c for c in opts["record_collectors"].split(",") if c)
+    if set(collectors) - set(COLLECTOR_NAMES):
+        raise click.BadParameter(f"choose from {', '.join(COLLECTOR_NAMES)}", param_hint="--record-collectors")
+    opts["record_collectors"] = collectors
     opts["cell_id"] = _cell_id(opts["cell_id"])
     opts["egress_dns"] = tuple(opts["egress_dns"])
     opts["egress_allow_ranges"] = tuple(opts["egress_allow_ranges"])

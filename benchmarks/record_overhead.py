@@ -9,6 +9,7 @@ Rows (p50 / p95 over --runs, record on vs off, and the overhead of p50; the goal
 * a build-like workload in one command: 2,000 file writes and 200 execs (sh + cat), as a compiler
   or package install would do;
 * events recorded per build (what the record took in).
+`--collectors files` (or any subset of processes,files,limits) shows what each collector costs.
 """
 
 from __future__ import annotations
@@ -30,14 +31,13 @@ BUILD = ("mkdir -p /tmp/b && cd /tmp/b && i=0; while [ $i -lt 2000 ]; do echo li
          "i=$((i+1)); done; j=0; while [ $j -lt 200 ]; do /bin/cat f1.o > /dev/null; j=$((j+1)); done; echo ok")
 
 
-def start(record: bool) -> tuple[subprocess.Popen[bytes], str]:
+def start(record: bool, collectors: str) -> tuple[subprocess.Popen[bytes], str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     args = [sys.executable, "-m", "agentcell", "serve", "--port", str(port), "--egress-uplink", "none",
             "--standbys", "2", "--state-dir", tempfile.mkdtemp(prefix="agentcell-bench-")]
-    if not record:
-        args.append("--no-record")
+    args += ["--record-collectors", collectors] if record else ["--no-record"]
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
@@ -70,8 +70,10 @@ def row(name: str, on: list[float], off: list[float]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=20)
+    ap.add_argument("--collectors", default="processes,files,limits",
+                    help="the record's collectors on the 'on' server (to see what each costs)")
     args = ap.parse_args()
-    servers = {True: start(True), False: start(False)}
+    servers = {True: start(True, args.collectors), False: start(False, "")}
     try:
         urls = {k: v[1] for k, v in servers.items()}
         samples: dict[str, dict[bool, list[float]]] = {k: {True: [], False: []} for k in ("create", "true", "build")}
@@ -96,7 +98,7 @@ def main() -> None:
         events.append(len(list(sandboxes[True].events())) - before)
         for s in sandboxes.values():
             s.kill()
-        print(f"record overhead, {args.runs} interleaved runs each (2 cores, shared machine)")
+        print(f"record overhead ({args.collectors or 'no collectors'}), {args.runs} interleaved runs each")
         row("create -> first run_code result", samples["create"][True], samples["create"][False])
         row('commands.run("true")', samples["true"][True], samples["true"][False])
         row("build: 2,000 writes + 200 execs", samples["build"][True], samples["build"][False])

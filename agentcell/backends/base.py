@@ -24,6 +24,11 @@ from agentcell.backends.secrets import HeaderRule, SecretSet
 DISK_HEADROOM_MB = 128
 
 
+# The behaviour record's host-side collectors an operator may turn off (serve --record-collectors):
+# processes (execs, exits, refused syscalls and writes: the kernel's audit), files (fanotify), limits.
+COLLECTOR_NAMES = ("processes", "files", "limits")
+
+
 def disk_headroom_mb(memory_mb: int) -> int:
     """The memory a full disk leaves free: DISK_HEADROOM_MB, or half the memory of a smaller sandbox."""
     return min(DISK_HEADROOM_MB, memory_mb // 2)
@@ -182,11 +187,14 @@ class Backend(abc.ABC):
         raise NotImplementedError(f"the {self.name} backend has no egress")
 
     recorder: Recorder | None = None
+    record_collectors: frozenset[str] = frozenset(COLLECTOR_NAMES)
 
-    def attach_recorder(self, recorder: Recorder) -> None:
-        """Where this backend's events go (issue 10; before start()). Backends with host-side
-        collectors (linux) override this to start them; every backend's sandboxes get a record."""
+    def attach_recorder(self, recorder: Recorder, collectors: frozenset[str] | None = None) -> None:
+        """Where this backend's events go (issue 10; before start()), and which of its host-side
+        collectors run (COLLECTOR_NAMES; backends with none, like gvisor, record the server's events)."""
         self.recorder = recorder
+        if collectors is not None:
+            self.record_collectors = collectors
 
     async def capacity(self) -> Capacity | None:
         """The budget all sandboxes share and its use now; None if the backend cannot tell."""

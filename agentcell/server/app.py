@@ -115,7 +115,7 @@ class AgentcellApp:
             audit_log=_audit_log(config.audit_log)) if config.record else None
         for b in (self.backend, *self.others.values()):
             if self.events is not None:
-                b.attach_recorder(self.events)
+                b.attach_recorder(self.events, frozenset(config.record_collectors))
         self.manager = SandboxManager(self.backend, config.max_sandboxes,
                                       Admission(config.memory_overcommit, config.pids_overcommit),
                                       Retention(config.paused_ttl, config.max_paused, config.hibernate_after), state_dir,

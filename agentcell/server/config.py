@@ -6,7 +6,7 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 
-from agentcell.backends.base import Limits
+from agentcell.backends.base import COLLECTOR_NAMES, Limits
 
 
 def default_max_limits() -> Limits:
@@ -44,6 +44,7 @@ class ServerConfig:
     max_fork: int = 16  # most sandboxes one fork makes
     # --- the behaviour record (issue 10; server/event_store.py) ---
     record: bool = True  # False: no record, no collectors (--no-record)
+    record_collectors: tuple[str, ...] = COLLECTOR_NAMES  # the linux backend's host-side collectors that run
     events_retention: int = 7 * 86400  # seconds a sandbox's record is kept after it is gone
     events_per_sandbox: int = 100_000  # events kept per sandbox (more are counted, not kept)
     events_rate: float = 2000.0  # events per second per sandbox and source (burst: 10 s of it)

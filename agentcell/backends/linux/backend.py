@@ -301,8 +301,12 @@ class LinuxBackend(CgroupSandboxes, Backend):
     def _make_collectors(self, sink: EventSink) -> list[Collector]:
         """The behaviour record's host-side collectors (issue 10); the audit rules name this server's
         host uid range, so they are made once start() reserved it."""
-        return [AuditCollector(sink, self.uid_base, self.uid_base + 2 * self._slot_count - 1),
-                FileCollector(sink, tune_sysctl=self.host_tuning.tune_sysctls), LimitsCollector(sink)]
+        made: dict[str, Collector] = {
+            "processes": AuditCollector(sink, self.uid_base, self.uid_base + 2 * self._slot_count - 1),
+            "files": FileCollector(sink, tune_sysctl=self.host_tuning.tune_sysctls),
+            "limits": LimitsCollector(sink),
+        }
+        return [c for name, c in made.items() if name in self.record_collectors]
 
     async def _start_collectors(self) -> None:
         """A collector that cannot run here (the kernel's audit locked, no fanotify ...) is left out and
