@@ -99,7 +99,7 @@ async def main(args: argparse.Namespace) -> None:
               f"to its cgroup, PSS {pss_bytes(standby) / (1 << 20):.0f} MiB (sentry + gofer + stubs)")
         # pool refill: a standby restored from the template, made ready for a claim and frozen
         refills = []
-        for _ in range(max(3, args.runs // 4)):
+        for _ in range(max(5, args.runs // 3)):
             await pool_full(be)
             t = time.perf_counter()
             sb = await be._prepare_standby()
