@@ -204,6 +204,29 @@ async def test_standbys_have_their_own_name_and_random_state(backend: GvisorBack
     assert seen[0][0] != seen[1][0] and seen[0][1] != seen[1][1], seen
 
 
+_FRESH_KERNEL = ("ip = get_ipython(); hm = ip.history_manager; dh = ip.displayhook\n"
+                 "(ip.execution_count, In, dict(Out), _i, _ii, (dh._, dh.__, dh.___), ip.events.callbacks['post_run_cell'], "
+                 "sorted(k for k in globals() if k != '__builtins__'), len(__import__('linecache').cache), "
+                 "__import__('os').environ.get('TENANT'))")
+
+
+async def test_a_standby_keeps_nothing_of_its_warm_up(backend: GvisorBackend) -> None:
+    """A standby ran a cell in its default context before it was frozen (standby.py): its tenant's
+    first cell finds the kernel as in a sandbox booted for it (count 1, history, names, hooks), with
+    the tenant's env vars."""
+    seen = []
+    for spec in (SandboxSpec(envs={"TENANT": "a"}), SandboxSpec(sandbox_id="bootedforthetest", envs={"TENANT": "a"})):
+        box = await Box.create(backend, spec)
+        try:
+            lines = [d async for d in line_dicts(box.channel.stream("code.run", _FRESH_KERNEL.encode()))]
+            assert lines[0] == {"type": "number_of_executions", "execution_count": 1}, lines
+            seen.append(next(d["text"] for d in lines if d.get("type") == "result"))
+        finally:
+            await box.kill(backend)
+    assert seen[0] == seen[1], seen
+    assert "_agentcell_standby" not in seen[0] and "'a')" in seen[0], seen[0]
+
+
 _DYING_SERVER = """
 import asyncio, sys
 from agentcell.backends.base import SandboxSpec

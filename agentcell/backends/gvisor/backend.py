@@ -40,7 +40,7 @@ from agentcell.backends.base import (
     new_cell_sandbox_id,
 )
 from agentcell.backends.cgroup_backend import CgroupSandboxes
-from agentcell.backends.gvisor import reap, rootfs, seccomp_extra, spec
+from agentcell.backends.gvisor import reap, rootfs, seccomp_extra, spec, standby
 from agentcell.backends.gvisor.runsc import Runsc, private_null
 from agentcell.backends.linux import cgroups, host, runtime_store
 from agentcell.backends.linux import syscalls as sc
@@ -241,21 +241,23 @@ class GvisorBackend(CgroupSandboxes, Backend):
         sb: GvisorSandbox | None = None
         if not spec_.sandbox_id and self._pool is not None and _claimable(self.standby_limits, spec_.limits):
             sb = await self._pool.take()
-            try:
-                await asyncio.to_thread(_retune, sb.cgroups, sb.limits, spec_.limits)
-                await asyncio.to_thread(sb.cgroups.thaw)
+            try:  # thawed first: the sentry wakes while the cgroup is retuned
+                await asyncio.to_thread(_thaw_and_retune, sb.cgroups, sb.limits, spec_.limits)
             except OSError:  # e.g. less memory than the standby already holds: boot one instead
                 await self.kill(sb)
                 sb = None
+        warm = sb is not None  # a standby: named, reseeded and warmed already (standby.py)
         if sb is None:
             sb = await self._boot(spec_.sandbox_id or self._new_id(), spec_.limits)
         try:
             sb.limits = spec_.limits
             if spec_.files:  # before the claim: the tenant's code finds its files in place
                 await self._untar(sb, spec_.files)
-            # the claim: the tenant's env vars, and the sandbox's own name (a restored template takes it)
-            await asyncio.get_running_loop().sock_sendall(sb.sock, encode_frame(
-                {"id": 0, "op": "claim", "envs": dict(spec_.envs), "hostname": sb.sandbox_id}))
+            if warm:  # one round trip: the tenant's env vars
+                await standby.claim(sb.sock, sb.sandbox_id, dict(spec_.envs), self.ready_timeout)
+            else:  # the claim of a booted sandbox: the tenant's env vars, its name (its own already)
+                await asyncio.get_running_loop().sock_sendall(sb.sock, encode_frame(
+                    {"id": 0, "op": "claim", "envs": dict(spec_.envs), "hostname": sb.sandbox_id}))
         except BaseException:
             await self.kill(sb)
             raise
@@ -329,8 +331,11 @@ class GvisorBackend(CgroupSandboxes, Backend):
         return sb
 
     async def _prepare_standby(self) -> GvisorSandbox:
+        """Restored from the template, named, reseeded and warmed for no tenant (standby.py), frozen."""
         sb = await self._restore(self.template, self._new_id(), self.standby_limits)
         try:
+            sb.sock.setblocking(False)
+            await standby.warm(sb.sock, sb.sandbox_id, self.ready_timeout)
             # idle systrap stubs spin (2-7 % of a core each): a standby waits frozen
             await asyncio.to_thread(sb.cgroups.freeze)
         except BaseException:
@@ -508,8 +513,10 @@ def _du(path: str) -> int:
     return total
 
 
-def _retune(cg: cgroups.Cgroups, old: Limits, new: Limits) -> None:
-    """A standby's memory limit and CPU quota for its claim (what runsc wrote at restore)."""
+def _thaw_and_retune(cg: cgroups.Cgroups, old: Limits, new: Limits) -> None:
+    """A standby, thawed, with the memory limit and CPU quota of its claim (runsc wrote the
+    standby's at restore)."""
+    cg.thaw()
     if new.cpu_count != old.cpu_count:
         quota = str(max(1000, int(new.cpu_count * 100_000)))
         if cg.v2:

@@ -127,7 +127,8 @@ def claimed(header: dict[str, Any]) -> dict[str, str]:
 
 def _register_rename_op() -> None:
     """``gvisor.rename``: a sandbox restored from a checkpoint of a claimed one (a fork, a resumed
-    hibernation under another id) takes its own name; its contexts redraw their generators."""
+    hibernation under another id) takes its own name; its contexts redraw their generators.
+    ``gvisor.claim``: a standby's tenant env vars."""
     from agentcell.runtime import agent
 
     @agent.op("gvisor.rename")
@@ -135,6 +136,16 @@ def _register_rename_op() -> None:
         envs = _renamed(frame.header.get("hostname"))
         if envs:
             ag.claim(envs)  # the contexts get the new HOSTNAME, and redraw their generators with it
+        return {}
+
+    @agent.op("gvisor.claim")
+    async def _claim(ag: Any, call: Any, frame: Any) -> dict[str, Any]:
+        """A warm standby's claim (backends/gvisor/standby.py): named and reseeded when it was
+        prepared, it gets its tenant's env vars now; the contexts redraw their generators again."""
+        envs = frame.header.get("envs") or {}
+        if not isinstance(envs, dict):
+            raise ValueError("envs must be an object")
+        ag.claim({str(k): str(v) for k, v in envs.items()})
         return {}
 
 
