@@ -5,7 +5,8 @@ and stdout (a host socket the sentry imported: unlike a host UDS it survives che
 each restore getting the new sandbox's socket). It reads its *preparation* frame on that socket (the
 sandbox id, its limits), writes the sandbox's own /etc/hosts, /etc/hostname and sudo through the root's
 memory overlay, sets the rlimits (RLIMIT_NPROC stands for the pids limit: a host pids.max would count
-the sentry's threads and kill the whole sandbox), then drops to what the linux backend's agent is
+the sentry's threads and kill the whole sandbox), gives the guest the linux backend's mounts (_seal),
+then drops to what the linux backend's agent is
 (sandbox_init.py): uid 1000, the root capability set permitted only, no_new_privs, the same seccomp
 filter, and serves the agent protocol.
 
@@ -27,7 +28,7 @@ import sys
 from typing import Any
 
 from agentcell.backends.base import Limits
-from agentcell.backends.linux import ns_limits, rootfs, sandbox_init, seccomp_filter
+from agentcell.backends.linux import ns_limits, procfs, rootfs, sandbox_init, seccomp_filter
 from agentcell.backends.linux import syscalls as sc
 from agentcell.runtime import forkstate, rootcaps
 from agentcell.runtime.protocol import recv_frame
@@ -36,6 +37,13 @@ SOCK_FD = 3
 CAP_SETPCAP = 8
 CAP_SYS_ADMIN = 21
 _ID_RE = re.compile(r"^[a-z0-9]{1,63}$")
+# pid 1's (the agent's) views of its memory: Linux lets no one without ptrace access to it open them,
+# the sentry (this runsc) only checks the file's mode, which root's CAP_DAC_OVERRIDE passes. Covered by
+# pid 1's own mem, whose open the sentry does check. (Its other threads' /proc/<tid> would show them
+# too: the agent has none.)
+_AGENT_VIEWS = ("auxv", "environ", "io", "maps", "smaps")
+
+
 def _name_files(sandbox_id: str) -> None:
     rootfs.write_file("/etc/hostname", sandbox_id + "\n")
     rootfs.write_file("/etc/hosts", rootfs.etc_hosts(sandbox_id))
@@ -59,6 +67,42 @@ def _set_rlimits(limits: Limits) -> None:
             # set): those bound nothing here; the ones that are limits must hold
             if which in (resource.RLIMIT_NPROC, resource.RLIMIT_NOFILE, resource.RLIMIT_FSIZE):
                 raise
+
+
+def _bind(path: str, flags: int, source: str | None = None) -> None:
+    """A bind of `source` (`path` itself) on `path` with exactly `flags` (the sentry copies the
+    source mount's read-only flag into a bind: the remount sets them all)."""
+    sc.mount(source or path, path, None, sc.MS_BIND)
+    sc.mount(None, path, None, sc.MS_REMOUNT | sc.MS_BIND | flags)
+
+
+def _seal() -> None:
+    """The linux backend's mounts, made by the guest's root in the sentry before any tenant code runs
+    (the seccomp filter then refuses mount and umount to everyone, and root lacks CAP_SYS_ADMIN): / and
+    /dev read-only but for binds of what the linux backend overlays (rootfs.OVERLAYS, writable here in
+    the root's memory overlay) and of the devices; the runtime read-only; /proc as procfs.py leaves it
+    (but the sentry's own boot_id), and pid 1's memory views covered."""
+    rw = sc.MS_NOSUID | sc.MS_NODEV
+    ro = rw | sc.MS_RDONLY
+    runtime = rootfs.python_paths()  # reads /proc/self/maps: before pid 1's is covered
+    inside = [p for p, _ in rootfs.OVERLAYS if any(p.startswith(r + "/") for r in runtime)]  # the venv
+    for path in [p for p, _ in rootfs.OVERLAYS if p not in inside] + [*runtime] + inside:
+        if os.path.isdir(path):
+            _bind(path, ro if path in runtime else rw)
+    for name in rootfs.DEVICES:
+        _bind(f"/dev/{name}", sc.MS_NOSUID | sc.MS_NOEXEC)
+    for path in ("/", "/dev"):
+        sc.mount(None, path, None, sc.MS_REMOUNT | sc.MS_BIND | sc.MS_RDONLY | sc.MS_NOSUID)
+    files, dirs, frozen = procfs.present()
+    for name in frozen:
+        _bind(f"/proc/{name}", ro | sc.MS_NOEXEC)
+    for name in files:
+        if not name.endswith("boot_id"):
+            _bind(f"/proc/{name}", ro | sc.MS_NOEXEC, "/dev/null")
+    for path in [f"/proc/1/{t}{n}" for t in ("", "task/1/") for n in _AGENT_VIEWS]:
+        _bind(path, ro | sc.MS_NOEXEC, "/proc/1/mem")  # opened, mem's ptrace check: EACCES as on Linux
+    for name in dirs:
+        sc.mount("tmpfs", f"/proc/{name}", "tmpfs", ro | sc.MS_NOEXEC, "size=4k,mode=0555")
 
 
 class _Namer:
@@ -168,6 +212,7 @@ def _load_seccomp(bpf: bytes) -> None:
 
 
 def main() -> None:
+    _seal()  # first: a file open for writing on /dev would make its remount read-only fail (EBUSY)
     # the socket away from 0/1/2, which every child inherits
     fd = fcntl.fcntl(0, fcntl.F_DUPFD_CLOEXEC, SOCK_FD)
     devnull = os.open("/dev/null", os.O_RDWR | os.O_CLOEXEC)

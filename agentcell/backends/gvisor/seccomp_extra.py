@@ -1,4 +1,5 @@
-"""The guest's seccomp filter: the linux backend's, plus rules that keep signals off the agent.
+"""The guest's seccomp filter: the linux backend's, plus rules that keep signals off the agent and
+device nodes out of the guest.
 
 Linux lets nothing in a pid namespace kill its init with a signal init has no handler for (SIGKILL
 above all), and the linux backend's agent is that init. The sentry delivers such signals, so the
@@ -7,11 +8,16 @@ signals whose target is pid 1 are refused instead (kill, tgkill, rt_sigqueueinfo
 pidfd_open of pid 1), and tkill and pidfd_send_signal, which could name one of its threads or a pidfd
 of it otherwise, are refused outright (glibc and Go use tgkill; tkill is obsolete).
 kill(-1, ...) never reaches init, in gVisor as in Linux.
+
+And device nodes: Linux wants CAP_MKNOD (which the sandbox's root lacks) for a character or block
+special file, the sentry (this runsc) makes one for anyone: mknod and mknodat of those two types are
+refused here (fifos and sockets stay).
 """
 
 from __future__ import annotations
 
 import errno
+import stat
 
 import pyseccomp as seccomp
 
@@ -19,6 +25,10 @@ from agentcell.backends.linux import seccomp_filter
 
 _TO_PID_1 = ("kill", "tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo", "pidfd_open")
 _NEVER = ("tkill", "pidfd_send_signal")
+# (syscall, index of its mode argument): a device node's file type
+_MKNOD = (("mknod", 1), ("mknodat", 2))
+_DEVICE_TYPES = (stat.S_IFCHR, stat.S_IFBLK)
+_S_IFMT = 0o170000  # the file type bits of a mode
 
 
 def build() -> bytes:
@@ -28,4 +38,7 @@ def build() -> bytes:
         f.add_rule(eperm, name, seccomp.Arg(0, seccomp.MASKED_EQ, 0xFFFFFFFF, 1))
     for name in _NEVER:
         f.add_rule(eperm, name)
+    for name, arg in _MKNOD:
+        for kind in _DEVICE_TYPES:
+            f.add_rule(eperm, name, seccomp.Arg(arg, seccomp.MASKED_EQ, _S_IFMT, kind))
     return seccomp_filter.Filter(f).bpf

@@ -60,7 +60,9 @@ def build(sandbox_id: str, root: str, cgroup: str, limits: Limits, layout: runti
             {"destination": "/dev/pts", "type": "devpts", "source": "devpts",
              "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"]},
             {"destination": "/dev/shm", "type": "tmpfs", "source": "shm", "options": ["nosuid", "nodev", "mode=1777", disk]},
-            {"destination": "/sys", "type": "sysfs", "source": "sysfs", "options": ["nosuid", "noexec", "nodev", "ro"]},
+            # no sysfs (the linux backend has none either): runsc would mount the sentry's at /sys
+            {"destination": "/sys", "type": "tmpfs", "source": "tmpfs",
+             "options": ["ro", "nosuid", "noexec", "nodev", "size=4k", "mode=0555"]},
             # the disk: one size-limited tmpfs each (the sentry's memory, inside the memory limit)
             {"destination": linux_rootfs.HOME, "type": "tmpfs", "source": "tmpfs",
              "options": ["nosuid", "nodev", "mode=755", f"uid={linux_rootfs.SANDBOX_UID}", f"gid={linux_rootfs.SANDBOX_UID}", disk]},
