@@ -1,7 +1,7 @@
 """The kernel-audit collector of the behaviour record (issue 10): execs, exits and refused operations of
 every process of a sandbox, observed from the host.
 
-Mechanisms (docs/record-kernel.md has the measurements behind the choice):
+Mechanisms (docs/architecture.md, "The behaviour record", has the measurements behind the choice):
 
 * execs and permission errors: audit rules on syscall exit, limited to the server's host uid range
   (every sandbox process runs as one of its ids), keyed ``agentcell:<first>-<last>:<what>`` so a
