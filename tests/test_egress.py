@@ -410,6 +410,10 @@ def test_connection_events(make) -> None:  # type: ignore[no-untyped-def]
     assert any(e.get("proto") == "dns" and e.get("domain") == "other.test" and e["verdict"] == "denied"
                for e in events)
     assert any(e.get("dst") == "10.1.2.3" and e.get("rule") == "never4" for e in events)
+    # the report flags the reach for a private address, citing the refused attempt
+    flags = {f["flag"]: f["events"] for f in sbx.report()["flags"]}
+    never = [e["seq"] for e in events if e.get("dst") == "10.1.2.3" and e["kind"] == "net.deny"]
+    assert never and set(never) & set(flags["host-or-lan"])
     other = make()
     assert [e for e in other.events() if e["kind"].startswith(("net.", "dns."))] == []  # its events are its own
 

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -16,6 +17,7 @@ import pytest
 
 from agentcell import Sandbox
 from agentcell.errors import CommandExitException, InvalidArgumentException, NotFoundException
+from tests.conftest import ServerProcess
 
 
 def _wait_for(sbx_id: str, url: str, pred: Any, within: float = 10) -> list[dict[str, Any]]:
@@ -179,3 +181,53 @@ def test_a_hostile_session_in_the_record_and_the_report(server_url: str) -> None
     assert {"privilege-syscalls", "sensitive-paths", "persistence"} <= set(flags), flags
     cited = {e["seq"]: e for e in events}
     assert all(cited[s]["kind"] == "deny.syscall" for s in flags["privilege-syscalls"]["events"])
+
+
+def test_async_sdk_reads_the_record(server_url: str) -> None:
+    import asyncio
+
+    from agentcell import AsyncSandbox
+
+    async def main() -> None:
+        sbx = await AsyncSandbox.create(api_url=server_url, timeout=60)
+        try:
+            await sbx.commands.run("echo async-record")
+            got = [e async for e in sbx.events(kinds="api.call")]
+            assert any("async-record" in str(e.get("cmd")) for e in got)
+            rep = await sbx.report()
+            assert rep["api_calls"]["process.Start"] >= 1
+        finally:
+            await sbx.kill()
+        later = [e async for e in AsyncSandbox.events(sbx.sandbox_id, api_url=server_url)]
+        assert later[0]["kind"] == "sandbox.created"
+
+    asyncio.run(main())
+
+
+def test_the_audit_log_and_no_record(server_log: Path, tmp_path: Path) -> None:
+    """`serve --audit-log FILE`: every event as a JSON line, for a SIEM; `--no-record`: none kept."""
+    log = tmp_path / "audit.jsonl"
+    srv = ServerProcess(tmp_path / "server.log", "--standbys", "1", "--audit-log", str(log))
+    bare = ServerProcess(tmp_path / "bare.log", "--standbys", "1", "--no-record")
+    try:
+        srv.wait_ready(300)
+        bare.wait_ready(300)
+        with Sandbox.create(api_url=srv.url, timeout=60) as sbx:
+            sbx.commands.run("echo to-the-siem")
+        deadline = time.monotonic() + 10
+        while True:
+            lines = [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
+            if any(e["kind"] == "sandbox.killed" for e in lines) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert oct(log.stat().st_mode & 0o777) == "0o600"
+        mine = [e for e in lines if e["sandbox_id"] == sbx.sandbox_id]
+        assert mine[0]["kind"] == "sandbox.created" and any("to-the-siem" in str(e.get("cmd")) for e in mine)
+        assert [e["seq"] for e in mine] == sorted(e["seq"] for e in mine)
+        with Sandbox.create(api_url=bare.url, timeout=60) as plain:
+            plain.commands.run("true")
+            with pytest.raises(NotFoundException, match="no-record"):
+                list(plain.events())
+    finally:
+        srv.stop()
+        bare.stop()
