@@ -47,4 +47,4 @@ def test_record_overhead_benchmark_runs_with_tiny_counts() -> None:
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "record_overhead.py"), "--runs", "2"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert proc.stdout.count("overhead") == 3 and "events recorded for one build" in proc.stdout
+    assert proc.stdout.count("| overhead") == 3 and "events recorded for one build" in proc.stdout

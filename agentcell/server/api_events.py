@@ -83,24 +83,11 @@ def excerpt(text: str) -> dict[str, Any]:
     return {"excerpt": text[:_EXCERPT], "length": len(text), "sha256": hashlib.sha256(text.encode()).hexdigest()}
 
 
-def redacted(value: Any, secrets: list[tuple[str, str]]) -> Any:
-    """`value` with every secret's value replaced by its placeholder (strings, lists, dicts)."""
-    if isinstance(value, str):
-        for secret, placeholder in secrets:
-            value = value.replace(secret, placeholder)
-        return value
-    if isinstance(value, list):
-        return [redacted(v, secrets) for v in value]
-    if isinstance(value, dict):
-        return {k: redacted(v, secrets) for k, v in value.items()}
-    return value
-
-
 async def recorded(sink: Any, sandbox_id: str, action: str, key: str, app: Any, scope: Any, receive: Any,
-                   send: Any, secrets: list[tuple[str, str]] | None = None) -> None:
+                   send: Any) -> None:
     """Run `app` for this call and add one `api.call` event to the sandbox's record when its
-    response starts (or when it fails without one). A secret's value the caller put in the call (a
-    command line, a path) is recorded as its placeholder: the record never holds a secret."""
+    response starts (or when it fails without one). (A secret's value the caller put in the call is
+    stored as its placeholder: EventStore.redact.)"""
     details: dict[str, Any] = {}
     token = _details.set(details)
     done = False
@@ -109,8 +96,7 @@ async def recorded(sink: Any, sandbox_id: str, action: str, key: str, app: Any, 
         nonlocal done
         if not done:
             done = True
-            fields = redacted(details, secrets) if secrets else details
-            sink(sandbox_id, event("api.call", source="api", action=action, key_id=key, status=status, **fields))
+            sink(sandbox_id, event("api.call", source="api", action=action, key_id=key, status=status, **details))
 
     async def send_and_record(message: Any) -> None:
         if message["type"] == "http.response.start":

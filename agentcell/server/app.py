@@ -234,7 +234,7 @@ class AgentcellApp:
             action = api_events.data_plane_action(scope["method"], scope["path"], port == INTERPRETER_PORT)
             if action is not None and self.events is not None:
                 await api_events.recorded(self.events.add, rec.sandbox_id, action, api_events.data_plane_key(scope),
-                                          app, scope, receive, send, _secret_pairs(rec))
+                                          app, scope, receive, send)
             else:
                 await app(scope, receive, send)
         finally:
@@ -259,7 +259,7 @@ class AgentcellApp:
             action = api_events.data_plane_action(scope["method"], "/files", False)
             if action is not None and self.events is not None:
                 await api_events.recorded(self.events.add, rec.sandbox_id, action, "signed-url", self.envd_http,
-                                          scope, receive, send, _secret_pairs(rec))
+                                          scope, receive, send)
             else:
                 await self.envd_http(scope, receive, send)
         finally:
@@ -313,13 +313,6 @@ class AgentcellApp:
         finally:
             if held:
                 await budget.release(held.pop())
-
-
-def _secret_pairs(rec: SandboxRecord) -> list[tuple[str, str]]:
-    """(value, placeholder) of the sandbox's secrets and header rules: what its record must not hold."""
-    secrets = rec.spec.secrets
-    return [(v.decode(), p.decode()) for v, p in secrets.values()] + [
-        (value, f"[{name} header for {rule.host}]") for rule in secrets.rules for name, value in rule.headers]
 
 
 def _audit_log(target: str | None) -> IO[str] | None:

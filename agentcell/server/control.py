@@ -543,6 +543,7 @@ class ControlPlane:
         rec.rules_info = SecretSet(rules=rules).rules_info()
         # what a cold resume starts it with
         rec.spec = dataclasses.replace(rec.spec, network=policy, secrets=dataclasses.replace(rec.spec.secrets, rules=rules))
+        self.manager.redact_secrets(rec)  # new header values are kept out of its record too
         return Response(status_code=204)
 
     def _recorded(self, request: Request) -> tuple[EventStore, str]:

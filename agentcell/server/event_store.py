@@ -73,6 +73,7 @@ class _Record:
     dropped_total: int = 0
     buckets: dict[str, _Bucket] = field(default_factory=dict)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    redactions: list[tuple[str, str]] = field(default_factory=list)  # (secret value, placeholder)
 
 
 class EventStore:
@@ -186,9 +187,18 @@ class EventStore:
         b.tokens -= 1
         return None
 
+    def redact(self, sandbox_id: str, secrets: list[tuple[str, str]]) -> None:
+        """From now on, each of these values (a secret's) is stored as its placeholder, wherever in an
+        event it shows up: a command line a caller passed, the argv the kernel reported for it."""
+        rec = self._records.get(sandbox_id)
+        if rec is not None:
+            rec.redactions = [(v, p) for v, p in secrets if v]
+
     def _store(self, sandbox_id: str, rec: _Record, event: dict[str, Any]) -> None:
         rec.seq += 1
         rec.stored += 1
+        if rec.redactions:
+            event = _redacted(event, rec.redactions)
         stored = {**event, "sandbox_id": sandbox_id, "seq": rec.seq}
         if stored.get("kind") not in KIND_SET:
             stored["kind"] = "record.dropped"  # never: collectors use events.KINDS; kept visible if it happens
@@ -429,6 +439,19 @@ class EventStore:
     @property
     def full(self) -> bool:
         return self._rows >= self.limits.max_rows
+
+
+def _redacted(value: Any, secrets: list[tuple[str, str]]) -> Any:
+    if isinstance(value, str):
+        for secret, placeholder in secrets:
+            if secret in value:
+                value = value.replace(secret, placeholder)
+        return value
+    if isinstance(value, list):
+        return [_redacted(v, secrets) for v in value]
+    if isinstance(value, dict):
+        return {k: _redacted(v, secrets) for k, v in value.items()}
+    return value
 
 
 def _kind_matches(kind: str, wanted: tuple[str, ...]) -> bool:

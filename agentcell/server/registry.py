@@ -141,6 +141,12 @@ class SandboxRecord:
             self.metrics.add(now, await backend.stats(self.running), self.limits.cpu_count)
 
 
+def _secret_pairs(secrets: SecretSet) -> list[tuple[str, str]]:
+    """(value, placeholder) of a sandbox's secrets and header rules: what its record must not hold."""
+    return [(v.decode(), p.decode()) for v, p in secrets.values()] + [
+        (value, f"[{name} header for {rule.host}]") for rule in secrets.rules for name, value in rule.headers]
+
+
 def _now() -> datetime:
     return datetime.now(UTC)
 
@@ -372,11 +378,18 @@ class SandboxManager:
             timeout_s=timeout,
         )
         self._sandboxes[rec.sandbox_id] = rec
+        self.redact_secrets(rec)  # before the tenant has the id: no call of theirs yet
         self._record(rec.sandbox_id, "sandbox.created", begin=True, template=template_id, backend=backend.name,
                      limits=asdict(limits), timeout_s=timeout, key_id=caller, origin=origin)
         self._spawn(self._watch_channel(rec, channel))
         self._wake.set()
         return rec
+
+    def redact_secrets(self, rec: SandboxRecord) -> None:
+        """The record stores the sandbox's secrets' values (and header rules' values) as placeholders."""
+        if self.events is not None and rec.spec.secrets:
+            self.events.begin(rec.sandbox_id)
+            self.events.redact(rec.sandbox_id, _secret_pairs(rec.spec.secrets))
 
     def _record(self, sandbox_id: str, kind: str, *, begin: bool = False, **fields: Any) -> None:
         """An event of the sandbox's life as the server sees it, in its behaviour record."""
