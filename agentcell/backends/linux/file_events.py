@@ -22,6 +22,7 @@ what happens in an overlay's work directory is not the sandbox's doing and is sk
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import errno
 import os
@@ -295,8 +296,9 @@ class FileCollector:
         except Exception as e:  # called from a kill: never fails it
             print(f"agentcell: file events of {sandbox_id}: {e!r}", file=sys.stderr, flush=True)
         finally:
-            os.close(w.group)
-            os.close(w.root)
+            # Closing a fanotify group waits for the kernel's SRCU grace period (~10 ms): off the loop.
+            # The disk's root goes with it, after: the tmpfs (and its memory) is freed once both are closed.
+            self._loop.run_in_executor(None, _close_all, w.group, w.root)
 
     def _mark(self, target: WatchTarget) -> tuple[int, int]:
         """A group marking the sandbox's disk, and the disk's root opened for open_by_handle_at."""
@@ -736,3 +738,9 @@ def _pidns(pid: int) -> tuple[int, int]:
     except OSError:
         ino = -1
     return (len(ns) - 1 if ns else 0), ino
+
+
+def _close_all(*fds: int) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
