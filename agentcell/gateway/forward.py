@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from agentcell.server.asgi import named_by_connection
 from agentcell.server.http_protocol import UPGRADE_EXTENSION
 
 HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"te", b"trailer",
@@ -38,18 +39,9 @@ class CellFailed(Exception):
     create may have happened)."""
 
 
-def _named_by_connection(headers: list[tuple[bytes, bytes]]) -> set[bytes]:
-    named: set[bytes] = set()
-    for name, value in headers:
-        if name.lower() == b"connection":
-            named.update(t.strip().lower() for t in value.split(b","))
-    named.discard(b"host")
-    return named
-
-
 def request_headers(scope: dict[str, Any], cell_api_key: str | None) -> list[tuple[bytes, bytes]]:
     headers: list[tuple[bytes, bytes]] = scope["headers"]
-    named = _named_by_connection(headers)
+    named = named_by_connection(headers)
     out = []
     for name, value in headers:
         lower = name.lower()

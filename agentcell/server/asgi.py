@@ -35,3 +35,13 @@ def has_body(scope: dict[str, Any]) -> bool:
 
 def is_connect_rpc(path: str) -> bool:
     return path.startswith(("/process.Process/", "/filesystem.Filesystem/"))
+
+
+def named_by_connection(headers: list[tuple[bytes, bytes]]) -> set[bytes]:
+    """Header names listed in Connection: hop-by-hop too (RFC 9110 7.6.1); a proxy drops them."""
+    named: set[bytes] = set()
+    for name, value in headers:
+        if name.lower() == b"connection":
+            named.update(token.strip().lower() for token in value.split(b","))
+    named.discard(b"host")
+    return named

@@ -32,7 +32,7 @@ from starlette.responses import JSONResponse
 from agentcell.errors import SandboxError
 from agentcell.runtime.protocol import CHUNK, Duplex, Frame
 from agentcell.runtime.tunnel import NOT_OPEN
-from agentcell.server.asgi import has_body, header
+from agentcell.server.asgi import has_body, header, named_by_connection
 from agentcell.server.errors import json_error, sandbox_not_found
 from agentcell.server.http_protocol import UPGRADE_EXTENSION  # set on requests that ask to upgrade
 from agentcell.server.registry import SandboxRecord
@@ -55,23 +55,13 @@ def port_not_open(sandbox_id: str, port: int) -> JSONResponse:
     return JSONResponse(body, status_code=502)
 
 
-def _named_by_connection(headers: list[tuple[bytes, bytes]]) -> set[bytes]:
-    """Header names listed in Connection: hop-by-hop too (RFC 9110 7.6.1)."""
-    named: set[bytes] = set()
-    for name, value in headers:
-        if name.lower() == b"connection":
-            named.update(token.strip().lower() for token in value.split(b","))
-    named.discard(b"host")
-    return named
-
-
 def request_head(scope: dict[str, Any], upgrade: bytes | None, chunked: bool) -> bytes:
     """The request line and headers sent to the sandbox's server."""
     target = scope.get("raw_path") or scope["path"].encode()
     if scope.get("query_string"):
         target += b"?" + scope["query_string"]
     headers: list[tuple[bytes, bytes]] = scope["headers"]
-    named = _named_by_connection(headers)
+    named = named_by_connection(headers)
     lines = [scope["method"].encode() + b" " + target + b" HTTP/1.1"]
     has_host = False
     for name, value in headers:
@@ -94,7 +84,7 @@ def request_head(scope: dict[str, Any], upgrade: bytes | None, chunked: bool) ->
 def _upgrade_token(scope: dict[str, Any]) -> bytes | None:
     """The Upgrade header's value when the request asks to upgrade (Connection: upgrade), else None."""
     upgrade = header(scope, b"upgrade")
-    if upgrade is None or b"upgrade" not in _named_by_connection(scope["headers"]):
+    if upgrade is None or b"upgrade" not in named_by_connection(scope["headers"]):
         return None
     return upgrade.encode("latin-1")
 
@@ -143,7 +133,7 @@ class _Response:
                    for n, v in self.headers)
 
     def client_headers(self) -> list[tuple[bytes, bytes]]:
-        named = _named_by_connection(self.headers)
+        named = named_by_connection(self.headers)
         # uvicorn adds its own Date, and frames the body itself (chunked when there is no Content-Length).
         return [(n, v) for n, v in self.headers if n not in HOP_BY_HOP and n not in named and n != b"date"]
 
