@@ -112,8 +112,10 @@ def pod_spec(rootfs: str, args: list[str], env: dict[str, str], sock_dir: str, c
         {"destination": "/sys", "type": "sysfs", "source": "sysfs", "options": ["nosuid", "noexec", "nodev", "rw"]},
         cgroup_mount or {"destination": "/sys/fs/cgroup", "type": "cgroup", "source": "cgroup",
                          "options": ["nosuid", "noexec", "nodev", "relatime", "rw"]},
+        # /run and /tmp first: a checkout (or venv) that lives under /tmp is bound on top of them
+        _tmpfs("/run"), _tmpfs("/tmp", "1777"),
         *[_bind(p, p, ro=True) for p in image_paths()],
-        _tmpfs("/run"), _tmpfs("/tmp", "1777"), _tmpfs("/var/lib/agentcell", "755"),
+        _tmpfs("/var/lib/agentcell", "755"),
         _bind(RUNTIME_STORE, RUNTIME_STORE),  # the hostPath's runtime store: built once, shared
         _bind(UIDS, UIDS),  # the hostPath of uid reservations: a range apart from the host servers''
         _bind(sock_dir, "/agentcell-sock"),
