@@ -709,7 +709,7 @@ class ControlPlane:
         content = self.snapshots.content(snap)
         try:
             if full:
-                await self.manager.checkpoint(rec, content)
+                await self.manager.checkpoint(rec, content, room)
             else:
                 await self.manager.snapshot_files(rec, content, room)
             snap.size_bytes = tree_size(content)

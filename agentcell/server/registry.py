@@ -581,11 +581,18 @@ class SandboxManager:
                 if not rec.paused:
                     await rec.backend.resume(rec.running)
 
-    async def checkpoint(self, rec: SandboxRecord, image_dir: Path) -> int:
-        """Its memory, processes and files at `image_dir`; it runs on (a frozen one stays frozen)."""
+    async def checkpoint(self, rec: SandboxRecord, image_dir: Path, max_bytes: int | None = None) -> int:
+        """Its memory, processes and files at `image_dir`; it runs on (a frozen one stays frozen).
+        With `max_bytes`, refused before anything is written when the image cannot fit: its memory
+        file's pages in use (the cgroup's cache: gVisor's guest memory is a memfd) are all in it."""
         async with rec.lock:
             if rec.on_disk:
                 raise SandboxGoneError(f"sandbox {rec.sandbox_id} is kept on disk, not running: resume it first")
+            if max_bytes is not None:
+                least = (await rec.backend.stats(rec.running)).cache_bytes
+                if least > max_bytes:
+                    raise CapacityError(f"its memory alone ({least >> 20} MiB) would pass the {max_bytes >> 20} MiB "
+                                        "left of this server's snapshot quota")
             if rec.paused:
                 await rec.backend.resume(rec.running)
             try:

@@ -408,6 +408,7 @@ class GvisorBackend(CgroupSandboxes, Backend):
             proc.stdin.close()
             code = await proc.wait()
         except BaseException:
+            proc.stdin.close()  # else wait() waits for a pipe the sentry holds open
             if proc.returncode is None:
                 proc.kill()
                 await proc.wait()
@@ -419,17 +420,29 @@ class GvisorBackend(CgroupSandboxes, Backend):
             raise InvalidArgumentError(f"the disk archive could not be extracted in sandbox {sb.sandbox_id}: {tail}")
 
     async def _tar(self, sb: GvisorSandbox, dest: str, max_bytes: int) -> int:
+        """The guest's tar written to `dest`. Its stdout is a pipe of our own, not asyncio's: runsc
+        hands the write end to the sentry, which holds it as long as the guest's tar runs, so the only
+        way to stop a tar that passes `max_bytes` is to close the read end (its next write fails and it
+        exits); waiting on a killed `runsc exec` with an asyncio pipe would wait for that pipe forever."""
         assert self.runsc is not None
         argv = self.runsc.argv(sb.runsc_root, "exec", "--user=0:0", sb.sandbox_id, "/usr/bin/tar", "--format=pax",
                                "--numeric-owner", "--sparse", "-C", "/", "--transform=s,^home/user,home,",
                                "-cf", "-", "home/user", "tmp")
         fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         written = 0
-        with open(os.path.join(sb.runsc_root, "export.err"), "wb") as err, private_null(sb.runsc_root) as null:
-            proc = await asyncio.create_subprocess_exec(*argv, stdin=null, stdout=subprocess.PIPE, stderr=err, cwd="/")
-        assert proc.stdout is not None
+        read_end, write_end = os.pipe2(os.O_CLOEXEC)
         try:
-            while chunk := await proc.stdout.read(1 << 20):
+            with open(os.path.join(sb.runsc_root, "export.err"), "wb") as err, private_null(sb.runsc_root) as null:
+                proc = await asyncio.create_subprocess_exec(*argv, stdin=null, stdout=write_end, stderr=err, cwd="/")
+        except BaseException:
+            os.close(read_end)
+            os.close(fd)
+            os.unlink(dest)
+            raise
+        finally:
+            os.close(write_end)
+        try:
+            while chunk := await asyncio.to_thread(os.read, read_end, 1 << 20):
                 written += len(chunk)
                 if written > max_bytes:
                     raise ResourceExhaustedError(f"the files of sandbox {sb.sandbox_id} are over {max_bytes} bytes")
@@ -439,6 +452,8 @@ class GvisorBackend(CgroupSandboxes, Backend):
             if await proc.wait() not in (0, 1):  # 1: a file changed while it was read
                 raise SandboxError(f"tar in sandbox {sb.sandbox_id} failed: {self._log_tail(sb, 'export.err')}")
         except BaseException:
+            os.close(read_end)  # the guest's tar gets EPIPE and ends
+            read_end = -1
             if proc.returncode is None:
                 proc.kill()
                 await proc.wait()
@@ -448,6 +463,8 @@ class GvisorBackend(CgroupSandboxes, Backend):
                 os.unlink(dest)
             raise
         finally:
+            if read_end >= 0:
+                os.close(read_end)
             if fd >= 0:
                 os.close(fd)
         return written
