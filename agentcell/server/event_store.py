@@ -82,6 +82,7 @@ class EventStore:
         self.limits = limits or Limits()
         self.audit_log = audit_log
         self._records: dict[str, _Record] = {}
+        self._from_before: set[str] = set()  # sandboxes with a record from before this server's start
         self._pending: dict[str, list[dict[str, Any]]] = {}  # added, not yet committed (served to readers)
         self._pending_lock = threading.Lock()
         self._queue: queue.Queue[tuple[str, Any]] = queue.Queue()
@@ -108,6 +109,7 @@ class EventStore:
         # a restart: records of sandboxes that were running are closed now (they are gone)
         self._db.execute("UPDATE sandboxes SET ended = ? WHERE ended IS NULL", (time.time(),))
         self._rows = self._db.execute("SELECT COUNT(*) FROM events").fetchone()[0]
+        self._from_before = {r[0] for r in self._db.execute("SELECT sandbox_id FROM sandboxes")}
         self._writer = threading.Thread(target=self._write_loop, name="agentcell-events", daemon=True)
         self._writer.start()
 
@@ -137,7 +139,10 @@ class EventStore:
         """A sandbox's record starts (its create); idempotent."""
         rec = self._records.get(sandbox_id)
         if rec is None:  # new, or a record from before a restart (a paused sandbox resumed): go on from it
-            rec = self._records[sandbox_id] = _Record(seq=self._max_seq(sandbox_id))
+            # only the latter asks the database, whose lock the writer may hold for a while: a create
+            # never waits for it
+            seq = self._max_seq(sandbox_id) if sandbox_id in self._from_before else 0
+            rec = self._records[sandbox_id] = _Record(seq=seq)
             rec.stored = rec.seq
         elif not rec.ended:
             return
@@ -431,6 +436,7 @@ class EventStore:
             n = self._db.execute("DELETE FROM events WHERE sandbox_id = ?", (sandbox_id,)).rowcount
             self._db.execute("DELETE FROM sandboxes WHERE sandbox_id = ?", (sandbox_id,))
         self._rows -= max(n, 0)
+        self._from_before.discard(sandbox_id)
         self.stats["evicted_sandboxes"] += 1
         rec = self._records.get(sandbox_id)
         if rec is not None and rec.ended:
