@@ -78,6 +78,7 @@ class LinuxSandbox(RunningSandbox):
         self.cgroups = cgroups.Cgroups.at(cgroup)
         self.killed = False
         self.linked = False  # has a link to the egress router (and rules there to remove at kill)
+        self.watched_early = False  # the record's early collectors watch it since it was prepared
         self.kill_lock = asyncio.Lock()
         # the root of its disk tmpfs (O_PATH, from sandbox_init's "disk" frame): export_files walks it
         self.disk_fd = -1
@@ -329,17 +330,32 @@ class LinuxBackend(CgroupSandboxes, Backend):
         self.recorder.begin(sandbox.sandbox_id)
         for why in self.missing_collectors:
             self.recorder.add(sandbox.sandbox_id, event("record.dropped", count=0, reason=f"not recorded here: {why}"))
-        # The collectors' watch (~0.5 ms: a fanotify group, cgroup files) runs right after the create's
-        # answer is on its way, before the loop reads any further request: no code of the tenant's can
-        # run before it, and it overlaps the client's round trip instead of lengthening the create.
-        asyncio.get_running_loop().call_soon(self._watch_now, sandbox)
+        # What is left of the collectors' watch (a standby's early ones watch it since it was prepared;
+        # else ~0.5 ms: a fanotify group, cgroup files) runs right after the create's answer is on its
+        # way, before the loop reads any further request: no code of the tenant's can run before it.
+        asyncio.get_running_loop().call_soon(self._watch_now, sandbox, False)
 
-    def _watch_now(self, sandbox: LinuxSandbox) -> None:
+    async def _prepare_standby(self, template: str) -> LinuxSandbox:
+        """A standby, watched by the record's early collectors from now on (off any request's path).
+        Its events before a claim are not kept: a record starts at the claim (EventStore.begin)."""
+        sandbox = await self._prepare(template, self.standby_limits, self._new_id())
+        if self.recorder is not None:
+            self._watch_now(sandbox, True)
+        return sandbox
+
+    def _watch_now(self, sandbox: LinuxSandbox, early: bool) -> None:
+        """early: only the collectors whose watch holds nothing of the claim (Collector.early); else
+        the others, or all of them for a sandbox no early collector watches yet."""
         if sandbox.killed or sandbox.disk_fd < 0 or self.recorder is None:
             return
         target = WatchTarget(sandbox.sandbox_id, sandbox.host_pid, sandbox.host_uids, sandbox.cgroups,
                              sandbox.disk_fd)
-        for collector in self.collectors:
+        if early:
+            chosen = [c for c in self.collectors if c.early]
+            sandbox.watched_early = True
+        else:
+            chosen = [c for c in self.collectors if not (sandbox.watched_early and c.early)]
+        for collector in chosen:
             try:
                 collector.watch(target)
             except OSError as e:  # a record with a gap, said in the record, rather than no sandbox
@@ -418,7 +434,7 @@ class LinuxBackend(CgroupSandboxes, Backend):
     def _pool(self, template: str) -> StandbyPool[LinuxSandbox]:
         pool = self._pools.get(template)
         if pool is None:
-            pool = StandbyPool(lambda: self._prepare(template, self.standby_limits, self._new_id()),
+            pool = StandbyPool(lambda: self._prepare_standby(template),
                                self.kill, LinuxSandbox.alive, self.standbys, self.prepare_parallel)
             self._pools[template] = pool
         return pool

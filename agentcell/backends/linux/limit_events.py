@@ -186,6 +186,8 @@ class _Watched:
 class LimitsCollector:
     """The limits a sandbox hit (see the module's docstring). Runs on the server's event loop."""
 
+    early = False  # record.Collector.early
+
     def __init__(self, sink: EventSink, *, interval: float = 1.0, window: float = 10.0,
                  slice_size: int = 100, kmsg: str = KMSG, cpu_min_ratio: float = 0.1) -> None:
         self.sink = sink

@@ -2,7 +2,7 @@
 protocol they share. The collectors observe a sandbox from outside it (kernel interfaces read by the
 server as host root), so code in the sandbox can neither forge nor suppress their events.
 
-A collector is started once per server, told of each sandbox when a tenant claims it (`watch`) and
+A collector is started once per server, told of each sandbox when a tenant claims it, or as a standby is prepared (`watch`, see `early`), and
 when it is killed (`unwatch`), and calls its `EventSink` (agentcell/backends/events.py) on the
 server's event loop for each event.
 """
@@ -27,6 +27,10 @@ class WatchTarget:
 
 
 class Collector(Protocol):
+    # True: it may watch a standby from its preparation (its watch reads nothing a claim changes, and
+    # it keeps nothing until the record begins); False: it is told at the claim (e.g. it reads limits)
+    early: bool
+
     async def start(self) -> None: ...
 
     def watch(self, target: WatchTarget) -> None: ...
