@@ -3,7 +3,8 @@
 Three `agentcell serve --cell-id` processes (own state dirs, automatic disjoint uid ranges, no uplink,
 one standby; the third holds at most one sandbox) and two gateways with static discovery. Through a
 gateway: agentcell's SDK and the official e2b / e2b-code-interpreter SDKs, streams, files, a port and a
-WebSocket; placement and overflow; list merged; then the failures, the destructive ones last: a stopped
+WebSocket; placement and overflow; list merged; snapshots (a create from one lands on its cell, the
+listing pages over every cell, a delete finds its cell) and fork; then the failures, the destructive ones last: a stopped
 cell, a killed gateway, a draining cell, a killed cell. The Kubernetes adapter is tested against a
 local fake API server that plays a recorded EndpointSlice list and watch.
 """
@@ -90,6 +91,7 @@ def _wait(what: str, check: Any, timeout: float = 15) -> Any:
 def cells(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[ServerProcess]]:
     logs = tmp_path_factory.mktemp("cells")
     procs = [ServerProcess(logs / f"{cid}.log", "--cell-id", cid, "--standbys", "1", "--drain-grace", "60",
+                           "--create-backends", "gvisor",  # a sandbox to fork (memory) where a create asks for it
                            *(("--max-sandboxes", "1") if cid == CELL_IDS[2] else ()),
                            env={"AGENTCELL_EGRESS_UPLINK": "none"}) for cid in CELL_IDS]
     try:
@@ -309,6 +311,211 @@ def test_the_gateway_checks_the_api_key(cells: list[ServerProcess], tmp_path: Pa
         assert httpx.get(keyed.url + "/health").status_code == 200  # no key: a probe
     finally:
         keyed.stop()
+
+
+
+# --- snapshots and fork through a gateway -----------------------------------------------------------------
+
+
+def _snapshot_ids(url: str, **params: str) -> list[dict[str, Any]]:
+    r = httpx.get(url + "/snapshots", params=params)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _source(cell: ServerProcess, gw: str) -> Sandbox:
+    """A sandbox made on `cell` itself (a create through the gateway may land anywhere), used through `gw`."""
+    return Sandbox.connect(_create(cell.url, timeout=300), api_url=gw)
+
+
+def test_a_create_from_a_snapshot_lands_on_its_cell(cells: list[ServerProcess],
+                                                    gateways: list[GatewayProcess]) -> None:
+    gw = gateways[0].url
+    sources = [_source(c, gw) for c in cells]
+    snaps: dict[str, str] = {}  # cell id -> snapshot id
+    named = f"gw-{os.urandom(4).hex()}"
+    try:
+        for cid, src in zip(CELL_IDS, sources, strict=True):
+            assert _cell_of(src.sandbox_id) == cid
+            src.files.write("/home/user/origin.txt", f"taken on {cid}")
+            snap = src.create_snapshot()  # through the gateway: routed by the sandbox's id
+            assert snap.snapshot_id.endswith(":default") and _cell_of(snap.snapshot_id) == cid, snap
+            snaps[cid] = snap.snapshot_id
+        by_name = sources[1].create_snapshot(name=named)
+        assert by_name.snapshot_id == f"{named}:default"  # a name says nothing of its cell: the gateway asks
+        # the full cell (it holds one sandbox: the source) says no, and the create goes nowhere else
+        before = {x["sandboxID"] for x in httpx.get(gw + "/sandboxes").json()}
+        r = httpx.post(gw + "/v2/sandboxes", json={"templateID": snaps[CELL_IDS[2]], "timeout": 60}, timeout=60)
+        assert r.status_code == 429 and f"lives on cell {CELL_IDS[2]}" in r.json()["message"], r.text
+        assert {x["sandboxID"] for x in httpx.get(gw + "/sandboxes").json()} == before
+        sources[2].kill()
+        # every create from a snapshot, by each of its spellings, through either gateway, lands on its cell
+        forms = [lambda s: s, lambda s: s.split(":")[0]]
+        for round_ in range(3):
+            for i, cid in enumerate(CELL_IDS):
+                ref = forms[(round_ + i) % 2](snaps[cid])
+                child = Sandbox.create(ref, api_url=gateways[(round_ + i) % 2].url, timeout=60)
+                try:
+                    assert _cell_of(child.sandbox_id) == cid, (ref, child.sandbox_id)
+                    assert child.files.read("/home/user/origin.txt") == f"taken on {cid}"
+                finally:
+                    child.kill()  # the third cell holds one at a time
+        for ref in (named, f"{named}:default", named, f"{named}:default"):
+            child = Sandbox.create(ref, api_url=gw, timeout=60)
+            try:
+                assert _cell_of(child.sandbox_id) == CELL_IDS[1]
+                assert child.files.read("/home/user/origin.txt") == f"taken on {CELL_IDS[1]}"
+            finally:
+                child.kill()
+        missing = httpx.post(gw + "/sandboxes", json={"templateID": "no-such-snapshot"})
+        assert missing.status_code == 404 and "not found" in missing.json()["message"]
+        # the same name on two cells: ambiguous, never a guess
+        twin = httpx.post(f"{gw}/sandboxes/{sources[0].sandbox_id}/snapshots", json={"name": named})
+        assert twin.status_code == 201, twin.text
+        r = httpx.post(gw + "/sandboxes", json={"templateID": named})
+        assert r.status_code == 409 and CELL_IDS[0] in r.json()["message"] and CELL_IDS[1] in r.json()["message"]
+        assert len(_snapshot_ids(gw, name=named)) == 2
+        # a name's delete goes to every cell; an id's to its own
+        assert Sandbox.delete_snapshot(named, api_url=gw) is True
+        assert _snapshot_ids(gw, name=named) == []
+        assert Sandbox.delete_snapshot(named, api_url=gw) is False
+        assert Sandbox.delete_snapshot(snaps[CELL_IDS[2]], api_url=gateways[1].url) is True
+        assert Sandbox.delete_snapshot(snaps[CELL_IDS[2]], api_url=gw) is False
+        gone = httpx.post(gw + "/sandboxes", json={"templateID": snaps[CELL_IDS[2]]})
+        assert gone.status_code == 404, gone.text
+        assert httpx.delete(gw + "/templates/base").status_code == 400  # a built-in: a cell says no
+    finally:
+        for src in sources:
+            with contextlib.suppress(Exception):
+                src.kill()
+        for ref in [*snaps.values(), named, named]:
+            httpx.delete(f"{gw}/templates/{ref}")
+
+
+def test_snapshots_list_merged_and_paged(cells: list[ServerProcess], gateways: list[GatewayProcess]) -> None:
+    gw = gateways[0].url
+    sources = [_source(c, gw) for c in cells[:2]]
+    mine: list[str] = []
+    try:
+        for i in range(5):  # 3 on one cell, 2 on the other; some in the same second
+            mine.append(sources[i % 2].create_snapshot().snapshot_id)
+        every = [s for s in _snapshot_ids(gw) if s["snapshotID"] in mine]
+        assert sorted(s["snapshotID"] for s in every) == sorted(mine)
+        for limit in (1, 2, 3):  # pages over both cells, each page from either gateway, one cursor
+            seen: list[dict[str, Any]] = []
+            token = None
+            for page in range(20):
+                params = {"limit": str(limit), **({"nextToken": token} if token else {})}
+                r = httpx.get(gateways[page % 2].url + "/snapshots", params=params)
+                assert r.status_code == 200, r.text
+                assert len(r.json()) <= limit
+                seen += r.json()
+                token = r.headers.get("x-next-token")
+                if not token:
+                    break
+            ids = [s["snapshotID"] for s in seen]
+            assert len(ids) == len(set(ids)), f"a snapshot twice: {ids}"
+            assert [s["createdAt"] for s in seen] == sorted((s["createdAt"] for s in seen), reverse=True)
+            assert set(mine) <= set(ids)
+        # the sandbox filter asks its cell only; its pages are the gateway's too
+        first = sources[0].list_snapshots(limit=2)
+        got = [s.snapshot_id for s in first.next_items()]
+        while first.has_next:
+            got += [s.snapshot_id for s in first.next_items()]
+        assert sorted(got) == sorted(mine[0::2])
+        assert [s.snapshot_id for s in Sandbox.list_snapshots(api_url=gw, sandbox_id=sources[1].sandbox_id)
+                .next_items()] == [s["snapshotID"] for s in every if s["sandboxID"] == sources[1].sandbox_id]
+        assert httpx.get(gw + "/snapshots", params={"nextToken": "!!"}).status_code == 400
+        assert httpx.get(gw + "/snapshots", params={"limit": "0"}).status_code == 400
+    finally:
+        for src in sources:
+            src.kill()
+        for ref in mine:
+            httpx.delete(f"{gw}/templates/{ref}")
+
+
+def test_e2b_sdk_snapshots_and_fork_through_the_gateway(cells: list[ServerProcess], gw: str) -> None:
+    from e2b import Sandbox as E2BSandbox
+
+    # a gvisor sandbox (memory snapshots, fork) on the first cell, then everything through the gateway
+    r = httpx.post(cells[0].url + "/v2/sandboxes", json={"templateID": "base", "backend": "gvisor", "timeout": 300},
+                   timeout=120)
+    assert r.status_code == 201, r.text
+    sid = r.json()["sandboxID"]
+    with e2b_pointed_at(gw):
+        src = E2BSandbox.connect(sid)
+        snapshot = None
+        try:
+            src.files.write("/home/user/state.txt", "e2b through the gateway")
+            src.commands.run("echo 41 > /tmp/n; sleep 3600", background=True)  # a process: the memory snapshot keeps it
+            snapshot = src.create_snapshot()
+            assert _cell_of(snapshot.snapshot_id) == CELL_IDS[0]
+            for _ in range(3):
+                child = E2BSandbox.create(snapshot.snapshot_id, timeout=60)
+                try:
+                    assert _cell_of(child.sandbox_id) == CELL_IDS[0]
+                    assert child.files.read("/home/user/state.txt") == "e2b through the gateway"
+                    assert "sleep 3600" in child.commands.run("ps -eo args").stdout  # its memory: the process runs on
+                finally:
+                    child.kill()
+            listed = E2BSandbox.list_snapshots(sandbox_id=sid).next_items()
+            assert [s.snapshot_id for s in listed] == [snapshot.snapshot_id]
+            forks = Sandbox.connect(sid, api_url=gw).fork(count=2, timeout=60)  # agentcell's SDK: fork
+            try:
+                assert all(isinstance(f, Sandbox) for f in forks), forks
+                for f in forks:
+                    assert isinstance(f, Sandbox) and _cell_of(f.sandbox_id) == CELL_IDS[0]
+                    assert f.files.read("/home/user/state.txt") == "e2b through the gateway"
+                    f.files.write("/home/user/state.txt", f.sandbox_id)  # its own copy
+                assert src.files.read("/home/user/state.txt") == "e2b through the gateway"
+            finally:
+                for f in forks:
+                    if isinstance(f, Sandbox):
+                        f.kill()
+            assert E2BSandbox.delete_snapshot(snapshot.snapshot_id)
+            assert not E2BSandbox.delete_snapshot(snapshot.snapshot_id)
+            snapshot = None
+        finally:
+            if snapshot is not None:
+                E2BSandbox.delete_snapshot(snapshot.snapshot_id)
+            src.kill()
+
+
+def test_a_snapshot_on_a_stopped_cell_is_not_placed_elsewhere(cells: list[ServerProcess],
+                                                              gateways: list[GatewayProcess]) -> None:
+    gw = gateways[0].url
+    src = _source(cells[1], gw)
+    snap = src.create_snapshot().snapshot_id
+    src.kill()
+    os.kill(cells[1].pid, signal.SIGSTOP)
+    try:
+        _wait("the stopped cell marked down", lambda: not gateways[0].cells()[CELL_IDS[1]]["up"], timeout=10)
+        r = httpx.post(gw + "/sandboxes", json={"templateID": snap}, timeout=30)
+        assert r.status_code == 503 and f"lives on cell {CELL_IDS[1]}" in r.json()["message"], r.text
+        d = httpx.delete(f"{gw}/templates/{snap}")
+        assert d.status_code == 503 and CELL_IDS[1] in d.json()["message"], d.text
+    finally:
+        os.kill(cells[1].pid, signal.SIGCONT)
+    _wait("the cell back up", lambda: gateways[0].cells()[CELL_IDS[1]]["up"], timeout=10)
+    assert Sandbox.delete_snapshot(snap, api_url=gw) is True
+
+
+def test_health_is_503_without_a_routable_cell(tmp_path: Path) -> None:
+    """A readiness probe takes a gateway with no cell out of its Service (liveness must not use it)."""
+    nowhere = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
+    lone = GatewayProcess(tmp_path / "lone.log", [nowhere], "--poll-interval", "0.2")
+    try:
+        r = _wait("the gateway up", lambda: _health(lone.url))
+        assert r.status_code == 503 and r.json() == {"status": "no cells", "cells": 0, "ready": 0}
+    finally:
+        lone.stop()
+
+
+def _health(url: str) -> httpx.Response | None:
+    try:
+        return httpx.get(url + "/health", timeout=1)
+    except httpx.TransportError:
+        return None
 
 
 # --- failures (destructive: the order matters) ----------------------------------------------------------

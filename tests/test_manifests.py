@@ -314,6 +314,8 @@ def test_the_gateway_may_only_read_endpointslices_in_its_namespace(objects: list
     (c,) = pod["containers"]
     args = c["args"]
     assert args[0] == "gateway" and "--discovery=kubernetes" in args
+    assert c["readinessProbe"]["httpGet"]["path"] == "/health"  # 503 without a routable cell
+    assert "httpGet" not in c["livenessProbe"], "liveness on /health would restart every gateway while the cells are down"
     assert "--k8s-service=agentcell-cells" in args
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert c["securityContext"]["allowPrivilegeEscalation"] is False

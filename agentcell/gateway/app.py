@@ -3,11 +3,13 @@
 | request | goes to |
 |---|---|
 | data plane (`E2b-Sandbox-Id` header, or Host `{port}-{id}.…`) | the cell named by the id's first CELL_ID_LEN chars |
-| `/sandboxes/{id}…`, `/v2/sandboxes/{id}…` | the same |
-| `POST /sandboxes`, `POST /v2/sandboxes` | the less loaded of two random ready cells; on 429/503 or a refused connection, another |
-| `GET /sandboxes`, `GET /v2/sandboxes`, `GET /snapshots` | every reachable cell, merged (listing.py) |
+| `/sandboxes/{id}…`, `/v2/sandboxes/{id}…` (fork, snapshots of it too) | the same |
+| `POST /sandboxes`, `POST /v2/sandboxes` of a built-in template | the less loaded of two random ready cells; on 429/503 or a refused connection, another |
+| `POST /sandboxes`, `POST /v2/sandboxes` from a snapshot | only the cell that holds it: named by its template id's prefix, else found by asking the cells (snapshots.py) |
+| `DELETE /templates/{id}` | the cell named by the id's prefix; a name: every cell (204 if one deleted it) |
+| `GET /sandboxes`, `GET /v2/sandboxes`, `GET /snapshots` | every reachable cell, merged (listing.py, snapshots.py) |
 | `/files` without a sandbox (a signed URL) | each cell in turn until one knows the signature |
-| `GET /health` | the gateway itself (no key); `GET /v1/cells`: its view of the cells (key) |
+| `GET /health` | the gateway itself (no key): 200 while a cell is routable, else 503; `GET /v1/cells`: its view of the cells (key) |
 | anything else on the control plane | one ready cell |
 
 An id whose cell is unknown, down or no longer serving gets E2B's 502 "The sandbox was not found".
@@ -17,19 +19,22 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
 import re
 import time
 from typing import Any
+from urllib.parse import parse_qsl
 
 import httpx
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 
-from agentcell.gateway import listing
+from agentcell.gateway import listing, snapshots
 from agentcell.gateway.cells import CellState, CellTable
 from agentcell.gateway.discovery import Discovery
 from agentcell.gateway.forward import CellFailed, CellUnreachable, forward, relay_upgrade, upgrade_requested
 from agentcell.server.cell import CELL_ID_LEN
+from agentcell.server.control import TEMPLATES
 from agentcell.server.errors import json_error, sandbox_not_found
 
 log = logging.getLogger("agentcell.gateway")
@@ -173,10 +178,11 @@ class GatewayApp:
             await self._to_sandbox(sandbox_id, scope, receive, send)
             return
         path, method = scope["path"], scope["method"]
-        if path == "/health":
+        if path == "/health":  # a readiness probe: a gateway with no cell to route to is not ready
             ready = sum(1 for c in self.cells.by_url.values() if c.placeable)
-            await JSONResponse({"status": "ok", "cells": len(self.cells.routable()), "ready": ready})(
-                scope, receive, send)
+            routable = len(self.cells.routable())
+            await JSONResponse({"status": "ok" if routable else "no cells", "cells": routable, "ready": ready},
+                               status_code=200 if routable else 503)(scope, receive, send)
             return
         if path == "/files" and method in ("GET", "POST"):
             await self._signed_files(scope, receive, send)
@@ -196,6 +202,11 @@ class GatewayApp:
         if method == "GET" and path in ("/sandboxes", "/v2/sandboxes", "/snapshots"):
             await self._list(scope, receive, send)
             return
+        if method == "DELETE" and path.startswith("/templates/") and "/" not in path[len("/templates/"):]:
+            ref = path[len("/templates/"):]
+            if ref and ref not in TEMPLATES:  # a built-in's delete: any cell says no
+                await self._delete_snapshot(ref, scope, receive, send)
+                return
         cell = self.cells.pick(set()) or next(iter(self.cells.routable()), None)
         if cell is None:
             await json_error(503, "no cell is reachable; retry shortly")(scope, receive, send)
@@ -227,6 +238,9 @@ class GatewayApp:
         body = await _read_body(receive, MAX_CREATE_BODY)
         if body is None:
             await json_error(413, f"a create's body is at most {MAX_CREATE_BODY >> 10} KiB")(scope, receive, send)
+            return
+        if (ref := snapshots.create_template(body)) is not None:
+            await self._create_from_snapshot(ref, body, scope, send)
             return
         tried: set[str] = set()
         capture: _Capture | None = None
@@ -260,6 +274,83 @@ class GatewayApp:
         await json_error(503, "no cell can take a new sandbox now (every cell is full, draining or down); "
                               "retry shortly")(scope, receive, send)
 
+    async def _create_from_snapshot(self, ref: str, body: bytes, scope: dict[str, Any], send: Any) -> None:
+        """A create from a snapshot goes to the cell that holds it, and nowhere else (no other cell has
+        its files); that cell's refusal is the answer, with the reason it was not placed elsewhere."""
+        assert self.client is not None
+        try:
+            cell = snapshots.owner_by_prefix(self.cells, ref)
+            if cell is None:
+                cell = await snapshots.find_holder(self.client, self.cells, ref, self.cells.headers())
+            elif not cell.routable:
+                raise snapshots.unreachable(ref, cell)
+        except snapshots.SnapshotRouteError as e:
+            await json_error(e.status, e.message)(scope, _replay(b""), send)
+            return
+        capture = _Capture(send)
+        cell.inflight += 1
+        try:
+            status = await self._forward(cell, scope, _replay(body), capture, body)
+        except CellUnreachable as e:
+            self.cells.mark_down(cell, f"connect failed: {e}")
+            err = snapshots.unreachable(ref, cell)
+            await json_error(err.status, err.message)(scope, _replay(b""), send)
+            return
+        except CellFailed as e:
+            await json_error(502, f"cell {cell.cell_id} failed while creating the sandbox ({e}); it may "
+                                  "or may not exist: list sandboxes, or create again")(scope, _replay(b""), send)
+            return
+        finally:
+            cell.inflight -= 1
+        cell.placed += 1
+        if capture.passing:
+            return
+        if status in REFUSALS:
+            cell.refusals += 1
+            said = b"".join(m.get("body", b"") for m in capture.held if m["type"] == "http.response.body")
+            try:
+                reason = str(json.loads(said).get("message", ""))
+            except (ValueError, AttributeError):
+                reason = said.decode(errors="replace")[:300]
+            await json_error(status, f"snapshot '{ref}' lives on cell {cell.cell_id}, which cannot take a sandbox "
+                                     f"now: {reason}; a snapshot is only on its own cell, so retry shortly, or "
+                                     "delete sandboxes there")(scope, _replay(b""), send)
+            return
+        await capture.release()
+
+    async def _delete_snapshot(self, ref: str, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        """DELETE /templates/{ref}: to the cell its template id names; a name to every cell."""
+        assert self.client is not None
+        cell = snapshots.owner_by_prefix(self.cells, ref)
+        if cell is not None:
+            if not cell.routable:
+                err = snapshots.unreachable(ref, cell)
+                await json_error(err.status, err.message)(scope, receive, send)
+                return
+            try:
+                await self._forward(cell, scope, receive, send)
+            except (CellUnreachable, CellFailed) as e:
+                if isinstance(e, CellUnreachable):
+                    self.cells.mark_down(cell, f"connect failed: {e}")
+                err = snapshots.unreachable(ref, cell)
+                await json_error(err.status, err.message)(scope, receive, send)
+            return
+        status = await snapshots.delete_everywhere(self.client, self.cells.routable(), ref, self.cells.headers())
+        if status == 204:
+            await Response(status_code=204)(scope, receive, send)
+        else:
+            await json_error(status, f"snapshot '{ref}' not found" if status == 404 else
+                             f"snapshot '{ref}' could not be deleted")(scope, receive, send)
+
+    def _snapshot_cells(self, query: str) -> list[CellState]:
+        """The cells a snapshot listing asks: with `sandboxID`, only that sandbox's (its snapshots are there)."""
+        sandbox_id = dict(parse_qsl(query)).get("sandboxID")
+        if sandbox_id:
+            cell = self.cells.by_id.get(sandbox_id[:CELL_ID_LEN])
+            if cell is not None:
+                return [cell] if cell.routable else []
+        return self.cells.routable()
+
     async def _list(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         assert self.client is not None
         cells = self.cells.routable()
@@ -273,9 +364,11 @@ class GatewayApp:
                     out["x-next-token"] = token
                 await JSONResponse(page, headers=out)(scope, receive, send)
             else:
-                path = scope["path"]
-                items = await listing.list_v1(self.client, cells, query, headers) if path == "/sandboxes" else \
-                    await _concat(self.client, cells, path, query, headers)
+                if scope["path"] == "/snapshots":
+                    page, token = await snapshots.list_merged(self.client, self._snapshot_cells(query), query, headers)
+                    await JSONResponse(page, headers={"x-next-token": token} if token else None)(scope, receive, send)
+                    return
+                items = await listing.list_v1(self.client, cells, query, headers)
                 await JSONResponse(items)(scope, receive, send)
         except listing.ListError as e:
             await json_error(e.status, e.message)(scope, receive, send)
@@ -305,18 +398,6 @@ class GatewayApp:
             await capture.release()
             return
         await json_error(401, "invalid signature")(scope, receive, send)
-
-
-async def _concat(client: httpx.AsyncClient, cells: list[CellState], path: str, query: str,
-                  headers: dict[str, str]) -> list[Any]:
-    url = path + ("?" + query if query else "")
-    answers = await asyncio.gather(*(client.get(c.url + url, headers=headers) for c in cells),
-                                   return_exceptions=True)
-    out: list[Any] = []
-    for r in answers:
-        if isinstance(r, httpx.Response) and r.status_code == 200:
-            out += r.json()
-    return out
 
 
 def serve(app: GatewayApp, host: str, port: int, log_level: str = "info", header_timeout: float = 10.0,

@@ -24,11 +24,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agentcell.backends.base import Limits, new_sandbox_id
+from agentcell.backends.base import Limits, new_cell_sandbox_id
 
 TAG = "default"
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
-_DIR_RE = re.compile(r"^[a-z0-9]{20}$")
+# 20 random characters, after the cell id when the server has one (a gateway routes a create by it)
+_DIR_RE = re.compile(r"^[a-z0-9]{20,64}$")
 
 
 class SnapshotError(Exception):
@@ -42,7 +43,7 @@ class SnapshotError(Exception):
 
 @dataclass
 class Snapshot:
-    template_id: str  # the directory's name: 20 lowercase letters and digits
+    template_id: str  # the directory's name: [cell id +] 20 lowercase letters and digits
     name: str | None
     mode: str  # "full" (memory and files) | "filesystem"
     backend: str
@@ -137,7 +138,7 @@ class SnapshotStore:
         if room <= 0:
             raise SnapshotError(429, f"the snapshots on this server use all of their {self.quota_bytes >> 20} MiB: "
                                      "delete some first")
-        template_id = new_sandbox_id()
+        template_id = new_cell_sandbox_id()
         d = self.root / template_id
         d.mkdir(parents=True, mode=0o700)
         self._reserved += room
