@@ -347,6 +347,28 @@ async def test_a_flood_of_refused_syscalls_is_bounded_and_counted(backend: Linux
                 await b.close()
 
 
+
+async def test_a_suppressed_sandbox_is_excluded_in_the_kernel(box: Box, recorder: Recorder) -> None:
+    """The flood brake: while a sandbox is suppressed, the kernel writes none of its records (an
+    exclude rule keyed by its uids alone: a rule key there would make the kernel ignore the rule)."""
+    col = recorder.collector
+    state = col._by_id[box.id]
+    records = col.stats["records"]
+    col._suppress(state)
+    try:
+        assert state.suppressed is not None
+        await box.sh("for i in 1 2 3 4 5 6 7 8 9 10; do /bin/true; done; /bin/echo excluded")
+        await asyncio.sleep(0.5)
+        assert not exec_of(recorder.events.get(box.id, []), "/bin/echo", "excluded")
+        assert col.stats["records"] == records, "the kernel still wrote the suppressed sandbox's records"
+    finally:
+        col._unsuppress(state)
+    assert not [r for r in an.AuditSocket().rules() if col._our_exclusion(r) and an.rule_head(r)[1] == an.NEVER
+                and len(an.rule_conditions(r)) == 2]
+    await box.sh("/bin/echo recorded")
+    assert exec_of(await recorder.wait(box.id, lambda evs: bool(exec_of(evs, "/bin/echo", "recorded"))),
+                   "/bin/echo", "recorded")
+
 # -- the host's audit state ----------------------------------------------------------------------
 
 

@@ -102,6 +102,17 @@ def rule_head(data: bytes) -> tuple[int, int]:
     return flags & ~0x10, action  # less AUDIT_FILTER_PREPEND
 
 
+def rule_conditions(data: bytes) -> list[tuple[int, int, int]]:
+    """(field, op, value) of each condition of a rule as AUDIT_LIST_RULES sends it."""
+    head = _RULE_HEAD.unpack_from(data)
+    count = head[2]
+    at = 3 + _BITMASK_WORDS
+    names = head[at:at + count]
+    values = head[at + _MAX_FIELDS:at + _MAX_FIELDS + count]
+    ops = head[at + 2 * _MAX_FIELDS:at + 2 * _MAX_FIELDS + count]
+    return list(zip(names, ops, values, strict=True))
+
+
 def rule_key(data: bytes) -> str:
     """The key (`-k`) of a rule as AUDIT_LIST_RULES sends it ("" if none)."""
     head = _RULE_HEAD.unpack_from(data)
