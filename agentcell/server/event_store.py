@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+import orjson
+
 from agentcell.backends.events import KIND_SET
 
 log = logging.getLogger("agentcell.events")
@@ -43,6 +45,7 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     dropped INTEGER NOT NULL DEFAULT 0);
 """
 _READ_CHUNK = 1000  # rows per query while a reader pages through a record
+WRITE_GATHER_S = 0.05  # the writer gathers events this long before a transaction
 ROW_BYTES = 300  # about what an event takes in the database, index included (for --events-max-mb)
 
 
@@ -86,6 +89,7 @@ class EventStore:
         self._pending: dict[str, list[dict[str, Any]]] = {}  # added, not yet committed (served to readers)
         self._pending_lock = threading.Lock()
         self._queue: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._urgent = threading.Event()  # a flush or close waits: the writer stops gathering
         self._queued = 0
         self._rows = 0
         self._db: sqlite3.Connection | None = None
@@ -125,6 +129,7 @@ class EventStore:
         self._note_drops()
         if self._writer is not None:
             self._queue.put(("stop", None))
+            self._urgent.set()
             await asyncio.to_thread(self._writer.join, 10)
         for rec in self._records.values():
             rec.ended = True
@@ -232,6 +237,7 @@ class EventStore:
         """Until everything added so far is committed (and in the audit log)."""
         done = threading.Event()
         self._queue.put(("flush", done))
+        self._urgent.set()
         await asyncio.to_thread(done.wait, 30)
 
     # -- the writer thread -----------------------------------------------------------------------
@@ -241,9 +247,15 @@ class EventStore:
         db = self._db
         while True:
             items = [self._queue.get()]
+            # Events come in bursts (a command's execs, a build's writes): gather for a moment and
+            # write them in one transaction, 5-6 times cheaper per event than one each. Readers do not
+            # wait for it (unwritten events are served from memory); a flush or close cuts it short.
+            if items[0][0] not in ("flush", "stop"):
+                self._urgent.wait(WRITE_GATHER_S)
             with contextlib.suppress(queue.Empty):
                 while len(items) < 5000:
                     items.append(self._queue.get_nowait())
+            self._urgent.clear()
             stop = False
             events: list[dict[str, Any]] = []
             flushed: list[threading.Event] = []
@@ -465,4 +477,9 @@ def _kind_matches(kind: str, wanted: tuple[str, ...]) -> bool:
 
 
 def _dumps(event: dict[str, Any]) -> str:
-    return json.dumps(event, separators=(",", ":"), default=str)
+    """Compact JSON; orjson (a third of json's time), else json for what orjson refuses (an integer
+    past 64 bits in a sandbox's self-report ...)."""
+    try:
+        return orjson.dumps(event, default=str, option=orjson.OPT_NON_STR_KEYS).decode()
+    except TypeError:  # orjson.JSONEncodeError
+        return json.dumps(event, separators=(",", ":"), default=str)

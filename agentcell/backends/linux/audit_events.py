@@ -117,6 +117,7 @@ class AuditCollector:
         self._pending: OrderedDict[int, tuple[float, list[ar.Record]]] = OrderedDict()  # serial -> records
         self._ctl: an.AuditSocket | None = None
         self._reader: an.AuditSocket | None = None
+        self._batch: an.BatchReader | None = None  # reads _reader's records, many per system call
         self._exits: ProcConnector | None = None
         self._saved: an.Status | None = None  # what we changed in the kernel's audit status, to restore
         self.daemon = False  # registered as the audit daemon (else: the multicast group)
@@ -464,19 +465,23 @@ class AuditCollector:
 
     def _on_audit(self) -> None:
         assert self._reader is not None
-        for _ in range(64):  # then let the loop run; the reader fires again
+        fd = self._reader.fileno()
+        if self._batch is None or self._batch.fd != fd:  # the reader was swapped (daemon <-> multicast)
+            self._batch = an.BatchReader(fd)
+        for _ in range(16):  # up to 16 x 64 datagrams, then let the loop run; the reader fires again
             try:
-                data = self._reader.sock.recv(1 << 16)
-            except BlockingIOError:
-                return
+                batch = self._batch.read()
             except OSError as e:
                 if e.errno == errno.ENOBUFS:
                     self.lost_overruns += 1
                     self._lost(None, "the server's audit socket overflowed")
                     continue
                 raise
-            for mtype, _seq, body in an.split(data):
-                self._on_record(mtype, body)
+            for data in batch:
+                for mtype, _seq, body in an.split(data):
+                    self._on_record(mtype, body)
+            if len(batch) < self._batch.count:
+                return
 
     def _on_record(self, mtype: int, body: bytes) -> None:
         """Records of one syscall share a serial: a Landlock record comes during the call, then SYSCALL
