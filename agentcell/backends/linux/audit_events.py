@@ -496,16 +496,20 @@ class AuditCollector:
                 self.stats["records"] += 1
                 self._seccomp(rec)
             return
-        if mtype in (an.EXECVE, an.CWD, an.PATH, an.EOE) or (mtype == an.SYSCALL and self._key_b not in body):
+        if mtype == an.EOE:
             stamp = ar.head(body)
-            entry = self._pending.get(stamp[1]) if stamp is not None else None
-            if entry is None:
-                return
-            if mtype == an.EOE:
-                del self._pending[stamp[1]]  # type: ignore[index]
+            entry = self._pending.pop(stamp[1], None) if stamp is not None else None
+            if entry is not None:
                 self._complete(entry[1])
-                return
-        elif mtype not in (an.SYSCALL, an.LANDLOCK_ACCESS):
+            return
+        if mtype in (an.EXECVE, an.CWD, an.PATH) or (mtype == an.SYSCALL and self._key_b not in body):
+            rec = ar.parse(mtype, body)  # its fields are parsed only if they are read
+            entry = self._pending.get(rec.serial) if rec is not None else None
+            if entry is not None and rec is not None:
+                self.stats["records"] += 1
+                entry[1].append(rec)
+            return
+        if mtype not in (an.SYSCALL, an.LANDLOCK_ACCESS):
             return
         rec = ar.parse(mtype, body)
         if rec is None:
@@ -692,8 +696,8 @@ def _path(recs: list[ar.Record], cwd: str | None, first: bool = False) -> str | 
     paths = [r for r in recs if r.type == an.PATH]
     if not paths:
         return None
-    if first:
-        chosen = min(paths, key=lambda r: r.int("item") or 0)
+    if first:  # the kernel writes them in item order: the first is item 0 (not parsed further, the others)
+        chosen = paths[0] if paths[0].raw.get("item") == "0" else min(paths, key=lambda r: r.int("item") or 0)
     else:
         chosen = next((r for r in paths if r.raw.get("nametype") != "PARENT"), paths[0])
     name = chosen.get("name")

@@ -9,7 +9,6 @@ files or passes as arguments.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
 
 _HEAD = re.compile(r"^audit\((\d+)\.(\d+):(\d+)\): ?")
 _FIELD = re.compile(r" ([\w\[\]-]+)=([^ ]*)")
@@ -19,12 +18,22 @@ _UNTRUSTED = re.compile(r"^(comm|exe|name|cwd|path|proctitle|a\d+(\[\d+\])?)$")
 _HEX = re.compile(r"^[0-9A-F]+$")
 
 
-@dataclass
 class Record:
-    type: int
-    time: float
-    serial: int
-    raw: dict[str, str] = field(default_factory=dict)  # values as the kernel wrote them
+    """One record: its type, time and serial at once; its fields (`raw`: values as the kernel wrote
+    them) parsed on first use, since most records of an exec are only looked at for a field or two."""
+
+    __slots__ = ("type", "time", "serial", "_text", "_raw")
+
+    def __init__(self, rtype: int, time: float, serial: int, text: str = "", raw: dict[str, str] | None = None) -> None:
+        self.type, self.time, self.serial = rtype, time, serial
+        self._text, self._raw = text, raw
+
+    @property
+    def raw(self) -> dict[str, str]:
+        if self._raw is None:
+            # reversed: the first of duplicate names wins (a later one cannot override it)
+            self._raw = dict(reversed(_FIELD.findall(self._text)))
+        return self._raw
 
     def get(self, name: str, default: str | None = None) -> str | None:
         value = self.raw.get(name)
@@ -37,10 +46,14 @@ class Record:
             return None
 
 
+_UNTRUSTED_NAMES = frozenset(("comm", "exe", "name", "cwd", "path", "proctitle"))
+
+
 def decode(name: str, value: str) -> str:
     if len(value) >= 2 and value[0] == '"' and value[-1] == '"':
         return value[1:-1]
-    if _UNTRUSTED.match(name) and _HEX.match(value) and len(value) % 2 == 0:
+    untrusted = name in _UNTRUSTED_NAMES or (name[0] == "a" and _UNTRUSTED.match(name) is not None)
+    if untrusted and len(value) % 2 == 0 and _HEX.match(value):
         return bytes.fromhex(value).decode(errors="replace")
     return value
 
@@ -52,15 +65,13 @@ def head(text: bytes) -> tuple[float, int] | None:
 
 
 def parse(rtype: int, text: bytes) -> Record | None:
-    """One record (None if it is not a record's text). Values are decoded when read (`get`)."""
+    """One record (None if it is not a record's text). Fields are parsed when first read (`raw`),
+    values decoded when read (`get`)."""
     s = text.rstrip(b"\0\n").decode(errors="replace")
     m = _HEAD.match(s)
     if m is None:
         return None
-    rec = Record(rtype, int(m.group(1)) + int(m.group(2)) / 1000, int(m.group(3)))
-    # reversed: the first of duplicate names wins (a later one cannot override it)
-    rec.raw = dict(reversed(_FIELD.findall(" " + s[m.end():])))
-    return rec
+    return Record(rtype, int(m.group(1)) + int(m.group(2)) / 1000, int(m.group(3)), " " + s[m.end():])
 
 
 def argv(records: list[Record]) -> list[str]:
