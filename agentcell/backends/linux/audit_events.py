@@ -83,7 +83,7 @@ class _Sandbox:
     window_start: float = 0.0
     count: int = 0
     dropped: int = 0
-    suppressed: an.Rule | None = None
+    suppressed: list[an.Rule] | None = None  # its exclude rules while it is suppressed
     procs: set[int] = field(default_factory=set)  # host pids seen exec'ing, for their exits
 
 
@@ -412,21 +412,26 @@ class AuditCollector:
         """Stop the kernel from writing this sandbox's records until the window ends."""
         if self._ctl is None:
             return
-        uids = sorted(state.target.host_uids)
-        # No key: the kernel's exclude filter stops at a condition it does not evaluate (a key is one),
-        # and logs the record anyway (measured on 6.18); remove_stale finds it by its uids instead.
-        rule = an.Rule(an.FILTER_EXCLUDE, an.NEVER, (), ((an.F_UID, an.OP_GE, uids[0]), (an.F_UID, an.OP_LE, uids[-1])))
+        # One rule per uid, never a range: its two ids are far apart (user, root), and every sandbox
+        # of the server has ids between them. No key: the kernel's exclude filter stops at a condition
+        # it does not evaluate (a key is one) and logs the record anyway (seen on 6.18); remove_stale
+        # finds these by their uids instead.
+        rules = [an.Rule(an.FILTER_EXCLUDE, an.NEVER, (), ((an.F_UID, an.OP_EQ, uid),))
+                 for uid in sorted(set(state.target.host_uids))]
+        added: list[an.Rule] = []
         try:
-            self._ctl.add_rule(rule)
+            for rule in rules:
+                self._ctl.add_rule(rule)
+                added.append(rule)
         except OSError as e:
             print(f"agentcell audit: cannot exclude sandbox {state.target.sandbox_id}'s records: {e}", file=sys.stderr)
-            return
-        state.suppressed = rule
+        state.suppressed = added or None
 
     def _unsuppress(self, state: _Sandbox) -> None:
         if state.suppressed is not None and self._ctl is not None:
-            with contextlib.suppress(OSError):
-                self._ctl.delete_rule(state.suppressed)
+            for rule in state.suppressed:
+                with contextlib.suppress(OSError):
+                    self._ctl.delete_rule(rule)
         state.suppressed = None
 
     def _on_tick(self) -> None:
