@@ -361,6 +361,9 @@ class AuditCollector:
                 raise ValueError(f"sandbox {target.sandbox_id}: host uid {uid} is outside {self.first}-{self.last}")
             self._by_uid[uid] = state
 
+    def claimed(self, sandbox_id: str) -> None:
+        """Nothing a claim changes matters here (record.Collector)."""
+
     def unwatch(self, sandbox_id: str) -> None:
         if sandbox_id not in self._by_id:
             return

@@ -344,20 +344,22 @@ class LinuxBackend(CgroupSandboxes, Backend):
         return sandbox
 
     def _watch_now(self, sandbox: LinuxSandbox, early: bool) -> None:
-        """early: only the collectors whose watch holds nothing of the claim (Collector.early); else
-        the others, or all of them for a sandbox no early collector watches yet."""
+        """early (a standby): the collectors whose watch holds nothing of a claim (Collector.early).
+        At the claim: those are told of it (`claimed`), the others start watching."""
         if sandbox.killed or sandbox.disk_fd < 0 or self.recorder is None:
             return
         target = WatchTarget(sandbox.sandbox_id, sandbox.host_pid, sandbox.host_uids, sandbox.cgroups,
                              sandbox.disk_fd)
-        if early:
-            chosen = [c for c in self.collectors if c.early]
-            sandbox.watched_early = True
-        else:
-            chosen = [c for c in self.collectors if not (sandbox.watched_early and c.early)]
-        for collector in chosen:
+        claimed_early = not early and sandbox.watched_early
+        sandbox.watched_early = sandbox.watched_early or early
+        for collector in self.collectors:
+            if early and not collector.early:
+                continue
             try:
-                collector.watch(target)
+                if claimed_early and collector.early:
+                    collector.claimed(sandbox.sandbox_id)
+                else:
+                    collector.watch(target)
             except OSError as e:  # a record with a gap, said in the record, rather than no sandbox
                 self.recorder.add(sandbox.sandbox_id, event("record.dropped", count=0,
                                                             reason=f"{type(collector).__name__}: {e}"))

@@ -279,6 +279,9 @@ class FileCollector:
         loop.add_reader(group, self._readable, w)
         w.reading = True
 
+    def claimed(self, sandbox_id: str) -> None:
+        """Nothing a claim changes matters here (record.Collector)."""
+
     def unwatch(self, sandbox_id: str) -> None:
         """Read what is still queued, send every pending write, forget the sandbox. Call it once the
         sandbox's processes are dead (or its last events may come after)."""

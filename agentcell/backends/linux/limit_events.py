@@ -186,7 +186,7 @@ class _Watched:
 class LimitsCollector:
     """The limits a sandbox hit (see the module's docstring). Runs on the server's event loop."""
 
-    early = False  # record.Collector.early
+    early = True  # record.Collector.early (claimed() re-reads the pids limit a claim may change)
 
     def __init__(self, sink: EventSink, *, interval: float = 1.0, window: float = 10.0,
                  slice_size: int = 100, kmsg: str = KMSG, cpu_min_ratio: float = 0.1) -> None:
@@ -250,6 +250,14 @@ class LimitsCollector:
         self._by_memcg[w.memcg] = target.sandbox_id
         for uid in target.host_uids:
             self._by_uid[uid] = target.sandbox_id
+
+    def claimed(self, sandbox_id: str) -> None:
+        """A standby watched since its preparation was claimed: its pids limit may have changed."""
+        w = self._watched.get(sandbox_id)
+        if w is None:
+            return
+        limit = _read_small(f"{w.target.cgroup.dirs['unified' if w.target.cgroup.v2 else 'pids']}/pids.max")
+        w.files.pids_limit = (1 << 62) if limit == "max" else int(limit)
 
     def unwatch(self, sandbox_id: str) -> None:
         w = self._watched.pop(sandbox_id, None)
