@@ -73,7 +73,8 @@ _NOT_DENIALS = frozenset({"clone3"})
 # the agent's own attempts, refused as intended, on every command: raising a child's OOM score
 _AGENT_NOISE = re.compile(r"^/proc/(self|\d+)/oom_score_adj$")
 _SUPPRESS_FACTOR = 4  # a sandbox past budget * this in one window is excluded in the kernel
-READ_DELAY_S = 0.02  # records are read this long after they arrive, in batches (see _read_later)
+READ_DELAY_S = 0.02  # records are read this long after they arrive, in batches (see _read_later) ...
+SLICE_S = 0.002  # ... for this long at a time, so that a request never waits longer behind them
 ORIGINAL = "/run/agentcell/audit-original.json"
 
 
@@ -123,7 +124,7 @@ class AuditCollector:
         self.daemon = False  # registered as the audit daemon (else: the multicast group)
         self._rules: list[an.Rule] = []
         self._tick: asyncio.TimerHandle | None = None
-        self._reading: dict[int, Callable[[], None]] = {}  # fd -> its handler, while read (_read_later)
+        self._reading: dict[int, Callable[[], bool | None]] = {}  # fd -> its handler, while read (_read_later)
         self._loop: asyncio.AbstractEventLoop | None = None
         self.lost_overruns = 0  # ENOBUFS on our socket
         self._kernel_lost = 0
@@ -209,7 +210,7 @@ class AuditCollector:
         self._read_later(self._exits.fileno(), self._on_exits)
         self._tick = self._loop.call_later(self.window_s, self._on_tick)
 
-    def _read_later(self, fd: int, handler: Callable[[], None]) -> None:
+    def _read_later(self, fd: int, handler: Callable[[], bool | None]) -> None:
         """Read `fd` in batches, READ_DELAY_S after it becomes readable: the records of a command
         arrive with its output, and the loop serves the output first (a parse costs ~50-170 µs of
         Python per exec, which would otherwise sit on the command's round trip)."""
@@ -224,8 +225,10 @@ class AuditCollector:
         def drain() -> None:
             if self._reading.get(fd) is not handler:
                 return  # the socket was swapped or closed meanwhile
-            handler()
-            loop.add_reader(fd, readable)
+            if handler():  # its slice is up and more is queued: on after what else is ready
+                loop.call_soon(drain)
+            else:
+                loop.add_reader(fd, readable)
 
         loop.add_reader(fd, readable)
 
@@ -471,12 +474,15 @@ class AuditCollector:
 
     # -- the audit stream ----------------------------------------------------------------------
 
-    def _on_audit(self) -> None:
+    def _on_audit(self) -> bool:
+        """Read and handle records for at most SLICE_S (the loop's other work waits no longer);
+        True if that ran out with more maybe queued."""
         assert self._reader is not None
         fd = self._reader.fileno()
         if self._batch is None or self._batch.fd != fd:  # the reader was swapped (daemon <-> multicast)
             self._batch = an.BatchReader(fd)
-        for _ in range(16):  # up to 16 x 64 datagrams, then let the loop run; the reader fires again
+        until = time.monotonic() + SLICE_S
+        while time.monotonic() < until:
             try:
                 batch = self._batch.read()
             except OSError as e:
@@ -489,7 +495,8 @@ class AuditCollector:
                 for mtype, _seq, body in an.split(data):
                     self._on_record(mtype, body)
             if len(batch) < self._batch.count:
-                return
+                return False
+        return True
 
     def _on_record(self, mtype: int, body: bytes) -> None:
         """Records of one syscall share a serial: a Landlock record comes during the call, then SYSCALL

@@ -161,10 +161,11 @@ BURST = 10_000.0  # ... and at once; beyond, they are counted and reported as re
 BATCH_S = 0.05  # a woken reader waits this long first: events pile up (and the kernel merges them) so
 # that a busy sandbox costs 20 wake-ups a second, not one per event (its queue holds 16,384)
 FLOOD_PAUSE_S = 0.5  # ... and a sandbox over its rate waits this long
-READ_SIZE = 64 << 10  # per read(): ~1,000 events
-READS_PER_SLICE = 4  # then the loop serves others before reading on
+READ_SIZE = 16 << 10  # per read(): ~250 events, ~2 ms to handle ...
+READS_PER_SLICE = 1  # ... then the loop serves others before reading on
+SLICE_S = 0.002  # pending writes are sent this long at a time
 HOLD_MAX = 8192  # events kept for the next turn while their directory's delete is not read yet
-UNWATCH_READS = 64  # what unwatch reads of a queue the sandbox filled before it ended
+UNWATCH_READS = 256  # what unwatch reads of a queue the sandbox filled before it ended
 WHITEOUT = "whiteout"
 _UNKNOWN = "path unknown (its directory was gone before the collector looked)"
 _ORIGIN = "trusted.overlay.origin"  # on a file or directory an overlay copied up from its lower layer
@@ -248,7 +249,7 @@ class FileCollector:
         self.tune_sysctl = tune_sysctl  # raise fs.fanotify.max_user_groups when groups run out
         self._watched: dict[str, _Watched] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._timer: asyncio.TimerHandle | None = None
+        self._timer: asyncio.Handle | None = None  # the next _tick (later, or soon to go on)
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -543,9 +544,12 @@ class FileCollector:
         self._emit(w, "file.write", p.host_pid, p.last, p.pid, path=p.path,
                    size=st.st_size if st is not None else None, count=p.count, first=p.first)
 
-    def _flush(self, w: _Watched, now: float | None) -> None:
-        """Send the pending writes that are due (all when `now` is None), and what was dropped."""
-        for fid, p in list(w.writes.items()):
+    def _flush(self, w: _Watched, now: float | None, until: float | None = None) -> bool:
+        """Send the pending writes that are due (all when `now` is None), and what was dropped; with
+        `until` (monotonic), stop then: True if it stopped with some due ones left."""
+        for n, (fid, p) in enumerate(list(w.writes.items())):
+            if until is not None and n % 16 == 15 and time.monotonic() > until:
+                return True
             if now is None or now - p.last >= (CLOSED_QUIET_S if p.closed else QUIET_S) \
                     or now - p.first >= MAX_AGE_S:
                 del w.writes[fid]
@@ -553,6 +557,7 @@ class FileCollector:
         for reason, count in w.dropped.items():
             self.sink(w.target.sandbox_id, event("record.dropped", count=count, reason=reason, collector="file"))
         w.dropped.clear()
+        return False
 
     def _arm(self) -> None:
         if self._timer is None and self._loop is not None and any(
@@ -560,11 +565,16 @@ class FileCollector:
             self._timer = self._loop.call_later(TICK_S, self._tick)
 
     def _tick(self) -> None:
+        """The due writes go out, SLICE_S of them at a time (a build's hundreds of files come due
+        together): what is left goes on after whatever else the loop has ready."""
         self._timer = None
-        now = time.time()
+        now, until = time.time(), time.monotonic() + SLICE_S
         for w in [w for w in self._watched.values() if w.writes or w.dropped]:
             try:
-                self._flush(w, now)
+                if self._flush(w, now, until):
+                    assert self._loop is not None
+                    self._timer = self._loop.call_soon(self._tick)
+                    return
             except Exception as e:
                 print(f"agentcell: file events of {w.target.sandbox_id}: {e!r}", file=sys.stderr, flush=True)
         self._arm()
