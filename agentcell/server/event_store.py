@@ -18,6 +18,7 @@ JSON line (``serve --audit-log``), for the operator's SIEM.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import logging
@@ -65,6 +66,36 @@ class _Bucket:
     at: float
 
 
+class _Inbox:
+    """The writer's queue: a deque (an append takes no lock) and an event that wakes the writer, set
+    only when it is not already (queue.Queue takes a lock and notifies on every put)."""
+
+    def __init__(self) -> None:
+        self._items: collections.deque[tuple[str, Any]] = collections.deque()
+        self._ready = threading.Event()
+
+    def put(self, item: tuple[str, Any]) -> None:
+        self._items.append(item)
+        if not self._ready.is_set():
+            self._ready.set()
+
+    def get(self) -> tuple[str, Any]:
+        while True:
+            try:
+                return self._items.popleft()
+            except IndexError:
+                pass
+            self._ready.clear()
+            if not self._items:  # (one appended between the popleft and the clear is seen here)
+                self._ready.wait()
+
+    def get_nowait(self) -> tuple[str, Any]:
+        try:
+            return self._items.popleft()
+        except IndexError:
+            raise queue.Empty from None
+
+
 @dataclass
 class _Record:
     """What the loop knows of one sandbox's record."""
@@ -88,7 +119,7 @@ class EventStore:
         self._from_before: set[str] = set()  # sandboxes with a record from before this server's start
         self._pending: dict[str, list[dict[str, Any]]] = {}  # added, not yet committed (served to readers)
         self._pending_lock = threading.Lock()
-        self._queue: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._queue = _Inbox()
         self._urgent = threading.Event()  # a flush or close waits: the writer stops gathering
         self._queued = 0
         self._rows = 0
