@@ -255,8 +255,7 @@ class GatewayApp:
                 self.cells.mark_down(cell, f"connect failed: {e}")
                 continue
             except CellFailed as e:
-                await json_error(502, f"cell {cell.cell_id} failed while creating the sandbox ({e}); it may "
-                                      "or may not exist: list sandboxes, or create again")(scope, receive, send)
+                await _failed_create(cell, e)(scope, receive, send)
                 return
             finally:
                 cell.inflight -= 1
@@ -297,8 +296,7 @@ class GatewayApp:
             await json_error(err.status, err.message)(scope, _replay(b""), send)
             return
         except CellFailed as e:
-            await json_error(502, f"cell {cell.cell_id} failed while creating the sandbox ({e}); it may "
-                                  "or may not exist: list sandboxes, or create again")(scope, _replay(b""), send)
+            await _failed_create(cell, e)(scope, _replay(b""), send)
             return
         finally:
             cell.inflight -= 1
@@ -398,6 +396,11 @@ class GatewayApp:
             await capture.release()
             return
         await json_error(401, "invalid signature")(scope, receive, send)
+
+
+def _failed_create(cell: CellState, e: CellFailed) -> Response:
+    return json_error(502, f"cell {cell.cell_id} failed while creating the sandbox ({e}); it may or may not "
+                           "exist: list sandboxes, or create again")
 
 
 def serve(app: GatewayApp, host: str, port: int, log_level: str = "info", header_timeout: float = 10.0,

@@ -71,17 +71,23 @@ async def list_v1(client: httpx.AsyncClient, cells: list[CellState], query: str,
     return out
 
 
-async def list_v2(client: httpx.AsyncClient, cells: list[CellState], query: str,
-                  headers: dict[str, str]) -> tuple[list[Any], str | None, int]:
-    """(page, next token or None, running sandboxes in all cells)."""
-    params = [(k, v) for k, v in parse_qsl(query, keep_blank_values=True) if k not in ("nextToken", "limit")]
-    q = dict(parse_qsl(query, keep_blank_values=True))
+def page_limit(q: dict[str, str]) -> int:
+    """A list's `limit` (1..MAX_LIMIT, default MAX_LIMIT), checked as a cell checks it."""
     try:
         limit = int(q.get("limit", MAX_LIMIT))
     except ValueError:
         raise ListError(400, "'limit' must be an integer") from None
     if not 1 <= limit <= MAX_LIMIT:
         raise ListError(400, f"'limit' must be between 1 and {MAX_LIMIT}")
+    return limit
+
+
+async def list_v2(client: httpx.AsyncClient, cells: list[CellState], query: str,
+                  headers: dict[str, str]) -> tuple[list[Any], str | None, int]:
+    """(page, next token or None, running sandboxes in all cells)."""
+    params = [(k, v) for k, v in parse_qsl(query, keep_blank_values=True) if k not in ("nextToken", "limit")]
+    q = dict(parse_qsl(query, keep_blank_values=True))
+    limit = page_limit(q)
     desc = q.get("order", "desc") != "asc"
     cursor = decode_token(q["nextToken"]) if q.get("nextToken") else None
     if cursor is not None:  # the cells' own time filter narrows what they send (inclusive)

@@ -27,7 +27,7 @@ from urllib.parse import parse_qsl, quote, urlencode
 import httpx
 
 from agentcell.gateway.cells import CellState, CellTable
-from agentcell.gateway.listing import MAX_LIMIT, ListError
+from agentcell.gateway.listing import MAX_LIMIT, ListError, page_limit
 from agentcell.server.cell import CELL_ID_LEN
 from agentcell.server.control import TEMPLATES
 
@@ -167,12 +167,7 @@ async def list_merged(client: httpx.AsyncClient, cells: list[CellState], query: 
                       headers: dict[str, str]) -> tuple[list[Any], str | None]:
     """(page, next token or None) of `GET /snapshots` over `cells`, newest first."""
     q = dict(parse_qsl(query, keep_blank_values=True))
-    try:
-        limit = int(q.get("limit", MAX_LIMIT))
-    except ValueError:
-        raise ListError(400, "'limit' must be an integer") from None
-    if not 1 <= limit <= MAX_LIMIT:
-        raise ListError(400, f"'limit' must be between 1 and {MAX_LIMIT}")
+    limit = page_limit(q)
     cursors = decode_token(q["nextToken"]) if q.get("nextToken") else {}
     params = [(k, v) for k, v in parse_qsl(query, keep_blank_values=True) if k not in ("nextToken", "limit")]
     named = [c for c in cells if c.cell_id is not None]
