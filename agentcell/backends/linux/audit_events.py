@@ -518,8 +518,9 @@ class AuditCollector:
                 self._complete(entry[1])
             return
         if mtype in (an.EXECVE, an.CWD, an.PATH) or (mtype == an.SYSCALL and self._key_b not in body):
-            rec = ar.parse(mtype, body)  # its fields are parsed only if they are read
-            entry = self._pending.get(rec.serial) if rec is not None else None
+            stamp = ar.head(body)  # (someone else's, e.g. an operator's auditd's: nothing more is done)
+            entry = self._pending.get(stamp[1]) if stamp is not None else None
+            rec = ar.parse(mtype, body) if entry is not None else None  # its fields: parsed when read
             if entry is not None and rec is not None:
                 self.stats["records"] += 1
                 entry[1].append(rec)
