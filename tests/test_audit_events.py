@@ -398,9 +398,15 @@ async def test_a_dead_servers_rules_are_replaced_and_close_removes_them(backend:
             sock.close()
         dead._rules.clear()
         dead._reader = dead._exits = None
+        # and one of a server that died with a wider range over the same ids (another --max-sandboxes):
+        # left in place, its exec rule would match first and give our records its key
+        wider = AuditCollector(lambda *_: None, first, first + 199)
+        for rule in wider.rules():
+            ctl.add_rule(rule)
         successor = AuditCollector(lambda *_: None, first, first + 99)
         await successor.start()
         assert len([r for r in ctl.rules() if an.rule_key(r).startswith(key)]) == count  # replaced, not doubled
+        assert not [r for r in ctl.rules() if an.rule_key(r).startswith(wider.key)]
         await successor.close()
         assert not [r for r in ctl.rules() if an.rule_key(r).startswith(key)]
         await dead.close()

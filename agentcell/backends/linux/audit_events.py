@@ -72,6 +72,7 @@ _SECCOMP_ACTIONS = {0x00050000: "errno", 0x80000000: "kill_process", 0x00000000:
 _NOT_DENIALS = frozenset({"clone3"})
 # the agent's own attempts, refused as intended, on every command: raising a child's OOM score
 _AGENT_NOISE = re.compile(r"^/proc/(self|\d+)/oom_score_adj$")
+_KEY_RANGE = re.compile(r"^agentcell:(\d+)-(\d+):")  # the uid range in a rule's key
 _SUPPRESS_FACTOR = 4  # a sandbox past budget * this in one window is excluded in the kernel
 READ_DELAY_S = 0.02  # records are read this long after they arrive, in batches (see _read_later) ...
 SLICE_S = 0.002  # ... for this long at a time, so that a request never waits longer behind them
@@ -287,23 +288,26 @@ class AuditCollector:
         self._read_later(self._reader.fileno(), self._on_audit)
 
     def remove_stale(self) -> int:
-        """Remove rules of this uid range left by a server that died (or by us): their key says whose,
-        or, for an exclude rule (which cannot have a key), its uid bounds inside this server's range."""
+        """Remove the rules on this server's uids left by a server that died (or by us): a key of a
+        range that overlaps ours, or an exclude rule (which cannot have a key) on an id of ours. Live
+        servers' ranges are disjoint (uids.py), so an overlapping one is a dead server's: left in place,
+        its exec rule would match first and give our sandboxes' records its key (they would be lost)."""
         assert self._ctl is not None
         removed = 0
         for raw in self._ctl.rules():
-            if an.rule_key(raw).startswith(self.key) or self._our_exclusion(raw):
+            m = _KEY_RANGE.match(an.rule_key(raw))
+            if (m is not None and int(m[1]) <= self.last and self.first <= int(m[2])) or self._our_exclusion(raw):
                 removed += self._ctl.delete_rule(raw)
         return removed
 
     def _our_exclusion(self, raw: bytes, any_server: bool = False) -> bool:
-        """An exclude rule on uids of this server's range (any_server: of any agentcell range)."""
+        """An exclude rule on an id of this server's range (any_server: of any agentcell range)."""
         if an.rule_head(raw)[0] != an.FILTER_EXCLUDE:
             return False
-        lowest = min(self.first, uids.AUTO_START) if any_server else self.first
-        highest = (1 << 32) - 1 if any_server else self.last
         bounds = [value for field, _op, value in an.rule_conditions(raw) if field == an.F_UID]
-        return bool(bounds) and all(lowest <= uid <= highest for uid in bounds)
+        if any_server:
+            return bool(bounds) and all(uid >= min(self.first, uids.AUTO_START) for uid in bounds)
+        return any(self.first <= uid <= self.last for uid in bounds)
 
     async def close(self) -> None:
         if self._tick is not None:
