@@ -247,19 +247,14 @@ class GatewayApp:
         while (cell := self.cells.pick(tried)) is not None:
             tried.add(cell.url)
             capture = _Capture(send)
-            cell.inflight += 1
             started = time.monotonic()
             try:
-                status = await self._forward(cell, scope, _replay(body), capture, body)
-            except CellUnreachable as e:
-                self.cells.mark_down(cell, f"connect failed: {e}")
+                status = await self._try_create(cell, scope, body, capture)
+            except CellUnreachable:
                 continue
             except CellFailed as e:
                 await _failed_create(cell, e)(scope, receive, send)
                 return
-            finally:
-                cell.inflight -= 1
-            cell.placed += 1
             if capture.passing:
                 return
             cell.refusals += status in REFUSALS
@@ -272,6 +267,20 @@ class GatewayApp:
             return
         await json_error(503, "no cell can take a new sandbox now (every cell is full, draining or down); "
                               "retry shortly")(scope, receive, send)
+
+    async def _try_create(self, cell: CellState, scope: dict[str, Any], body: bytes, capture: _Capture) -> int:
+        """One create on `cell` (its answer held in `capture` unless it passes); counted in the cell's
+        load while it runs. CellUnreachable (the cell is marked down) and CellFailed propagate."""
+        cell.inflight += 1
+        try:
+            status = await self._forward(cell, scope, _replay(body), capture, body)
+        except CellUnreachable as e:
+            self.cells.mark_down(cell, f"connect failed: {e}")
+            raise
+        finally:
+            cell.inflight -= 1
+        cell.placed += 1
+        return status
 
     async def _create_from_snapshot(self, ref: str, body: bytes, scope: dict[str, Any], send: Any) -> None:
         """A create from a snapshot goes to the cell that holds it, and nowhere else (no other cell has
@@ -287,20 +296,15 @@ class GatewayApp:
             await json_error(e.status, e.message)(scope, _replay(b""), send)
             return
         capture = _Capture(send)
-        cell.inflight += 1
         try:
-            status = await self._forward(cell, scope, _replay(body), capture, body)
-        except CellUnreachable as e:
-            self.cells.mark_down(cell, f"connect failed: {e}")
+            status = await self._try_create(cell, scope, body, capture)
+        except CellUnreachable:
             err = snapshots.unreachable(ref, cell)
             await json_error(err.status, err.message)(scope, _replay(b""), send)
             return
         except CellFailed as e:
             await _failed_create(cell, e)(scope, _replay(b""), send)
             return
-        finally:
-            cell.inflight -= 1
-        cell.placed += 1
         if capture.passing:
             return
         if status in REFUSALS:

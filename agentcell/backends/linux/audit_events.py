@@ -101,7 +101,6 @@ class _Proc:
 class AuditCollector:
     """See the module docstring. `uid_first`..`uid_last`: the server's whole host uid range."""
 
-    early = True  # record.Collector.early
 
     def __init__(self, sink: EventSink, uid_first: int, uid_last: int, *, budget: int = 1000,
                  window_s: float = 1.0, backlog: int = 8192, exempt_host: bool = True) -> None:

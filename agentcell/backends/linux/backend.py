@@ -78,7 +78,7 @@ class LinuxSandbox(RunningSandbox):
         self.cgroups = cgroups.Cgroups.at(cgroup)
         self.killed = False
         self.linked = False  # has a link to the egress router (and rules there to remove at kill)
-        self.watched_early = False  # the record's early collectors watch it since it was prepared
+        self.watched = False  # the record's collectors watch it (a standby: since it was prepared)
         self.kill_lock = asyncio.Lock()
         # the root of its disk tmpfs (O_PATH, from sandbox_init's "disk" frame): export_files walks it
         self.disk_fd = -1
@@ -330,33 +330,28 @@ class LinuxBackend(CgroupSandboxes, Backend):
         self.recorder.begin(sandbox.sandbox_id)
         for why in self.missing_collectors:
             self.recorder.add(sandbox.sandbox_id, event("record.dropped", count=0, reason=f"not recorded here: {why}"))
-        # What is left of the collectors' watch (a standby's early ones watch it since it was prepared;
-        # else ~0.5 ms: a fanotify group, cgroup files) runs right after the create's answer is on its
+        # The collectors are told of the claim (a standby: they watch it since it was prepared; else
+        # their watch, ~0.5 ms: a fanotify group, cgroup files) right after the create's answer is on its
         # way, before the loop reads any further request: no code of the tenant's can run before it.
-        asyncio.get_running_loop().call_soon(self._watch_now, sandbox, False)
+        asyncio.get_running_loop().call_soon(self._watch_now, sandbox)
 
     async def _prepare_standby(self, template: str) -> LinuxSandbox:
-        """A standby, watched by the record's early collectors from now on (off any request's path).
-        Its events before a claim are not kept: a record starts at the claim (EventStore.begin)."""
+        """A standby, watched by the record's collectors from now on (off any request's path). Its
+        events before a claim are not kept: a record starts at the claim (EventStore.begin)."""
         sandbox = await self._prepare(template, self.standby_limits, self._new_id())
-        if self.recorder is not None:
-            self._watch_now(sandbox, True)
+        self._watch_now(sandbox)
         return sandbox
 
-    def _watch_now(self, sandbox: LinuxSandbox, early: bool) -> None:
-        """early (a standby): the collectors whose watch holds nothing of a claim (Collector.early).
-        At the claim: those are told of it (`claimed`), the others start watching."""
+    def _watch_now(self, sandbox: LinuxSandbox) -> None:
+        """The collectors start watching the sandbox; if they already do (a standby), it was claimed."""
         if sandbox.killed or sandbox.disk_fd < 0 or self.recorder is None:
             return
         target = WatchTarget(sandbox.sandbox_id, sandbox.host_pid, sandbox.host_uids, sandbox.cgroups,
                              sandbox.disk_fd)
-        claimed_early = not early and sandbox.watched_early
-        sandbox.watched_early = sandbox.watched_early or early
+        claimed, sandbox.watched = sandbox.watched, True
         for collector in self.collectors:
-            if early and not collector.early:
-                continue
             try:
-                if claimed_early and collector.early:
+                if claimed:
                     collector.claimed(sandbox.sandbox_id)
                 else:
                     collector.watch(target)

@@ -238,7 +238,6 @@ class _Watched:
 class FileCollector:
     """The file collector (record.Collector): one fanotify group per watched sandbox."""
 
-    early = True  # record.Collector.early
 
     def __init__(self, sink: EventSink, *, rate: float = RATE, burst: float = BURST,
                  max_pending: int = MAX_PENDING, tune_sysctl: bool = True) -> None:

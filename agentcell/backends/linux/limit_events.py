@@ -59,6 +59,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agentcell.backends.events import EventSink, event
+from agentcell.backends.linux import cgroups
 from agentcell.backends.linux.record import WatchTarget
 
 KMSG = "/dev/kmsg"
@@ -133,7 +134,7 @@ def _open_files(target: WatchTarget) -> _Files:
         m, p, c = cg.dirs["memory"], cg.dirs["pids"], cg.dirs["cpu"]
         oom_name, quota = "memory.oom_control", (f"{c}/cpu.cfs_quota_us", f"{c}/cpu.cfs_period_us")
         key, unit = b"throttled_time ", 1
-    limit = _read_small(f"{p}/pids.max")
+    limit = _pids_limit(cg)
     fds: list[int] = []
     try:
         for name in (f"{m}/{oom_name}", f"{p}/pids.events", f"{p}/pids.current", f"{c}/cpu.stat"):
@@ -147,8 +148,12 @@ def _open_files(target: WatchTarget) -> _Files:
             if fd >= 0:
                 os.close(fd)
         raise
-    return _Files(fds[0], fds[1], fds[2], fds[4], fds[3], (1 << 62) if limit == "max" else int(limit), quota,
-                  key, unit)
+    return _Files(fds[0], fds[1], fds[2], fds[4], fds[3], limit, quota, key, unit)
+
+
+def _pids_limit(cg: cgroups.Cgroups) -> int:
+    limit = _read_small(f"{cg.dirs['unified' if cg.v2 else 'pids']}/pids.max")
+    return (1 << 62) if limit == "max" else int(limit)
 
 
 def _near(limit: int) -> int:
@@ -186,7 +191,6 @@ class _Watched:
 class LimitsCollector:
     """The limits a sandbox hit (see the module's docstring). Runs on the server's event loop."""
 
-    early = True  # record.Collector.early (claimed() re-reads the pids limit a claim may change)
 
     def __init__(self, sink: EventSink, *, interval: float = 1.0, window: float = 10.0,
                  slice_size: int = 100, kmsg: str = KMSG, cpu_min_ratio: float = 0.1) -> None:
@@ -254,10 +258,8 @@ class LimitsCollector:
     def claimed(self, sandbox_id: str) -> None:
         """A standby watched since its preparation was claimed: its pids limit may have changed."""
         w = self._watched.get(sandbox_id)
-        if w is None:
-            return
-        limit = _read_small(f"{w.target.cgroup.dirs['unified' if w.target.cgroup.v2 else 'pids']}/pids.max")
-        w.files.pids_limit = (1 << 62) if limit == "max" else int(limit)
+        if w is not None:
+            w.files.pids_limit = _pids_limit(w.target.cgroup)
 
     def unwatch(self, sandbox_id: str) -> None:
         w = self._watched.pop(sandbox_id, None)

@@ -2,9 +2,11 @@
 protocol they share. The collectors observe a sandbox from outside it (kernel interfaces read by the
 server as host root), so code in the sandbox can neither forge nor suppress their events.
 
-A collector is started once per server, told of each sandbox when a tenant claims it, or as a standby is prepared (`watch`, see `early`), and
-when it is killed (`unwatch`), and calls its `EventSink` (agentcell/backends/events.py) on the
-server's event loop for each event.
+A collector is started once per server, told of each sandbox as it is prepared (`watch`: a standby
+is watched before any tenant claims it, which keeps the watch off the create's path), when a tenant
+claims it (`claimed`) and when it is killed (`unwatch`), and calls its `EventSink`
+(agentcell/backends/events.py) on the server's event loop for each event. Events of a sandbox before
+its claim are not kept: its record begins at the claim (server/event_store.py `begin`).
 """
 
 from __future__ import annotations
@@ -27,17 +29,13 @@ class WatchTarget:
 
 
 class Collector(Protocol):
-    # True: it may watch a standby from its preparation (its watch reads nothing a claim changes, and
-    # it keeps nothing until the record begins); False: it is told at the claim (e.g. it reads limits)
-    early: bool
-
     async def start(self) -> None: ...
 
     def watch(self, target: WatchTarget) -> None: ...
 
     def claimed(self, sandbox_id: str) -> None:
-        """A sandbox it watches since its preparation (early) was claimed: what the claim changed
-        (its limits) is read again."""
+        """A sandbox it watches since its preparation was claimed: what the claim changed (its
+        limits) is read again."""
         ...
 
     def unwatch(self, sandbox_id: str) -> None: ...
