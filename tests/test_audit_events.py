@@ -86,9 +86,10 @@ class Recorder:
         return self.events.get(sandbox_id, [])
 
 
-@pytest.fixture(scope="module")
-async def recorder(backend: LinuxBackend) -> AsyncIterator[Recorder]:
-    rec = Recorder(backend)
+@pytest.fixture(scope="module", params=["bpf", "audit"])
+async def recorder(backend: LinuxBackend, request: pytest.FixtureRequest) -> AsyncIterator[Recorder]:
+    """Each test twice: execs from the exec tracer (the default where it loads), then from audit."""
+    rec = Recorder(backend, exec_source=request.param)
     await rec.collector.start()
     try:
         yield rec
@@ -385,7 +386,7 @@ async def test_a_dead_servers_rules_are_replaced_and_close_removes_them(backend:
     first = backend.uid_base + 2 * backend._slot_count + 1000
     mine = f"agentcell:{first}-"
     before = _audit_state(mine)
-    dead = AuditCollector(lambda *_: None, first, first + 99)
+    dead = AuditCollector(lambda *_: None, first, first + 99, exec_source="audit")  # with its exec rule
     await dead.start()
     key = dead.key
     ctl = an.AuditSocket()
@@ -403,7 +404,7 @@ async def test_a_dead_servers_rules_are_replaced_and_close_removes_them(backend:
         wider = AuditCollector(lambda *_: None, first, first + 199)
         for rule in wider.rules():
             ctl.add_rule(rule)
-        successor = AuditCollector(lambda *_: None, first, first + 99)
+        successor = AuditCollector(lambda *_: None, first, first + 99, exec_source="audit")
         await successor.start()
         assert len([r for r in ctl.rules() if an.rule_key(r).startswith(key)]) == count  # replaced, not doubled
         assert not [r for r in ctl.rules() if an.rule_key(r).startswith(wider.key)]

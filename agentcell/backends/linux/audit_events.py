@@ -3,11 +3,15 @@ every process of a sandbox, observed from the host.
 
 Mechanisms (docs/architecture.md, "The behaviour record", has the measurements behind the choice):
 
-* execs and permission errors: audit rules on syscall exit, limited to the server's host uid range
-  (every sandbox process runs as one of its ids), keyed ``agentcell:<first>-<last>:<what>`` so a
-  server removes its own rules at close and a dead server's stale ones at start. The kernel writes the
-  SYSCALL record (host pid, ppid, uid, comm, exe), EXECVE (argv), CWD and PATH records of the call,
-  before the exec'd program runs a single instruction: a `true` that exits at once is recorded too.
+* execs: an eBPF program on the kernel's sched_process_exec tracepoint (exec_trace.py), which costs
+  the sandbox nothing outside its execs; where it cannot be loaded (no clang, libbpf or BTF), or with
+  ``exec_source="audit"``, an audit rule on execve exit as below. Either way the kernel hands over the
+  exec before the new program runs a single instruction: a `true` that exits at once is recorded too.
+* permission errors (and execs, without the tracer): audit rules on syscall exit, limited to the
+  server's host uid range (every sandbox process runs as one of its ids), keyed
+  ``agentcell:<first>-<last>:<what>`` so a server removes its own rules at close and a dead server's
+  stale ones at start. The kernel writes the SYSCALL record (host pid, ppid, uid, comm, exe), EXECVE
+  (argv), CWD and PATH records of the call.
 * seccomp refusals: the sandbox's filter is loaded with SECCOMP_FILTER_FLAG_LOG (seccomp_filter.py),
   so the kernel writes a SECCOMP record for each syscall it refuses (RET_ERRNO is in
   /proc/sys/kernel/seccomp/actions_logged by default).
@@ -49,6 +53,7 @@ from agentcell.backends.linux import audit_netlink as an
 from agentcell.backends.linux import audit_records as ar
 from agentcell.backends.linux import uids
 from agentcell.backends.linux.audit_proc import Exit, ProcConnector
+from agentcell.backends.linux.exec_trace import Exec, ExecTrace, ExecTraceUnavailable
 from agentcell.backends.linux.record import WatchTarget
 from agentcell.errors import BackendUnavailableError
 
@@ -87,6 +92,8 @@ class _Sandbox:
     dropped: int = 0
     suppressed: list[an.Rule] | None = None  # its exclude rules while it is suppressed
     procs: set[int] = field(default_factory=set)  # host pids seen exec'ing, for their exits
+    pid_level: int = 0  # its pid namespace's level (where its numbers stand in a traced exec's pids)
+    traced_dropped: dict[int, int] = field(default_factory=dict)  # host uid -> execs the tracer counted
 
 
 @dataclass
@@ -103,7 +110,16 @@ class AuditCollector:
 
 
     def __init__(self, sink: EventSink, uid_first: int, uid_last: int, *, budget: int = 1000,
-                 window_s: float = 1.0, backlog: int = 8192, exempt_host: bool = True) -> None:
+                 window_s: float = 1.0, backlog: int = 8192, exempt_host: bool = True,
+                 exec_source: str = "auto") -> None:
+        """`exec_source`: "bpf" (the exec tracer, or fail), "audit" (an audit rule), "auto" (the
+        tracer where it loads, else audit)."""
+        if exec_source not in ("auto", "bpf", "audit"):
+            raise ValueError(f"exec_source must be auto, bpf or audit, not {exec_source!r}")
+        self.exec_source = exec_source
+        self._trace: ExecTrace | None = None
+        self._traced: list[Exec] = []  # read from the tracer, not handled yet
+        self._trace_lost = 0
         self.sink = sink
         self.first, self.last = uid_first, uid_last
         self.budget, self.window_s, self.backlog = budget, window_s, backlog
@@ -135,8 +151,8 @@ class AuditCollector:
     def rules(self) -> list[an.Rule]:
         uids = ((an.F_ARCH, an.OP_EQ, an.ARCH_X86_64), (an.F_UID, an.OP_GE, self.first),
                 (an.F_UID, an.OP_LE, self.last))
-        rules = [an.Rule(an.FILTER_EXIT, an.ALWAYS, (EXECVE, EXECVEAT), (*uids, (an.F_SUCCESS, an.OP_EQ, 1)),
-                         self.key + "exec")]
+        rules = [] if self._trace is not None else [
+            an.Rule(an.FILTER_EXIT, an.ALWAYS, (EXECVE, EXECVEAT), (*uids, (an.F_SUCCESS, an.OP_EQ, 1)), self.key + "exec")]
         for err in (_EACCES, _EPERM, _EROFS):
             rules.append(an.Rule(an.FILTER_EXIT, an.ALWAYS, tuple(PATH_SYSCALLS), (*uids, (an.F_EXIT, an.OP_EQ, -err)),
                                  self.key + "deny"))
@@ -177,6 +193,14 @@ class AuditCollector:
                   "remove that rule to record them", file=sys.stderr)
         self._exits = ProcConnector()
         try:
+            if self.exec_source != "audit":
+                try:
+                    self._trace = ExecTrace(self.first, self.last, budget=self.budget * _SUPPRESS_FACTOR)
+                except ExecTraceUnavailable as e:
+                    if self.exec_source == "bpf":
+                        raise
+                    print(f"agentcell audit: execs recorded by audit instead of the exec tracer ({e}); every "
+                          "syscall of a sandbox then pays audit's cost", file=sys.stderr)
             if status.pid == 0:
                 try:
                     self._become_daemon(status)
@@ -208,6 +232,8 @@ class AuditCollector:
         self._kernel_lost = self._ctl.status().lost
         self._read_later(self._reader.fileno(), self._on_audit)
         self._read_later(self._exits.fileno(), self._on_exits)
+        if self._trace is not None:
+            self._read_later(self._trace.fileno(), self._on_traced)
         self._tick = self._loop.call_later(self.window_s, self._on_tick)
 
     def _read_later(self, fd: int, handler: Callable[[], bool | None]) -> None:
@@ -313,7 +339,7 @@ class AuditCollector:
             self._tick.cancel()
             self._tick = None
         loop = self._loop
-        for src in (self._reader, self._exits):
+        for src in (self._reader, self._exits, self._trace):
             if src is not None and loop is not None:
                 with contextlib.suppress(ValueError, OSError):
                     loop.remove_reader(src.fileno())
@@ -352,15 +378,15 @@ class AuditCollector:
             with contextlib.suppress(OSError):
                 self._reader.set_status(pid=0)
             self.daemon = False
-        for sock in (self._reader, self._ctl, self._exits):
+        for sock in (self._reader, self._ctl, self._exits, self._trace):
             if sock is not None:
                 sock.close()
-        self._reader = self._ctl = self._exits = None
+        self._reader = self._ctl = self._exits = self._trace = None
 
     # -- sandboxes -----------------------------------------------------------------------------
 
     def watch(self, target: WatchTarget) -> None:
-        state = _Sandbox(target, window_start=time.monotonic())
+        state = _Sandbox(target, window_start=time.monotonic(), pid_level=_pid_level(target.host_pid))
         self._by_id[target.sandbox_id] = state
         for uid in target.host_uids:
             if not self.first <= uid <= self.last:
@@ -435,12 +461,21 @@ class AuditCollector:
         except OSError as e:
             print(f"agentcell audit: cannot exclude sandbox {state.target.sandbox_id}'s records: {e}", file=sys.stderr)
         state.suppressed = added or None
+        if self._trace is not None:  # its execs too (counted by the tracer, and reported as dropped)
+            for uid in set(state.target.host_uids):
+                with contextlib.suppress(OSError):
+                    self._trace.mute(uid)
+            state.suppressed = state.suppressed or []
 
     def _unsuppress(self, state: _Sandbox) -> None:
         if state.suppressed is not None and self._ctl is not None:
             for rule in state.suppressed:
                 with contextlib.suppress(OSError):
                     self._ctl.delete_rule(rule)
+        if state.suppressed is not None and self._trace is not None:
+            for uid in set(state.target.host_uids):
+                with contextlib.suppress(OSError):
+                    self._trace.mute(uid, False)
         state.suppressed = None
 
     def _on_tick(self) -> None:
@@ -458,6 +493,8 @@ class AuditCollector:
             self._complete(recs)  # no EOE came (records without a syscall's context)
         while self._early_exits and next(iter(self._early_exits.values()))[1] < now - 5.0:
             self._early_exits.popitem(last=False)
+        if self._trace is not None:
+            self._trace_counts()
         if not self.daemon and self._ctl is not None and self._reader is not None:
             with contextlib.suppress(OSError):
                 status = self._ctl.status()
@@ -469,6 +506,25 @@ class AuditCollector:
                 if lost > self._kernel_lost:
                     self._lost(lost - self._kernel_lost, "the kernel's audit backlog was full")
                 self._kernel_lost = lost
+
+    def _trace_counts(self) -> None:
+        """What the exec tracer counted instead of writing: a sandbox's execs over its budget (per
+        sandbox), execs lost to a full ring (host-wide)."""
+        assert self._trace is not None
+        for state in self._by_id.values():
+            over = 0
+            for uid in set(state.target.host_uids):
+                count = self._trace.dropped(uid)
+                over += count - state.traced_dropped.get(uid, count)  # counted before the watch: not its own
+                state.traced_dropped[uid] = count
+            if over > 0:
+                self.sink(state.target.sandbox_id, event(
+                    "record.dropped", count=over, collector="process",
+                    reason=f"rate limit (execs over {self.budget * _SUPPRESS_FACTOR}/s, counted by the kernel)"))
+        lost = self._trace.lost()
+        if lost > self._trace_lost:
+            self._lost(lost - self._trace_lost, "the exec tracer's ring buffer was full")
+        self._trace_lost = lost
 
     def _lost(self, count: int | None, reason: str) -> None:
         for state in self._by_id.values():
@@ -586,23 +642,58 @@ class AuditCollector:
         host_pid = syscall.int("pid") or 0
         host_ppid = syscall.int("ppid")
         cwd = next((r.get("cwd") for r in recs if r.type == an.CWD), None)
-        args = ar.argv([r for r in recs if r.type == an.EXECVE])
-        path = _path(recs, cwd, first=True) or syscall.get("exe")
-        comm = syscall.get("comm", "")
         parent = self._procs.get(host_ppid or 0)
-        pid = _ns_pid(host_pid, state)
         known = parent is not None and parent.sandbox is state and parent.pid is not None
         ppid = parent.pid if known and parent is not None else _ns_pid(host_ppid, state)
+        self._exec_event(state, host_pid, host_ppid, _ns_pid(host_pid, state), ppid, syscall.time,
+                         _monotonic_of(syscall.time), syscall.get("comm", ""),
+                         path=_path(recs, cwd, first=True) or syscall.get("exe"),
+                         argv=ar.argv([r for r in recs if r.type == an.EXECVE]), cwd=cwd, uid=inside_uid,
+                         exe=syscall.get("exe"))
+
+    def _on_traced(self) -> bool:
+        """The exec tracer's events, for at most SLICE_S; True if some are left for the next turn."""
+        assert self._trace is not None
+        until = time.monotonic() + SLICE_S
+        if not self._traced:
+            self._traced = self._trace.read()
+        done = 0
+        for done, ex in enumerate(self._traced, 1):
+            self._traced_exec(ex)
+            if done % 16 == 0 and time.monotonic() > until:
+                break
+        else:
+            done = len(self._traced)
+        del self._traced[:done]
+        return bool(self._traced)
+
+    def _traced_exec(self, ex: Exec) -> None:
+        state = self._by_uid.get(ex.uid)
+        if state is None:
+            return
+        level = state.pid_level
+        pid = ex.pids[level] if len(ex.pids) > level else None
+        ppid = ex.ppids[level] if len(ex.ppids) > level else None  # None: a parent outside the sandbox
+        path = ex.file
+        if not path.startswith("/") and ex.cwd is not None:
+            path = os.path.normpath(os.path.join(ex.cwd, path))
+        extra = {"argv_cut": True} if ex.argv_cut else {}
+        self._exec_event(state, ex.host_pid, ex.host_ppid, pid, ppid, _wall_of(ex.monotonic_ns), ex.monotonic_ns / 1e9,
+                         ex.comm, path=path, argv=ex.argv, cwd=ex.cwd, exe=ex.exe,
+                         uid=SANDBOX_UID if ex.uid == state.target.host_uids[0] else 0, **extra)
+
+    def _exec_event(self, state: _Sandbox, host_pid: int, host_ppid: int | None, pid: int | None,
+                    ppid: int | None, at: float, monotonic: float, comm: str, **fields: Any) -> None:
+        """A process.exec, and the process kept for its exit (which may have come first)."""
         proc = self._procs.get(host_pid)
         if proc is None or proc.sandbox is not state:  # a second exec of a process keeps its start
-            proc = self._procs[host_pid] = _Proc(state, syscall.time, comm, pid, ppid)
+            proc = self._procs[host_pid] = _Proc(state, at, comm, pid, ppid)
             state.procs.add(host_pid)
         proc.comm = comm
-        self._emit(state, event("process.exec", pid=pid, ppid=ppid, at=syscall.time, path=path, argv=args, cwd=cwd,
-                                uid=inside_uid, exe=syscall.get("exe"), host_pid=host_pid,
-                                host_ppid=host_ppid))
+        self._emit(state, event("process.exec", pid=pid, ppid=ppid, at=at, host_pid=host_pid, host_ppid=host_ppid,
+                                **fields))
         early = self._early_exits.pop(host_pid, None)
-        if early is not None and early[0].monotonic_ns / 1e9 >= _monotonic_of(syscall.time):
+        if early is not None and early[0].monotonic_ns / 1e9 >= monotonic:
             self._exit(early[0])
 
     def _deny(self, state: _Sandbox, syscall: ar.Record, recs: list[ar.Record], landlock: list[ar.Record]) -> None:
@@ -683,6 +774,18 @@ def _monotonic_of(wall: float) -> float:
 
 def _wall_of(monotonic_ns: int) -> float:
     return time.time() - (time.monotonic_ns() - monotonic_ns) / 1e9
+
+
+def _pid_level(host_pid: int) -> int:
+    """The level of `host_pid`'s pid namespace (0: the host's), from its NSpid."""
+    try:
+        with open(f"/proc/{host_pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"NSpid:"):
+                    return len(line.split()) - 2
+    except OSError:
+        pass
+    return 0
 
 
 def _ns_pid(host_pid: int | None, state: _Sandbox) -> int | None:

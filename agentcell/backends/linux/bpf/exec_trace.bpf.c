@@ -1,0 +1,214 @@
+// SPDX-License-Identifier: GPL-2.0
+// agentcell's exec tracer (backends/linux/exec_trace.py loads it): one event per successful exec of a
+// process running as a host uid of the server's range, written by the kernel at the exec, with the
+// new program's argv (read from its fresh stack, where the kernel copied it), the path it was exec'd
+// as, the working directory (relative to the process's root, as audit's CWD) and its pids at every
+// pid-namespace level. No syscall other than exec pays anything: a raw tracepoint on
+// sched_process_exec, nothing on syscall entry or exit.
+//
+// Built by exec_trace.py with clang -target bpf; the structs below name only the fields read: libbpf
+// relocates their offsets against the running kernel's BTF (CO-RE), so no kernel headers are needed.
+#include <linux/bpf.h>
+#include <bpf/bpf_helpers.h>
+#include <bpf/bpf_core_read.h>
+
+#define ARGS_MAX 65536          // bytes of argv kept (beyond: cut, flagged)
+#define CWD_MAX 4096            // bytes of the working directory's components
+#define NAME_MAX_B 256          // one component, the exec'd path
+#define DEPTH_MAX 64            // components walked up from the working directory
+#define LEVELS 4                // pid-namespace levels reported
+#define F_ARGS_CUT 1
+#define F_CWD_CUT 2
+#define F_EXE_CUT 4
+#define PATH_BUF (CWD_MAX + NAME_MAX_B)
+#define WINDOW_NS 1000000000ULL  // each uid gets config.budget events per window; beyond: counted
+
+struct qstr { const unsigned char *name; } __attribute__((preserve_access_index));
+struct dentry { struct dentry *d_parent; struct qstr d_name; } __attribute__((preserve_access_index));
+struct vfsmount { struct dentry *mnt_root; } __attribute__((preserve_access_index));
+struct mount { struct mount *mnt_parent; struct dentry *mnt_mountpoint; struct vfsmount mnt; }
+    __attribute__((preserve_access_index));
+struct path { struct vfsmount *mnt; struct dentry *dentry; } __attribute__((preserve_access_index));
+struct fs_struct { struct path root; struct path pwd; } __attribute__((preserve_access_index));
+struct upid { int nr; void *ns; } __attribute__((preserve_access_index));  // whole: its size is numbers[]'s stride
+struct pid { unsigned int level; struct upid numbers[1]; } __attribute__((preserve_access_index));
+struct mm_struct { unsigned long arg_start; unsigned long arg_end; } __attribute__((preserve_access_index));
+struct task_struct {
+    int tgid;
+    struct task_struct *real_parent;
+    struct mm_struct *mm;
+    struct fs_struct *fs;
+    struct pid *thread_pid;
+    char comm[16];
+} __attribute__((preserve_access_index));
+struct file { struct path f_path; } __attribute__((preserve_access_index));
+struct linux_binprm { const char *filename; struct file *file; } __attribute__((preserve_access_index));
+
+struct config { __u32 uid_first; __u32 uid_last; __u32 budget; __u32 _pad; };
+struct budget { __u64 window_start; __u64 count; __u64 dropped; };  // per host uid
+
+struct event {
+    __u64 ktime_ns;             // CLOCK_MONOTONIC
+    __u32 tgid, ppid, uid, flags;
+    __u32 level, parent_level;  // the deepest pid namespace's level of the process, of its parent
+    __s32 pids[LEVELS], ppids[LEVELS];  // their numbers at levels 0..LEVELS-1 (0: none)
+    __u32 file_len, cwd_len, exe_len, args_len;
+    char comm[16];
+    char file[NAME_MAX_B];
+    char cwd[PATH_BUF];  // the working directory's components, innermost first, each NUL-terminated
+    char exe[PATH_BUF];  // the file the kernel runs (a script's interpreter), so
+    char args[ARGS_MAX];             // argv as on the stack: NUL-separated
+};
+
+struct { __uint(type, BPF_MAP_TYPE_RINGBUF); __uint(max_entries, 16 << 20); } execs SEC(".maps");
+struct { __uint(type, BPF_MAP_TYPE_ARRAY); __uint(max_entries, 1); __type(key, __u32); __type(value, struct config); }
+    config SEC(".maps");
+// one event being written per CPU (a per-CPU array's values are limited to 32 KiB); the loader sets
+// max_entries to the number of possible CPUs
+struct { __uint(type, BPF_MAP_TYPE_ARRAY); __uint(max_entries, 1); __type(key, __u32); __type(value, struct event); }
+    scratch SEC(".maps");
+// uid -> its window: a flooding sandbox's execs are counted, not written (its neighbours' still are)
+struct { __uint(type, BPF_MAP_TYPE_LRU_HASH); __uint(max_entries, 65536); __type(key, __u32); __type(value, struct budget); }
+    budgets SEC(".maps");
+// uids whose execs are not written for now (a sandbox suppressed as a flooder: counted in budgets)
+struct { __uint(type, BPF_MAP_TYPE_HASH); __uint(max_entries, 65536); __type(key, __u32); __type(value, __u32); }
+    muted SEC(".maps");
+// [0]: events lost (the ring was full)
+struct { __uint(type, BPF_MAP_TYPE_PERCPU_ARRAY); __uint(max_entries, 1); __type(key, __u32); __type(value, __u64); }
+    lost SEC(".maps");
+
+static __always_inline void pids_of(struct task_struct *t, __u32 *level, __s32 *out) {
+    struct pid *p = BPF_CORE_READ(t, thread_pid);
+    unsigned int l = BPF_CORE_READ(p, level);
+    *level = l;
+    #pragma unroll
+    for (int i = 0; i < LEVELS; i++) {
+        out[i] = 0;
+        if (i <= l)
+            out[i] = BPF_CORE_READ(p, numbers[i].nr);
+    }
+}
+
+struct walk {
+    char *buf;  // PATH_BUF bytes
+    __u32 *flags;
+    __u32 cut;
+    struct dentry *dentry, *root_dentry;
+    struct vfsmount *vfsmnt, *root_mnt;
+    struct mount *mnt;
+    __u32 off;
+    int done;
+};
+
+static long cwd_step(__u32 i, struct walk *w) {
+    // locals: CO-RE reads through a member of `struct walk` would relocate against it too
+    struct dentry *dentry = w->dentry;
+    struct vfsmount *vfsmnt = w->vfsmnt;
+    struct mount *mnt = w->mnt;
+    if (dentry == w->root_dentry && vfsmnt == w->root_mnt)
+        return 1;
+    struct dentry *parent = BPF_CORE_READ(dentry, d_parent);
+    struct dentry *mnt_root = BPF_CORE_READ(vfsmnt, mnt_root);
+    if (dentry == mnt_root || dentry == parent) {
+        struct mount *up = BPF_CORE_READ(mnt, mnt_parent);
+        if (up == mnt)
+            return 1;  // the top of the mount tree, outside the process's root: stop
+        w->dentry = BPF_CORE_READ(mnt, mnt_mountpoint);
+        w->mnt = up;
+        w->vfsmnt = (struct vfsmount *)((char *)up + bpf_core_field_offset(struct mount, mnt));
+        return 0;
+    }
+    __u32 off = w->off;
+    if (off >= CWD_MAX) {
+        *w->flags |= w->cut;
+        return 1;
+    }
+    const unsigned char *name = BPF_CORE_READ(dentry, d_name.name);
+    long n = bpf_probe_read_kernel_str(&w->buf[off & (CWD_MAX - 1)], NAME_MAX_B, name);
+    if (n > 0)
+        w->off = off + n;
+    w->dentry = parent;
+    return 0;
+}
+
+SEC("raw_tp/sched_process_exec")
+int on_exec(__u64 *ctx) {
+    __u32 zero = 0;
+    struct config *cfg = bpf_map_lookup_elem(&config, &zero);
+    if (!cfg)
+        return 0;
+    __u32 uid = (__u32)bpf_get_current_uid_gid();
+    if (uid < cfg->uid_first || uid > cfg->uid_last)
+        return 0;
+    struct budget *b = bpf_map_lookup_elem(&budgets, &uid);
+    __u64 now = bpf_ktime_get_ns();
+    if (!b) {
+        struct budget fresh = { .window_start = now };
+        bpf_map_update_elem(&budgets, &uid, &fresh, BPF_NOEXIST);
+        b = bpf_map_lookup_elem(&budgets, &uid);
+        if (!b)
+            return 0;
+    }
+    if (now - b->window_start >= WINDOW_NS) {
+        b->window_start = now;
+        b->count = 0;
+    }
+    if (++b->count > cfg->budget || bpf_map_lookup_elem(&muted, &uid)) {
+        __sync_fetch_and_add(&b->dropped, 1);
+        return 0;
+    }
+    __u32 cpu = bpf_get_smp_processor_id();
+    struct event *e = bpf_map_lookup_elem(&scratch, &cpu);
+    if (!e)
+        return 0;
+    struct task_struct *t = (struct task_struct *)ctx[0];
+    struct linux_binprm *bprm = (struct linux_binprm *)ctx[2];
+    e->ktime_ns = now;
+    e->tgid = BPF_CORE_READ(t, tgid);
+    e->uid = uid;
+    e->flags = 0;
+    struct task_struct *parent = BPF_CORE_READ(t, real_parent);
+    e->ppid = BPF_CORE_READ(parent, tgid);
+    pids_of(t, &e->level, e->pids);
+    pids_of(parent, &e->parent_level, e->ppids);
+    bpf_probe_read_kernel_str(e->comm, sizeof(e->comm), &t->comm);
+    long n = bpf_probe_read_kernel_str(e->file, NAME_MAX_B, BPF_CORE_READ(bprm, filename));
+    e->file_len = n > 0 ? n : 0;
+
+    struct fs_struct *fs = BPF_CORE_READ(t, fs);
+    struct dentry *root_dentry = BPF_CORE_READ(fs, root.dentry);
+    struct vfsmount *root_mnt = BPF_CORE_READ(fs, root.mnt);
+    struct walk w = { .buf = e->cwd, .flags = &e->flags, .cut = F_CWD_CUT, .off = 0,
+                      .root_dentry = root_dentry, .root_mnt = root_mnt };
+    w.dentry = BPF_CORE_READ(fs, pwd.dentry);
+    w.vfsmnt = BPF_CORE_READ(fs, pwd.mnt);
+    w.mnt = (struct mount *)((char *)w.vfsmnt - bpf_core_field_offset(struct mount, mnt));
+    bpf_loop(DEPTH_MAX, cwd_step, &w, 0);
+    e->cwd_len = w.off;
+    struct file *exe = BPF_CORE_READ(bprm, file);
+    struct walk x = { .buf = e->exe, .flags = &e->flags, .cut = F_EXE_CUT, .off = 0,
+                      .root_dentry = root_dentry, .root_mnt = root_mnt };
+    x.dentry = BPF_CORE_READ(exe, f_path.dentry);
+    x.vfsmnt = BPF_CORE_READ(exe, f_path.mnt);
+    x.mnt = (struct mount *)((char *)x.vfsmnt - bpf_core_field_offset(struct mount, mnt));
+    bpf_loop(DEPTH_MAX, cwd_step, &x, 0);
+    e->exe_len = x.off;
+
+    unsigned long start = BPF_CORE_READ(t, mm, arg_start), end = BPF_CORE_READ(t, mm, arg_end);
+    __u64 len = end > start ? end - start : 0;
+    if (len > ARGS_MAX) {
+        len = ARGS_MAX;
+        e->flags |= F_ARGS_CUT;
+    }
+    if (bpf_probe_read_user(e->args, len, (void *)start) != 0)
+        len = 0;
+    e->args_len = len;
+    if (bpf_ringbuf_output(&execs, e, __builtin_offsetof(struct event, args) + len, 0) != 0) {
+        __u64 *count = bpf_map_lookup_elem(&lost, &zero);
+        if (count)
+            *count += 1;
+    }
+    return 0;
+}
+
+char LICENSE[] SEC("license") = "GPL";

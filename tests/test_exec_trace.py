@@ -1,0 +1,87 @@
+"""The exec tracer (backends/linux/exec_trace.py): an eBPF program on sched_process_exec that reports
+the execs of a host uid range. Real processes, exec'd as uids of a range no sandbox uses."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from agentcell.backends.linux.exec_trace import Exec, ExecTrace, ExecTraceUnavailable
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="loading eBPF needs root")
+
+FIRST, LAST = 3_500_000, 3_500_009  # above every agentcell range of these tests, below 2^31
+
+
+@pytest.fixture
+def trace() -> Iterator[ExecTrace]:
+    t = ExecTrace(FIRST, LAST, budget=50)
+    try:
+        yield t
+    finally:
+        t.close()
+
+
+def as_uid(uid: int, *argv: str, cwd: str = "/") -> None:
+    subprocess.run(["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", *argv], cwd=cwd,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
+
+
+def read_all(trace: ExecTrace) -> list[Exec]:
+    time.sleep(0.05)
+    return trace.read()
+
+
+def test_an_exec_with_its_arguments_directory_and_binary(trace: ExecTrace) -> None:
+    as_uid(FIRST, "/bin/sh", "-c", "cd /usr/lib && exec ./../bin/true 'two words' \"$(printf 'na\\303\\257ve')\"",
+           cwd="/tmp")
+    execs = read_all(trace)
+    sh = next(e for e in execs if e.argv[:2] == ["/bin/sh", "-c"])
+    true = next(e for e in execs if e.argv[0] == "./../bin/true")
+    assert sh.cwd == "/tmp" and sh.file == "/bin/sh" and sh.exe == "/usr/bin/dash" and sh.uid == FIRST
+    # the same process exec'd again: its pid, its new program, where it was run from
+    assert true.host_pid == sh.host_pid and true.comm == "true"
+    assert true.argv == ["./../bin/true", "two words", "naïve"] and not true.argv_cut
+    assert true.cwd == "/usr/lib" and true.file == "./../bin/true" and true.exe == "/usr/bin/true"
+    assert true.pids == (true.host_pid,)  # the host's pid namespace: one level
+
+
+def test_other_uids_are_not_traced(trace: ExecTrace) -> None:
+    as_uid(LAST + 1, "/bin/true", "outside")
+    as_uid(FIRST - 1, "/bin/true", "outside")
+    as_uid(LAST, "/bin/true", "inside")
+    assert [e.argv for e in read_all(trace)] == [["/bin/true", "inside"]]
+
+
+def test_long_arguments_are_cut_and_say_so(trace: ExecTrace) -> None:
+    as_uid(FIRST, "/bin/true", "a", "x" * 70_000)
+    (e,) = read_all(trace)
+    assert e.argv_cut and e.argv[:2] == ["/bin/true", "a"] and 60_000 < len(e.argv[2]) < 70_000
+
+
+def test_a_flood_is_counted_over_the_budget_and_a_muted_uid_is_not_written(trace: ExecTrace) -> None:
+    as_uid(FIRST + 1, "/bin/sh", "-c", "for i in $(seq 80); do /bin/true; done")
+    execs = read_all(trace)
+    # sh, seq and 80 trues: the window's budget of 50 written (more if the loop outlasted a window),
+    # the rest counted
+    assert 50 <= len(execs) < 82 and len(execs) + trace.dropped(FIRST + 1) == 82
+    trace.mute(FIRST + 2)
+    as_uid(FIRST + 2, "/bin/true", "muted")
+    assert read_all(trace) == [] and trace.dropped(FIRST + 2) == 1
+    trace.mute(FIRST + 2, False)
+    as_uid(FIRST + 2, "/bin/true", "heard")
+    assert [e.argv for e in read_all(trace)] == [["/bin/true", "heard"]]
+    assert trace.lost() == 0
+
+
+def test_a_missing_compiler_is_a_clear_error(monkeypatch: pytest.MonkeyPatch, tmp_path: os.PathLike[str]) -> None:
+    from agentcell.backends.linux import exec_trace
+
+    monkeypatch.setattr(exec_trace, "CACHE", tmp_path)
+    monkeypatch.setattr(exec_trace, "CLANGS", ("no-such-clang",))
+    with pytest.raises(ExecTraceUnavailable, match="no clang"):
+        ExecTrace(FIRST, LAST)
