@@ -1,22 +1,23 @@
-"""The kernel-audit collector of the behaviour record (issue 10): execs, exits and refused operations of
+"""The process collector of the behaviour record (issue 10): execs, exits and refused operations of
 every process of a sandbox, observed from the host.
 
 Mechanisms (docs/architecture.md, "The behaviour record", has the measurements behind the choice):
 
-* execs: an eBPF program on the kernel's sched_process_exec tracepoint (exec_trace.py), which costs
-  the sandbox nothing outside its execs; where it cannot be loaded (no clang, libbpf or BTF), or with
-  ``exec_source="audit"``, an audit rule on execve exit as below. Either way the kernel hands over the
-  exec before the new program runs a single instruction: a `true` that exits at once is recorded too.
-* permission errors (and execs, without the tracer): audit rules on syscall exit, limited to the
-  server's host uid range (every sandbox process runs as one of its ids), keyed
-  ``agentcell:<first>-<last>:<what>`` so a server removes its own rules at close and a dead server's
-  stale ones at start. The kernel writes the SYSCALL record (host pid, ppid, uid, comm, exe), EXECVE
-  (argv), CWD and PATH records of the call.
-* seccomp refusals: the sandbox's filter is loaded with SECCOMP_FILTER_FLAG_LOG (seccomp_filter.py),
-  so the kernel writes a SECCOMP record for each syscall it refuses (RET_ERRNO is in
-  /proc/sys/kernel/seccomp/actions_logged by default).
+* execs, refused path syscalls and seccomp refusals: eBPF programs (kernel_trace.py) on the
+  sched_process_exec and sys_exit tracepoints. With them, no audit exit rule and a task rule that
+  gives the sandbox processes no audit context: their syscalls keep the kernel's fast path.
+* without the tracer (no clang, libbpf or BTF), or with ``trace_source="audit"``: audit rules on
+  syscall exit, limited to the server's host uid range (every sandbox process runs as one of its ids),
+  keyed ``agentcell:<first>-<last>:<what>`` so a server removes its own rules at close and a dead
+  server's stale ones at start. The kernel writes the SYSCALL record (host pid, ppid, uid, comm, exe),
+  EXECVE (argv), CWD and PATH records of the call; seccomp refusals come as SECCOMP records (the
+  sandbox's filter is loaded with SECCOMP_FILTER_FLAG_LOG; RET_ERRNO is in
+  /proc/sys/kernel/seccomp/actions_logged by default; the kernel writes them only for a process with
+  an audit context). Either way the kernel hands over an exec before the new program runs a single
+  instruction: a `true` that exits at once is recorded too.
 * Landlock refusals: ABI 7 kernels (6.15+) write LANDLOCK_ACCESS records; landlock.py asks for them
-  after exec too (LANDLOCK_RESTRICT_SELF_LOG_NEW_EXEC_ON).
+  after exec too (LANDLOCK_RESTRICT_SELF_LOG_NEW_EXEC_ON). With the tracer they come without a syscall
+  context: tied to a sandbox by their domain, and paired with the tracer's refusal of the same path.
 * exits: the proc connector (audit_proc.py), which has the signal of a killed process.
 
 The records are read as the audit daemon when none is registered (then nothing reaches the kernel
@@ -51,9 +52,9 @@ import pyseccomp
 from agentcell.backends.events import EventSink, event
 from agentcell.backends.linux import audit_netlink as an
 from agentcell.backends.linux import audit_records as ar
-from agentcell.backends.linux import uids
+from agentcell.backends.linux import seccomp_filter, uids
 from agentcell.backends.linux.audit_proc import Exit, ProcConnector
-from agentcell.backends.linux.exec_trace import Exec, ExecTrace, ExecTraceUnavailable
+from agentcell.backends.linux.kernel_trace import Denial, Exec, KernelTrace, KernelTraceUnavailable, Refusal
 from agentcell.backends.linux.record import WatchTarget
 from agentcell.errors import BackendUnavailableError
 
@@ -69,6 +70,7 @@ PATH_SYSCALLS = {
 }
 _OPEN_FLAGS_ARG = {2: "a1", 257: "a2"}  # open(path, flags), openat(dirfd, path, flags)
 _WRITE_INTENT = 0o1 | 0o2 | 0o100 | 0o1000  # O_WRONLY | O_RDWR | O_CREAT | O_TRUNC
+_OPENS = frozenset({2, 257, 437, 85})  # open, openat, openat2, creat: the tracer gives their flags
 _EACCES, _EPERM, _EROFS = 13, 1, 30
 # the record's code is the filter's action only (its errno is not logged)
 _SECCOMP_ACTIONS = {0x00050000: "errno", 0x80000000: "kill_process", 0x00000000: "kill_thread", 0x00030000: "trap"}
@@ -79,6 +81,7 @@ _NOT_DENIALS = frozenset({"clone3"})
 _AGENT_NOISE = re.compile(r"^/proc/(self|\d+)/oom_score_adj$")
 _KEY_RANGE = re.compile(r"^agentcell:(\d+)-(\d+):")  # the uid range in a rule's key
 _SUPPRESS_FACTOR = 4  # a sandbox past budget * this in one window is excluded in the kernel
+LANDLOCK_PAIR_S = 0.25  # with the tracer: a refusal and Landlock's record of it, paired within this long
 READ_DELAY_S = 0.02  # records are read this long after they arrive, in batches (see _read_later) ...
 SLICE_S = 0.002  # ... for this long at a time, so that a request never waits longer behind them
 ORIGINAL = "/run/agentcell/audit-original.json"
@@ -111,14 +114,20 @@ class AuditCollector:
 
     def __init__(self, sink: EventSink, uid_first: int, uid_last: int, *, budget: int = 1000,
                  window_s: float = 1.0, backlog: int = 8192, exempt_host: bool = True,
-                 exec_source: str = "auto") -> None:
-        """`exec_source`: "bpf" (the exec tracer, or fail), "audit" (an audit rule), "auto" (the
+                 trace_source: str = "auto") -> None:
+        """`trace_source`: "bpf" (the exec tracer, or fail), "audit" (an audit rule), "auto" (the
         tracer where it loads, else audit)."""
-        if exec_source not in ("auto", "bpf", "audit"):
-            raise ValueError(f"exec_source must be auto, bpf or audit, not {exec_source!r}")
-        self.exec_source = exec_source
-        self._trace: ExecTrace | None = None
-        self._traced: list[Exec] = []  # read from the tracer, not handled yet
+        if trace_source not in ("auto", "bpf", "audit"):
+            raise ValueError(f"trace_source must be auto, bpf or audit, not {trace_source!r}")
+        self.trace_source = trace_source
+        self._trace: KernelTrace | None = None
+        self._traced: list[Exec | Denial | Refusal] = []  # read from the tracer, not handled yet
+        # with the tracer, Landlock's records come alone (no syscall context): a refusal the tracer saw
+        # and Landlock's record of it wait LANDLOCK_PAIR_S for each other (one event, with the blockers)
+        self._domains: OrderedDict[str, _Sandbox] = OrderedDict()  # Landlock domain -> its sandbox
+        self._unplaced: OrderedDict[str, list[ar.Record]] = OrderedDict()  # records of a domain not known yet
+        self._held: list[tuple[float, _Sandbox, Denial | ar.Record]] = []
+        self._held_timer: asyncio.TimerHandle | None = None
         self._trace_lost = 0
         self.sink = sink
         self.first, self.last = uid_first, uid_last
@@ -151,8 +160,10 @@ class AuditCollector:
     def rules(self) -> list[an.Rule]:
         uids = ((an.F_ARCH, an.OP_EQ, an.ARCH_X86_64), (an.F_UID, an.OP_GE, self.first),
                 (an.F_UID, an.OP_LE, self.last))
-        rules = [] if self._trace is not None else [
-            an.Rule(an.FILTER_EXIT, an.ALWAYS, (EXECVE, EXECVEAT), (*uids, (an.F_SUCCESS, an.OP_EQ, 1)), self.key + "exec")]
+        if self._trace is not None:  # the kernel tracer has execs and refusals: no exit rule at all
+            return []
+        rules = [an.Rule(an.FILTER_EXIT, an.ALWAYS, (EXECVE, EXECVEAT), (*uids, (an.F_SUCCESS, an.OP_EQ, 1)),
+                         self.key + "exec")]
         for err in (_EACCES, _EPERM, _EROFS):
             rules.append(an.Rule(an.FILTER_EXIT, an.ALWAYS, tuple(PATH_SYSCALLS), (*uids, (an.F_EXIT, an.OP_EQ, -err)),
                                  self.key + "deny"))
@@ -166,6 +177,18 @@ class AuditCollector:
         as root by the zygote) is not."""
         return [an.Rule(an.FILTER_TASK, an.NEVER, (), ((an.F_UID, an.OP_LT, min(self.first, uids.AUTO_START)),),
                         self.key + "host")]
+
+    @property
+    def traced(self) -> bool:
+        """Whether the kernel tracer records execs and refusals (else audit's exit rules do)."""
+        return self._trace is not None
+
+    def untraced(self) -> list[an.Rule]:
+        """With the kernel tracer, a task rule: the server's sandbox processes get no audit context,
+        so their syscalls keep the kernel's fast path (an audit context costs every syscall, +165 ns
+        to +960 ns measured, whatever the rules)."""
+        return [an.Rule(an.FILTER_TASK, an.NEVER, (), ((an.F_UID, an.OP_GE, self.first), (an.F_UID, an.OP_LE, self.last)),
+                        self.key + "untraced")]
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -193,14 +216,18 @@ class AuditCollector:
                   "remove that rule to record them", file=sys.stderr)
         self._exits = ProcConnector()
         try:
-            if self.exec_source != "audit":
+            if self.trace_source != "audit":
                 try:
-                    self._trace = ExecTrace(self.first, self.last, budget=self.budget * _SUPPRESS_FACTOR)
-                except ExecTraceUnavailable as e:
-                    if self.exec_source == "bpf":
+                    self._trace = KernelTrace(self.first, self.last, budget=self.budget * _SUPPRESS_FACTOR)
+                    self._trace.refuse(seccomp_filter.refusal_errnos())
+                except KernelTraceUnavailable as e:
+                    if self._trace is not None:
+                        self._trace.close()
+                        self._trace = None
+                    if self.trace_source == "bpf":
                         raise
-                    print(f"agentcell audit: execs recorded by audit instead of the exec tracer ({e}); every "
-                          "syscall of a sandbox then pays audit's cost", file=sys.stderr)
+                    print(f"agentcell audit: execs and refusals recorded by audit rules instead of the kernel tracer "
+                          f"({e}); every syscall of a sandbox then pays audit's cost", file=sys.stderr)
             if status.pid == 0:
                 try:
                     self._become_daemon(status)
@@ -223,6 +250,8 @@ class AuditCollector:
                     (an.F_UID, an.OP_LE, self.last))))  # no key: see _suppress
             if self.daemon and not foreign and self.exempt_host:
                 rules += self.host_exemption()
+            if self._trace is not None and not foreign:  # (an operator's rules may want these processes)
+                rules += self.untraced()
             for rule in rules:
                 self._ctl.add_rule(rule)
                 self._rules.append(rule)
@@ -304,7 +333,7 @@ class AuditCollector:
             old.set_status(pid=0)
         old.close()
         self.daemon = False
-        for rule in [r for r in self._rules if r.key == self.key + "host"]:  # its tasks are its business
+        for rule in [r for r in self._rules if r.key in (self.key + "host", self.key + "untraced")]:  # its tasks are its business
             with contextlib.suppress(OSError):
                 self._ctl.delete_rule(rule)
             self._rules.remove(rule)
@@ -405,6 +434,7 @@ class AuditCollector:
         state = self._by_id.pop(sandbox_id, None)
         if state is None:
             return
+        self._release_held(state)
         self._flush_dropped(state)
         self._unsuppress(state)
         for uid in state.target.host_uids:
@@ -564,6 +594,12 @@ class AuditCollector:
         if mtype == an.REPLACE and self.daemon:
             self._step_aside()
             return
+        if self._trace is not None and mtype in (an.LANDLOCK_ACCESS, an.LANDLOCK_DOMAIN):
+            rec = ar.parse(mtype, body)  # alone: the tracer's processes have no syscall context
+            if rec is not None:
+                self.stats["records"] += 1
+                self._landlock(rec)
+            return
         if mtype == an.SECCOMP:  # complete in itself (uid, pid, syscall); the SYSCALL record adds nothing
             rec = ar.parse(mtype, body)
             if rec is not None:
@@ -610,18 +646,23 @@ class AuditCollector:
             return
         state, _ = found
         nr = rec.int("syscall")
-        arch = rec.int("arch", 16)
-        name = self._names.get(nr) if nr is not None else None
-        if name is None and nr is not None and nr not in self._names:
-            with contextlib.suppress(Exception):
-                name = pyseccomp.resolve_syscall(arch or pyseccomp.system_arch(), nr).decode()
-            self._names[nr] = name
+        name = self._syscall_name(nr, rec.int("arch", 16))
         if name in _NOT_DENIALS:
             return
         host_pid = rec.int("pid")
         action = _SECCOMP_ACTIONS.get((rec.int("code", 16) or 0) & 0xFFFF0000, "other")
         self._emit(state, event("deny.syscall", pid=_ns_pid(host_pid, state), at=rec.time, syscall=name, nr=nr,
                                 action=action, comm=rec.get("comm"), host_pid=host_pid))
+
+    def _syscall_name(self, nr: int | None, arch: int | None) -> str | None:
+        if nr is None:
+            return None
+        if nr not in self._names:
+            name = None
+            with contextlib.suppress(Exception):
+                name = pyseccomp.resolve_syscall(arch or pyseccomp.system_arch(), nr).decode()
+            self._names[nr] = name
+        return self._names[nr]
 
     def _complete(self, recs: list[ar.Record]) -> None:
         syscall = next((r for r in recs if r.type == an.SYSCALL), None)
@@ -659,7 +700,12 @@ class AuditCollector:
             self._traced = self._trace.read()
         done = 0
         for done, ex in enumerate(self._traced, 1):
-            self._traced_exec(ex)
+            if isinstance(ex, Exec):
+                self._traced_exec(ex)
+            elif isinstance(ex, Denial):
+                self._traced_denial(ex)
+            else:
+                self._traced_refusal(ex)
             if done % 16 == 0 and time.monotonic() > until:
                 break
         else:
@@ -681,6 +727,104 @@ class AuditCollector:
         self._exec_event(state, ex.host_pid, ex.host_ppid, pid, ppid, _wall_of(ex.monotonic_ns), ex.monotonic_ns / 1e9,
                          ex.comm, path=path, argv=ex.argv, cwd=ex.cwd, exe=ex.exe,
                          uid=SANDBOX_UID if ex.uid == state.target.host_uids[0] else 0, **extra)
+
+    def _traced_denial(self, d: Denial) -> None:
+        state = self._by_uid.get(d.uid)
+        if state is None or _AGENT_NOISE.match(d.path):
+            return
+        if d.errno != _EROFS:  # Landlock's refusals are EACCES: its record may be on its way
+            self._hold(state, d)
+            return
+        self._denial_event(state, d)
+
+    def _denial_event(self, state: _Sandbox, d: Denial, landlock: ar.Record | None = None) -> None:
+        level = state.pid_level
+        common = {"pid": d.pids[level] if len(d.pids) > level else None, "at": _wall_of(d.monotonic_ns),
+                  "path": d.path, "syscall": PATH_SYSCALLS.get(d.nr, d.nr), "comm": d.comm, "host_pid": d.host_pid,
+                  "errno": d.errno}
+        if landlock is not None:
+            self._emit(state, event("deny.write", reason="landlock", blockers=landlock.get("blockers"), **common))
+        elif d.errno == _EROFS:
+            self._emit(state, event("deny.write", reason="read-only", **common))
+        elif d.open_flags & _WRITE_INTENT if d.nr in _OPENS else True:  # a call that changes something
+            self._emit(state, event("deny.write", reason="permission", **common))
+        else:
+            self._emit(state, event("deny.access", **common))
+
+    # -- Landlock's records, with the tracer ------------------------------------------------------
+
+    def _landlock(self, rec: ar.Record) -> None:
+        """A domain's first record names its creator (a sandbox's uid); its refusals name the domain."""
+        domain = rec.get("domain") or ""
+        if rec.type == an.LANDLOCK_DOMAIN:
+            state = self._by_uid.get(rec.int("uid") or -1)
+            if state is not None and rec.get("status") == "allocated":
+                self._domains[domain] = state
+                while len(self._domains) > 4096:
+                    self._domains.popitem(last=False)
+                for waiting in self._unplaced.pop(domain, []):
+                    self._hold(state, waiting)
+            return
+        state = self._domains.get(domain)
+        if state is not None:
+            self._hold(state, rec)
+        else:  # its domain's record comes right after a domain's first refusal
+            self._unplaced.setdefault(domain, []).append(rec)
+            while len(self._unplaced) > 256 or len(self._unplaced[domain]) > 64:
+                self._unplaced.popitem(last=False) if len(self._unplaced) > 256 else self._unplaced[domain].pop(0)
+
+    def _hold(self, state: _Sandbox, item: Denial | ar.Record) -> None:
+        """Pair a refusal with Landlock's record of it (either may come first), or hold it a moment."""
+        for i, (_, other_state, other) in enumerate(self._held):
+            if other_state is state and isinstance(other, Denial) != isinstance(item, Denial):
+                d, rec = (item, other) if isinstance(item, Denial) else (other, item)
+                assert isinstance(d, Denial) and isinstance(rec, ar.Record)
+                where = (rec.get("path") or "").rstrip("/")
+                if d.path == where or d.path.startswith(where + "/"):
+                    del self._held[i]
+                    self._denial_event(state, d, landlock=rec)
+                    return
+        self._held.append((time.monotonic(), state, item))
+        if len(self._held) > 1024:  # bounded: the oldest goes out unpaired
+            self._release(self._held.pop(0))
+        if self._held_timer is None and self._loop is not None:
+            self._held_timer = self._loop.call_later(LANDLOCK_PAIR_S, self._release_held)
+
+    def _release_held(self, state: _Sandbox | None = None) -> None:
+        """What waited its time (or, with `state`, all of that sandbox's) goes out unpaired."""
+        if state is None:
+            self._held_timer = None
+        due = time.monotonic() - LANDLOCK_PAIR_S
+        keep = []
+        for held in self._held:
+            if held[1] is state or (state is None and held[0] <= due):
+                self._release(held)
+            else:
+                keep.append(held)
+        self._held = keep
+        if self._held and self._held_timer is None and self._loop is not None:
+            self._held_timer = self._loop.call_later(LANDLOCK_PAIR_S, self._release_held)
+
+    def _release(self, held: tuple[float, _Sandbox, Denial | ar.Record]) -> None:
+        _, state, item = held
+        if isinstance(item, Denial):
+            self._denial_event(state, item)
+        else:  # a Landlock refusal of a call the tracer does not watch
+            self._emit(state, event("deny.write", reason="landlock", blockers=item.get("blockers"), pid=None,
+                                    at=item.time, path=item.get("path"), syscall=None, comm=None, host_pid=None,
+                                    errno=_EACCES))
+
+    def _traced_refusal(self, r: Refusal) -> None:
+        state = self._by_uid.get(r.uid)
+        if state is None:
+            return
+        name = self._syscall_name(r.nr, None)
+        if name in _NOT_DENIALS:
+            return
+        level = state.pid_level
+        self._emit(state, event("deny.syscall", pid=r.pids[level] if len(r.pids) > level else None,
+                                at=_wall_of(r.monotonic_ns), syscall=name, nr=r.nr, action="errno", comm=r.comm,
+                                host_pid=r.host_pid))
 
     def _exec_event(self, state: _Sandbox, host_pid: int, host_ppid: int | None, pid: int | None,
                     ppid: int | None, at: float, monotonic: float, comm: str, **fields: Any) -> None:

@@ -149,6 +149,28 @@ class Filter:
         sc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.addressof(self._prog))  # no logging flag here
 
 
+def refusal_errnos() -> dict[int, set[int]]:
+    """Syscall number -> the errnos with which the filter refuses it (what a refused call returns; a
+    tracer that sees the call's exit tells a refusal by these). Argument-dependent refusals (clone's
+    namespace flags, ioctl's TIOCSTI, a socket family) are told by their errno alone."""
+    arch = seccomp.system_arch()
+    by_name: dict[str, set[int]] = {}
+    for names, err in ((DENIED, errno.EPERM), (NOT_IMPLEMENTED, errno.ENOSYS),
+                       (("clone", "ioctl", "personality"), errno.EPERM),
+                       (("socket", "socketpair"), errno.EAFNOSUPPORT), (("socket",), errno.EPROTONOSUPPORT)):
+        for name in names:
+            by_name.setdefault(name, set()).add(err)
+    out: dict[int, set[int]] = {}
+    for name, errs in by_name.items():
+        try:
+            nr = seccomp.resolve_syscall(arch, name)
+        except (OSError, RuntimeError, ValueError):
+            continue
+        if nr >= 0:
+            out[nr] = errs
+    return out
+
+
 def build() -> Filter:
     return Filter(rules())
 

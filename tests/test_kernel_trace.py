@@ -1,4 +1,4 @@
-"""The exec tracer (backends/linux/exec_trace.py): an eBPF program on sched_process_exec that reports
+"""The exec tracer (backends/linux/kernel_trace.py): an eBPF program on sched_process_exec that reports
 the execs of a host uid range. Real processes, exec'd as uids of a range no sandbox uses."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from agentcell.backends.linux.exec_trace import Exec, ExecTrace, ExecTraceUnavailable
+from agentcell.backends.linux.kernel_trace import Denial, Exec, KernelTrace, KernelTraceUnavailable, Refusal
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="loading eBPF needs root")
 
@@ -18,8 +18,8 @@ FIRST, LAST = 3_500_000, 3_500_009  # above every agentcell range of these tests
 
 
 @pytest.fixture
-def trace() -> Iterator[ExecTrace]:
-    t = ExecTrace(FIRST, LAST, budget=50)
+def trace() -> Iterator[KernelTrace]:
+    t = KernelTrace(FIRST, LAST, budget=50)
     try:
         yield t
     finally:
@@ -31,12 +31,12 @@ def as_uid(uid: int, *argv: str, cwd: str = "/") -> None:
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
 
 
-def read_all(trace: ExecTrace) -> list[Exec]:
+def read_all(trace: KernelTrace) -> list[Exec | Denial | Refusal]:
     time.sleep(0.05)
     return trace.read()
 
 
-def test_an_exec_with_its_arguments_directory_and_binary(trace: ExecTrace) -> None:
+def test_an_exec_with_its_arguments_directory_and_binary(trace: KernelTrace) -> None:
     as_uid(FIRST, "/bin/sh", "-c", "cd /usr/lib && exec ./../bin/true 'two words' \"$(printf 'na\\303\\257ve')\"",
            cwd="/tmp")
     execs = read_all(trace)
@@ -50,20 +50,20 @@ def test_an_exec_with_its_arguments_directory_and_binary(trace: ExecTrace) -> No
     assert true.pids == (true.host_pid,)  # the host's pid namespace: one level
 
 
-def test_other_uids_are_not_traced(trace: ExecTrace) -> None:
+def test_other_uids_are_not_traced(trace: KernelTrace) -> None:
     as_uid(LAST + 1, "/bin/true", "outside")
     as_uid(FIRST - 1, "/bin/true", "outside")
     as_uid(LAST, "/bin/true", "inside")
     assert [e.argv for e in read_all(trace)] == [["/bin/true", "inside"]]
 
 
-def test_long_arguments_are_cut_and_say_so(trace: ExecTrace) -> None:
+def test_long_arguments_are_cut_and_say_so(trace: KernelTrace) -> None:
     as_uid(FIRST, "/bin/true", "a", "x" * 70_000)
     (e,) = read_all(trace)
     assert e.argv_cut and e.argv[:2] == ["/bin/true", "a"] and 60_000 < len(e.argv[2]) < 70_000
 
 
-def test_a_flood_is_counted_over_the_budget_and_a_muted_uid_is_not_written(trace: ExecTrace) -> None:
+def test_a_flood_is_counted_over_the_budget_and_a_muted_uid_is_not_written(trace: KernelTrace) -> None:
     as_uid(FIRST + 1, "/bin/sh", "-c", "for i in $(seq 80); do /bin/true; done")
     execs = read_all(trace)
     # sh, seq and 80 trues: the window's budget of 50 written (more if the loop outlasted a window),
@@ -79,9 +79,29 @@ def test_a_flood_is_counted_over_the_budget_and_a_muted_uid_is_not_written(trace
 
 
 def test_a_missing_compiler_is_a_clear_error(monkeypatch: pytest.MonkeyPatch, tmp_path: os.PathLike[str]) -> None:
-    from agentcell.backends.linux import exec_trace
+    from agentcell.backends.linux import kernel_trace
 
-    monkeypatch.setattr(exec_trace, "CACHE", tmp_path)
-    monkeypatch.setattr(exec_trace, "CLANGS", ("no-such-clang",))
-    with pytest.raises(ExecTraceUnavailable, match="no clang"):
-        ExecTrace(FIRST, LAST)
+    monkeypatch.setattr(kernel_trace, "CACHE", tmp_path)
+    monkeypatch.setattr(kernel_trace, "CLANGS", ("no-such-clang",))
+    with pytest.raises(KernelTraceUnavailable, match="no clang"):
+        KernelTrace(FIRST, LAST)
+
+
+def test_refused_path_calls_name_their_path_and_syscall(trace: KernelTrace) -> None:
+    as_uid(FIRST, "/bin/sh", "-c", "cat /root/.bashrc; cd /usr && rm -f lib/os-release; chmod 777 /etc/passwd; "
+           "mkdir /proc/x; ls /tmp", cwd="/tmp")
+    denials = {d.path: d for d in read_all(trace) if isinstance(d, Denial)}
+    assert denials["/root/.bashrc"].errno == 13 and denials["/root/.bashrc"].nr == 257  # openat
+    assert denials["/root/.bashrc"].open_flags & 0o3 == 0  # a read
+    assert denials["/usr/lib/os-release"].nr == 263 and denials["/usr/lib/os-release"].comm == "rm"  # relative
+    assert denials["/etc/passwd"].errno == 1 and denials["/etc/passwd"].nr == 268  # fchmodat, EPERM
+    assert len(denials) == 3  # mkdir in /proc: ENOENT, not a refusal; ls: nothing refused
+
+
+def test_a_refusal_is_told_by_its_syscall_and_errno(trace: KernelTrace) -> None:
+    trace.refuse({165: {1}, 272: {1}})  # mount and unshare: EPERM means refused
+    as_uid(FIRST, "/usr/bin/python3", "-c", "import ctypes; c = ctypes.CDLL(None); c.mount(b'x', b'/tmp', b'tmpfs', 0, None); "
+           "c.unshare(0x20000); c.getpid()")
+    refusals = [r for r in read_all(trace) if isinstance(r, Refusal)]
+    assert sorted(r.nr for r in refusals) == [165, 272] and {r.errno for r in refusals} == {1}
+    assert all(r.comm == "python3" and r.uid == FIRST for r in refusals)

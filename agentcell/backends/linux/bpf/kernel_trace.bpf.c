@@ -1,12 +1,15 @@
 // SPDX-License-Identifier: GPL-2.0
-// agentcell's exec tracer (backends/linux/exec_trace.py loads it): one event per successful exec of a
-// process running as a host uid of the server's range, written by the kernel at the exec, with the
-// new program's argv (read from its fresh stack, where the kernel copied it), the path it was exec'd
-// as, the working directory (relative to the process's root, as audit's CWD) and its pids at every
-// pid-namespace level. No syscall other than exec pays anything: a raw tracepoint on
-// sched_process_exec, nothing on syscall entry or exit.
+// agentcell's kernel tracer (backends/linux/kernel_trace.py loads it), for the processes running as a
+// host uid of the server's range:
+// * one event per successful exec, written at the exec, with the new program's argv (read from its
+//   fresh stack, where the kernel copied it), the path it was exec'd as, the working directory and the
+//   binary (relative to the process's root, as audit's CWD) and its pids at every pid-namespace level:
+//   a raw tracepoint on sched_process_exec;
+// * one event per path syscall refused with EACCES, EPERM or EROFS (open, mkdir, unlink, rename, link,
+//   symlink, mknod, chmod, chown, truncate, utime, setxattr): a raw tracepoint on sys_exit, which
+//   returns at its first comparison for any call that did not fail so.
 //
-// Built by exec_trace.py with clang -target bpf; the structs below name only the fields read: libbpf
+// Built by kernel_trace.py with clang -target bpf; the structs below name only the fields read: libbpf
 // relocates their offsets against the running kernel's BTF (CO-RE), so no kernel headers are needed.
 #include <linux/bpf.h>
 #include <bpf/bpf_helpers.h>
@@ -20,6 +23,12 @@
 #define F_ARGS_CUT 1
 #define F_CWD_CUT 2
 #define F_EXE_CUT 4
+#define T_EXEC 1
+#define T_DENIAL 2
+#define T_REFUSED 3             // a syscall the sandbox's seccomp filter refuses, by number and errno
+#define EPERM 1
+#define EACCES 13
+#define EROFS 30
 #define PATH_BUF (CWD_MAX + NAME_MAX_B)
 #define WINDOW_NS 1000000000ULL  // each uid gets config.budget events per window; beyond: counted
 
@@ -42,12 +51,14 @@ struct task_struct {
     char comm[16];
 } __attribute__((preserve_access_index));
 struct file { struct path f_path; } __attribute__((preserve_access_index));
+struct pt_regs { unsigned long dx, si, di, orig_ax, r10; } __attribute__((preserve_access_index));
 struct linux_binprm { const char *filename; struct file *file; } __attribute__((preserve_access_index));
 
 struct config { __u32 uid_first; __u32 uid_last; __u32 budget; __u32 _pad; };
 struct budget { __u64 window_start; __u64 count; __u64 dropped; };  // per host uid
 
 struct event {
+    __u32 type, _pad0;          // T_EXEC
     __u64 ktime_ns;             // CLOCK_MONOTONIC
     __u32 tgid, ppid, uid, flags;
     __u32 level, parent_level;  // the deepest pid namespace's level of the process, of its parent
@@ -60,7 +71,33 @@ struct event {
     char args[ARGS_MAX];             // argv as on the stack: NUL-separated
 };
 
-struct { __uint(type, BPF_MAP_TYPE_RINGBUF); __uint(max_entries, 16 << 20); } execs SEC(".maps");
+// a refused path syscall
+struct denial {
+    __u32 type, tgid;           // T_DENIAL
+    __u64 ktime_ns;
+    __u32 uid, err, nr, open_flags, level, flags;  // err: the errno; nr: the syscall's number
+    __s32 pids[LEVELS];
+    __u32 path_len, cwd_len;
+    char comm[16];
+    char path[PATH_BUF];        // as the call named it
+    char cwd[PATH_BUF];         // components, innermost first (for a relative path only)
+};
+
+// a syscall refused by the sandbox's seccomp filter (seen at its exit: the filter's errno)
+struct refusal {
+    __u32 type, tgid;           // T_REFUSED
+    __u64 ktime_ns;
+    __u32 uid, err, nr, level;
+    __s32 pids[LEVELS];
+    char comm[16];
+};
+
+struct { __uint(type, BPF_MAP_TYPE_RINGBUF); __uint(max_entries, 16 << 20); } events SEC(".maps");
+// syscall number -> the errnos (bit n: errno n) that mean the sandbox's seccomp filter refused it
+// (seccomp_filter.py's policy, set by the loader): a refused syscall never ran, so its exit is the proof
+struct { __uint(type, BPF_MAP_TYPE_HASH); __uint(max_entries, 1024); __type(key, __u32); __type(value, __u64); }
+    refusals SEC(".maps");
+
 struct { __uint(type, BPF_MAP_TYPE_ARRAY); __uint(max_entries, 1); __type(key, __u32); __type(value, struct config); }
     config SEC(".maps");
 // one event being written per CPU (a per-CPU array's values are limited to 32 KiB); the loader sets
@@ -131,17 +168,9 @@ static long cwd_step(__u32 i, struct walk *w) {
     return 0;
 }
 
-SEC("raw_tp/sched_process_exec")
-int on_exec(__u64 *ctx) {
-    __u32 zero = 0;
-    struct config *cfg = bpf_map_lookup_elem(&config, &zero);
-    if (!cfg)
-        return 0;
-    __u32 uid = (__u32)bpf_get_current_uid_gid();
-    if (uid < cfg->uid_first || uid > cfg->uid_last)
-        return 0;
+// The uid's window (and not muted): else counted as dropped.
+static __always_inline int within_budget(struct config *cfg, __u32 uid, __u64 now) {
     struct budget *b = bpf_map_lookup_elem(&budgets, &uid);
-    __u64 now = bpf_ktime_get_ns();
     if (!b) {
         struct budget fresh = { .window_start = now };
         bpf_map_update_elem(&budgets, &uid, &fresh, BPF_NOEXIST);
@@ -157,10 +186,39 @@ int on_exec(__u64 *ctx) {
         __sync_fetch_and_add(&b->dropped, 1);
         return 0;
     }
+    return 1;
+}
+
+static __always_inline struct config *ours(__u32 uid) {
+    __u32 zero = 0;
+    struct config *cfg = bpf_map_lookup_elem(&config, &zero);
+    return cfg && uid >= cfg->uid_first && uid <= cfg->uid_last ? cfg : 0;
+}
+
+static __always_inline void send(void *e, __u64 size) {
+    if (bpf_ringbuf_output(&events, e, size, 0) != 0) {
+        __u32 zero = 0;
+        __u64 *count = bpf_map_lookup_elem(&lost, &zero);
+        if (count)
+            __sync_fetch_and_add(count, 1);
+    }
+}
+
+SEC("raw_tp/sched_process_exec")
+int on_exec(__u64 *ctx) {
+    __u32 uid = (__u32)bpf_get_current_uid_gid();
+    struct config *cfg = ours(uid);
+    if (!cfg)
+        return 0;
+    __u64 now = bpf_ktime_get_ns();
+    if (!within_budget(cfg, uid, now))
+        return 0;
     __u32 cpu = bpf_get_smp_processor_id();
     struct event *e = bpf_map_lookup_elem(&scratch, &cpu);
     if (!e)
         return 0;
+    e->type = T_EXEC;
+
     struct task_struct *t = (struct task_struct *)ctx[0];
     struct linux_binprm *bprm = (struct linux_binprm *)ctx[2];
     e->ktime_ns = now;
@@ -203,12 +261,130 @@ int on_exec(__u64 *ctx) {
     if (bpf_probe_read_user(e->args, len, (void *)start) != 0)
         len = 0;
     e->args_len = len;
-    if (bpf_ringbuf_output(&execs, e, __builtin_offsetof(struct event, args) + len, 0) != 0) {
-        __u64 *count = bpf_map_lookup_elem(&lost, &zero);
-        if (count)
-            *count += 1;
-    }
+    send(e, __builtin_offsetof(struct event, args) + len);
     return 0;
 }
+
+// -- refused path syscalls ------------------------------------------------------------------------
+#define O_WRONLY 01
+#define O_CREAT 0100
+#define O_TRUNC 01000
+
+static __always_inline int refused(struct config *cfg, __u32 uid, __u32 nr, __u32 err) {
+    __u64 now = bpf_ktime_get_ns();
+    if (!within_budget(cfg, uid, now))
+        return 0;
+    __u32 cpu = bpf_get_smp_processor_id();
+    struct refusal *r = bpf_map_lookup_elem(&scratch, &cpu);
+    if (!r)
+        return 0;
+    r->type = T_REFUSED;
+    r->tgid = bpf_get_current_pid_tgid() >> 32;
+    r->ktime_ns = now;
+    r->uid = uid;
+    r->err = err;
+    r->nr = nr;
+    pids_of((struct task_struct *)bpf_get_current_task(), &r->level, r->pids);
+    bpf_get_current_comm(r->comm, sizeof(r->comm));
+    send(r, sizeof(*r));
+    return 0;
+}
+
+SEC("raw_tp/sys_exit")
+int on_sys_exit(__u64 *ctx) {
+    long ret = (long)ctx[1];
+    if (ret >= 0 || ret < -127)
+        return 0;  // every syscall that did not fail stops here
+    __u32 uid = (__u32)bpf_get_current_uid_gid();
+    struct config *cfg = ours(uid);
+    if (!cfg)
+        return 0;
+    struct pt_regs *regs = (struct pt_regs *)ctx[0];
+    __u32 nr = BPF_CORE_READ(regs, orig_ax);
+    __u64 *errnos = bpf_map_lookup_elem(&refusals, &nr);
+    if (errnos && (*errnos >> (-ret & 63)) & 1)
+        return refused(cfg, uid, nr, -ret);
+    if (ret != -EACCES && ret != -EPERM && ret != -EROFS)
+        return 0;
+    unsigned long path, flags = 0;
+    switch (nr) {  // x86_64 numbers: where each call has the path it is refused on
+    case 2:  // open(path, flags)
+        path = BPF_CORE_READ(regs, di);
+        flags = BPF_CORE_READ(regs, si);
+        break;
+    case 85:  // creat
+        path = BPF_CORE_READ(regs, di);
+        flags = O_WRONLY | O_CREAT | O_TRUNC;
+        break;
+    case 76: case 83: case 87: case 84: case 82: case 90: case 92: case 94: case 133: case 132: case 235:
+    case 188: case 189:  // truncate mkdir unlink rmdir rename chmod chown lchown mknod utime utimes setxattr lsetxattr
+        path = BPF_CORE_READ(regs, di);
+        break;
+    case 86: case 88:  // link(old, new), symlink(target, new): the new name
+        path = BPF_CORE_READ(regs, si);
+        break;
+    case 257:  // openat(dfd, path, flags)
+        path = BPF_CORE_READ(regs, si);
+        flags = BPF_CORE_READ(regs, dx);
+        break;
+    case 437: {  // openat2(dfd, path, how): how->flags is its first field
+        path = BPF_CORE_READ(regs, si);
+        __u64 how = 0;
+        bpf_probe_read_user(&how, sizeof(how), (void *)BPF_CORE_READ(regs, dx));
+        flags = how;
+        break;
+    }
+    case 258: case 263: case 264: case 316: case 268: case 452: case 260: case 259: case 280:
+        // mkdirat unlinkat renameat renameat2 fchmodat fchmodat2 fchownat mknodat utimensat (dfd, path, ...)
+        path = BPF_CORE_READ(regs, si);
+        break;
+    case 265:  // linkat(olddfd, old, newdfd, new)
+        path = BPF_CORE_READ(regs, r10);
+        break;
+    case 266:  // symlinkat(target, newdfd, new)
+        path = BPF_CORE_READ(regs, dx);
+        break;
+    default:
+        return 0;
+    }
+    if (!path)
+        return 0;  // utimensat on an fd
+    __u64 now = bpf_ktime_get_ns();
+    if (!within_budget(cfg, uid, now))
+        return 0;
+    __u32 cpu = bpf_get_smp_processor_id();
+    struct denial *d = bpf_map_lookup_elem(&scratch, &cpu);
+    if (!d)
+        return 0;
+    struct task_struct *t = (struct task_struct *)bpf_get_current_task();
+    d->type = T_DENIAL;
+    d->tgid = bpf_get_current_pid_tgid() >> 32;
+    d->ktime_ns = now;
+    d->uid = uid;
+    d->err = -ret;
+    d->nr = nr;
+    d->open_flags = flags;
+    d->flags = 0;
+    pids_of(t, &d->level, d->pids);
+    bpf_get_current_comm(d->comm, sizeof(d->comm));
+    // read from the caller's memory after the call: what it named (a racing thread of its own could
+    // change it meanwhile: the path is the process's word, the refusal and the rest are the kernel's)
+    long n = bpf_probe_read_user_str(d->path, PATH_BUF, (void *)path);
+    d->path_len = n > 0 ? n : 0;
+    d->cwd_len = 0;
+    if (n > 0 && d->path[0] != '/') {  // relative: where the caller was
+        struct fs_struct *fs = BPF_CORE_READ(t, fs);
+        struct walk w = { .buf = d->cwd, .flags = &d->flags, .cut = F_CWD_CUT, .off = 0,
+                          .root_dentry = BPF_CORE_READ(fs, root.dentry), .root_mnt = BPF_CORE_READ(fs, root.mnt) };
+        w.dentry = BPF_CORE_READ(fs, pwd.dentry);
+        w.vfsmnt = BPF_CORE_READ(fs, pwd.mnt);
+        w.mnt = (struct mount *)((char *)w.vfsmnt - bpf_core_field_offset(struct mount, mnt));
+        bpf_loop(DEPTH_MAX, cwd_step, &w, 0);
+        d->cwd_len = w.off;
+    }
+    send(d, sizeof(*d));
+    return 0;
+}
+
 
 char LICENSE[] SEC("license") = "GPL";

@@ -1,18 +1,20 @@
-"""Execs of a uid range, from an eBPF program on the kernel's `sched_process_exec` tracepoint
-(bpf/exec_trace.bpf.c): the behaviour record's source of `process.exec` (issue 10) where the kernel
-and the host allow it, kernel audit's exec rule otherwise (audit_events.py).
+"""Execs and refused path syscalls of a uid range, from eBPF programs (bpf/kernel_trace.bpf.c): the
+behaviour record's source of `process.exec` and of `deny.write`/`deny.access` (issue 10) where the
+kernel and the host allow it, kernel audit's exit rules otherwise (audit_events.py).
 
 Why: an audit exit rule gives every process of the range an audit context, and every one of its
-syscalls then pays the audit entry/exit path and, for a path, the name's collection (measured in a
+syscalls then pays audit's entry/exit path and, for a path, the name's collection (measured in a
 sandbox: getppid +165 ns, stat +700 ns, open+close +960 ns); an exec then costs 6 records formatted by
-the kernel and parsed in Python (~60 µs of the exec'ing process, ~200 µs of the server). The
-tracepoint runs at an exec only (~10 µs with the server's handling, none on other syscalls) and hands
-over one structured event: argv as the new program received it, the path it was exec'd as, its
-working directory and its pid at every pid-namespace level (no /proc lookup racing the process's end).
+the kernel and parsed in Python (~60 µs of the exec'ing process, ~200 µs of the server). Here an exec
+costs a raw tracepoint on sched_process_exec (~10 µs with the server's handling) and a syscall one
+comparison on the sys_exit raw tracepoint (~+130 ns, for every process of the host while a server
+runs: that tracepoint is global). Each event comes structured: argv as the new program received it,
+the path as exec'd or as the refused call named it, the working directory, the pid at every
+pid-namespace level (no /proc lookup racing the process's end).
 
-The program is compiled with clang (-target bpf) the first time a server starts with this source,
+The programs are compiled with clang (-target bpf) the first time a server starts with this source,
 into a cache (`AGENTCELL_BPF_CACHE`, /var/cache/agentcell/bpf), and loaded with libbpf (libbpf1,
-through ctypes): libbpf relocates its struct offsets against the running kernel's BTF
+through ctypes): libbpf relocates their struct offsets against the running kernel's BTF
 (/sys/kernel/btf/vmlinux), so no kernel headers are needed. Needs root (CAP_BPF, CAP_PERFMON).
 """
 
@@ -31,14 +33,20 @@ from pathlib import Path
 
 from agentcell.errors import BackendUnavailableError
 
-SOURCE = Path(__file__).parent / "bpf" / "exec_trace.bpf.c"
+SOURCE = Path(__file__).parent / "bpf" / "kernel_trace.bpf.c"
 CACHE = Path(os.environ.get("AGENTCELL_BPF_CACHE", "/var/cache/agentcell/bpf"))
 CLANGS = ("clang", "clang-19", "clang-18", "clang-17", "clang-16", "clang-15", "clang-14")
 LEVELS = 4  # pid-namespace levels in an event (bpf source: LEVELS)
 F_ARGS_CUT, F_CWD_CUT, F_EXE_CUT = 1, 2, 4
-# struct event's head: ktime_ns; tgid, ppid, uid, flags; level, parent_level; pids[4], ppids[4];
-# file_len, cwd_len, exe_len, args_len; comm[16]; file[256]; cwd[4096 + 256]; exe[4096 + 256]; then args
-_HEAD = struct.Struct(f"=QIIIIII{LEVELS}i{LEVELS}iIIII16s")
+T_EXEC, T_DENIAL, T_REFUSED = 1, 2, 3
+# struct event's head: type, pad; ktime_ns; tgid, ppid, uid, flags; level, parent_level; pids[4],
+# ppids[4]; file_len, cwd_len, exe_len, args_len; comm[16]; file[256]; cwd[4096 + 256]; exe[...]; args
+_HEAD = struct.Struct(f"=IIQIIIIII{LEVELS}i{LEVELS}iIIII16s")
+# struct denial: type, tgid; ktime_ns; uid, err, nr, open_flags, level, flags; pids[4]; path_len,
+# cwd_len; comm[16]; path[4096 + 256]; cwd[4096 + 256]
+_DENIAL = struct.Struct(f"=IIQIIIIII{LEVELS}iII16s")
+# struct refusal: type, tgid; ktime_ns; uid, err, nr, level; pids[4]; comm[16]
+_REFUSAL = struct.Struct(f"=IIQIIII{LEVELS}i16s")
 _FILE, _PATH = 256, 4096 + 256
 _CWD_AT = _HEAD.size + _FILE
 _EXE_AT = _CWD_AT + _PATH
@@ -46,8 +54,8 @@ _ARGS_AT = _EXE_AT + _PATH
 _BUDGET = struct.Struct("=QQQ")  # struct budget: window_start, count, dropped
 
 
-class ExecTraceUnavailable(BackendUnavailableError):
-    """This host cannot run the exec tracer (no clang, no libbpf, no BTF, no BPF privilege)."""
+class KernelTraceUnavailable(BackendUnavailableError):
+    """This host cannot run the kernel tracer (no clang, no libbpf, no BTF, no BPF privilege)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,8 +74,40 @@ class Exec:
     argv_cut: bool
 
 
-def parse(data: bytes) -> Exec:
-    (ktime, tgid, ppid, uid, flags, level, plevel, *rest) = _HEAD.unpack_from(data)
+@dataclass(frozen=True, slots=True)
+class Denial:
+    monotonic_ns: int
+    host_pid: int
+    uid: int  # host uid
+    errno: int  # EACCES, EPERM or EROFS
+    nr: int  # the syscall's number (x86_64)
+    open_flags: int  # an open's flags (0 for the other calls)
+    pids: tuple[int, ...]
+    comm: str
+    path: str  # as the call named it (read from its memory after the call), made absolute with its cwd
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """A syscall the sandbox's seccomp filter refused (its number, with an errno that means so)."""
+
+    monotonic_ns: int
+    host_pid: int
+    uid: int
+    errno: int
+    nr: int
+    pids: tuple[int, ...]
+    comm: str
+
+
+def parse(data: bytes) -> Exec | Denial | Refusal:
+    kind = int.from_bytes(data[:4], "little")
+    if kind == T_DENIAL:
+        return _denial(data)
+    if kind == T_REFUSED:
+        (_type, tgid, ktime, uid, err, nr, level, *rest) = _REFUSAL.unpack_from(data)
+        return Refusal(ktime, tgid, uid, err, nr, tuple(rest[:level + 1]), _text(rest[LEVELS].split(b"\0", 1)[0]))
+    (_type, _pad, ktime, tgid, ppid, uid, flags, level, plevel, *rest) = _HEAD.unpack_from(data)
     pids, ppids = rest[:LEVELS], rest[LEVELS:2 * LEVELS]
     file_len, cwd_len, exe_len, args_len, comm = rest[2 * LEVELS:]
     file = data[_HEAD.size:_HEAD.size + max(file_len - 1, 0)]
@@ -78,6 +118,17 @@ def parse(data: bytes) -> Exec:
                 None if flags & F_CWD_CUT else _path(data[_CWD_AT:_CWD_AT + cwd_len]),
                 None if flags & F_EXE_CUT else _path(data[_EXE_AT:_EXE_AT + exe_len]),
                 [_text(a) for a in argv] if args else [], bool(flags & F_ARGS_CUT))
+
+
+def _denial(data: bytes) -> Denial:
+    (_type, tgid, ktime, uid, err, nr, open_flags, level, flags, *rest) = _DENIAL.unpack_from(data)
+    pids = rest[:LEVELS]
+    path_len, cwd_len, comm = rest[LEVELS:]
+    at = _DENIAL.size
+    path = _text(data[at:at + max(path_len - 1, 0)])
+    if path and not path.startswith("/") and not flags & F_CWD_CUT:
+        path = os.path.normpath(os.path.join(_path(data[at + _PATH:at + _PATH + cwd_len]), path))
+    return Denial(ktime, tgid, uid, err, nr, open_flags, tuple(pids[:level + 1]), _text(comm.split(b"\0", 1)[0]), path)
 
 
 def _path(components: bytes) -> str:
@@ -93,22 +144,24 @@ def _text(b: bytes) -> str:
 def build(source: Path = SOURCE) -> Path:
     """The compiled object for `source`, from the cache or compiled now."""
     text = source.read_bytes()
-    obj = CACHE / f"exec_trace-{hashlib.sha256(text).hexdigest()[:16]}.bpf.o"
+    obj = CACHE / f"kernel_trace-{hashlib.sha256(text).hexdigest()[:16]}.bpf.o"
     if obj.exists():
         return obj
     clang = next((c for c in CLANGS if shutil.which(c)), None)
     if clang is None:
-        raise ExecTraceUnavailable("no clang to build the exec tracer (apt install clang libbpf-dev)")
+        raise KernelTraceUnavailable("no clang to build the kernel tracer (apt install clang libbpf-dev)")
     includes = [f"-I/usr/include/{d}" for d in ("x86_64-linux-gnu", "aarch64-linux-gnu")
                 if Path(f"/usr/include/{d}").is_dir()]
     CACHE.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=CACHE, suffix=".o", delete=False) as tmp:
         pass
     try:
-        done = subprocess.run([clang, "-O2", "-g", "-target", "bpf", *includes, "-c", str(source), "-o", tmp.name],
+        arch = {"x86_64": "x86", "aarch64": "arm64"}.get(os.uname().machine, os.uname().machine)
+        done = subprocess.run([clang, "-O2", "-g", "-target", "bpf", f"-D__TARGET_ARCH_{arch}", *includes, "-c",
+                               str(source), "-o", tmp.name],
                               capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
-            raise ExecTraceUnavailable(f"building the exec tracer failed: {done.stderr.strip()[-2000:]}")
+            raise KernelTraceUnavailable(f"building the kernel tracer failed: {done.stderr.strip()[-2000:]}")
         os.replace(tmp.name, obj)
     finally:
         if os.path.exists(tmp.name):
@@ -124,13 +177,14 @@ def _libbpf() -> ctypes.CDLL:
     try:
         lib = ctypes.CDLL(name, use_errno=True)
     except OSError as e:
-        raise ExecTraceUnavailable(f"no libbpf ({e}): apt install libbpf1") from None
+        raise KernelTraceUnavailable(f"no libbpf ({e}): apt install libbpf1") from None
     p, s, i = ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int
     for fn, res, args in (
             ("bpf_object__open_file", p, (s, p)), ("bpf_object__load", i, (p,)), ("bpf_object__close", None, (p,)),
             ("bpf_object__find_program_by_name", p, (p, s)), ("bpf_object__find_map_by_name", p, (p, s)),
             ("bpf_map__fd", i, (p,)), ("bpf_map__set_max_entries", i, (p, ctypes.c_uint32)),
-            ("bpf_program__attach", p, (p,)), ("bpf_link__destroy", i, (p,)), ("libbpf_num_possible_cpus", i, ()),
+            ("bpf_program__attach", p, (p,)), ("bpf_object__next_program", p, (p, p)),
+            ("bpf_program__name", s, (p,)), ("bpf_link__destroy", i, (p,)), ("libbpf_num_possible_cpus", i, ()),
             ("libbpf_get_error", ctypes.c_long, (p,)),
             ("bpf_map_update_elem", i, (i, p, p, ctypes.c_uint64)), ("bpf_map_lookup_elem", i, (i, p, p)),
             ("bpf_map_delete_elem", i, (i, p)),
@@ -141,53 +195,56 @@ def _libbpf() -> ctypes.CDLL:
     return lib
 
 
-class ExecTrace:
+class KernelTrace:
     """The loaded, attached tracer for host uids `uid_first`..`uid_last`, each of which may have `budget`
     execs a second written (beyond: counted, `dropped`). `fileno()` is readable when
     events are waiting; `read()` returns them in the order the kernel wrote them."""
 
     def __init__(self, uid_first: int, uid_last: int, budget: int = 4000, source: Path = SOURCE) -> None:
         if not Path("/sys/kernel/btf/vmlinux").exists():
-            raise ExecTraceUnavailable("the kernel has no BTF (/sys/kernel/btf/vmlinux): CONFIG_DEBUG_INFO_BTF")
+            raise KernelTraceUnavailable("the kernel has no BTF (/sys/kernel/btf/vmlinux): CONFIG_DEBUG_INFO_BTF")
         path = build(source)
         lib = self._lib = _libbpf()
-        self._obj = self._link = self._ring = None
-        self._got: list[Exec] = []
+        self._obj = self._ring = None
+        self._links: list[int] = []
+        self._got: list[Exec | Denial | Refusal] = []
         self._callback = _CALLBACK(self._on_event)  # kept: libbpf calls it
         try:
             self._obj = lib.bpf_object__open_file(str(path).encode(), None)
             if not self._obj or lib.libbpf_get_error(self._obj):
                 self._obj = None
-                raise self._error("opening the exec tracer")
+                raise self._error("opening the kernel tracer")
             cpus = lib.libbpf_num_possible_cpus()
             lib.bpf_map__set_max_entries(lib.bpf_object__find_map_by_name(self._obj, b"scratch"), max(cpus, 1))
             if lib.bpf_object__load(self._obj) != 0:
-                raise self._error("loading the exec tracer (is this host root, with BPF allowed?)")
+                raise self._error("loading the kernel tracer (is this host root, with BPF allowed?)")
             config = (ctypes.c_uint32 * 4)(uid_first, uid_last, budget, 0)
             key = ctypes.c_uint32(0)
             fd = lib.bpf_map__fd(lib.bpf_object__find_map_by_name(self._obj, b"config"))
             if lib.bpf_map_update_elem(fd, ctypes.byref(key), config, 0) != 0:
-                raise self._error("configuring the exec tracer")
+                raise self._error("configuring the kernel tracer")
             self._lost_fd = lib.bpf_map__fd(lib.bpf_object__find_map_by_name(self._obj, b"lost"))
             self._budgets_fd = lib.bpf_map__fd(lib.bpf_object__find_map_by_name(self._obj, b"budgets"))
             self._muted_fd = lib.bpf_map__fd(lib.bpf_object__find_map_by_name(self._obj, b"muted"))
             self._cpus = cpus
-            prog = lib.bpf_object__find_program_by_name(self._obj, b"on_exec")
-            self._link = lib.bpf_program__attach(prog)
-            if not self._link or lib.libbpf_get_error(self._link):
-                self._link = None
-                raise self._error("attaching the exec tracer to sched_process_exec")
-            ring_fd = lib.bpf_map__fd(lib.bpf_object__find_map_by_name(self._obj, b"execs"))
+            prog = lib.bpf_object__next_program(self._obj, None)
+            while prog:
+                link = lib.bpf_program__attach(prog)
+                if not link or lib.libbpf_get_error(link):
+                    raise self._error(f"attaching the kernel tracer's {(lib.bpf_program__name(prog) or b'?').decode()}")
+                self._links.append(link)
+                prog = lib.bpf_object__next_program(self._obj, prog)
+            ring_fd = lib.bpf_map__fd(lib.bpf_object__find_map_by_name(self._obj, b"events"))
             self._ring = lib.ring_buffer__new(ring_fd, self._callback, None, None)
             if not self._ring:
-                raise self._error("opening the exec tracer's ring buffer")
+                raise self._error("opening the kernel tracer's ring buffer")
         except BaseException:
             self.close()
             raise
 
-    def _error(self, what: str) -> ExecTraceUnavailable:
+    def _error(self, what: str) -> KernelTraceUnavailable:
         err = ctypes.get_errno()
-        return ExecTraceUnavailable(f"{what}: {os.strerror(err) if err else 'failed'}")
+        return KernelTraceUnavailable(f"{what}: {os.strerror(err) if err else 'failed'}")
 
     def _on_event(self, _ctx: int | None, data: int, size: int) -> int:
         try:
@@ -200,7 +257,15 @@ class ExecTrace:
         assert self._ring is not None
         return self._lib.ring_buffer__epoll_fd(self._ring)
 
-    def read(self) -> list[Exec]:
+    def refuse(self, errnos: dict[int, set[int]]) -> None:
+        """Which errnos of which syscall numbers mean the seccomp filter refused the call."""
+        fd = self._lib.bpf_map__fd(self._lib.bpf_object__find_map_by_name(self._obj, b"refusals"))
+        for nr, errs in errnos.items():
+            key, value = ctypes.c_uint32(nr), ctypes.c_uint64(sum(1 << e for e in errs if e < 64))
+            if self._lib.bpf_map_update_elem(fd, ctypes.byref(key), ctypes.byref(value), 0) != 0:
+                raise self._error(f"setting the refusals of syscall {nr}")
+
+    def read(self) -> list[Exec | Denial | Refusal]:
         """What the ring holds now (none: an empty list)."""
         assert self._ring is not None
         self._lib.ring_buffer__consume(self._ring)
@@ -237,9 +302,9 @@ class ExecTrace:
         if self._ring:
             lib.ring_buffer__free(self._ring)
             self._ring = None
-        if self._link:
-            lib.bpf_link__destroy(self._link)
-            self._link = None
+        for link in self._links:
+            lib.bpf_link__destroy(link)
+        self._links.clear()
         if self._obj:
             lib.bpf_object__close(self._obj)
             self._obj = None
