@@ -352,6 +352,35 @@ async def test_a_flood_of_refused_syscalls_is_bounded_and_counted(backend: Linux
 
 
 
+async def test_a_flood_of_refused_opens_is_bounded_and_the_loop_stays_free(box: Box, recorder: Recorder) -> None:
+    """50,000 refused opens: held for Landlock's pairing (tracer) or parsed from audit, never more than
+    the budget recorded, the rest counted, and the server's loop never stalled."""
+    lag = 0.0
+
+    async def ticker() -> None:
+        nonlocal lag
+        while True:
+            t = time.monotonic()
+            await asyncio.sleep(0.01)
+            lag = max(lag, time.monotonic() - t - 0.01)
+
+    tick = asyncio.get_running_loop().create_task(ticker())
+    try:
+        t0 = time.monotonic()
+        code, out = await box.sh("python3 -c 'import os\nfor _ in range(50_000):\n  try: os.open(\"/root/x\", 0)\n"
+                                 "  except OSError: pass\nprint(\"done\")'")
+        assert "done" in out, out
+        await asyncio.sleep(2.5)
+    finally:
+        tick.cancel()
+    events = recorder.events.get(box.id, [])
+    access = [e for e in of_kind(events, "deny.access") if e["path"] == "/root/x"]
+    dropped = sum(e["count"] or 0 for e in of_kind(events, "record.dropped"))
+    windows = (time.monotonic() - t0) / recorder.collector.window_s + 2
+    assert 0 < len(access) <= recorder.collector.budget * windows, len(access)
+    assert dropped > 0 and lag < 0.5, (dropped, lag)
+
+
 async def test_a_suppressed_sandbox_is_excluded_in_the_kernel(box: Box, recorder: Recorder) -> None:
     """The flood brake: while a sandbox is suppressed, the kernel writes none of its records (an
     exclude rule keyed by its uids alone: a rule key there would make the kernel ignore the rule)."""

@@ -42,7 +42,7 @@ import os
 import re
 import sys
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -96,7 +96,10 @@ class _Sandbox:
     suppressed: list[an.Rule] | None = None  # its exclude rules while it is suppressed
     procs: set[int] = field(default_factory=set)  # host pids seen exec'ing, for their exits
     pid_level: int = 0  # its pid namespace's level (where its numbers stand in a traced exec's pids)
-    traced_dropped: dict[int, int] = field(default_factory=dict)  # host uid -> execs the tracer counted
+    traced_dropped: dict[int, int] = field(default_factory=dict)  # host uid -> events the tracer counted
+    # with the tracer: EACCES/EPERM refusals and Landlock's records, each waiting for the other a moment
+    held_refusals: deque[tuple[float, Denial]] = field(default_factory=deque)
+    held_walls: deque[tuple[float, ar.Record]] = field(default_factory=deque)
 
 
 @dataclass
@@ -115,7 +118,7 @@ class AuditCollector:
     def __init__(self, sink: EventSink, uid_first: int, uid_last: int, *, budget: int = 1000,
                  window_s: float = 1.0, backlog: int = 8192, exempt_host: bool = True,
                  trace_source: str = "auto") -> None:
-        """`trace_source`: "bpf" (the exec tracer, or fail), "audit" (an audit rule), "auto" (the
+        """`trace_source`: "bpf" (the kernel tracer, or fail), "audit" (audit rules), "auto" (the
         tracer where it loads, else audit)."""
         if trace_source not in ("auto", "bpf", "audit"):
             raise ValueError(f"trace_source must be auto, bpf or audit, not {trace_source!r}")
@@ -126,7 +129,7 @@ class AuditCollector:
         # and Landlock's record of it wait LANDLOCK_PAIR_S for each other (one event, with the blockers)
         self._domains: OrderedDict[str, _Sandbox] = OrderedDict()  # Landlock domain -> its sandbox
         self._unplaced: OrderedDict[str, list[ar.Record]] = OrderedDict()  # records of a domain not known yet
-        self._held: list[tuple[float, _Sandbox, Denial | ar.Record]] = []
+        self._holding: dict[str, _Sandbox] = {}  # sandboxes with a refusal or a Landlock record held
         self._held_timer: asyncio.TimerHandle | None = None
         self._trace_lost = 0
         self.sink = sink
@@ -491,7 +494,7 @@ class AuditCollector:
         except OSError as e:
             print(f"agentcell audit: cannot exclude sandbox {state.target.sandbox_id}'s records: {e}", file=sys.stderr)
         state.suppressed = added or None
-        if self._trace is not None:  # its execs too (counted by the tracer, and reported as dropped)
+        if self._trace is not None:  # its traced events too (counted by the tracer, reported as dropped)
             for uid in set(state.target.host_uids):
                 with contextlib.suppress(OSError):
                     self._trace.mute(uid)
@@ -502,7 +505,7 @@ class AuditCollector:
             for rule in state.suppressed:
                 with contextlib.suppress(OSError):
                     self._ctl.delete_rule(rule)
-        if state.suppressed is not None and self._trace is not None:
+        if state.suppressed is not None and self._trace is not None:  # (muted by _suppress)
             for uid in set(state.target.host_uids):
                 with contextlib.suppress(OSError):
                     self._trace.mute(uid, False)
@@ -538,8 +541,8 @@ class AuditCollector:
                 self._kernel_lost = lost
 
     def _trace_counts(self) -> None:
-        """What the exec tracer counted instead of writing: a sandbox's execs over its budget (per
-        sandbox), execs lost to a full ring (host-wide)."""
+        """What the kernel tracer counted instead of writing: a sandbox's events over its budget (per
+        sandbox), events lost to a full ring (host-wide)."""
         assert self._trace is not None
         for state in self._by_id.values():
             over = 0
@@ -550,10 +553,10 @@ class AuditCollector:
             if over > 0:
                 self.sink(state.target.sandbox_id, event(
                     "record.dropped", count=over, collector="process",
-                    reason=f"rate limit (execs over {self.budget * _SUPPRESS_FACTOR}/s, counted by the kernel)"))
+                    reason=f"rate limit (execs and refusals over {self.budget * _SUPPRESS_FACTOR}/s, counted by the kernel)"))
         lost = self._trace.lost()
         if lost > self._trace_lost:
-            self._lost(lost - self._trace_lost, "the exec tracer's ring buffer was full")
+            self._lost(lost - self._trace_lost, "the kernel tracer's ring buffer was full")
         self._trace_lost = lost
 
     def _lost(self, count: int | None, reason: str) -> None:
@@ -693,7 +696,7 @@ class AuditCollector:
                          exe=syscall.get("exe"))
 
     def _on_traced(self) -> bool:
-        """The exec tracer's events, for at most SLICE_S; True if some are left for the next turn."""
+        """The kernel tracer's events, for at most SLICE_S; True if some are left for the next turn."""
         assert self._trace is not None
         until = time.monotonic() + SLICE_S
         if not self._traced:
@@ -774,39 +777,45 @@ class AuditCollector:
                 self._unplaced.popitem(last=False) if len(self._unplaced) > 256 else self._unplaced[domain].pop(0)
 
     def _hold(self, state: _Sandbox, item: Denial | ar.Record) -> None:
-        """Pair a refusal with Landlock's record of it (either may come first), or hold it a moment."""
-        for i, (_, other_state, other) in enumerate(self._held):
-            if other_state is state and isinstance(other, Denial) != isinstance(item, Denial):
-                d, rec = (item, other) if isinstance(item, Denial) else (other, item)
-                assert isinstance(d, Denial) and isinstance(rec, ar.Record)
-                where = (rec.get("path") or "").rstrip("/")
-                if d.path == where or d.path.startswith(where + "/"):
-                    del self._held[i]
-                    self._denial_event(state, d, landlock=rec)
+        """Pair a refusal with Landlock's record of it (either may come first), or hold it a moment.
+        A sandbox's Landlock records are few; its refusals may be many: each is compared with the
+        held records only, a record with the held refusals."""
+        if isinstance(item, Denial):
+            for i, (_, wall) in enumerate(state.held_walls):
+                if _walled(item, wall):
+                    del state.held_walls[i]
+                    self._denial_event(state, item, landlock=wall)
                     return
-        self._held.append((time.monotonic(), state, item))
-        if len(self._held) > 1024:  # bounded: the oldest goes out unpaired
-            self._release(self._held.pop(0))
+            held: deque[Any] = state.held_refusals
+        else:
+            for i, (_, refusal) in enumerate(state.held_refusals):
+                if _walled(refusal, item):
+                    del state.held_refusals[i]
+                    self._denial_event(state, refusal, landlock=item)
+                    return
+            held = state.held_walls
+        held.append((time.monotonic(), item))
+        if len(held) > 512:  # bounded: the oldest goes out unpaired
+            self._release(state, held.popleft()[1])
+        self._holding[state.target.sandbox_id] = state
         if self._held_timer is None and self._loop is not None:
             self._held_timer = self._loop.call_later(LANDLOCK_PAIR_S, self._release_held)
 
-    def _release_held(self, state: _Sandbox | None = None) -> None:
-        """What waited its time (or, with `state`, all of that sandbox's) goes out unpaired."""
-        if state is None:
+    def _release_held(self, only: _Sandbox | None = None) -> None:
+        """What waited its time (or, with `only`, all of that sandbox's) goes out unpaired."""
+        if only is None:
             self._held_timer = None
-        due = time.monotonic() - LANDLOCK_PAIR_S
-        keep = []
-        for held in self._held:
-            if held[1] is state or (state is None and held[0] <= due):
-                self._release(held)
-            else:
-                keep.append(held)
-        self._held = keep
-        if self._held and self._held_timer is None and self._loop is not None:
+        due = time.monotonic() - LANDLOCK_PAIR_S if only is None else float("inf")
+        for state in [only] if only is not None else list(self._holding.values()):
+            for held in (state.held_refusals, state.held_walls):
+                while held and held[0][0] <= due:
+                    self._release(state, held.popleft()[1])
+            if not state.held_refusals and not state.held_walls:
+                self._holding.pop(state.target.sandbox_id, None)
+        if self._holding and self._held_timer is None and self._loop is not None:
             self._held_timer = self._loop.call_later(LANDLOCK_PAIR_S, self._release_held)
 
-    def _release(self, held: tuple[float, _Sandbox, Denial | ar.Record]) -> None:
-        _, state, item = held
+    def _release(self, state: _Sandbox, item: Denial | ar.Record) -> None:
         if isinstance(item, Denial):
             self._denial_event(state, item)
         else:  # a Landlock refusal of a call the tracer does not watch
@@ -918,6 +927,12 @@ def _monotonic_of(wall: float) -> float:
 
 def _wall_of(monotonic_ns: int) -> float:
     return time.time() - (time.monotonic_ns() - monotonic_ns) / 1e9
+
+
+def _walled(refusal: Denial, wall: ar.Record) -> bool:
+    """Whether Landlock's record names what the refusal's call named (or its directory)."""
+    where = (wall.get("path") or "").rstrip("/")
+    return refusal.errno == _EACCES and (refusal.path == where or refusal.path.startswith(where + "/"))
 
 
 def _pid_level(host_pid: int) -> int:
