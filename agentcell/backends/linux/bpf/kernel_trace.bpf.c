@@ -204,6 +204,25 @@ static __always_inline void send(void *e, __u64 size) {
     }
 }
 
+// This CPU's scratch event, if the uid is within its budget (else counted as dropped): NULL to skip.
+static __always_inline void *claim(struct config *cfg, __u32 uid, __u64 now) {
+    if (!within_budget(cfg, uid, now))
+        return 0;
+    __u32 cpu = bpf_get_smp_processor_id();
+    return bpf_map_lookup_elem(&scratch, &cpu);
+}
+
+// The path of (vfsmnt, dentry) up to the root of `fs` into buf (components, innermost first; `cut`
+// into *flags if it did not fit); its length.
+static __always_inline __u32 walk_path(struct fs_struct *fs, struct vfsmount *vfsmnt, struct dentry *dentry,
+                                       char *buf, __u32 *flags, __u32 cut) {
+    struct walk w = { .buf = buf, .flags = flags, .cut = cut, .off = 0, .dentry = dentry, .vfsmnt = vfsmnt,
+                      .root_dentry = BPF_CORE_READ(fs, root.dentry), .root_mnt = BPF_CORE_READ(fs, root.mnt) };
+    w.mnt = (struct mount *)((char *)vfsmnt - bpf_core_field_offset(struct mount, mnt));
+    bpf_loop(DEPTH_MAX, cwd_step, &w, 0);
+    return w.off;
+}
+
 SEC("raw_tp/sched_process_exec")
 int on_exec(__u64 *ctx) {
     __u32 uid = (__u32)bpf_get_current_uid_gid();
@@ -211,10 +230,7 @@ int on_exec(__u64 *ctx) {
     if (!cfg)
         return 0;
     __u64 now = bpf_ktime_get_ns();
-    if (!within_budget(cfg, uid, now))
-        return 0;
-    __u32 cpu = bpf_get_smp_processor_id();
-    struct event *e = bpf_map_lookup_elem(&scratch, &cpu);
+    struct event *e = claim(cfg, uid, now);
     if (!e)
         return 0;
     e->type = T_EXEC;
@@ -234,23 +250,10 @@ int on_exec(__u64 *ctx) {
     e->file_len = n > 0 ? n : 0;
 
     struct fs_struct *fs = BPF_CORE_READ(t, fs);
-    struct dentry *root_dentry = BPF_CORE_READ(fs, root.dentry);
-    struct vfsmount *root_mnt = BPF_CORE_READ(fs, root.mnt);
-    struct walk w = { .buf = e->cwd, .flags = &e->flags, .cut = F_CWD_CUT, .off = 0,
-                      .root_dentry = root_dentry, .root_mnt = root_mnt };
-    w.dentry = BPF_CORE_READ(fs, pwd.dentry);
-    w.vfsmnt = BPF_CORE_READ(fs, pwd.mnt);
-    w.mnt = (struct mount *)((char *)w.vfsmnt - bpf_core_field_offset(struct mount, mnt));
-    bpf_loop(DEPTH_MAX, cwd_step, &w, 0);
-    e->cwd_len = w.off;
+    e->cwd_len = walk_path(fs, BPF_CORE_READ(fs, pwd.mnt), BPF_CORE_READ(fs, pwd.dentry), e->cwd, &e->flags, F_CWD_CUT);
     struct file *exe = BPF_CORE_READ(bprm, file);
-    struct walk x = { .buf = e->exe, .flags = &e->flags, .cut = F_EXE_CUT, .off = 0,
-                      .root_dentry = root_dentry, .root_mnt = root_mnt };
-    x.dentry = BPF_CORE_READ(exe, f_path.dentry);
-    x.vfsmnt = BPF_CORE_READ(exe, f_path.mnt);
-    x.mnt = (struct mount *)((char *)x.vfsmnt - bpf_core_field_offset(struct mount, mnt));
-    bpf_loop(DEPTH_MAX, cwd_step, &x, 0);
-    e->exe_len = x.off;
+    e->exe_len = walk_path(fs, BPF_CORE_READ(exe, f_path.mnt), BPF_CORE_READ(exe, f_path.dentry), e->exe, &e->flags,
+                           F_EXE_CUT);
 
     unsigned long start = BPF_CORE_READ(t, mm, arg_start), end = BPF_CORE_READ(t, mm, arg_end);
     __u64 len = end > start ? end - start : 0;
@@ -272,10 +275,7 @@ int on_exec(__u64 *ctx) {
 
 static __always_inline int refused(struct config *cfg, __u32 uid, __u32 nr, __u32 err) {
     __u64 now = bpf_ktime_get_ns();
-    if (!within_budget(cfg, uid, now))
-        return 0;
-    __u32 cpu = bpf_get_smp_processor_id();
-    struct refusal *r = bpf_map_lookup_elem(&scratch, &cpu);
+    struct refusal *r = claim(cfg, uid, now);
     if (!r)
         return 0;
     r->type = T_REFUSED;
@@ -350,10 +350,7 @@ int on_sys_exit(__u64 *ctx) {
     if (!path)
         return 0;  // utimensat on an fd
     __u64 now = bpf_ktime_get_ns();
-    if (!within_budget(cfg, uid, now))
-        return 0;
-    __u32 cpu = bpf_get_smp_processor_id();
-    struct denial *d = bpf_map_lookup_elem(&scratch, &cpu);
+    struct denial *d = claim(cfg, uid, now);
     if (!d)
         return 0;
     struct task_struct *t = (struct task_struct *)bpf_get_current_task();
@@ -374,13 +371,8 @@ int on_sys_exit(__u64 *ctx) {
     d->cwd_len = 0;
     if (n > 0 && d->path[0] != '/') {  // relative: where the caller was
         struct fs_struct *fs = BPF_CORE_READ(t, fs);
-        struct walk w = { .buf = d->cwd, .flags = &d->flags, .cut = F_CWD_CUT, .off = 0,
-                          .root_dentry = BPF_CORE_READ(fs, root.dentry), .root_mnt = BPF_CORE_READ(fs, root.mnt) };
-        w.dentry = BPF_CORE_READ(fs, pwd.dentry);
-        w.vfsmnt = BPF_CORE_READ(fs, pwd.mnt);
-        w.mnt = (struct mount *)((char *)w.vfsmnt - bpf_core_field_offset(struct mount, mnt));
-        bpf_loop(DEPTH_MAX, cwd_step, &w, 0);
-        d->cwd_len = w.off;
+        d->cwd_len = walk_path(fs, BPF_CORE_READ(fs, pwd.mnt), BPF_CORE_READ(fs, pwd.dentry), d->cwd, &d->flags,
+                               F_CWD_CUT);
     }
     send(d, sizeof(*d));
     return 0;
