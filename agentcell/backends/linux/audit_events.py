@@ -604,6 +604,8 @@ class AuditCollector:
                 self._landlock(rec)
             return
         if mtype == an.SECCOMP:  # complete in itself (uid, pid, syscall); the SYSCALL record adds nothing
+            if self._trace is not None:
+                return  # the tracer has the refusals (these come only next to an operator's rules, twice else)
             rec = ar.parse(mtype, body)
             if rec is not None:
                 self.stats["records"] += 1
