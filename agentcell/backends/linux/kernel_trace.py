@@ -261,8 +261,9 @@ class KernelTrace:
         """Which errnos of which syscall numbers mean the seccomp filter refused the call."""
         fd = self._lib.bpf_map__fd(self._lib.bpf_object__find_map_by_name(self._obj, b"refusals"))
         for nr, errs in errnos.items():
-            key, value = ctypes.c_uint32(nr), ctypes.c_uint64(sum(1 << e for e in errs if e < 64))
-            if self._lib.bpf_map_update_elem(fd, ctypes.byref(key), ctypes.byref(value), 0) != 0:
+            bits = sum(1 << e for e in errs if 0 < e < 128)
+            key, value = ctypes.c_uint32(nr), (ctypes.c_uint64 * 2)(bits & (1 << 64) - 1, bits >> 64)
+            if self._lib.bpf_map_update_elem(fd, ctypes.byref(key), value, 0) != 0:
                 raise self._error(f"setting the refusals of syscall {nr}")
 
     def read(self) -> list[Exec | Denial | Refusal]:

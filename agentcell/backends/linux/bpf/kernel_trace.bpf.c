@@ -93,9 +93,10 @@ struct refusal {
 };
 
 struct { __uint(type, BPF_MAP_TYPE_RINGBUF); __uint(max_entries, 16 << 20); } events SEC(".maps");
-// syscall number -> the errnos (bit n: errno n) that mean the sandbox's seccomp filter refused it
+struct errnos { __u64 bits[2]; };  // errno n: bit n % 64 of bits[n / 64] (errnos go to 133)
+// syscall number -> the errnos (bit n of the 128: errno n) that mean the sandbox's seccomp filter refused it
 // (seccomp_filter.py's policy, set by the loader): a refused syscall never ran, so its exit is the proof
-struct { __uint(type, BPF_MAP_TYPE_HASH); __uint(max_entries, 1024); __type(key, __u32); __type(value, __u64); }
+struct { __uint(type, BPF_MAP_TYPE_HASH); __uint(max_entries, 1024); __type(key, __u32); __type(value, struct errnos); }
     refusals SEC(".maps");
 
 struct { __uint(type, BPF_MAP_TYPE_ARRAY); __uint(max_entries, 1); __type(key, __u32); __type(value, struct config); }
@@ -301,8 +302,9 @@ int on_sys_exit(__u64 *ctx) {
         return 0;
     struct pt_regs *regs = (struct pt_regs *)ctx[0];
     __u32 nr = BPF_CORE_READ(regs, orig_ax);
-    __u64 *errnos = bpf_map_lookup_elem(&refusals, &nr);
-    if (errnos && (*errnos >> (-ret & 63)) & 1)
+    struct errnos *errs = bpf_map_lookup_elem(&refusals, &nr);
+    __u32 err = -ret;
+    if (errs && (errs->bits[(err >> 6) & 1] >> (err & 63)) & 1)
         return refused(cfg, uid, nr, -ret);
     if (ret != -EACCES && ret != -EPERM && ret != -EROFS)
         return 0;
