@@ -55,7 +55,7 @@ from agentcell.backends.linux import audit_records as ar
 from agentcell.backends.linux import seccomp_filter, uids
 from agentcell.backends.linux.audit_proc import Exit, ProcConnector
 from agentcell.backends.linux.kernel_trace import Denial, Exec, KernelTrace, KernelTraceUnavailable, Refusal
-from agentcell.backends.linux.record import WatchTarget
+from agentcell.backends.linux.record import WatchTarget, nspid
 from agentcell.errors import BackendUnavailableError
 
 SANDBOX_UID = 1000  # rootfs.SANDBOX_UID: what the sandbox's user id is inside
@@ -418,7 +418,7 @@ class AuditCollector:
     # -- sandboxes -----------------------------------------------------------------------------
 
     def watch(self, target: WatchTarget) -> None:
-        state = _Sandbox(target, window_start=time.monotonic(), pid_level=_pid_level(target.host_pid))
+        state = _Sandbox(target, window_start=time.monotonic(), pid_level=len(nspid(target.host_pid) or [0]) - 1)
         self._by_id[target.sandbox_id] = state
         for uid in target.host_uids:
             if not self.first <= uid <= self.last:
@@ -935,18 +935,6 @@ def _walled(refusal: Denial, wall: ar.Record) -> bool:
     """Whether Landlock's record names what the refusal's call named (or its directory)."""
     where = (wall.get("path") or "").rstrip("/")
     return refusal.errno == _EACCES and (refusal.path == where or refusal.path.startswith(where + "/"))
-
-
-def _pid_level(host_pid: int) -> int:
-    """The level of `host_pid`'s pid namespace (0: the host's), from its NSpid."""
-    try:
-        with open(f"/proc/{host_pid}/status", "rb") as f:
-            for line in f:
-                if line.startswith(b"NSpid:"):
-                    return len(line.split()) - 2
-    except OSError:
-        pass
-    return 0
 
 
 def _ns_pid(host_pid: int | None, state: _Sandbox) -> int | None:

@@ -36,7 +36,7 @@ from typing import Any
 
 from agentcell.backends.events import EventSink, event
 from agentcell.backends.linux import rootfs
-from agentcell.backends.linux.record import WatchTarget
+from agentcell.backends.linux.record import WatchTarget, nspid
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.fanotify_init.argtypes = (ctypes.c_uint, ctypes.c_uint)
@@ -237,7 +237,6 @@ class _Watched:
 
 class FileCollector:
     """The file collector (record.Collector): one fanotify group per watched sandbox."""
-
 
     def __init__(self, sink: EventSink, *, rate: float = RATE, burst: float = BURST,
                  max_pending: int = MAX_PENDING, tune_sysctl: bool = True) -> None:
@@ -700,7 +699,7 @@ class FileCollector:
             return None
         if host_pid in w.pids:
             return w.pids[host_pid]
-        ns = _nspid(host_pid)
+        ns = nspid(host_pid)
         pid = ns[w.pid_depth] if ns is not None and len(ns) > w.pid_depth and w.pid_depth > 0 else None
         if pid is not None and _pidns(host_pid)[1] != w.pidns:
             pid = None  # a sibling namespace at the same level (or the pid was reused meanwhile)
@@ -733,20 +732,9 @@ def _remember(cache: OrderedDict[bytes, Any], key: bytes, limit: int, value: Any
         cache.popitem(last=False)
 
 
-def _nspid(host_pid: int) -> list[int] | None:
-    try:
-        with open(f"/proc/{host_pid}/status", "rb") as f:
-            for line in f:
-                if line.startswith(b"NSpid:"):
-                    return [int(x) for x in line.split()[1:]]
-    except OSError:
-        return None
-    return None
-
-
 def _pidns(pid: int) -> tuple[int, int]:
     """(the level of `pid`'s pid namespace, where its numbers stand in NSpid; the namespace's inode)."""
-    ns = _nspid(pid)
+    ns = nspid(pid)
     try:
         ino = os.stat(f"/proc/{pid}/ns/pid").st_ino
     except OSError:

@@ -41,3 +41,16 @@ class Collector(Protocol):
     def unwatch(self, sandbox_id: str) -> None: ...
 
     async def close(self) -> None: ...
+
+
+def nspid(host_pid: int) -> list[int] | None:
+    """A process's pid at each pid-namespace level, the host's first (/proc/<pid>/status NSpid);
+    None once it is gone."""
+    try:
+        with open(f"/proc/{host_pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"NSpid:"):
+                    return [int(x) for x in line.split()[1:]]
+    except OSError:
+        return None
+    return None
