@@ -208,6 +208,34 @@ async def test_ten_thousand_writes_are_one_event(box: Box, record: Record) -> No
     print("counts seen:", [e["count"] for e in writes])
 
 
+async def test_a_file_kept_open_shows_at_its_close_or_the_kill(
+        backend: LinuxBackend, collector: file_events.FileCollector, record: Record) -> None:
+    """Writes are seen at the close: a file written through an fd kept open shows when it is closed,
+    and one a background process still holds shows once the kill has closed it, before unwatch returns."""
+    b = await new_box(backend, collector)
+    try:
+        await b.sh("nohup python3 -c 'import time\nf = open(\"/tmp/held\", \"w\")\n"
+                   "for i in range(5):\n    f.write(\"x\" * 100); f.flush()\ntime.sleep(600)' "
+                   ">/dev/null 2>&1 & sleep 0.5")
+        await b.py("""
+            import mmap, os
+            fd = os.open("/tmp/mapped", os.O_RDWR | os.O_CREAT, 0o644)
+            os.ftruncate(fd, 4096)
+            m = mmap.mmap(fd, 4096)
+            m[:5] = b"hello"
+            m.close()
+            os.close(fd)
+        """)
+        await record.wait(b, lambda ev: any(e["kind"] == "file.write" and e["path"] == "/tmp/mapped" for e in ev))
+        await asyncio.sleep(0.5)
+        assert not record.of(b, "file.write", "/tmp/held")  # still open: not closed, not yet recorded
+    finally:
+        await backend.kill(b.sandbox)
+        collector.unwatch(b.id)
+    held = record.of(b, "file.write", "/tmp/held")
+    assert [(e["path"], e["size"], e["count"]) for e in held] == [("/tmp/held", 500, 1)]
+
+
 async def test_root_writes_through_the_overlays(box: Box, record: Record) -> None:
     await box.sh("echo x > /etc/agentcell-fe && chmod 640 /etc/passwd && rm /usr/lib/os-release"
                  " && mkdir -p /usr/local/lib/fe-pkg && echo 'v=1' > /usr/local/lib/fe-pkg/__init__.py"
