@@ -1,5 +1,5 @@
-"""The exec tracer (backends/linux/kernel_trace.py): an eBPF program on sched_process_exec that reports
-the execs of a host uid range. Real processes, exec'd as uids of a range no sandbox uses."""
+"""The kernel tracer (backends/linux/kernel_trace.py): eBPF programs that report the execs, exits and
+refused syscalls of a host uid range. Real processes, exec'd as uids of a range no sandbox uses."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from agentcell.backends.linux.audit_proc import Exit
 from agentcell.backends.linux.kernel_trace import Denial, Exec, KernelTrace, KernelTraceUnavailable, Refusal
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="loading eBPF needs root")
@@ -31,15 +32,19 @@ def as_uid(uid: int, *argv: str, cwd: str = "/") -> None:
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
 
 
-def read_all(trace: KernelTrace) -> list[Exec | Denial | Refusal]:
+def read_all(trace: KernelTrace) -> list[Exec | Denial | Refusal | Exit]:
     time.sleep(0.05)
     return trace.read()
+
+
+def execs_of(trace: KernelTrace) -> list[Exec]:
+    return [e for e in read_all(trace) if isinstance(e, Exec)]
 
 
 def test_an_exec_with_its_arguments_directory_and_binary(trace: KernelTrace) -> None:
     as_uid(FIRST, "/bin/sh", "-c", "cd /usr/lib && exec ./../bin/true 'two words' \"$(printf 'na\\303\\257ve')\"",
            cwd="/tmp")
-    execs = read_all(trace)
+    execs = execs_of(trace)
     sh = next(e for e in execs if e.argv[:2] == ["/bin/sh", "-c"])
     true = next(e for e in execs if e.argv[0] == "./../bin/true")
     assert sh.cwd == "/tmp" and sh.file == "/bin/sh" and sh.exe == "/usr/bin/dash" and sh.uid == FIRST
@@ -54,27 +59,27 @@ def test_other_uids_are_not_traced(trace: KernelTrace) -> None:
     as_uid(LAST + 1, "/bin/true", "outside")
     as_uid(FIRST - 1, "/bin/true", "outside")
     as_uid(LAST, "/bin/true", "inside")
-    assert [e.argv for e in read_all(trace)] == [["/bin/true", "inside"]]
+    assert [e.argv for e in execs_of(trace)] == [["/bin/true", "inside"]]
 
 
 def test_long_arguments_are_cut_and_say_so(trace: KernelTrace) -> None:
     as_uid(FIRST, "/bin/true", "a", "x" * 70_000)
-    (e,) = read_all(trace)
+    (e,) = execs_of(trace)
     assert e.argv_cut and e.argv[:2] == ["/bin/true", "a"] and 60_000 < len(e.argv[2]) < 70_000
 
 
 def test_a_flood_is_counted_over_the_budget_and_a_muted_uid_is_not_written(trace: KernelTrace) -> None:
     as_uid(FIRST + 1, "/bin/sh", "-c", "for i in $(seq 80); do /bin/true; done")
-    execs = read_all(trace)
+    execs = execs_of(trace)
     # sh, seq and 80 trues: the window's budget of 50 written (more if the loop outlasted a window),
     # the rest counted
     assert 50 <= len(execs) < 82 and len(execs) + trace.dropped(FIRST + 1) == 82
     trace.mute(FIRST + 2)
     as_uid(FIRST + 2, "/bin/true", "muted")
-    assert read_all(trace) == [] and trace.dropped(FIRST + 2) == 1
+    assert execs_of(trace) == [] and trace.dropped(FIRST + 2) == 1
     trace.mute(FIRST + 2, False)
     as_uid(FIRST + 2, "/bin/true", "heard")
-    assert [e.argv for e in read_all(trace)] == [["/bin/true", "heard"]]
+    assert [e.argv for e in execs_of(trace)] == [["/bin/true", "heard"]]
     assert trace.lost() == 0
 
 
@@ -106,3 +111,24 @@ def test_a_refusal_is_told_by_its_syscall_and_errno(trace: KernelTrace) -> None:
     refusals = [r for r in read_all(trace) if isinstance(r, Refusal)]
     assert sorted((r.nr, r.errno) for r in refusals) == [(41, 97), (165, 1), (272, 1)]
     assert all(r.comm == "python3" and r.uid == FIRST for r in refusals)
+
+
+def test_exits_of_the_processes_that_exec_d_with_code_or_signal(trace: KernelTrace) -> None:
+    # exit 3 after exec; killed by SIGKILL; a fork that never exec'd (the subshell) and a thread: no exit
+    as_uid(FIRST, "/usr/bin/python3", "-c", "import os, signal, subprocess, threading\n"
+           "t = threading.Thread(target=lambda: None); t.start(); t.join()\n"
+           "subprocess.run(['/bin/sh', '-c', 'exit 3'])\n"
+           "p = subprocess.Popen(['/bin/sleep', '30']); p.send_signal(signal.SIGKILL); p.wait()\n"
+           "pid = os.fork()\n"
+           "os._exit(0) if pid == 0 else os.waitpid(pid, 0)\n"
+           "os._exit(7)")
+    got = read_all(trace)
+    execs = {e.host_pid: e for e in got if isinstance(e, Exec)}
+    exits = [x for x in got if isinstance(x, Exit)]
+    by_prog = {execs[x.host_pid].argv[0]: x for x in exits}
+    assert len(exits) == len(by_prog) == 3  # python, sh, sleep: each once, each after its exec
+    assert by_prog["/usr/bin/python3"].code == 7
+    assert by_prog["/bin/sh"].code == 3
+    assert by_prog["/bin/sleep"].signal == 9 and by_prog["/bin/sleep"].code is None
+    for x in exits:
+        assert got.index(execs[x.host_pid]) < got.index(x) and x.monotonic_ns >= execs[x.host_pid].monotonic_ns

@@ -3,8 +3,8 @@ every process of a sandbox, observed from the host.
 
 Mechanisms (docs/architecture.md, "The behaviour record", has the measurements behind the choice):
 
-* execs, refused path syscalls and seccomp refusals: eBPF programs (kernel_trace.py) on the
-  sched_process_exec and sys_exit tracepoints. With them, no audit exit rule and a task rule that
+* execs, exits, refused path syscalls and seccomp refusals: eBPF programs (kernel_trace.py) on the
+  sched_process_exec, sched_process_exit and sys_exit tracepoints. With them, no audit exit rule and a task rule that
   gives the sandbox processes no audit context: their syscalls keep the kernel's fast path.
 * without the tracer (no clang, libbpf or BTF), or with ``trace_source="audit"``: audit rules on
   syscall exit, limited to the server's host uid range (every sandbox process runs as one of its ids),
@@ -18,7 +18,8 @@ Mechanisms (docs/architecture.md, "The behaviour record", has the measurements b
 * Landlock refusals: ABI 7 kernels (6.15+) write LANDLOCK_ACCESS records; landlock.py asks for them
   after exec too (LANDLOCK_RESTRICT_SELF_LOG_NEW_EXEC_ON). With the tracer they come without a syscall
   context: tied to a sandbox by their domain, and paired with the tracer's refusal of the same path.
-* exits: the proc connector (audit_proc.py), which has the signal of a killed process.
+* exits: with the tracer, its exit events (written only for processes it saw exec, status as wait(2)
+  has it); without it, the proc connector (audit_proc.py), which sends every exit of the host.
 
 The records are read as the audit daemon when none is registered (then nothing reaches the kernel
 log), or from the read-only multicast group next to the operator's auditd (whose log then holds the
@@ -124,7 +125,7 @@ class AuditCollector:
             raise ValueError(f"trace_source must be auto, bpf or audit, not {trace_source!r}")
         self.trace_source = trace_source
         self._trace: KernelTrace | None = None
-        self._traced: list[Exec | Denial | Refusal] = []  # read from the tracer, not handled yet
+        self._traced: list[Exec | Denial | Refusal | Exit] = []  # read from the tracer, not handled yet
         # with the tracer, Landlock's records come alone (no syscall context): a refusal the tracer saw
         # and Landlock's record of it wait LANDLOCK_PAIR_S for each other (one event, with the blockers)
         self._domains: OrderedDict[str, _Sandbox] = OrderedDict()  # Landlock domain -> its sandbox
@@ -217,7 +218,6 @@ class AuditCollector:
             print("agentcell audit: the host's audit rules include `-a never,task` (a common default): processes "
                   "forked under it have no audit context, so sandbox execs and refusals may go unrecorded; "
                   "remove that rule to record them", file=sys.stderr)
-        self._exits = ProcConnector()
         try:
             if self.trace_source != "audit":
                 try:
@@ -231,6 +231,8 @@ class AuditCollector:
                         raise
                     print(f"agentcell audit: execs and refusals recorded by audit rules instead of the kernel tracer "
                           f"({e}); every syscall of a sandbox then pays audit's cost", file=sys.stderr)
+            if self._trace is None:  # (the tracer writes the exits of the processes it saw exec)
+                self._exits = ProcConnector()
             if status.pid == 0:
                 try:
                     self._become_daemon(status)
@@ -263,7 +265,8 @@ class AuditCollector:
             raise
         self._kernel_lost = self._ctl.status().lost
         self._read_later(self._reader.fileno(), self._on_audit)
-        self._read_later(self._exits.fileno(), self._on_exits)
+        if self._exits is not None:
+            self._read_later(self._exits.fileno(), self._on_exits)
         if self._trace is not None:
             self._read_later(self._trace.fileno(), self._on_traced)
         self._tick = self._loop.call_later(self.window_s, self._on_tick)
@@ -707,6 +710,8 @@ class AuditCollector:
         for done, ex in enumerate(self._traced, 1):
             if isinstance(ex, Exec):
                 self._traced_exec(ex)
+            elif isinstance(ex, Exit):
+                self._exit(ex)  # (after its exec: the ring keeps their order)
             elif isinstance(ex, Denial):
                 self._traced_denial(ex)
             else:

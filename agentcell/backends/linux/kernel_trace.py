@@ -1,6 +1,9 @@
-"""Execs and refused path syscalls of a uid range, from eBPF programs (bpf/kernel_trace.bpf.c): the
-behaviour record's source of `process.exec` and of `deny.write`/`deny.access` (issue 10) where the
-kernel and the host allow it, kernel audit's exit rules otherwise (audit_events.py).
+"""Execs, exits and refused syscalls of a uid range, from eBPF programs (bpf/kernel_trace.bpf.c): the
+behaviour record's source of `process.exec`, `process.exit`, `deny.syscall` and `deny.write`/
+`deny.access` (issue 10) where the kernel and the host allow it, kernel audit's exit rules and the
+proc connector otherwise (audit_events.py). An exit is written only for a process whose exec was (the
+last of its threads, with its status), so it always follows its exec in the ring, and the server
+does not receive every exit of the host as the proc connector would send it.
 
 Why: an audit exit rule gives every process of the range an audit context, and every one of its
 syscalls then pays audit's entry/exit path and, for a path, the name's collection (measured in a
@@ -31,6 +34,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from agentcell.backends.linux.audit_proc import Exit
 from agentcell.errors import BackendUnavailableError
 
 SOURCE = Path(__file__).parent / "bpf" / "kernel_trace.bpf.c"
@@ -38,7 +42,7 @@ CACHE = Path(os.environ.get("AGENTCELL_BPF_CACHE", "/var/cache/agentcell/bpf"))
 CLANGS = ("clang", "clang-19", "clang-18", "clang-17", "clang-16", "clang-15", "clang-14")
 LEVELS = 4  # pid-namespace levels in an event (bpf source: LEVELS)
 F_ARGS_CUT, F_CWD_CUT, F_EXE_CUT = 1, 2, 4
-T_EXEC, T_DENIAL, T_REFUSED = 1, 2, 3
+T_EXEC, T_DENIAL, T_REFUSED, T_EXIT = 1, 2, 3, 4
 # struct event's head: type, pad; ktime_ns; tgid, ppid, uid, flags; level, parent_level; pids[4],
 # ppids[4]; file_len, cwd_len, exe_len, args_len; comm[16]; file[256]; cwd[4096 + 256]; exe[...]; args
 _HEAD = struct.Struct(f"=IIQIIIIII{LEVELS}i{LEVELS}iIIII16s")
@@ -47,6 +51,7 @@ _HEAD = struct.Struct(f"=IIQIIIIII{LEVELS}i{LEVELS}iIIII16s")
 _DENIAL = struct.Struct(f"=IIQIIIIII{LEVELS}iII16s")
 # struct refusal: type, tgid; ktime_ns; uid, err, nr, level; pids[4]; comm[16]
 _REFUSAL = struct.Struct(f"=IIQIIII{LEVELS}i16s")
+_EXIT = struct.Struct("=IIQII")  # struct exit_event: type, tgid; ktime_ns; uid, status
 _FILE, _PATH = 256, 4096 + 256
 _CWD_AT = _HEAD.size + _FILE
 _EXE_AT = _CWD_AT + _PATH
@@ -100,8 +105,11 @@ class Refusal:
     comm: str
 
 
-def parse(data: bytes) -> Exec | Denial | Refusal:
+def parse(data: bytes) -> Exec | Denial | Refusal | Exit:
     kind = int.from_bytes(data[:4], "little")
+    if kind == T_EXIT:
+        (_type, tgid, ktime, _uid, status) = _EXIT.unpack_from(data)
+        return Exit(tgid, status, ktime)
     if kind == T_DENIAL:
         return _denial(data)
     if kind == T_REFUSED:
@@ -207,7 +215,7 @@ class KernelTrace:
         lib = self._lib = _libbpf()
         self._obj = self._ring = None
         self._links: list[int] = []
-        self._got: list[Exec | Denial | Refusal] = []
+        self._got: list[Exec | Denial | Refusal | Exit] = []
         self._callback = _CALLBACK(self._on_event)  # kept: libbpf calls it
         try:
             self._obj = lib.bpf_object__open_file(str(path).encode(), None)
@@ -266,7 +274,7 @@ class KernelTrace:
             if self._lib.bpf_map_update_elem(fd, ctypes.byref(key), value, 0) != 0:
                 raise self._error(f"setting the refusals of syscall {nr}")
 
-    def read(self) -> list[Exec | Denial | Refusal]:
+    def read(self) -> list[Exec | Denial | Refusal | Exit]:
         """What the ring holds now (none: an empty list)."""
         assert self._ring is not None
         self._lib.ring_buffer__consume(self._ring)

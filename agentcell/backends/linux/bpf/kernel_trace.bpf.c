@@ -5,6 +5,8 @@
 //   fresh stack, where the kernel copied it), the path it was exec'd as, the working directory and the
 //   binary (relative to the process's root, as audit's CWD) and its pids at every pid-namespace level:
 //   a raw tracepoint on sched_process_exec;
+// * one event per exit of a process it reported the exec of (the last of its threads, with its exit
+//   code or the killing signal, as wait(2) reports it): a raw tracepoint on sched_process_exit;
 // * one event per path syscall refused with EACCES, EPERM or EROFS (open, mkdir, unlink, rename, link,
 //   symlink, mknod, chmod, chown, truncate, utime, setxattr): a raw tracepoint on sys_exit, which
 //   returns at its first comparison for any call that did not fail so.
@@ -26,6 +28,7 @@
 #define T_EXEC 1
 #define T_DENIAL 2
 #define T_REFUSED 3             // a syscall the sandbox's seccomp filter refuses, by number and errno
+#define T_EXIT 4
 #define EPERM 1
 #define EACCES 13
 #define EROFS 30
@@ -42,8 +45,12 @@ struct fs_struct { struct path root; struct path pwd; } __attribute__((preserve_
 struct upid { int nr; void *ns; } __attribute__((preserve_access_index));  // whole: its size is numbers[]'s stride
 struct pid { unsigned int level; struct upid numbers[1]; } __attribute__((preserve_access_index));
 struct mm_struct { unsigned long arg_start; unsigned long arg_end; } __attribute__((preserve_access_index));
+typedef struct { int counter; } atomic_t;
+struct signal_struct { atomic_t live; } __attribute__((preserve_access_index));
 struct task_struct {
     int tgid;
+    int exit_code;
+    struct signal_struct *signal;
     struct task_struct *real_parent;
     struct mm_struct *mm;
     struct fs_struct *fs;
@@ -92,7 +99,18 @@ struct refusal {
     char comm[16];
 };
 
+// a process's exit, once its last thread is gone
+struct exit_event {
+    __u32 type, tgid;           // T_EXIT
+    __u64 ktime_ns;
+    __u32 uid, status;          // status: as wait(2) reports it (code << 8, or the signal)
+};
+
 struct { __uint(type, BPF_MAP_TYPE_RINGBUF); __uint(max_entries, 16 << 20); } events SEC(".maps");
+// processes whose exec was reported (tgid -> 1): only their exits are, so a sandbox forking without
+// exec'ing writes nothing, and every exit written has its exec before it in the ring
+struct { __uint(type, BPF_MAP_TYPE_LRU_HASH); __uint(max_entries, 65536); __type(key, __u32); __type(value, __u8); }
+    execd SEC(".maps");
 struct errnos { __u64 bits[2]; };  // errno n: bit n % 64 of bits[n / 64] (errnos go to 133)
 // syscall number -> the errnos (bit n of the 128: errno n) that mean the sandbox's seccomp filter refused it
 // (seccomp_filter.py's policy, set by the loader): a refused syscall never ran, so its exit is the proof
@@ -266,6 +284,24 @@ int on_exec(__u64 *ctx) {
         len = 0;
     e->args_len = len;
     send(e, __builtin_offsetof(struct event, args) + len);
+    __u32 tgid = e->tgid;
+    __u8 one = 1;
+    bpf_map_update_elem(&execd, &tgid, &one, BPF_ANY);
+    return 0;
+}
+
+SEC("raw_tp/sched_process_exit")
+int on_exit(__u64 *ctx) {
+    struct task_struct *t = (struct task_struct *)ctx[0];
+    if (BPF_CORE_READ(t, signal, live.counter) != 0)
+        return 0;  // a thread: the process lives on
+    __u32 tgid = BPF_CORE_READ(t, tgid);
+    if (!bpf_map_lookup_elem(&execd, &tgid))
+        return 0;
+    bpf_map_delete_elem(&execd, &tgid);
+    struct exit_event x = { .type = T_EXIT, .tgid = tgid, .ktime_ns = bpf_ktime_get_ns(),
+                            .uid = (__u32)bpf_get_current_uid_gid(), .status = BPF_CORE_READ(t, exit_code) };
+    send(&x, sizeof(x));
     return 0;
 }
 
