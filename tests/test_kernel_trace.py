@@ -132,3 +132,14 @@ def test_exits_of_the_processes_that_exec_d_with_code_or_signal(trace: KernelTra
     assert by_prog["/bin/sleep"].signal == 9 and by_prog["/bin/sleep"].code is None
     for x in exits:
         assert got.index(execs[x.host_pid]) < got.index(x) and x.monotonic_ns >= execs[x.host_pid].monotonic_ns
+
+
+def test_a_read_takes_at_most_its_limit_and_leaves_the_rest_in_order(trace: KernelTrace) -> None:
+    as_uid(FIRST, "/bin/sh", "-c", "for i in 1 2 3 4 5 6; do /bin/echo $i; done")
+    time.sleep(0.05)
+    first = trace.read(4)
+    rest = trace.read()
+    assert len(first) == 4 and trace.read() == []
+    execs = [e.argv for e in first + rest if isinstance(e, Exec)]
+    assert execs == [["/bin/sh", "-c", "for i in 1 2 3 4 5 6; do /bin/echo $i; done"]] + [
+        ["/bin/echo", str(i)] for i in range(1, 7)]

@@ -84,7 +84,9 @@ _KEY_RANGE = re.compile(r"^agentcell:(\d+)-(\d+):")  # the uid range in a rule's
 _SUPPRESS_FACTOR = 4  # a sandbox past budget * this in one window is excluded in the kernel
 LANDLOCK_PAIR_S = 0.25  # with the tracer: a refusal and Landlock's record of it, paired within this long
 READ_DELAY_S = 0.02  # records are read this long after they arrive, in batches (see _read_later) ...
-SLICE_S = 0.002  # ... for this long at a time, so that a request never waits longer behind them
+SLICE_S = 0.001  # ... for this long at a time, so that a request never waits longer behind them
+UNWATCH_READ_S = 0.05  # at a sandbox's end, what is queued is read for this long at most
+TRACE_READ = 64  # the tracer's events parsed at a time (~1 ms), the rest left in its ring till the next
 ORIGINAL = "/run/agentcell/audit-original.json"
 
 
@@ -126,6 +128,7 @@ class AuditCollector:
         self.trace_source = trace_source
         self._trace: KernelTrace | None = None
         self._traced: list[Exec | Denial | Refusal | Exit] = []  # read from the tracer, not handled yet
+        self._ring_more = False  # the last read took its limit: the ring may hold more
         # with the tracer, Landlock's records come alone (no syscall context): a refusal the tracer saw
         # and Landlock's record of it wait LANDLOCK_PAIR_S for each other (one event, with the blockers)
         self._domains: OrderedDict[str, _Sandbox] = OrderedDict()  # Landlock domain -> its sandbox
@@ -434,9 +437,11 @@ class AuditCollector:
     def unwatch(self, sandbox_id: str) -> None:
         if sandbox_id not in self._by_id:
             return
+        until = time.monotonic() + UNWATCH_READ_S
         for handler in list(self._reading.values()):  # what is already queued (its last execs and exits) first
             with contextlib.suppress(OSError):
-                handler()
+                while handler() and time.monotonic() < until:
+                    pass
         state = self._by_id.pop(sandbox_id, None)
         if state is None:
             return
@@ -705,7 +710,8 @@ class AuditCollector:
         assert self._trace is not None
         until = time.monotonic() + SLICE_S
         if not self._traced:
-            self._traced = self._trace.read()
+            self._traced = self._trace.read(TRACE_READ)
+            self._ring_more = len(self._traced) >= TRACE_READ
         done = 0
         for done, ex in enumerate(self._traced, 1):
             if isinstance(ex, Exec):
@@ -721,7 +727,7 @@ class AuditCollector:
         else:
             done = len(self._traced)
         del self._traced[:done]
-        return bool(self._traced)
+        return bool(self._traced) or self._ring_more
 
     def _traced_exec(self, ex: Exec) -> None:
         state = self._by_uid.get(ex.uid)

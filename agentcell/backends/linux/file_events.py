@@ -165,11 +165,11 @@ BURST = 10_000.0  # ... and at once; beyond, they are counted and reported as re
 BATCH_S = 0.05  # a woken reader waits this long first: events pile up (and the kernel merges them) so
 # that a busy sandbox costs 20 wake-ups a second, not one per event (its queue holds 16,384)
 FLOOD_PAUSE_S = 0.5  # ... and a sandbox over its rate waits this long
-READ_SIZE = 16 << 10  # per read(): ~250 events, ~2 ms to handle ...
+READ_SIZE = 4 << 10  # per read(): ~60 events, ~0.6 ms to handle ...
 READS_PER_SLICE = 1  # ... then the loop serves others before reading on
-SLICE_S = 0.002  # pending writes are sent this long at a time
+SLICE_S = 0.001  # pending writes are sent this long at a time
 HOLD_MAX = 8192  # events kept for the next turn while their directory's delete is not read yet
-UNWATCH_READS = 256  # what unwatch reads of a queue the sandbox filled before it ended
+UNWATCH_READS = 1024  # what unwatch reads of a queue the sandbox filled before it ended
 WHITEOUT = "whiteout"
 _UNKNOWN = "path unknown (its directory was gone before the collector looked)"
 _ORIGIN = "trusted.overlay.origin"  # on a file or directory an overlay copied up from its lower layer

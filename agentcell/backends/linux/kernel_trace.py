@@ -216,6 +216,7 @@ class KernelTrace:
         self._obj = self._ring = None
         self._links: list[int] = []
         self._got: list[Exec | Denial | Refusal | Exit] = []
+        self._limit = 0  # read(): events to take at most (0: all)
         self._callback = _CALLBACK(self._on_event)  # kept: libbpf calls it
         try:
             self._obj = lib.bpf_object__open_file(str(path).encode(), None)
@@ -259,7 +260,7 @@ class KernelTrace:
             self._got.append(parse(ctypes.string_at(data, size)))
         except (struct.error, ValueError):
             pass  # a short or odd event: not ours to crash on
-        return 0
+        return -1 if self._limit and len(self._got) >= self._limit else 0  # < 0: libbpf stops after this one
 
     def fileno(self) -> int:
         assert self._ring is not None
@@ -274,9 +275,11 @@ class KernelTrace:
             if self._lib.bpf_map_update_elem(fd, ctypes.byref(key), value, 0) != 0:
                 raise self._error(f"setting the refusals of syscall {nr}")
 
-    def read(self) -> list[Exec | Denial | Refusal | Exit]:
-        """What the ring holds now (none: an empty list)."""
+    def read(self, limit: int = 0) -> list[Exec | Denial | Refusal | Exit]:
+        """What the ring holds now, the first `limit` events of it if given (none: an empty list); the
+        rest stays in the ring for the next read."""
         assert self._ring is not None
+        self._limit = limit
         self._lib.ring_buffer__consume(self._ring)
         got, self._got = self._got, []
         return got
