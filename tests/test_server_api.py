@@ -216,10 +216,13 @@ def test_lifecycle_status_codes(http: httpx.Client, sbx: dict[str, Any]) -> None
 def test_metrics(http: httpx.Client, sbx: dict[str, Any]) -> None:
     r = http.get(f"/sandboxes/{sbx['sandboxID']}/metrics")
     assert r.status_code == 200, r.text
-    (m,) = r.json()
-    assert set(m) == {"timestamp", "timestampUnix", "cpuCount", "cpuUsedPct", "memUsed", "memTotal",
-                      "memCache", "diskUsed", "diskTotal"}
-    assert m["memTotal"] > 0
+    samples = r.json()  # its history: the manager samples every 5 s, the request adds a fresh one
+    assert samples and [m["timestampUnix"] for m in samples] == sorted(m["timestampUnix"] for m in samples)
+    for m in samples:
+        assert set(m) == {"timestamp", "timestampUnix", "cpuCount", "cpuUsedPct", "memUsed", "memTotal",
+                          "memCache", "diskUsed", "diskTotal"}
+        assert m["memTotal"] > 0
+    assert samples[-1]["timestampUnix"] >= time.time() - 5  # the fresh one
 
 
 def test_kill(http: httpx.Client) -> None:
