@@ -1,17 +1,18 @@
 """The kernel tracer (backends/linux/kernel_trace.py): eBPF programs that report the execs, exits and
-refused syscalls of a host uid range. Real processes, exec'd as uids of a range no sandbox uses."""
+refused path syscalls of a host uid range. Real processes, exec'd as uids of a range no sandbox uses."""
 
 from __future__ import annotations
 
 import os
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 
 import pytest
 
 from agentcell.backends.linux.audit_proc import Exit
-from agentcell.backends.linux.kernel_trace import Denial, Exec, KernelTrace, KernelTraceUnavailable, Refusal
+from agentcell.backends.linux.kernel_trace import DENIALS, Denial, Exec, KernelTrace, KernelTraceUnavailable
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="loading eBPF needs root")
 
@@ -32,7 +33,7 @@ def as_uid(uid: int, *argv: str, cwd: str = "/") -> None:
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
 
 
-def read_all(trace: KernelTrace) -> list[Exec | Denial | Refusal | Exit]:
+def read_all(trace: KernelTrace) -> list[Exec | Denial | Exit]:
     time.sleep(0.05)
     return trace.read()
 
@@ -92,25 +93,44 @@ def test_a_missing_compiler_is_a_clear_error(monkeypatch: pytest.MonkeyPatch, tm
         KernelTrace(FIRST, LAST)
 
 
-def test_refused_path_calls_name_their_path_and_syscall(trace: KernelTrace) -> None:
-    as_uid(FIRST, "/bin/sh", "-c", "cat /root/.bashrc; cd /usr && rm -f lib/os-release; chmod 777 /etc/passwd; "
-           "mkdir /proc/x; ls /tmp", cwd="/tmp")
-    denials = {d.path: d for d in read_all(trace) if isinstance(d, Denial)}
-    assert denials["/root/.bashrc"].errno == 13 and denials["/root/.bashrc"].nr == 257  # openat
-    assert denials["/root/.bashrc"].open_flags & 0o3 == 0  # a read
-    assert denials["/usr/lib/os-release"].nr == 263 and denials["/usr/lib/os-release"].comm == "rm"  # relative
-    assert denials["/etc/passwd"].errno == 1 and denials["/etc/passwd"].nr == 268  # fchmodat, EPERM
-    assert len(denials) == 3  # mkdir in /proc: ENOENT, not a refusal; ls: nothing refused
+@pytest.mark.parametrize("denials", DENIALS)
+def test_refused_path_calls_name_their_path_and_syscall(denials: str) -> None:
+    """Either program: a refusal by the permission bits (EACCES), by ownership (EPERM), named as the call
+    named it; a failure that is no refusal (ENOENT) is not one. A read-only mount's EROFS involves no
+    permission check: only the sys_exit program ("syscalls") sees it."""
+    with tempfile.TemporaryDirectory() as ro:
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,mode=0777", "tmpfs", ro], check=True)
+        trace = KernelTrace(FIRST, LAST, budget=50, denials=denials)
+        try:
+            as_uid(FIRST, "/bin/sh", "-c", "cat /root/.bashrc; cd /usr && rm -f lib/os-release; chmod 777 /etc/passwd; "
+                   f"mkdir /proc/x; ls /tmp; touch {ro}/new", cwd="/tmp")
+            denials_seen = {d.path: d for d in read_all(trace) if isinstance(d, Denial)}
+        finally:
+            trace.close()
+            subprocess.run(["umount", ro], check=True)
+    assert denials_seen["/root/.bashrc"].errno == 13 and denials_seen["/root/.bashrc"].nr == 257  # openat
+    assert denials_seen["/root/.bashrc"].open_flags & 0o3 == 0  # a read
+    assert denials_seen["/usr/lib/os-release"].nr == 263 and denials_seen["/usr/lib/os-release"].comm == "rm"  # relative
+    assert denials_seen["/etc/passwd"].errno == 1 and denials_seen["/etc/passwd"].nr == 268  # fchmodat, EPERM
+    if denials == "syscalls":
+        assert denials_seen[f"{ro}/new"].errno == 30 and denials_seen[f"{ro}/new"].comm == "touch"
+        assert len(denials_seen) == 4  # mkdir in /proc: ENOENT, not a refusal; ls: nothing refused
+    else:
+        assert len(denials_seen) == 3, denials_seen  # one event per refusal; EROFS unseen
 
 
-def test_a_refusal_is_told_by_its_syscall_and_errno(trace: KernelTrace) -> None:
-    # mount and unshare: EPERM means refused; socket: EAFNOSUPPORT (97: errnos past 64 count too)
-    trace.refuse({165: {1}, 272: {1}, 41: {97}})
-    as_uid(FIRST, "/usr/bin/python3", "-c", "import ctypes; c = ctypes.CDLL(None); c.mount(b'x', b'/tmp', b'tmpfs', 0, None); "
-           "c.unshare(0x20000); c.socket(12345, 1, 0); c.getpid()")
-    refusals = [r for r in read_all(trace) if isinstance(r, Refusal)]
-    assert sorted((r.nr, r.errno) for r in refusals) == [(41, 97), (165, 1), (272, 1)]
-    assert all(r.comm == "python3" and r.uid == FIRST for r in refusals)
+def test_a_privileged_process_and_capability_checks_that_fail_no_call_write_nothing(trace: KernelTrace) -> None:
+    """The capability program: root's checks (granted), the capability checks an unprivileged mmap or
+    chmod makes without failing (CAP_SYS_ADMIN for the overcommit, CAP_FSETID), are no refusal."""
+    with tempfile.TemporaryDirectory() as shared:
+        os.chmod(shared, 0o2777)  # set-group-ID, group root: a file made in it is of a group not the caller's
+        as_uid(FIRST, "/usr/bin/python3", "-c", "import mmap, os, sys\n"
+               "m = mmap.mmap(-1, 1 << 20, flags=mmap.MAP_PRIVATE); m[0] = 1\n"
+               f"p = '{shared}/f'; open(p, 'w').close(); os.chmod(p, 0o2755)\n"
+               "sys.exit(0 if os.stat(p).st_mode & 0o7777 == 0o755 else 1)")  # the kernel dropped S_ISGID
+        assert os.stat(f"{shared}/f").st_mode & 0o7777 == 0o755
+        subprocess.run(["/bin/sh", "-c", "cat /root/.bashrc > /dev/null"], check=False)  # root: nothing refused
+        assert [d for d in read_all(trace) if isinstance(d, Denial)] == []
 
 
 def test_exits_of_the_processes_that_exec_d_with_code_or_signal(trace: KernelTrace) -> None:

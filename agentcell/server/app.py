@@ -332,6 +332,7 @@ def _build_backend(name: str, config: ServerConfig) -> Backend:
     return get_backend(name, uid_base=config.uid_base, max_sandboxes=config.max_sandboxes,
                        tune_sysctls=config.tune_sysctls, ptys_per_sandbox=config.ptys_per_sandbox,
                        standbys=config.standbys, standby_limits=config.limits, egress=egress,
+                       record_denials=config.record_denials,
                        memory_reserve_bytes=config.memory_reserve_mb << 20
                        if config.memory_reserve_mb is not None else None)
 

@@ -45,6 +45,10 @@ class ServerConfig:
     # --- the behaviour record (issue 10; server/event_store.py) ---
     record: bool = True  # False: no record, no collectors (--no-record)
     record_collectors: tuple[str, ...] = COLLECTOR_NAMES  # the linux backend's host-side collectors that run
+    # what the linux backend's kernel tracer sees of refused path syscalls: "failures" (at the failed
+    # capability check: free for allowed calls; not read-only mounts) or "syscalls" (every failing one, at
+    # the cost of every syscall of the host; docs/architecture.md, "The behaviour record")
+    record_denials: str = "failures"
     events_retention: int = 7 * 86400  # seconds a sandbox's record is kept after it is gone
     events_per_sandbox: int = 100_000  # events kept per sandbox (more are counted, not kept)
     events_rate: float = 2000.0  # events per second per sandbox and source (burst: 10 s of it)

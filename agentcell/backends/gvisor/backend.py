@@ -98,7 +98,7 @@ class GvisorBackend(CgroupSandboxes, Backend):
                  ready_timeout: float = READY_TIMEOUT, state_base: str = STATE_BASE,
                  host_tuning: host.HostTuning | None = None, standbys: int = STANDBYS,
                  standby_limits: Limits | None = None, egress: Any = None, uid_base: int | None = None,
-                 state_dir: str | None = None, **host_options: Any) -> None:
+                 state_dir: str | None = None, record_denials: str = "failures", **host_options: Any) -> None:
         """The server passes the linux backend's options: `egress` must be none (no uplink), and
         `uid_base` means nothing here (the guest kernel has its own ids). `state_dir` (the server's
         snapshots) is not used: runsc's state and the template image live in `state_base`, on /run,

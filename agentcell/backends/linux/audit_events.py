@@ -3,21 +3,29 @@ every process of a sandbox, observed from the host.
 
 Mechanisms (docs/architecture.md, "The behaviour record", has the measurements behind the choice):
 
-* execs, exits, refused path syscalls and seccomp refusals: eBPF programs (kernel_trace.py) on the
-  sched_process_exec, sched_process_exit and sys_exit tracepoints. With them, no audit exit rule and a task rule that
-  gives the sandbox processes no audit context: their syscalls keep the kernel's fast path.
+* execs, exits and refused path syscalls: eBPF programs (kernel_trace.py) on the sched_process_exec and
+  sched_process_exit tracepoints, and for the refusals (``denials``) on cap_capable ("failures", the
+  default: a refusal is seen at the failed capability check that makes it, so an allowed call costs
+  nothing; read-only mounts' EROFS is not seen) or on sys_exit ("syscalls": every EACCES/EPERM/EROFS of
+  a path syscall, at the price of every syscall of the host taking the kernel's slow path). With the
+  tracer, no audit exit rule and a task rule that gives the sandbox processes no audit context: their
+  syscalls keep the kernel's fast path.
 * without the tracer (no clang, libbpf or BTF), or with ``trace_source="audit"``: audit rules on
   syscall exit, limited to the server's host uid range (every sandbox process runs as one of its ids),
   keyed ``agentcell:<first>-<last>:<what>`` so a server removes its own rules at close and a dead
   server's stale ones at start. The kernel writes the SYSCALL record (host pid, ppid, uid, comm, exe),
   EXECVE (argv), CWD and PATH records of the call; seccomp refusals come as SECCOMP records (the
   sandbox's filter is loaded with SECCOMP_FILTER_FLAG_LOG; RET_ERRNO is in
-  /proc/sys/kernel/seccomp/actions_logged by default; the kernel writes them only for a process with
-  an audit context). Either way the kernel hands over an exec before the new program runs a single
+  /proc/sys/kernel/seccomp/actions_logged by default). Either way the kernel hands over an exec before the new program runs a single
   instruction: a `true` that exits at once is recorded too.
+* seccomp refusals, with or without the tracer: SECCOMP audit records, which the kernel writes for a
+  filter loaded with SECCOMP_FILTER_FLAG_LOG whether or not the process has an audit context (the
+  refusals of clone3 and the other "not implemented" calls come from a second filter without the flag:
+  glibc tries clone3 at every fork).
 * Landlock refusals: ABI 7 kernels (6.15+) write LANDLOCK_ACCESS records; landlock.py asks for them
   after exec too (LANDLOCK_RESTRICT_SELF_LOG_NEW_EXEC_ON). With the tracer they come without a syscall
-  context: tied to a sandbox by their domain, and paired with the tracer's refusal of the same path.
+  context: tied to a sandbox by their domain, paired with the tracer's refusal of the same path where
+  the tracer sees it (denials="syscalls"); else alone, without the process (no pid, no comm).
 * exits: with the tracer, its exit events (written only for processes it saw exec, status as wait(2)
   has it); without it, the proc connector (audit_proc.py), which sends every exit of the host.
 
@@ -53,9 +61,9 @@ import pyseccomp
 from agentcell.backends.events import EventSink, event
 from agentcell.backends.linux import audit_netlink as an
 from agentcell.backends.linux import audit_records as ar
-from agentcell.backends.linux import seccomp_filter, uids
+from agentcell.backends.linux import uids
 from agentcell.backends.linux.audit_proc import Exit, ProcConnector
-from agentcell.backends.linux.kernel_trace import Denial, Exec, KernelTrace, KernelTraceUnavailable, Refusal
+from agentcell.backends.linux.kernel_trace import DENIALS, Denial, Exec, KernelTrace, KernelTraceUnavailable
 from agentcell.backends.linux.record import WatchTarget, nspid
 from agentcell.errors import BackendUnavailableError
 
@@ -120,14 +128,18 @@ class AuditCollector:
 
     def __init__(self, sink: EventSink, uid_first: int, uid_last: int, *, budget: int = 1000,
                  window_s: float = 1.0, backlog: int = 8192, exempt_host: bool = True,
-                 trace_source: str = "auto") -> None:
+                 trace_source: str = "auto", denials: str = "failures") -> None:
         """`trace_source`: "bpf" (the kernel tracer, or fail), "audit" (audit rules), "auto" (the
-        tracer where it loads, else audit)."""
+        tracer where it loads, else audit). `denials`: what the tracer sees of refused path syscalls
+        (kernel_trace.DENIALS: "failures" or "syscalls", see the module docstring)."""
         if trace_source not in ("auto", "bpf", "audit"):
             raise ValueError(f"trace_source must be auto, bpf or audit, not {trace_source!r}")
+        if denials not in DENIALS:
+            raise ValueError(f"denials must be one of {', '.join(DENIALS)}, not {denials!r}")
         self.trace_source = trace_source
+        self.denials = denials
         self._trace: KernelTrace | None = None
-        self._traced: list[Exec | Denial | Refusal | Exit] = []  # read from the tracer, not handled yet
+        self._traced: list[Exec | Denial | Exit] = []  # read from the tracer, not handled yet
         self._ring_more = False  # the last read took its limit: the ring may hold more
         # with the tracer, Landlock's records come alone (no syscall context): a refusal the tracer saw
         # and Landlock's record of it wait LANDLOCK_PAIR_S for each other (one event, with the blockers)
@@ -190,6 +202,13 @@ class AuditCollector:
         """Whether the kernel tracer records execs and refusals (else audit's exit rules do)."""
         return self._trace is not None
 
+    @property
+    def sees_failed_syscalls(self) -> bool:
+        """Whether every refused path syscall is seen at its exit (read-only mounts' EROFS too, the
+        path as the call named it, Landlock's refusals with their process): audit's rules or the
+        tracer's sys_exit program."""
+        return self._trace is None or self.denials == "syscalls"
+
     def untraced(self) -> list[an.Rule]:
         """With the kernel tracer, a task rule: the server's sandbox processes get no audit context,
         so their syscalls keep the kernel's fast path (an audit context costs every syscall, +165 ns
@@ -224,8 +243,8 @@ class AuditCollector:
         try:
             if self.trace_source != "audit":
                 try:
-                    self._trace = KernelTrace(self.first, self.last, budget=self.budget * _SUPPRESS_FACTOR)
-                    self._trace.refuse(seccomp_filter.refusal_errnos())
+                    self._trace = KernelTrace(self.first, self.last, budget=self.budget * _SUPPRESS_FACTOR,
+                                              denials=self.denials)
                 except KernelTraceUnavailable as e:
                     if self._trace is not None:
                         self._trace.close()
@@ -612,8 +631,6 @@ class AuditCollector:
                 self._landlock(rec)
             return
         if mtype == an.SECCOMP:  # complete in itself (uid, pid, syscall); the SYSCALL record adds nothing
-            if self._trace is not None:
-                return  # the tracer has the refusals (these come only next to an operator's rules, twice else)
             rec = ar.parse(mtype, body)
             if rec is not None:
                 self.stats["records"] += 1
@@ -718,10 +735,8 @@ class AuditCollector:
                 self._traced_exec(ex)
             elif isinstance(ex, Exit):
                 self._exit(ex)  # (after its exec: the ring keeps their order)
-            elif isinstance(ex, Denial):
-                self._traced_denial(ex)
             else:
-                self._traced_refusal(ex)
+                self._traced_denial(ex)
             if done % 16 == 0 and time.monotonic() > until:
                 break
         else:
@@ -748,7 +763,7 @@ class AuditCollector:
         state = self._by_uid.get(d.uid)
         if state is None or _AGENT_NOISE.match(d.path):
             return
-        if d.errno != _EROFS:  # Landlock's refusals are EACCES: its record may be on its way
+        if d.errno != _EROFS and self.denials == "syscalls":  # Landlock's are EACCES: its record may be on its way
             self._hold(state, d)
             return
         self._denial_event(state, d)
@@ -779,15 +794,22 @@ class AuditCollector:
                 while len(self._domains) > 4096:
                     self._domains.popitem(last=False)
                 for waiting in self._unplaced.pop(domain, []):
-                    self._hold(state, waiting)
+                    self._wall(state, waiting)
             return
         state = self._domains.get(domain)
         if state is not None:
-            self._hold(state, rec)
+            self._wall(state, rec)
         else:  # its domain's record comes right after a domain's first refusal
             self._unplaced.setdefault(domain, []).append(rec)
             while len(self._unplaced) > 256 or len(self._unplaced[domain]) > 64:
                 self._unplaced.popitem(last=False) if len(self._unplaced) > 256 else self._unplaced[domain].pop(0)
+
+    def _wall(self, state: _Sandbox, rec: ar.Record) -> None:
+        """A Landlock refusal of a sandbox: paired with the tracer's view of the call where it has one."""
+        if self.denials == "syscalls":
+            self._hold(state, rec)
+        else:  # the tracer sees no Landlock refusal (no capability is asked): the record alone
+            self._release(state, rec)
 
     def _hold(self, state: _Sandbox, item: Denial | ar.Record) -> None:
         """Pair a refusal with Landlock's record of it (either may come first), or hold it a moment.
@@ -835,18 +857,6 @@ class AuditCollector:
             self._emit(state, event("deny.write", reason="landlock", blockers=item.get("blockers"), pid=None,
                                     at=item.time, path=item.get("path"), syscall=None, comm=None, host_pid=None,
                                     errno=_EACCES))
-
-    def _traced_refusal(self, r: Refusal) -> None:
-        state = self._by_uid.get(r.uid)
-        if state is None:
-            return
-        name = self._syscall_name(r.nr, None)
-        if name in _NOT_DENIALS:
-            return
-        level = state.pid_level
-        self._emit(state, event("deny.syscall", pid=r.pids[level] if len(r.pids) > level else None,
-                                at=_wall_of(r.monotonic_ns), syscall=name, nr=r.nr, action="errno", comm=r.comm,
-                                host_pid=r.host_pid))
 
     def _exec_event(self, state: _Sandbox, host_pid: int, host_ppid: int | None, pid: int | None,
                     ppid: int | None, at: float, monotonic: float, comm: str, **fields: Any) -> None:

@@ -258,7 +258,8 @@ class LinuxBackend(CgroupSandboxes, Backend):
                  preload: bool | None = None, zygote_timeout: float = 120.0,
                  host_tuning: host.HostTuning | None = None, standbys: int = STANDBYS,
                  standby_limits: Limits | None = None, prepare_parallel: int = PREPARE_PARALLEL,
-                 egress: EgressSettings | None = None, **host_options: Any) -> None:
+                 egress: EgressSettings | None = None, record_denials: str = "failures",
+                 **host_options: Any) -> None:
         if max_sandboxes < 1:
             raise ValueError("max_sandboxes must be at least 1")
         if standbys < 0 or prepare_parallel < 1:
@@ -298,12 +299,14 @@ class LinuxBackend(CgroupSandboxes, Backend):
         # the behaviour record's host-side collectors (record.py), started by start() once a recorder is attached
         self.collectors: list[Collector] = []
         self.missing_collectors: list[str] = []  # those that could not start here, and why
+        self.record_denials = record_denials  # what the kernel tracer sees of refused path syscalls (serve --record-denials)
 
     def _make_collectors(self, sink: EventSink) -> list[Collector]:
         """The behaviour record's host-side collectors (issue 10); the audit rules name this server's
         host uid range, so they are made once start() reserved it."""
         made: dict[str, Collector] = {
-            "processes": AuditCollector(sink, self.uid_base, self.uid_base + 2 * self._slot_count - 1),
+            "processes": AuditCollector(sink, self.uid_base, self.uid_base + 2 * self._slot_count - 1,
+                                        denials=self.record_denials),
             "files": FileCollector(sink, tune_sysctl=self.host_tuning.tune_sysctls),
             "limits": LimitsCollector(sink),
         }

@@ -1,7 +1,7 @@
-"""Execs, exits and refused syscalls of a uid range, from eBPF programs (bpf/kernel_trace.bpf.c): the
-behaviour record's source of `process.exec`, `process.exit`, `deny.syscall` and `deny.write`/
-`deny.access` (issue 10) where the kernel and the host allow it, kernel audit's exit rules and the
-proc connector otherwise (audit_events.py). An exit is written only for a process whose exec was (the
+"""Execs, exits and refused path syscalls of a uid range, from eBPF programs (bpf/kernel_trace.bpf.c): the
+behaviour record's source of `process.exec`, `process.exit` and `deny.write`/`deny.access` (issue 10)
+where the kernel and the host allow it, kernel audit's exit rules and the proc connector otherwise
+(audit_events.py). An exit is written only for a process whose exec was (the
 last of its threads, with its status), so it always follows its exec in the ring, and the server
 does not receive every exit of the host as the proc connector would send it.
 
@@ -9,9 +9,19 @@ Why: an audit exit rule gives every process of the range an audit context, and e
 syscalls then pays audit's entry/exit path and, for a path, the name's collection (measured in a
 sandbox: getppid +165 ns, stat +700 ns, open+close +960 ns); an exec then costs 6 records formatted by
 the kernel and parsed in Python (~60 µs of the exec'ing process, ~200 µs of the server). Here an exec
-costs a raw tracepoint on sched_process_exec (~10 µs with the server's handling) and a syscall one
-comparison on the sys_exit raw tracepoint (~+130 ns, for every process of the host while a server
-runs: that tracepoint is global). Each event comes structured: argv as the new program received it,
+costs a raw tracepoint on sched_process_exec (~10 µs with the server's handling), and a syscall
+nothing unless it is refused:
+
+* denials="failures" (the default): refused path syscalls are seen at the failed capability check
+  that refuses them (the cap_capable tracepoint, 6.14+); a call that checks no capability (nearly
+  all) never meets the tracer. Not seen: EROFS (read-only mounts), and refusals that involve no
+  capability check (bpf/kernel_trace.bpf.c, on_cap_denied, says which).
+* denials="syscalls": every path syscall failing with EACCES, EPERM or EROFS, at its exit (the sys_exit
+  tracepoint). That tracepoint is global: while it is attached every syscall of every process of the
+  host takes the kernel's slow path (measured in a sandbox: getppid 546 -> 648 ns, stat 3,386 -> 3,583
+  ns; the build-like benchmark +5.5 %, against -1 % without it).
+
+Each event comes structured: argv as the new program received it,
 the path as exec'd or as the refused call named it, the working directory, the pid at every
 pid-namespace level (no /proc lookup racing the process's end).
 
@@ -42,15 +52,14 @@ CACHE = Path(os.environ.get("AGENTCELL_BPF_CACHE", "/var/cache/agentcell/bpf"))
 CLANGS = ("clang", "clang-19", "clang-18", "clang-17", "clang-16", "clang-15", "clang-14")
 LEVELS = 4  # pid-namespace levels in an event (bpf source: LEVELS)
 F_ARGS_CUT, F_CWD_CUT, F_EXE_CUT = 1, 2, 4
-T_EXEC, T_DENIAL, T_REFUSED, T_EXIT = 1, 2, 3, 4
+T_EXEC, T_DENIAL, T_EXIT = 1, 2, 4
+DENIALS = ("failures", "syscalls")  # which program sees refused path syscalls (see the module's doc)
 # struct event's head: type, pad; ktime_ns; tgid, ppid, uid, flags; level, parent_level; pids[4],
 # ppids[4]; file_len, cwd_len, exe_len, args_len; comm[16]; file[256]; cwd[4096 + 256]; exe[...]; args
 _HEAD = struct.Struct(f"=IIQIIIIII{LEVELS}i{LEVELS}iIIII16s")
 # struct denial: type, tgid; ktime_ns; uid, err, nr, open_flags, level, flags; pids[4]; path_len,
 # cwd_len; comm[16]; path[4096 + 256]; cwd[4096 + 256]
 _DENIAL = struct.Struct(f"=IIQIIIIII{LEVELS}iII16s")
-# struct refusal: type, tgid; ktime_ns; uid, err, nr, level; pids[4]; comm[16]
-_REFUSAL = struct.Struct(f"=IIQIIII{LEVELS}i16s")
 _EXIT = struct.Struct("=IIQII")  # struct exit_event: type, tgid; ktime_ns; uid, status
 _FILE, _PATH = 256, 4096 + 256
 _CWD_AT = _HEAD.size + _FILE
@@ -92,29 +101,13 @@ class Denial:
     path: str  # as the call named it (read from its memory after the call), made absolute with its cwd
 
 
-@dataclass(frozen=True, slots=True)
-class Refusal:
-    """A syscall the sandbox's seccomp filter refused (its number, with an errno that means so)."""
-
-    monotonic_ns: int
-    host_pid: int
-    uid: int
-    errno: int
-    nr: int
-    pids: tuple[int, ...]
-    comm: str
-
-
-def parse(data: bytes) -> Exec | Denial | Refusal | Exit:
+def parse(data: bytes) -> Exec | Denial | Exit:
     kind = int.from_bytes(data[:4], "little")
     if kind == T_EXIT:
         (_type, tgid, ktime, _uid, status) = _EXIT.unpack_from(data)
         return Exit(tgid, status, ktime)
     if kind == T_DENIAL:
         return _denial(data)
-    if kind == T_REFUSED:
-        (_type, tgid, ktime, uid, err, nr, level, *rest) = _REFUSAL.unpack_from(data)
-        return Refusal(ktime, tgid, uid, err, nr, tuple(rest[:level + 1]), _text(rest[LEVELS].split(b"\0", 1)[0]))
     (_type, _pad, ktime, tgid, ppid, uid, flags, level, plevel, *rest) = _HEAD.unpack_from(data)
     pids, ppids = rest[:LEVELS], rest[LEVELS:2 * LEVELS]
     file_len, cwd_len, exe_len, args_len, comm = rest[2 * LEVELS:]
@@ -192,7 +185,7 @@ def _libbpf() -> ctypes.CDLL:
             ("bpf_object__find_program_by_name", p, (p, s)), ("bpf_object__find_map_by_name", p, (p, s)),
             ("bpf_map__fd", i, (p,)), ("bpf_map__set_max_entries", i, (p, ctypes.c_uint32)),
             ("bpf_program__attach", p, (p,)), ("bpf_object__next_program", p, (p, p)),
-            ("bpf_program__name", s, (p,)), ("bpf_link__destroy", i, (p,)), ("libbpf_num_possible_cpus", i, ()),
+            ("bpf_program__name", s, (p,)), ("bpf_program__set_autoload", i, (p, ctypes.c_bool)), ("bpf_link__destroy", i, (p,)), ("libbpf_num_possible_cpus", i, ()),
             ("libbpf_get_error", ctypes.c_long, (p,)),
             ("bpf_map_update_elem", i, (i, p, p, ctypes.c_uint64)), ("bpf_map_lookup_elem", i, (i, p, p)),
             ("bpf_map_delete_elem", i, (i, p)),
@@ -205,17 +198,21 @@ def _libbpf() -> ctypes.CDLL:
 
 class KernelTrace:
     """The loaded, attached tracer for host uids `uid_first`..`uid_last`, each of which may have `budget`
-    execs a second written (beyond: counted, `dropped`). `fileno()` is readable when
-    events are waiting; `read()` returns them in the order the kernel wrote them."""
+    execs a second written (beyond: counted, `dropped`). `denials` picks the program that sees refused
+    path syscalls (DENIALS; the module's doc). `fileno()` is readable when events are waiting; `read()`
+    returns them in the order the kernel wrote them."""
 
-    def __init__(self, uid_first: int, uid_last: int, budget: int = 4000, source: Path = SOURCE) -> None:
+    def __init__(self, uid_first: int, uid_last: int, budget: int = 4000, source: Path = SOURCE,
+                 denials: str = "failures") -> None:
+        if denials not in DENIALS:
+            raise ValueError(f"denials must be one of {', '.join(DENIALS)}, not {denials!r}")
         if not Path("/sys/kernel/btf/vmlinux").exists():
             raise KernelTraceUnavailable("the kernel has no BTF (/sys/kernel/btf/vmlinux): CONFIG_DEBUG_INFO_BTF")
         path = build(source)
         lib = self._lib = _libbpf()
         self._obj = self._ring = None
         self._links: list[int] = []
-        self._got: list[Exec | Denial | Refusal | Exit] = []
+        self._got: list[Exec | Denial | Exit] = []
         self._limit = 0  # read(): events to take at most (0: all)
         self._callback = _CALLBACK(self._on_event)  # kept: libbpf calls it
         try:
@@ -223,6 +220,8 @@ class KernelTrace:
             if not self._obj or lib.libbpf_get_error(self._obj):
                 self._obj = None
                 raise self._error("opening the kernel tracer")
+            unused = "on_sys_exit" if denials == "failures" else "on_cap_denied"
+            lib.bpf_program__set_autoload(lib.bpf_object__find_program_by_name(self._obj, unused.encode()), False)
             cpus = lib.libbpf_num_possible_cpus()
             lib.bpf_map__set_max_entries(lib.bpf_object__find_map_by_name(self._obj, b"scratch"), max(cpus, 1))
             if lib.bpf_object__load(self._obj) != 0:
@@ -238,6 +237,9 @@ class KernelTrace:
             self._cpus = cpus
             prog = lib.bpf_object__next_program(self._obj, None)
             while prog:
+                if lib.bpf_program__name(prog).decode() == unused:
+                    prog = lib.bpf_object__next_program(self._obj, prog)
+                    continue
                 link = lib.bpf_program__attach(prog)
                 if not link or lib.libbpf_get_error(link):
                     raise self._error(f"attaching the kernel tracer's {(lib.bpf_program__name(prog) or b'?').decode()}")
@@ -266,16 +268,7 @@ class KernelTrace:
         assert self._ring is not None
         return self._lib.ring_buffer__epoll_fd(self._ring)
 
-    def refuse(self, errnos: dict[int, set[int]]) -> None:
-        """Which errnos of which syscall numbers mean the seccomp filter refused the call."""
-        fd = self._lib.bpf_map__fd(self._lib.bpf_object__find_map_by_name(self._obj, b"refusals"))
-        for nr, errs in errnos.items():
-            bits = sum(1 << e for e in errs if 0 < e < 128)
-            key, value = ctypes.c_uint32(nr), (ctypes.c_uint64 * 2)(bits & (1 << 64) - 1, bits >> 64)
-            if self._lib.bpf_map_update_elem(fd, ctypes.byref(key), value, 0) != 0:
-                raise self._error(f"setting the refusals of syscall {nr}")
-
-    def read(self, limit: int = 0) -> list[Exec | Denial | Refusal | Exit]:
+    def read(self, limit: int = 0) -> list[Exec | Denial | Exit]:
         """What the ring holds now, the first `limit` events of it if given (none: an empty list); the
         rest stays in the ring for the next read."""
         assert self._ring is not None

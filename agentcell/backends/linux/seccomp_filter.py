@@ -19,6 +19,13 @@ another architecture to the filter: that kills the process.
 
 libseccomp generates the BPF program anew on every load (~1.3 ms for this filter); `build()` does it
 once and each sandbox loads the same bytes with one prctl (~0.25 ms).
+
+Two programs: the filter proper, loaded with SECCOMP_FILTER_FLAG_LOG (the kernel's audit writes a
+record of each refusal: the behaviour record's deny.syscall), and a small one without that flag for the
+NOT_IMPLEMENTED calls, which are fallbacks rather than refusals (glibc tries clone3 at every fork): a
+record each would cost every fork ~µs of the kernel's audit formatting and the server a parse. Of two
+filters' verdicts the stricter wins, and for an equal one the later-loaded filter's: so those calls get
+the second filter's ENOSYS and no record.
 """
 
 from __future__ import annotations
@@ -126,9 +133,10 @@ SECCOMP_SET_MODE_FILTER, SECCOMP_FILTER_FLAG_LOG = 1, 2
 
 
 class Filter:
-    """The filter as a BPF program, generated once."""
+    """The filter as a BPF program, generated once; loaded with the audit flag if `log`, then `then`."""
 
-    def __init__(self, rules: seccomp.SyscallFilter) -> None:
+    def __init__(self, rules: seccomp.SyscallFilter, log: bool = True, then: Filter | None = None) -> None:
+        self.log, self.then = log, then
         fd = os.memfd_create("seccomp-bpf", os.MFD_CLOEXEC)
         with os.fdopen(fd, "w+b") as f:
             rules.export_bpf(f)
@@ -141,42 +149,40 @@ class Filter:
         """Confine the calling thread (and everything it forks) for good."""
         sc.prctl(sc.PR_SET_NO_NEW_PRIVS, 1)  # the kernel's condition for an unprivileged filter
         nr = _SYS_SECCOMP.get(os.uname().machine)
+        res = -1
         if nr is not None:
             res = _libc.syscall(ctypes.c_long(nr), ctypes.c_uint(SECCOMP_SET_MODE_FILTER),
-                                ctypes.c_uint(SECCOMP_FILTER_FLAG_LOG), ctypes.c_void_p(ctypes.addressof(self._prog)))
-            if res == 0:
-                return
-        sc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.addressof(self._prog))  # no logging flag here
-
-
-def refusal_errnos() -> dict[int, set[int]]:
-    """Syscall number -> the errnos with which the filter refuses it (what a refused call returns; a
-    tracer that sees the call's exit tells a refusal by these). Argument-dependent refusals (clone's
-    namespace flags, ioctl's TIOCSTI, a socket family) are told by their errno alone."""
-    arch = seccomp.system_arch()
-    by_name: dict[str, set[int]] = {}
-    for names, err in ((DENIED, errno.EPERM), (NOT_IMPLEMENTED, errno.ENOSYS),
-                       (("clone", "ioctl", "personality"), errno.EPERM),
-                       (("socket", "socketpair"), errno.EAFNOSUPPORT), (("socket",), errno.EPROTONOSUPPORT)):
-        for name in names:
-            by_name.setdefault(name, set()).add(err)
-    out: dict[int, set[int]] = {}
-    for name, errs in by_name.items():
-        try:
-            nr = seccomp.resolve_syscall(arch, name)
-        except (OSError, RuntimeError, ValueError):
-            continue
-        if nr >= 0:
-            out[nr] = errs
-    return out
+                                ctypes.c_uint(SECCOMP_FILTER_FLAG_LOG if self.log else 0),
+                                ctypes.c_void_p(ctypes.addressof(self._prog)))
+        if res != 0:
+            sc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.addressof(self._prog))  # no logging flag here
+        if self.then is not None:
+            self.then.load()
 
 
 def build() -> Filter:
-    return Filter(rules())
+    """The sandbox's filters: the refusals (logged), then the unlogged NOT_IMPLEMENTED (module doc)."""
+    return Filter(rules(not_implemented=False), then=Filter(_refusing(NOT_IMPLEMENTED, errno.ENOSYS), log=False))
 
 
-def rules() -> seccomp.SyscallFilter:
-    """The filter in libseccomp's terms (`rules().export_pfc(sys.stdout)` shows it)."""
+def _refusing(names: Sequence[str], err: int, f: seccomp.SyscallFilter | None = None) -> seccomp.SyscallFilter:
+    """`f` (a new default-allow filter if None) with `err` for each of `names` this architecture has."""
+    if f is None:
+        f = seccomp.SyscallFilter(seccomp.ALLOW)
+        f.set_attr(seccomp.Attr.ACT_BADARCH, seccomp.KILL_PROCESS)
+    arch = seccomp.system_arch()
+    for name in names:
+        try:
+            if seccomp.resolve_syscall(arch, name) >= 0:  # < 0: not a syscall on this architecture
+                f.add_rule(seccomp.ERRNO(err), name)
+        except (OSError, RuntimeError, ValueError):
+            pass  # unknown to this libseccomp version
+    return f
+
+
+def rules(not_implemented: bool = True) -> seccomp.SyscallFilter:
+    """The filter in libseccomp's terms (`rules().export_pfc(sys.stdout)` shows it); without the
+    NOT_IMPLEMENTED calls if not `not_implemented` (build() gives them a filter of their own)."""
     f = seccomp.SyscallFilter(seccomp.ALLOW)
     # an i386/x32 syscall is refused as a foreign architecture; make the verdict the whole process
     f.set_attr(seccomp.Attr.ACT_BADARCH, seccomp.KILL_PROCESS)
@@ -185,14 +191,9 @@ def rules() -> seccomp.SyscallFilter:
         f.set_attr(seccomp.Attr.CTL_OPTIMIZE, 2)
     except (OSError, RuntimeError, ValueError):
         pass
-    arch = seccomp.system_arch()
-    for action, names in ((seccomp.ERRNO(errno.EPERM), DENIED), (seccomp.ERRNO(errno.ENOSYS), NOT_IMPLEMENTED)):
-        for name in names:
-            try:
-                if seccomp.resolve_syscall(arch, name) >= 0:  # < 0: not a syscall on this architecture
-                    f.add_rule(action, name)
-            except (OSError, RuntimeError, ValueError):
-                pass  # unknown to this libseccomp version
+    _refusing(DENIED, errno.EPERM, f)
+    if not_implemented:
+        _refusing(NOT_IMPLEMENTED, errno.ENOSYS, f)
     eperm = seccomp.ERRNO(errno.EPERM)
     for flag in _NEW_NS_FLAGS:
         f.add_rule(eperm, "clone", seccomp.Arg(0, seccomp.MASKED_EQ, flag, flag))

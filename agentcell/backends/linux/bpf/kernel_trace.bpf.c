@@ -7,9 +7,17 @@
 //   a raw tracepoint on sched_process_exec;
 // * one event per exit of a process it reported the exec of (the last of its threads, with its exit
 //   code or the killing signal, as wait(2) reports it): a raw tracepoint on sched_process_exit;
-// * one event per path syscall refused with EACCES, EPERM or EROFS (open, mkdir, unlink, rename, link,
-//   symlink, mknod, chmod, chown, truncate, utime, setxattr): a raw tracepoint on sys_exit, which
-//   returns at its first comparison for any call that did not fail so.
+// * one event per path syscall refused (open, mkdir, unlink, rename, link, symlink, mknod, chmod, chown,
+//   truncate, utime, setxattr), from one of two programs, the loader picks which:
+//   - on_cap_denied, a raw tracepoint on cap_capable (6.14+), which fires at every capability check of
+//     the host and writes only a failed one made during such a call (a file's permission bits refused
+//     the caller, and so did the capability that would override them): costs nothing to a call that
+//     checks no capability, which is nearly every call;
+//   - on_sys_exit, a raw tracepoint on sys_exit: every path syscall failing with EACCES, EPERM or EROFS
+//     (read-only mounts too), at the price of the syscall tracepoint, which puts every syscall of every
+//     process of the host on the kernel's slow path (measured: +100-180 ns a syscall).
+// Seccomp's refusals are not here: the kernel's audit writes them (SECCOMP records), at no cost to the
+// calls it allows.
 //
 // Built by kernel_trace.py with clang -target bpf; the structs below name only the fields read: libbpf
 // relocates their offsets against the running kernel's BTF (CO-RE), so no kernel headers are needed.
@@ -27,11 +35,17 @@
 #define F_EXE_CUT 4
 #define T_EXEC 1
 #define T_DENIAL 2
-#define T_REFUSED 3             // a syscall the sandbox's seccomp filter refuses, by number and errno
 #define T_EXIT 4
 #define EPERM 1
 #define EACCES 13
 #define EROFS 30
+#define CAP_CHOWN 0
+#define CAP_DAC_OVERRIDE 1
+#define CAP_FOWNER 3
+#define CAP_LINUX_IMMUTABLE 9
+#define CAP_SYS_RAWIO 17
+#define CAP_SYS_PTRACE 19
+#define CAP_MKNOD 27
 #define PATH_BUF (CWD_MAX + NAME_MAX_B)
 #define WINDOW_NS 1000000000ULL  // each uid gets config.budget events per window; beyond: counted
 
@@ -90,15 +104,6 @@ struct denial {
     char cwd[PATH_BUF];         // components, innermost first (for a relative path only)
 };
 
-// a syscall refused by the sandbox's seccomp filter (seen at its exit: the filter's errno)
-struct refusal {
-    __u32 type, tgid;           // T_REFUSED
-    __u64 ktime_ns;
-    __u32 uid, err, nr, level;
-    __s32 pids[LEVELS];
-    char comm[16];
-};
-
 // a process's exit, once its last thread is gone
 struct exit_event {
     __u32 type, tgid;           // T_EXIT
@@ -111,12 +116,6 @@ struct { __uint(type, BPF_MAP_TYPE_RINGBUF); __uint(max_entries, 16 << 20); } ev
 // exec'ing writes nothing, and every exit written has its exec before it in the ring
 struct { __uint(type, BPF_MAP_TYPE_LRU_HASH); __uint(max_entries, 65536); __type(key, __u32); __type(value, __u8); }
     execd SEC(".maps");
-struct errnos { __u64 bits[2]; };  // errno n: bit n % 64 of bits[n / 64] (errnos go to 133)
-// syscall number -> the errnos (bit n of the 128: errno n) that mean the sandbox's seccomp filter refused it
-// (seccomp_filter.py's policy, set by the loader): a refused syscall never ran, so its exit is the proof
-struct { __uint(type, BPF_MAP_TYPE_HASH); __uint(max_entries, 1024); __type(key, __u32); __type(value, struct errnos); }
-    refusals SEC(".maps");
-
 struct { __uint(type, BPF_MAP_TYPE_ARRAY); __uint(max_entries, 1); __type(key, __u32); __type(value, struct config); }
     config SEC(".maps");
 // one event being written per CPU (a per-CPU array's values are limited to 32 KiB); the loader sets
@@ -310,40 +309,9 @@ int on_exit(__u64 *ctx) {
 #define O_CREAT 0100
 #define O_TRUNC 01000
 
-static __always_inline int refused(struct config *cfg, __u32 uid, __u32 nr, __u32 err) {
-    __u64 now = bpf_ktime_get_ns();
-    struct refusal *r = claim(cfg, uid, now);
-    if (!r)
-        return 0;
-    r->type = T_REFUSED;
-    r->tgid = bpf_get_current_pid_tgid() >> 32;
-    r->ktime_ns = now;
-    r->uid = uid;
-    r->err = err;
-    r->nr = nr;
-    pids_of((struct task_struct *)bpf_get_current_task(), &r->level, r->pids);
-    bpf_get_current_comm(r->comm, sizeof(r->comm));
-    send(r, sizeof(*r));
-    return 0;
-}
-
-SEC("raw_tp/sys_exit")
-int on_sys_exit(__u64 *ctx) {
-    long ret = (long)ctx[1];
-    if (ret >= 0 || ret < -127)
-        return 0;  // every syscall that did not fail stops here
-    __u32 uid = (__u32)bpf_get_current_uid_gid();
-    struct config *cfg = ours(uid);
-    if (!cfg)
-        return 0;
-    struct pt_regs *regs = (struct pt_regs *)ctx[0];
-    __u32 nr = BPF_CORE_READ(regs, orig_ax);
-    struct errnos *errs = bpf_map_lookup_elem(&refusals, &nr);
-    __u32 err = -ret;
-    if (errs && (errs->bits[(err >> 6) & 1] >> (err & 63)) & 1)
-        return refused(cfg, uid, nr, -ret);
-    if (ret != -EACCES && ret != -EPERM && ret != -EROFS)
-        return 0;
+// The refused path syscall `nr` of the current task (its registers `regs`), with `err`, if its path
+// argument can be read: one denial event.
+static __always_inline int path_denial(struct config *cfg, __u32 uid, struct pt_regs *regs, __u32 nr, __u32 err) {
     unsigned long path, flags = 0;
     switch (nr) {  // x86_64 numbers: where each call has the path it is refused on
     case 2:  // open(path, flags)
@@ -396,14 +364,14 @@ int on_sys_exit(__u64 *ctx) {
     d->tgid = bpf_get_current_pid_tgid() >> 32;
     d->ktime_ns = now;
     d->uid = uid;
-    d->err = -ret;
+    d->err = err;
     d->nr = nr;
     d->open_flags = flags;
     d->flags = 0;
     pids_of(t, &d->level, d->pids);
     bpf_get_current_comm(d->comm, sizeof(d->comm));
-    // read from the caller's memory after the call: what it named (a racing thread of its own could
-    // change it meanwhile: the path is the process's word, the refusal and the rest are the kernel's)
+    // read from the caller's memory: what it named (a racing thread of its own could change it
+    // meanwhile: the path is the process's word, the refusal and the rest are the kernel's)
     long n = bpf_probe_read_user_str(d->path, PATH_BUF, (void *)path);
     d->path_len = n > 0 ? n : 0;
     d->cwd_len = 0;
@@ -414,6 +382,51 @@ int on_sys_exit(__u64 *ctx) {
     }
     send(d, sizeof(*d));
     return 0;
+}
+
+// cap_capable(cred, target_ns, capable_ns, cap, ret): a capability refused during a path syscall, one
+// whose refusal fails the call. The file permission check (generic_permission) asks for CAP_DAC_OVERRIDE
+// last when the mode bits refuse (after CAP_DAC_READ_SEARCH for a read: not reported, so one refusal
+// is one event); /proc/<pid>/ files ask for CAP_SYS_PTRACE; chmod, utimes, O_NOATIME, a sticky
+// directory's unlink for CAP_FOWNER; chown for CAP_CHOWN; mknod for CAP_MKNOD. Not CAP_FSETID (a chmod
+// that only drops the set-group-ID bit succeeds) nor CAP_SYS_ADMIN/CAP_SYS_RESOURCE (asked without
+// failing the call, e.g. by every mmap). Unseen: a refusal by the mode bits alone (exec of a file
+// without an x bit), or to a process that has the capability in its user namespace but the file's
+// owner is not mapped there (the sandbox's root on a host-owned file), and read-only mounts (EROFS).
+SEC("raw_tp/cap_capable")
+int on_cap_denied(__u64 *ctx) {
+    if ((int)ctx[4] == 0)
+        return 0;  // granted: every check of a privileged process stops here
+    __u32 err;
+    switch ((int)ctx[3]) {
+    case CAP_DAC_OVERRIDE: case CAP_SYS_PTRACE:
+        err = EACCES;
+        break;
+    case CAP_FOWNER: case CAP_CHOWN: case CAP_MKNOD: case CAP_LINUX_IMMUTABLE: case CAP_SYS_RAWIO:
+        err = EPERM;
+        break;
+    default:
+        return 0;
+    }
+    __u32 uid = (__u32)bpf_get_current_uid_gid();
+    struct config *cfg = ours(uid);
+    if (!cfg)
+        return 0;
+    struct pt_regs *regs = (struct pt_regs *)bpf_task_pt_regs((struct task_struct *)bpf_get_current_task_btf());
+    return path_denial(cfg, uid, regs, BPF_CORE_READ(regs, orig_ax), err);
+}
+
+SEC("raw_tp/sys_exit")
+int on_sys_exit(__u64 *ctx) {
+    long ret = (long)ctx[1];
+    if (ret != -EACCES && ret != -EPERM && ret != -EROFS)
+        return 0;  // every syscall that did not fail so stops here
+    __u32 uid = (__u32)bpf_get_current_uid_gid();
+    struct config *cfg = ours(uid);
+    if (!cfg)
+        return 0;
+    struct pt_regs *regs = (struct pt_regs *)ctx[0];
+    return path_denial(cfg, uid, regs, BPF_CORE_READ(regs, orig_ax), -ret);
 }
 
 
