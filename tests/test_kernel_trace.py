@@ -120,15 +120,22 @@ def test_refused_path_calls_name_their_path_and_syscall(denials: str) -> None:
 
 
 def test_a_privileged_process_and_capability_checks_that_fail_no_call_write_nothing(trace: KernelTrace) -> None:
-    """The capability program: root's checks (granted), the capability checks an unprivileged mmap or
-    chmod makes without failing (CAP_SYS_ADMIN for the overcommit, CAP_FSETID), are no refusal."""
+    """The capability program: root's checks (granted), and the capability checks a call makes without
+    failing (an mmap's CAP_SYS_ADMIN for the overcommit, a chmod's CAP_FSETID, a link's mode check, a
+    touch's CAP_FOWNER) are no refusal."""
     with tempfile.TemporaryDirectory() as shared:
         os.chmod(shared, 0o2777)  # set-group-ID, group root: a file made in it is of a group not the caller's
+        with open(f"{shared}/theirs", "w"):
+            os.chmod(f"{shared}/theirs", 0o666)
         as_uid(FIRST, "/usr/bin/python3", "-c", "import mmap, os, sys\n"
                "m = mmap.mmap(-1, 1 << 20, flags=mmap.MAP_PRIVATE); m[0] = 1\n"
                f"p = '{shared}/f'; open(p, 'w').close(); os.chmod(p, 0o2755)\n"
-               "sys.exit(0 if os.stat(p).st_mode & 0o7777 == 0o755 else 1)")  # the kernel dropped S_ISGID
-        assert os.stat(f"{shared}/f").st_mode & 0o7777 == 0o755
+               "open(p + '.mode', 'w').write(oct(os.stat(p).st_mode & 0o7777))\n"  # the kernel dropped S_ISGID
+               # its own read-only file linked (as git does its objects; protected_hardlinks asks
+               # whether it may read and write it first), another's writable file touched to now
+               f"os.chmod(p, 0o444); os.link(p, '{shared}/g'); os.utime('{shared}/theirs')")
+        assert open(f"{shared}/f.mode").read() == "0o755"
+        assert os.stat(f"{shared}/f").st_mode & 0o7777 == 0o444 and os.path.exists(f"{shared}/g")
         subprocess.run(["/bin/sh", "-c", "cat /root/.bashrc > /dev/null"], check=False)  # root: nothing refused
         assert [d for d in read_all(trace) if isinstance(d, Denial)] == []
 

@@ -243,8 +243,7 @@ class AuditCollector:
         try:
             if self.trace_source != "audit":
                 try:
-                    self._trace = KernelTrace(self.first, self.last, budget=self.budget * _SUPPRESS_FACTOR,
-                                              denials=self.denials)
+                    self._trace = self._load_tracer()
                 except KernelTraceUnavailable as e:
                     if self._trace is not None:
                         self._trace.close()
@@ -292,6 +291,21 @@ class AuditCollector:
         if self._trace is not None:
             self._read_later(self._trace.fileno(), self._on_traced)
         self._tick = self._loop.call_later(self.window_s, self._on_tick)
+
+    def _load_tracer(self) -> KernelTrace:
+        """The kernel tracer; where the kernel has no cap_capable tracepoint (before 6.14) or refuses the
+        program that reads it, the one that sees refusals at every syscall's exit, said so."""
+        budget = self.budget * _SUPPRESS_FACTOR
+        try:
+            return KernelTrace(self.first, self.last, budget=budget, denials=self.denials)
+        except KernelTraceUnavailable as e:
+            if self.denials != "failures":
+                raise
+            trace = KernelTrace(self.first, self.last, budget=budget, denials="syscalls")
+            print(f"agentcell audit: refused file operations are seen at every syscall's exit ({e}): every "
+                  "syscall of the host pays the kernel's slow path while this server runs", file=sys.stderr)
+            self.denials = "syscalls"
+            return trace
 
     def _read_later(self, fd: int, handler: Callable[[], bool | None]) -> None:
         """Read `fd` in batches, READ_DELAY_S after it becomes readable: the records of a command
