@@ -8,6 +8,8 @@ Rows (p50 / p95 over --runs, record on vs off, and the overhead; the goal is <= 
 * commands.run("true");
 * a build-like workload in one command: 2,000 file writes and 200 execs (sh + cat), as a compiler
   or package install would do;
+* the server's CPU time per round (create + true + build), which the p50s do not show: the record's
+  work the server does on its other core, or while the next request waits;
 * events recorded per build (what the record took in).
 `--collectors files` (or any subset of processes,files,limits) shows what each collector costs.
 
@@ -21,6 +23,7 @@ the thing measured; a block pair shares the drift, so the paired figure is the o
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 import statistics
 import subprocess
@@ -76,14 +79,25 @@ def row(name: str, on: list[list[float]], off: list[list[float]]) -> None:
           f" | overhead pooled {100 * (a50 - b50) / b50:+5.1f} %, paired {100 * paired:+5.1f} %  (goal <= 5 %)")
 
 
-def measure(url: str, runs: int, samples: dict[str, list[list[float]]], record: bool, settle: float) -> int:
-    """`runs` rounds against one server; the events one build put in the record (0 without one)."""
+def cpu_s(pid: int) -> float:
+    """A process's CPU time so far (user + system, all its threads), in seconds."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measure(url: str, pid: int, runs: int, samples: dict[str, list[list[float]]], record: bool,
+            settle: float) -> int:
+    """`runs` rounds against one server (process `pid`); the events one build put in the record (0
+    without one)."""
     block: dict[str, list[float]] = {k: [] for k in samples}
     for k in samples:
         samples[k].append(block[k])
     s = Sandbox.create(api_url=url, timeout=1800)
     try:
         s.commands.run(BUILD, timeout=120)  # warm: first exec, first file
+        time.sleep(1)  # its record read and written: the CPU counted below is the rounds'
+        cpu = cpu_s(pid)
         for _ in range(runs):
             time.sleep(settle)
             t = time.perf_counter()
@@ -93,6 +107,8 @@ def measure(url: str, runs: int, samples: dict[str, list[list[float]]], record: 
             fresh.kill()
             block["true"].append(timed(lambda: s.commands.run("true")))
             block["build"].append(timed(lambda: s.commands.run(BUILD, timeout=120)))
+        time.sleep(1)  # the last round's record read and written
+        block["server_cpu"].append((cpu_s(pid) - cpu) / runs)
         if not record:
             return 0
         time.sleep(2)  # the last build's coalesced file writes come out once the files are quiet
@@ -116,14 +132,15 @@ def main() -> None:
     args = ap.parse_args()
     # One server at a time: a recording server's audit rules would otherwise reach the baseline's
     # sandboxes too (a task forked while audit rules exist gets an audit context: every syscall pays)
-    samples: dict[bool, dict[str, list[list[float]]]] = {k: {"create": [], "true": [], "build": []} for k in (True, False)}
+    samples: dict[bool, dict[str, list[list[float]]]] = {
+        k: {"create": [], "true": [], "build": [], "server_cpu": []} for k in (True, False)}
     events = 0
     per_block = max(1, args.runs // args.blocks)
     for block in range(args.blocks * 2):
         record = (block % 4) in (0, 3)  # on, off, off, on, on, off ...
         proc, url = start(record, args.collectors)
         try:
-            got = measure(url, per_block, samples[record], record, args.settle)
+            got = measure(url, proc.pid, per_block, samples[record], record, args.settle)
             events = got if record else events
         finally:
             proc.terminate()
@@ -133,6 +150,10 @@ def main() -> None:
     row("create -> first run_code result", samples[True]["create"], samples[False]["create"])
     row('commands.run("true")', samples[True]["true"], samples[False]["true"])
     row("build: 2,000 writes + 200 execs", samples[True]["build"], samples[False]["build"])
+    on_cpu = statistics.median(x for xs in samples[True]["server_cpu"] for x in xs) * 1000
+    off_cpu = statistics.median(x for xs in samples[False]["server_cpu"] for x in xs) * 1000
+    print(f"{'server CPU per round':<34} on  {on_cpu:8.1f} ms                   | off {off_cpu:8.1f} ms"
+          f"                   | the record's: {on_cpu - off_cpu:+.1f} ms a round (median of the blocks)")
     print(f"events recorded for one build: {events}")
 
 
