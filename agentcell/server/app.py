@@ -21,7 +21,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from agentcell.backends import get_backend
+from agentcell.backends import get_backend, quiet
 from agentcell.backends.base import Backend, set_sandbox_id_prefix
 from agentcell.backends.linux.egress_service import EgressSettings
 from agentcell.server import api_events, auth, cell, files, interpreter, ports
@@ -173,7 +173,13 @@ class AgentcellApp:
             return
         if scope["type"] != "http":
             return  # uvicorn runs with ws="none": upgrades come as http scopes (http_protocol.py)
-        await self.edge(scope, receive, send)
+        quiet.touch()  # the record's background work waits until requests are served (backends/quiet.py)
+
+        async def send_touched(message: Any) -> None:
+            quiet.touch()
+            await send(message)
+
+        await self.edge(scope, receive, send_touched)
 
     async def _route(self, scope: Any, receive: Any, send: Any) -> None:
         """Credentials and content type are checked here, once, before any handler reads the body."""

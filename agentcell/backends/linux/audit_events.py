@@ -58,6 +58,7 @@ from typing import Any
 
 import pyseccomp
 
+from agentcell.backends import quiet
 from agentcell.backends.events import EventSink, event
 from agentcell.backends.linux import audit_netlink as an
 from agentcell.backends.linux import audit_records as ar
@@ -317,13 +318,15 @@ class AuditCollector:
 
         def readable() -> None:
             loop.remove_reader(fd)
-            loop.call_later(READ_DELAY_S, drain)
+            loop.call_later(READ_DELAY_S, drain, time.monotonic() + READ_DELAY_S)
 
-        def drain() -> None:
+        def drain(due: float) -> None:
             if self._reading.get(fd) is not handler:
                 return  # the socket was swapped or closed meanwhile
-            if handler():  # its slice is up and more is queued: on after what else is ready
-                loop.call_soon(drain)
+            if wait := quiet.wait_s(due):  # the server is serving requests: after them
+                loop.call_later(wait, drain, due)
+            elif handler():  # its slice is up and more is queued: on after what else is ready
+                loop.call_soon(drain, time.monotonic())
             else:
                 loop.add_reader(fd, readable)
 

@@ -39,6 +39,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+from agentcell.backends import quiet
 from agentcell.backends.events import EventSink, event
 from agentcell.backends.linux import rootfs
 from agentcell.backends.linux.record import WatchTarget, nspid
@@ -348,10 +349,14 @@ class FileCollector:
         assert self._loop is not None
         self._loop.remove_reader(w.group)
         w.reading = False
-        w.later = self._loop.call_later(BATCH_S, self._drain, w)
+        w.later = self._loop.call_later(BATCH_S, self._drain, w, time.monotonic() + BATCH_S)
 
-    def _drain(self, w: _Watched) -> None:
+    def _drain(self, w: _Watched, due: float | None = None) -> None:
         assert self._loop is not None
+        due = time.monotonic() if due is None else due
+        if wait := quiet.wait_s(due):  # the server is serving requests: after them
+            w.later = self._loop.call_later(wait, self._drain, w, due)
+            return
         w.later = None
         try:
             if self._read(w, READS_PER_SLICE):  # more queued: after the others had their turn
@@ -559,15 +564,20 @@ class FileCollector:
                 w.writes or w.dropped for w in self._watched.values()):
             self._timer = self._loop.call_later(TICK_S, self._tick)
 
-    def _tick(self) -> None:
+    def _tick(self, due: float | None = None) -> None:
         """The due writes go out, SLICE_S of them at a time (a build's hundreds of files come due
-        together): what is left goes on after whatever else the loop has ready."""
+        together): what is left goes on after whatever else the loop has ready, and all of it after
+        the requests the server is serving (quiet.py)."""
+        assert self._loop is not None
+        due = time.monotonic() if due is None else due
+        if wait := quiet.wait_s(due):
+            self._timer = self._loop.call_later(wait, self._tick, due)
+            return
         self._timer = None
         now, until = time.time(), time.monotonic() + SLICE_S
         for w in [w for w in self._watched.values() if w.writes or w.dropped]:
             try:
                 if self._flush(w, now, until):
-                    assert self._loop is not None
                     self._timer = self._loop.call_soon(self._tick)
                     return
             except Exception as e:

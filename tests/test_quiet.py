@@ -1,0 +1,19 @@
+"""backends/quiet.py: the record's background work waits while the server serves requests, never
+longer than MAX_WAIT_S."""
+
+from __future__ import annotations
+
+import time
+
+from agentcell.backends import quiet
+
+
+def test_work_waits_while_requests_are_served_and_never_past_its_bound() -> None:
+    due = time.monotonic()
+    quiet.touch()
+    wait = quiet.wait_s(due)
+    assert 0 < wait <= quiet.QUIET_S
+    time.sleep(quiet.QUIET_S)
+    assert quiet.wait_s(due) == 0.0  # quiet again: run now
+    quiet.touch()
+    assert quiet.wait_s(time.monotonic() - quiet.MAX_WAIT_S) == 0.0  # waited its bound: run even while busy
