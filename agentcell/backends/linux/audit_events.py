@@ -326,7 +326,7 @@ class AuditCollector:
             if wait := quiet.wait_s(due):  # the server is serving requests: after them
                 loop.call_later(wait, drain, due)
             elif handler():  # its slice is up and more is queued: on after what else is ready
-                loop.call_soon(drain, time.monotonic())
+                loop.call_soon(drain, due)  # (still due since then: a busy server delays it only so long)
             else:
                 loop.add_reader(fd, readable)
 

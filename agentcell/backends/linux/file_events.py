@@ -360,7 +360,7 @@ class FileCollector:
         w.later = None
         try:
             if self._read(w, READS_PER_SLICE):  # more queued: after the others had their turn
-                w.later = self._loop.call_soon(self._drain, w)
+                w.later = self._loop.call_soon(self._drain, w, due)  # (due since then: delayed only so long)
         except Exception as e:  # a collector bug must not take the server's loop down
             print(f"agentcell: file events of {w.target.sandbox_id}: {e!r}", file=sys.stderr, flush=True)
         if w.later is None and w.tokens < 1:
@@ -578,7 +578,7 @@ class FileCollector:
         for w in [w for w in self._watched.values() if w.writes or w.dropped]:
             try:
                 if self._flush(w, now, until):
-                    self._timer = self._loop.call_soon(self._tick)
+                    self._timer = self._loop.call_soon(self._tick, due)
                     return
             except Exception as e:
                 print(f"agentcell: file events of {w.target.sandbox_id}: {e!r}", file=sys.stderr, flush=True)
