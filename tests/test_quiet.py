@@ -17,3 +17,17 @@ def test_work_waits_while_requests_are_served_and_never_past_its_bound() -> None
     assert quiet.wait_s(due) == 0.0  # quiet again: run now
     quiet.touch()
     assert quiet.wait_s(time.monotonic() - quiet.MAX_WAIT_S) == 0.0  # waited its bound: run even while busy
+
+
+async def test_put_off_calls_the_work_again_once_quiet() -> None:
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    ran: list[float] = []
+    due = time.monotonic()
+    quiet.touch()
+    handle = quiet.put_off(loop, due, ran.append)
+    assert handle is not None and not ran
+    await asyncio.sleep(quiet.QUIET_S * 3)
+    assert ran == [due]  # called again with the time it came due
+    assert quiet.put_off(loop, due, ran.append) is None  # quiet now: run at once

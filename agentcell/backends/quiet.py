@@ -11,7 +11,10 @@ kernel's queues and the record's latency stay bounded), so a stream of requests 
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import Callable
+from typing import Any
 
 QUIET_S = 0.002  # the loop is serving requests while their messages come closer together than this
 MAX_WAIT_S = 0.25  # work is never put off longer than this since it came due
@@ -32,3 +35,11 @@ def wait_s(due: float) -> float:
     if busy_for <= 0 or now - due >= MAX_WAIT_S:
         return 0.0
     return busy_for
+
+
+def put_off(loop: asyncio.AbstractEventLoop, due: float, callback: Callable[..., Any],
+            *args: Any) -> asyncio.TimerHandle | None:
+    """While the server is serving requests, `callback(*args, due)` called again once it may run, and
+    its handle; None when the work may run now."""
+    wait = wait_s(due)
+    return loop.call_later(wait, callback, *args, due) if wait else None

@@ -323,9 +323,9 @@ class AuditCollector:
         def drain(due: float) -> None:
             if self._reading.get(fd) is not handler:
                 return  # the socket was swapped or closed meanwhile
-            if wait := quiet.wait_s(due):  # the server is serving requests: after them
-                loop.call_later(wait, drain, due)
-            elif handler():  # its slice is up and more is queued: on after what else is ready
+            if quiet.put_off(loop, due, drain):  # the server is serving requests: after them
+                return
+            if handler():  # its slice is up and more is queued: on after what else is ready
                 loop.call_soon(drain, due)  # (still due since then: a busy server delays it only so long)
             else:
                 loop.add_reader(fd, readable)

@@ -354,10 +354,9 @@ class FileCollector:
     def _drain(self, w: _Watched, due: float | None = None) -> None:
         assert self._loop is not None
         due = time.monotonic() if due is None else due
-        if wait := quiet.wait_s(due):  # the server is serving requests: after them
-            w.later = self._loop.call_later(wait, self._drain, w, due)
+        w.later = quiet.put_off(self._loop, due, self._drain, w)  # the server is serving requests: after them
+        if w.later is not None:
             return
-        w.later = None
         try:
             if self._read(w, READS_PER_SLICE):  # more queued: after the others had their turn
                 w.later = self._loop.call_soon(self._drain, w, due)  # (due since then: delayed only so long)
@@ -570,10 +569,9 @@ class FileCollector:
         the requests the server is serving (quiet.py)."""
         assert self._loop is not None
         due = time.monotonic() if due is None else due
-        if wait := quiet.wait_s(due):
-            self._timer = self._loop.call_later(wait, self._tick, due)
+        self._timer = quiet.put_off(self._loop, due, self._tick)
+        if self._timer is not None:
             return
-        self._timer = None
         now, until = time.time(), time.monotonic() + SLICE_S
         for w in [w for w in self._watched.values() if w.writes or w.dropped]:
             try:
