@@ -145,7 +145,12 @@ def test_exits_of_the_processes_that_exec_d_with_code_or_signal(trace: KernelTra
     as_uid(FIRST, "/usr/bin/python3", "-c", "import os, signal, subprocess, threading\n"
            "t = threading.Thread(target=lambda: None); t.start(); t.join()\n"
            "subprocess.run(['/bin/sh', '-c', 'exit 3'])\n"
-           "p = subprocess.Popen(['/bin/sleep', '30']); p.send_signal(signal.SIGKILL); p.wait()\n"
+           "p = subprocess.Popen(['/bin/sleep', '30'])\n"
+           # Popen returns once the exec closed its error pipe, before the exec's tracepoint fired: killed
+           # then, sleep would have no exec written (nor its exit). Wait until it sleeps (nr 230).
+           "import time; t = time.monotonic()\n"
+           "while not open(f'/proc/{p.pid}/syscall').read().startswith('230 ') and time.monotonic() - t < 5: pass\n"
+           "p.send_signal(signal.SIGKILL); p.wait()\n"
            "pid = os.fork()\n"
            "os._exit(0) if pid == 0 else os.waitpid(pid, 0)\n"
            "os._exit(7)")
