@@ -32,14 +32,12 @@ from agentcell.backends.base import (
     new_cell_sandbox_id,
 )
 from agentcell.backends.cgroup_backend import CgroupSandboxes
-from agentcell.backends.events import EventSink, event
+from agentcell.backends.events import event
 from agentcell.backends.linux import cgroups, host, rootfs, runtime_store, uids
-from agentcell.backends.linux.audit_events import AuditCollector
 from agentcell.backends.linux.egress import EgressError
 from agentcell.backends.linux.egress_service import Egress, EgressSettings
-from agentcell.backends.linux.file_events import FileCollector
-from agentcell.backends.linux.limit_events import LimitsCollector
-from agentcell.backends.linux.record import Collector, WatchTarget
+from agentcell.backends.linux.record import WatchTarget
+from agentcell.backends.linux.record_process import RecordProcess, RecordProcessError
 from agentcell.backends.network_policy import NetworkPolicy
 from agentcell.backends.pool import StandbyPool
 from agentcell.backends.secrets import HeaderRule
@@ -297,34 +295,27 @@ class LinuxBackend(CgroupSandboxes, Backend):
         # what all sandboxes together may use (the parent cgroup's limits), known once start() set them
         self.host_budget: host.HostBudget | None = None
         # the behaviour record's host-side collectors (record.py), started by start() once a recorder is attached
-        self.collectors: list[Collector] = []
+        self.collectors: list[RecordProcess] = []
         self.missing_collectors: list[str] = []  # those that could not start here, and why
         self.record_denials = record_denials  # what the kernel tracer sees of refused path syscalls (serve --record-denials)
 
-    def _make_collectors(self, sink: EventSink) -> list[Collector]:
-        """The behaviour record's host-side collectors (issue 10); the audit rules name this server's
-        host uid range, so they are made once start() reserved it."""
-        made: dict[str, Collector] = {
-            "processes": AuditCollector(sink, self.uid_base, self.uid_base + 2 * self._slot_count - 1,
-                                        denials=self.record_denials),
-            "files": FileCollector(sink, tune_sysctl=self.host_tuning.tune_sysctls),
-            "limits": LimitsCollector(sink),
-        }
-        return [c for name, c in made.items() if name in self.record_collectors]
-
     async def _start_collectors(self) -> None:
-        """A collector that cannot run here (the kernel's audit locked, no fanotify ...) is left out and
-        said so, in the log and in each record (record.dropped at the claim): a record with a gap rather
-        than no sandboxes."""
+        """The behaviour record's host-side collectors (issue 10), in a process of their own
+        (record_process.py); the audit rules name this server's host uid range, so they start once
+        start() reserved it. A collector that cannot run here (the kernel's audit locked, no fanotify
+        ...) is left out and said so, in the log and in each record (record.dropped at the claim): a
+        record with a gap rather than no sandboxes."""
         assert self.recorder is not None
-        for collector in self._make_collectors(self.recorder.add):
-            try:
-                await collector.start()
-            except (BackendUnavailableError, OSError) as e:
-                print(f"agentcell: behaviour record without {type(collector).__name__}: {e}", file=sys.stderr)
-                self.missing_collectors.append(f"{type(collector).__name__}: {e}")
-                continue
-            self.collectors.append(collector)
+        proc = RecordProcess(self.recorder.add, self.uid_base, self.uid_base + 2 * self._slot_count - 1,
+                             names=self.record_collectors, denials=self.record_denials,
+                             tune_sysctl=self.host_tuning.tune_sysctls)
+        try:
+            self.missing_collectors = await proc.start()
+        except RecordProcessError as e:
+            print(f"agentcell: behaviour record without its host-side collectors: {e}", file=sys.stderr)
+            self.missing_collectors = [str(e)]
+            return
+        self.collectors.append(proc)
 
     def _watch(self, sandbox: LinuxSandbox) -> None:
         """A tenant's sandbox: its record starts, and the collectors watch it, before its claim."""
@@ -362,10 +353,10 @@ class LinuxBackend(CgroupSandboxes, Backend):
                 self.recorder.add(sandbox.sandbox_id, event("record.dropped", count=0,
                                                             reason=f"{type(collector).__name__}: {e}"))
 
-    def _unwatch(self, sandbox: LinuxSandbox) -> None:
+    async def _unwatch(self, sandbox: LinuxSandbox) -> None:
         for collector in self.collectors:
             with contextlib.suppress(Exception):
-                collector.unwatch(sandbox.sandbox_id)
+                await collector.unwatch(sandbox.sandbox_id)
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -650,7 +641,7 @@ class LinuxBackend(CgroupSandboxes, Backend):
                     signal.pidfd_send_signal(sandbox.pidfd, signal.SIGKILL)  # pid 1 dies: the whole ns dies
                 sandbox.cgroups.thaw_quietly()  # a paused sandbox's tasks die only once thawed (v1)
                 await _wait_readable(sandbox.pidfd, timeout=5.0)
-            self._unwatch(sandbox)  # its last events (exits, the last writes) are in: before its disk goes
+            await self._unwatch(sandbox)  # its last events (exits, the last writes) are in: before its disk goes
             with contextlib.suppress(OSError):
                 sandbox.sock.close()
             if sandbox.disk_fd >= 0:  # the last reference to its disk's pages: before its cgroup goes
