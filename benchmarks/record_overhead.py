@@ -10,6 +10,7 @@ Rows (p50 / p95 over --runs, record on vs off, and the overhead; the goal is <= 
   or package install would do;
 * the server's CPU time per round (create + true + build), its record process's included, which the
   p50s do not show: the record's work done on the other core, or while the next request waits;
+* the record process's CPU time per round (the collectors: reading the kernel, parsing, coalescing);
 * events recorded per build (what the record took in).
 `--collectors files` (or any subset of processes,files,limits) shows what each collector costs.
 
@@ -80,14 +81,16 @@ def row(name: str, on: list[list[float]], off: list[list[float]]) -> None:
 
 
 def cpu_s(pid: int) -> float:
-    """A process's CPU time so far (user + system, all its threads), in seconds, with that of its
-    record process (the collectors' child: record_process.py)."""
-    total = 0.0
-    for p in [pid, *_record_children(pid)]:
-        with open(f"/proc/{p}/stat") as f:
-            fields = f.read().rpartition(")")[2].split()
-        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return total
+    """A process's CPU time so far (user + system, all its threads), in seconds."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_pair(pid: int) -> tuple[float, float]:
+    """CPU seconds so far of the server and of its record process (the collectors' child:
+    record_process.py; 0 without one)."""
+    return cpu_s(pid), sum(cpu_s(p) for p in _record_children(pid))
 
 
 def _record_children(pid: int) -> list[int]:
@@ -115,7 +118,7 @@ def measure(url: str, pid: int, runs: int, samples: dict[str, list[list[float]]]
     try:
         s.commands.run(BUILD, timeout=120)  # warm: first exec, first file
         time.sleep(1)  # its record read and written: the CPU counted below is the rounds'
-        cpu = cpu_s(pid)
+        cpu = cpu_pair(pid)
         for _ in range(runs):
             time.sleep(settle)
             t = time.perf_counter()
@@ -126,7 +129,9 @@ def measure(url: str, pid: int, runs: int, samples: dict[str, list[list[float]]]
             block["true"].append(timed(lambda: s.commands.run("true")))
             block["build"].append(timed(lambda: s.commands.run(BUILD, timeout=120)))
         time.sleep(1)  # the last round's record read and written
-        block["server_cpu"].append((cpu_s(pid) - cpu) / runs)
+        now = cpu_pair(pid)
+        block["server_cpu"].append((now[0] - cpu[0]) / runs)
+        block["child_cpu"].append((now[1] - cpu[1]) / runs)
         if not record:
             return 0
         time.sleep(2)  # the last build's coalesced file writes come out once the files are quiet
@@ -151,7 +156,7 @@ def main() -> None:
     # One server at a time: a recording server's audit rules would otherwise reach the baseline's
     # sandboxes too (a task forked while audit rules exist gets an audit context: every syscall pays)
     samples: dict[bool, dict[str, list[list[float]]]] = {
-        k: {"create": [], "true": [], "build": [], "server_cpu": []} for k in (True, False)}
+        k: {"create": [], "true": [], "build": [], "server_cpu": [], "child_cpu": []} for k in (True, False)}
     events = 0
     per_block = max(1, args.runs // args.blocks)
     for block in range(args.blocks * 2):
@@ -170,8 +175,10 @@ def main() -> None:
     row("build: 2,000 writes + 200 execs", samples[True]["build"], samples[False]["build"])
     on_cpu = statistics.median(x for xs in samples[True]["server_cpu"] for x in xs) * 1000
     off_cpu = statistics.median(x for xs in samples[False]["server_cpu"] for x in xs) * 1000
+    child_cpu = statistics.median(x for xs in samples[True]["child_cpu"] for x in xs) * 1000
     print(f"{'server CPU per round':<34} on  {on_cpu:8.1f} ms                   | off {off_cpu:8.1f} ms"
           f"                   | the record's: {on_cpu - off_cpu:+.1f} ms a round (median of the blocks)")
+    print(f"{'record process CPU per round':<34} on  {child_cpu:8.1f} ms (its collectors, at nice 10)")
     print(f"events recorded for one build: {events}")
 
 
