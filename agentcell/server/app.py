@@ -173,13 +173,16 @@ class AgentcellApp:
             return
         if scope["type"] != "http":
             return  # uvicorn runs with ws="none": upgrades come as http scopes (http_protocol.py)
-        quiet.touch()  # the record's background work waits until requests are served (backends/quiet.py)
+        request = quiet.begin()  # the record's background work waits until requests are served (backends/quiet.py)
 
         async def send_touched(message: Any) -> None:
             quiet.touch()
             await send(message)
 
-        await self.edge(scope, receive, send_touched)
+        try:
+            await self.edge(scope, receive, send_touched)
+        finally:
+            quiet.end(request)
 
     async def _route(self, scope: Any, receive: Any, send: Any) -> None:
         """Credentials and content type are checked here, once, before any handler reads the body."""

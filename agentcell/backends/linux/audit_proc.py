@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import socket
 import struct
-from dataclasses import dataclass
+from typing import NamedTuple
 
 NETLINK_CONNECTOR = 11
 CN_IDX_PROC, CN_VAL_PROC = 1, 1
@@ -22,8 +22,7 @@ _EXIT = struct.Struct("=IIIIII")  # pid, tgid, exit_code, exit_signal, parent_pi
 NLMSG_DONE = 3
 
 
-@dataclass(frozen=True)
-class Exit:
+class Exit(NamedTuple):
     host_pid: int
     status: int  # as wait(2) reports it: code << 8, or the signal number
     monotonic_ns: int
