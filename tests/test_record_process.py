@@ -15,26 +15,11 @@ import pytest
 
 from agentcell import Sandbox
 from agentcell.backends.linux import audit_netlink as an
-from agentcell.backends.linux.record_process import NICE
+from agentcell.backends.linux.record_process import NICE, processes_of
 from tests.conftest import ServerProcess
 
 pytestmark = pytest.mark.skipif(os.environ.get("AGENTCELL_TEST_BACKEND", "linux") != "linux",
                                 reason="the linux backend's collectors")
-
-
-def _record_children(server_pid: int) -> list[int]:
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                ppid = int(f.read().rpartition(")")[2].split()[1])
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmdline = f.read()
-        except (OSError, ValueError, IndexError):
-            continue
-        if ppid == server_pid and b"agentcell.backends.linux.record_process" in cmdline:
-            found.append(int(pid))
-    return found
 
 
 def _wait(pred: Any, within: float, what: str) -> Any:
@@ -65,7 +50,7 @@ def test_the_kernel_is_read_by_a_child_that_dies_with_the_server(tmp_path: Path)
     srv = ServerProcess(tmp_path / "server.log", "--standbys", "1")
     try:
         srv.wait_ready(300)
-        (child,) = _wait(lambda: _record_children(srv.pid), 30, "no record process beside the server")
+        (child,) = _wait(lambda: processes_of(srv.pid), 30, "no record process beside the server")
         assert os.getpriority(os.PRIO_PROCESS, child) == NICE
         ctl = an.AuditSocket()
         try:  # the kernel's records go to a record process, never to a server
@@ -94,11 +79,11 @@ def test_a_killed_record_process_is_started_again_and_the_records_say_so(tmp_pat
     srv = ServerProcess(tmp_path / "server.log", "--standbys", "1")
     try:
         srv.wait_ready(300)
-        (child,) = _wait(lambda: _record_children(srv.pid), 30, "no record process beside the server")
+        (child,) = _wait(lambda: processes_of(srv.pid), 30, "no record process beside the server")
         with Sandbox.create(api_url=srv.url, timeout=120) as old:
             old.commands.run("true")
             os.kill(child, signal.SIGKILL)
-            (again,) = _wait(lambda: [p for p in _record_children(srv.pid) if p != child], 30,
+            (again,) = _wait(lambda: [p for p in processes_of(srv.pid) if p != child], 30,
                              "the record process was not started again")
             assert "the behaviour record's process is gone" in srv.log()
             # the sandbox that lived through it: a note of the gap, then its events again

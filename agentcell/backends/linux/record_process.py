@@ -45,6 +45,7 @@ from agentcell.backends.linux.limit_events import LimitsCollector
 from agentcell.backends.linux.record import Collector, WatchTarget
 from agentcell.errors import BackendUnavailableError
 
+MODULE = "agentcell.backends.linux.record_process"  # the child runs `python -m MODULE`
 NICE = 10  # the child's niceness: a tenth of a core's weight against the server when both want one
 START_TIMEOUT_S = 300.0  # the first start compiles the kernel tracer (clang: up to 120 s)
 UNWATCH_TIMEOUT_S = 2.0  # a kill waits this long at most for a sandbox's last events
@@ -74,6 +75,21 @@ def make_collectors(sink: EventSink, uid_first: int, uid_last: int, *, names: fr
         "limits": LimitsCollector(sink),
     }
     return [c for name, c in made.items() if name in names]
+
+
+def processes_of(server_pid: int) -> list[int]:
+    """The pids of a server's record process (none, or one while it is started again), from /proc."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rpartition(")")[2].split()[1])
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if ppid == server_pid and MODULE.encode() in f.read():
+                    found.append(int(pid))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
 
 
 def _target_message(target: WatchTarget) -> list[Any]:
@@ -136,7 +152,7 @@ class RecordProcess:
         ours, theirs = _socketpair()
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "agentcell.backends.linux.record_process", str(theirs.fileno()),
+                [sys.executable, "-m", MODULE, str(theirs.fileno()),
                  orjson.dumps(self.config).decode()], pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
                 start_new_session=True)  # a terminal's ^C is the server's to handle: it closes the child
         finally:
