@@ -4,8 +4,10 @@ storing of a build's ~800 events takes ~10 ms of the event loop; run when they c
 landed on the next requests (a create right after a build +6 to +10 %), and run between requests they
 cost them nothing.
 
-The server marks each request's start and end (`begin`, `end`) and each response message (`touch`); a
-collector asks `wait_s` before a slice of work and, if told to, runs it that much later. Work waits
+The server marks each request's start and end (`begin`, `end`) and each response message (`touch`);
+the record's storing (linux/record_process.py) and the event writer ask `wait_s` before a slice of
+work and, if told to, run it that much later. (The collectors run in the record's process, where no
+request is served: they need no gate.) Work waits
 while messages come closer together than QUIET_S, and while a request started less than YOUNG_S ago is
 in flight (a create, a `run_code`: its answer is on its way; a long stream, once older, no longer holds
 work back). Work never waits longer than MAX_WAIT_S (the kernel's queues and the record's latency stay
@@ -17,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -26,7 +27,7 @@ YOUNG_S = 0.05  # a request in flight for less than this holds work back until i
 MAX_WAIT_S = 0.25  # work is never put off longer than this since it came due
 
 _last = 0.0
-_in_flight: OrderedDict[int, float] = OrderedDict()  # request -> its start, in the order they started
+_in_flight: dict[int, float] = {}  # request -> its start, in the order they started
 _youngest = float("-inf")  # the start of the youngest request in flight (a float: read by the event writer's thread)
 _tokens = itertools.count()
 

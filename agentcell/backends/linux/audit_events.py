@@ -58,7 +58,6 @@ from typing import Any
 
 import pyseccomp
 
-from agentcell.backends import quiet
 from agentcell.backends.events import EventSink, event
 from agentcell.backends.linux import audit_netlink as an
 from agentcell.backends.linux import audit_records as ar
@@ -318,15 +317,13 @@ class AuditCollector:
 
         def readable() -> None:
             loop.remove_reader(fd)
-            loop.call_later(READ_DELAY_S, drain, time.monotonic() + READ_DELAY_S)
+            loop.call_later(READ_DELAY_S, drain)
 
-        def drain(due: float) -> None:
+        def drain() -> None:
             if self._reading.get(fd) is not handler:
                 return  # the socket was swapped or closed meanwhile
-            if quiet.put_off(loop, due, drain):  # the server is serving requests: after them
-                return
             if handler():  # its slice is up and more is queued: on after what else is ready
-                loop.call_soon(drain, due)  # (still due since then: a busy server delays it only so long)
+                loop.call_soon(drain)
             else:
                 loop.add_reader(fd, readable)
 

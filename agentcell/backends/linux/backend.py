@@ -294,8 +294,9 @@ class LinuxBackend(CgroupSandboxes, Backend):
         self.host_tuning = host_tuning or host.HostTuning(**host_options)
         # what all sandboxes together may use (the parent cgroup's limits), known once start() set them
         self.host_budget: host.HostBudget | None = None
-        # the behaviour record's host-side collectors (record.py), started by start() once a recorder is attached
-        self.collectors: list[RecordProcess] = []
+        # the behaviour record's host-side collectors (record.py) in their process, started by start()
+        # once a recorder is attached
+        self.record_process: RecordProcess | None = None
         self.missing_collectors: list[str] = []  # those that could not start here, and why
         self.record_denials = record_denials  # what the kernel tracer sees of refused path syscalls (serve --record-denials)
 
@@ -315,7 +316,7 @@ class LinuxBackend(CgroupSandboxes, Backend):
             print(f"agentcell: behaviour record without its host-side collectors: {e}", file=sys.stderr)
             self.missing_collectors = [str(e)]
             return
-        self.collectors.append(proc)
+        self.record_process = proc
 
     def _watch(self, sandbox: LinuxSandbox) -> None:
         """A tenant's sandbox: its record starts, and the collectors watch it, before its claim."""
@@ -338,25 +339,23 @@ class LinuxBackend(CgroupSandboxes, Backend):
 
     def _watch_now(self, sandbox: LinuxSandbox) -> None:
         """The collectors start watching the sandbox; if they already do (a standby), it was claimed."""
-        if sandbox.killed or sandbox.disk_fd < 0 or self.recorder is None:
+        proc = self.record_process
+        if sandbox.killed or sandbox.disk_fd < 0 or self.recorder is None or proc is None:
             return
-        target = WatchTarget(sandbox.sandbox_id, sandbox.host_pid, sandbox.host_uids, sandbox.cgroups,
-                             sandbox.disk_fd)
         claimed, sandbox.watched = sandbox.watched, True
-        for collector in self.collectors:
-            try:
-                if claimed:
-                    collector.claimed(sandbox.sandbox_id)
-                else:
-                    collector.watch(target)
-            except OSError as e:  # a record with a gap, said in the record, rather than no sandbox
-                self.recorder.add(sandbox.sandbox_id, event("record.dropped", count=0,
-                                                            reason=f"{type(collector).__name__}: {e}"))
+        try:
+            if claimed:
+                proc.claimed(sandbox.sandbox_id)
+            else:
+                proc.watch(WatchTarget(sandbox.sandbox_id, sandbox.host_pid, sandbox.host_uids, sandbox.cgroups,
+                                       sandbox.disk_fd))
+        except OSError as e:  # a record with a gap, said in the record, rather than no sandbox
+            self.recorder.add(sandbox.sandbox_id, event("record.dropped", count=0, reason=str(e)))
 
     async def _unwatch(self, sandbox: LinuxSandbox) -> None:
-        for collector in self.collectors:
+        if self.record_process is not None:
             with contextlib.suppress(Exception):
-                await collector.unwatch(sandbox.sandbox_id)
+                await self.record_process.unwatch(sandbox.sandbox_id)
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -402,7 +401,7 @@ class LinuxBackend(CgroupSandboxes, Backend):
             self.egress = egress
         if self.egress is not None and self.recorder is not None:
             self.egress.sink = self.recorder.add  # connection and DNS events join the behaviour record
-        if self.recorder is not None and not self.collectors:
+        if self.recorder is not None and self.record_process is None:
             await self._start_collectors()
         try:  # host-wide pools and the parent cgroup's limits (see host.py)
             self.host_budget = await asyncio.to_thread(host.prepare, self.cgroup_parent, self.max_sandboxes,
@@ -478,9 +477,10 @@ class LinuxBackend(CgroupSandboxes, Backend):
         if self.egress is not None:
             await self.egress.close()
             self.egress = None
-        for collector in self.collectors:
+        if self.record_process is not None:
             with contextlib.suppress(Exception):
-                await collector.close()
+                await self.record_process.close()
+            self.record_process = None
         with contextlib.suppress(OSError):
             await asyncio.to_thread(cgroups.remove_tree, self.cgroup_parent)
         if self._uid_range is not None:

@@ -39,7 +39,6 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentcell.backends import quiet
 from agentcell.backends.events import EventSink, event
 from agentcell.backends.linux import rootfs
 from agentcell.backends.linux.record import WatchTarget, nspid
@@ -349,17 +348,14 @@ class FileCollector:
         assert self._loop is not None
         self._loop.remove_reader(w.group)
         w.reading = False
-        w.later = self._loop.call_later(BATCH_S, self._drain, w, time.monotonic() + BATCH_S)
+        w.later = self._loop.call_later(BATCH_S, self._drain, w)
 
-    def _drain(self, w: _Watched, due: float | None = None) -> None:
+    def _drain(self, w: _Watched) -> None:
         assert self._loop is not None
-        due = time.monotonic() if due is None else due
-        w.later = quiet.put_off(self._loop, due, self._drain, w)  # the server is serving requests: after them
-        if w.later is not None:
-            return
+        w.later = None
         try:
             if self._read(w, READS_PER_SLICE):  # more queued: after the others had their turn
-                w.later = self._loop.call_soon(self._drain, w, due)  # (due since then: delayed only so long)
+                w.later = self._loop.call_soon(self._drain, w)
         except Exception as e:  # a collector bug must not take the server's loop down
             print(f"agentcell: file events of {w.target.sandbox_id}: {e!r}", file=sys.stderr, flush=True)
         if w.later is None and w.tokens < 1:
@@ -563,20 +559,16 @@ class FileCollector:
                 w.writes or w.dropped for w in self._watched.values()):
             self._timer = self._loop.call_later(TICK_S, self._tick)
 
-    def _tick(self, due: float | None = None) -> None:
+    def _tick(self) -> None:
         """The due writes go out, SLICE_S of them at a time (a build's hundreds of files come due
-        together): what is left goes on after whatever else the loop has ready, and all of it after
-        the requests the server is serving (quiet.py)."""
+        together): what is left goes on after whatever else the loop has ready."""
         assert self._loop is not None
-        due = time.monotonic() if due is None else due
-        self._timer = quiet.put_off(self._loop, due, self._tick)
-        if self._timer is not None:
-            return
+        self._timer = None
         now, until = time.time(), time.monotonic() + SLICE_S
         for w in [w for w in self._watched.values() if w.writes or w.dropped]:
             try:
                 if self._flush(w, now, until):
-                    self._timer = self._loop.call_soon(self._tick, due)
+                    self._timer = self._loop.call_soon(self._tick)
                     return
             except Exception as e:
                 print(f"agentcell: file events of {w.target.sandbox_id}: {e!r}", file=sys.stderr, flush=True)

@@ -125,7 +125,6 @@ class RecordProcess:
         self.sink = sink
         self.config = {"first": uid_first, "last": uid_last, "names": sorted(names), "denials": denials,
                        "tune_sysctl": tune_sysctl}
-        self.pid: int | None = None
         self.gone: str | None = None  # why the child is gone (None while it runs)
         self._proc: subprocess.Popen[bytes] | None = None
         self._sock: socket.socket | None = None
@@ -157,7 +156,6 @@ class RecordProcess:
                 start_new_session=True)  # a terminal's ^C is the server's to handle: it closes the child
         finally:
             theirs.close()
-        self.pid = self._proc.pid
         ours.setblocking(False)
         self._sock, self.gone = ours, None
         self._started = self._loop.create_future()
