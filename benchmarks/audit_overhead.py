@@ -1,4 +1,4 @@
-"""What the kernel-audit collector of the behaviour record (backends/linux/audit_events.py) costs.
+"""What the kernel-audit collector of the behaviour record (record/linux/audit_events.py) costs.
 
     .venv/bin/python benchmarks/audit_overhead.py [--rounds 5] [--trues 30]
 
@@ -28,9 +28,9 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from agentcell.backends.base import SandboxSpec
-from agentcell.backends.linux.audit_events import AuditCollector
 from agentcell.backends.linux.backend import LinuxBackend, LinuxSandbox
-from agentcell.backends.linux.record import WatchTarget
+from agentcell.record.linux.audit_events import AuditCollector
+from agentcell.record.linux.target import WatchTarget
 from agentcell.runtime.protocol import AgentChannel, line_dicts
 
 BUILD = "for i in $(seq 2000); do echo $i > /tmp/f$i; done; for i in $(seq 200); do /bin/true; done"

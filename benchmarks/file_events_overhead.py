@@ -1,4 +1,4 @@
-"""The file collector's cost (agentcell/backends/linux/file_events.py; needs root, like the server).
+"""The file collector's cost (agentcell/record/linux/file_events.py; needs root, like the server).
 
     .venv/bin/python benchmarks/file_events_overhead.py [--runs 7] [--writes 2000] [--flood-s 3] [--groups 100]
 
@@ -37,9 +37,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from agentcell.backends.base import Limits, SandboxSpec  # noqa: E402
-from agentcell.backends.linux import file_events  # noqa: E402
 from agentcell.backends.linux.backend import LinuxBackend, LinuxSandbox  # noqa: E402
-from agentcell.backends.linux.record import WatchTarget  # noqa: E402
+from agentcell.record.linux import file_events  # noqa: E402
+from agentcell.record.linux.target import WatchTarget  # noqa: E402
 from agentcell.runtime.protocol import AgentChannel  # noqa: E402
 
 PROBE = "agentcell.backends.linux.probe:serve"

@@ -1,4 +1,4 @@
-"""What the limits collector's poll costs (agentcell/backends/linux/limit_events.py; needs root).
+"""What the limits collector's poll costs (agentcell/record/linux/limit_events.py; needs root).
 
     .venv/bin/python benchmarks/limit_events_cost.py [--sandboxes 100] [--polls 200]
 
@@ -23,8 +23,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from agentcell.backends.base import Limits, SandboxSpec  # noqa: E402
 from agentcell.backends.linux.backend import LinuxBackend, LinuxSandbox  # noqa: E402
-from agentcell.backends.linux.limit_events import LimitsCollector  # noqa: E402
-from agentcell.backends.linux.record import WatchTarget  # noqa: E402
+from agentcell.record.linux.limit_events import LimitsCollector  # noqa: E402
+from agentcell.record.linux.target import WatchTarget  # noqa: E402
 
 PROBE = "agentcell.backends.linux.probe:serve"
 

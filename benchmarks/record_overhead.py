@@ -36,7 +36,7 @@ from collections.abc import Callable
 import httpx
 
 from agentcell import Sandbox
-from agentcell.backends.linux.record_process import processes_of
+from agentcell.record.linux.process import processes_of
 
 BUILD = ("mkdir -p /tmp/b && cd /tmp/b && i=0; while [ $i -lt 2000 ]; do echo line $i > f$((i % 400)).o; "
          "i=$((i+1)); done; j=0; while [ $j -lt 200 ]; do /bin/cat f1.o > /dev/null; j=$((j+1)); done; echo ok")
@@ -90,7 +90,7 @@ def cpu_s(pid: int) -> float:
 
 def cpu_pair(pid: int) -> tuple[float, float]:
     """CPU seconds so far of the server and of its record process (the collectors' child:
-    record_process.py; 0 without one)."""
+    record/linux/process.py; 0 without one)."""
     return cpu_s(pid), sum(cpu_s(p) for p in processes_of(pid))
 
 

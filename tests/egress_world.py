@@ -14,7 +14,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from agentcell.backends.linux.egress import Router
+from agentcell.network.router import Router
 
 
 def host_state() -> tuple[str, ...]:

@@ -1,4 +1,4 @@
-"""The kernel-audit collector of the behaviour record (backends/linux/audit_events.py), with real
+"""The kernel-audit collector of the behaviour record (record/linux/audit_events.py), with real
 sandboxes running the real agent: exec chains, exits, refused syscalls, writes and reads, a flood,
 attempts to forge records, and the host's audit state left as it was found.
 
@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 
 from agentcell.backends.base import SandboxSpec
-from agentcell.backends.linux import audit_netlink as an
-from agentcell.backends.linux.audit_events import AuditCollector
 from agentcell.backends.linux.backend import LinuxBackend, LinuxSandbox
-from agentcell.backends.linux.record import WatchTarget
+from agentcell.record.linux import audit_netlink as an
+from agentcell.record.linux.audit_events import AuditCollector
+from agentcell.record.linux.target import WatchTarget
 from agentcell.runtime.protocol import AgentChannel, line_dicts
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/proc/self/ns/user"),

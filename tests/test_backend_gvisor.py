@@ -98,7 +98,7 @@ async def test_limits_land_on_the_host_and_in_the_guest(backend: GvisorBackend) 
 
 
 async def test_network_and_secrets_are_refused(backend: GvisorBackend) -> None:
-    from agentcell.backends.network_policy import NetworkPolicy
+    from agentcell.network.policy import NetworkPolicy
 
     with pytest.raises(InvalidArgumentError, match="10704"):
         await backend.create(SandboxSpec(network=NetworkPolicy(internet=True)))

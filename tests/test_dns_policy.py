@@ -1,4 +1,4 @@
-"""The egress DNS resolver (backends/linux/egress_dns.py), between a client and a fake upstream, on loopback.
+"""The egress DNS resolver (network/resolver.py), between a client and a fake upstream, on loopback.
 
 The upstream is a real DNS server (dnspython on a UDP socket) that logs every query it gets, so the
 tests can assert that a name the policy refuses never left the resolver.
@@ -23,7 +23,7 @@ import dns.rrset
 import pytest
 import pytest_asyncio
 
-from agentcell.backends.linux.egress_dns import DomainRules, Pin, PolicyResolver, RuleError, serve, serve_tcp
+from agentcell.network.resolver import DomainRules, Pin, PolicyResolver, RuleError, serve, serve_tcp
 
 ZONE = {  # name -> (type, value)
     "allowed.example.": ("A", "203.0.113.10"),

@@ -21,8 +21,8 @@ import httpx
 import pytest
 
 from agentcell import Sandbox
-from agentcell.backends.linux.egress_ca import EgressCA
 from agentcell.errors import InvalidArgumentException
+from agentcell.network.ca import EgressCA
 from tests.conftest import ServerProcess
 from tests.egress_world import host_state as _host_state
 from tests.helpers import e2b_pointed_at

@@ -1,4 +1,4 @@
-"""Connection events (backends/linux/egress_events.py): conntrack and NFLOG read from the router namespace.
+"""Connection events (network/flow_events.py): conntrack and NFLOG read from the router namespace.
 
 The network part builds, like tests/test_egress_router.py, a router namespace, two stand-ins for
 sandbox namespaces and an "internet" namespace on documentation ranges that also answers on a
@@ -20,8 +20,7 @@ from typing import Any
 
 import pytest
 
-from agentcell.backends.linux.egress import Router, link_addresses
-from agentcell.backends.linux.egress_events import (
+from agentcell.network.flow_events import (
     EventCollector,
     EventsError,
     deny_log,
@@ -31,7 +30,8 @@ from agentcell.backends.linux.egress_events import (
     parse_packet,
     slot_of,
 )
-from agentcell.backends.network_policy import NetworkPolicy
+from agentcell.network.policy import NetworkPolicy
+from agentcell.network.router import Router, link_addresses
 from tests.egress_world import router_world
 
 TAG = f"acev{os.getpid() % 100000}"

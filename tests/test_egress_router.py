@@ -1,4 +1,4 @@
-"""The egress router (backends/linux/egress.py) against an "internet" this test builds.
+"""The egress router (network/router.py) against an "internet" this test builds.
 
 Everything lives in network namespaces created here: a router, two stand-ins for sandbox namespaces,
 and an "internet" namespace on documentation ranges that also answers on private, CGNAT, link-local
@@ -17,8 +17,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from agentcell.backends.linux.egress import RESOLVER, Router, link_addresses
-from agentcell.backends.network_policy import NetworkPolicy, PolicyError
+from agentcell.network.policy import NetworkPolicy, PolicyError
+from agentcell.network.router import RESOLVER, Router, link_addresses
 from tests.egress_world import router_world
 
 
@@ -154,7 +154,7 @@ def test_bad_rules_are_refused() -> None:
 def test_the_operator_can_open_a_private_range_and_nothing_of_its_own() -> None:
     import ipaddress
 
-    from agentcell.backends.linux.egress import EgressError, NeverList
+    from agentcell.network.router import EgressError, NeverList
 
     never = NeverList(["10.5.0.0/16", "fd00:ec2::/32"])
     assert ipaddress.ip_address("10.5.1.1") not in never
@@ -177,7 +177,7 @@ print(len(socks))
 
 
 def test_one_sandbox_cannot_fill_the_connection_table(net: Router) -> None:
-    from agentcell.backends.linux.egress import MAX_CONNECTIONS
+    from agentcell.network.router import MAX_CONNECTIONS
 
     net.set_policy(1, Policy(internet=True))
     net.set_policy(2, Policy(internet=True))

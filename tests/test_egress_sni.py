@@ -1,4 +1,4 @@
-"""backends/linux/egress_sni.py on real first bytes: ClientHellos made by OpenSSL (Python's ssl), HTTP requests,
+"""network/claims.py on real first bytes: ClientHellos made by OpenSSL (Python's ssl), HTTP requests,
 and mutations of both (the parser reads attacker-made bytes: it must answer, never raise)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 import ssl
 
-from agentcell.backends.linux.egress_sni import MAX_PEEK, MORE, Claim, claimed_host
+from agentcell.network.claims import MAX_PEEK, MORE, Claim, claimed_host
 
 
 def client_hello(server_hostname: str | None) -> bytes:

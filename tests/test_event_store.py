@@ -1,4 +1,4 @@
-"""The behaviour record's store (server/event_store.py) on a real SQLite file: order, filters, the
+"""The behaviour record's store (record/store.py) on a real SQLite file: order, filters, the
 bounds a flooding sandbox meets (rate, cap, store-wide rows), retention, restart, the audit log."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import json
 import time
 from pathlib import Path
 
-from agentcell.backends.events import event
-from agentcell.server.event_store import EventStore, Limits
+from agentcell.record.events import event
+from agentcell.record.store import EventStore, Limits
 
 
 async def _settle(store: EventStore) -> None:

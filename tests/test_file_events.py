@@ -1,4 +1,4 @@
-"""The file collector (agentcell/backends/linux/file_events.py), for real: sandboxes of the linux
+"""The file collector (agentcell/record/linux/file_events.py), for real: sandboxes of the linux
 backend with the real agent, their disks watched by fanotify from the host, and the exact events that
 what they run leaves in the record."""
 
@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 
 from agentcell.backends.base import SandboxSpec
-from agentcell.backends.linux import file_events
 from agentcell.backends.linux.backend import LinuxBackend, LinuxSandbox
-from agentcell.backends.linux.record import WatchTarget
+from agentcell.record.linux import file_events
+from agentcell.record.linux.target import WatchTarget
 from agentcell.runtime.protocol import KEEPALIVE, AgentChannel
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="fanotify filesystem marks and the linux backend need root")

@@ -1,4 +1,4 @@
-"""The kernel tracer (backends/linux/kernel_trace.py): eBPF programs that report the execs, exits and
+"""The kernel tracer (record/linux/kernel_trace.py): eBPF programs that report the execs, exits and
 refused path syscalls of a host uid range. Real processes, exec'd as uids of a range no sandbox uses."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from agentcell.backends.linux.audit_proc import Exit
-from agentcell.backends.linux.kernel_trace import DENIALS, Denial, Exec, KernelTrace, KernelTraceUnavailable
+from agentcell.record.linux.audit_proc import Exit
+from agentcell.record.linux.kernel_trace import DENIALS, Denial, Exec, KernelTrace, KernelTraceUnavailable
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="loading eBPF needs root")
 
@@ -85,7 +85,7 @@ def test_a_flood_is_counted_over_the_budget_and_a_muted_uid_is_not_written(trace
 
 
 def test_a_missing_compiler_is_a_clear_error(monkeypatch: pytest.MonkeyPatch, tmp_path: os.PathLike[str]) -> None:
-    from agentcell.backends.linux import kernel_trace
+    from agentcell.record.linux import kernel_trace
 
     monkeypatch.setattr(kernel_trace, "CACHE", tmp_path)
     monkeypatch.setattr(kernel_trace, "CLANGS", ("no-such-clang",))

@@ -1,4 +1,4 @@
-"""The limits collector (agentcell/backends/linux/limit_events.py) against real sandboxes of the real
+"""The limits collector (agentcell/record/linux/limit_events.py) against real sandboxes of the real
 agent: an OOM kill names its victim, a fork bomb, a full disk and a CPU quota each give their event,
 under their own sandbox only, and nothing a sandbox prints or names itself can make one."""
 
@@ -14,8 +14,8 @@ import pytest
 
 from agentcell.backends.base import Limits, SandboxSpec
 from agentcell.backends.linux.backend import LinuxBackend, LinuxSandbox
-from agentcell.backends.linux.limit_events import LimitsCollector
-from agentcell.backends.linux.record import WatchTarget
+from agentcell.record.linux.limit_events import LimitsCollector
+from agentcell.record.linux.target import WatchTarget
 from agentcell.runtime.protocol import AgentChannel, line_dicts
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/proc/self/ns/user"),

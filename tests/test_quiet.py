@@ -1,11 +1,11 @@
-"""backends/quiet.py: the record's background work waits while the server serves requests, never
+"""record/quiet.py: the record's background work waits while the server serves requests, never
 longer than MAX_WAIT_S."""
 
 from __future__ import annotations
 
 import time
 
-from agentcell.backends import quiet
+from agentcell.record import quiet
 
 
 def test_work_waits_while_requests_are_served_and_never_past_its_bound() -> None:

@@ -1,4 +1,4 @@
-"""The behaviour record's collectors in a process of their own (backends/linux/record_process.py): a
+"""The behaviour record's collectors in a process of their own (record/linux/process.py): a
 real server, its real child, real sandboxes. The child reads the kernel, not the server; it runs at a
 lower priority; it dies with the server, restoring the kernel's audit rules; killed, it is started
 again and the records say what went missing."""
@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from agentcell import Sandbox
-from agentcell.backends.linux import audit_netlink as an
-from agentcell.backends.linux.record_process import NICE, processes_of
+from agentcell.record.linux import audit_netlink as an
+from agentcell.record.linux.process import NICE, processes_of
 from tests.conftest import ServerProcess
 
 pytestmark = pytest.mark.skipif(os.environ.get("AGENTCELL_TEST_BACKEND", "linux") != "linux",
@@ -68,7 +68,7 @@ def test_the_kernel_is_read_by_a_child_that_dies_with_the_server(tmp_path: Path)
         finally:
             ctl.close()
         with open(f"/proc/{daemon}/cmdline", "rb") as f:
-            assert b"agentcell.backends.linux.record_process" in f.read()
+            assert b"agentcell.record.linux.process" in f.read()
         ours = _rule_keys() - before
         assert ours, "the server's collectors added no audit rule"
         with Sandbox.create(api_url=srv.url, timeout=60) as sbx:

@@ -1,11 +1,11 @@
-"""server/report.py: each flag from the events that should raise it (and only those), citing them;
+"""record/report.py: each flag from the events that should raise it (and only those), citing them;
 the tracking stays bounded whatever the record holds."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from agentcell.server import report
+from agentcell.record import report
 
 
 def _events(*specs: dict[str, Any]) -> list[dict[str, Any]]:

@@ -14,9 +14,9 @@ import socket
 import string
 from dataclasses import dataclass, field
 
-from agentcell.backends.events import Recorder
-from agentcell.backends.network_policy import NetworkPolicy
-from agentcell.backends.secrets import HeaderRule, SecretSet
+from agentcell.network.policy import NetworkPolicy
+from agentcell.network.secrets import HeaderRule, SecretSet
+from agentcell.record.events import Recorder
 
 # The disk is a tmpfs: its pages are memory, charged to the sandbox's memory cgroup. A full disk must
 # leave this much of the memory limit to the agent (~30 MiB with a Python context) and the user's

@@ -14,7 +14,7 @@ import hashlib
 import re
 from typing import Any
 
-from agentcell.backends.events import event
+from agentcell.record.events import event
 from agentcell.server.asgi import header
 
 _details: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("api_call_details", default=None)

@@ -21,9 +21,12 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from agentcell.backends import get_backend, quiet
+from agentcell.backends import get_backend
 from agentcell.backends.base import Backend, set_sandbox_id_prefix
-from agentcell.backends.linux.egress_service import EgressSettings
+from agentcell.network.service import EgressSettings
+from agentcell.record import quiet
+from agentcell.record.store import ROW_BYTES, EventStore
+from agentcell.record.store import Limits as EventLimits
 from agentcell.server import api_events, auth, cell, files, interpreter, ports
 from agentcell.server.asgi import declared_length, has_body, header, is_connect_rpc
 from agentcell.server.auth import ENVD_PORT, INTERPRETER_PORT
@@ -34,8 +37,6 @@ from agentcell.server.control import ControlPlane
 from agentcell.server.edge import EdgeGuard
 from agentcell.server.envd import READ_MAX_BYTES, filesystem_app, process_app
 from agentcell.server.errors import HTTPError, internal_error, json_error, sandbox_not_found
-from agentcell.server.event_store import ROW_BYTES, EventStore
-from agentcell.server.event_store import Limits as EventLimits
 from agentcell.server.hosts import HostPolicy, check_exposure
 from agentcell.server.http_protocol import DROP_EXTENSION
 from agentcell.server.registry import Admission, Retention, SandboxManager, SandboxRecord
@@ -173,7 +174,7 @@ class AgentcellApp:
             return
         if scope["type"] != "http":
             return  # uvicorn runs with ws="none": upgrades come as http scopes (http_protocol.py)
-        request = quiet.begin()  # the record's background work waits until requests are served (backends/quiet.py)
+        request = quiet.begin()  # the record's background work waits until requests are served (record/quiet.py)
 
         async def send_touched(message: Any) -> None:
             quiet.touch()

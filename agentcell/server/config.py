@@ -42,7 +42,7 @@ class ServerConfig:
     snapshot_quota_mb: int = 10240  # disk all snapshots together may take
     max_snapshots: int = 1000
     max_fork: int = 16  # most sandboxes one fork makes
-    # --- the behaviour record (issue 10; server/event_store.py) ---
+    # --- the behaviour record (issue 10; record/store.py) ---
     record: bool = True  # False: no record, no collectors (--no-record)
     record_collectors: tuple[str, ...] = COLLECTOR_NAMES  # the linux backend's host-side collectors that run
     # what the linux backend's kernel tracer sees of refused path syscalls: "failures" (at the failed

@@ -20,16 +20,17 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from agentcell.backends.base import LIMIT_RANGES, Backend, Limits
-from agentcell.backends.events import KIND_SET, KINDS
-from agentcell.backends.network_policy import ALL_TRAFFIC, NetworkPolicy, PolicyError
-from agentcell.backends.secrets import SecretError, SecretSet, parse_rules
 from agentcell.errors import BackendUnavailableError, InvalidArgumentError, SandboxError, SandboxGoneError
-from agentcell.server import api_events, report, validate
+from agentcell.network.policy import ALL_TRAFFIC, NetworkPolicy, PolicyError
+from agentcell.network.secrets import SecretError, SecretSet, parse_rules
+from agentcell.record import report
+from agentcell.record.events import KIND_SET, KINDS
+from agentcell.record.store import EventStore
+from agentcell.server import api_events, validate
 from agentcell.server.auth import traffic_token
 from agentcell.server.bodies import JSON_LIMIT, read_json
 from agentcell.server.config import ServerConfig
 from agentcell.server.errors import HTTPError, internal_error
-from agentcell.server.event_store import EventStore
 from agentcell.server.hosts import local_domain
 from agentcell.server.idempotency import IdempotentCreates, parse_key
 from agentcell.server.metrics import MIN_GAP_S, metric_json
@@ -580,7 +581,7 @@ class ControlPlane:
         return StreamingResponse(lines(), media_type="application/x-ndjson")
 
     async def report(self, request: Request) -> Response:
-        """agentcell extension: the record summed up for a reviewer (server/report.py); JSON, or
+        """agentcell extension: the record summed up for a reviewer (record/report.py); JSON, or
         ?format=text."""
         store, sandbox_id = self._recorded(request)
         async with self._reports:  # a report pages through up to 100,000 events: a few at a time

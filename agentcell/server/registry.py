@@ -26,12 +26,12 @@ from pathlib import Path
 from typing import Any
 
 from agentcell.backends.base import Backend, Limits, RunningSandbox, SandboxSpec
-from agentcell.backends.events import event
-from agentcell.backends.network_policy import NetworkPolicy
-from agentcell.backends.secrets import SecretSet
 from agentcell.errors import SandboxGoneError
+from agentcell.network.policy import NetworkPolicy
+from agentcell.network.secrets import SecretSet
+from agentcell.record.events import event
+from agentcell.record.store import EventStore
 from agentcell.runtime.protocol import AgentChannel
-from agentcell.server.event_store import EventStore
 from agentcell.server.metrics import SAMPLE_INTERVAL_S, MetricsHistory, sample_due
 
 RECORD_GRACE_S = 1.0  # a killed sandbox's record takes events this long after the kill

@@ -32,15 +32,8 @@ from agentcell.backends.base import (
     new_cell_sandbox_id,
 )
 from agentcell.backends.cgroup_backend import CgroupSandboxes
-from agentcell.backends.events import event
 from agentcell.backends.linux import cgroups, host, rootfs, runtime_store, uids
-from agentcell.backends.linux.egress import EgressError
-from agentcell.backends.linux.egress_service import Egress, EgressSettings
-from agentcell.backends.linux.record import WatchTarget
-from agentcell.backends.linux.record_process import RecordProcess, RecordProcessError
-from agentcell.backends.network_policy import NetworkPolicy
 from agentcell.backends.pool import StandbyPool
-from agentcell.backends.secrets import HeaderRule
 from agentcell.errors import (
     BackendUnavailableError,
     InvalidArgumentError,
@@ -48,6 +41,13 @@ from agentcell.errors import (
     SandboxGoneError,
     error_from_code,
 )
+from agentcell.network.policy import NetworkPolicy
+from agentcell.network.router import EgressError
+from agentcell.network.secrets import HeaderRule
+from agentcell.network.service import Egress, EgressSettings
+from agentcell.record.events import event
+from agentcell.record.linux.process import RecordProcess, RecordProcessError
+from agentcell.record.linux.target import WatchTarget
 from agentcell.runtime import statedir
 from agentcell.runtime.protocol import PREFIX, encode_frame
 
@@ -294,7 +294,7 @@ class LinuxBackend(CgroupSandboxes, Backend):
         self.host_tuning = host_tuning or host.HostTuning(**host_options)
         # what all sandboxes together may use (the parent cgroup's limits), known once start() set them
         self.host_budget: host.HostBudget | None = None
-        # the behaviour record's host-side collectors (record.py) in their process, started by start()
+        # the behaviour record's host-side collectors (record/linux/target.py) in their process, started by start()
         # once a recorder is attached
         self.record_process: RecordProcess | None = None
         self.missing_collectors: list[str] = []  # those that could not start here, and why
@@ -302,7 +302,7 @@ class LinuxBackend(CgroupSandboxes, Backend):
 
     async def _start_collectors(self) -> None:
         """The behaviour record's host-side collectors (issue 10), in a process of their own
-        (record_process.py); the audit rules name this server's host uid range, so they start once
+        (record/linux/process.py); the audit rules name this server's host uid range, so they start once
         start() reserved it. A collector that cannot run here (the kernel's audit locked, no fanotify
         ...) is left out and said so, in the log and in each record (record.dropped at the claim): a
         record with a gap rather than no sandboxes."""

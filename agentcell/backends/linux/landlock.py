@@ -19,7 +19,7 @@ MAKE_REG, MAKE_SOCK, MAKE_FIFO, MAKE_BLOCK, MAKE_SYM = 1 << 8, 1 << 9, 1 << 10, 
 REFER, TRUNCATE, IOCTL_DEV = 1 << 13, 1 << 14, 1 << 15  # ABI 2, 3, 5
 SCOPE_ABSTRACT_UNIX_SOCKET, SCOPE_SIGNAL = 1, 2  # ABI 6
 # ABI 7 (6.15+) writes an audit record for each denial (the behaviour record's deny.write,
-# audit_events.py), by default only until the confined process execs: the sandbox's commands are
+# record/linux/audit_events.py), by default only until the confined process execs: the sandbox's commands are
 # exec'd programs, so ask for their denials too. Nothing is written while audit is off.
 RESTRICT_SELF_LOG_NEW_EXEC_ON = 1 << 1
 

@@ -14,7 +14,7 @@ import os
 import shutil
 import stat
 
-from agentcell.backends.linux.egress import RESOLVER
+from agentcell.network.router import RESOLVER
 
 # Copied from the host when present, each because programs read it:
 COPIED = (
@@ -60,7 +60,7 @@ def generated(uid: int, home: str) -> dict[str, str]:
         f"user:x:{uid}:{uid}:user:{home}:/bin/bash\n"
         "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n",
         "group": f"root:x:0:\nuser:x:{uid}:\nnogroup:x:65534:\n",
-        # the router's resolver (backends/linux/egress.py): it answers only what the sandbox's policy
+        # the router's resolver (network/router.py): it answers only what the sandbox's policy
         # allows, and nothing at all for a sandbox without internet
         "resolv.conf": f"nameserver {RESOLVER}\noptions timeout:2 attempts:2 edns0\n",
         "nsswitch.conf": NSSWITCH,

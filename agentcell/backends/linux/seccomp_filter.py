@@ -126,7 +126,7 @@ class _SockFprog(ctypes.Structure):
 
 PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
 # seccomp(2) (x86_64 317, arm64 277): SECCOMP_FILTER_FLAG_LOG makes the kernel write an audit record for
-# each refused syscall (the behaviour record's deny.syscall, audit_events.py). It costs nothing while
+# each refused syscall (the behaviour record's deny.syscall, record/linux/audit_events.py). It costs nothing while
 # audit is off: the kernel's audit_seccomp returns at once.
 _SYS_SECCOMP = {"x86_64": 317, "aarch64": 277}
 SECCOMP_SET_MODE_FILTER, SECCOMP_FILTER_FLAG_LOG = 1, 2

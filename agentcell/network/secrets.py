@@ -5,7 +5,7 @@ E2B's `network.rules` (headers set on requests to a host) travel the same way (`
 
 The sandbox's environment gets NAME = a placeholder (unguessable, recognisable); the value stays in the
 server. The egress proxy puts the value in place of the placeholder in the headers of HTTP(S)
-requests to the listed hosts only (backends/linux/egress_secrets.py), and takes it out of what those
+requests to the listed hosts only (network/inspection.py), and takes it out of what those
 hosts answer. No API response carries a value (`public()`).
 """
 

@@ -5,9 +5,9 @@ server's record process as host root), so code in the sandbox can neither forge 
 A collector is started once per server, told of each sandbox as it is prepared (`watch`: a standby
 is watched before any tenant claims it, which keeps the watch off the create's path), when a tenant
 claims it (`claimed`) and when it is killed (`unwatch`), and calls its `EventSink`
-(agentcell/backends/events.py) on its event loop for each event. The server runs them in a process of
-their own (record_process.py), which forwards these calls and sends the events back. Events of a sandbox before
-its claim are not kept: its record begins at the claim (server/event_store.py `begin`).
+(agentcell/record/events.py) on its event loop for each event. The server runs them in a process of
+their own (record/linux/process.py), which forwards these calls and sends the events back. Events of a sandbox before
+its claim are not kept: its record begins at the claim (record/store.py `begin`).
 """
 
 from __future__ import annotations

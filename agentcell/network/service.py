@@ -25,8 +25,14 @@ from typing import TypeVar
 
 import dns.name
 
-from agentcell.backends.linux import uplink as uplinks
-from agentcell.backends.linux.egress import (
+from agentcell.network import uplink as uplinks
+from agentcell.network.ca import EgressCA
+from agentcell.network.claims import Claim
+from agentcell.network.flow_events import EventCollector
+from agentcell.network.policy import NetworkPolicy
+from agentcell.network.proxy import Interceptor, listening_socket
+from agentcell.network.resolver import DomainRules, Pin, PolicyResolver, serve_tcp
+from agentcell.network.router import (
     PIN_SET_SIZE,
     RESOLVER,
     EgressError,
@@ -34,13 +40,7 @@ from agentcell.backends.linux.egress import (
     Router,
     slot_of,
 )
-from agentcell.backends.linux.egress_ca import EgressCA
-from agentcell.backends.linux.egress_dns import DomainRules, Pin, PolicyResolver, serve_tcp
-from agentcell.backends.linux.egress_events import EventCollector
-from agentcell.backends.linux.egress_proxy import Interceptor, listening_socket
-from agentcell.backends.linux.egress_sni import Claim
-from agentcell.backends.network_policy import NetworkPolicy
-from agentcell.backends.secrets import HeaderRule, SecretSet
+from agentcell.network.secrets import HeaderRule, SecretSet
 from agentcell.runtime import statedir
 
 log = logging.getLogger("agentcell.egress")

@@ -23,7 +23,7 @@ own, without a verdict, placed just before the rule that drops (`deny_rules()` r
 It matches `ct state new` only, so an attempt is logged once (its first packet; a TCP SYN the sandbox
 retransmits is a new attempt to the kernel and logged again, within the rate).
 
-Splicing into egress.py's ruleset (checked with `nft -c` on nftables 1.0.6; the never4 and sbx_<slot>
+Splicing into network/router.py's ruleset (checked with `nft -c` on nftables 1.0.6; the never4 and sbx_<slot>
 forms are in tests/test_egress_events.py with real traffic). In the shared forward chain, give each
 logging rule its own meter (`deny_log(rule, meter="acdeny_never4")`) so the budget is per ingress link
 and one sandbox's flood cannot hide its neighbours' refusals; in a sandbox's own sbx_<slot> chain a
@@ -56,13 +56,13 @@ or sandbox id)` when a sandbox goes. Slots are reused, so the server should map 
 its callback rather than keep events under the slot.
 
 Attribution. A denied packet belongs to the link it came in on (NFLOG's indev, `s<slot>`). A conntrack
-event has no interface, so it belongs to the sandbox whose address is its source; egress.py does not
+event has no interface, so it belongs to the sandbox whose address is its source; network/router.py does not
 yet stop a sandbox from forging a neighbour's source address (the forward chain accepts it; the test
 router shows it), so until the router drops forged sources (`iifname "s<slot>" ip saddr != <its .2>
 drop`, or rp_filter=1 there) a sandbox can put allowed events into a neighbour's log.
 
 `EventCollector` ties the two readers to an asyncio loop; the events go to the server's behaviour
-record (server/event_store.py), which keeps them per sandbox, bounded.
+record (record/store.py), which keeps them per sandbox, bounded.
 
 Nothing here uses pyroute2 (its sockets open lazily in the caller's namespace) or touches the calling
 process's own namespace.
@@ -82,7 +82,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from agentcell.backends.linux.egress import (
+from agentcell.network.router import (
     LOG_GROUP,
     MAX_SLOTS,
     PREFIX,

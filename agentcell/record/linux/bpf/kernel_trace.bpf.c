@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: GPL-2.0
-// agentcell's kernel tracer (backends/linux/kernel_trace.py loads it), for the processes running as a
+// agentcell's kernel tracer (record/linux/kernel_trace.py loads it), for the processes running as a
 // host uid of the server's range:
 // * one event per successful exec, written at the exec, with the new program's argv (read from its
 //   fresh stack, where the kernel copied it), the path it was exec'd as, the working directory and the
@@ -19,7 +19,7 @@
 // Seccomp's refusals are not here: the kernel's audit writes them (SECCOMP records), at no cost to the
 // calls it allows.
 //
-// Built by kernel_trace.py with clang -target bpf; the structs below name only the fields read: libbpf
+// Built by record/linux/kernel_trace.py with clang -target bpf; the structs below name only the fields read: libbpf
 // relocates their offsets against the running kernel's BTF (CO-RE), so no kernel headers are needed.
 #include <linux/bpf.h>
 #include <bpf/bpf_helpers.h>

@@ -4,7 +4,7 @@ until their first bytes name a host, checked, then relayed (docs/network.md).
 Why: a domain rule the router enforces by pinned addresses alone trusts the address; many names share
 one (CDNs, virtual hosting), so a sandbox allowed `api.example.com` could reach `evil.example.net` on
 the same address, or a denied name at an address it learned elsewhere (DoH, a hard-coded IP). Here the
-name a connection claims (TLS SNI, HTTP Host; egress_sni.py) must itself be allowed, and, under an
+name a connection claims (TLS SNI, HTTP Host; network/claims.py) must itself be allowed, and, under an
 allow list, must be a name the address was answered for.
 
 How the connections get here: the router's prerouting chain hands new TCP connections to ports 80 and
@@ -26,17 +26,17 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from agentcell.backends.linux.egress_ca import EgressCA
-from agentcell.backends.linux.egress_secrets import (
+from agentcell.network.ca import EgressCA
+from agentcell.network.claims import MAX_PEEK, MORE, Claim, claimed_host
+from agentcell.network.inspection import (
     foreign_placeholder,
     leak_event,
     leak_refusal,
     scan_relay,
     serve_secret_host,
 )
-from agentcell.backends.linux.egress_sni import MAX_PEEK, MORE, Claim, claimed_host
-from agentcell.backends.linux.quota import KeyedQuota
-from agentcell.backends.secrets import Secret, SecretSet
+from agentcell.network.quota import KeyedQuota
+from agentcell.network.secrets import Secret, SecretSet
 
 log = logging.getLogger("agentcell.egress")
 

@@ -1,7 +1,7 @@
 """Execs, exits and refused path syscalls of a uid range, from eBPF programs (bpf/kernel_trace.bpf.c): the
 behaviour record's source of `process.exec`, `process.exit` and `deny.write`/`deny.access` (issue 10)
 where the kernel and the host allow it, kernel audit's exit rules and the proc connector otherwise
-(audit_events.py). An exit is written only for a process whose exec was (the
+(record/linux/audit_events.py). An exit is written only for a process whose exec was (the
 last of its threads, with its status), so it always follows its exec in the ring, and the server
 does not receive every exit of the host as the proc connector would send it.
 
@@ -44,8 +44,8 @@ import tempfile
 from pathlib import Path
 from typing import NamedTuple
 
-from agentcell.backends.linux.audit_proc import Exit
 from agentcell.errors import BackendUnavailableError
+from agentcell.record.linux.audit_proc import Exit
 
 SOURCE = Path(__file__).parent / "bpf" / "kernel_trace.bpf.c"
 CACHE = Path(os.environ.get("AGENTCELL_BPF_CACHE", "/var/cache/agentcell/bpf"))

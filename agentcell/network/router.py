@@ -8,7 +8,7 @@ docs/network.md has the design. What this module does:
   the uplink, never to the never-list (private, loopback, link-local, CGNAT, multicast, reserved,
   cloud metadata; IPv4 and IPv6), never as DNS/DoT/QUIC to anyone but the resolver.
 * `attach_uplink()` links it to the namespace that stands for "the internet": the host's (masqueraded
-  there, `uplink.py`) or a namespace an operator or a test names.
+  there, `network/uplink.py`) or a namespace an operator or a test names.
 * `connect()` gives a sandbox's namespace a veth link to the router (eth0 there, `s<slot>` here) and a
   default route; `set_policy()` writes its way out (a `NetworkPolicy`) as elements of shared sets
   keyed by its link, and `pin_commands()` opens the addresses its resolver answered for an allowed
@@ -35,10 +35,10 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 from agentcell.backends.linux import syscalls as sc
-from agentcell.backends.linux.egress_proxy import FWMARK as PROXY_MARK
-from agentcell.backends.linux.egress_proxy import routing_commands as proxy_routing
-from agentcell.backends.linux.egress_proxy import tproxy_statement
-from agentcell.backends.network_policy import Network, NetworkPolicy
+from agentcell.network.policy import Network, NetworkPolicy
+from agentcell.network.proxy import FWMARK as PROXY_MARK
+from agentcell.network.proxy import routing_commands as proxy_routing
+from agentcell.network.proxy import tproxy_statement
 
 TABLE = "agentcell"
 UPLINK = "up0"
@@ -100,7 +100,7 @@ MAX_CONNECTIONS = 1024  # open at once (opening or established; the kernel does 
 NEW_PER_SECOND = 500  # new connections (and UDP flows) per second, burst twice that
 OVER_MARK = 0x2  # a packet past either, marked to be logged and dropped (a meter lives in one rule only)
 
-# Refusals become events (egress_events.py reads them): NFLOG group and the prefix naming the rule.
+# Refusals become events (network/flow_events.py reads them): NFLOG group and the prefix naming the rule.
 LOG_GROUP = 7
 PREFIX = "acdeny:"  # PREFIX + rule name + " "
 _RULE_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,48}")
@@ -327,7 +327,7 @@ table inet {TABLE} {{
   set deny6 {{ type ifname . ipv6_addr; flags interval; }}
   set allow4 {{ type ifname . ipv4_addr; flags interval; }}
   set allow6 {{ type ifname . ipv6_addr; flags interval; }}
-  set pins4 {{ type ifname . ipv4_addr; flags timeout; }}  # <= PIN_SET_SIZE per link, egress_service
+  set pins4 {{ type ifname . ipv4_addr; flags timeout; }}  # <= PIN_SET_SIZE per link, service.py
   set pins6 {{ type ifname . ipv6_addr; flags timeout; }}
   chain prerouting {{
     type filter hook prerouting priority raw; policy accept;
@@ -406,7 +406,7 @@ def deny_rules(match: str, rule: str, group: int = LOG_GROUP, **limits: Any) -> 
 
 
 def _logged(match: str, rule: str, meter: str) -> str:
-    """`match` logged (an event, rate limited per link) and dropped: two rules, see egress_events."""
+    """`match` logged (an event, rate limited per link) and dropped: two rules, see flow_events.py."""
     log, drop = deny_rules(match, rule, meter=f"acdeny_{meter}")
     return f"{log}\n    {drop}"
 
@@ -500,7 +500,7 @@ class Router:
                         intercept: bool = False) -> str:
         """The transaction that replaces slot `slot`'s way out with `policy`, keeping `pins`
         ((address, seconds left) the resolver answered for names the policy still allows); with
-        `intercept`, its new connections to ports 80 and 443 go to the proxy (egress_proxy.py).
+        `intercept`, its new connections to ports 80 and 443 go to the proxy (network/proxy.py).
         Elements only (see base_ruleset). Call `committed(slot, commands)` once it went through."""
         link = f'"s{slot}"'
         cmds = [*self._forget(slot)]

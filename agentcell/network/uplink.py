@@ -8,7 +8,7 @@ Host mode changes the host, so it changes as little as it can, all of it undone 
   router reach the host itself (input), and, only when this server had to turn IPv4 forwarding on,
   forwards nothing that does not come from or go to the router;
 - `net.ipv4.ip_forward=1` when it was 0 (restored at close).
-The router's own rules (egress.py) already stop every packet to a private, link-local or metadata
+The router's own rules (network/router.py) already stop every packet to a private, link-local or metadata
 address, so the host only ever forwards sandbox traffic to public addresses.
 """
 
@@ -21,8 +21,8 @@ import os
 import subprocess
 from dataclasses import dataclass
 
-from agentcell.backends.linux import egress
-from agentcell.backends.linux.egress import EgressError, NeverList, Router, ip_in
+from agentcell.network import router as egress
+from agentcell.network.router import EgressError, NeverList, Router, ip_in
 
 UPLINK_NETS = ipaddress.IPv4Network("100.127.0.0/16")  # a /30 per server: router .1, the other side .2
 FORWARD = "/proc/sys/net/ipv4/ip_forward"

@@ -37,8 +37,8 @@ import dns.rcode
 import dns.rdatatype
 import dns.rrset
 
-from agentcell.backends.linux.egress import NeverList
-from agentcell.backends.linux.quota import KeyedQuota
+from agentcell.network.quota import KeyedQuota
+from agentcell.network.router import NeverList
 
 log = logging.getLogger("agentcell.dns")
 

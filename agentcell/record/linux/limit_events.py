@@ -1,5 +1,5 @@
 """Limits a sandbox hit, observed from the host (issue 10): `limit.oom`, `limit.pids`, `limit.disk`,
-`limit.cpu`. A collector of agentcell/backends/linux/record.py's protocol.
+`limit.cpu`. A collector of agentcell/record/linux/target.py's protocol.
 
 Sources, all read by the server as host root, none reachable from inside a sandbox:
 
@@ -58,9 +58,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentcell.backends.events import EventSink, event
 from agentcell.backends.linux import cgroups
-from agentcell.backends.linux.record import WatchTarget
+from agentcell.record.events import EventSink, event
+from agentcell.record.linux.target import WatchTarget
 
 KMSG = "/dev/kmsg"
 _KMSG_RECORDS_PER_WAKE = 512  # then back to poll(), which also checks for close()

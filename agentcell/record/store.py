@@ -33,8 +33,8 @@ from typing import IO, Any
 
 import orjson
 
-from agentcell.backends import quiet
-from agentcell.backends.events import KIND_SET
+from agentcell.record import quiet
+from agentcell.record.events import KIND_SET
 
 log = logging.getLogger("agentcell.events")
 
@@ -284,7 +284,7 @@ class EventStore:
             # wait for it (unwritten events are served from memory); a flush or close cuts it short.
             if items[0][0] not in ("flush", "stop"):
                 self._urgent.wait(WRITE_GATHER_S)
-                # and until the server is between requests (backends/quiet.py): its event loop would
+                # and until the server is between requests (record/quiet.py): its event loop would
                 # otherwise wait for this thread's hold of the GIL between sqlite's steps
                 due = time.monotonic() - WRITE_GATHER_S
                 while (wait := quiet.wait_s(due)) > 0 and not self._urgent.is_set():

@@ -1,11 +1,11 @@
 """Secrets put into requests on their way out, taken out of the answers on their way back (issue 7).
 
-The egress proxy (egress_proxy.py) hands a connection here when the host it names is listed for one
+The egress proxy (network/proxy.py) hands a connection here when the host it names is listed for one
 of the sandbox's secrets or rules, or when it is TLS from a sandbox with secrets. The trust boundary: the value lives in the server's memory only; the
-sandbox holds a placeholder (backends/secrets.py).
+sandbox holds a placeholder (network/secrets.py).
 
 - TLS (port 443) is terminated with a certificate for that host from the server's egress CA, which
-  the sandbox trusts (egress_ca.py); the upstream connection verifies the real host's certificate
+  the sandbox trusts (network/ca.py); the upstream connection verifies the real host's certificate
   (the system trust store, plus `--egress-ca-bundle`), so the value only ever goes to that host.
 - Each HTTP/1.1 request is parsed (h11). A request whose target or headers carry a placeholder of a
   secret *not* listed for this host is refused (403) and reported. Placeholders of this host's
@@ -35,8 +35,8 @@ from typing import Any
 
 import h11
 
-from agentcell.backends.linux.egress_ca import EgressCA
-from agentcell.backends.secrets import Secret, SecretSet
+from agentcell.network.ca import EgressCA
+from agentcell.network.secrets import Secret, SecretSet
 
 MAX_HEAD = 64 << 10
 MAX_BODY = 8 << 20  # a body read whole for substitution (secrets with "bodies": true)

@@ -2,7 +2,7 @@
 files touched, the hosts contacted, what was refused, the limits hit, and flags for behaviour worth a
 look, each citing the events (their `seq`) it rests on.
 
-Built from the events alone (server/event_store.py), so it works as well after the sandbox is gone.
+Built from the events alone (record/store.py), so it works as well after the sandbox is gone.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The kernel audit subsystem over netlink (NETLINK_AUDIT), without auditctl or libaudit: status,
-rules and the record stream, as much as the behaviour record (audit_events.py) needs.
+rules and the record stream, as much as the behaviour record (record/linux/audit_events.py) needs.
 
 Structures are the kernel's uapi (include/uapi/linux/audit.h): `struct audit_status` and
 `struct audit_rule_data`, packed with `struct`. Everything here needs host root (CAP_AUDIT_CONTROL

@@ -3,7 +3,7 @@ every process of a sandbox, observed from the host.
 
 Mechanisms (docs/architecture.md, "The behaviour record", has the measurements behind the choice):
 
-* execs, exits and refused path syscalls: eBPF programs (kernel_trace.py) on the sched_process_exec and
+* execs, exits and refused path syscalls: eBPF programs (record/linux/kernel_trace.py) on the sched_process_exec and
   sched_process_exit tracepoints, and for the refusals (``denials``) on cap_capable ("failures", the
   default: a refusal is seen at the failed capability check that makes it, so an allowed call costs
   nothing; read-only mounts' EROFS is not seen) or on sys_exit ("syscalls": every EACCES/EPERM/EROFS of
@@ -27,7 +27,7 @@ Mechanisms (docs/architecture.md, "The behaviour record", has the measurements b
   context: tied to a sandbox by their domain, paired with the tracer's refusal of the same path where
   the tracer sees it (denials="syscalls"); else alone, without the process (no pid, no comm).
 * exits: with the tracer, its exit events (written only for processes it saw exec, status as wait(2)
-  has it); without it, the proc connector (audit_proc.py), which sends every exit of the host.
+  has it); without it, the proc connector (record/linux/audit_proc.py), which sends every exit of the host.
 
 The records are read as the audit daemon when none is registered (then nothing reaches the kernel
 log), or from the read-only multicast group next to the operator's auditd (whose log then holds the
@@ -58,14 +58,14 @@ from typing import Any
 
 import pyseccomp
 
-from agentcell.backends.events import EventSink, event
-from agentcell.backends.linux import audit_netlink as an
-from agentcell.backends.linux import audit_records as ar
 from agentcell.backends.linux import uids
-from agentcell.backends.linux.audit_proc import Exit, ProcConnector
-from agentcell.backends.linux.kernel_trace import DENIALS, Denial, Exec, KernelTrace, KernelTraceUnavailable
-from agentcell.backends.linux.record import WatchTarget, nspid
 from agentcell.errors import BackendUnavailableError
+from agentcell.record.events import EventSink, event
+from agentcell.record.linux import audit_netlink as an
+from agentcell.record.linux import audit_records as ar
+from agentcell.record.linux.audit_proc import Exit, ProcConnector
+from agentcell.record.linux.kernel_trace import DENIALS, Denial, Exec, KernelTrace, KernelTraceUnavailable
+from agentcell.record.linux.target import WatchTarget, nspid
 
 SANDBOX_UID = 1000  # rootfs.SANDBOX_UID: what the sandbox's user id is inside
 EXECVE, EXECVEAT = 59, 322

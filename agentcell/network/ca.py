@@ -1,5 +1,5 @@
 """The egress CA: the certificate authority the egress proxy signs its TLS certificates with, for the
-hosts whose requests it must read to put a secret in (egress_secrets.py).
+hosts whose requests it must read to put a secret in (network/inspection.py).
 
 One CA per server state directory (key 0600, directory 0700), created on first use. Its certificate
 (never its key) goes into every sandbox's trust store, so code there accepts the proxy's certificate

@@ -39,9 +39,9 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentcell.backends.events import EventSink, event
 from agentcell.backends.linux import rootfs
-from agentcell.backends.linux.record import WatchTarget, nspid
+from agentcell.record.events import EventSink, event
+from agentcell.record.linux.target import WatchTarget, nspid
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.fanotify_init.argtypes = (ctypes.c_uint, ctypes.c_uint)

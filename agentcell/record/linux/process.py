@@ -36,16 +36,16 @@ from typing import Any
 
 import orjson
 
-from agentcell.backends import quiet
-from agentcell.backends.events import EventSink, event
 from agentcell.backends.linux import cgroups
-from agentcell.backends.linux.audit_events import AuditCollector
-from agentcell.backends.linux.file_events import FileCollector
-from agentcell.backends.linux.limit_events import LimitsCollector
-from agentcell.backends.linux.record import Collector, WatchTarget
 from agentcell.errors import BackendUnavailableError
+from agentcell.record import quiet
+from agentcell.record.events import EventSink, event
+from agentcell.record.linux.audit_events import AuditCollector
+from agentcell.record.linux.file_events import FileCollector
+from agentcell.record.linux.limit_events import LimitsCollector
+from agentcell.record.linux.target import Collector, WatchTarget
 
-MODULE = "agentcell.backends.linux.record_process"  # the child runs `python -m MODULE`
+MODULE = "agentcell.record.linux.process"  # the child runs `python -m MODULE`
 NICE = 10  # the child's niceness: a tenth of a core's weight against the server when both want one
 START_TIMEOUT_S = 300.0  # the first start compiles the kernel tracer (clang: up to 120 s)
 UNWATCH_TIMEOUT_S = 2.0  # a kill waits this long at most for a sandbox's last events
@@ -116,7 +116,7 @@ def _socketpair() -> tuple[socket.socket, socket.socket]:
 
 
 class RecordProcess:
-    """The server's end: a Collector (record.py) whose collectors run in the child; `start()` returns
+    """The server's end: a Collector (target.py) whose collectors run in the child; `start()` returns
     why any of them could not start here. A child that dies is started again (RESTARTS a period at
     most), watching the same sandboxes; their records say what went missing meanwhile."""
 
