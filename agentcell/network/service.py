@@ -61,6 +61,7 @@ class EgressSettings:
     dns: tuple[str, ...] = ()
     ca_bundle: str | None = None  # extra CAs to trust for the hosts secrets go to (their real certificates)
     allow_ranges: tuple[str, ...] = ()  # never-list ranges the operator opens (an internal mirror ...)
+    state_dir: str | None = None  # the server's --state-dir: its egress CA lives there (None: the user's default)
 
     @property
     def enabled(self) -> bool:
@@ -101,8 +102,11 @@ class Egress:
         self._collector: EventCollector | None = None
         self._interceptor: Interceptor | None = None
         self._secrets: dict[int, SecretSet] = {}
-        self.ca = EgressCA.load_or_create(statedir.private_dir(statedir.default_state_dir("egress-ca")))
-        self.ca_path = os.path.join(statedir.default_state_dir("egress-ca"), "ca.pem")
+        # the CA is this server's own: another server on the host (another --state-dir) has its own
+        ca_dir = (statedir.owned_dir(os.path.join(settings.state_dir, "egress-ca")) if settings.state_dir
+                  else statedir.private_dir(statedir.default_state_dir("egress-ca")))
+        self.ca = EgressCA.load_or_create(ca_dir)
+        self.ca_path = os.path.join(ca_dir, "ca.pem")
         self._locks: dict[int, asyncio.Lock] = {}
 
     # -- the router ---------------------------------------------------------------------------

@@ -65,6 +65,27 @@ def private_dir(path: str) -> str:
     return path
 
 
+def owned_dir(path: str) -> str:
+    """`path` (made if missing, mode 0700) as a directory of ours that no one else can read or
+    change: for what lives under a server's --state-dir (its egress CA's key). Its parents are the
+    operator's choice (a test's temporary directory under /tmp is fine)."""
+    path = os.path.abspath(path)
+    os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        raise UnsafeDirectoryError(f"{path} is not a plain directory ({e.strerror}): remove it and restart") from None
+    try:
+        _check(fd, path, os.geteuid(), last=True)
+    finally:
+        os.close(fd)
+    return path
+
+
 def _check(fd: int, where: str, me: int, last: bool) -> None:
     st = os.fstat(fd)
     if last:
