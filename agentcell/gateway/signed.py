@@ -12,6 +12,7 @@ signature, a signature nobody made or an expired one 401, each with envd's messa
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +22,7 @@ from agentcell.gateway.cells import CellState
 from agentcell.server import auth
 from agentcell.server.cell import FILE_SIGNER_PATH
 
+log = logging.getLogger("agentcell.gateway")
 ASK_TIMEOUT = 5.0  # seconds a cell has to answer; a cell that does not is left out, as if down
 
 
@@ -45,7 +47,10 @@ async def _ask(client: httpx.AsyncClient, cell: CellState, operation: str, query
     try:
         r = await client.get(url, headers=headers, timeout=ASK_TIMEOUT)
         answer = r.json() if r.status_code == 200 else None
-    except (httpx.HTTPError, ValueError):
+        if answer is None:
+            log.warning("cell %s did not say who signed a /files URL: %d %s", cell.cell_id, r.status_code, r.text[:200])
+    except (httpx.HTTPError, ValueError) as e:
+        log.warning("cell %s did not say who signed a /files URL: %s", cell.cell_id, f"{type(e).__name__}: {e}")
         return None
     return answer if isinstance(answer, dict) else None
 
