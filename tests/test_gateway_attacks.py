@@ -148,7 +148,8 @@ def _control_calls(neighbours: dict[str, Sandbox]) -> list[tuple[str, str, dict[
 
 
 # Headers that one parser might read as a sandbox's data plane while another reads them as the control
-# plane: case (the report's trick), dots, ports, userinfo, lengths, a bare label, header forms, mixes.
+# plane: case (the report's trick), dots, ports, userinfo, lengths, a bare label, header forms, mixes,
+# and a routing header that a hop would drop.
 # Each builds its headers from (the neighbour's id on the first cell, that cell's id, the gateway's port).
 DISGUISES: dict[str, Any] = {
     "report: Host 1-{CELL ID IN CAPITALS}xyz": lambda a, c, p: {"Host": f"1-{c.upper()}xyz.localhost"},
@@ -172,6 +173,8 @@ DISGUISES: dict[str, Any] = {
     "header and Host name different sandboxes": lambda a, c, p: {"E2b-Sandbox-Id": a,
                                                                  "Host": f"49983-{c}{'q' * 20}.localhost"},
     "header and Host in capitals": lambda a, c, p: {"E2b-Sandbox-Id": a, "Host": f"1-{c.upper()}xyz.localhost"},
+    # a proxy drops the headers Connection names: the routing header would reach the cell no more
+    "routing header named hop-by-hop": lambda a, c, p: {"E2b-Sandbox-Id": a, "Connection": "e2b-sandbox-id"},
 }
 
 

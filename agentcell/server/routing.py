@@ -28,6 +28,7 @@ from agentcell.server.auth import ENVD_PORT
 
 ID_HEADER = b"e2b-sandbox-id"
 PORT_HEADER = b"e2b-sandbox-port"
+_ROUTING_NAMES = frozenset({ID_HEADER, PORT_HEADER, b"host"})
 # A Host header value: a name or a bracketed IPv6 literal, then an optional port (RFC 9110 7.2).
 HOST_RE = re.compile(r"^(?:\[(?P<v6>[0-9a-f:.]+)\]|(?P<name>[a-z0-9._-]+))(?::(?P<port>\d{1,5}))?$")
 # The first label of a sandbox's host name: `{port}-{id}`.
@@ -93,19 +94,23 @@ def sandbox_in_host(host: str) -> SandboxTarget | None:
     return SandboxTarget(_sandbox_id(raw_id, "Host"), _port(raw_port, "Host"))
 
 
-def _only(scope: dict[str, Any], name: bytes) -> str | None:
-    values = [v for n, v in scope.get("headers", ()) if n.lower() == name]
-    if len(values) > 1:
-        raise RoutingError(f"the {name.decode()} header is sent {len(values)} times; send it once")
-    return values[0].decode("latin-1") if values else None
+def _routing_values(scope: dict[str, Any]) -> dict[bytes, str]:
+    """The values of the routing headers (id, port, Host) in one pass; RoutingError if one is sent twice."""
+    found: dict[bytes, str] = {}
+    for name, value in scope.get("headers", ()):
+        name = name.lower()
+        if name in _ROUTING_NAMES:
+            if name in found:
+                raise RoutingError(f"the {name.decode()} header is sent more than once; send it once")
+            found[name] = value.decode("latin-1")
+    return found
 
 
 def target(scope: dict[str, Any]) -> SandboxTarget | None:
     """The sandbox a request is for (its data plane), or None for the control plane. RoutingError when
     its routing is malformed or ambiguous (see the module doc)."""
-    by_id = _only(scope, ID_HEADER)
-    by_port = _only(scope, PORT_HEADER)
-    host = _only(scope, b"host")
+    values = _routing_values(scope)
+    by_id, by_port, host = values.get(ID_HEADER), values.get(PORT_HEADER), values.get(b"host")
     in_host = sandbox_in_host(host) if host is not None else None
     if by_id is None:
         if by_port is not None:
