@@ -395,6 +395,11 @@ def test_routing_has_one_reading() -> None:
         ],
         SandboxTarget(sid, 8000): [scope(("Host", f"8000-{sid}.localhost")),
                                    scope(("E2b-Sandbox-Id", sid), ("E2b-Sandbox-Port", "8000"))],
+        # no TCP port, but a sandbox's: its cell answers E2B's 502 "port is not open"
+        SandboxTarget(sid, 0): [scope(("Host", f"0-{sid}.localhost")),
+                                scope(("E2b-Sandbox-Id", sid), ("E2b-Sandbox-Port", "0"))],
+        SandboxTarget(sid, 70000): [scope(("Host", f"70000-{sid}.localhost")),
+                                    scope(("E2b-Sandbox-Id", sid), ("E2b-Sandbox-Port", "70000"))],
         None: [scope(("Host", "localhost:49982")), scope(("Host", "127.0.0.1")), scope(("Host", "[::1]:80")),
                scope(("Host", f"1-{sid}")), scope(("Host", f"1-{sid}.")), scope(("Host", f"1-{sid}.x@localhost")),
                scope(("Host", f"1-{sid}.local host")), scope(("Host", f"1-{sid}_x.localhost")),
@@ -404,11 +409,11 @@ def test_routing_has_one_reading() -> None:
         for s in scopes:
             assert target(s) == want, s
     refused = [
-        scope(("Host", f"049983-{sid}.localhost")), scope(("Host", f"0-{sid}.localhost")),
-        scope(("Host", f"65536-{sid}.localhost")), scope(("Host", f"1-{'a' * 65}.localhost")),
+        scope(("Host", f"049983-{sid}.localhost")), scope(("Host", f"00-{sid}.localhost")),
+        scope(("Host", f"{'9' * 11}-{sid}.localhost")), scope(("Host", f"1-{'a' * 65}.localhost")),
         scope(("E2b-Sandbox-Id", "")), scope(("E2b-Sandbox-Id", "a b")), scope(("E2b-Sandbox-Id", "a/../b")),
         scope(("E2b-Sandbox-Id", "a" * 65)), scope(("E2b-Sandbox-Port", "49983")),
-        scope(("E2b-Sandbox-Id", sid), ("E2b-Sandbox-Port", "x")), scope(("E2b-Sandbox-Id", sid), ("E2b-Sandbox-Port", "0")),
+        scope(("E2b-Sandbox-Id", sid), ("E2b-Sandbox-Port", "x")), scope(("E2b-Sandbox-Id", sid), ("E2b-Sandbox-Port", "-1")),
         scope(("E2b-Sandbox-Id", sid), ("E2b-Sandbox-Port", "+80")),
         scope(("E2b-Sandbox-Id", sid), ("E2b-Sandbox-Id", sid)), scope(("Host", "localhost"), ("Host", "localhost")),
         scope(("E2b-Sandbox-Id", sid), ("Host", f"49983-{'b' * 28}.localhost")),

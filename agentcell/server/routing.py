@@ -12,7 +12,9 @@ strict parser, and every doubtful request refused (400) by both rather than read
 - The Host is read as DNS reads it: case-insensitive (lower-cased), a trailing dot dropped. A Host
   that is not a host name (userinfo, spaces, a path) names no sandbox.
 - A sandbox id is [a-z0-9]{1,64}; an `E2b-Sandbox-Id` is lower-cased too. Any other id is refused.
-- A port is 1..65535 written without leading zeros; anything else where a port belongs is refused.
+- A port is a decimal number written without leading zeros (one spelling per port); anything else
+  where a port belongs is refused. A number that is no TCP port (0, above 65535) is still a sandbox's
+  data plane: its cell answers E2B's 502 "port is not open", as E2B's proxy does.
 - A routing header sent twice, two Hosts, `E2b-Sandbox-Port` without `E2b-Sandbox-Id`, or headers and
   a Host that name different sandboxes or ports are refused: nobody along the way (an ingress that
   routes by Host, a cell of another version) may pick another reading than ours.
@@ -34,7 +36,7 @@ HOST_RE = re.compile(r"^(?:\[(?P<v6>[0-9a-f:.]+)\]|(?P<name>[a-z0-9._-]+))(?::(?
 # The first label of a sandbox's host name: `{port}-{id}`.
 _SANDBOX_LABEL_RE = re.compile(r"^(?P<port>\d+)-(?P<id>[a-z0-9]+)$")
 _SANDBOX_ID_RE = re.compile(r"^[a-z0-9]{1,64}$")
-_PORT_RE = re.compile(r"^[1-9][0-9]{0,4}$")
+_PORT_RE = re.compile(r"^(?:0|[1-9][0-9]{0,9})$")
 
 
 class RoutingError(ValueError):
@@ -69,8 +71,8 @@ def sandbox_label(name: str) -> tuple[str, str] | None:
 
 
 def _port(raw: str, where: str) -> int:
-    if not _PORT_RE.match(raw) or int(raw) > 65535:
-        raise RoutingError(f"{where}: {raw[:20]!r} is not a port (1-65535, no leading zeros)")
+    if not _PORT_RE.match(raw):
+        raise RoutingError(f"{where}: {raw[:20]!r} is not a port number (decimal, no leading zeros)")
     return int(raw)
 
 
