@@ -216,9 +216,11 @@ def serve(**opts: Any) -> None:
               help="Address to listen on. Any non-loopback address needs --api-key (or --insecure-no-auth).")
 @click.option("--port", default=DEFAULT_PORT, show_default=True, type=int, help="TCP port.")
 @click.option("--api-key", default=None, envvar="AGENTCELL_GATEWAY_API_KEY",
-              help="Require this X-API-KEY of clients on the control plane (default: accept any).")
+              help="Require this X-API-KEY of clients on the control plane, checked here before anything "
+                   "reaches a cell (default: accept any).")
 @click.option("--cell-api-key", default=None, envvar="AGENTCELL_CELL_API_KEY",
-              help="The X-API-KEY the cells require (default: --api-key).")
+              help="The X-API-KEY the cells require, sent only with requests whose key matched "
+                   "(default: --api-key).")
 @click.option("--insecure-no-auth", is_flag=True, help="Allow a non-loopback --host without --api-key.")
 @click.option("--discovery", default="static", show_default=True, type=click.Choice(["static", "kubernetes"]),
               help="How cells are found: a fixed list, or the EndpointSlices of the cells' headless Service.")
