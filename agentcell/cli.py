@@ -216,9 +216,11 @@ def serve(**opts: Any) -> None:
               help="Address to listen on. Any non-loopback address needs --api-key (or --insecure-no-auth).")
 @click.option("--port", default=DEFAULT_PORT, show_default=True, type=int, help="TCP port.")
 @click.option("--api-key", default=None, envvar="AGENTCELL_GATEWAY_API_KEY",
-              help="Require this X-API-KEY of clients on the control plane (default: accept any).")
+              help="Require this X-API-KEY of clients on the control plane, checked here before anything "
+                   "reaches a cell (default: accept any).")
 @click.option("--cell-api-key", default=None, envvar="AGENTCELL_CELL_API_KEY",
-              help="The X-API-KEY the cells require (default: --api-key).")
+              help="The X-API-KEY the cells require, sent only with requests whose key matched "
+                   "(default: --api-key).")
 @click.option("--insecure-no-auth", is_flag=True, help="Allow a non-loopback --host without --api-key.")
 @click.option("--discovery", default="static", show_default=True, type=click.Choice(["static", "kubernetes"]),
               help="How cells are found: a fixed list, or the EndpointSlices of the cells' headless Service.")
@@ -232,6 +234,15 @@ def serve(**opts: Any) -> None:
 @click.option("--k8s-port-name", default=None, help="The EndpointSlice port to use (default: the first).")
 @click.option("--poll-interval", default=1.0, show_default=True, type=click.FloatRange(min=0.05),
               help="Seconds between polls of each cell's /v1/cell (placement figures, liveness).")
+@click.option("--header-timeout", default=10.0, show_default=True, type=click.FloatRange(min=0.1),
+              help="Seconds a client has to send a request's line and headers.")
+@click.option("--body-timeout", default=30.0, show_default=True, type=click.FloatRange(min=0.1),
+              help="Seconds a request body may stall (it must also average 1 KiB/s); then 408.")
+@click.option("--max-connections", default=4096, show_default=True, type=click.IntRange(1, 1 << 20),
+              help="Open client connections; past it new ones get 503 and are closed.")
+@click.option("--max-body-memory-mb", default=64, show_default=True, type=click.IntRange(8, 1 << 20),
+              help="Create bodies held in memory at once (the only bodies the gateway holds; others stream); "
+                   "more creates wait.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 def gateway(**opts: Any) -> None:
@@ -256,8 +267,10 @@ def gateway(**opts: Any) -> None:
             discovery = KubernetesDiscovery(opts["k8s_service"], opts["k8s_namespace"], opts["k8s_port_name"])
     except (ValueError, OSError) as e:
         raise click.ClickException(str(e)) from None
-    app = GatewayApp(discovery, opts["api_key"], opts["cell_api_key"], opts["poll_interval"])
-    run_gateway(app, opts["host"], opts["port"], opts["log_level"])
+    app = GatewayApp(discovery, opts["api_key"], opts["cell_api_key"], opts["poll_interval"],
+                     body_timeout=opts["body_timeout"], max_body_memory=opts["max_body_memory_mb"] << 20)
+    run_gateway(app, opts["host"], opts["port"], opts["log_level"], header_timeout=opts["header_timeout"],
+                max_connections=opts["max_connections"])
 
 
 def _cell_id(raw: str | None) -> str | None:

@@ -1,5 +1,11 @@
 """The gateway's ASGI app: API key, routing by the id's cell prefix, placement, list fan-out.
 
+Trust: a data-plane request (routing.py, the parser the cells use) goes on without the gateway's key
+and without any X-API-KEY (the cell checks the sandbox's token); every other request but `/health` and
+an id-less signed `/files` needs the client's key to match before anything is sent to a cell, and only
+then carries the cell key. Bodies stream (forward.py) under the cells' body deadline (server/edge.py);
+only a create's JSON is held, within a gateway-wide budget (bodies.py).
+
 | request | goes to |
 |---|---|
 | data plane (`E2b-Sandbox-Id` header, or Host `{port}-{id}.…`) | the cell named by the id's first CELL_ID_LEN chars |
@@ -8,7 +14,7 @@
 | `POST /sandboxes`, `POST /v2/sandboxes` from a snapshot | only the cell that holds it: named by its template id's prefix, else found by asking the cells (snapshots.py) |
 | `DELETE /templates/{id}` | the cell named by the id's prefix; a name: every cell (204 if one deleted it) |
 | `GET /sandboxes`, `GET /v2/sandboxes`, `GET /snapshots` | every reachable cell, merged (listing.py, snapshots.py) |
-| `/files` without a sandbox (a signed URL) | each cell in turn until one knows the signature |
+| `/files` without a sandbox (a signed URL) | the cell whose sandbox signed it, found by asking every cell (signed.py) |
 | `GET /health` | the gateway itself (no key): 200 while a cell is routable, else 503; `GET /v1/cells`: its view of the cells (key) |
 | anything else on the control plane | one ready cell |
 
@@ -29,56 +35,33 @@ from urllib.parse import parse_qsl
 import httpx
 from starlette.responses import JSONResponse, Response
 
-from agentcell.gateway import listing, snapshots
+from agentcell.gateway import listing, signed, snapshots
+from agentcell.gateway.bodies import read_held
 from agentcell.gateway.cells import CellState, CellTable
 from agentcell.gateway.discovery import Discovery
-from agentcell.gateway.forward import CellFailed, CellUnreachable, forward, relay_upgrade, upgrade_requested
+from agentcell.gateway.forward import (
+    CellFailed,
+    CellUnreachable,
+    ClientLeft,
+    forward,
+    relay_upgrade,
+    upgrade_requested,
+)
+from agentcell.server import routing
+from agentcell.server.asgi import header
+from agentcell.server.bodies import BodyBudget
 from agentcell.server.cell import CELL_ID_LEN
 from agentcell.server.control import TEMPLATES
-from agentcell.server.errors import json_error, sandbox_not_found
+from agentcell.server.edge import BodyDeadline
+from agentcell.server.errors import HTTPError, json_error, sandbox_not_found
+from agentcell.server.routing import SandboxTarget
 
 log = logging.getLogger("agentcell.gateway")
 
-_HOST_RE = re.compile(r"^\d+-([a-z0-9]+)\.")
 # an id has a cell prefix and more: /sandboxes/metrics (no id) goes to a cell like any other path
 _CONTROL_ID_RE = re.compile(rf"^/(?:v2/)?sandboxes/([a-z0-9]{{{CELL_ID_LEN + 1},64}})(?:/|$)")
 _CREATE_PATHS = frozenset({"/sandboxes", "/v2/sandboxes", "/sandboxes/", "/v2/sandboxes/"})
-MAX_CREATE_BODY = 1 << 20  # a create's JSON body is read whole (to retry it on another cell)
-MAX_SIGNED_BODY = 16 << 20  # an id-less signed upload is tried cell by cell: held at most this big
 REFUSALS = frozenset({429, 503})  # a cell said no at once: the create may go elsewhere
-
-
-def _header(scope: dict[str, Any], name: bytes) -> str | None:
-    for n, v in scope["headers"]:
-        if n.lower() == name:
-            return v.decode("latin-1")
-    return None
-
-
-def data_plane_id(scope: dict[str, Any]) -> str | None:
-    """The sandbox id of a data-plane request (E2B's header, or a `{port}-{id}.` Host)."""
-    by_header = _header(scope, b"e2b-sandbox-id")
-    if by_header is not None:
-        return by_header.strip()
-    m = _HOST_RE.match((_header(scope, b"host") or "").lower())
-    return m.group(1) if m else None
-
-
-async def _read_body(receive: Any, most: int) -> bytes | None:
-    """The whole request body, or None past `most` bytes."""
-    chunks, size = [], 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            break
-        data = message.get("body", b"")
-        size += len(data)
-        if size > most:
-            return None
-        chunks.append(data)
-        if not message.get("more_body", False):
-            break
-    return b"".join(chunks)
 
 
 def _replay(body: bytes) -> Any:
@@ -121,12 +104,14 @@ class _Capture:
 
 class GatewayApp:
     def __init__(self, discovery: Discovery, api_key: str | None, cell_api_key: str | None,
-                 poll_interval: float = 1.0) -> None:
+                 poll_interval: float = 1.0, body_timeout: float = 30.0, max_body_memory: int = 64 << 20) -> None:
         self.discovery = discovery
         self.api_key = api_key
         self.cell_api_key = cell_api_key if cell_api_key is not None else api_key
         self.cells = CellTable(self.cell_api_key, poll_interval, poll_timeout=max(0.2, min(1.0, poll_interval)))
         self.client: httpx.AsyncClient | None = None
+        self.budget = BodyBudget(max_body_memory, wait_timeout=body_timeout)  # what creates hold (bodies.py)
+        self.edge = BodyDeadline(self.route, body_timeout)
 
     # --- lifespan --------------------------------------------------------------------------------
 
@@ -162,20 +147,29 @@ class GatewayApp:
                     return
         if scope["type"] != "http":
             return
-        await self.route(scope, receive, send)
+        await self.edge(scope, receive, send)
 
     # --- routing ---------------------------------------------------------------------------------
 
     def _key_ok(self, scope: dict[str, Any]) -> bool:
         if self.api_key is None:
             return True
-        got = _header(scope, b"x-api-key") or ""
-        return hmac.compare_digest(got.encode(), self.api_key.encode())
+        got = header(scope, b"x-api-key") or ""
+        return hmac.compare_digest(got.encode("latin-1"), self.api_key.encode())
+
+    def _cell_key(self, scope: dict[str, Any]) -> str | None:
+        """The X-API-KEY a control-plane request takes to a cell, once its own key matched (_key_ok): the
+        cell key, or with none the client's own (a gateway and cells without keys)."""
+        return self.cell_api_key if self.cell_api_key is not None else header(scope, b"x-api-key")
 
     async def route(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        sandbox_id = data_plane_id(scope)
-        if sandbox_id is not None:  # data plane: the cell checks the sandbox's own token
-            await self._to_sandbox(sandbox_id, scope, receive, send)
+        try:
+            where = routing.target(scope)
+        except routing.RoutingError as e:  # the cell would refuse it too: it never gets it
+            await json_error(400, str(e))(scope, receive, send)
+            return
+        if where is not None:  # data plane: no key here, none sent on; the cell checks the sandbox's token
+            await self._to_sandbox(where.sandbox_id, scope, receive, send, None, where)
             return
         path, method = scope["path"], scope["method"]
         if path == "/health":  # a readiness probe: a gateway with no cell to route to is not ready
@@ -187,6 +181,7 @@ class GatewayApp:
         if path == "/files" and method in ("GET", "POST"):
             await self._signed_files(scope, receive, send)
             return
+        # the control plane: nothing goes to a cell, nor is answered, before the client's key matched
         if not self._key_ok(scope):
             await json_error(401, "invalid or missing X-API-KEY")(scope, receive, send)
             return
@@ -194,7 +189,7 @@ class GatewayApp:
             await JSONResponse([c.view() for c in self.cells.by_url.values()])(scope, receive, send)
             return
         if m := _CONTROL_ID_RE.match(path):
-            await self._to_sandbox(m.group(1), scope, receive, send)
+            await self._to_sandbox(m.group(1), scope, receive, send, self._cell_key(scope))
             return
         if path in _CREATE_PATHS and method == "POST":
             await self._create(scope, receive, send)
@@ -211,34 +206,50 @@ class GatewayApp:
         if cell is None:
             await json_error(503, "no cell is reachable; retry shortly")(scope, receive, send)
             return
-        await self._forward(cell, scope, receive, send)
+        try:
+            await self._forward(cell, scope, receive, send, self._cell_key(scope))
+        except ClientLeft:
+            pass
 
-    async def _forward(self, cell: CellState, scope: dict[str, Any], receive: Any, send: Any,
-                       body: bytes | None = None) -> int:
+    async def _forward(self, cell: CellState, scope: dict[str, Any], receive: Any, send: Any, api_key: str | None,
+                       body: bytes | None = None, sandbox: SandboxTarget | None = None) -> int:
+        """`api_key`: the cell key for an authenticated control-plane request, else None (forward.py)."""
         assert self.client is not None
         if upgrade_requested(scope):
-            await relay_upgrade(cell.url, scope, self.cell_api_key)
+            await relay_upgrade(cell.url, scope, api_key, sandbox)
             return 101
-        return await forward(self.client, cell.url, scope, receive, send, self.cell_api_key, body)
+        return await forward(self.client, cell.url, scope, receive, send, api_key, body, sandbox)
 
-    async def _to_sandbox(self, sandbox_id: str, scope: dict[str, Any], receive: Any, send: Any) -> None:
+    async def _to_sandbox(self, sandbox_id: str, scope: dict[str, Any], receive: Any, send: Any,
+                          api_key: str | None, sandbox: SandboxTarget | None = None) -> None:
         cell = self.cells.route(sandbox_id)
         if cell is None:
             await sandbox_not_found(sandbox_id)(scope, receive, send)
             return
         try:
-            await self._forward(cell, scope, receive, send)
+            await self._forward(cell, scope, receive, send, api_key, sandbox=sandbox)
         except CellUnreachable as e:
             self.cells.mark_down(cell, f"connect failed: {e}")
             await sandbox_not_found(sandbox_id)(scope, receive, send)
         except CellFailed:  # the cell dropped the connection without an answer: it, or the sandbox, is gone
             await sandbox_not_found(sandbox_id)(scope, receive, send)
+        except ClientLeft:  # its body stopped short (408 sent by the edge, or gone): the cell's request aborted
+            pass
 
     async def _create(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        body = await _read_body(receive, MAX_CREATE_BODY)
-        if body is None:
-            await json_error(413, f"a create's body is at most {MAX_CREATE_BODY >> 10} KiB")(scope, receive, send)
+        try:
+            body, held = await read_held(scope, receive, self.budget)
+        except HTTPError as e:
+            await json_error(e.status, e.message)(scope, receive, send)
             return
+        except ClientLeft:
+            return
+        try:
+            await self._place(body, scope, receive, send)
+        finally:
+            await self.budget.release(held)
+
+    async def _place(self, body: bytes, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if (ref := snapshots.create_template(body)) is not None:
             await self._create_from_snapshot(ref, body, scope, send)
             return
@@ -273,7 +284,7 @@ class GatewayApp:
         load while it runs. CellUnreachable (the cell is marked down) and CellFailed propagate."""
         cell.inflight += 1
         try:
-            status = await self._forward(cell, scope, _replay(body), capture, body)
+            status = await self._forward(cell, scope, _replay(body), capture, self._cell_key(scope), body)
         except CellUnreachable as e:
             self.cells.mark_down(cell, f"connect failed: {e}")
             raise
@@ -330,7 +341,9 @@ class GatewayApp:
                 await json_error(err.status, err.message)(scope, receive, send)
                 return
             try:
-                await self._forward(cell, scope, receive, send)
+                await self._forward(cell, scope, receive, send, self._cell_key(scope))
+            except ClientLeft:
+                pass
             except (CellUnreachable, CellFailed) as e:
                 if isinstance(e, CellUnreachable):
                     self.cells.mark_down(cell, f"connect failed: {e}")
@@ -376,30 +389,22 @@ class GatewayApp:
             await json_error(e.status, e.message)(scope, receive, send)
 
     async def _signed_files(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        """An SDK's download_url()/upload_url() under E2B_SANDBOX_URL names no sandbox: only the
-        cell whose sandbox signed it accepts it (the others answer 401), so try each in turn."""
-        body = b""
-        if scope["method"] == "POST":
-            got = await _read_body(receive, MAX_SIGNED_BODY)
-            if got is None:
-                await json_error(413, f"an upload to a signed URL without a sandbox id is at most "
-                                      f"{MAX_SIGNED_BODY >> 20} MiB through the gateway; use the SDK's "
-                                      "files.write (it names the sandbox)")(scope, receive, send)
-                return
-            body = got
-        capture: _Capture | None = None
-        for cell in self.cells.routable():
-            capture = _Capture(send)
-            try:
-                await self._forward(cell, scope, _replay(body), capture, body if body else None)
-            except (CellUnreachable, CellFailed):
-                continue
-            if capture.passing:
-                return
-        if capture is not None and capture.held:
-            await capture.release()
+        """An SDK's download_url()/upload_url() under E2B_SANDBOX_URL names no sandbox: the cells are
+        asked whose sandbox signed it (signed.py), then the request, its body not yet read, streams to
+        that one cell, with no key: that cell checks the signature as a lone server does."""
+        assert self.client is not None
+        found = await signed.find_signer(self.client, self.cells.routable(), scope, self.cells.headers())
+        if isinstance(found, signed.Refusal):
+            await json_error(found.status, found.message)(scope, receive, send)
             return
-        await json_error(401, "invalid signature")(scope, receive, send)
+        try:
+            await self._forward(found, scope, receive, send, None)
+        except (CellUnreachable, CellFailed) as e:
+            if isinstance(e, CellUnreachable):
+                self.cells.mark_down(found, f"connect failed: {e}")
+            await json_error(502, "The sandbox was not found")(scope, receive, send)
+        except ClientLeft:
+            pass
 
 
 def _failed_create(cell: CellState, e: CellFailed) -> Response:

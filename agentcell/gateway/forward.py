@@ -8,7 +8,12 @@
   connection of its own, and from then on the client's connection (http_protocol.RawConnection, as the
   server's ports.py uses it) and the cell's exchange raw bytes until both end.
 Headers pass through except hop-by-hop ones; the Host stays the client's (the cell derives the
-sandbox's `domain` and `{port}-{id}.` routing from it); X-API-KEY is replaced by the cell key.
+sandbox's `domain` from it). Credentials: the client's X-API-KEY never reaches a cell. The caller says
+what goes in its place: the cell key for a control-plane request the gateway has authenticated, nothing
+for the data plane (the cell checks the sandbox's own token there, and a key added to a request nobody
+checked would open the control plane to whoever can make the cell read it as one). A data-plane request
+also carries the gateway's routing decision as E2B's headers (routing.py), so that the cell, whatever
+its version, serves the sandbox the gateway chose.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import httpx
 
 from agentcell.server.asgi import named_by_connection
 from agentcell.server.http_protocol import UPGRADE_EXTENSION
+from agentcell.server.routing import ID_HEADER, PORT_HEADER, SandboxTarget, routing_headers
 
 HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"te", b"trailer",
                         b"transfer-encoding", b"upgrade", b"proxy-authenticate", b"proxy-authorization",
@@ -39,17 +45,23 @@ class CellFailed(Exception):
     create may have happened)."""
 
 
-def request_headers(scope: dict[str, Any], cell_api_key: str | None) -> list[tuple[bytes, bytes]]:
+class ClientLeft(Exception):
+    """The client went away (or missed the body deadline) before its request body was complete: the
+    cell's request is aborted, never ended as if the body were whole."""
+
+
+def request_headers(scope: dict[str, Any], api_key: str | None,
+                    sandbox: SandboxTarget | None = None) -> list[tuple[bytes, bytes]]:
+    """The headers the cell gets (module doc): `api_key` as the only X-API-KEY (None: none); for a
+    data-plane request, `sandbox` as the only routing headers."""
     headers: list[tuple[bytes, bytes]] = scope["headers"]
     named = named_by_connection(headers)
-    out = []
-    for name, value in headers:
-        lower = name.lower()
-        if lower in HOP_BY_HOP or lower in named or (lower == b"x-api-key" and cell_api_key is not None):
-            continue
-        out.append((lower, value))
-    if cell_api_key is not None and any(n.lower() == b"x-api-key" for n, _ in headers):
-        out.append((b"x-api-key", cell_api_key.encode()))
+    dropped = HOP_BY_HOP | named | {b"x-api-key"} | ({ID_HEADER, PORT_HEADER} if sandbox is not None else set())
+    out = [(name.lower(), value) for name, value in headers if name.lower() not in dropped]
+    if api_key is not None:
+        out.append((b"x-api-key", api_key.encode()))
+    if sandbox is not None:
+        out += routing_headers(sandbox)
     client = scope.get("client")
     if client:
         out.append((b"x-forwarded-for", client[0].encode()))
@@ -67,7 +79,7 @@ async def _body(receive: Any) -> AsyncIterator[bytes]:
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
-            return
+            raise ClientLeft  # httpx aborts the cell's request: a cut upload must not look complete
         data = message.get("body", b"")
         if data:
             yield data
@@ -81,11 +93,13 @@ def _has_body(scope: dict[str, Any]) -> bool:
 
 
 async def forward(client: httpx.AsyncClient, base: str, scope: dict[str, Any], receive: Any, send: Any,
-                  cell_api_key: str | None, body: bytes | None = None) -> int:
-    """Send the request to the cell at `base` and stream its answer back; the status. `body`: the
-    request body already read (a create, retried elsewhere). Raises CellUnreachable before anything
-    was sent to the client."""
-    headers = request_headers(scope, cell_api_key)
+                  api_key: str | None, body: bytes | None = None, sandbox: SandboxTarget | None = None) -> int:
+    """Send the request to the cell at `base` and stream its answer back; the status. `api_key`: the
+    X-API-KEY the cell gets (only for a request the gateway authenticated); `sandbox`: a data-plane
+    request's destination; `body`: the request body already read (a create, retried elsewhere).
+    Raises CellUnreachable before anything was sent to the client, ClientLeft if the client's body
+    stopped short."""
+    headers = request_headers(scope, api_key, sandbox)
     content: Any = body if body is not None else (_body(receive) if _has_body(scope) else None)
     if body is not None:
         headers = [(n, v) for n, v in headers if n != b"content-length"]
@@ -142,8 +156,10 @@ def upgrade_requested(scope: dict[str, Any]) -> bool:
     return UPGRADE_EXTENSION in scope.get("extensions", {})
 
 
-async def relay_upgrade(base: str, scope: dict[str, Any], cell_api_key: str | None) -> None:
-    """An Upgrade request: its head to the cell, then raw bytes both ways (see the module doc)."""
+async def relay_upgrade(base: str, scope: dict[str, Any], api_key: str | None,
+                        sandbox: SandboxTarget | None = None) -> None:
+    """An Upgrade request: its head to the cell, then raw bytes both ways (see the module doc);
+    `api_key` and `sandbox` as for forward()."""
     parts = urlsplit(base)
     try:
         reader, writer = await asyncio.wait_for(
@@ -151,7 +167,7 @@ async def relay_upgrade(base: str, scope: dict[str, Any], cell_api_key: str | No
     except (OSError, TimeoutError) as e:
         raise CellUnreachable(str(e) or type(e).__name__) from None
     raw = scope["extensions"][UPGRADE_EXTENSION].take_over()
-    headers = request_headers(scope, cell_api_key)
+    headers = request_headers(scope, api_key, sandbox)
     upgrade = next((v for n, v in scope["headers"] if n.lower() == b"upgrade"), b"websocket")
     lines = [scope["method"].encode() + b" " + target(scope).encode("latin-1") + b" HTTP/1.1"]
     lines += [n + b": " + v for n, v in headers]

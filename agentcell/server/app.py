@@ -27,8 +27,8 @@ from agentcell.network.service import EgressSettings
 from agentcell.record import quiet
 from agentcell.record.store import ROW_BYTES, EventStore
 from agentcell.record.store import Limits as EventLimits
-from agentcell.server import api_events, auth, cell, files, interpreter, ports
-from agentcell.server.asgi import declared_length, has_body, header, is_connect_rpc
+from agentcell.server import api_events, auth, cell, files, interpreter, ports, routing
+from agentcell.server.asgi import declared_length, has_body, is_connect_rpc
 from agentcell.server.auth import ENVD_PORT, INTERPRETER_PORT
 from agentcell.server.bodies import BUDGET_KEY, BodyBudget, json_content_type_refusal
 from agentcell.server.config import ServerConfig, backend_names
@@ -45,7 +45,6 @@ from agentcell.server.streams import current_drop, current_sandbox
 
 log = logging.getLogger("agentcell.server")
 
-_HOST_RE = re.compile(r"^(\d+)-([a-z0-9]+)\.")
 _SANDBOX_ID_RE = re.compile(r"^[a-z0-9]{1,64}$")
 
 
@@ -81,20 +80,10 @@ _HANDLERS: dict[Any, Any] = {
 
 
 def _route_target(scope: dict[str, Any]) -> tuple[str, int] | None:
-    """(sandbox id, port) if this request is for a sandbox's data plane."""
-    sandbox_id = header(scope, b"e2b-sandbox-id")
-    if sandbox_id is not None:
-        raw_port = header(scope, b"e2b-sandbox-port") or str(ENVD_PORT)
-        try:
-            port = int(raw_port)
-        except ValueError:
-            port = -1
-        return sandbox_id.strip(), port
-    host = header(scope, b"host") or ""
-    m = _HOST_RE.match(host)
-    if m:
-        return m.group(2), int(m.group(1))
-    return None
+    """(sandbox id, port) if this request is for a sandbox's data plane (routing.py, the parser the
+    gateway uses too); RoutingError when its routing is malformed or ambiguous."""
+    where = routing.target(scope)
+    return (where.sandbox_id, where.port) if where is not None else None
 
 
 class AgentcellApp:
@@ -187,7 +176,11 @@ class AgentcellApp:
 
     async def _route(self, scope: Any, receive: Any, send: Any) -> None:
         """Credentials and content type are checked here, once, before any handler reads the body."""
-        target = _route_target(scope)
+        try:
+            target = _route_target(scope)
+        except routing.RoutingError as e:
+            await json_error(400, str(e))(scope, receive, send)
+            return
         if target is None and scope["path"] == "/files" and scope["method"] in ("GET", "POST"):
             await self._signed_files(scope, receive, send)
             return

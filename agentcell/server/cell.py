@@ -6,6 +6,10 @@
   Every sandbox id this server makes is the cell id followed by 20 random characters, so an id says
   which cell holds it, still matches ^[a-z0-9]+$ and `{port}-{id}` still fits a DNS label (6+28 chars).
 - `GET /v1/cell` (X-API-KEY, like the control plane): the gateway polls it for placement.
+- `GET /v1/cell/file-signer/{read|write}?{a /files URL's query}` (X-API-KEY): which of this cell's
+  sandboxes signed an id-less `/files` URL, `{"sandboxID", "refusal"}` (auth.signed_sandbox; 400 for a
+  malformed expiration). The gateway asks every cell, then streams the request to the one that knows:
+  no body is held to be tried cell by cell. The sandbox's cell checks the signature again when served.
 - SIGTERM drains: `/health` answers 503 (Kubernetes takes the pod out of the ready endpoints), creates
   get 429, live sandboxes keep serving until they end or `--drain-grace` seconds pass; then the normal
   shutdown. A second SIGTERM, or SIGINT, stops at once.
@@ -26,6 +30,7 @@ from typing import Any
 import uvicorn
 from starlette.responses import JSONResponse
 
+from agentcell.server import auth
 from agentcell.server.errors import json_error
 from agentcell.server.registry import SandboxManager
 
@@ -35,6 +40,8 @@ CELL_ID_LEN = 8
 _ID_CHARS = "0123456789abcdefghijklmnopqrstuvwxyz"
 # creates (new sandboxes on this cell) a draining cell refuses; a resume or connect of one it holds goes on
 _CREATE_RE = re.compile(r"^/(?:v2/)?sandboxes(?:/[a-z0-9]{1,64}/fork)?/?$")
+FILE_SIGNER_PATH = "/v1/cell/file-signer/"  # + the operation signed: read (GET /files) or write (POST)
+_FILE_METHODS = {"read": "GET", "write": "POST"}
 
 
 def normalise_cell_id(raw: str | None) -> str | None:
@@ -77,6 +84,9 @@ class Cell:
         if path == "/v1/cell" and method == "GET":
             await JSONResponse(await self.info())(scope, receive, send)
             return True
+        if path.startswith(FILE_SIGNER_PATH) and method == "GET":
+            await self._file_signer(path[len(FILE_SIGNER_PATH):], scope, receive, send)
+            return True
         if not self.draining:
             return False
         if path == "/health" and method == "GET":
@@ -89,6 +99,20 @@ class Cell:
                                   "another server")(scope, receive, send)
             return True
         return False
+
+    async def _file_signer(self, operation: str, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        """`GET /v1/cell/file-signer/{operation}` (the module doc)."""
+        if operation not in _FILE_METHODS:
+            await json_error(404, f"no route for GET {scope['path']} (the operations: read, write)")(scope, receive, send)
+            return
+        signed = {"method": _FILE_METHODS[operation], "query_string": scope.get("query_string", b""), "headers": []}
+        try:
+            sandbox_id, refusal = auth.signed_sandbox(
+                signed, ((r.sandbox_id, r.access_token) for r in self.manager.list()))
+        except auth.BadExpiration as e:
+            await json_error(400, str(e))(scope, receive, send)
+            return
+        await JSONResponse({"sandboxID": sandbox_id, "refusal": refusal})(scope, receive, send)
 
     async def info(self) -> dict[str, Any]:
         m = self.manager

@@ -1,4 +1,5 @@
-"""The ASGI layer in front of the router: Host/Origin policy and request-body pacing.
+"""The ASGI layer in front of the router: Host/Origin policy and request-body pacing (the gateway
+uses the pacing alone: BodyDeadline).
 
 - A request whose Host or Origin the policy refuses gets 403 before anything else (hosts.py).
 - A request body must keep coming: the server waits at most `body_timeout` seconds for each next part,
@@ -27,7 +28,7 @@ MIN_BODY_RATE = 1024  # bytes/s, on average, that a request body must keep up
 UNPACED_PATHS = frozenset({"/process.Process/StreamInput"})
 
 
-class _Exchange:
+class PacedExchange:
     """One request/response pair: wraps receive (pacing) and send (close, or drop after a 408)."""
 
     def __init__(self, scope: dict[str, Any], receive: Any, send: Any, timeout: float) -> None:
@@ -97,10 +98,22 @@ class EdgeGuard:
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         refusal = self.policy.refusal(scope)
-        exchange = _Exchange(scope, receive, send, self.body_timeout)
+        exchange = PacedExchange(scope, receive, send, self.body_timeout)
         if refusal is not None:
             await json_error(403, refusal)(scope, exchange.receive, exchange.send)
             return
         scope[BUDGET_KEY] = self.budget
         await self.app(scope, exchange.receive, exchange.send)
 
+
+
+class BodyDeadline:
+    """The body pacing alone (see the module doc) around any ASGI app: the gateway's edge."""
+
+    def __init__(self, app: ASGIApp, body_timeout: float) -> None:
+        self.app = app
+        self.body_timeout = body_timeout
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        exchange = PacedExchange(scope, receive, send, self.body_timeout)
+        await self.app(scope, exchange.receive, exchange.send)

@@ -10,20 +10,17 @@ by, and an Origin, when present, must be one we trust.
 from __future__ import annotations
 
 import ipaddress
-import re
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+from agentcell.server import routing
 from agentcell.server.asgi import header
 from agentcell.server.config import ServerConfig
+from agentcell.server.routing import HOST_RE as _HOST_RE
+from agentcell.server.routing import host_name
 
-_HOST_RE = re.compile(r"^(?:\[(?P<v6>[0-9a-f:.]+)\]|(?P<name>[a-z0-9._-]+))(?::(?P<port>\d{1,5}))?$")
 _WILDCARD_BINDS = {"", "0.0.0.0", "::", "*"}
-# A page served out of a sandbox ({port}-{id}.<domain>) is the sandbox's code: as an Origin it is
-# trusted only by requests to that same sandbox (any of its ports), never by the control plane or
-# another sandbox.
-_SANDBOX_HOST_RE = re.compile(r"^\d+-(?P<id>[a-z0-9]+)\.")
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
@@ -54,14 +51,6 @@ def check_exposure(cfg: ServerConfig) -> None:
         "AGENTCELL_SERVER_API_KEY), listen on 127.0.0.1, or pass --insecure-no-auth if every client on "
         "that network is trusted."
     )
-
-
-def host_name(value: str) -> str | None:
-    """The host name of a Host header value (`name[:port]`, `[v6]:port`), lower-case; None if malformed."""
-    m = _HOST_RE.match(value.strip().lower())
-    if m is None:
-        return None
-    return m.group("v6") or m.group("name").rstrip(".")
 
 
 def local_domain(host: str) -> str:
@@ -105,13 +94,14 @@ def _same_netloc(origin: str, host: str, scheme: str) -> bool:
     return netloc in (_netloc("http", name, port), _netloc("https", name, port), _netloc(scheme, name, port))
 
 
-def _target_sandbox(scope: dict[str, Any], host: str | None) -> str | None:
-    """The id of the sandbox a request is routed to (by E2B's header or by Host), else None."""
-    by_header = header(scope, b"e2b-sandbox-id")
-    if by_header is not None:
-        return by_header.strip()
-    m = _SANDBOX_HOST_RE.match((host or "").strip().lower())
-    return m.group("id") if m else None
+def _target_sandbox(scope: dict[str, Any]) -> str | None:
+    """The id of the sandbox a request is routed to (routing.py), else None (also when its routing is
+    malformed: the router refuses it then)."""
+    try:
+        where = routing.target(scope)
+    except routing.RoutingError:
+        return None
+    return where.sandbox_id if where is not None else None
 
 
 @dataclass(frozen=True)
@@ -173,8 +163,11 @@ class HostPolicy:
         if normalised in self.origins:
             return None
         if self._name_allowed(name):
-            page = _SANDBOX_HOST_RE.match(name)
-            if page is None or page.group("id") == _target_sandbox(scope, host):
+            # A page served out of a sandbox ({port}-{id}.<domain>) is the sandbox's code: as an Origin
+            # it is trusted only by requests to that same sandbox (any of its ports), never by the
+            # control plane or another sandbox.
+            page = routing.sandbox_label(name)
+            if page is None or page[1] == _target_sandbox(scope):
                 return None
         if host is not None and _same_netloc(normalised, host, scope.get("scheme", "http")):
             return None
