@@ -160,7 +160,8 @@ def main() -> None:
 @click.option("--events-per-sandbox", default=100_000, show_default=True, type=click.IntRange(100),
               help="Events kept per sandbox; more are counted as dropped.")
 @click.option("--events-rate", default=2000.0, show_default=True, type=click.FloatRange(min=1),
-              help="Events per second one sandbox may add to its record (a burst of 10 s of it); more are counted as dropped.")
+              help="Events per second one sandbox may add to its record (a burst of 10 s of it), each class of event keeping "
+                   "a reserved share; more are counted as dropped.")
 @click.option("--events-max-mb", default=1024, show_default=True, type=click.IntRange(16),
               help="Disk the behaviour records of all sandboxes may take (the oldest ended ones go first).")
 @click.option("--audit-log", default=None, metavar="PATH|-",

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import ipaddress
+import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -39,6 +40,7 @@ PERSISTENCE_NAMES = frozenset({".bashrc", ".bash_profile", ".profile", ".zshrc",
 PERSISTENCE_DIRS = ("/etc/profile.d/", "/etc/cron", "/var/spool/cron", "/etc/init.d/", "/etc/systemd/",
                     "/home/user/.ssh/", "/root/.ssh/", "/home/user/.config/autostart/")
 MINER_WORDS = ("xmrig", "minerd", "cpuminer", "stratum+tcp", "cryptonight", "ethminer", "nicehash")
+_MINER_RE = re.compile("|".join(re.escape(w) for w in MINER_WORDS))  # on the lowered line: 5x any(in)
 SCAN_PORTS = 20  # distinct ports on one address, or ...
 SCAN_HOSTS = 20  # ... distinct addresses, that look like a scan
 LONG_RUNNING_S = 60.0  # a process alive this long at the end, started by the code, is "left behind"
@@ -97,10 +99,14 @@ class FlagSet:
 
     def lost(self, reason: str, count: int = 1) -> None:
         """`count` events were lost (refused by the store, or lost by a collector) for `reason`."""
-        if reason not in self._lost and len(self._lost) >= MAX_REASONS:
-            reason = "other"
-        self._lost[reason] = self._lost.get(reason, 0) + count
-        self.raise_flag(INCOMPLETE, None, 0)
+        held = self._lost.get(reason)
+        if held is None:
+            if len(self._lost) >= MAX_REASONS:
+                reason = "other"
+            held = self._lost.get(reason, 0)
+            self.raise_flag(INCOMPLETE, None, 0)
+        self._lost[reason] = held + count
+        self.dirty = True
 
     def cite_note(self, seq: int) -> None:
         """The store's own `record.dropped` note, stored as `seq`: cited by record-incomplete (the
@@ -109,8 +115,14 @@ class FlagSet:
 
     def _exec(self, e: dict[str, Any], seq: int | None) -> None:
         argv = e.get("argv")
-        line = (" ".join(str(a) for a in argv) if isinstance(argv, list) else str(e.get("path") or "")).lower()
-        if any(w in line for w in MINER_WORDS):
+        if isinstance(argv, list) and argv:
+            try:
+                line = " ".join(argv)
+            except TypeError:  # not all strings
+                line = " ".join(map(str, argv))
+        else:
+            line = str(e.get("path") or "")
+        if _MINER_RE.search(line.lower()):
             self.raise_flag("crypto-mining", seq)
         pid, at = e.get("pid"), e.get("time")
         if isinstance(pid, int) and pid != 1 and isinstance(at, int | float) \
@@ -123,7 +135,8 @@ class FlagSet:
             self._live.pop(pid, None)
 
     def _file(self, e: dict[str, Any], seq: int | None) -> None:
-        if _persistence(e.get("path")) or _persistence(e.get("to")):  # (deleting one is not persisting)
+        to = e.get("to")  # a rename's; (deleting one is not persisting: no rule for file.delete)
+        if _persistence(e.get("path")) or (to is not None and _persistence(to)):
             self.raise_flag("persistence", seq)
 
     def _network(self, e: dict[str, Any], seq: int | None) -> None:
@@ -237,9 +250,9 @@ def merge(*flag_lists: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _persistence(path: Any) -> bool:
-    if not isinstance(path, str) or not path:
+    if not isinstance(path, str):
         return False
-    return path.rpartition("/")[2] in PERSISTENCE_NAMES or path.startswith(PERSISTENCE_DIRS)
+    return path[path.rfind("/") + 1:] in PERSISTENCE_NAMES or path.startswith(PERSISTENCE_DIRS)
 
 
 _NAT64 = ipaddress.ip_network("64:ff9b::/96")

@@ -80,7 +80,7 @@ class Limits:
             raise ValueError(f"shares: one non-negative fraction for each of {', '.join(CLASSES)}, at most 1 in all")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class _Share:
     """One class's (or the shared part's) slice of a sandbox's bounds."""
 
@@ -158,7 +158,7 @@ class _Record:
     dropped_total: int = 0
     held: dict[str, int] = field(default_factory=dict)  # class -> events stored within its reserve ...
     shared_held: int = 0  # ... and past it, in the shared part
-    buckets: dict[str, _Bucket] = field(default_factory=dict)  # class or SHARED -> its rate's bucket
+    buckets: dict[str, _Bucket] = field(default_factory=dict)  # class or SHARED -> its rate's bucket (made full)
     flags: FlagSet = field(default_factory=FlagSet)  # raised on every event seen, stored or not
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     redactions: list[tuple[str, str]] = field(default_factory=list)  # (secret value, placeholder)
@@ -170,6 +170,7 @@ class EventStore:
         self.limits = limits or Limits()
         self.audit_log = audit_log
         self._slices = _slices(self.limits)
+        self._shared = self._slices[SHARED]
         self._records: dict[str, _Record] = {}
         self._from_before: set[str] = set()  # sandboxes with a record from before this server's start
         self._pending: dict[str, list[dict[str, Any]]] = {}  # added, not yet committed (served to readers)
@@ -282,27 +283,23 @@ class EventStore:
         mine = self._slices[cls]
         held = rec.held.get(cls, 0)
         in_reserve = held < mine.cap
-        if not in_reserve and rec.shared_held >= self._slices[SHARED].cap:
+        if not in_reserve and rec.shared_held >= self._shared.cap:
             return "per-sandbox cap"
         if self._queued >= lim.queue:
             return "writer behind"
         if self._rows + self._queued >= lim.max_rows + lim.max_rows // 10:
             return "store full"  # only live sandboxes' records are left to keep (the janitor evicts ended ones)
         now = time.monotonic()
-        if not self._bucket(rec, cls, now).take(now, mine) and \
-                not self._bucket(rec, SHARED, now).take(now, self._slices[SHARED]):
+        buckets = rec.buckets
+        if not buckets:  # the first event: every bucket full
+            buckets.update((name, _Bucket(share.burst, now)) for name, share in self._slices.items())
+        if not buckets[cls].take(now, mine) and not buckets[SHARED].take(now, self._shared):
             return "rate limit"
         if in_reserve:
             rec.held[cls] = held + 1
         else:
             rec.shared_held += 1
         return None
-
-    def _bucket(self, rec: _Record, name: str, now: float) -> _Bucket:
-        b = rec.buckets.get(name)
-        if b is None:
-            b = rec.buckets[name] = _Bucket(self._slices[name].burst, now)
-        return b
 
     def redact(self, sandbox_id: str, secrets: list[tuple[str, str]]) -> None:
         """From now on, each of these values (a secret's) is stored as its placeholder, wherever in an
