@@ -255,7 +255,7 @@ def test_flags_are_raised_on_dropped_events_and_kept_across_a_restart(tmp_path: 
             assert "record-incomplete" in report.render(ended)
         finally:
             await store.close()
-        again = EventStore(path)
+        again = EventStore(path, Limits(per_sandbox=500, rate=1e9, burst=10**9))
         await again.start()
         try:
             rep = report.build(again.iterate("victim"), again.summary("victim"))
@@ -263,6 +263,15 @@ def test_flags_are_raised_on_dropped_events_and_kept_across_a_restart(tmp_path: 
             assert EXPECTED <= set(flags), EXPECTED - set(flags)
             assert flags["crypto-mining"]["not_stored"] == 1 and flags["scanning"]["not_stored"] >= 20
             assert flags["record-incomplete"]["count"] >= len(HOSTILE)
+            # the sandbox resumed (a paused one, after the restart): its record goes on, full as it was,
+            # and its flags with it
+            seq = again.summary("victim")["events"]
+            again.begin("victim")
+            again.add("victim", event("process.exec", pid=5, ppid=1, argv=["cpuminer"]))
+            assert again.summary("victim")["events"] == seq  # its class's reserve and the shared part: still full
+            seen = {f["flag"]: f for f in again.summary("victim")["flags_seen"]}
+            assert EXPECTED - {"left-running"} <= set(seen)
+            assert seen["crypto-mining"]["count"] == 2 and seen["crypto-mining"]["not_stored"] == 2
         finally:
             await again.close()
 
