@@ -255,7 +255,7 @@ class AgentcellApp:
         """`/files` with no sandbox named: an SDK's download_url()/upload_url() under E2B_SANDBOX_URL.
         The v1 signature names the sandbox (auth.signed_sandbox); envd's 401s otherwise."""
         try:
-            sandbox_id, scope[auth.CREDENTIAL] = auth.signed_sandbox(
+            sandbox_id, scope[auth.CREDENTIAL] = auth.signed_url_credential(
                 scope, ((r.sandbox_id, r.access_token) for r in self.manager.list()))
         except auth.BadExpiration as e:
             await json_error(400, str(e))(scope, receive, send)

@@ -155,15 +155,14 @@ def _signed(scope: dict[str, Any]) -> Credential:
     return _named("signed-url", query(scope).get("signature") or "")
 
 
-def signed_sandbox(scope: dict[str, Any], tokens: Iterable[tuple[str, str]]) -> tuple[str, Credential]:
-    """(sandbox id, credential) of the sandbox whose token signed this id-less /files URL; Refused
-    (envd's message) if none did.
+def signed_sandbox(scope: dict[str, Any], tokens: Iterable[tuple[str, str]]) -> tuple[str | None, str | None]:
+    """(sandbox id, None) of the sandbox whose token signed this id-less /files URL, else (None, why).
 
     E2B_SANDBOX_URL makes the SDKs' download_url()/upload_url() name no sandbox (no Host, no header):
     only the signature, made with one sandbox's access token, tells which. Every live token is tried
     (one SHA-256 each, constant-time compares), so the cost is bounded by --max-sandboxes."""
     if not query(scope).get("signature"):
-        raise Refused(MISSING_SIGNATURE)
+        return None, MISSING_SIGNATURE
     expiration = _expiration(scope)
     operation = file_operation(scope["method"])
     found = None
@@ -171,10 +170,18 @@ def signed_sandbox(scope: dict[str, Any], tokens: Iterable[tuple[str, str]]) -> 
         if _signature_matches(scope, token, operation, expiration) and found is None:
             found = sandbox_id  # no early exit: the time taken does not tell which one matched
     if found is None:
-        raise Refused(INVALID_SIGNATURE)
+        return None, INVALID_SIGNATURE
     if expiration is not None and expiration < time.time():
-        raise Refused(EXPIRED_SIGNATURE)
-    return found, _signed(scope)
+        return None, EXPIRED_SIGNATURE
+    return found, None
+
+
+def signed_url_credential(scope: dict[str, Any], tokens: Iterable[tuple[str, str]]) -> tuple[str, Credential]:
+    """signed_sandbox as a check: (sandbox id, the signed URL's credential), or Refused (envd's message)."""
+    sandbox_id, refusal = signed_sandbox(scope, tokens)
+    if sandbox_id is None:
+        raise Refused(refusal or INVALID_SIGNATURE)
+    return sandbox_id, _signed(scope)
 
 
 class MalformedAuthorization(ValueError):
