@@ -1,4 +1,9 @@
-"""The `agentcell` command: serve, demo, ls, kill."""
+"""The `agentcell` command: serve, demo, ls, kill, report, events.
+
+Text outputs pass every value a tenant or a client chose (ids, templates, metadata, a report's argv
+and paths) through text_escape, so none can write to the operator's terminal; JSON outputs are JSON
+(their encoder escapes control characters already).
+"""
 
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ from typing import Any
 import click
 
 from agentcell.backends.base import COLLECTOR_NAMES
+from agentcell.text_escape import escape, escape_text
 
 DEFAULT_PORT = 49982
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -154,7 +160,8 @@ def main() -> None:
 @click.option("--events-per-sandbox", default=100_000, show_default=True, type=click.IntRange(100),
               help="Events kept per sandbox; more are counted as dropped.")
 @click.option("--events-rate", default=2000.0, show_default=True, type=click.FloatRange(min=1),
-              help="Events per second one sandbox may add to its record (a burst of 10 s of it); more are counted as dropped.")
+              help="Events per second one sandbox may add to its record (a burst of 10 s of it), each class of event keeping "
+                   "a reserved share; more are counted as dropped.")
 @click.option("--events-max-mb", default=1024, show_default=True, type=click.IntRange(16),
               help="Disk the behaviour records of all sandboxes may take (the oldest ended ones go first).")
 @click.option("--audit-log", default=None, metavar="PATH|-",
@@ -295,7 +302,7 @@ def demo(api_url: str | None, api_key: str | None) -> None:
 
     t0 = time.perf_counter()
     with Sandbox.create(api_url=api_url, api_key=api_key) as sbx:
-        click.echo(f"sandbox {sbx.sandbox_id} ready in {(time.perf_counter() - t0) * 1000:.0f} ms")
+        click.echo(f"sandbox {escape(sbx.sandbox_id)} ready in {(time.perf_counter() - t0) * 1000:.0f} ms")
         sbx.run_code("x = 41")
         t1 = time.perf_counter()
         text = sbx.run_code("x + 1").text
@@ -309,7 +316,8 @@ def demo(api_url: str | None, api_key: str | None) -> None:
         else:
             click.echo(f"chart -> no PNG result ({r})")
         err = sbx.run_code("1/0").error
-        click.echo(f'run_code("1/0").error -> {err.name}: {err.value}' if err else "run_code('1/0') -> no error?!")
+        click.echo(f'run_code("1/0").error -> {escape(err.name)}: {escape(err.value)}' if err
+                   else "run_code('1/0') -> no error?!")
         out = sbx.commands.run("echo hi")
         click.echo(f'commands.run("echo hi") -> stdout={out.stdout!r} exit_code={out.exit_code}')
         sbx.files.write("/home/user/a.csv", "a,b\n1,2\n")
@@ -331,8 +339,9 @@ def ls_cmd(api_url: str | None, api_key: str | None) -> None:
         return
     click.echo(f"{'SANDBOX ID':<22} {'TEMPLATE':<20} {'STARTED':<26} {'ENDS':<26} METADATA")
     for s in rows:
-        click.echo(f"{s.sandbox_id:<22} {s.template_id:<20} {s.started_at.isoformat(timespec='seconds'):<26} "
-                   f"{s.end_at.isoformat(timespec='seconds'):<26} {s.metadata or ''}")
+        click.echo(f"{escape(s.sandbox_id):<22} {escape(s.template_id):<20} "
+                   f"{s.started_at.isoformat(timespec='seconds'):<26} {s.end_at.isoformat(timespec='seconds'):<26} "
+                   f"{escape(s.metadata or '')}")
 
 
 @main.command()
@@ -347,9 +356,9 @@ def kill(sandbox_ids: tuple[str, ...], api_url: str | None, api_key: str | None)
     failed = False
     for sid in sandbox_ids:
         if Sandbox.kill(sid, api_key=api_key, api_url=api_url):
-            click.echo(f"killed {sid}")
+            click.echo(f"killed {escape(sid)}")
         else:
-            click.echo(f"{sid}: not found", err=True)
+            click.echo(f"{escape(sid)}: not found", err=True)
             failed = True
     sys.exit(1 if failed else 0)
 
@@ -365,7 +374,9 @@ def report(sandbox_id: str, as_json: bool, api_url: str | None, api_key: str | N
     if not (api_url or os.environ.get("AGENTCELL_URL")):
         raise click.UsageError("report needs a running server: pass --api-url or set AGENTCELL_URL")
     got = Sandbox.report(sandbox_id, format="json" if as_json else "text", api_key=api_key, api_url=api_url)
-    click.echo(json.dumps(got, indent=2) if as_json else str(got).rstrip("\n"))
+    # the server's text escapes every value already; escape_text leaves that as it is and covers a
+    # server that does not (an older one)
+    click.echo(json.dumps(got, indent=2) if as_json else escape_text(str(got).rstrip("\n")))
 
 
 @main.command()

@@ -3,6 +3,7 @@ the tracking stays bounded whatever the record holds."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from agentcell.record import report
@@ -80,3 +81,50 @@ def test_tracking_is_bounded() -> None:
     assert len(rep["files"]) <= report.MAX_LISTED * 4
     text = report.render(rep)
     assert len(text) < 20_000
+
+
+SPECIALS = ("\x1b", "\x07", "\x9b", "\x7f", "\r", "\x00", "\u202e", "\u2066", "\u2028")
+
+
+def test_the_text_report_escapes_every_value_from_the_record() -> None:
+    """issue 25 #11: argv, paths, hosts, syscalls, limits and API actions full of terminal escapes and
+    bidi overrides; none reaches the text raw, and the FLAGS section is still there to read."""
+    evil = "\x1b[2J\x1b[H\x1b]0;owned\x07\u202e\x9b31m\r\x00\x7f\u2066\u2028"
+    events = _events(
+        {"kind": "process.exec", "pid": 5, "ppid": 1, "argv": ["xmrig", evil], "path": evil},
+        {"kind": "process.exit", "pid": 5, "code": evil},
+        {"kind": "file.write", "path": f"/home/user/.bashrc{evil}"},
+        {"kind": "file.write", "path": "/home/user/.bashrc", "count": 1},
+        {"kind": "file.create", "path": f"/tmp/{evil}"},
+        {"kind": "dns.query", "domain": f"{evil}.example", "verdict": "denied", "rule": evil},
+        {"kind": "net.deny", "dst": evil, "dport": 80, "rule": evil},
+        {"kind": "deny.syscall", "syscall": evil, "nr": 1},
+        {"kind": "deny.write", "path": evil, "reason": evil},
+        {"kind": "limit.pids", "detail": evil},
+        {"kind": "api.call", "source": "api", "action": evil},
+    )
+    rep = report.build(events, {"sandbox_id": evil, "dropped": evil})
+    text = report.render(rep)
+    assert not [c for c in SPECIALS if c in text], [c for c in SPECIALS if c in text]
+    assert "\nFLAGS\n" in text and "persistence" in text and "crypto-mining" in text
+    assert "\\x1b[2J" in text and "\\u202e" in text  # shown, escaped
+    plain = json.loads(json.dumps(events).replace(json.dumps(evil)[1:-1], "x"))
+    assert text.count("\n") == report.render(report.build(plain, {"sandbox_id": "x", "dropped": "x"})).count("\n")
+
+
+def test_online_flags_merge_with_the_stored_events_flags() -> None:
+    """The store's flags (raised on every event, stored or not) and the report's pass over what was
+    stored: each flag once, citing both, counting what was not stored."""
+    from agentcell.record.flags import FlagSet
+
+    online = FlagSet()
+    online.see({"kind": "process.exec", "pid": 3, "argv": ["./xmrig"], "time": 1000.0}, None)  # dropped
+    online.see({"kind": "file.write", "path": "/home/user/.profile"}, 2)
+    online.lost("per-sandbox cap")
+    stored = _events({"kind": "deny.syscall", "syscall": "bpf"}, {"kind": "file.write", "path": "/home/user/.profile"})
+    flags = {f["flag"]: f for f in report.build(stored, {"flags_seen": online.snapshot(1010.0)})["flags"]}
+    assert flags["crypto-mining"]["events"] == [] and flags["crypto-mining"]["not_stored"] == 1
+    assert flags["persistence"]["events"] == [2] and flags["persistence"]["count"] == 1
+    assert flags["privilege-syscalls"]["events"] == [1]
+    assert flags["record-incomplete"]["count"] == 1
+    assert "flags_seen" not in report.build(stored, {"flags_seen": online.snapshot(None)})

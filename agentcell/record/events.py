@@ -45,6 +45,23 @@ KINDS = (
 KIND_SET = frozenset(KINDS)
 SOURCES = ("host", "api", "self")
 
+# What each kind is, for the store's bounds: each class keeps a reserved share of a sandbox's cap and
+# rate, so that a flood of one (a build's writes, a loop of execs, a sandbox's own reports, a client's
+# calls) cannot push another out of the record. The API's own events are one class: the sandbox's
+# life and the calls made on it.
+CLASSES = ("processes", "files", "network", "refusals", "limits", "api", "self", "notes")
+KIND_CLASS = {
+    **{k: "processes" for k in KINDS if k.startswith("process.")},
+    **{k: "files" for k in KINDS if k.startswith("file.")},
+    "net.connect": "network", "net.deny": "network", "dns.query": "network",
+    **{k: "refusals" for k in KINDS if k.startswith("deny.")},
+    **{k: "limits" for k in KINDS if k.startswith("limit.")},
+    **{k: "api" for k in KINDS if k.startswith("sandbox.")}, "api.call": "api",
+    "self.report": "self",
+    "record.dropped": "notes",
+}
+assert set(KIND_CLASS) == KIND_SET and set(KIND_CLASS.values()) == set(CLASSES)
+
 
 def event(kind: str, *, source: str = "host", pid: int | None = None, ppid: int | None = None,
           at: float | None = None, **fields: Any) -> dict[str, Any]:

@@ -3,9 +3,14 @@ server's state dir, kept for an operator-set time after the sandbox is gone.
 
 Bounds, so that no sandbox can flood the server or starve a neighbour's record:
 
-* a per-sandbox **rate** (token bucket, per source: what the sandbox causes cannot use up the budget
-  of the API's own events) and a per-sandbox **cap** on stored events. What is over either is
+* a per-sandbox **rate** (token buckets) and a per-sandbox **cap** on stored events, each with a
+  reserved share per class of event (processes, files, network, refusals, limits, the API's own
+  events, the sandbox's self-reports, notes: events.KIND_CLASS) and the rest shared: a flood of one
+  class takes its reserve and the shared part, never another class's reserve. What is over a bound is
   counted, not stored; one ``record.dropped`` {count, reason} note per second says how many went;
+* **flags** (record/flags.py) are raised on every event handed to ``add``, stored or not, and kept
+  with the record (the ``sandboxes`` row): a flood cannot hide what it was meant to hide from them,
+  and a drop is itself flagged (``record-incomplete``);
 * a **store-wide** cap on rows: past it, the records of the sandboxes that ended longest ago go
   first; if only live sandboxes' records are left, new events are dropped (and counted);
 * the writer is one thread fed by a bounded queue; ``add`` never blocks the event loop.
@@ -34,7 +39,8 @@ from typing import IO, Any
 import orjson
 
 from agentcell.record import quiet
-from agentcell.record.events import KIND_SET
+from agentcell.record.events import CLASSES, KIND_CLASS, KIND_SET
+from agentcell.record.flags import FlagSet
 
 log = logging.getLogger("agentcell.events")
 
@@ -44,27 +50,70 @@ CREATE TABLE IF NOT EXISTS events (
     PRIMARY KEY (sandbox_id, seq)) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS sandboxes (
     sandbox_id TEXT PRIMARY KEY, started REAL NOT NULL, ended REAL, events INTEGER NOT NULL DEFAULT 0,
-    dropped INTEGER NOT NULL DEFAULT 0);
+    dropped INTEGER NOT NULL DEFAULT 0, flags TEXT);
 """
+# what a database made before a column existed gets when opened (each statement runs once)
+_MIGRATIONS = {"flags": "ALTER TABLE sandboxes ADD COLUMN flags TEXT"}
 _READ_CHUNK = 1000  # rows per query while a reader pages through a record
 WRITE_GATHER_S = 0.05  # the writer gathers events this long before a transaction
 ROW_BYTES = 300  # about what an event takes in the database, index included (for --events-max-mb)
+# Each class's reserved share of a sandbox's cap and rate; the rest (44 %) is shared, first come.
+# Enough for a class's ordinary load (a build's writes, a session's API calls) within its reserve.
+RESERVED_SHARES = {"processes": 0.10, "files": 0.10, "network": 0.08, "refusals": 0.06, "limits": 0.02,
+                   "api": 0.12, "self": 0.04, "notes": 0.04}
+SHARED = "shared"  # the bucket and the part of the cap that no class holds
 
 
 @dataclass
 class Limits:
     per_sandbox: int = 100_000  # events kept per sandbox
-    rate: float = 2000.0  # events per second per sandbox and source, sustained ...
+    rate: float = 2000.0  # events per second per sandbox, sustained ...
     burst: int = 20_000  # ... and at once
     max_rows: int = 4_000_000  # events kept store-wide (~1 GiB of SQLite)
     retention_s: float = 7 * 86400  # how long a record outlives its sandbox
     queue: int = 100_000  # events waiting for the writer, store-wide
+    shares: dict[str, float] = field(default_factory=lambda: dict(RESERVED_SHARES))  # per class, of the above
+
+    def __post_init__(self) -> None:
+        if set(self.shares) != set(CLASSES) or not all(s >= 0 for s in self.shares.values()) \
+                or sum(self.shares.values()) > 1:
+            raise ValueError(f"shares: one non-negative fraction for each of {', '.join(CLASSES)}, at most 1 in all")
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
+class _Share:
+    """One class's (or the shared part's) slice of a sandbox's bounds."""
+
+    cap: int  # events stored
+    rate: float  # events a second, sustained
+    burst: float  # and at once
+
+
+def _slices(limits: Limits) -> dict[str, _Share]:
+    out = {c: _Share(int(limits.per_sandbox * s), limits.rate * s, limits.burst * s) for c, s in limits.shares.items()}
+    out[SHARED] = _Share(limits.per_sandbox - sum(x.cap for x in out.values()),
+                         limits.rate - sum(x.rate for x in out.values()),
+                         limits.burst - sum(x.burst for x in out.values()))
+    return out
+
+
 class _Bucket:
-    tokens: float
-    at: float
+    """A token bucket, full when made."""
+
+    __slots__ = ("tokens", "at")
+
+    def __init__(self, tokens: float, at: float) -> None:
+        self.tokens = tokens
+        self.at = at
+
+    def take(self, now: float, share: _Share) -> bool:
+        tokens = self.tokens + (now - self.at) * share.rate
+        self.tokens = share.burst if tokens > share.burst else tokens
+        self.at = now
+        if self.tokens < 1:
+            return False
+        self.tokens -= 1
+        return True
 
 
 class _Inbox:
@@ -104,9 +153,13 @@ class _Record:
     seq: int = 0  # the last seq handed out
     stored: int = 0
     ended: bool = False
+    ended_at: float | None = None
     dropped: dict[str, int] = field(default_factory=dict)  # reason -> not yet noted
     dropped_total: int = 0
-    buckets: dict[str, _Bucket] = field(default_factory=dict)
+    held: dict[str, int] = field(default_factory=dict)  # class -> events stored within its reserve ...
+    shared_held: int = 0  # ... and past it, in the shared part
+    buckets: dict[str, _Bucket] = field(default_factory=dict)  # class or SHARED -> its rate's bucket (made full)
+    flags: FlagSet = field(default_factory=FlagSet)  # raised on every event seen, stored or not
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     redactions: list[tuple[str, str]] = field(default_factory=list)  # (secret value, placeholder)
 
@@ -116,6 +169,8 @@ class EventStore:
         self.path = path  # None: an in-memory database (tests, embedded use without a state dir)
         self.limits = limits or Limits()
         self.audit_log = audit_log
+        self._slices = _slices(self.limits)
+        self._shared = self._slices[SHARED]
         self._records: dict[str, _Record] = {}
         self._from_before: set[str] = set()  # sandboxes with a record from before this server's start
         self._pending: dict[str, list[dict[str, Any]]] = {}  # added, not yet committed (served to readers)
@@ -142,6 +197,10 @@ class EventStore:
             self._db.execute("PRAGMA synchronous=NORMAL")
             self.path.chmod(0o600)
         self._db.executescript(_SCHEMA)
+        columns = {row[1] for row in self._db.execute("PRAGMA table_info(sandboxes)")}
+        for column, statement in _MIGRATIONS.items():
+            if column not in columns:
+                self._db.execute(statement)
         # a restart: records of sandboxes that were running are closed now (they are gone)
         self._db.execute("UPDATE sandboxes SET ended = ? WHERE ended IS NULL", (time.time(),))
         self._rows = self._db.execute("SELECT COUNT(*) FROM events").fetchone()[0]
@@ -159,6 +218,10 @@ class EventStore:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._janitor
         self._note_drops()
+        now = time.time()
+        for sid, rec in self._records.items():  # live records' flags, as of now (their sandboxes stop with us)
+            if not rec.ended:
+                self._keep_flags(sid, rec, now)
         if self._writer is not None:
             self._queue.put(("stop", None))
             self._urgent.set()
@@ -178,12 +241,12 @@ class EventStore:
         if rec is None:  # new, or a record from before a restart (a paused sandbox resumed): go on from it
             # only the latter asks the database, whose lock the writer may hold for a while: a create
             # never waits for it
-            seq = self._max_seq(sandbox_id) if sandbox_id in self._from_before else 0
-            rec = self._records[sandbox_id] = _Record(seq=seq)
-            rec.stored = rec.seq
+            rec = self._records[sandbox_id] = self._earlier(sandbox_id) if sandbox_id in self._from_before \
+                else _Record()
         elif not rec.ended:
             return
         rec.ended = False
+        rec.ended_at = None
         self._queue.put(("begin", (sandbox_id, time.time())))
 
     def end(self, sandbox_id: str) -> None:
@@ -193,40 +256,49 @@ class EventStore:
             return
         self._note_drops(sandbox_id)
         rec.ended = True
+        rec.ended_at = time.time()
         rec.changed.set()
-        self._queue.put(("end", (sandbox_id, time.time())))
+        self._queue.put(("end", (sandbox_id, rec.ended_at)))
+        self._keep_flags(sandbox_id, rec, rec.ended_at)  # with what was left running at the end
 
     def add(self, sandbox_id: str, event: dict[str, Any]) -> None:
-        """Store one event (an EventSink): never blocks, never raises; what is over a bound is counted."""
+        """Store one event (an EventSink): never blocks, never raises; what is over a bound is counted.
+        Its flags are raised either way."""
         rec = self._records.get(sandbox_id)
         if rec is None or rec.ended:
             return  # a standby's (no tenant's code ran) or a sandbox already gone: nothing to keep
-        reason = self._refusal(rec, event)
+        reason = self._refusal(rec, KIND_CLASS.get(event.get("kind"), "notes"))  # type: ignore[arg-type]
         if reason is not None:
             rec.dropped[reason] = rec.dropped.get(reason, 0) + 1
             rec.dropped_total += 1
             self.stats["dropped"] += 1
+            rec.flags.lost(reason)
+            rec.flags.see(event, None)
             return
-        self._store(sandbox_id, rec, event)
+        rec.flags.see(event, self._store(sandbox_id, rec, event))
 
-    def _refusal(self, rec: _Record, event: dict[str, Any]) -> str | None:
+    def _refusal(self, rec: _Record, cls: str) -> str | None:
+        """Why an event of class `cls` is not stored, or None (then its share of the bounds is taken)."""
         lim = self.limits
-        if rec.stored >= lim.per_sandbox:
+        mine = self._slices[cls]
+        held = rec.held.get(cls, 0)
+        in_reserve = held < mine.cap
+        if not in_reserve and rec.shared_held >= self._shared.cap:
             return "per-sandbox cap"
         if self._queued >= lim.queue:
             return "writer behind"
         if self._rows + self._queued >= lim.max_rows + lim.max_rows // 10:
             return "store full"  # only live sandboxes' records are left to keep (the janitor evicts ended ones)
-        source = str(event.get("source", "host"))
         now = time.monotonic()
-        b = rec.buckets.get(source)
-        if b is None:
-            b = rec.buckets[source] = _Bucket(float(lim.burst), now)
-        b.tokens = min(float(lim.burst), b.tokens + (now - b.at) * lim.rate)
-        b.at = now
-        if b.tokens < 1:
+        buckets = rec.buckets
+        if not buckets:  # the first event: every bucket full
+            buckets.update((name, _Bucket(share.burst, now)) for name, share in self._slices.items())
+        if not buckets[cls].take(now, mine) and not buckets[SHARED].take(now, self._shared):
             return "rate limit"
-        b.tokens -= 1
+        if in_reserve:
+            rec.held[cls] = held + 1
+        else:
+            rec.shared_held += 1
         return None
 
     def redact(self, sandbox_id: str, secrets: list[tuple[str, str]]) -> None:
@@ -236,7 +308,8 @@ class EventStore:
         if rec is not None:
             rec.redactions = [(v, p) for v, p in secrets if v]
 
-    def _store(self, sandbox_id: str, rec: _Record, event: dict[str, Any]) -> None:
+    def _store(self, sandbox_id: str, rec: _Record, event: dict[str, Any]) -> int:
+        """Give the event its seq and queue it for the writer; its seq."""
         rec.seq += 1
         rec.stored += 1
         if rec.redactions:
@@ -250,6 +323,7 @@ class EventStore:
         self._queue.put(("event", stored))
         self.stats["stored"] += 1
         rec.changed.set()
+        return rec.seq
 
     def _note_drops(self, sandbox_id: str | None = None) -> None:
         """One record.dropped per reason for what was dropped since the last note."""
@@ -261,9 +335,31 @@ class EventStore:
             for reason, count in rec.dropped.items():
                 note = {"time": time.time(), "kind": "record.dropped", "source": "host", "pid": None, "ppid": None,
                         "count": count, "reason": reason, "dropped_total": rec.dropped_total}
-                self._store(sid, rec, note)  # past every bound: a note per reason per second at most
+                rec.flags.cite_note(self._store(sid, rec, note))  # past every bound: a note per reason per second at most
             rec.dropped.clear()
             self._queue.put(("dropped", (sid, rec.dropped_total)))
+
+    def _keep_flags(self, sandbox_id: str, rec: _Record, end: float | None) -> None:
+        """Queue the record's flags for its sandboxes row (each second when they changed, and at its end)."""
+        rec.flags.dirty = False
+        self._queue.put(("flags", (sandbox_id, _dumps(rec.flags.to_json(end)))))
+
+    def _earlier(self, sandbox_id: str) -> _Record:
+        """A record from before a restart, going on: its last seq, what each class holds, its flags."""
+        rec = _Record(seq=self._max_seq(sandbox_id))
+        rec.stored = rec.seq
+        rows = self._query_all("SELECT kind, COUNT(*) FROM events WHERE sandbox_id = ? GROUP BY kind", (sandbox_id,))
+        for kind, n in rows:
+            cls = KIND_CLASS.get(kind, "notes")
+            reserve = self._slices[cls].cap
+            within = min(n, reserve - rec.held.get(cls, 0))
+            rec.held[cls] = rec.held.get(cls, 0) + within
+            rec.shared_held += n - within
+        row = self._query_one("SELECT flags, dropped FROM sandboxes WHERE sandbox_id = ?", (sandbox_id,))
+        if row is not None:
+            rec.flags = FlagSet.restore(_loads(row[0]))
+            rec.dropped_total = int(row[1] or 0)
+        return rec
 
     async def flush(self) -> None:
         """Until everything added so far is committed (and in the audit log)."""
@@ -309,6 +405,8 @@ class EventStore:
                             db.execute("UPDATE sandboxes SET ended = ? WHERE sandbox_id = ?", (arg[1], arg[0]))
                         elif op == "dropped":
                             db.execute("UPDATE sandboxes SET dropped = ? WHERE sandbox_id = ?", (arg[1], arg[0]))
+                        elif op == "flags":
+                            db.execute("UPDATE sandboxes SET flags = ? WHERE sandbox_id = ?", (arg[1], arg[0]))
                         elif op == "flush":
                             flushed.append(arg)
                         elif op == "stop":
@@ -364,15 +462,22 @@ class EventStore:
         return self._query_one("SELECT 1 FROM sandboxes WHERE sandbox_id = ?", (sandbox_id,)) is not None
 
     def summary(self, sandbox_id: str) -> dict[str, Any] | None:
-        row = self._query_one("SELECT started, ended, events, dropped FROM sandboxes WHERE sandbox_id = ?",
+        """What the store knows of a record besides its events: when it started and ended, how many
+        events it has and how many were dropped, and the flags raised on every event seen
+        (`flags_seen`, record/flags.py; None for a record from before they were kept)."""
+        row = self._query_one("SELECT started, ended, events, dropped, flags FROM sandboxes WHERE sandbox_id = ?",
                               (sandbox_id,))
         rec = self._records.get(sandbox_id)
         if row is None and rec is None:
             return None
-        started, ended, _, dropped = row if row is not None else (None, None, 0, 0)
+        started, ended, _, dropped, kept = row if row is not None else (None, None, 0, 0, None)
+        if rec is not None:
+            seen = rec.flags.snapshot(rec.ended_at if rec.ended else time.time())
+        else:
+            seen = (_loads(kept) or {}).get("flags")
         return {"sandbox_id": sandbox_id, "started": started, "ended": ended,
                 "events": rec.seq if rec is not None else self._max_seq(sandbox_id),
-                "dropped": rec.dropped_total if rec is not None else dropped}
+                "dropped": rec.dropped_total if rec is not None else dropped, "flags_seen": seen}
 
     def _max_seq(self, sandbox_id: str) -> int:
         row = self._query_one("SELECT MAX(seq) FROM events WHERE sandbox_id = ?", (sandbox_id,))
@@ -383,6 +488,12 @@ class EventStore:
             return None
         with self._reader_lock:
             return self._db.execute(sql, args).fetchone()
+
+    def _query_all(self, sql: str, args: tuple[Any, ...]) -> list[tuple[Any, ...]]:
+        if self._db is None:
+            return []
+        with self._reader_lock:
+            return self._db.execute(sql, args).fetchall()
 
     def read(self, sandbox_id: str, after: int = 0, kinds: Iterable[str] | None = None,
              since: float | None = None, until: float | None = None, limit: int = _READ_CHUNK) -> list[dict[str, Any]]:
@@ -453,6 +564,9 @@ class EventStore:
         while True:
             await asyncio.sleep(1.0)
             self._note_drops()
+            for sid, rec in self._records.items():
+                if rec.flags.dirty and not rec.ended:
+                    self._keep_flags(sid, rec, time.time())
             with self._pending_lock:  # ended records live on in the database only
                 for sid in [s for s, r in self._records.items() if r.ended and s not in self._pending]:
                     del self._records[sid]
@@ -514,6 +628,13 @@ def _redacted(value: Any, secrets: list[tuple[str, str]]) -> Any:
 
 def _kind_matches(kind: str, wanted: tuple[str, ...]) -> bool:
     return not wanted or any(kind == w or (w.endswith(".") and kind.startswith(w)) for w in wanted)
+
+
+def _loads(text: str | None) -> Any:
+    try:
+        return json.loads(text) if text else None
+    except ValueError:
+        return None
 
 
 def _dumps(event: dict[str, Any]) -> str:

@@ -4,7 +4,9 @@ apart from what the code in the sandbox did on its own.
 
 The root router wraps each call (`recorded`); the handler that understands the request adds what it
 was about (`note(cmd=..., path=...)`), and the event is stored once the response starts, with its
-status as the outcome. A key id is a hash prefix, never the credential.
+status as the outcome. The caller (`key_id`) is the credential the router's check verified
+(auth.Credential, left in the scope), never a header the request merely carried: a hash prefix,
+never the credential.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import re
 from typing import Any
 
 from agentcell.record.events import event
-from agentcell.server.asgi import header
+from agentcell.server import auth
 
 _details: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("api_call_details", default=None)
 _EXCERPT = 200  # characters of code or a command line kept in an event
@@ -25,24 +27,13 @@ _INTERPRETER_ACTIONS = {("POST", "/execute"): "run_code", ("POST", "/contexts"):
                         ("GET", "/contexts"): "contexts.list"}
 
 
-def key_id(secret: str | None, kind: str) -> str:
-    """`kind:` and 12 hex digits of the credential's SHA-256, or "anonymous"."""
-    if not secret:
-        return "anonymous"
-    return f"{kind}:{hashlib.sha256(secret.encode()).hexdigest()[:12]}"
+UNVERIFIED = "unverified"  # a call that reached a handler without the router's check (a bug): said so
 
 
-def data_plane_key(scope: dict[str, Any]) -> str:
-    token = header(scope, b"x-access-token")
-    if token:
-        return key_id(token, "token")
-    if "signature=" in scope.get("query_string", b"").decode("latin-1"):
-        return "signed-url"
-    return "anonymous"
-
-
-def control_key(scope: dict[str, Any]) -> str:
-    return key_id(header(scope, b"x-api-key"), "key")
+def caller_id(scope: dict[str, Any]) -> str:
+    """The id of the credential the router verified for this call (auth.Credential.id)."""
+    credential = scope.get(auth.CREDENTIAL)
+    return credential.id if isinstance(credential, auth.Credential) else UNVERIFIED
 
 
 def data_plane_action(method: str, path: str, interpreter: bool) -> str | None:
@@ -83,11 +74,12 @@ def excerpt(text: str) -> dict[str, Any]:
     return {"excerpt": text[:_EXCERPT], "length": len(text), "sha256": hashlib.sha256(text.encode()).hexdigest()}
 
 
-async def recorded(sink: Any, sandbox_id: str, action: str, key: str, app: Any, scope: Any, receive: Any,
+async def recorded(sink: Any, sandbox_id: str, action: str, app: Any, scope: Any, receive: Any,
                    send: Any) -> None:
     """Run `app` for this call and add one `api.call` event to the sandbox's record when its
-    response starts (or when it fails without one). (A secret's value the caller put in the call is
-    stored as its placeholder: EventStore.redact.)"""
+    response starts (or when it fails without one), naming the verified caller. (A secret's value
+    the caller put in the call is stored as its placeholder: EventStore.redact.)"""
+    key = caller_id(scope)
     details: dict[str, Any] = {}
     token = _details.set(details)
     done = False

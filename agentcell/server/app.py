@@ -185,9 +185,11 @@ class AgentcellApp:
             await self._signed_files(scope, receive, send)
             return
         if target is None:
-            api_key = self.config.api_key
-            if api_key is not None and scope["path"] != "/health" and not auth.api_key_ok(scope, api_key):
-                await json_error(401, "invalid or missing X-API-KEY")(scope, receive, send)
+            try:
+                scope[auth.CREDENTIAL] = auth.HEALTH if scope["path"] == "/health" \
+                    else auth.control_credential(scope, self.config.api_key)
+            except auth.Refused as e:
+                await json_error(401, e.message)(scope, receive, send)
                 return
             if await self.cell.answer(scope, receive, send):  # /v1/cell; /health and creates while draining
                 return
@@ -196,8 +198,7 @@ class AgentcellApp:
                 return
             acted = api_events.control_action(scope["method"], scope["path"])
             if acted is not None and self.events is not None:  # a call that acts on one sandbox goes into its record
-                await api_events.recorded(self.events.add, *acted, api_events.control_key(scope), self.control,
-                                          scope, receive, send)
+                await api_events.recorded(self.events.add, *acted, self.control, scope, receive, send)
             else:
                 await self.control(scope, receive, send)
             return
@@ -210,16 +211,16 @@ class AgentcellApp:
             await self._user_port(rec, port, scope, receive, send)
             return
         try:
-            refusal = auth.data_plane_refusal(scope, rec.access_token, port)
+            scope[auth.CREDENTIAL] = auth.data_plane_credential(scope, rec.access_token, port)
         except auth.BadExpiration as e:
             await json_error(400, str(e))(scope, receive, send)
             return
-        if refusal:
+        except auth.Refused as e:
             if is_connect_rpc(scope["path"]) and port == ENVD_PORT:
-                body = {"code": "unauthenticated", "message": refusal}
+                body = {"code": "unauthenticated", "message": e.message}
                 await JSONResponse(body, status_code=401)(scope, receive, send)
             else:
-                await json_error(401, refusal)(scope, receive, send)
+                await json_error(401, e.message)(scope, receive, send)
             return
         if port == INTERPRETER_PORT and (refusal := json_content_type_refusal(scope)):
             await json_error(415, refusal)(scope, receive, send)
@@ -236,8 +237,7 @@ class AgentcellApp:
         try:
             action = api_events.data_plane_action(scope["method"], scope["path"], port == INTERPRETER_PORT)
             if action is not None and self.events is not None:
-                await api_events.recorded(self.events.add, rec.sandbox_id, action, api_events.data_plane_key(scope),
-                                          app, scope, receive, send)
+                await api_events.recorded(self.events.add, rec.sandbox_id, action, app, scope, receive, send)
             else:
                 await app(scope, receive, send)
         finally:
@@ -248,21 +248,23 @@ class AgentcellApp:
         """`/files` with no sandbox named: an SDK's download_url()/upload_url() under E2B_SANDBOX_URL.
         The v1 signature names the sandbox (auth.signed_sandbox); envd's 401s otherwise."""
         try:
-            sandbox_id, refusal = auth.signed_sandbox(
+            sandbox_id, scope[auth.CREDENTIAL] = auth.signed_url_credential(
                 scope, ((r.sandbox_id, r.access_token) for r in self.manager.list()))
         except auth.BadExpiration as e:
             await json_error(400, str(e))(scope, receive, send)
             return
-        rec = self.manager.get(sandbox_id) if sandbox_id is not None else None
-        if rec is None:
-            await json_error(401, refusal or auth.INVALID_SIGNATURE)(scope, receive, send)
+        except auth.Refused as e:
+            await json_error(401, e.message)(scope, receive, send)
+            return
+        rec = self.manager.get(sandbox_id)
+        if rec is None:  # gone since
+            await json_error(401, auth.INVALID_SIGNATURE)(scope, receive, send)
             return
         token = current_sandbox.set(rec)
         try:
             action = api_events.data_plane_action(scope["method"], "/files", False)
             if action is not None and self.events is not None:
-                await api_events.recorded(self.events.add, rec.sandbox_id, action, "signed-url", self.envd_http,
-                                          scope, receive, send)
+                await api_events.recorded(self.events.add, rec.sandbox_id, action, self.envd_http, scope, receive, send)
             else:
                 await self.envd_http(scope, receive, send)
         finally:
@@ -276,8 +278,10 @@ class AgentcellApp:
     async def _user_port(self, rec: SandboxRecord, port: int, scope: Any, receive: Any, send: Any) -> None:
         """A port served out of the sandbox: public unless the sandbox was created with
         allowPublicTraffic false, then E2B's traffic token is needed (auth.py)."""
-        if refusal := auth.user_port_refusal(scope, rec.access_token, rec.public_traffic):
-            await json_error(401, refusal)(scope, receive, send)
+        try:
+            scope[auth.CREDENTIAL] = auth.user_port_credential(scope, rec.access_token, rec.public_traffic)
+        except auth.Refused as e:
+            await json_error(401, e.message)(scope, receive, send)
             return
         sandbox_id = rec.sandbox_id
         if (rec := await self._awake(rec)) is None:  # type: ignore[assignment]

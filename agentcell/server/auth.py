@@ -1,11 +1,18 @@
 """Credentials, checked by the root router before any handler runs or any body is read.
 
 Control plane: `X-API-KEY` when the server has a key. Data plane (every request routed to a sandbox):
-the sandbox's `X-Access-Token`; on the code interpreter also its `E2B-Traffic-Access-Token`, which is
-what the official code-interpreter SDK sends on /contexts; on `/files` also the v1 signature the SDK
-puts in download/upload URLs. Only `GET /health` is open, as in envd. Ports served out of a sandbox
-(any other port) are public, as on E2B, unless the sandbox was created with `allowPublicTraffic`
-false: then they need the `E2B-Traffic-Access-Token`. All comparisons are constant-time.
+the sandbox's `X-Access-Token`; on `/files` also the v1 signature the SDK puts in download/upload
+URLs. Only `GET /health` is open, as in envd.
+
+The `E2B-Traffic-Access-Token` is a port visitor's credential: it opens the ports served out of the
+sandbox (which are public, as on E2B, unless the sandbox was created with `allowPublicTraffic`
+false), and on the code interpreter only the context endpoints the official code-interpreter SDK
+calls with it alone (`TRAFFIC_TOKEN_ROUTES`: listing, creating, restarting, deleting a context; none
+runs code). Never `/execute`, never envd (commands, files, PTYs). All comparisons are constant-time.
+
+Each check returns the `Credential` it verified (a kind and an id that names it without revealing
+it), or raises `Refused` (401): the behaviour record says who made a call by what was verified, never
+by what a request merely carried.
 """
 
 from __future__ import annotations
@@ -14,8 +21,10 @@ import base64
 import binascii
 import hashlib
 import hmac
+import re
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from agentcell.server.asgi import header, query
@@ -25,20 +34,66 @@ INTERPRETER_PORT = 49999
 MISSING_TOKEN = "missing or invalid X-Access-Token"
 MISSING_TRAFFIC_TOKEN = ("missing or invalid E2B-Traffic-Access-Token: this sandbox was created with "
                          "allowPublicTraffic false, so its ports need its trafficAccessToken")
+TRAFFIC_TOKEN_NOT_ENOUGH = ("the E2B-Traffic-Access-Token opens this sandbox's ports and the code interpreter's "
+                            "context endpoints only; this call needs the sandbox's X-Access-Token (envdAccessToken)")
+MISSING_API_KEY = "invalid or missing X-API-KEY"
+
+# (method, path) on the code interpreter that the traffic token opens: what the official
+# code-interpreter SDK sends with the traffic token alone. None runs code; a restart or a delete
+# loses that context's state.
+TRAFFIC_TOKEN_ROUTES = (("GET", re.compile(r"/contexts")), ("POST", re.compile(r"/contexts")),
+                        ("DELETE", re.compile(r"/contexts/[^/]+")), ("POST", re.compile(r"/contexts/[^/]+/restart")))
+CREDENTIAL = "agentcell.credential"  # the scope key under which the router leaves what it verified
+
+
+@dataclass(frozen=True)
+class Credential:
+    """What authenticated a request: `kind` (API_KEY, NO_KEY, ACCESS_TOKEN, TRAFFIC_TOKEN, SIGNED_URL,
+    PUBLIC, OPEN) and `id`, what the record calls it: a kind and 12 hex digits of the credential's
+    SHA-256, never the credential."""
+
+    kind: str
+    id: str
+
+
+API_KEY, NO_KEY, ACCESS_TOKEN, TRAFFIC_TOKEN, SIGNED_URL, PUBLIC, OPEN = (
+    "api-key", "none", "access-token", "traffic-token", "signed-url", "public", "open")
+NONE_NEEDED = Credential(NO_KEY, "none")  # a server without an API key: nothing was verified
+PUBLIC_PORT = Credential(PUBLIC, "public")  # a port served with public traffic
+HEALTH = Credential(OPEN, "open")  # /health
+
+
+class Refused(Exception):
+    """A request without the credential it needs (401); `message` tells the client which."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+def _named(prefix: str, secret: str) -> Credential:
+    kind = {"key": API_KEY, "token": ACCESS_TOKEN, "traffic": TRAFFIC_TOKEN, "signed-url": SIGNED_URL}[prefix]
+    return Credential(kind, f"{prefix}:{hashlib.sha256(secret.encode()).hexdigest()[:12]}")
 
 
 def _equal(given: str | None, expected: str) -> bool:
     return given is not None and hmac.compare_digest(given.encode("latin-1"), expected.encode())
 
 
-def api_key_ok(scope: dict[str, Any], api_key: str) -> bool:
-    return _equal(header(scope, b"x-api-key"), api_key)
+def control_credential(scope: dict[str, Any], api_key: str | None) -> Credential:
+    """The control plane's check: the server's API key when it has one (Refused otherwise)."""
+    if api_key is None:
+        return NONE_NEEDED
+    if _equal(header(scope, b"x-api-key"), api_key):
+        return _named("key", api_key)
+    raise Refused(MISSING_API_KEY)
 
 
 def traffic_token(access_token: str) -> str:
     """A sandbox's trafficAccessToken, derived from its access token so the registry keeps one secret.
 
-    It opens the sandbox's ports (49999) but not envd, as E2B's traffic token does.
+    It opens the sandbox's ports and the code interpreter's context endpoints (TRAFFIC_TOKEN_ROUTES),
+    never /execute nor envd.
     """
     digest = hmac.new(access_token.encode(), b"agentcell traffic access token", hashlib.sha256).digest()
     return base64.urlsafe_b64encode(digest[:24]).decode()
@@ -96,6 +151,10 @@ def file_signature_refusal(scope: dict[str, Any], token: str, operation: str) ->
     return None
 
 
+def _signed(scope: dict[str, Any]) -> Credential:
+    return _named("signed-url", query(scope).get("signature") or "")
+
+
 def signed_sandbox(scope: dict[str, Any], tokens: Iterable[tuple[str, str]]) -> tuple[str | None, str | None]:
     """(sandbox id, None) of the sandbox whose token signed this id-less /files URL, else (None, why).
 
@@ -115,6 +174,14 @@ def signed_sandbox(scope: dict[str, Any], tokens: Iterable[tuple[str, str]]) -> 
     if expiration is not None and expiration < time.time():
         return None, EXPIRED_SIGNATURE
     return found, None
+
+
+def signed_url_credential(scope: dict[str, Any], tokens: Iterable[tuple[str, str]]) -> tuple[str, Credential]:
+    """signed_sandbox as a check: (sandbox id, the signed URL's credential), or Refused (envd's message)."""
+    sandbox_id, refusal = signed_sandbox(scope, tokens)
+    if sandbox_id is None:
+        raise Refused(refusal or INVALID_SIGNATURE)
+    return sandbox_id, _signed(scope)
 
 
 class MalformedAuthorization(ValueError):
@@ -143,22 +210,38 @@ def run_as(name: str | None) -> str:
     raise ValueError(f"unknown user '{name}': the users are 'user' and 'root'")
 
 
-def data_plane_refusal(scope: dict[str, Any], access_token: str, port: int) -> str | None:
-    """Why a request to a sandbox's data plane is refused (401), or None to let it through."""
+def traffic_token_opens(method: str, path: str) -> bool:
+    """Whether the traffic token alone opens this call on the code interpreter."""
+    return any(method == m and pattern.fullmatch(path) for m, pattern in TRAFFIC_TOKEN_ROUTES)
+
+
+def data_plane_credential(scope: dict[str, Any], access_token: str, port: int) -> Credential:
+    """What lets a request to a sandbox's envd (49983) or code interpreter (49999) through; Refused
+    (401) if nothing does, BadExpiration (400) for a malformed signature expiry."""
     method, path = scope["method"], scope["path"]
     if path == "/health" and method in ("GET", "HEAD") and port in (ENVD_PORT, INTERPRETER_PORT):
-        return None
+        return HEALTH
     if _equal(header(scope, b"x-access-token"), access_token):
-        return None
-    if port != ENVD_PORT and _equal(header(scope, b"e2b-traffic-access-token"), traffic_token(access_token)):
-        return None
+        return _named("token", access_token)
     if port == ENVD_PORT and path == "/files" and method in ("GET", "POST"):
-        return file_signature_refusal(scope, access_token, file_operation(method))
-    return MISSING_TOKEN
+        refusal = file_signature_refusal(scope, access_token, file_operation(method))
+        if refusal is not None:
+            raise Refused(refusal)
+        return _signed(scope)
+    traffic = traffic_token(access_token)
+    if _equal(header(scope, b"e2b-traffic-access-token"), traffic):
+        if port == INTERPRETER_PORT and traffic_token_opens(method, path):
+            return _named("traffic", traffic)
+        raise Refused(TRAFFIC_TOKEN_NOT_ENOUGH)
+    raise Refused(MISSING_TOKEN)
 
 
-def user_port_refusal(scope: dict[str, Any], access_token: str, public: bool) -> str | None:
-    """Why a request to a port served out of a sandbox is refused (401), or None to let it through."""
-    if public or _equal(header(scope, b"e2b-traffic-access-token"), traffic_token(access_token)):
-        return None
-    return MISSING_TRAFFIC_TOKEN
+def user_port_credential(scope: dict[str, Any], access_token: str, public: bool) -> Credential:
+    """What lets a request to a port served out of a sandbox through (the traffic token, or the
+    port being public); Refused (401) if nothing does."""
+    traffic = traffic_token(access_token)
+    if _equal(header(scope, b"e2b-traffic-access-token"), traffic):
+        return _named("traffic", traffic)
+    if public:
+        return PUBLIC_PORT
+    raise Refused(MISSING_TRAFFIC_TOKEN)

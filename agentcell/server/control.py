@@ -458,7 +458,7 @@ class ControlPlane:
                 network=policy, secrets=secrets, lifecycle=lifecycle, backend=backend,
                 files=self.snapshots.content(snapshot) if snapshot and snapshot.mode == "filesystem" else None,
                 image=self.snapshots.content(snapshot) if snapshot and snapshot.mode == "full" else None,
-                caller=api_events.control_key(request.scope), origin=f"snapshot {template}" if snapshot else None,
+                caller=api_events.caller_id(request.scope), origin=f"snapshot {template}" if snapshot else None,
             )
         except CapacityError as e:
             raise HTTPError(429, str(e)) from None
