@@ -120,7 +120,11 @@ async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> No
     """HTTPS: answers with the request it got (_echo_answer); /keepalive... keeps the connection."""
     try:
         while (request := await _read_request(reader)) is not None:
-            keep = b" /keepalive" in request[0].split(b"\r\n", 1)[0]
+            line = request[0].split(b"\r\n", 1)[0]
+            if b" /big/" in line:  # N bytes, streamed (throughput through the proxy's TLS)
+                await _big(int(line.split(b" ")[1][5:]), writer)
+                break
+            keep = b" /keepalive" in line
             writer.write(_echo_answer(*request, keep=keep))
             await writer.drain()
             if not keep:
@@ -163,18 +167,21 @@ async def _greet(head: bytes, writer: asyncio.StreamWriter) -> None:
                      .encode())
     else:
         if target.startswith("/big/"):  # N bytes, streamed
-            left = int(target[5:])
-            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % left)
-            chunk = b"x" * (1 << 20)
-            while left > 0:
-                writer.write(chunk[:left])
-                left -= len(chunk)
-                await writer.drain()
+            await _big(int(target[5:]), writer)
         else:
             body = f"hello from {local} host={host} path={target}\n".encode()
             writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % len(body))
             writer.write(body)
     await writer.drain()
+
+
+async def _big(left: int, writer: asyncio.StreamWriter) -> None:
+    writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % left)
+    chunk = b"x" * (1 << 20)
+    while left > 0:
+        writer.write(chunk[:left])
+        left -= len(chunk)
+        await writer.drain()
 
 
 async def dns_tcp(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -26,6 +26,7 @@ from tests.egress_internet import (  # noqa: F401 (the names other test modules 
     ECHO,
     FORBIDDEN,
     FOREIGN_DNS,
+    HERE,
     INET,
     INTERNET_LOG,
     MIRROR,

@@ -265,7 +265,12 @@ class HttpRelay:
 
     async def run(self) -> None:
         try:
-            await self.client.handshake()
+            try:
+                await self.client.handshake()
+            except ssl.SSLError as e:  # most often: a client that does not trust the egress CA
+                self.conn.on_event(self.conn.event(kind="net.deny", verdict="denied", rule="tls-handshake",
+                                                   error=str(e)[:200], state="denied"))
+                return
             first = True
             while True:
                 try:
