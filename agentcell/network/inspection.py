@@ -47,7 +47,7 @@ from agentcell.network.secrets import Secret, SecretSet
 
 MAX_HEAD = 64 << 10
 MAX_BODY = 8 << 20  # a body read whole for substitution (secrets with "bodies": true)
-CHUNK = 64 << 10
+CHUNK = 256 << 10  # a read at most (the sandbox side, the upstream side)
 CONNECT_TIMEOUT_S = 10.0
 IDLE_S = 60.0  # a kept-alive connection may wait this long for its next request
 _HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"proxy-authorization",
@@ -130,13 +130,31 @@ class ClientSide:
             return data
         while True:
             try:
-                return self.tls.read(CHUNK)
+                data = self.tls.read(CHUNK)
             except ssl.SSLWantReadError:
                 await self._flush()
                 if not await self._feed():
                     return b""
+                continue
             except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
                 return b""
+            return data + self._more()
+
+    def _more(self) -> bytes:
+        """What else is decrypted already (a read returns one TLS record: 16 KiB at most)."""
+        assert self.tls is not None
+        parts = []
+        size = 0
+        while size < CHUNK:
+            try:
+                part = self.tls.read(CHUNK - size)
+            except (ssl.SSLWantReadError, ssl.SSLZeroReturnError, ssl.SSLEOFError):
+                break
+            if not part:
+                break
+            parts.append(part)
+            size += len(part)
+        return b"".join(parts)
 
     async def write(self, data: bytes) -> None:
         if not data:
