@@ -45,11 +45,12 @@ def hello(sni):
         pass
     return outgoing.read()
 def flood(seconds, threads=24):
-    end, data, tried = time.monotonic() + seconds, hello("allowed.test"), []
+    end, tried = time.monotonic() + seconds, []
     def one():
         while time.monotonic() < end:
             try:
                 tried.append(1)
+                data = hello(f"h{len(tried)}-{threading.get_ident()}.flood.test")  # a new name: a new certificate
                 s = socket.create_connection(("203.0.113.10", 443), timeout=2)
                 s.sendall(data)
                 s.recv(4096)

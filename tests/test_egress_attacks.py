@@ -245,12 +245,12 @@ FLOOD = r'''
 import socket, ssl, threading, time
 def flood(seconds):
     end = time.monotonic() + seconds
-    data = hello("allowed.test")
     tried = []
     def one():
         while time.monotonic() < end:
             try:
                 tried.append(1)
+                data = hello(f"h{len(tried)}-{threading.get_ident()}.flood.test")  # a new name: a new certificate
                 s = socket.create_connection(("203.0.113.10", 443), timeout=2)
                 s.sendall(data)
                 s.recv(4096)
@@ -293,7 +293,7 @@ def test_a_handshake_flood_stays_off_the_servers_loop(make, bystander, attack_se
     server_cpu, proxy_cpu = _cpu_s(attack_server.pid) - server_before, _cpu_s(proxies[0]) - proxy_before
     # the flood was real (hundreds of handshakes asked for a second), the proxy's budget took it, the
     # server's loop hardly noticed
-    assert tried and tried[0] > 100 * 8, tried
+    assert tried and tried[0] > 40 * 8, tried
     assert server_cpu < 0.35 * wall, (server_cpu, proxy_cpu, wall)
     p50_quiet, p50_loud = statistics.median(quiet), statistics.median(loud)
     assert p50_loud <= max(3 * p50_quiet, p50_quiet + 0.02), (p50_quiet, p50_loud)
