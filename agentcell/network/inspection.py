@@ -166,6 +166,18 @@ class ClientSide:
         self.tls.write(data)
         await self._flush()
 
+    async def write_parts(self, parts: list[Any] | None) -> None:
+        """Pieces of one message (h11's framing and the data as it came), without joining them."""
+        if not parts:
+            return
+        if self.tls is None:
+            self.writer.writelines(parts)
+            await self.writer.drain()
+            return
+        for part in parts:
+            self.tls.write(part)
+        await self._flush()
+
 
 class _Upstream:
     """One connection to the real host (TLS verified for the claimed name), kept across requests."""
@@ -468,6 +480,9 @@ class HttpRelay:
                 continue
             if isinstance(event, h11.Data):
                 stats["body_in"] += len(event.data)
+                if redactor is None and decoder is None:  # as it came: no copy more than h11's own
+                    await self.client.write_parts(self.down.send_with_data_passthrough(event))
+                    continue
                 pieces = decoder.feed(bytes(event.data)) if decoder is not None else [bytes(event.data)]
                 for piece in pieces:
                     out = redactor.feed(piece) if redactor is not None else piece
