@@ -35,8 +35,9 @@ INET = f"achard{os.getpid() % 100000}-inet"
 WEB, DNS = "203.0.113.10", "198.51.100.53"
 FLOOD = r'''
 import socket, ssl, threading, time
+_CTX = ssl.create_default_context()  # (made once: loading the trust store takes tens of ms)
 def hello(sni):
-    ctx = ssl.create_default_context()
+    ctx = _CTX
     incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
     tls = ctx.wrap_bio(incoming, outgoing, server_hostname=sni)
     try:
