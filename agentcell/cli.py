@@ -128,6 +128,10 @@ def main() -> None:
 @click.option("--egress-allow-range", "egress_allow_ranges", multiple=True, metavar="CIDR",
               help="A private (or link-local, CGNAT ...) range sandboxes with internet may reach after all, "
                    "e.g. an internal package mirror. Default: none of them.")
+@click.option("--egress-plain-http-host", "egress_plain_http_hosts", multiple=True, metavar="HOST",
+              help="A host (or *.domain) whose secrets and network.rules headers may be sent over plain HTTP, only "
+                   "to addresses the sandbox's resolver answered for it. Default: none; secrets go over verified "
+                   "HTTPS only.")
 @click.option("--internet-default", type=click.Choice(["on", "off"]), default=None, envvar="AGENTCELL_INTERNET_DEFAULT",
               help="Whether a create that does not say gets internet (default: on when there is an uplink).")
 @click.option("--state-dir", default="/var/lib/agentcell", show_default=True, type=click.Path(file_okay=False),
@@ -205,6 +209,7 @@ def serve(**opts: Any) -> None:
     opts["cell_id"] = _cell_id(opts["cell_id"])
     opts["egress_dns"] = tuple(opts["egress_dns"])
     opts["egress_allow_ranges"] = tuple(opts["egress_allow_ranges"])
+    opts["egress_plain_http_hosts"] = tuple(h.strip().lower().rstrip(".") for h in opts["egress_plain_http_hosts"])
     opts["internet_default"] = None if opts["internet_default"] is None else opts["internet_default"] == "on"
     config = ServerConfig(**opts, limits=limits, max_limits=max_limits,
                           default_timeout=min(300, opts["max_timeout"]))

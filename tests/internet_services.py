@@ -10,6 +10,8 @@ Prints "ready" once everything listens.
 from __future__ import annotations
 
 import asyncio
+import base64
+import gzip
 import os
 import socket
 import ssl
@@ -28,6 +30,7 @@ ZONE: dict[str, list[tuple[str, str]]] = {
     "api.wild.test.": [("A", "203.0.113.11")],
     "denied.test.": [("A", "203.0.113.12")],
     "secret.test.": [("A", "203.0.113.10")],
+    "plain.test.": [("A", "203.0.113.10")],  # a host the operator lets secrets reach over plain HTTP
     "rebind.test.": [("A", "10.1.2.3")],
     "meta.test.": [("A", "169.254.169.254")],
     "flip.test.": [],
@@ -81,32 +84,80 @@ def record(head: bytes) -> None:
             f.write(head + b"\n----\n")
 
 
-async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    """HTTPS: answers with the request (head and body) it got, and its Authorization in a header too."""
+async def _read_request(reader: asyncio.StreamReader) -> tuple[bytes, bytes] | None:
     try:
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
     except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, OSError):
-        writer.close()
-        return
+        return None
     length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
                    if line.lower().startswith(b"content-length:")), 0)
     body = await reader.readexactly(min(length, 1 << 20)) if length else b""
     record(head + body)
+    return head, body
+
+
+def _echo_answer(head: bytes, body: bytes, keep: bool = False) -> bytes:
+    """The request (head and body) as the answer, its Authorization in a header too; by path:
+    /chunked (in 7-byte chunks, so that any value is split), /gzip (gzip-encoded), /b64 (Base64)."""
     auth = next((line.split(b":", 1)[1].strip() for line in head.split(b"\r\n")
                  if line.lower().startswith(b"authorization:")), b"")
-    writer.write(b"HTTP/1.1 200 OK\r\nX-Echo-Auth: %s\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s"
-                 % (auth, len(head) + len(body), head + body))
-    await writer.drain()
+    path = head.split(b" ", 2)[1] if head.count(b" ") >= 2 else b"/"
+    payload = head + body
+    extra = b"Connection: %s\r\n" % (b"keep-alive" if keep else b"close")
+    if path.startswith(b"/chunked"):
+        chunks = b"".join(b"%x\r\n%s\r\n" % (len(payload[i:i + 7]), payload[i:i + 7]) for i in range(0, len(payload), 7))
+        return b"HTTP/1.1 200 OK\r\nX-Echo-Auth: %s\r\nTransfer-Encoding: chunked\r\n%s\r\n%s0\r\n\r\n" % (
+            auth, extra, chunks)
+    if path.startswith(b"/gzip"):
+        payload, extra = gzip.compress(payload), extra + b"Content-Encoding: gzip\r\n"
+    elif path.startswith(b"/b64"):
+        payload = base64.b64encode(payload)
+    return b"HTTP/1.1 200 OK\r\nX-Echo-Auth: %s\r\nContent-Length: %d\r\n%s\r\n%s" % (auth, len(payload), extra,
+                                                                                       payload)
+
+
+async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """HTTPS: answers with the request it got (_echo_answer); /keepalive... keeps the connection."""
+    try:
+        while (request := await _read_request(reader)) is not None:
+            line = request[0].split(b"\r\n", 1)[0]
+            if b" /big/" in line:  # N bytes, streamed (throughput through the proxy's TLS)
+                await _big(int(line.split(b" ")[1][5:]), writer)
+                break
+            keep = b" /keepalive" in line
+            writer.write(_echo_answer(*request, keep=keep))
+            await writer.drain()
+            if not keep:
+                break
+    except OSError:
+        pass
     writer.close()
 
 
 async def http(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Plain HTTP: a greeting naming the address and Host it got; /echo... answers as the HTTPS echo
+    does; /keepalive... answers and keeps the connection for the next request."""
     try:
-        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
-    except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError):
-        writer.close()
-        return
-    record(head)
+        while True:
+            request = await _read_request(reader)
+            if request is None:
+                break
+            line = request[0].split(b"\r\n", 1)[0]
+            if b" /echo" in line or b" /keepalive" in line:
+                keep = b" /keepalive" in line
+                writer.write(_echo_answer(*request, keep=keep))
+                await writer.drain()
+                if keep:
+                    continue
+                break
+            await _greet(request[0], writer)
+            break
+    except OSError:
+        pass
+    writer.close()
+
+
+async def _greet(head: bytes, writer: asyncio.StreamWriter) -> None:
     lines = head.decode(errors="replace").split("\r\n")
     target = lines[0].split(" ")[1] if len(lines[0].split(" ")) > 1 else "/"
     host = next((line.split(":", 1)[1].strip() for line in lines[1:] if line.lower().startswith("host:")), "")
@@ -116,19 +167,21 @@ async def http(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> No
                      .encode())
     else:
         if target.startswith("/big/"):  # N bytes, streamed
-            left = int(target[5:])
-            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % left)
-            chunk = b"x" * (1 << 20)
-            while left > 0:
-                writer.write(chunk[:left])
-                left -= len(chunk)
-                await writer.drain()
+            await _big(int(target[5:]), writer)
         else:
             body = f"hello from {local} host={host} path={target}\n".encode()
             writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % len(body))
             writer.write(body)
     await writer.drain()
-    writer.close()
+
+
+async def _big(left: int, writer: asyncio.StreamWriter) -> None:
+    writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % left)
+    chunk = b"x" * (1 << 20)
+    while left > 0:
+        writer.write(chunk[:left])
+        left -= len(chunk)
+        await writer.drain()
 
 
 async def dns_tcp(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -157,9 +210,12 @@ async def main() -> None:
     servers.append(await asyncio.start_server(hold, "0.0.0.0", 853, reuse_address=True))
     tls_cert = os.environ.get("INET_TLS_CERT")  # cert + key PEM: HTTPS echo on 443; else a listener that says hello
     if tls_cert:
-        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        ctx.load_cert_chain(tls_cert)
-        servers.append(await asyncio.start_server(echo, "0.0.0.0", 443, ssl=ctx, reuse_address=True))
+        # per address: INET_TLS_ROGUE="ADDRESS=PEM" gives one address a certificate of its own
+        rogue_address, _, rogue_cert = os.environ.get("INET_TLS_ROGUE", "").partition("=")
+        for address in sys.argv[1:]:
+            ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            ctx.load_cert_chain(rogue_cert if address == rogue_address else tls_cert)
+            servers.append(await asyncio.start_server(echo, address, 443, ssl=ctx, reuse_address=True))
     else:
         servers.append(await asyncio.start_server(hold, "0.0.0.0", 443, reuse_address=True))
     # UDP per address: a socket on 0.0.0.0 would answer from whichever address routes back, and a

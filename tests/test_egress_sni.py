@@ -72,3 +72,36 @@ def test_mutated_inputs_never_raise() -> None:
         assert claim is MORE or claim.kind in ("tls", "http", "none")
         if claim is not MORE and claim.host is not None:
             assert claim.host == claim.host.lower() and len(claim.host) <= 253
+
+
+def _split(hello: bytes, *cuts: int) -> bytes:
+    """The same handshake message in several TLS records, cut at `cuts` (bytes into the message)."""
+    body, out, start = hello[5:], b"", 0
+    for end in (*cuts, len(hello) - 5):
+        out += hello[:3] + (end - start).to_bytes(2, "big") + body[start:end]
+        start = end
+    return out
+
+
+def test_a_client_hello_split_over_records_is_read_whole() -> None:
+    hello = client_hello("denied.example")
+    for cuts in ((1,), (40,), (3, 4), (100, 101, 300)):
+        split = _split(hello, *cuts)
+        assert claimed_host(split) == Claim("tls", "denied.example"), cuts
+        assert claimed_host(split[:-1]) is MORE
+    # an alert between the pieces, a record of another type: not a hello, no name
+    parts = _split(hello, 40)
+    alert = b"\x15\x03\x03\x00\x02\x01\x00"
+    assert claimed_host(parts[: 5 + 40] + alert + parts[5 + 40:]) == Claim("none", None)
+
+
+def test_any_method_in_any_case_is_read_as_http() -> None:
+    for method in (b"PROPFIND", b"get", b"M-SEARCH", b"X"):
+        assert claimed_host(method + b" / HTTP/1.1\r\nHost: denied.example\r\n\r\n") == Claim("http", "denied.example")
+    # what parsers disagree on names nothing (refused where a name rule exists)
+    for bad in (b"GET / HTTP/1.1\nHost: denied.example\n\n", b"GET /\tHTTP/1.1\r\nHost: denied.example\r\n\r\n",
+                b"GET http://other.example/ HTTP/1.1\r\nHost: denied.example\r\n\r\n",
+                b"GET / HTTP/1.1\r\nHost: denied.example\r\nHost: denied.example\r\n\r\n",
+                b"GET / HTTP/1.1\r\nHost: user@denied.example\r\n\r\n", b"NOTHTTP\x00 / x\r\n\r\n"):
+        assert claimed_host(bad) == Claim("none", None), bad
+    assert claimed_host(b"GET http://Denied.Example:80/x HTTP/1.0\r\n\r\n") == Claim("http", "denied.example")

@@ -1,18 +1,32 @@
-"""The egress proxy: connections on ports 80 and 443 of sandboxes whose policy names domains, held
-until their first bytes name a host, checked, then relayed (docs/network.md).
+"""The egress proxy: connections on ports 80 and 443 of sandboxes whose policy names domains, or that
+have secrets or E2B `network.rules`, held until their first bytes name a host, checked, then read
+request by request (docs/network.md, "The proxy, secrets and E2B's rules").
 
 Why: a domain rule the router enforces by pinned addresses alone trusts the address; many names share
 one (CDNs, virtual hosting), so a sandbox allowed `api.example.com` could reach `evil.example.net` on
 the same address, or a denied name at an address it learned elsewhere (DoH, a hard-coded IP). Here the
-name a connection claims (TLS SNI, HTTP Host; network/claims.py) must itself be allowed, and, under an
-allow list, must be a name the address was answered for.
+name a connection claims (TLS SNI, HTTP Host; claims.py) must itself be allowed, and, under an allow
+list, must be a name the address was answered for; then every request on the connection must name that
+same host (inspection.py; TLS is terminated to read them), and secrets go in only where they may.
 
 How the connections get here: the router's prerouting chain hands new TCP connections to ports 80 and
-443 from intercepted links to this proxy's transparent socket (nftables `tproxy`, a fwmark and a
-local route in the router namespace), so the original destination is the accepted socket's own
-address. The proxy's upstream socket is made inside the router namespace and leaves through the
-uplink like forwarded traffic. Since intercepted connections never cross the router's forward chain,
-the decision (`Egress.check_claim`) applies the never-list and the address rules too.
+443 from intercepted links to this proxy's transparent socket (nftables `tproxy`, a fwmark and a local
+route in the router namespace), so the original destination is the accepted socket's own address.
+Only those connections reach it: the router marks a sandbox's later packets for local delivery only
+when they belong to a connection the proxy accepted (`socket wildcard 0`: never the listener itself).
+Since intercepted connections never cross the router's forward chain, the decision (the server's
+`Egress.check_claim`) applies the never-list and the address rules too.
+
+Where it runs: in a process of its own (proxy_process.py), inside the router namespace, at a lower
+CPU priority than the server, so that TLS handshakes and bytes relayed for one sandbox never wait on,
+or hold up, the event loop that serves the API. The server keeps the policy and answers one question
+per connection (the decision); the process keeps what each sandbox's connections need (its secrets,
+whether it has name rules) and sends the events back.
+
+Budgets, per sandbox first and shared second (quota.py), so that no sandbox, nor a handful together,
+can take the proxy from the others: connections held at once (MAX_PER_SANDBOX, a RESERVE each sandbox
+always has, MAX_CONNECTIONS in all), new connections per second, and TLS handshakes per second (the
+costly part: a certificate is minted once per host name and cached, ca.py).
 """
 
 from __future__ import annotations
@@ -24,17 +38,12 @@ import socket
 import ssl
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from agentcell.network.ca import EgressCA
 from agentcell.network.claims import MAX_PEEK, MORE, Claim, claimed_host
-from agentcell.network.inspection import (
-    foreign_placeholder,
-    leak_event,
-    leak_refusal,
-    scan_relay,
-    serve_secret_host,
-)
+from agentcell.network.inspection import Connection, serve_inspected
 from agentcell.network.quota import KeyedQuota
 from agentcell.network.secrets import Secret, SecretSet
 
@@ -46,16 +55,22 @@ ROUTE_TABLE = 100
 INTERCEPTED_PORTS = (80, 443)
 CLAIM_TIMEOUT_S = 10.0  # a client that names no host within this is dropped
 CONNECT_TIMEOUT_S = 10.0
+DECIDE_TIMEOUT_S = 5.0  # the server's answer; none in time: refused
 CHUNK = 256 << 10
-MAX_CONNECTIONS = 4096  # intercepted connections at once, all sandboxes together
-MAX_PER_SANDBOX = 256  # ... and of one sandbox, so that one cannot take them all
+MAX_CONNECTIONS = 4096  # intercepted connections at once, all sandboxes together ...
+MAX_PER_SANDBOX = 128  # ... of one sandbox ...
+RESERVE = 16  # ... and what each sandbox gets whatever the others hold
+NEW_PER_SECOND, NEW_BURST = 100.0, 200  # new intercepted connections of one sandbox
+HANDSHAKES_PER_SECOND, HANDSHAKE_BURST = 20.0, 40  # TLS handshakes the proxy does for one sandbox
+HANDSHAKE_WAIT_S = 1.0  # a handshake over budget waits this long for its turn, then the connection ends
 IP_TRANSPARENT = 19
 
-Decide = Callable[[int, str, int, Claim], tuple[bool, str]]  # (slot, ip, port, claim) -> (allowed, rule)
+Decide = Callable[[int, str, int, Claim], Awaitable[tuple[bool, str, bool]]]  # -> (allowed, rule, plain ok)
+Emit = Callable[[str, dict[str, Any]], None]  # (the sandbox id the slot served, event)
 
 
 def listening_socket() -> socket.socket:
-    """The proxy's transparent socket; call it in the router namespace (NetnsWorker)."""
+    """The proxy's transparent socket; call it in the router namespace."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.SOL_IP, IP_TRANSPARENT, 1)
@@ -75,20 +90,56 @@ def routing_commands() -> list[str]:
     return [f"rule add fwmark {FWMARK} lookup {ROUTE_TABLE}", f"route add local 0.0.0.0/0 dev lo table {ROUTE_TABLE}"]
 
 
+class TokenBucket:
+    def __init__(self, rate: float, burst: int) -> None:
+        self.rate, self.burst = rate, float(burst)
+        self.tokens, self.at = float(burst), time.monotonic()
+
+    def _refill(self) -> None:
+        now = time.monotonic()
+        self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
+        self.at = now
+
+    def take(self) -> bool:
+        self._refill()
+        if self.tokens < 1:
+            return False
+        self.tokens -= 1
+        return True
+
+    def wait_s(self) -> float:
+        """How long until a token is there."""
+        self._refill()
+        return max(0.0, (1 - self.tokens) / self.rate)
+
+
+@dataclass
+class SlotState:
+    """What the proxy knows of the sandbox a slot serves (sent by the server at claim and update)."""
+
+    owner: str
+    secrets: SecretSet
+    names: bool  # the policy has name rules: what names no host is refused
+    connections: TokenBucket = field(default_factory=lambda: TokenBucket(NEW_PER_SECOND, NEW_BURST))
+    handshakes: TokenBucket = field(default_factory=lambda: TokenBucket(HANDSHAKES_PER_SECOND, HANDSHAKE_BURST))
+    live: set[asyncio.Task[Any]] = field(default_factory=set)
+    over_budget: int = 0  # connections ended by a budget since the last note
+    noted_at: float = 0.0
+
+
 class Interceptor:
-    def __init__(self, slot_of: Callable[[str], int | None], decide: Decide,
-                 upstream_socket: Callable[[], Awaitable[socket.socket]],
-                 on_event: Callable[[int, dict[str, Any]], None], secrets_for: Callable[[int], SecretSet],
-                 ca: EgressCA, upstream_ssl: ssl.SSLContext) -> None:
-        self.secrets_for = secrets_for
-        self.ca = ca
-        self.upstream_ssl = upstream_ssl
+    def __init__(self, slot_of: Callable[[str], int | None], decide: Decide, emit: Emit, ca: EgressCA,
+                 upstream_ssl: ssl.SSLContext,
+                 upstream_socket: Callable[[], Awaitable[socket.socket]] | None = None) -> None:
         self.slot_of = slot_of
         self.decide = decide
-        self.upstream_socket = upstream_socket
-        self.on_event = on_event
+        self.emit = emit
+        self.ca = ca
+        self.upstream_ssl = upstream_ssl
+        self.upstream_socket = upstream_socket or _plain_socket
+        self.slots: dict[int, SlotState] = {}
+        self.quota = KeyedQuota(MAX_CONNECTIONS, MAX_PER_SANDBOX, RESERVE)
         self.server: asyncio.Server | None = None
-        self.quota = KeyedQuota(MAX_CONNECTIONS, MAX_PER_SANDBOX)
 
     async def start(self, sock: socket.socket) -> None:
         self.server = await asyncio.start_server(self._handle, sock=sock, limit=CHUNK)
@@ -96,23 +147,58 @@ class Interceptor:
     def close(self) -> None:
         if self.server is not None:
             self.server.close()
+        for slot in list(self.slots):
+            self.forget(slot)
+
+    # -- what the server says -------------------------------------------------------------------------
+
+    def set_slot(self, slot: int, owner: str, secrets: SecretSet, names: bool) -> None:
+        state = self.slots.get(slot)
+        if state is not None and state.owner != owner:
+            self.forget(slot)  # a new tenant: nothing of the old one's goes on
+            state = None
+        if state is None:
+            self.slots[slot] = SlotState(owner, secrets, names)
+        else:
+            state.secrets, state.names = secrets, names
+
+    def forget(self, slot: int) -> None:
+        """The slot's sandbox is gone: its connections end now, before the slot serves anyone else."""
+        state = self.slots.pop(slot, None)
+        if state is not None:
+            for task in list(state.live):
+                task.cancel()
+
+    # -- connections ----------------------------------------------------------------------------------
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         src = writer.get_extra_info("peername")[0]
         dst, dport = writer.get_extra_info("sockname")[:2]  # the original destination (tproxy)
         slot = self.slot_of(src)
-        if slot is None or not self.quota.take(slot):
+        state = self.slots.get(slot) if slot is not None else None
+        if slot is None or state is None or dport not in INTERCEPTED_PORTS or not self.quota.take(slot):
+            if state is not None:
+                self._over_budget(state, "connections")
             writer.transport.abort()
             return
+        task = asyncio.current_task()
+        assert task is not None
+        state.live.add(task)
         try:
-            await self._serve(slot, dst, dport, reader, writer)
-        except (OSError, asyncio.IncompleteReadError, TimeoutError):
-            pass
+            if not state.connections.take():
+                self._over_budget(state, "new connections per second")
+                writer.transport.abort()
+                return
+            await self._serve(slot, state, dst, dport, reader, writer)
+        except (OSError, asyncio.IncompleteReadError, TimeoutError, ssl.SSLError, ConnectionError,
+                asyncio.CancelledError):
+            writer.transport.abort()
         finally:
+            state.live.discard(task)
             self.quota.give(slot)
             writer.close()
 
-    async def _serve(self, slot: int, dst: str, dport: int, reader: asyncio.StreamReader,
+    async def _serve(self, slot: int, state: SlotState, dst: str, dport: int, reader: asyncio.StreamReader,
                      writer: asyncio.StreamWriter) -> None:
         first = b""
         claim: Claim | None = MORE
@@ -124,11 +210,17 @@ class Interceptor:
                 first += chunk
                 claim = claimed_host(first)
         assert claim is not None
-        allowed, rule = self.decide(slot, dst, dport, claim)
+        try:
+            async with asyncio.timeout(DECIDE_TIMEOUT_S):
+                allowed, rule, plain_ok = await self.decide(slot, dst, dport, claim)
+        except (TimeoutError, ConnectionError):
+            allowed, rule, plain_ok = False, "no-decision", False
+        if allowed and claim.kind == "none" and state.names:
+            allowed, rule = False, "unnamed"  # name rules, and the connection names no host
+        base = {"time": time.time(), "proto": "tcp", "dst": dst, "dport": dport}
         if not allowed:
-            self.on_event(slot, {"time": time.time(), "proto": "tcp", "dst": dst, "dport": dport,
-                                 "domain": claim.host, "claim": claim.kind, "verdict": "denied", "rule": rule,
-                                 "state": "denied"})
+            self.emit(state.owner, {**base, "kind": "net.deny", "domain": claim.host, "claim": claim.kind,
+                                    "verdict": "denied", "rule": rule, "state": "denied"})
             if claim.kind == "http":  # say why; a TLS client just sees the connection end
                 body = f"agentcell: {claim.host} is not allowed from this sandbox ({rule})\n".encode()
                 writer.write(b"HTTP/1.1 403 Forbidden\r\nContent-Type: text/plain\r\nConnection: close\r\n"
@@ -136,47 +228,95 @@ class Interceptor:
                 with contextlib.suppress(OSError):
                     await writer.drain()
             return
-        secrets = self.secrets_for(slot)
-        # TLS from a sandbox with secrets is read too, so that a placeholder sent anywhere else is seen
-        if claim.host and (secrets.intercepts(claim.host) or (secrets.secrets and claim.kind == "tls")):
-            await serve_secret_host(first, reader, writer, host=claim.host, dst=dst, dport=dport,
-                                    tls=claim.kind == "tls", secrets=secrets, ca=self.ca,
-                                    upstream_ssl=self.upstream_ssl, upstream_socket=self.upstream_socket,
-                                    on_event=lambda event: self.on_event(slot, event))
+        if claim.kind == "none":  # secrets, no name rules: bytes both ways, no placeholder out
+            await self._relay(state, base, first, reader, writer)
             return
-        scan = bool(secrets.secrets) and claim.kind == "http"  # plaintext from a sandbox with secrets: no placeholder out
-
-        async def refuse(leaked: Secret) -> None:
-            self.on_event(slot, leak_event({"time": time.time(), "proto": "tcp", "dst": dst, "dport": dport,
-                                            "domain": claim.host}, leaked))
-            writer.write(leak_refusal(leaked))
-            with contextlib.suppress(OSError):
-                await writer.drain()
-
-        if scan:
-            leaked = foreign_placeholder(first, list(secrets.secrets))
-            if leaked is not None:
-                await refuse(leaked)
+        assert claim.host is not None
+        tls = claim.kind == "tls"
+        server_ctx = None
+        if tls:
+            if not await self._handshake_turn(state):
                 return
+            server_ctx = self.ca.server_context(claim.host)
+        conn = Connection(host=claim.host, dst=dst, dport=dport, tls=tls, secrets=state.secrets,
+                          may_send_secrets=tls or plain_ok, upstream_socket=self.upstream_socket,
+                          upstream_ssl=self.upstream_ssl if tls else None,
+                          on_event=lambda event: self.emit(state.owner, event))
+        await serve_inspected(first, reader, writer, conn, server_ctx)
+
+    async def _handshake_turn(self, state: SlotState) -> bool:
+        """A TLS handshake for this sandbox, within its budget (waiting a moment for its turn)."""
+        if state.handshakes.take():
+            return True
+        wait = state.handshakes.wait_s()
+        if wait <= HANDSHAKE_WAIT_S:
+            await asyncio.sleep(wait)
+            if state.handshakes.take():
+                return True
+        self._over_budget(state, "TLS handshakes per second")
+        return False
+
+    def _over_budget(self, state: SlotState, which: str) -> None:
+        """Counted; one event a second at most says how many connections a budget ended."""
+        state.over_budget += 1
+        now = time.monotonic()
+        if now - state.noted_at >= 1.0:
+            self.emit(state.owner, {"time": time.time(), "kind": "net.deny", "proto": "tcp", "verdict": "denied",
+                                    "rule": "proxy-budget", "budget": which, "count": state.over_budget,
+                                    "state": "denied"})
+            state.over_budget, state.noted_at = 0, now
+
+    async def _relay(self, state: SlotState, base: dict[str, Any], first: bytes, reader: asyncio.StreamReader,
+                     writer: asyncio.StreamWriter) -> None:
+        """A connection that names no host, from a sandbox with secrets but no name rules: its bytes
+        both ways, scanned on the way out so that no placeholder leaves."""
+        placeholders = list(state.secrets.secrets)
+
+        def leaked(data: bytes) -> Secret | None:
+            return next((s for s in placeholders if s.placeholder.encode() in data), None)
+
+        if (found := leaked(first)) is not None:
+            self.emit(state.owner, {**base, "kind": "secret.refused", "verdict": "denied", "rule": "secret-elsewhere",
+                                    "secret": found.name, "state": "denied"})
+            return
         sock = await self.upstream_socket()
+        sock.setblocking(False)
         try:
-            sock.setblocking(False)
             async with asyncio.timeout(CONNECT_TIMEOUT_S):
-                await asyncio.get_running_loop().sock_connect(sock, (dst, dport))
+                await asyncio.get_running_loop().sock_connect(sock, (base["dst"], base["dport"]))
         except BaseException:
             sock.close()
             raise
         up_reader, up_writer = await asyncio.open_connection(sock=sock, limit=CHUNK)
-        try:
+        keep = max((len(s.placeholder) for s in placeholders), default=1) - 1
+
+        async def outbound() -> None:
+            tail = first[-keep:] if keep > 0 else b""
             up_writer.write(first)
-            outbound = scan_relay(reader, up_writer, secrets, refuse) if scan else _pipe(reader, up_writer)
-            await asyncio.gather(outbound, _pipe(up_reader, writer))
+            while chunk := await reader.read(CHUNK):
+                window = tail + chunk
+                if (found := leaked(window)) is not None:
+                    self.emit(state.owner, {**base, "kind": "secret.refused", "verdict": "denied",
+                                            "rule": "secret-elsewhere", "secret": found.name, "state": "denied"})
+                    raise ConnectionError("a placeholder on its way out")
+                up_writer.write(chunk)
+                await up_writer.drain()
+                tail = window[-keep:] if keep > 0 else b""
+            if up_writer.can_write_eof():
+                up_writer.write_eof()
+
+        try:
+            await asyncio.gather(outbound(), _pipe(up_reader, writer))
         finally:
             up_writer.transport.abort()
 
 
+async def _plain_socket() -> socket.socket:
+    return socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+
+
 async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    """Copy until EOF, then half-close; the other direction goes on (HTTP keep-alive, TLS close_notify)."""
+    """Copy until EOF, then half-close; the other direction goes on."""
     try:
         while chunk := await reader.read(CHUNK):
             writer.write(chunk)

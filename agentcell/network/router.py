@@ -336,7 +336,7 @@ table inet {TABLE} {{
   }}
   chain intercept {{
     type filter hook prerouting priority mangle; policy accept;
-    iifname "s*" meta l4proto tcp socket transparent 1 meta mark set {PROXY_MARK:#x} accept
+    iifname "s*" meta l4proto tcp socket transparent 1 socket wildcard 0 meta mark set {PROXY_MARK:#x} accept
     iifname "s*" ct state new meter acct_conns {{ iifname ct count over {MAX_CONNECTIONS} }} meta mark set {OVER_MARK:#x}
     iifname "s*" ct state new meta mark != {OVER_MARK:#x} meter acct_rate {{ iifname limit rate over {NEW_PER_SECOND}/second burst {NEW_PER_SECOND * 2} packets }} meta mark set {OVER_MARK:#x}
     {_logged(f"meta mark {OVER_MARK:#x}", "too-many-connections", "over")}

@@ -30,7 +30,7 @@ from agentcell.network.ca import EgressCA
 from agentcell.network.claims import Claim
 from agentcell.network.flow_events import EventCollector
 from agentcell.network.policy import NetworkPolicy
-from agentcell.network.proxy import Interceptor, listening_socket
+from agentcell.network.proxy_process import ProxyProcess
 from agentcell.network.resolver import DomainRules, Pin, PolicyResolver, serve_tcp
 from agentcell.network.router import (
     PIN_SET_SIZE,
@@ -62,6 +62,7 @@ class EgressSettings:
     ca_bundle: str | None = None  # extra CAs to trust for the hosts secrets go to (their real certificates)
     allow_ranges: tuple[str, ...] = ()  # never-list ranges the operator opens (an internal mirror ...)
     state_dir: str | None = None  # the server's --state-dir: its egress CA lives there (None: the user's default)
+    plain_http_hosts: tuple[str, ...] = ()  # hosts whose secrets may go over plain HTTP (to answered addresses)
 
     @property
     def enabled(self) -> bool:
@@ -100,7 +101,7 @@ class Egress:
         # record (issue 10) once the backend attached it; nowhere without one (--no-record)
         self.sink: Callable[[str, dict[str, object]], None] = lambda owner, event: None
         self._collector: EventCollector | None = None
-        self._interceptor: Interceptor | None = None
+        self.proxy: ProxyProcess | None = None  # the egress proxy's process (proxy_process.py)
         self._secrets: dict[int, SecretSet] = {}
         # the CA is this server's own: another server on the host (another --state-dir) has its own
         ca_dir = (statedir.owned_dir(os.path.join(settings.state_dir, "egress-ca")) if settings.state_dir
@@ -145,21 +146,19 @@ class Egress:
             self._tcp = await serve_tcp(self.resolver, sock=tcp)
             self._collector = EventCollector(self._on_event)
             self._collector.start(router.path, loop)
-            upstream_ssl = ssl.create_default_context()
-            if self.settings.ca_bundle:
-                upstream_ssl.load_verify_locations(self.settings.ca_bundle)
-            self._interceptor = Interceptor(slot_of, self.check_claim,
-                                            lambda: self._socket(socket.AF_INET, socket.SOCK_STREAM), self._on_event,
-                                            lambda slot: self._secrets.get(slot, NO_SECRETS), self.ca, upstream_ssl)
-            await self._interceptor.start(await self._in_router(listening_socket))
+            if self.settings.ca_bundle:  # said now, not by a child that cannot start
+                ssl.create_default_context().load_verify_locations(self.settings.ca_bundle)
+            self.proxy = ProxyProcess({"router": router.path, "ca_dir": os.path.dirname(self.ca_path),
+                                       "ca_bundle": self.settings.ca_bundle}, self.decide, self._proxy_event)
+            await self.proxy.start()
         except BaseException:
             await self.close()
             raise
 
     async def close(self) -> None:
-        if self._interceptor is not None:
-            self._interceptor.close()
-            self._interceptor = None
+        if self.proxy is not None:
+            await self.proxy.close()
+            self.proxy = None
         if self._collector is not None:
             self._collector.close()
             self._collector = None
@@ -225,7 +224,12 @@ class Egress:
                 if names and pinned.expires > now + 1:
                     pins[address] = _Pinned(names, pinned.last if pinned.last in names else min(names), pinned.expires)
         kept = [(a, int(p.expires - now)) for a, p in pins.items()] if policy.restricted else []
-        intercept = bool(policy.allow_domains or policy.deny_domains or self._secrets.get(slot))
+        names = bool(policy.allow_domains or policy.deny_domains)
+        intercept = names or bool(self._secrets.get(slot))
+        owner = self._owner.get(slot)
+        if intercept and owner is not None and self.proxy is not None:
+            # before the router sends it anything: the proxy knows the sandbox before its first connection
+            self.proxy.set_slot(slot, owner, self._secrets.get(slot, NO_SECRETS), names)
         commands = self.router.policy_commands(slot, policy, kept, intercept=intercept)
         if commands:
             await self._nft(commands)
@@ -245,6 +249,8 @@ class Egress:
         self._rules.pop(slot, None)
         self._pins.pop(slot, None)
         self._secrets.pop(slot, None)
+        if self.proxy is not None:  # its intercepted connections end with it, before the slot serves another
+            self.proxy.forget(slot)
         self._owner.pop(slot, None)
         try:
             commands = self.router.disconnect_commands(slot)
@@ -255,6 +261,20 @@ class Egress:
             log.warning("could not remove the egress rules of slot %d: %s", slot, e)
 
     # -- the proxy's decision ---------------------------------------------------------------------
+
+    def decide(self, slot: int, address: str, port: int, claim: Claim) -> tuple[bool, str, bool]:
+        """The proxy's question about one connection: may it go on (and the rule that decided), and
+        may plain HTTP on it carry the secrets of the host it names (only to a host the operator
+        marked plain-HTTP, at an address the sandbox's resolver answered for that host)."""
+        allowed, rule = self.check_claim(slot, address, port, claim)
+        return allowed, rule, allowed and claim.kind == "http" and self._plain_ok(slot, address, claim.host)
+
+    def _plain_ok(self, slot: int, address: str, host: str | None) -> bool:
+        if not host or not any(host == h or (h.startswith("*.") and host.endswith(h[1:]))
+                               for h in self.settings.plain_http_hosts):
+            return False
+        pinned = self._pins.get(slot, {}).get(address)
+        return pinned is not None and host in pinned.names and pinned.expires > time.monotonic()
 
     def check_claim(self, slot: int, address: str, port: int, claim: Claim) -> tuple[bool, str]:
         """Whether an intercepted connection to address:port that names `claim` may go on, and the rule
@@ -282,6 +302,11 @@ class Egress:
         return True, "domain"
 
     # -- events -------------------------------------------------------------------------------------
+
+    def _proxy_event(self, owner: str, event: dict[str, object]) -> None:
+        """An event of the proxy's, for the sandbox the connection's slot served when it began."""
+        kind = event.pop("kind", None) or ("net.deny" if event.get("verdict") == "denied" else "net.connect")
+        self.sink(owner, {"kind": kind, "source": "host", "pid": None, "ppid": None, **event})
 
     def _on_event(self, slot: int, event: dict[str, object]) -> None:
         owner = self._owner.get(slot)

@@ -31,6 +31,8 @@ KINDS = (
     "file.create", "file.write", "file.delete", "file.rename", "file.chmod",
     # network, from the egress router / resolver / proxy {proto, dst, dport, rule, bytes_out, bytes_in ...}
     "net.connect", "net.deny", "dns.query",
+    # a secret (or an E2B rule's headers) the egress proxy would not send {secret, rule, domain, dst, dport}
+    "secret.refused",
     # refused operations: seccomp {syscall, nr}; Landlock / read-only {path, reason}; EACCES/EPERM {path, errno}
     "deny.syscall", "deny.write", "deny.access",
     # limits {detail}: oom {victim pid, comm}, pids, disk, cpu {throttled_s}, timeout

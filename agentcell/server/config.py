@@ -84,6 +84,7 @@ class ServerConfig:
     egress_dns: tuple[str, ...] = ()  # upstream resolvers; () = the host's /etc/resolv.conf
     egress_ca_bundle: str | None = None  # extra CAs (PEM) for the real certificates of secrets' hosts
     egress_allow_ranges: tuple[str, ...] = ()  # never-list ranges sandboxes may reach after all
+    egress_plain_http_hosts: tuple[str, ...] = ()  # secrets may go over plain HTTP to these (answered addresses)
     # whether a create that says nothing about it gets internet; None: on when there is an uplink
     internet_default: bool | None = None
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import array
 import asyncio
 import contextlib
-import ctypes
 import os
 import signal
 import socket
@@ -36,7 +35,7 @@ from typing import Any
 
 import orjson
 
-from agentcell.backends.linux import cgroups
+from agentcell.backends.linux import cgroups, child_link
 from agentcell.errors import BackendUnavailableError
 from agentcell.record import quiet
 from agentcell.record.events import EventSink, event
@@ -58,7 +57,6 @@ SOCKET_BUFFER = 4 << 20  # each direction's queue: ~10,000 events the server has
 MAX_PACKET = 1 << 20  # a packet's bytes at most (BATCH_EVENTS of the largest events fit)
 RESTARTS, RESTART_PERIOD_S = 5, 600.0  # a child that died is started again, this often a period at most
 RESTART_DELAY_S = 0.5
-_PR_SET_PDEATHSIG = 1
 
 
 class RecordProcessError(BackendUnavailableError):
@@ -79,17 +77,7 @@ def make_collectors(sink: EventSink, uid_first: int, uid_last: int, *, names: fr
 
 def processes_of(server_pid: int) -> list[int]:
     """The pids of a server's record process (none, or one while it is started again), from /proc."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                ppid = int(f.read().rpartition(")")[2].split()[1])
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if ppid == server_pid and MODULE.encode() in f.read():
-                    found.append(int(pid))
-        except (OSError, ValueError, IndexError):
-            continue
-    return found
+    return child_link.processes_of(server_pid, MODULE)
 
 
 def _target_message(target: WatchTarget) -> list[Any]:
@@ -102,17 +90,6 @@ def _target_of(fields: dict[str, Any], disk_fd: int) -> WatchTarget:
     rel, v2, dirs = fields["cgroup"]
     return WatchTarget(fields["sandbox_id"], fields["host_pid"], tuple(fields["host_uids"]),
                        cgroups.Cgroups(rel, v2, dirs), disk_fd)
-
-
-def _socketpair() -> tuple[socket.socket, socket.socket]:
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    for s in (ours, theirs):
-        for opt, force in ((socket.SO_SNDBUF, 32), (socket.SO_RCVBUF, 33)):  # SO_*BUFFORCE: past wmem_max
-            try:
-                s.setsockopt(socket.SOL_SOCKET, force, SOCKET_BUFFER)
-            except OSError:  # without CAP_NET_ADMIN: as much as the host's maximum allows
-                s.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
-    return ours, theirs
 
 
 class RecordProcess:
@@ -134,7 +111,7 @@ class RecordProcess:
         self._next_ack = 0
         self._buffer = bytearray(MAX_PACKET)
         self._targets: dict[str, list[Any]] = {}  # sandbox id -> [its WatchTarget, claimed]
-        self._restarts: list[float] = []  # when the child was started again
+        self._restarts = child_link.RestartBudget(RESTARTS, RESTART_PERIOD_S)
         self._restarting: asyncio.Task[None] | None = None
         self._closing = False
 
@@ -148,7 +125,7 @@ class RecordProcess:
 
     async def _spawn(self) -> list[str]:
         assert self._loop is not None
-        ours, theirs = _socketpair()
+        ours, theirs = child_link.socketpair(SOCKET_BUFFER)
         try:
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", MODULE, str(theirs.fileno()),
@@ -327,9 +304,7 @@ class RecordProcess:
             return
         if self._proc is not None and self._proc.poll() is None:
             self._proc.kill()  # (a child that closed its socket but lives on is no use)
-        now = time.monotonic()
-        self._restarts = [t for t in self._restarts if now - t < RESTART_PERIOD_S] + [now]
-        again = len(self._restarts) <= RESTARTS
+        again = self._restarts.take()
         print(f"agentcell: the behaviour record's process is gone ({why}); "
               f"{'starting it again' if again else 'not started again: it died too often'}", file=sys.stderr, flush=True)
         if again:
@@ -457,8 +432,7 @@ async def _child_main(fd: int, config: dict[str, Any]) -> None:
 
 
 def main() -> None:
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    if os.getppid() == 1:  # the server died before the line above
+    if not child_link.die_with_parent():  # the server died before we could ask
         return
     with contextlib.suppress(OSError):
         os.nice(NICE)

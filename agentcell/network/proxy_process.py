@@ -1,0 +1,349 @@
+"""The egress proxy in a process of its own (proxy.py says what it does; this is where it runs).
+
+Why: terminating TLS and relaying bytes for one sandbox is CPU work that scales with what the sandbox
+does. On the server's event loop, one sandbox's handshake flood moved another tenant's
+`commands.run` p50 from 3 ms to 115 ms. Here it runs in a child process at a lower CPU priority (nice
+NICE), inside the router's network namespace (it enters it before anything else, so every socket it
+makes is there), with per-sandbox budgets (proxy.py); the server's loop only answers one small
+question per connection (may it go on?) and stores the events that come back.
+
+Trust: the child is host root like the server (it enters the router namespace), runs no tenant code,
+holds the egress CA's key and the values of the secrets of the sandboxes it serves (the server sends
+them at claim; they never enter a sandbox). It dies with the server (PR_SET_PDEATHSIG, and EOF on its
+socket). If it dies first, its connections are gone, the server says so in the log, starts it again
+(RESTARTS a period at most) and tells it every sandbox's state again.
+
+Protocol: a SOCK_SEQPACKET socketpair, one orjson array per packet.
+  server -> child: ["slot", slot, owner, secrets, names], ["forget", slot],
+                   ["verdict", id, allowed, rule, plain_ok], ["close"]
+  child -> server: ["started"], ["decide", id, slot, dst, dport, claim kind, claim host],
+                   ["events", [[owner, event] ...]]
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+
+from agentcell.backends.linux import child_link
+from agentcell.backends.linux import syscalls as sc
+from agentcell.network.ca import EgressCA
+from agentcell.network.claims import Claim
+from agentcell.network.proxy import Interceptor, listening_socket
+from agentcell.network.router import EgressError, slot_of
+from agentcell.network.secrets import HeaderRule, Secret, SecretSet
+
+MODULE = "agentcell.network.proxy_process"  # the child runs `python -m MODULE`
+NICE = 10
+START_TIMEOUT_S = 30.0
+CLOSE_TIMEOUT_S = 10.0
+SOCKET_BUFFER = 4 << 20
+MAX_PACKET = 1 << 20  # 32 secrets of 8 KiB and their hosts fit many times over
+BATCH_EVENTS, BATCH_DELAY_S = 64, 0.005
+RESTARTS, RESTART_PERIOD_S, RESTART_DELAY_S = 5, 600.0, 0.5
+
+Verdict = tuple[bool, str, bool]  # allowed, the rule that decided, plain HTTP may carry this host's secrets
+DecideFn = Callable[[int, str, int, Claim], Verdict]
+EventFn = Callable[[str, dict[str, Any]], None]
+
+
+class ProxyProcessError(EgressError):
+    """The egress proxy's process could not start."""
+
+
+def secrets_message(secrets: SecretSet) -> list[Any]:
+    return [[[s.name, s.value, list(s.hosts), s.placeholder, s.bodies] for s in secrets.secrets],
+            [[r.host, [list(h) for h in r.headers]] for r in secrets.rules]]
+
+
+def secrets_of(raw: list[Any]) -> SecretSet:
+    secrets, rules = raw
+    return SecretSet(tuple(Secret(n, v, tuple(h), p, b) for n, v, h, p, b in secrets),
+                     tuple(HeaderRule(host, tuple((n, v) for n, v in headers)) for host, headers in rules))
+
+
+class ProxyProcess:
+    """The server's end. `decide(slot, dst, dport, claim)` answers each connection's question (the
+    policy lives in the server); `on_event(owner, event)` receives the proxy's events."""
+
+    def __init__(self, config: dict[str, Any], decide: DecideFn, on_event: EventFn) -> None:
+        self.config = config  # router (netns path), ca_dir, ca_bundle
+        self.decide = decide
+        self.on_event = on_event
+        self.gone: str | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._sock: socket.socket | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._started: asyncio.Future[None] | None = None
+        self._slots: dict[int, list[Any]] = {}  # what the child must know again after a restart
+        self._restarts = child_link.RestartBudget(RESTARTS, RESTART_PERIOD_S)
+        self._closing = False
+        self._buffer = bytearray(MAX_PACKET)
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None and self.gone is None else None
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        await self._spawn()
+
+    async def _spawn(self) -> None:
+        assert self._loop is not None
+        ours, theirs = child_link.socketpair(SOCKET_BUFFER)
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", MODULE, str(theirs.fileno()), orjson.dumps(self.config).decode()],
+                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, start_new_session=True)
+        finally:
+            theirs.close()
+        ours.setblocking(False)
+        self._sock, self.gone = ours, None
+        self._started = self._loop.create_future()
+        self._loop.add_reader(ours.fileno(), self._readable)
+        try:
+            await asyncio.wait_for(asyncio.shield(self._started), START_TIMEOUT_S)
+        except (TimeoutError, ProxyProcessError) as e:
+            if self._proc.poll() is None:
+                self._proc.kill()
+            self._shut(f"did not start: {e or 'timed out'}")
+            raise ProxyProcessError(f"the egress proxy's process did not start: {e or 'timed out'}") from None
+        for message in self._slots.values():
+            self._send(message)
+
+    # -- to the child ------------------------------------------------------------------------------
+
+    def _send(self, message: list[Any]) -> None:
+        if self._sock is None:
+            return  # gone: it learns everything again when it is started again
+        try:
+            self._sock.send(orjson.dumps(message))
+        except BlockingIOError:
+            print("agentcell: the egress proxy's process does not keep up; ending it", file=sys.stderr, flush=True)
+            self._shut("it did not read its orders")
+        except OSError as e:
+            self._shut(str(e))
+
+    def set_slot(self, slot: int, owner: str, secrets: SecretSet, names: bool) -> None:
+        message = ["slot", slot, owner, secrets_message(secrets), names]
+        self._slots[slot] = message
+        self._send(message)
+
+    def forget(self, slot: int) -> None:
+        self._slots.pop(slot, None)
+        self._send(["forget", slot])
+
+    async def close(self) -> None:
+        self._closing = True
+        if self._sock is not None:
+            self._send(["close"])
+        if self._proc is not None:
+            try:
+                await asyncio.to_thread(self._proc.wait, CLOSE_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                await asyncio.to_thread(self._proc.wait)
+        self._shut("closed")
+
+    # -- from the child ----------------------------------------------------------------------------
+
+    def _readable(self) -> None:
+        for _ in range(256):  # then what else the loop has to do, and on
+            if not self._receive():
+                return
+
+    def _receive(self) -> bool:
+        if self._sock is None:
+            return False
+        try:
+            n = self._sock.recv_into(self._buffer)
+        except BlockingIOError:
+            return False
+        except OSError as e:
+            n, why = 0, str(e)
+        else:
+            why = "it exited"
+        if not n:
+            code = self._proc.poll() if self._proc is not None else None
+            self._shut(f"{why}{'' if code is None else f' with status {code}'}")
+            return False
+        try:
+            message = orjson.loads(memoryview(self._buffer)[:n])
+        except orjson.JSONDecodeError:
+            return True
+        op = message[0]
+        if op == "decide":
+            _, ident, slot, dst, dport, kind, host = message
+            try:
+                allowed, rule, plain_ok = self.decide(slot, dst, dport, Claim(kind, host))
+            except Exception as e:  # a question it cannot answer is a no
+                allowed, rule, plain_ok = False, f"error: {type(e).__name__}", False
+            self._send(["verdict", ident, allowed, rule, plain_ok])
+        elif op == "events":
+            for owner, event in message[1]:
+                self.on_event(owner, event)
+        elif op == "started" and self._started is not None and not self._started.done():
+            self._started.set_result(None)
+        return True
+
+    def _shut(self, why: str) -> None:
+        if self._sock is not None:
+            if self._loop is not None:
+                self._loop.remove_reader(self._sock.fileno())
+            self._sock.close()
+            self._sock = None
+        if self.gone is not None:
+            return
+        self.gone = why
+        if self._started is not None and not self._started.done():
+            self._started.set_exception(ProxyProcessError(why))
+            return
+        if self._closing or self._loop is None:
+            return
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+        again = self._restarts.take()
+        print(f"agentcell: the egress proxy's process is gone ({why}); intercepted connections were cut; "
+              f"{'starting it again' if again else 'not started again: it died too often'}", file=sys.stderr, flush=True)
+        if again:
+            self._loop.create_task(self._restart())
+
+    async def _restart(self) -> None:
+        await asyncio.sleep(RESTART_DELAY_S)
+        if self._closing:
+            return
+        try:
+            await self._spawn()
+        except ProxyProcessError as e:
+            print(f"agentcell: {e}; intercepted connections are refused until the server restarts", file=sys.stderr)
+
+
+# -- the child --------------------------------------------------------------------------------------
+
+
+class _Child:
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.loop = asyncio.get_running_loop()
+        self.done = self.loop.create_future()
+        self.ids = itertools.count(1)
+        self.waiting: dict[int, asyncio.Future[tuple[bool, str, bool]]] = {}
+        self.batch: list[list[Any]] = []
+        self.flush_at: asyncio.TimerHandle | None = None
+        self.interceptor: Interceptor | None = None
+
+    def send(self, message: list[Any]) -> None:
+        # blocking: a server that does not read holds the proxy up, never grows it
+        self.sock.sendall(orjson.dumps(message, default=str, option=orjson.OPT_NON_STR_KEYS))
+
+    async def decide(self, slot: int, dst: str, dport: int, claim: Claim) -> tuple[bool, str, bool]:
+        ident = next(self.ids)
+        fut = self.waiting[ident] = self.loop.create_future()
+        try:
+            self.send(["decide", ident, slot, dst, dport, claim.kind, claim.host])
+            return await fut
+        finally:
+            self.waiting.pop(ident, None)
+
+    def emit(self, owner: str, event: dict[str, Any]) -> None:
+        self.batch.append([owner, event])
+        if len(self.batch) >= BATCH_EVENTS:
+            self.flush()
+        elif self.flush_at is None:
+            self.flush_at = self.loop.call_later(BATCH_DELAY_S, self.flush)
+
+    def flush(self) -> None:
+        if self.flush_at is not None:
+            self.flush_at.cancel()
+            self.flush_at = None
+        if self.batch:
+            batch, self.batch = self.batch, []
+            self.send(["events", batch])
+
+    def readable(self) -> None:
+        while True:
+            try:
+                data = self.sock.recv(MAX_PACKET, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                return
+            if not data:  # the server is gone
+                self.stop()
+                return
+            self.order(orjson.loads(data))
+
+    def order(self, message: list[Any]) -> None:
+        op = message[0]
+        assert self.interceptor is not None
+        if op == "verdict":
+            fut = self.waiting.get(message[1])
+            if fut is not None and not fut.done():
+                fut.set_result((bool(message[2]), str(message[3]), bool(message[4])))
+        elif op == "slot":
+            _, slot, owner, secrets, names = message
+            self.interceptor.set_slot(slot, owner, secrets_of(secrets), bool(names))
+        elif op == "forget":
+            self.interceptor.forget(message[1])
+        elif op == "close":
+            self.stop()
+
+    def stop(self) -> None:
+        if not self.done.done():
+            self.done.set_result(None)
+
+    async def run(self, config: dict[str, Any]) -> None:
+        ca = EgressCA.load_or_create(config["ca_dir"])
+        upstream_ssl = ssl.create_default_context()
+        if config.get("ca_bundle"):
+            upstream_ssl.load_verify_locations(config["ca_bundle"])
+        self.interceptor = Interceptor(slot_of, self.decide, self.emit, ca, upstream_ssl)
+        await self.interceptor.start(listening_socket())
+        self.send(["started"])
+        self.loop.add_reader(self.sock.fileno(), self.readable)
+        self.loop.add_signal_handler(signal.SIGTERM, self.stop)
+        await self.done
+        self.loop.remove_reader(self.sock.fileno())
+        self.interceptor.close()
+        for fut in self.waiting.values():
+            if not fut.done():
+                fut.set_exception(ConnectionError("the server is gone"))
+        with contextlib.suppress(OSError):
+            self.flush()
+
+
+def _enter(netns_path: str) -> None:
+    fd = os.open(netns_path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        sc.setns(fd, sc.CLONE_NEWNET)  # (one thread yet: the whole process is there from now on)
+    finally:
+        os.close(fd)
+
+
+def main() -> None:
+    if not child_link.die_with_parent():
+        return
+    with contextlib.suppress(OSError):
+        os.nice(NICE)
+    config = orjson.loads(sys.argv[2])
+    _enter(config["router"])
+    sock = socket.socket(fileno=int(sys.argv[1]))
+    sock.setblocking(True)
+
+    async def run() -> None:
+        await _Child(sock).run(config)
+
+    asyncio.run(run())
+
+
+if __name__ == "__main__":
+    main()
