@@ -55,7 +55,7 @@ CLASSES = ("processes", "files", "network", "refusals", "limits", "api", "self",
 KIND_CLASS = {
     **{k: "processes" for k in KINDS if k.startswith("process.")},
     **{k: "files" for k in KINDS if k.startswith("file.")},
-    "net.connect": "network", "net.deny": "network", "dns.query": "network",
+    "net.connect": "network", "net.deny": "network", "dns.query": "network", "secret.refused": "network",
     **{k: "refusals" for k in KINDS if k.startswith("deny.")},
     **{k: "limits" for k in KINDS if k.startswith("limit.")},
     **{k: "api" for k in KINDS if k.startswith("sandbox.")}, "api.call": "api",

@@ -59,6 +59,7 @@ WHY = {
     "left-running": "a process started by the code ran on for a long time in the background",
     "scanning": f"tried {SCAN_HOSTS} addresses or more, or {SCAN_PORTS} ports or more on one",
     "record-incomplete": "events were lost before they could be kept: the record misses some of what happened",
+    "secret-misuse": "tried to send a secret (or a rule's header) where it may not go: another host, or plaintext",
 }
 INCOMPLETE = "record-incomplete"
 
@@ -175,6 +176,9 @@ class FlagSet:
         else:
             self.raise_flag("sensitive-paths", seq)
 
+    def _secret(self, e: dict[str, Any], seq: int | None) -> None:
+        self.raise_flag("secret-misuse", seq)
+
     def _cpu(self, e: dict[str, Any], seq: int | None) -> None:
         self.raise_flag("cpu-bound", seq)
 
@@ -283,5 +287,6 @@ _RULES: dict[str, Callable[[FlagSet, dict[str, Any], int | None], None]] = {
     **{k: FlagSet._network for k in ("net.connect", "net.deny", "dns.query")},
     **{k: FlagSet._refusal for k in ("deny.syscall", "deny.write", "deny.access")},
     "limit.cpu": FlagSet._cpu,
+    "secret.refused": FlagSet._secret,
     "record.dropped": FlagSet._dropped,
 }

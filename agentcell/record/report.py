@@ -65,7 +65,7 @@ def build(events: Iterable[dict[str, Any]], summary: dict[str, Any] | None = Non
             f["ops"][kind[5:]] += int(e.get("count") or 1)
             if e.get("size") is not None:
                 f["size"] = e.get("size")
-        elif kind in ("net.connect", "net.deny", "dns.query"):
+        elif kind in ("net.connect", "net.deny", "dns.query", "secret.refused"):
             dst = str(e.get("domain") or e.get("dst") or "")
             if dst not in hosts and len(hosts) >= MAX_TRACKED:
                 dst = "(more hosts)"
@@ -75,10 +75,11 @@ def build(events: Iterable[dict[str, Any]], summary: dict[str, Any] | None = Non
                 h["addresses"].add(str(e["dst"]))
             if isinstance(e.get("dport"), int) and len(h["ports"]) < MAX_TRACKED:
                 h["ports"].add(e["dport"])
-            h["denied" if kind == "net.deny" or e.get("verdict") == "denied" else "allowed"] += 1
+            denied = kind in ("net.deny", "secret.refused") or e.get("verdict") == "denied"
+            h["denied" if denied else "allowed"] += 1
             h["bytes_out"] += int(e.get("bytes_out") or 0)
             h["bytes_in"] += int(e.get("bytes_in") or 0)
-            if (kind == "net.deny" or e.get("verdict") == "denied") and len(denials) < MAX_LISTED * 2:
+            if denied and len(denials) < MAX_LISTED * 2:
                 denials.append(_brief(e))
         elif kind.startswith("deny."):
             if len(denials) < MAX_LISTED * 2:
