@@ -120,6 +120,7 @@ class Egress:
                 Router(name).destroy()
                 uplinks.remove_stale(name[len(NETNS_PREFIX):])
                 gone.append(name)
+        uplinks.sweep_forwarding()  # forwarding back off if only dead servers had turned it on
         return gone
 
     async def start(self) -> None:
