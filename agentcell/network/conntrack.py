@@ -23,8 +23,6 @@ import ipaddress
 import socket
 import struct
 import threading
-from collections.abc import Callable
-from typing import TypeVar
 
 from agentcell.network.flow_events import (
     CTA_ID,
@@ -51,7 +49,6 @@ CTA_FILTER_ORIG_FLAGS = 1
 CTA_FILTER_FLAG_IP_SRC, CTA_FILTER_FLAG_IP_DST = 1 << 0, 1 << 1
 BATCH_BYTES = 48 << 10  # delete messages per send: well under the socket's send buffer
 RCVBUF = 4 << 20
-T = TypeVar("T")
 
 
 class ConntrackError(RuntimeError):
@@ -59,12 +56,12 @@ class ConntrackError(RuntimeError):
 
 
 class Flusher:
-    """Deletes every conntrack entry of an IPv4 address, both directions, in the namespace whose socket
-    `make_socket` returns (a NETLINK_NETFILTER socket made there). Thread-safe: one flush at a time."""
+    """Deletes every conntrack entry of an IPv4 address, both directions, in the namespace `sock` was
+    made in (a NETLINK_NETFILTER socket, `netfilter_socket()`; the flusher owns it). Thread-safe: one
+    flush at a time."""
 
-    def __init__(self, make_socket: Callable[[], socket.socket]) -> None:
-        self._make_socket = make_socket
-        self._sock: socket.socket | None = None
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock: socket.socket | None = sock
         self._seq = 0
         self._lock = threading.Lock()
         self.filtered = True  # whether the kernel filters dumps (CTA_FILTER); else every entry is read here
@@ -81,7 +78,7 @@ class Flusher:
         ip = ipaddress.IPv4Address(address)
         with self._lock:
             if self._sock is None:
-                self._sock = self._make_socket()
+                raise ConntrackError("the flusher is closed")
             entries: dict[int, bytes] = {}
             for flag, attr in ((CTA_FILTER_FLAG_IP_SRC, CTA_IP_V4_SRC), (CTA_FILTER_FLAG_IP_DST, CTA_IP_V4_DST)):
                 for ct in self._dump(ip, flag, attr):

@@ -431,12 +431,24 @@ class EventCollector:
                 s.close()
         self._ct = self._log = self._ifq = None
 
-    def _read(self, sock: socket.socket, handle: Callable[[int, int, int, bytes], None], lost_key: str) -> None:
+    def drain(self) -> None:
+        """Read everything the kernel has queued by now, at once. Called before a slot changes hands
+        (network/service.py), so that every event of its sandbox, the DESTROY events of a flush among
+        them, is handed on while it is still that sandbox's."""
+        if self._ct is not None:
+            while self._read(self._ct, self._on_conntrack, "lost_conntrack"):
+                pass
+        if self._log is not None:
+            while self._read(self._log, self._on_nflog, "lost_nflog"):
+                pass
+
+    def _read(self, sock: socket.socket, handle: Callable[[int, int, int, bytes], None], lost_key: str) -> bool:
+        """Read up to 256 datagrams; True if that limit ended it (more may be queued)."""
         for _ in range(256):  # bounded per wakeup: the loop keeps serving others during a flood
             try:
                 data = sock.recv(1 << 17)
             except BlockingIOError:
-                return
+                return False
             except OSError as e:
                 if e.errno == errno.ENOBUFS:
                     self.stats[lost_key] += 1
@@ -447,6 +459,7 @@ class EventCollector:
                     self.stats[lost_key] += 1
                 elif kind >= 16:
                     handle(kind, flags, seq, payload)
+        return True
 
     def _emit(self, slot: int | None, event: dict[str, Any]) -> None:
         if slot is None:
