@@ -56,10 +56,15 @@ or sandbox id)` when a sandbox goes. Slots are reused, so the server should map 
 its callback rather than keep events under the slot.
 
 Attribution. A denied packet belongs to the link it came in on (NFLOG's indev, `s<slot>`). A conntrack
-event has no interface, so it belongs to the sandbox whose address is its source; network/router.py does not
-yet stop a sandbox from forging a neighbour's source address (the forward chain accepts it; the test
-router shows it), so until the router drops forged sources (`iifname "s<slot>" ip saddr != <its .2>
-drop`, or rp_filter=1 there) a sandbox can put allowed events into a neighbour's log.
+event has no interface, so it belongs to the sandbox whose address is its source; the router drops a
+packet whose source is not its link's own (network/router.py: a strict reverse-path check in prerouting),
+so a sandbox cannot put events into a neighbour's log.
+
+Slots are reused, so an event is the tenant's that held the slot when its connection started, not the
+slot owner's when the event is read (network/service.py `_owner_at`: a DESTROY carries its entry's start
+timestamp; other events are of their packet or of the moment they are read). Before a slot is given to
+another sandbox its address's conntrack entries are flushed (network/conntrack.py) and `drain()` reads
+what the kernel has queued, the flush's DESTROY events among them.
 
 `EventCollector` ties the two readers to an asyncio loop; the events go to the server's behaviour
 record (record/store.py), which keeps them per sandbox, bounded.

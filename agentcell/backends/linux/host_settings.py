@@ -101,6 +101,7 @@ class Holder:
         self.registry = registry
         self.id = _SAFE.sub("_", f"{name}.{os.getpid()}.{os.urandom(4).hex()}")
         self.held: dict[str, Setting] = {}
+        os.makedirs(registry, mode=0o700, exist_ok=True)
         os.makedirs(os.path.join(registry, "holders"), mode=0o700, exist_ok=True)
         self._path = os.path.join(registry, "holders", self.id)
         self._fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
