@@ -436,16 +436,18 @@ class EventCollector:
                 s.close()
         self._ct = self._log = self._ifq = None
 
-    def drain(self) -> None:
-        """Read everything the kernel has queued by now, at once. Called before a slot changes hands
-        (network/service.py), so that every event of its sandbox, the DESTROY events of a flush among
-        them, is handed on while it is still that sandbox's."""
-        if self._ct is not None:
-            while self._read(self._ct, self._on_conntrack, "lost_conntrack"):
-                pass
-        if self._log is not None:
-            while self._read(self._log, self._on_nflog, "lost_nflog"):
-                pass
+    async def drain(self, max_slices: int = 64) -> None:
+        """Read what the kernel has queued by now, 256 datagrams at a time with the loop's other work in
+        between, until both sockets are empty (at most `max_slices` slices each: a flood that never
+        stops cannot hold a kill up). Called before a slot changes hands (network/service.py), so that
+        every event of its sandbox, the DESTROY events of a flush among them, is handed on while it is
+        still that sandbox's."""
+        for sock, handle, lost in ((self._ct, self._on_conntrack, "lost_conntrack"),
+                                   (self._log, self._on_nflog, "lost_nflog")):
+            for _ in range(max_slices):
+                if sock is None or sock.fileno() < 0 or not self._read(sock, handle, lost):
+                    break
+                await asyncio.sleep(0)
 
     def _read(self, sock: socket.socket, handle: Callable[[int, int, int, bytes], None], lost_key: str) -> bool:
         """Read up to 256 datagrams; True if that limit ended it (more may be queued)."""

@@ -283,7 +283,7 @@ class Egress:
             except (ConntrackError, OSError) as e:
                 log.warning("could not flush the connections of slot %d (%s): %s", slot, address, e)
         if self._collector is not None:
-            self._collector.drain()
+            await self._collector.drain()
         resolver = getattr(self, "resolver", None)
         if resolver is not None:
             resolver.forget(address)
