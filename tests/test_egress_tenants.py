@@ -9,7 +9,9 @@ there; nothing leaves the machine, and the host's network is checked unchanged a
 
 from __future__ import annotations
 
+import asyncio
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -20,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from agentcell import Sandbox
+from agentcell.network.resolver import DomainRules, Pin, PolicyResolver, serve, serve_tcp
 from tests.conftest import ServerProcess
 from tests.egress_world import host_state as _host_state
 from tests.test_egress import PROBES, ask, probed
@@ -219,3 +222,55 @@ def test_a_dns_flood_from_many_sandboxes_leaves_a_neighbours_lookups_alone(serve
     unanswered = [t for t in flooded if not isinstance(t, float)]
     assert unanswered == [], f"{len(unanswered)} of 20 lookups unanswered during the flood: {flooded}"
     assert statistics.median(flooded) < 0.25 and max(flooded) < 0.9, flooded
+
+
+async def test_the_resolver_forgets_a_gone_sandboxs_queries_and_tcp_clients() -> None:
+    """The resolver alone, on loopback (127.0.0.2 stands for the gone sandbox's address): nothing it asked
+    is answered once its slot is given back, even after the upstream's timeout, and its quotas are free
+    for the address's next sandbox."""
+    loop = asyncio.get_running_loop()
+    upstream = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    upstream.bind(("127.0.0.1", 0))  # never answers: every query stays in flight for the 2 s timeout
+
+    async def pin(source: str, pins: list[Pin]) -> None:
+        pass
+
+    async def make_socket(family: int, kind: int) -> socket.socket:
+        return socket.socket(family, kind)
+
+    resolver = PolicyResolver(upstream.getsockname(), lambda ip: DomainRules(), pin, make_socket)
+    transport = await serve("127.0.0.1", 0, resolver)
+    tcp = await serve_tcp(resolver, host="127.0.0.1", port=0)
+    gone = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    gone.bind(("127.0.0.2", 0))
+    gone.setblocking(False)
+    try:
+        port = transport.get_extra_info("sockname")[1]
+        query = bytes.fromhex("12340100000100000000000004736c6f7704746573740000010001")  # slow.test A
+        for _ in range(5):
+            gone.sendto(query, ("127.0.0.1", port))
+        reader, writer = await asyncio.open_connection("127.0.0.1", tcp.sockets[0].getsockname()[1],
+                                                       local_addr=("127.0.0.2", 0))
+        await asyncio.sleep(0.3)
+        assert resolver.quota.held("127.0.0.2") == 5 and resolver.tcp_clients.held("127.0.0.2") == 1
+        assert resolver.forget("127.0.0.2") == 6
+        assert await asyncio.wait_for(reader.read(), 2) == b""  # its TCP client is closed
+        await asyncio.sleep(0.1)
+        assert resolver.quota.held("127.0.0.2") == 0 and resolver.tcp_clients.held("127.0.0.2") == 0
+        gone.sendto(query, ("127.0.0.1", port))  # sent before the kill, read after it: ignored
+        await asyncio.sleep(0.1)
+        assert resolver.quota.held("127.0.0.2") == 0
+        with pytest.raises(TimeoutError):  # past the upstream's timeout: no SERVFAIL for the gone one
+            await asyncio.wait_for(loop.sock_recv(gone, 512), 2.6)
+        resolver.admit("127.0.0.2")  # the address's next sandbox is answered
+        gone.sendto(query, ("127.0.0.1", port))
+        await asyncio.sleep(0.1)
+        assert resolver.quota.held("127.0.0.2") == 1
+        writer.close()
+    finally:
+        for task in list(resolver.pending):
+            task.cancel()
+        tcp.close()
+        transport.close()
+        gone.close()
+        upstream.close()
