@@ -89,9 +89,9 @@ def mem_total() -> int:
     raise OSError("no MemTotal in /proc/meminfo")
 
 
-def _raise_sysctls(max_sandboxes: int, tuning: HostTuning, holder: host_settings.Holder | None) -> list[str]:
-    """Raise the host-wide pools that are too small (holding each for this server: `holder`); returns
-    what stays unprotected."""
+def _raise_sysctls(max_sandboxes: int, tuning: HostTuning, holder: host_settings.Holder | None = None) -> list[str]:
+    """Raise the host-wide pools that are too small (holding each for this server: `holder`; without
+    one, or with tune_sysctls off, nothing changes); returns what stays unprotected."""
     reserve = read_sysctl("kernel.pty.reserve")
     ptys = max_sandboxes * tuning.ptys_per_sandbox
 
@@ -111,7 +111,7 @@ def _raise_sysctls(max_sandboxes: int, tuning: HostTuning, holder: host_settings
     if reserve + ptys > PTY_MAX_LIMIT:
         unprotected.append(f"kernel.pty.max: {wanted[2][2]} even at the kernel's maximum {PTY_MAX_LIMIT}")
     for name, target_of, risk in wanted:
-        if holder is None:  # --no-host-sysctls: said, not changed
+        if holder is None or not tuning.tune_sysctls:  # --no-host-sysctls: said, not changed
             current, target = read_sysctl(name), target_of({"": {"ptys": ptys}})
             if current < target:
                 unprotected.append(f"{name}={current} (wants {target}): {risk}")
