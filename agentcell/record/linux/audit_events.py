@@ -51,6 +51,7 @@ import contextlib
 import errno
 import os
 import re
+import struct
 import sys
 import time
 from collections import OrderedDict, deque
@@ -97,6 +98,7 @@ READ_DELAY_S = 0.02  # records are read this long after they arrive, in batches 
 SLICE_S = 0.001  # ... for this long at a time, so that a request never waits longer behind them
 UNWATCH_READ_S = 0.05  # at a sandbox's end, what is queued is read for this long at most
 TRACE_READ = 64  # the tracer's events parsed at a time (~1 ms), the rest left in its ring till the next
+AUDIT_KEY = "kernel.audit"  # the audit status in the registry of shared host settings
 
 
 @dataclass
@@ -358,6 +360,19 @@ class AuditCollector:
         assert self._reader is not None
         self._reader.sock.setblocking(False)
         self._read_later(self._reader.fileno(), self._on_audit)
+
+    def _collector_asks(self, body: bytes) -> bool:
+        """Whether the process an AUDIT_REPLACE names (the one the kernel refused the daemon's role) is
+        another agentcell server's collector: it holds the audit setting before it asks (start), and when
+        refused it reads the multicast group, so the role stays here. Without this, two servers started
+        at once took each other for auditd, and the daemon gave up its role and its rules."""
+        if len(body) < 4:
+            return False
+        pid = struct.unpack("=I", body[:4])[0]
+        try:
+            return any(h.get("pid") == pid for h in host_settings.holders(AUDIT_KEY).values())
+        except (OSError, host_settings.HostSettingsError):
+            return False
 
     def _step_aside(self) -> None:
         """Another audit daemon (the operator's auditd) asks for the role: give it up, put the
@@ -624,7 +639,8 @@ class AuditCollector:
         (ours if it has our key), its EXECVE/CWD/PATH, and EOE. A record whose serial has nothing
         pending is someone else's and is skipped unparsed."""
         if mtype == an.REPLACE and self.daemon:
-            self._step_aside()
+            if not self._collector_asks(body):  # auditd: it gets the role; another server's collector reads beside us
+                self._step_aside()
             return
         if self._trace is not None and mtype in (an.LANDLOCK_ACCESS, an.LANDLOCK_DOMAIN):
             rec = ar.parse(mtype, body)  # alone: the tracer's processes have no syscall context
@@ -941,7 +957,7 @@ def audit_setting() -> host_settings.Setting:
         return {"enabled": s.enabled, "failure": s.failure, "backlog_limit": s.backlog_limit,
                 "backlog_wait_time": s.backlog_wait_time, "lost": s.lost, "pid": s.pid}
 
-    return host_settings.Setting("kernel.audit", read, _restore_audit)
+    return host_settings.Setting(AUDIT_KEY, read, _restore_audit)
 
 
 def _restore_audit(original: dict[str, int], pids: frozenset[int]) -> None:
