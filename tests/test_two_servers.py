@@ -5,6 +5,8 @@ host changes, and undoes them at stop, whatever the other does and whenever it s
 * two state dirs: each lists only its own snapshots and has its own egress CA;
 * two host-mode servers in a stand-in host whose IPv4 forwarding starts off: both give their sandboxes
   internet, the first's stop leaves the second's working, the second's stop leaves the host as it was;
+* a host-mode server killed without a chance to clean up: the next server removes what it left and puts
+  forwarding back when it stops;
 * two recording servers stopped at once: the kernel's audit status is exactly what it was, and no
   record of the original is left behind.
 """
@@ -129,6 +131,28 @@ def test_two_host_mode_servers_share_forwarding_and_each_undoes_only_its_own(
         first.stop()
         second.stop()
     assert _state(fake_host) == before, "the servers left changes in their host's network"
+    assert host_settings_records() == records
+
+
+def test_a_crashed_host_mode_servers_changes_are_undone_by_the_next_server(
+        fake_host: str, tmp_path: Path) -> None:  # noqa: F811
+    before = _state(fake_host)
+    records = host_settings_records()
+    crashed = HostModeServer(fake_host, tmp_path)
+    crashed.wait_ready()
+    crashed.proc.kill()  # no stop, no cleanup: its table, its router and forwarding stay behind
+    crashed.stop()
+    left = _state(fake_host)
+    assert left[4].strip() == "1" and "table ip agentcell_" in left[3]
+    survivor = HostModeServer(fake_host, tmp_path)
+    try:
+        survivor.wait_ready()
+        assert survivor.probe([f"tcp('{WEB}')"])[f"tcp('{WEB}')"] == "ok"
+        assert _state(fake_host)[3].count("table ip agentcell_") == 1  # the dead one's table is gone
+    finally:
+        survivor.stop()
+    # forwarding off again: the original the dead server saved, put back by the last live holder
+    assert _state(fake_host) == before, "a crashed server's changes outlived the next server"
     assert host_settings_records() == records
 
 
