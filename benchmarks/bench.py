@@ -14,6 +14,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -47,7 +48,7 @@ def start_server(max_sandboxes: int) -> tuple[subprocess.Popen[bytes], str]:
     proc = subprocess.Popen(
         # no egress uplink: these figures are a sandbox's own; benchmarks/egress.py measures what internet adds
         [sys.executable, "-m", "agentcell", "serve", "--port", str(port), "--max-sandboxes", str(max_sandboxes),
-         "--egress-uplink", "none"],
+         "--egress-uplink", "none", "--state-dir", tempfile.mkdtemp(prefix="agentcell-bench-")],
         stdout=subprocess.DEVNULL,
     )
     url = f"http://127.0.0.1:{port}"

@@ -17,6 +17,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -42,8 +43,10 @@ def start_server(uplink: str, log: Path) -> tuple[subprocess.Popen[bytes], str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    # a state dir of its own: two servers run at once here, and a state dir serves one server
     proc = subprocess.Popen([sys.executable, "-m", "agentcell", "serve", "--port", str(port), "--egress-uplink", uplink,
-                             "--egress-dns", DNS, "--max-sandboxes", "1100"],
+                             "--egress-dns", DNS, "--max-sandboxes", "1100",
+                             "--state-dir", tempfile.mkdtemp(prefix="agentcell-bench-")],
                             cwd=REPO, stdout=log.open("wb"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120

@@ -711,7 +711,8 @@ def start_server(max_sandboxes: int, log_path: Path, extra: list[str]) -> tuple[
     with log_path.open("wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "agentcell", "serve", "--host", "127.0.0.1", "--port", str(port),
-             "--max-sandboxes", str(max_sandboxes), "--egress-uplink", "none", *extra],
+             "--max-sandboxes", str(max_sandboxes), "--egress-uplink", "none",
+             "--state-dir", tempfile.mkdtemp(prefix="agentcell-bench-"), *extra],  # a state dir serves one server
             cwd=REPO, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120

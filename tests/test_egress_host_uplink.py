@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -93,34 +94,73 @@ def fake_host() -> Iterator[str]:
         assert _host_state() == before, "the host's network changed"
 
 
-def test_host_uplink_masquerades_and_keeps_the_host_out(fake_host: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    before = _state(fake_host)
-    notes = set(glob.glob("/run/agentcell/uplink-*"))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # free in the host's namespace; the fake host's is empty anyway
-    log = (tmp_path / "server.log").open("w")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env.pop("AGENTCELL_EGRESS_UPLINK", None)  # the production default: host
-    server = subprocess.Popen(["nsenter", f"--net=/run/netns/{fake_host}", sys.executable, "-m", "agentcell.server",
-                               "--port", str(port), "--egress-dns", UPSTREAM_DNS, "--standbys", "1"],
-                              cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 90
-        while _in(fake_host, sys.executable, "-c", f"import urllib.request; urllib.request.urlopen('{url}/health')",
-                  ).returncode != 0:
-            assert server.poll() is None, (tmp_path / "server.log").read_text()
+class HostModeServer:
+    """A real server with the production default uplink (host), run inside the stand-in host `fake_host`,
+    with a --state-dir of its own under `tmp`."""
+
+    def __init__(self, fake_host: str, tmp: Path, *args: str) -> None:
+        self.fake_host = fake_host
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]  # free in the host's namespace; the fake host's is empty anyway
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = tmp / f"server-{self.port}.log"
+        self._log = self.log_path.open("w")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env.pop("AGENTCELL_EGRESS_UPLINK", None)  # the production default: host
+        self.proc = subprocess.Popen(
+            ["nsenter", f"--net=/run/netns/{fake_host}", sys.executable, "-m", "agentcell.server", "--port",
+             str(self.port), "--egress-dns", UPSTREAM_DNS, "--standbys", "1", "--state-dir",
+             str(tmp / f"state-{self.port}"), *args],
+            cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT, env=env, text=True)
+
+    def wait_ready(self, timeout: float = 90) -> None:
+        deadline = time.monotonic() + timeout
+        while _in(self.fake_host, sys.executable, "-c",
+                  f"import urllib.request; urllib.request.urlopen('{self.url}/health')").returncode != 0:
+            assert self.proc.poll() is None, self.log_path.read_text()
             assert time.monotonic() < deadline, "the server did not start"
             time.sleep(0.3)
+
+    def probe(self, checks: list[str]) -> dict[str, str]:
+        """`checks` (expressions of PROBES) evaluated in a new sandbox of this server."""
+        r = _in(self.fake_host, sys.executable, "-c", CLIENT, self.url, PROBES, json.dumps(checks), cwd=REPO,
+                timeout=120)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return json.loads(r.stdout.strip().splitlines()[-1])
+
+    def terminate(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+
+    def stop(self) -> None:
+        self.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
+
+
+def host_settings_records() -> set[str]:
+    """The shared host settings' records (backends/linux/host_settings.py): who changed what, and its original."""
+    return set(glob.glob("/run/agentcell/host-settings/*.json"))
+
+
+def test_host_uplink_masquerades_and_keeps_the_host_out(fake_host: str, tmp_path: Path) -> None:
+    before = _state(fake_host)
+    records = host_settings_records()
+    server = HostModeServer(fake_host, tmp_path)
+    try:
+        server.wait_ready()
         during = _state(fake_host)
         assert "masquerade" in during[3] and during[4].strip() == "1"
-        assert len(set(glob.glob("/run/agentcell/uplink-*")) - notes) == 1  # "forwarding was off", for a cleanup
+        # ip_forward of the fake host: its original and its holder (the host-wide sysctls have their own)
+        assert len([r for r in host_settings_records() - records if "ip_forward@netns-" in r]) == 1
         checks = [f"tcp('{WEB}')", "tcp('allowed.test')", f"tcp('{HOST_ADDR}', 8081)", f"tcp('{INET_ADDR}', 80)",
                   *(f"tcp('{a}')" for a in FORBIDDEN)]
-        r = _in(fake_host, sys.executable, "-c", CLIENT, url, PROBES, json.dumps(checks), cwd=REPO, timeout=120)
-        assert r.returncode == 0, r.stderr[-3000:]
-        got = json.loads(r.stdout.strip().splitlines()[-1])
+        got = server.probe(checks)
         assert got[f"tcp('{WEB}')"] == "ok" and got["tcp('allowed.test')"] == "ok"
         assert got[f"tcp('{HOST_ADDR}', 8081)"] != "ok"  # the host itself, on its own address
         for a in FORBIDDEN:
@@ -128,12 +168,6 @@ def test_host_uplink_masquerades_and_keeps_the_host_out(fake_host: str, tmp_path
         # the web service on the fake host's neighbour is public here (a documentation address): reachable
         assert got[f"tcp('{INET_ADDR}', 80)"] == "ok"
     finally:
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
-        log.close()
+        server.stop()
     assert _state(fake_host) == before, "the server left changes in its host's network"
-    assert set(glob.glob("/run/agentcell/uplink-*")) == notes
+    assert host_settings_records() == records

@@ -56,10 +56,15 @@ or sandbox id)` when a sandbox goes. Slots are reused, so the server should map 
 its callback rather than keep events under the slot.
 
 Attribution. A denied packet belongs to the link it came in on (NFLOG's indev, `s<slot>`). A conntrack
-event has no interface, so it belongs to the sandbox whose address is its source; network/router.py does not
-yet stop a sandbox from forging a neighbour's source address (the forward chain accepts it; the test
-router shows it), so until the router drops forged sources (`iifname "s<slot>" ip saddr != <its .2>
-drop`, or rp_filter=1 there) a sandbox can put allowed events into a neighbour's log.
+event has no interface, so it belongs to the sandbox whose address is its source; the router drops a
+packet whose source is not its link's own (network/router.py: a strict reverse-path check in prerouting),
+so a sandbox cannot put events into a neighbour's log.
+
+Slots are reused, so an event is the tenant's that held the slot when its connection started, not the
+slot owner's when the event is read (network/service.py `_owner_at`: a DESTROY carries its entry's start
+timestamp; other events are of their packet or of the moment they are read). Before a slot is given to
+another sandbox its address's conntrack entries are flushed (network/conntrack.py) and `drain()` reads
+what the kernel has queued, the flush's DESTROY events among them.
 
 `EventCollector` ties the two readers to an asyncio loop; the events go to the server's behaviour
 record (record/store.py), which keeps them per sandbox, bounded.
@@ -431,12 +436,26 @@ class EventCollector:
                 s.close()
         self._ct = self._log = self._ifq = None
 
-    def _read(self, sock: socket.socket, handle: Callable[[int, int, int, bytes], None], lost_key: str) -> None:
+    async def drain(self, max_slices: int = 64) -> None:
+        """Read what the kernel has queued by now, 256 datagrams at a time with the loop's other work in
+        between, until both sockets are empty (at most `max_slices` slices each: a flood that never
+        stops cannot hold a kill up). Called before a slot changes hands (network/service.py), so that
+        every event of its sandbox, the DESTROY events of a flush among them, is handed on while it is
+        still that sandbox's."""
+        for sock, handle, lost in ((self._ct, self._on_conntrack, "lost_conntrack"),
+                                   (self._log, self._on_nflog, "lost_nflog")):
+            for _ in range(max_slices):
+                if sock is None or sock.fileno() < 0 or not self._read(sock, handle, lost):
+                    break
+                await asyncio.sleep(0)
+
+    def _read(self, sock: socket.socket, handle: Callable[[int, int, int, bytes], None], lost_key: str) -> bool:
+        """Read up to 256 datagrams; True if that limit ended it (more may be queued)."""
         for _ in range(256):  # bounded per wakeup: the loop keeps serving others during a flood
             try:
                 data = sock.recv(1 << 17)
             except BlockingIOError:
-                return
+                return False
             except OSError as e:
                 if e.errno == errno.ENOBUFS:
                     self.stats[lost_key] += 1
@@ -447,6 +466,7 @@ class EventCollector:
                     self.stats[lost_key] += 1
                 elif kind >= 16:
                     handle(kind, flags, seq, payload)
+        return True
 
     def _emit(self, slot: int | None, event: dict[str, Any]) -> None:
         if slot is None:

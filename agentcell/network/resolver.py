@@ -11,6 +11,13 @@ Why a resolver of our own (docs/network.md):
   169.254.169.254) loses those records and pins nothing there.
 
 Sandboxes ask over UDP (`PolicyResolver`) or TCP (`serve_tcp`, for answers too big for a datagram).
+What one sandbox may hold at once is bounded per sandbox first and in all second, with a reserve per
+sandbox that the others cannot take (network/quota.py): MAX_PENDING queries being forwarded in all,
+MAX_PENDING_PER_SOURCE of one sandbox, and however full the rest is, a sandbox with fewer than
+PENDING_RESERVE in flight gets one more; so at most MAX_PENDING + PENDING_RESERVE x sandboxes are in
+flight (each a task and an upstream socket: ~4,300 at 1,000 sandboxes). TCP clients likewise.
+Everything a sandbox's address has here (queries in flight, TCP clients) ends when its slot is given
+back (`forget`): the next sandbox with that address never gets an answer to a query it did not ask.
 Upstream queries go over UDP from a fresh socket each (random port and id), over TCP when the answer
 was truncated, each socket made by `make_socket`:
 the server makes them inside the router's namespace, so they leave through the egress uplink and
@@ -45,10 +52,12 @@ log = logging.getLogger("agentcell.dns")
 PIN_MIN_S = 30  # a pin outlives a tiny TTL: clients cache answers longer than they say
 PIN_MAX_S = 3600
 UPSTREAM_TIMEOUT_S = 2.0
-MAX_PENDING = 256  # queries being forwarded at once, all sandboxes together; more are dropped
-MAX_PENDING_PER_SOURCE = 32  # ... and of one sandbox, so that its flood cannot crowd out the others
+MAX_PENDING = 256  # queries being forwarded at once, all sandboxes together; more are dropped ...
+MAX_PENDING_PER_SOURCE = 32  # ... and of one sandbox, so that its flood cannot crowd out the others ...
+PENDING_RESERVE = 4  # ... but a sandbox with fewer than this in flight always gets one more (glibc asks 2)
 MAX_TCP_CLIENTS = 128  # DNS-over-TCP connections open at once, all sandboxes together
 MAX_TCP_PER_SOURCE = 8
+TCP_RESERVE = 2
 TCP_IDLE_S = 10.0
 
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -124,7 +133,35 @@ class PolicyResolver(asyncio.DatagramProtocol):
         self.make_socket = make_socket
         self.transport: asyncio.DatagramTransport | None = None
         self.pending: set[asyncio.Task[None]] = set()
-        self.quota = KeyedQuota(MAX_PENDING, MAX_PENDING_PER_SOURCE)  # queries being answered
+        self.quota = KeyedQuota(MAX_PENDING, MAX_PENDING_PER_SOURCE, PENDING_RESERVE)  # queries being answered
+        self.tcp_clients = KeyedQuota(MAX_TCP_CLIENTS, MAX_TCP_PER_SOURCE, TCP_RESERVE)  # serve_tcp's connections
+        self._work: dict[str, set[asyncio.Task[None]]] = {}  # source -> its queries and TCP clients being served
+        self._forgotten: set[str] = set()  # sources whose slot was given back and not claimed again
+
+    def forget(self, source: str) -> int:
+        """The sandbox at `source` is gone: cancel its queries in flight and close its TCP clients (their
+        quotas come back as they end), and ignore what it sent until `admit(source)`. Returns how many
+        were cancelled."""
+        self._forgotten.add(source)
+        work = self._work.pop(source, set())
+        for task in work:
+            task.cancel()
+        return len(work)
+
+    def admit(self, source: str) -> None:
+        """A new sandbox has `source`: its queries are answered again."""
+        self._forgotten.discard(source)
+
+    def _track(self, source: str, task: asyncio.Task[None]) -> None:
+        work = self._work.setdefault(source, set())
+        work.add(task)
+
+        def untrack(t: asyncio.Task[None]) -> None:
+            work.discard(t)
+            if not work and self._work.get(source) is work:
+                del self._work[source]
+
+        task.add_done_callback(untrack)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -134,6 +171,8 @@ class PolicyResolver(asyncio.DatagramProtocol):
         if query is None:
             return  # not a DNS query: no answer (an answer to junk helps nobody but a reflector)
         source = addr[0]
+        if source in self._forgotten:
+            return  # sent by a sandbox that is gone, read late: its slot's next sandbox must not get the answer
         if not self.quota.take(source):
             return  # the client retries; a flood does not grow the server, nor starve the others
         task = asyncio.ensure_future(self._answer_udp(query, addr))
@@ -144,6 +183,7 @@ class PolicyResolver(asyncio.DatagramProtocol):
             self.quota.give(source)
 
         task.add_done_callback(done)
+        self._track(source, task)
 
     async def _answer_udp(self, query: dns.message.Message, addr: tuple[str, int]) -> None:
         response = await self.answer(query, addr[0])
@@ -300,13 +340,16 @@ async def serve(host: str, port: int, resolver: PolicyResolver) -> asyncio.Datag
 async def serve_tcp(resolver: PolicyResolver, *, sock: socket.socket | None = None, host: str | None = None,
                     port: int | None = None) -> asyncio.Server:
     """DNS over TCP (RFC 7766: two-byte length, queries in order), for answers a datagram cannot hold."""
-    clients = KeyedQuota(MAX_TCP_CLIENTS, MAX_TCP_PER_SOURCE)
+    clients = resolver.tcp_clients
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         source = writer.get_extra_info("peername")[0]
-        if not clients.take(source):
+        if source in resolver._forgotten or not clients.take(source):
             writer.close()
             return
+        task = asyncio.current_task()
+        if task is not None:
+            resolver._track(source, task)  # type: ignore[arg-type]
         try:
             while True:
                 async with asyncio.timeout(TCP_IDLE_S):
@@ -323,6 +366,8 @@ async def serve_tcp(resolver: PolicyResolver, *, sock: socket.socket | None = No
                 await writer.drain()
         except (asyncio.IncompleteReadError, TimeoutError, OSError):
             pass
+        except asyncio.CancelledError:  # forget(): its sandbox is gone
+            writer.transport.abort()
         finally:
             clients.give(source)
             writer.close()

@@ -5,7 +5,10 @@ Lifecycle, per sandbox slot:
 - `connect(slot, pid)` while the sandbox is a standby (off the request path): its veth link, closed;
 - `apply(slot, policy)` at claim and at every `update_network`: one nft transaction;
 - the resolver pins the addresses it answers for an allowed name (`_pin`), before the answer leaves;
-- `disconnect(slot)` at kill: the chain, the sets and the pins go; the link dies with the namespace.
+- `disconnect(slot)` at kill: the sets' elements and the pins go; once the link has died with the
+  namespace, everything else of the sandbox's address goes too (conntrack entries, the resolver's work,
+  its events read and handed on), so the slot's next sandbox never meets anything of this one's.
+Events are handed to the tenant that held the slot when their connection started (`_owner_at`).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import re
 import socket
 import ssl
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -28,6 +32,7 @@ import dns.name
 from agentcell.network import uplink as uplinks
 from agentcell.network.ca import EgressCA
 from agentcell.network.claims import Claim
+from agentcell.network.conntrack import ConntrackError, Flusher, netfilter_socket
 from agentcell.network.flow_events import EventCollector
 from agentcell.network.policy import NetworkPolicy
 from agentcell.network.proxy_process import ProxyProcess
@@ -38,6 +43,7 @@ from agentcell.network.router import (
     EgressError,
     NeverList,
     Router,
+    link_addresses,
     slot_of,
 )
 from agentcell.network.secrets import HeaderRule, SecretSet
@@ -48,6 +54,8 @@ T = TypeVar("T")
 NETNS_PREFIX = "agentcell-"
 CLOSED = NetworkPolicy()
 NO_SECRETS = SecretSet()
+LINK_GONE_TIMEOUT_S = 5.0  # at kill, how long the dead namespace's link may take to go before the flush
+TENANCIES_KEPT = 4  # past owners of a slot whose late events can still be told apart (per slot)
 
 
 @dataclass(frozen=True)
@@ -97,6 +105,8 @@ class Egress:
         self._udp: asyncio.DatagramTransport | None = None
         self._tcp: asyncio.Server | None = None
         self._owner: dict[int, str] = {}  # slot -> the sandbox id it serves
+        self._tenancies: dict[int, deque[_Tenancy]] = {}  # slot -> who held it when (events go by time)
+        self._flusher: Flusher | None = None
         # where connection and DNS events go, by sandbox id (slots are reused): the server's behaviour
         # record (issue 10) once the backend attached it; nowhere without one (--no-record)
         self.sink: Callable[[str, dict[str, object]], None] = lambda owner, event: None
@@ -121,6 +131,7 @@ class Egress:
                 Router(name).destroy()
                 uplinks.remove_stale(name[len(NETNS_PREFIX):])
                 gone.append(name)
+        uplinks.sweep_forwarding()  # forwarding back off if only dead servers had turned it on
         return gone
 
     async def start(self) -> None:
@@ -146,6 +157,7 @@ class Egress:
             self._tcp = await serve_tcp(self.resolver, sock=tcp)
             self._collector = EventCollector(self._on_event)
             self._collector.start(router.path, loop)
+            self._flusher = Flusher(await self._in_router(netfilter_socket))
             if self.settings.ca_bundle:  # said now, not by a child that cannot start
                 ssl.create_default_context().load_verify_locations(self.settings.ca_bundle)
             self.proxy = ProxyProcess({"router": router.path, "ca_dir": os.path.dirname(self.ca_path),
@@ -162,6 +174,9 @@ class Egress:
         if self._collector is not None:
             self._collector.close()
             self._collector = None
+        if self._flusher is not None:
+            self._flusher.close()
+            self._flusher = None
         if self._udp is not None:
             self._udp.close()
         if self._tcp is not None:
@@ -209,7 +224,7 @@ class Egress:
                      secrets: SecretSet | None, rules: tuple[HeaderRule, ...] | None) -> None:
         assert self.router is not None
         if sandbox_id is not None:
-            self._owner[slot] = sandbox_id
+            self._claimed(slot, sandbox_id)
         if secrets is not None:
             self._secrets[slot] = secrets
         if rules is not None:  # update_network: E2B's rules replaced, the secrets kept
@@ -224,12 +239,12 @@ class Egress:
                 if names and pinned.expires > now + 1:
                     pins[address] = _Pinned(names, pinned.last if pinned.last in names else min(names), pinned.expires)
         kept = [(a, int(p.expires - now)) for a, p in pins.items()] if policy.restricted else []
-        names = bool(policy.allow_domains or policy.deny_domains)
-        intercept = names or bool(self._secrets.get(slot))
+        name_rules = bool(policy.allow_domains or policy.deny_domains)
+        intercept = name_rules or bool(self._secrets.get(slot))
         owner = self._owner.get(slot)
         if intercept and owner is not None and self.proxy is not None:
             # before the router sends it anything: the proxy knows the sandbox before its first connection
-            self.proxy.set_slot(slot, owner, self._secrets.get(slot, NO_SECRETS), names)
+            self.proxy.set_slot(slot, owner, self._secrets.get(slot, NO_SECRETS), name_rules)
         commands = self.router.policy_commands(slot, policy, kept, intercept=intercept)
         if commands:
             await self._nft(commands)
@@ -247,11 +262,9 @@ class Egress:
         assert self.router is not None
         self.policies.pop(slot, None)
         self._rules.pop(slot, None)
-        self._pins.pop(slot, None)
         self._secrets.pop(slot, None)
         if self.proxy is not None:  # its intercepted connections end with it, before the slot serves another
             self.proxy.forget(slot)
-        self._owner.pop(slot, None)
         try:
             commands = self.router.disconnect_commands(slot)
             if commands:
@@ -259,6 +272,73 @@ class Egress:
             self.router.committed(slot)
         except EgressError as e:
             log.warning("could not remove the egress rules of slot %d: %s", slot, e)
+        await self._forget_address(slot)
+        self._pins.pop(slot, None)  # (after: the last events still get their domains)
+        self._released(slot)
+
+    async def _forget_address(self, slot: int) -> None:
+        """Everything of the slot's address that outlives its sandbox, gone before the slot is reused:
+        its conntrack entries (a peer that keeps sending keeps a UDP entry, and its way back to this
+        address, alive for ever), the resolver's queries and TCP clients, and the events still queued
+        (read now, while they are still this tenant's)."""
+        _, address = link_addresses(slot)
+        await self._link_gone(slot)  # no packet of the dead sandbox can come in after this
+        if self._flusher is not None:
+            try:
+                await asyncio.to_thread(self._flusher.flush, address)
+            except (ConntrackError, OSError) as e:
+                log.warning("could not flush the connections of slot %d (%s): %s", slot, address, e)
+        if self._collector is not None:
+            await self._collector.drain()
+        resolver = getattr(self, "resolver", None)
+        if resolver is not None:
+            resolver.forget(address)
+
+    async def _link_gone(self, slot: int) -> None:
+        """Wait (bounded) until the router's end of the slot's link is gone: it goes when the kernel
+        has torn the dead sandbox's namespace down, a little after its last process exited."""
+        name = f"s{slot}"
+
+        def present() -> bool:
+            try:
+                socket.if_nametoindex(name)
+            except OSError:
+                return False
+            return True
+
+        deadline = time.monotonic() + LINK_GONE_TIMEOUT_S
+        delay = 0.002
+        while await self._in_router(present):
+            if time.monotonic() > deadline:
+                log.warning("the link of slot %d is still there %g s after its sandbox died; flushing anyway",
+                            slot, LINK_GONE_TIMEOUT_S)
+                return
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.05)
+
+    # -- who held a slot when ---------------------------------------------------------------------
+
+    def _claimed(self, slot: int, sandbox_id: str) -> None:
+        self._owner[slot] = sandbox_id
+        tenancies = self._tenancies.setdefault(slot, deque(maxlen=TENANCIES_KEPT))
+        if not tenancies or tenancies[-1].owner != sandbox_id or tenancies[-1].until is not None:
+            tenancies.append(_Tenancy(sandbox_id, time.time()))
+        resolver = getattr(self, "resolver", None)
+        if resolver is not None:
+            resolver.admit(link_addresses(slot)[1])
+
+    def _released(self, slot: int) -> None:
+        self._owner.pop(slot, None)
+        tenancies = self._tenancies.get(slot)
+        if tenancies and tenancies[-1].until is None:
+            tenancies[-1].until = time.time()
+
+    def _owner_at(self, slot: int, when: float) -> str | None:
+        """The sandbox that held `slot` at unix time `when` (None: a standby, or nobody)."""
+        for t in reversed(self._tenancies.get(slot, ())):
+            if t.since <= when and (t.until is None or when < t.until):
+                return t.owner
+        return None
 
     # -- the proxy's decision ---------------------------------------------------------------------
 
@@ -309,10 +389,14 @@ class Egress:
         self.sink(owner, {"kind": kind, "source": "host", "pid": None, "ppid": None, **event})
 
     def _on_event(self, slot: int, event: dict[str, object]) -> None:
-        owner = self._owner.get(slot)
+        # the tenant that held the slot when the connection started (a closed event's conntrack entry
+        # says when; other events are of the moment they were read or made), never the slot's owner now:
+        # an event read late must not land in the record of the slot's next sandbox
+        when = event.get("start") or event.get("time")
+        owner = self._owner_at(slot, when if isinstance(when, (int, float)) else time.time())
         if owner is None:
             return  # a standby's (it runs nothing of a tenant's) or a slot already given back
-        pinned = self._pins.get(slot, {}).get(str(event.get("dst")))
+        pinned = self._pins.get(slot, {}).get(str(event.get("dst"))) if owner == self._owner.get(slot) else None
         if pinned is not None:
             event = {**event, "domain": pinned.last}
         kind = "net.deny" if event.get("verdict") == "denied" else "net.connect"
@@ -368,6 +452,15 @@ class Egress:
             assert self.router is not None
             await self._nft(Router.pin_commands(slot, fresh))
             self.router.pinned(slot, (a for a, _ in fresh))
+
+
+@dataclass
+class _Tenancy:
+    """One sandbox's time on a slot (unix times; `until` None while it still holds it)."""
+
+    owner: str
+    since: float
+    until: float | None = None
 
 
 @dataclass

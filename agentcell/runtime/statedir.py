@@ -4,6 +4,16 @@ A cache that every sandbox's memory inherits must not sit where another local us
 (a symlink to somewhere else, a poisoned font cache): /tmp is out. ``private_dir`` walks the path
 one component at a time without following symlinks, creates what is missing, and refuses a
 directory that another user owns or could write to.
+
+What lives in a `default_state_dir` is shared by every server of the user (root: every server of the
+host), unlike a server's --state-dir, which is its own (server/state_lock.py). That is safe because
+nothing in it is any server's or any tenant's: the zygote's Matplotlib font cache is derived from the
+host's fonts alone (Matplotlib writes it under a lock file and rebuilds one it cannot read), and its
+IPython dir holds an empty profile (history is off: display.py); both are written by zygotes, which run
+only agentcell's code, before any sandbox exists. A sandbox, a fork of the zygote, sees neither: it
+runs in its own root. Sharing them spares each new --state-dir a font scan at its first start.
+(`agent` is only used where the agent runs outside a zygote, e.g. gvisor's guest, in its own
+filesystem.)
 """
 
 from __future__ import annotations

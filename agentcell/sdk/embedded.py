@@ -38,7 +38,10 @@ class EmbeddedServer:
         env.pop("AGENTCELL_SERVER_API_KEY", None)  # the 0700 socket is the access control here
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "agentcell", "serve", "--uds", self.socket],
+                # its own state dir too: a server's state is its own (server/state_lock.py), and this one
+                # is private to this process, as its sandboxes are
+                [sys.executable, "-m", "agentcell", "serve", "--uds", self.socket,
+                 "--state-dir", os.path.join(self.dir, "state")],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env, pass_fds=(read_end,),
                 # Its own session: a Ctrl-C meant for this program must not kill the server before atexit
                 # has cleaned up.

@@ -27,7 +27,7 @@ from agentcell.network.service import EgressSettings
 from agentcell.record import quiet
 from agentcell.record.store import ROW_BYTES, EventStore
 from agentcell.record.store import Limits as EventLimits
-from agentcell.server import api_events, auth, cell, files, interpreter, ports, routing
+from agentcell.server import api_events, auth, cell, files, interpreter, ports, routing, state_lock
 from agentcell.server.asgi import declared_length, has_body, is_connect_rpc
 from agentcell.server.auth import ENVD_PORT, INTERPRETER_PORT
 from agentcell.server.bodies import BUDGET_KEY, BodyBudget, json_content_type_refusal
@@ -128,20 +128,29 @@ class AgentcellApp:
         self.interpreter = Starlette(routes=interpreter.routes(), exception_handlers=_HANDLERS)
         budget = BodyBudget(config.max_body_memory_mb << 20, wait_timeout=config.body_timeout)
         self.edge = EdgeGuard(self._route, HostPolicy.from_config(config), config.body_timeout, budget)
+        self.state_lock: state_lock.StateDirLock | None = None  # held from startup to shutdown
 
     async def _lifespan(self, receive: Any, send: Any) -> None:
         while True:
             message = await receive()
             if message["type"] == "lifespan.startup":
                 try:
+                    # one server per --state-dir: a second one refuses, naming the first
+                    self.state_lock = state_lock.acquire(self.config.state_dir, _listen(self.config))
                     if self.events is not None:
                         await self.events.start()
                     for b in (self.backend, *self.others.values()):
                         await b.start()
                     self.snapshots.load()
                     await self.manager.start()
+                except state_lock.StateDirInUseError as e:
+                    log.error("%s", e)
+                    await send({"type": "lifespan.startup.failed", "message": str(e)})
+                    return
                 except Exception as e:
                     log.exception("startup failed")
+                    if self.state_lock is not None:
+                        self.state_lock.release()
                     await send({"type": "lifespan.startup.failed", "message": str(e)})
                     return
                 await send({"type": "lifespan.startup.complete"})
@@ -154,6 +163,8 @@ class AgentcellApp:
                         await self.events.close()
                 except Exception:
                     log.exception("shutdown failed")
+                if self.state_lock is not None:  # last: everything of this server in the directory is done
+                    self.state_lock.release()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 
@@ -320,6 +331,10 @@ class AgentcellApp:
         finally:
             if held:
                 await budget.release(held.pop())
+
+
+def _listen(config: ServerConfig) -> str:
+    return f"unix socket {config.uds}" if config.uds else f"{config.host}:{config.port}"
 
 
 def _audit_log(target: str | None) -> IO[str] | None:

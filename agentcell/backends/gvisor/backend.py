@@ -182,6 +182,7 @@ class GvisorBackend(CgroupSandboxes, Backend):
         await asyncio.to_thread(rootfs.remove, self.root)
         with contextlib.suppress(OSError):
             await asyncio.to_thread(cgroups.remove_tree, self.cgroup_parent)
+        await asyncio.to_thread(host.release, self.cgroup_parent)  # the sysctls it raised, if it was the last
         if self._watchdog is not None:  # it removes what is left (nothing, normally) and exits
             assert self._watchdog.stdin is not None
             self._watchdog.stdin.close()

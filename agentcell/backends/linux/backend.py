@@ -483,6 +483,7 @@ class LinuxBackend(CgroupSandboxes, Backend):
             self.record_process = None
         with contextlib.suppress(OSError):
             await asyncio.to_thread(cgroups.remove_tree, self.cgroup_parent)
+        await asyncio.to_thread(host.release, self.cgroup_parent)  # the sysctls it raised, if it was the last
         if self._uid_range is not None:
             self._uid_range.release()
             self._uid_range = None

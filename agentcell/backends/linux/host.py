@@ -9,8 +9,11 @@ filter); this module does the host's side, from `LinuxBackend.start()`:
   - fs.file-max -> LONG_MAX, as systemd does: every struct file is charged to its memory cgroup, so
     memory is the real bound (a 256 MiB sandbox opened 887,860 files, a third of the default pool).
   - kernel.pid_max -> 4194304 (systemd's value on 64-bit): 32768 is less than 200 sandboxes' pids.
-  - kernel.pty.max -> pty.reserve + max_sandboxes x ptys_per_sandbox: every sandbox's devpts
-    instance has `max=ptys_per_sandbox`, and all of them share pty.max - pty.reserve.
+  - kernel.pty.max -> pty.reserve + the sum over every server on the host of max_sandboxes x
+    ptys_per_sandbox: every sandbox's devpts instance has `max=ptys_per_sandbox`, and all of them, of
+    every server, share pty.max - pty.reserve.
+  Each is a shared host setting (host_settings.py): every server holds the ones it relies on, the first
+  saves the original values, the last to stop puts them back (`release`).
   An operator can opt out (`tune_sysctls=False`, `agentcell serve --no-host-sysctls`); then what is
   left unprotected is logged and listed in `HostBudget.unprotected`.
 * limits on the cgroup above all of this server's sandboxes (agentcell/<instance>), and the same on
@@ -29,10 +32,11 @@ from __future__ import annotations
 import os
 import resource
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from agentcell.backends.base import Limits
-from agentcell.backends.linux import cgroups, rootfs
+from agentcell.backends.linux import cgroups, host_settings, rootfs
 from agentcell.backends.linux import syscalls as sc
 
 LONG_MAX = (1 << 63) - 1
@@ -40,6 +44,7 @@ PID_MAX = 4_194_304  # PID_MAX_LIMIT on 64-bit; systemd sets it at boot
 PTY_MAX_LIMIT = 1 << 20  # the kernel refuses a larger kernel.pty.max
 PTYS_PER_SANDBOX = rootfs.PTYS_PER_SANDBOX  # 64
 _GiB = 1 << 30
+_holders: dict[str, host_settings.Holder] = {}  # a server's (its instance's) hold on the sysctls it raised
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,33 +89,46 @@ def mem_total() -> int:
     raise OSError("no MemTotal in /proc/meminfo")
 
 
-def _raise_sysctls(max_sandboxes: int, tuning: HostTuning) -> list[str]:
-    """Raise the host-wide pools that are too small; returns what stays unprotected."""
-    pty_needed = read_sysctl("kernel.pty.reserve") + max_sandboxes * tuning.ptys_per_sandbox
-    wanted = [
-        ("fs.file-max", LONG_MAX,
+def _raise_sysctls(max_sandboxes: int, tuning: HostTuning, holder: host_settings.Holder | None = None) -> list[str]:
+    """Raise the host-wide pools that are too small (holding each for this server: `holder`; without
+    one, or with tune_sysctls off, nothing changes); returns what stays unprotected."""
+    reserve = read_sysctl("kernel.pty.reserve")
+    ptys = max_sandboxes * tuning.ptys_per_sandbox
+
+    def pty_target(holders: host_settings.Holders) -> int:  # every server's sandboxes share the pool
+        return min(reserve + sum(int(h.get("ptys", 0)) for h in holders.values()), PTY_MAX_LIMIT)
+
+    wanted: list[tuple[str, Callable[[host_settings.Holders], int], str]] = [
+        ("fs.file-max", lambda _: LONG_MAX,
          "sandboxes together can fill the host's file table (their memory allows more files), and then "
          "unprivileged host processes get ENFILE"),
-        ("kernel.pid_max", PID_MAX, "sandboxes together can use up the host's process ids"),
-        ("kernel.pty.max", min(pty_needed, PTY_MAX_LIMIT),
+        ("kernel.pid_max", lambda _: PID_MAX, "sandboxes together can use up the host's process ids"),
+        ("kernel.pty.max", pty_target,
          f"{max_sandboxes} sandboxes x {tuning.ptys_per_sandbox} PTYs do not fit: sandboxes can run out of PTYs "
          "(the host keeps kernel.pty.reserve)"),
     ]
     unprotected = []
-    if pty_needed > PTY_MAX_LIMIT:
+    if reserve + ptys > PTY_MAX_LIMIT:
         unprotected.append(f"kernel.pty.max: {wanted[2][2]} even at the kernel's maximum {PTY_MAX_LIMIT}")
-    for name, target, risk in wanted:
-        current = read_sysctl(name)
-        if current >= target:
+    for name, target_of, risk in wanted:
+        if holder is None or not tuning.tune_sysctls:  # --no-host-sysctls: said, not changed
+            current, target = read_sysctl(name), target_of({"": {"ptys": ptys}})
+            if current < target:
+                unprotected.append(f"{name}={current} (wants {target}): {risk}")
             continue
-        if not tuning.tune_sysctls:
-            unprotected.append(f"{name}={current} (wants {target}): {risk}")
-            continue
-        try:
-            sc.write_file(_sysctl_path(name), str(target))
-            _log(f"raised {name} from {current} to {target}")
-        except OSError as e:
-            unprotected.append(f"{name}={current} (wants {target}, could not set it: {e.strerror}): {risk}")
+
+        def raise_to(original: str, holders: host_settings.Holders, name: str = name,
+                     target_of: Callable[[host_settings.Holders], int] = target_of) -> None:
+            current, target = read_sysctl(name), target_of(holders)
+            if current < target:
+                sc.write_file(_sysctl_path(name), str(target))
+                _log(f"raised {name} from {current} to {target}")
+
+        try:  # held even when high enough already: another server's raise must not be undone under us
+            holder.hold(host_settings.sysctl(name), raise_to, ptys=ptys if name == "kernel.pty.max" else 0)
+        except (OSError, host_settings.HostSettingsError) as e:
+            current = read_sysctl(name)
+            unprotected.append(f"{name}={current} (could not raise it: {getattr(e, 'strerror', None) or e}): {risk}")
     for item in unprotected:
         _log(f"NOT PROTECTED: {item}")
     return unprotected
@@ -146,7 +164,10 @@ def _host_bound() -> tuple[int, int, int]:
 def prepare(instance_rel: str, max_sandboxes: int, tuning: HostTuning) -> HostBudget:
     """At server start (root): host sysctls, then the parent cgroups' limits. `instance_rel` is
     agentcell/<instance>, already created (cgroups.prepare_instance)."""
-    unprotected = _raise_sysctls(max_sandboxes, tuning)
+    holder = None
+    if tuning.tune_sysctls:
+        holder = _holders[instance_rel] = _holders.get(instance_rel) or host_settings.Holder(instance_rel)
+    unprotected = _raise_sysctls(max_sandboxes, tuning, holder)
     memory, sockets, pids = budget_for(tuning)
     cgroups.set_parent_limits(instance_rel, memory, pids, sockets)
     try:  # the host's bound on what every server's sandboxes together hold: the default reserve, so
@@ -159,6 +180,14 @@ def prepare(instance_rel: str, max_sandboxes: int, tuning: HostTuning) -> HostBu
          + (f" + socket buffers {sockets / _GiB:.1f} GiB" if sockets else "")
          + f", {pids} tasks; each sandbox: {tuning.ptys_per_sandbox} PTYs, at most {budget.max_open_files} open files")
     return budget
+
+
+def release(instance_rel: str) -> None:
+    """At server stop: this server no longer relies on the sysctls it raised; the last server to stop
+    puts their original values back."""
+    holder = _holders.pop(instance_rel, None)
+    if holder is not None:
+        holder.close()
 
 
 def check_limits(limits: Limits, budget: HostBudget | None) -> None:

@@ -33,6 +33,9 @@ The records are read as the audit daemon when none is registered (then nothing r
 log), or from the read-only multicast group next to the operator's auditd (whose log then holds the
 sandboxes' records too). The collector never lets the kernel block a task for it: as the daemon it sets
 a large backlog with no wait (a full backlog drops records, which the kernel counts and we report).
+The audit status is one for the host and every server's collector may change it, so it is a shared host
+setting (backends/linux/host_settings.py): the first collector to hold it saves the original, the last
+one to let go puts it back (also when the others were killed), whoever was the daemon.
 
 Bounds: each sandbox gets `budget` events per `window_s`; what it causes beyond that is counted and
 reported as one ``record.dropped`` per window, and a sandbox far over budget is excluded in the
@@ -46,9 +49,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import json
 import os
 import re
+import struct
 import sys
 import time
 from collections import OrderedDict, deque
@@ -58,7 +61,7 @@ from typing import Any
 
 import pyseccomp
 
-from agentcell.backends.linux import uids
+from agentcell.backends.linux import host_settings, uids
 from agentcell.errors import BackendUnavailableError
 from agentcell.record.events import EventSink, event
 from agentcell.record.linux import audit_netlink as an
@@ -95,7 +98,7 @@ READ_DELAY_S = 0.02  # records are read this long after they arrive, in batches 
 SLICE_S = 0.001  # ... for this long at a time, so that a request never waits longer behind them
 UNWATCH_READ_S = 0.05  # at a sandbox's end, what is queued is read for this long at most
 TRACE_READ = 64  # the tracer's events parsed at a time (~1 ms), the rest left in its ring till the next
-ORIGINAL = "/run/agentcell/audit-original.json"
+AUDIT_KEY = "kernel.audit"  # the audit status in the registry of shared host settings
 
 
 @dataclass
@@ -164,7 +167,7 @@ class AuditCollector:
         self._reader: an.AuditSocket | None = None
         self._batch: an.BatchReader | None = None  # reads _reader's records, many per system call
         self._exits: ProcConnector | None = None
-        self._saved: an.Status | None = None  # what we changed in the kernel's audit status, to restore
+        self._holder: host_settings.Holder | None = None  # this collector's hold on the audit status
         self.daemon = False  # registered as the audit daemon (else: the multicast group)
         self._rules: list[an.Rule] = []
         self._tick: asyncio.TimerHandle | None = None
@@ -232,6 +235,10 @@ class AuditCollector:
                 "the kernel's audit failure mode is panic (auditctl -f 2): a sandbox flooding refused syscalls "
                 "would panic the host; set auditctl -f 1 or run the server without the kernel audit record")
         self.remove_stale()
+        # registered before anything changes: the original is saved (by the first collector on the host),
+        # and no other server's stop can put it back under us
+        self._holder = host_settings.Holder(f"audit-{self.first}-{self.last}")
+        self._holder.hold(audit_setting())
         # someone else audits this host: leave their tasks alone
         theirs = [r for r in self._ctl.rules()
                   if not an.rule_key(r).startswith("agentcell:") and not self._our_exclusion(r, any_server=True)]
@@ -266,7 +273,6 @@ class AuditCollector:
             if self._reader is None:  # the operator's auditd: read next to it, change nothing of its settings
                 self._reader = an.AuditSocket(groups=1 << (an.AUDIT_NLGRP_READLOG - 1))
                 if not status.enabled:
-                    self._saved = an.Status(enabled=status.enabled)
                     self._ctl.set_status(enabled=1)
             self._reader.sock.setblocking(False)
             rules = self.rules()
@@ -340,7 +346,6 @@ class AuditCollector:
         # registered from the reading socket: the kernel sends records to the port that registered
         self._reader.set_status(pid=os.getpid())
         self.daemon = True
-        self._saved = _original(status)
         # No task ever waits for us (wait 0); a burst queues in the kernel rather than being lost; a
         # full backlog is counted silently (failure 0), not written to the kernel log for every record.
         self._ctl.set_status(enabled=1, failure=0, backlog_limit=max(self.backlog, status.backlog_limit),
@@ -356,6 +361,19 @@ class AuditCollector:
         self._reader.sock.setblocking(False)
         self._read_later(self._reader.fileno(), self._on_audit)
 
+    def _collector_asks(self, body: bytes) -> bool:
+        """Whether the process an AUDIT_REPLACE names (the one the kernel refused the daemon's role) is
+        another agentcell server's collector: it holds the audit setting before it asks (start), and when
+        refused it reads the multicast group, so the role stays here. Without this, two servers started
+        at once took each other for auditd, and the daemon gave up its role and its rules."""
+        if len(body) < 4:
+            return False
+        pid = struct.unpack("=I", body[:4])[0]
+        try:
+            return any(h.get("pid") == pid for h in host_settings.holders(AUDIT_KEY).values())
+        except (OSError, host_settings.HostSettingsError):
+            return False
+
     def _step_aside(self) -> None:
         """Another audit daemon (the operator's auditd) asks for the role: give it up, put the
         settings back, and read from the multicast group from now on. (The kernel refused that
@@ -365,13 +383,12 @@ class AuditCollector:
               file=sys.stderr)
         old = self._reader
         self._stop_reading(old.fileno())
-        saved, self._saved = self._saved, None
+        with contextlib.suppress(OSError, host_settings.HostSettingsError):
+            if self._holder is not None:  # the daemon's settings as they were; from now on they are its own
+                saved = self._holder.original(audit_setting())
+                self._ctl.set_status(failure=saved["failure"], backlog_limit=saved["backlog_limit"],
+                                     backlog_wait_time=saved["backlog_wait_time"])
         with contextlib.suppress(OSError):
-            os.unlink(ORIGINAL)  # the settings are that daemon's business now
-        with contextlib.suppress(OSError):
-            if saved is not None:
-                self._ctl.set_status(failure=saved.failure, backlog_limit=saved.backlog_limit,
-                                     backlog_wait_time=saved.backlog_wait_time)
             old.set_status(pid=0)
         old.close()
         self.daemon = False
@@ -425,26 +442,12 @@ class AuditCollector:
             self._rules.clear()
             with contextlib.suppress(OSError):
                 self.remove_stale()
-        # another agentcell server still reads the records: audit stays on, and that server takes over
-        # as the daemon at its next tick
-        others = False
-        if ctl is not None:
-            with contextlib.suppress(OSError):
-                others = any(an.rule_key(r).startswith("agentcell:") for r in ctl.rules())
-        # settings back while still the daemon: the kernel's notes of the changes come to us, not to its log
-        if ctl is not None and self._saved is not None and not others:
-            saved = self._saved
-            values = {"enabled": saved.enabled}
-            if saved.backlog_limit:  # we were the daemon
-                values.update(failure=saved.failure, backlog_limit=saved.backlog_limit,
-                              backlog_wait_time=saved.backlog_wait_time)
-            with contextlib.suppress(OSError):
-                ctl.set_status(**values)
-                if saved.backlog_limit and saved.lost == 0 and ctl.status().lost:  # the losses were ours
-                    ctl.set_status(lost=0)
-            self._saved = None
-            with contextlib.suppress(OSError):
-                os.unlink(ORIGINAL)
+        # the last collector on the host to let go puts the settings back, while still the daemon (the
+        # kernel's notes of the changes come to us, not to its log); while another server's collector
+        # still holds them, audit stays on, and that one takes over as the daemon at its next tick
+        if self._holder is not None:
+            self._holder.close()
+            self._holder = None
         if self.daemon and self._reader is not None:  # audit is off again: unregistering writes no note
             with contextlib.suppress(OSError):
                 self._reader.set_status(pid=0)
@@ -636,7 +639,8 @@ class AuditCollector:
         (ours if it has our key), its EXECVE/CWD/PATH, and EOE. A record whose serial has nothing
         pending is someone else's and is skipped unparsed."""
         if mtype == an.REPLACE and self.daemon:
-            self._step_aside()
+            if not self._collector_asks(body):  # auditd: it gets the role; another server's collector reads beside us
+                self._step_aside()
             return
         if self._trace is not None and mtype in (an.LANDLOCK_ACCESS, an.LANDLOCK_DOMAIN):
             rec = ar.parse(mtype, body)  # alone: the tracer's processes have no syscall context
@@ -940,22 +944,48 @@ class AuditCollector:
                                        **fields))
 
 
-def _original(status: an.Status) -> an.Status:
-    """The audit settings as they were before any agentcell server changed them: kept in a file by
-    the first server that became the daemon, put back by the last one to close."""
+def audit_setting() -> host_settings.Setting:
+    """The kernel's audit status (enabled, failure mode, backlog, its wait, the lost count and the daemon's
+    pid) as a host-wide setting every server's collector may change."""
+
+    def read() -> dict[str, int]:
+        ctl = an.AuditSocket()
+        try:
+            s = ctl.status()
+        finally:
+            ctl.close()
+        return {"enabled": s.enabled, "failure": s.failure, "backlog_limit": s.backlog_limit,
+                "backlog_wait_time": s.backlog_wait_time, "lost": s.lost, "pid": s.pid}
+
+    return host_settings.Setting(AUDIT_KEY, read, _restore_audit)
+
+
+def _restore_audit(original: dict[str, int], pids: frozenset[int]) -> None:
+    """Put the audit status back, unless another program (the operator's auditd) is the daemon now: its
+    settings are its own (if it was the daemon all along, agentcell only turned auditing on)."""
+    ctl = an.AuditSocket()
     try:
-        with open(ORIGINAL) as f:
-            return an.Status(**{k: int(v) for k, v in json.load(f).items()})
-    except (OSError, ValueError, TypeError):
-        pass
-    saved = an.Status(enabled=status.enabled, failure=status.failure, backlog_limit=status.backlog_limit,
-                      backlog_wait_time=status.backlog_wait_time, lost=status.lost)
-    with contextlib.suppress(OSError):
-        os.makedirs(os.path.dirname(ORIGINAL), exist_ok=True)
-        with open(ORIGINAL, "w") as f:
-            json.dump({"enabled": saved.enabled, "failure": saved.failure, "backlog_limit": saved.backlog_limit,
-                       "backlog_wait_time": saved.backlog_wait_time, "lost": saved.lost}, f)
-    return saved
+        status = ctl.status()
+        if status.pid and status.pid not in pids and _running(status.pid):
+            if status.pid == original.get("pid"):
+                ctl.set_status(enabled=original["enabled"])
+            return
+        ctl.set_status(enabled=original["enabled"], failure=original["failure"],
+                       backlog_limit=original["backlog_limit"], backlog_wait_time=original["backlog_wait_time"])
+        if original["lost"] == 0 and ctl.status().lost:  # the losses were agentcell's
+            ctl.set_status(lost=0)
+    finally:
+        ctl.close()
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _monotonic_of(wall: float) -> float:
