@@ -48,3 +48,13 @@ def test_record_overhead_benchmark_runs_with_tiny_counts() -> None:
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert proc.stdout.count("| overhead") == 3 and "events recorded for one build" in proc.stdout
+
+
+def test_egress_hardening_benchmark_runs_with_tiny_counts() -> None:
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "egress_hardening.py"), "--runs", "3",
+                           "--megabytes", "5", "--rounds", "1", "--flood-s", "2"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for row in ("create -> first result", "kernel (no interception)", "proxy, plain HTTP", "proxy, HTTPS",
+                "connections tried"):
+        assert row in proc.stdout, (row, proc.stdout)
