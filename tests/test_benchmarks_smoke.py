@@ -55,6 +55,6 @@ def test_egress_hardening_benchmark_runs_with_tiny_counts() -> None:
                            "--megabytes", "5", "--rounds", "1", "--flood-s", "2"],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    for row in ("create -> first result", "kernel (no interception)", "proxy, plain HTTP", "proxy, HTTPS",
+    for row in ("create -> first result", "kernel (no interception)", "proxy, plain HTTP", "proxy, HTTPS with a secret",
                 "connections tried"):
         assert row in proc.stdout, (row, proc.stdout)
