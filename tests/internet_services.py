@@ -175,9 +175,12 @@ async def _greet(head: bytes, writer: asyncio.StreamWriter) -> None:
     await writer.drain()
 
 
+_TEXT = os.urandom(1 << 19).hex().encode()  # 1 MiB of text: what an API answers looks more like this than b"x" * n
+
+
 async def _big(left: int, writer: asyncio.StreamWriter) -> None:
     writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % left)
-    chunk = b"x" * (1 << 20)
+    chunk = _TEXT
     while left > 0:
         writer.write(chunk[:left])
         left -= len(chunk)

@@ -171,7 +171,8 @@ class ClientSide:
         if not parts:
             return
         if self.tls is None:
-            self.writer.writelines(parts)
+            for part in parts:  # (writelines joins them: a copy of the data)
+                self.writer.write(part)
             await self.writer.drain()
             return
         for part in parts:
