@@ -30,39 +30,10 @@ sys.path.insert(0, str(REPO))
 
 from agentcell import Sandbox  # noqa: E402
 from agentcell.network.ca import EgressCA  # noqa: E402
+from tests.sandbox_code import FLOOD  # noqa: E402
 
 INET = f"achard{os.getpid() % 100000}-inet"
 WEB, DNS = "203.0.113.10", "198.51.100.53"
-FLOOD = r'''
-import socket, ssl, threading, time
-_CTX = ssl.create_default_context()  # (made once: loading the trust store takes tens of ms)
-def hello(sni):
-    ctx = _CTX
-    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
-    tls = ctx.wrap_bio(incoming, outgoing, server_hostname=sni)
-    try:
-        tls.do_handshake()
-    except ssl.SSLWantReadError:
-        pass
-    return outgoing.read()
-def flood(seconds, threads=24):
-    end, tried = time.monotonic() + seconds, []
-    def one():
-        while time.monotonic() < end:
-            try:
-                tried.append(1)
-                data = hello(f"h{len(tried)}-{threading.get_ident()}.flood.test")  # a new name: a new certificate
-                s = socket.create_connection(("203.0.113.10", 443), timeout=2)
-                s.sendall(data)
-                s.recv(4096)
-                s.close()
-            except OSError:
-                time.sleep(0.01)
-    ts = [threading.Thread(target=one) for _ in range(threads)]
-    for t in ts: t.start()
-    for t in ts: t.join()
-    return len(tried)
-'''
 
 
 def pct(samples: list[float]) -> str:

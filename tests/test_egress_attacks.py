@@ -22,8 +22,9 @@ from agentcell.network.proxy import MAX_PER_SANDBOX
 from agentcell.network.proxy_process import MODULE as PROXY_MODULE
 from tests.conftest import ServerProcess
 from tests.egress_internet import DENIED_IP, INTERNET_LOG, OTHER, ROGUE, WEB, ask, internet_server, probed
+from tests.sandbox_code import FLOOD, HELLO
 
-ATTACKS = r'''
+ATTACKS = HELLO + r'''
 import socket, ssl, time, threading, urllib.request, os
 def raw(ip, port, data, timeout=3.0, read=1 << 16):
     """Bytes sent on one connection; what came back (b"" when it closed unanswered), or an error's name."""
@@ -52,22 +53,6 @@ def status(got):
     return got
 def statuses(got):
     return [line.decode() for line in got.split(b"\r\n") if line.startswith(b"HTTP/1.")] if isinstance(got, bytes) else got
-_CTX = ssl.create_default_context()  # (made once: loading the trust store takes tens of ms)
-def hello(sni):
-    ctx = _CTX
-    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
-    tls = ctx.wrap_bio(incoming, outgoing, server_hostname=sni)
-    try:
-        tls.do_handshake()
-    except ssl.SSLWantReadError:
-        pass
-    return outgoing.read()
-def split_hello(sni, at=40):
-    """The ClientHello for `sni` in two TLS records (legal; SNI filters that read one record miss it)."""
-    rec = hello(sni)
-    body = rec[5:]
-    return (rec[:3] + len(body[:at]).to_bytes(2, "big") + body[:at]
-            + rec[:3] + len(body[at:]).to_bytes(2, "big") + body[at:])
 def tls_raw(ip, sni, data, timeout=4.0):
     """HTTPS to ip naming sni; the request bytes as given; what came back, or the error."""
     ctx = ssl.create_default_context()
@@ -242,27 +227,6 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-FLOOD = r'''
-import socket, ssl, threading, time
-def flood(seconds):
-    end = time.monotonic() + seconds
-    tried = []
-    def one():
-        while time.monotonic() < end:
-            try:
-                tried.append(1)
-                data = hello(f"h{len(tried)}-{threading.get_ident()}.flood.test")  # a new name: a new certificate
-                s = socket.create_connection(("203.0.113.10", 443), timeout=2)
-                s.sendall(data)
-                s.recv(4096)
-                s.close()
-            except OSError:
-                time.sleep(0.01)
-    threads = [threading.Thread(target=one) for _ in range(24)]
-    for t in threads: t.start()
-    for t in threads: t.join()
-    return len(tried)
-'''
 
 
 def test_a_handshake_flood_stays_off_the_servers_loop(make, bystander, attack_server: ServerProcess) -> None:  # type: ignore[no-untyped-def]

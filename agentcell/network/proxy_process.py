@@ -167,21 +167,12 @@ class ProxyProcess:
         if self._sock is None:
             return False
         try:
-            n = self._sock.recv_into(self._buffer)
-        except BlockingIOError:
+            message = child_link.receive(self._sock, self._buffer, self._proc)
+        except child_link.ChildGone as e:
+            self._shut(str(e))
             return False
-        except OSError as e:
-            n, why = 0, str(e)
-        else:
-            why = "it exited"
-        if not n:
-            code = self._proc.poll() if self._proc is not None else None
-            self._shut(f"{why}{'' if code is None else f' with status {code}'}")
+        if message is child_link.SKIP:
             return False
-        try:
-            message = orjson.loads(memoryview(self._buffer)[:n])
-        except orjson.JSONDecodeError:
-            return True
         op = message[0]
         if op == "decide":
             _, ident, slot, dst, dport, kind, host = message

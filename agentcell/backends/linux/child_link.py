@@ -8,7 +8,11 @@ import ctypes
 import os
 import signal
 import socket
+import subprocess
 import time
+from typing import Any
+
+import orjson
 
 _PR_SET_PDEATHSIG = 1
 
@@ -57,3 +61,30 @@ class RestartBudget:
         now = time.monotonic()
         self._at = [t for t in self._at if now - t < self.period_s] + [now]
         return len(self._at) <= self.times
+
+
+class ChildGone(Exception):
+    """The child closed its end (it exited, or was killed); the message says how."""
+
+
+SKIP = object()  # receive(): nothing waiting, or a packet that is no message (skipped)
+
+
+def receive(sock: socket.socket, buffer: bytearray, proc: subprocess.Popen[bytes] | None) -> Any:
+    """The next packet's message (an orjson array), SKIP when none is waiting or it is not JSON;
+    ChildGone when the child's end is closed."""
+    try:
+        n = sock.recv_into(buffer)
+    except BlockingIOError:
+        return SKIP
+    except OSError as e:
+        n, why = 0, str(e)
+    else:
+        why = "it exited"
+    if not n:
+        code = proc.poll() if proc is not None else None
+        raise ChildGone(f"{why}{'' if code is None else f' with status {code}'}")
+    try:
+        return orjson.loads(memoryview(buffer)[:n])
+    except orjson.JSONDecodeError:
+        return SKIP
