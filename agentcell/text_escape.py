@@ -12,6 +12,9 @@ module wrote. JSON outputs need none of this: a JSON encoder escapes them alread
 
 from __future__ import annotations
 
+import sys
+from typing import Any
+
 _SPECIAL = [*range(0x00, 0x20), 0x7F, *range(0x80, 0xA0), *range(0x202A, 0x202F), *range(0x2066, 0x206A),
             0x200E, 0x200F, 0x061C, 0x2028, 0x2029]
 
@@ -33,3 +36,35 @@ def escape_text(text: str) -> str:
     """Multi-line text for a terminal: every special character escaped but the newlines, backslashes
     left as they are (text built with `escape` comes through unchanged)."""
     return text.translate(_LINES)
+
+
+# the server's own streams: every special character but the newline as `\\uXXXX`, which is also a JSON
+# escape, so JSON lines on them (`serve --audit-log -`) stay JSON that means the same
+_STREAM = str.maketrans({c: f"\\u{c:04x}" for c in _SPECIAL if c != ord("\n")})
+
+
+class SafeStream:
+    """A text stream (the server's stdout or stderr) whose writes go out with every special character
+    escaped: a log line that quotes what a client or a sandbox sent (an agent's parting words, a path
+    the operator gave) cannot act on the operator's terminal."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        return self._stream.write(text.translate(_STREAM))
+
+    def isatty(self) -> bool:
+        return False  # (a logger that colours its output for a terminal would see its own colours escaped)
+
+    def __getattr__(self, name: str) -> Any:  # flush, fileno, isatty, encoding ...
+        return getattr(self._stream, name)
+
+
+def protect_std_streams() -> None:
+    """The process's sys.stdout and sys.stderr, as SafeStreams (idempotent); call it before logging
+    handlers are made, since they hold on to the stream they were given."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if stream is not None and not isinstance(stream, SafeStream):
+            setattr(sys, name, SafeStream(stream))

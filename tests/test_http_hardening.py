@@ -788,3 +788,22 @@ async def test_errors_carry_an_incident_id_not_host_details(failure: Any, caplog
             assert logged and logged[0].exc_info is not None  # the operator gets the traceback
     for t in backend.tasks:
         t.cancel()
+
+
+def test_the_servers_output_escapes_control_characters(tmp_path: Path) -> None:
+    """What the server writes to its stdout and stderr (its log, the access log, its own lines) goes out
+    escaped: a value it quotes, here a state dir named with an escape sequence, cannot act on the
+    operator's terminal."""
+    state = tmp_path / "state-\x1b[2J\x1b]0;owned\x07-\u202e"
+    first = ServerProcess(tmp_path / "first.log", "--state-dir", str(state), "--standbys", "0")
+    try:
+        first.wait_ready()
+        second = subprocess.run([sys.executable, "-m", "agentcell.server", "--host", "127.0.0.1", "--port", "0",
+                                 "--state-dir", str(state), "--standbys", "0"], cwd=REPO, capture_output=True,
+                                timeout=120)
+    finally:
+        first.stop()
+    out = second.stdout + second.stderr
+    assert second.returncode != 0 and b"in use by another agentcell server" in out, out[-2000:]
+    assert b"\x1b" not in out and b"\x07" not in out and "\u202e".encode() not in out, out[-2000:]
+    assert b"state-\\u001b[2J\\u001b]0;owned\\u0007-\\u202e" in out, out[-2000:]

@@ -35,6 +35,7 @@ from urllib.parse import parse_qsl
 import httpx
 from starlette.responses import JSONResponse, Response
 
+from agentcell import text_escape
 from agentcell.gateway import listing, signed, snapshots
 from agentcell.gateway.bodies import read_held
 from agentcell.gateway.cells import CellState, CellTable
@@ -419,6 +420,8 @@ def serve(app: GatewayApp, host: str, port: int, log_level: str = "info", header
     import uvicorn
 
     from agentcell.server.http_protocol import KEEP_ALIVE, guarded_protocol
+
+    text_escape.protect_std_streams()  # before uvicorn makes its log handlers: its lines and ours quote clients
 
     uv = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on", ws="none",
                         http=guarded_protocol(header_timeout, max_connections), server_header=False,

@@ -21,6 +21,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from agentcell import text_escape
 from agentcell.backends import get_backend
 from agentcell.backends.base import Backend, set_sandbox_id_prefix
 from agentcell.network.service import EgressSettings
@@ -374,6 +375,7 @@ def serve(config: ServerConfig) -> None:
     from agentcell.server.http_protocol import KEEP_ALIVE, guarded_protocol
 
     check_exposure(config)  # before anything binds
+    text_escape.protect_std_streams()  # before uvicorn makes its log handlers: its lines and ours quote clients
     # Each sandbox holds a socket and a pidfd in the server: a 1024-fd soft limit would cap density.
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
