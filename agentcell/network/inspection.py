@@ -43,7 +43,7 @@ import h11
 
 from agentcell.network.claims import authority_host
 from agentcell.network.redaction import DECODABLE, BodyDecoder, Redactor
-from agentcell.network.secrets import Secret, SecretSet
+from agentcell.network.secrets import Secret, SecretSet, placeholder_in
 
 MAX_HEAD = 64 << 10
 MAX_BODY = 8 << 20  # a body read whole for substitution (secrets with "bodies": true)
@@ -259,11 +259,11 @@ class HttpRelay:
             raise Refused(405, "CONNECT is not allowed through the egress proxy",
                           {**base, "kind": "net.deny", "verdict": "denied", "rule": "connect", "state": "denied"})
         head = request.target + b"".join(n + b":" + v for n, v in request.headers)
-        leaked = _placeholder_in(head, self.others)
+        leaked = placeholder_in(head, self.others)
         if leaked is not None:
             raise _elsewhere(leaked, base)
         if not self.conn.may_send_secrets:
-            wanted = _placeholder_in(head, self.mine)
+            wanted = placeholder_in(head, self.mine)
             if wanted is not None or self.injected:
                 raise _plaintext(wanted, self.conn.host, base)
         used: list[str] = []
@@ -421,7 +421,7 @@ class HttpRelay:
                               self.conn.event(kind="net.deny", verdict="denied", rule="body-too-large", state="denied"))
             chunks.append(data)
         body = b"".join(chunks)
-        leaked = _placeholder_in(body, self.others)
+        leaked = placeholder_in(body, self.others)
         if leaked is not None:
             raise _elsewhere(leaked, self.conn.event())
         used = []
@@ -444,7 +444,7 @@ class HttpRelay:
         tail = b""
         async for data in self._body_events():  # streamed; a foreign placeholder ends it unsent
             window = tail + data
-            leaked = _placeholder_in(window, self.others)
+            leaked = placeholder_in(window, self.others)
             if leaked is not None:  # the request stays incomplete upstream: it is dropped there
                 up.close()
                 refusal = _elsewhere(leaked, self.conn.event())
@@ -550,10 +550,6 @@ async def serve_inspected(first: bytes, reader: asyncio.StreamReader, writer: as
 
 
 # -- helpers ------------------------------------------------------------------------------------------
-
-
-def _placeholder_in(data: bytes, secrets: list[Secret]) -> Secret | None:
-    return next((s for s in secrets if s.placeholder.encode() in data), None)
 
 
 def _elsewhere(leaked: Secret, base: dict[str, Any]) -> Refused:

@@ -45,7 +45,7 @@ from agentcell.network.ca import EgressCA
 from agentcell.network.claims import MAX_PEEK, MORE, Claim, claimed_host
 from agentcell.network.inspection import Connection, serve_inspected
 from agentcell.network.quota import KeyedQuota
-from agentcell.network.secrets import Secret, SecretSet
+from agentcell.network.secrets import SecretSet, placeholder_in
 
 log = logging.getLogger("agentcell.egress")
 
@@ -271,11 +271,7 @@ class Interceptor:
         """A connection that names no host, from a sandbox with secrets but no name rules: its bytes
         both ways, scanned on the way out so that no placeholder leaves."""
         placeholders = list(state.secrets.secrets)
-
-        def leaked(data: bytes) -> Secret | None:
-            return next((s for s in placeholders if s.placeholder.encode() in data), None)
-
-        if (found := leaked(first)) is not None:
+        if (found := placeholder_in(first, placeholders)) is not None:
             self.emit(state.owner, {**base, "kind": "secret.refused", "verdict": "denied", "rule": "secret-elsewhere",
                                     "secret": found.name, "state": "denied"})
             return
@@ -295,7 +291,7 @@ class Interceptor:
             up_writer.write(first)
             while chunk := await reader.read(CHUNK):
                 window = tail + chunk
-                if (found := leaked(window)) is not None:
+                if (found := placeholder_in(window, placeholders)) is not None:
                     self.emit(state.owner, {**base, "kind": "secret.refused", "verdict": "denied",
                                             "rule": "secret-elsewhere", "secret": found.name, "state": "denied"})
                     raise ConnectionError("a placeholder on its way out")

@@ -29,7 +29,6 @@ import os
 import signal
 import socket
 import ssl
-import subprocess
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -73,52 +72,27 @@ def secrets_of(raw: list[Any]) -> SecretSet:
                      tuple(HeaderRule(host, tuple((n, v) for n, v in headers)) for host, headers in rules))
 
 
-class ProxyProcess:
+class ProxyProcess(child_link.ChildProcess):
     """The server's end. `decide(slot, dst, dport, claim)` answers each connection's question (the
     policy lives in the server); `on_event(owner, event)` receives the proxy's events."""
 
+    module = MODULE
+    what = "egress proxy's process"
+    error = ProxyProcessError
+    cut = "; intercepted connections were cut"
+    without = "intercepted connections are refused until the server restarts"
+    start_timeout_s = START_TIMEOUT_S
+    close_timeout_s = CLOSE_TIMEOUT_S
+    restart_delay_s = RESTART_DELAY_S
+
     def __init__(self, config: dict[str, Any], decide: DecideFn, on_event: EventFn) -> None:
-        self.config = config  # router (netns path), ca_dir, ca_bundle
+        super().__init__(config, buffer=SOCKET_BUFFER, max_packet=MAX_PACKET, restarts=RESTARTS,
+                         period_s=RESTART_PERIOD_S)  # config: router (netns path), ca_dir, ca_bundle
         self.decide = decide
         self.on_event = on_event
-        self.gone: str | None = None
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._sock: socket.socket | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._started: asyncio.Future[None] | None = None
         self._slots: dict[int, list[Any]] = {}  # what the child must know again after a restart
-        self._restarts = child_link.RestartBudget(RESTARTS, RESTART_PERIOD_S)
-        self._closing = False
-        self._buffer = bytearray(MAX_PACKET)
 
-    @property
-    def pid(self) -> int | None:
-        return self._proc.pid if self._proc is not None and self.gone is None else None
-
-    async def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        await self._spawn()
-
-    async def _spawn(self) -> None:
-        assert self._loop is not None
-        ours, theirs = child_link.socketpair(SOCKET_BUFFER)
-        try:
-            self._proc = subprocess.Popen(
-                [sys.executable, "-m", MODULE, str(theirs.fileno()), orjson.dumps(self.config).decode()],
-                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, start_new_session=True)
-        finally:
-            theirs.close()
-        ours.setblocking(False)
-        self._sock, self.gone = ours, None
-        self._started = self._loop.create_future()
-        self._loop.add_reader(ours.fileno(), self._readable)
-        try:
-            await asyncio.wait_for(asyncio.shield(self._started), START_TIMEOUT_S)
-        except (TimeoutError, ProxyProcessError) as e:
-            if self._proc.poll() is None:
-                self._proc.kill()
-            self._shut(f"did not start: {e or 'timed out'}")
-            raise ProxyProcessError(f"the egress proxy's process did not start: {e or 'timed out'}") from None
+    async def _respawned(self, why: str) -> None:
         for message in self._slots.values():
             self._send(message)
 
@@ -128,11 +102,9 @@ class ProxyProcess:
         if self._sock is None:
             return  # gone: it learns everything again when it is started again
         try:
-            self._sock.send(orjson.dumps(message))
-        except BlockingIOError:
-            print("agentcell: the egress proxy's process does not keep up; ending it", file=sys.stderr, flush=True)
-            self._shut("it did not read its orders")
+            self._send_packet(orjson.dumps(message))
         except OSError as e:
+            print(f"agentcell: {e}; ending it", file=sys.stderr, flush=True)
             self._shut(str(e))
 
     def set_slot(self, slot: int, owner: str, secrets: SecretSet, names: bool) -> None:
@@ -144,18 +116,6 @@ class ProxyProcess:
         self._slots.pop(slot, None)
         self._send(["forget", slot])
 
-    async def close(self) -> None:
-        self._closing = True
-        if self._sock is not None:
-            self._send(["close"])
-        if self._proc is not None:
-            try:
-                await asyncio.to_thread(self._proc.wait, CLOSE_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                await asyncio.to_thread(self._proc.wait)
-        self._shut("closed")
-
     # -- from the child ----------------------------------------------------------------------------
 
     def _readable(self) -> None:
@@ -163,16 +123,7 @@ class ProxyProcess:
             if not self._receive():
                 return
 
-    def _receive(self) -> bool:
-        if self._sock is None:
-            return False
-        try:
-            message = child_link.receive(self._sock, self._buffer, self._proc)
-        except child_link.ChildGone as e:
-            self._shut(str(e))
-            return False
-        if message is child_link.SKIP:
-            return False
+    def _handle(self, message: list[Any]) -> None:
         op = message[0]
         if op == "decide":
             _, ident, slot, dst, dport, kind, host = message
@@ -184,40 +135,6 @@ class ProxyProcess:
         elif op == "events":
             for owner, event in message[1]:
                 self.on_event(owner, event)
-        elif op == "started" and self._started is not None and not self._started.done():
-            self._started.set_result(None)
-        return True
-
-    def _shut(self, why: str) -> None:
-        if self._sock is not None:
-            if self._loop is not None:
-                self._loop.remove_reader(self._sock.fileno())
-            self._sock.close()
-            self._sock = None
-        if self.gone is not None:
-            return
-        self.gone = why
-        if self._started is not None and not self._started.done():
-            self._started.set_exception(ProxyProcessError(why))
-            return
-        if self._closing or self._loop is None:
-            return
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.kill()
-        again = self._restarts.take()
-        print(f"agentcell: the egress proxy's process is gone ({why}); intercepted connections were cut; "
-              f"{'starting it again' if again else 'not started again: it died too often'}", file=sys.stderr, flush=True)
-        if again:
-            self._loop.create_task(self._restart())
-
-    async def _restart(self) -> None:
-        await asyncio.sleep(RESTART_DELAY_S)
-        if self._closing:
-            return
-        try:
-            await self._spawn()
-        except ProxyProcessError as e:
-            print(f"agentcell: {e}; intercepted connections are refused until the server restarts", file=sys.stderr)
 
 
 # -- the child --------------------------------------------------------------------------------------

@@ -24,6 +24,22 @@ _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 _HOST = re.compile(r"^(\*\.)?(?!-)[a-z0-9-]{1,63}(?<!-)(\.(?!-)[a-z0-9-]{1,63}(?<!-))*$")
 
 
+def host_matches(host: str, pattern: str) -> bool:
+    """Whether `host` is `pattern`, or below it for a `*.name` pattern (not the name itself)."""
+    host = host.lower().rstrip(".")
+    return host == pattern or (pattern.startswith("*.") and host.endswith(pattern[1:]) and host != pattern[2:])
+
+
+def is_host_pattern(text: str) -> bool:
+    """A host name, or `*.` followed by one (what secrets, rules and the operator's plain-HTTP hosts name)."""
+    return len(text) <= 253 and _HOST.match(text) is not None
+
+
+def placeholder_in(data: bytes, secrets: list[Secret]) -> Secret | None:
+    """The first of `secrets` whose placeholder is in `data`."""
+    return next((s for s in secrets if s.placeholder.encode() in data), None)
+
+
 class SecretError(ValueError):
     """A `secrets` entry that cannot be used; the message says which and why."""
 
@@ -37,8 +53,7 @@ class Secret:
     bodies: bool = False  # also put in request bodies (opt-in)
 
     def serves(self, host: str) -> bool:
-        host = host.lower().rstrip(".")
-        return any(host == h or (h.startswith("*.") and host.endswith(h[1:]) and host != h[2:]) for h in self.hosts)
+        return any(host_matches(host, h) for h in self.hosts)
 
 
 _HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]{1,128}$")
@@ -55,9 +70,7 @@ class HeaderRule:
     headers: tuple[tuple[str, str], ...] = field(repr=False)
 
     def serves(self, host: str) -> bool:
-        host = host.lower().rstrip(".")
-        h = self.host
-        return host == h or (h.startswith("*.") and host.endswith(h[1:]) and host != h[2:])
+        return host_matches(host, self.host)
 
 
 def parse_rules(raw: Any) -> tuple[HeaderRule, ...]:
@@ -69,7 +82,7 @@ def parse_rules(raw: Any) -> tuple[HeaderRule, ...]:
     out = []
     for host, rules in raw.items():
         clean = host.strip().lower().rstrip(".") if isinstance(host, str) else ""
-        if not _HOST.match(clean) or len(clean) > 253:
+        if not is_host_pattern(clean):
             raise SecretError(f"network.rules: {host!r} is not a host name (or *.name)")
         if not isinstance(rules, list):
             raise SecretError(f"network.rules[{host!r}] must be a list of rules")
@@ -123,7 +136,7 @@ class SecretSet:
             if not isinstance(hosts, list) or not hosts or not all(isinstance(h, str) for h in hosts):
                 raise SecretError(f"secret {name}: 'hosts' must be a non-empty list of host names")
             clean = tuple(h.strip().lower().rstrip(".") for h in hosts)
-            bad = [h for h in clean if not _HOST.match(h) or len(h) > 253]
+            bad = [h for h in clean if not is_host_pattern(h)]
             if bad:
                 raise SecretError(f"secret {name}: {bad[0]!r} is not a host name (or *.name); no scheme, port or path")
             out.append(Secret(name, value, clean, f"agentcell-secret-{name.lower()}-{secrets.token_hex(16)}",

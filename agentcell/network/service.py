@@ -46,7 +46,7 @@ from agentcell.network.router import (
     link_addresses,
     slot_of,
 )
-from agentcell.network.secrets import HeaderRule, SecretSet
+from agentcell.network.secrets import HeaderRule, SecretSet, host_matches
 from agentcell.runtime import statedir
 
 log = logging.getLogger("agentcell.egress")
@@ -102,9 +102,9 @@ class Egress:
         self.policies: dict[int, NetworkPolicy] = {}
         self._rules: dict[int, DomainRules | None] = {}
         self._pins: dict[int, dict[str, _Pinned]] = {}  # slot -> address -> what its resolver answered
+        self.resolver: PolicyResolver | None = None  # once started
         self._udp: asyncio.DatagramTransport | None = None
         self._tcp: asyncio.Server | None = None
-        self._owner: dict[int, str] = {}  # slot -> the sandbox id it serves
         self._tenancies: dict[int, deque[_Tenancy]] = {}  # slot -> who held it when (events go by time)
         self._flusher: Flusher | None = None
         # where connection and DNS events go, by sandbox id (slots are reused): the server's behaviour
@@ -147,14 +147,14 @@ class Egress:
             upstream = (self.settings.dns or host_resolvers() or ("",))[0]
             if not upstream:
                 log.warning("no upstream DNS server (pass --egress-dns): sandboxes' names will not resolve")
-            self.resolver = PolicyResolver((upstream, 53), self._rules_for, self._pin, self._socket,
-                                           on_refused=self._refused, never_list=self.never,
-                                           on_answered=self._answered)
+            resolver = self.resolver = PolicyResolver((upstream, 53), self._rules_for, self._pin, self._socket,
+                                                      on_refused=self._refused, never_list=self.never,
+                                                      on_answered=self._answered)
             loop = asyncio.get_running_loop()
             udp = await self._in_router(lambda: _bound(socket.SOCK_DGRAM))
-            self._udp, _ = await loop.create_datagram_endpoint(lambda: self.resolver, sock=udp)
+            self._udp, _ = await loop.create_datagram_endpoint(lambda: resolver, sock=udp)
             tcp = await self._in_router(lambda: _bound(socket.SOCK_STREAM))
-            self._tcp = await serve_tcp(self.resolver, sock=tcp)
+            self._tcp = await serve_tcp(resolver, sock=tcp)
             self._collector = EventCollector(self._on_event)
             self._collector.start(router.path, loop)
             self._flusher = Flusher(await self._in_router(netfilter_socket))
@@ -241,7 +241,7 @@ class Egress:
         kept = [(a, int(p.expires - now)) for a, p in pins.items()] if policy.restricted else []
         name_rules = bool(policy.allow_domains or policy.deny_domains)
         intercept = name_rules or bool(self._secrets.get(slot))
-        owner = self._owner.get(slot)
+        owner = self._owner_now(slot)
         if intercept and owner is not None and self.proxy is not None:
             # before the router sends it anything: the proxy knows the sandbox before its first connection
             self.proxy.set_slot(slot, owner, self._secrets.get(slot, NO_SECRETS), name_rules)
@@ -290,9 +290,8 @@ class Egress:
                 log.warning("could not flush the connections of slot %d (%s): %s", slot, address, e)
         if self._collector is not None:
             await self._collector.drain()
-        resolver = getattr(self, "resolver", None)
-        if resolver is not None:
-            resolver.forget(address)
+        if self.resolver is not None:
+            self.resolver.forget(address)
 
     async def _link_gone(self, slot: int) -> None:
         """Wait (bounded) until the router's end of the slot's link is gone: it goes when the kernel
@@ -319,19 +318,21 @@ class Egress:
     # -- who held a slot when ---------------------------------------------------------------------
 
     def _claimed(self, slot: int, sandbox_id: str) -> None:
-        self._owner[slot] = sandbox_id
         tenancies = self._tenancies.setdefault(slot, deque(maxlen=TENANCIES_KEPT))
         if not tenancies or tenancies[-1].owner != sandbox_id or tenancies[-1].until is not None:
             tenancies.append(_Tenancy(sandbox_id, time.time()))
-        resolver = getattr(self, "resolver", None)
-        if resolver is not None:
-            resolver.admit(link_addresses(slot)[1])
+        if self.resolver is not None:
+            self.resolver.admit(link_addresses(slot)[1])
 
     def _released(self, slot: int) -> None:
-        self._owner.pop(slot, None)
         tenancies = self._tenancies.get(slot)
         if tenancies and tenancies[-1].until is None:
             tenancies[-1].until = time.time()
+
+    def _owner_now(self, slot: int) -> str | None:
+        """The sandbox the slot serves now (None: a standby, or nobody)."""
+        tenancies = self._tenancies.get(slot)
+        return tenancies[-1].owner if tenancies and tenancies[-1].until is None else None
 
     def _owner_at(self, slot: int, when: float) -> str | None:
         """The sandbox that held `slot` at unix time `when` (None: a standby, or nobody)."""
@@ -350,8 +351,7 @@ class Egress:
         return allowed, rule, allowed and claim.kind == "http" and self._plain_ok(slot, address, claim.host)
 
     def _plain_ok(self, slot: int, address: str, host: str | None) -> bool:
-        if not host or not any(host == h or (h.startswith("*.") and host.endswith(h[1:]))
-                               for h in self.settings.plain_http_hosts):
+        if not host or not any(host_matches(host, h) for h in self.settings.plain_http_hosts):
             return False
         pinned = self._pins.get(slot, {}).get(address)
         return pinned is not None and host in pinned.names and pinned.expires > time.monotonic()
@@ -396,7 +396,7 @@ class Egress:
         owner = self._owner_at(slot, when if isinstance(when, (int, float)) else time.time())
         if owner is None:
             return  # a standby's (it runs nothing of a tenant's) or a slot already given back
-        pinned = self._pins.get(slot, {}).get(str(event.get("dst"))) if owner == self._owner.get(slot) else None
+        pinned = self._pins.get(slot, {}).get(str(event.get("dst"))) if owner == self._owner_now(slot) else None
         if pinned is not None:
             event = {**event, "domain": pinned.last}
         kind = "net.deny" if event.get("verdict") == "denied" else "net.connect"
@@ -404,7 +404,7 @@ class Egress:
 
     def _dns_event(self, source: str, **fields: object) -> None:
         slot = slot_of(source)
-        owner = self._owner.get(slot) if slot is not None else None
+        owner = self._owner_now(slot) if slot is not None else None
         if owner is not None:
             self.sink(owner, {"time": time.time(), "kind": "dns.query", "source": "host", "pid": None, "ppid": None,
                               "proto": "dns", **fields})

@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, field
 
 from agentcell.backends.base import COLLECTOR_NAMES, Limits
+from agentcell.network.secrets import is_host_pattern
 
 
 def default_max_limits() -> Limits:
@@ -111,5 +112,8 @@ def check(config: ServerConfig) -> None:
             raise ValueError(f"the default {f.name} ({default}) is above the maximum ({most})")
     if config.internet_default and config.egress_uplink == "none":
         raise ValueError("--internet-default on needs an egress uplink (--egress-uplink host or netns:PATH)")
+    bad = [h for h in config.egress_plain_http_hosts if not is_host_pattern(h)]
+    if bad:
+        raise ValueError(f"--egress-plain-http-host {bad[0]!r} is not a host name (or *.name); no scheme, port or path")
     if not 0 < config.default_timeout <= config.max_timeout:
         raise ValueError(f"the default timeout ({config.default_timeout} s) must be within 1..{config.max_timeout} s")

@@ -28,7 +28,6 @@ import contextlib
 import os
 import signal
 import socket
-import subprocess
 import sys
 import time
 from typing import Any
@@ -92,68 +91,37 @@ def _target_of(fields: dict[str, Any], disk_fd: int) -> WatchTarget:
                        cgroups.Cgroups(rel, v2, dirs), disk_fd)
 
 
-class RecordProcess:
+class RecordProcess(child_link.ChildProcess):
     """The server's end: a Collector (target.py) whose collectors run in the child; `start()` returns
     why any of them could not start here. A child that dies is started again (RESTARTS a period at
     most), watching the same sandboxes; their records say what went missing meanwhile."""
 
+    module = MODULE
+    what = "behaviour record's process"
+    error = RecordProcessError
+    without = "the behaviour record goes on without the kernel's events"
+    start_timeout_s = START_TIMEOUT_S
+    close_timeout_s = CLOSE_TIMEOUT_S
+    restart_delay_s = RESTART_DELAY_S
+
     def __init__(self, sink: EventSink, uid_first: int, uid_last: int, *, names: frozenset[str] | tuple[str, ...],
                  denials: str = "failures", tune_sysctl: bool = True) -> None:
+        super().__init__({"first": uid_first, "last": uid_last, "names": sorted(names), "denials": denials,
+                          "tune_sysctl": tune_sysctl}, buffer=SOCKET_BUFFER, max_packet=MAX_PACKET,
+                         restarts=RESTARTS, period_s=RESTART_PERIOD_S)
         self.sink = sink
-        self.config = {"first": uid_first, "last": uid_last, "names": sorted(names), "denials": denials,
-                       "tune_sysctl": tune_sysctl}
-        self.gone: str | None = None  # why the child is gone (None while it runs)
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._sock: socket.socket | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._started: asyncio.Future[list[str]] | None = None
         self._acks: dict[int, asyncio.Future[None]] = {}
         self._next_ack = 0
-        self._buffer = bytearray(MAX_PACKET)
         self._targets: dict[str, list[Any]] = {}  # sandbox id -> [its WatchTarget, claimed]
-        self._restarts = child_link.RestartBudget(RESTARTS, RESTART_PERIOD_S)
-        self._restarting: asyncio.Task[None] | None = None
-        self._closing = False
 
     async def start(self) -> list[str]:
-        self._loop = asyncio.get_running_loop()
         try:
-            return await self._spawn()
+            return list(await super().start())
         except RecordProcessError:
             await self.close()
             raise
 
-    async def _spawn(self) -> list[str]:
-        assert self._loop is not None
-        ours, theirs = child_link.socketpair(SOCKET_BUFFER)
-        try:
-            self._proc = subprocess.Popen(
-                [sys.executable, "-m", MODULE, str(theirs.fileno()),
-                 orjson.dumps(self.config).decode()], pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
-                start_new_session=True)  # a terminal's ^C is the server's to handle: it closes the child
-        finally:
-            theirs.close()
-        ours.setblocking(False)
-        self._sock, self.gone = ours, None
-        self._started = self._loop.create_future()
-        self._loop.add_reader(ours.fileno(), self._readable)
-        try:
-            return await asyncio.wait_for(asyncio.shield(self._started), START_TIMEOUT_S)
-        except (TimeoutError, RecordProcessError) as e:
-            if self._proc.poll() is None:
-                self._proc.kill()
-            self._shut(f"did not start: {e or 'timed out'}")
-            raise RecordProcessError(f"the behaviour record's process did not start: {e or 'timed out'}") from None
-
-    async def _restart(self, why: str) -> None:
-        await asyncio.sleep(RESTART_DELAY_S)
-        if self._closing:
-            return
-        try:
-            await self._spawn()
-        except RecordProcessError as e:
-            print(f"agentcell: {e}; the behaviour record goes on without the kernel's events", file=sys.stderr)
-            return
+    async def _respawned(self, why: str) -> None:
         for sandbox_id, (target, claimed) in list(self._targets.items()):
             self.sink(sandbox_id, event("record.dropped", count=0, reason=f"the record's collectors were started "
                                         f"again ({why}): what the kernel reported meanwhile is missing"))
@@ -165,14 +133,7 @@ class RecordProcess:
     # -- to the child ------------------------------------------------------------------------------
 
     def _send(self, message: list[Any], fds: tuple[int, ...] = ()) -> None:
-        if self.gone is not None or self._sock is None:
-            raise OSError(f"the behaviour record's collectors are gone ({self.gone})")
-        data = orjson.dumps(message)
-        ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
-        try:
-            self._sock.sendmsg([data], ancillary)
-        except BlockingIOError:  # 4 MiB of orders unread: the child is stuck
-            raise OSError("the behaviour record's process does not keep up") from None
+        self._send_packet(orjson.dumps(message), fds)
 
     def _send_unless_restarting(self, message: list[Any], fds: tuple[int, ...] = ()) -> None:
         if self.gone is not None and self._restarting is not None and not self._restarting.done():
@@ -207,21 +168,6 @@ class RecordProcess:
         finally:
             self._acks.pop(n, None)
 
-    async def close(self) -> None:
-        self._closing = True
-        if self._restarting is not None:
-            self._restarting.cancel()
-        if self._sock is not None and self.gone is None:
-            with contextlib.suppress(OSError):
-                self._send(["close"])
-        if self._proc is not None:
-            try:
-                await asyncio.to_thread(self._proc.wait, CLOSE_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                await asyncio.to_thread(self._proc.wait)
-        self._shut("closed")
-
     # -- from the child ----------------------------------------------------------------------------
 
     def _readable(self) -> None:
@@ -254,17 +200,7 @@ class RecordProcess:
         if self._sock is not None:
             self._loop.add_reader(self._sock.fileno(), self._readable)
 
-    def _receive(self) -> bool:
-        """One packet from the child, handled; False if none is waiting (or the child is gone)."""
-        if self._sock is None:
-            return False
-        try:
-            message = child_link.receive(self._sock, self._buffer, self._proc)
-        except child_link.ChildGone as e:
-            self._shut(str(e))
-            return False
-        if message is child_link.SKIP:
-            return False
+    def _handle(self, message: list[Any]) -> None:
         op = message[0]
         if op == "events":
             for sandbox_id, ev in message[1]:
@@ -273,33 +209,11 @@ class RecordProcess:
             fut = self._acks.get(message[1])
             if fut is not None and not fut.done():
                 fut.set_result(None)
-        elif op == "started" and self._started is not None and not self._started.done():
-            self._started.set_result(list(message[1]))
-        return True
 
-    def _shut(self, why: str) -> None:
-        if self._sock is not None:
-            if self._loop is not None:
-                self._loop.remove_reader(self._sock.fileno())
-            self._sock.close()
-            self._sock = None
-        if self.gone is not None:
-            return
-        self.gone = why
-        if self._started is not None and not self._started.done():
-            self._started.set_exception(RecordProcessError(why))
+    def _gone(self) -> None:
         for fut in self._acks.values():
             if not fut.done():
                 fut.set_result(None)
-        if self._closing or self._loop is None or (self._started is not None and self._started.exception() is not None):
-            return
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.kill()  # (a child that closed its socket but lives on is no use)
-        again = self._restarts.take()
-        print(f"agentcell: the behaviour record's process is gone ({why}); "
-              f"{'starting it again' if again else 'not started again: it died too often'}", file=sys.stderr, flush=True)
-        if again:
-            self._restarting = self._loop.create_task(self._restart(why))
 
 
 # -- the child --------------------------------------------------------------------------------------
