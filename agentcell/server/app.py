@@ -144,7 +144,7 @@ class AgentcellApp:
                         await b.start()
                     self.snapshots.load()
                     await self.manager.start()
-                except state_lock.StateDirInUseError as e:
+                except state_lock.StateDirError as e:
                     log.error("%s", e)
                     await send({"type": "lifespan.startup.failed", "message": str(e)})
                     return

@@ -20,7 +20,11 @@ from dataclasses import dataclass
 LOCK_NAME = "server.lock"
 
 
-class StateDirInUseError(RuntimeError):
+class StateDirError(RuntimeError):
+    """The state directory cannot be this server's; the message says why and what to do."""
+
+
+class StateDirInUseError(StateDirError):
     """Another live server holds this state directory."""
 
 
@@ -38,9 +42,14 @@ class StateDirLock:
 def acquire(state_dir: str, listen: str) -> StateDirLock:
     """Hold `state_dir` for this process (made 0700 if missing); `listen` says where this server
     listens, for the message another server will show. Raises StateDirInUseError naming the holder."""
-    os.makedirs(state_dir, mode=0o700, exist_ok=True)
     path = os.path.join(state_dir, LOCK_NAME)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    try:
+        os.makedirs(state_dir, mode=0o700, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    except OSError as e:
+        why = ("the server runs as root (it creates namespaces and cgroups): start it with sudo"
+               if os.geteuid() != 0 else "give it a --state-dir it can write")
+        raise StateDirError(f"cannot use --state-dir {state_dir} ({e.strerror}): {why}") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
