@@ -29,7 +29,9 @@ Sources, all read by the server as host root, none reachable from inside a sandb
   once 2 % (at least 1 MiB) is free. A disk filled and emptied between two polls is not seen.
 * **CPU**: the CFS quota's throttling, cpu.stat's nr_throttled and throttled_time (v2 throttled_usec).
   One event per `window` in which the sandbox was throttled in at least `cpu_min_ratio` (10 %) of its
-  periods, with the time throttled, and `streak`: how many windows in a row it was (a crypto-miner's
+  periods *and* for at least that share of the window's time (nr_periods counts only the periods the
+  sandbox ran in: an idle sandbox throttled once in the three periods it woke for is not a miner),
+  with the time throttled, and `streak`: how many windows in a row it was (a crypto-miner's
   pattern: throttled window after window). cpu.stat is read once a window, at its end.
 
 Cost: one timer for all sandboxes; per watched sandbox and poll, three pread()s of cgroup files kept
@@ -198,7 +200,8 @@ class LimitsCollector:
         self.interval = interval
         self.window = window  # at most one event per kind per sandbox per window; the CPU window
         self.slice_size = slice_size
-        # a window counts as throttled from this share of its periods: not a moment's burst of threads
+        # a window counts as throttled from this share of its periods and of its time: not a moment's
+        # burst of threads
         self.cpu_min_ratio = cpu_min_ratio
         self.kmsg_path = kmsg
         self._watched: dict[str, _Watched] = {}
@@ -369,11 +372,12 @@ class LimitsCollector:
     def _end_cpu_window(self, w: _Watched, now: float) -> None:
         periods, throttled, throttled_ns = self._sample_cpu(w)
         n_periods, n_throttled = periods - w.periods, throttled - w.throttled_periods
-        if n_throttled > 0 and n_throttled >= self.cpu_min_ratio * n_periods:
+        throttled_s, window_s = (throttled_ns - w.throttled_ns) / 1e9, now - w.cpu_window_start
+        if (n_throttled > 0 and n_throttled >= self.cpu_min_ratio * n_periods
+                and throttled_s >= self.cpu_min_ratio * window_s):
             w.cpu_streak += 1
-            self._emit(w, event("limit.cpu", throttled_s=round((throttled_ns - w.throttled_ns) / 1e9, 3),
-                                window_s=round(now - w.cpu_window_start, 3), throttled_periods=n_throttled,
-                                periods=n_periods, cpu_limit=self._cpu_limit(w), streak=w.cpu_streak), now)
+            self._emit(w, event("limit.cpu", throttled_s=round(throttled_s, 3), window_s=round(window_s, 3),
+                                throttled_periods=n_throttled, periods=n_periods, cpu_limit=self._cpu_limit(w), streak=w.cpu_streak), now)
         else:
             w.cpu_streak = 0
         w.cpu_window_start = now
