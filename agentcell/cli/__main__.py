@@ -1,0 +1,5 @@
+"""`python -m agentcell.cli ...` is the `agentcell` command."""
+
+from agentcell.cli import main
+
+main()
