@@ -65,8 +65,8 @@ def compile_tracer(build_lib: Path) -> None:
             _say(f"WITHOUT the compiled kernel tracer ({WITHOUT_TRACER}=1): {e}. Servers installed from this "
                  "wheel need clang and libbpf-dev to compile it, or record processes with audit rules.")
             return
-        raise WheelBuildError(f"{e}. The wheel ships the kernel tracer compiled: install clang and libbpf-dev, "
-                              f"or set {WITHOUT_TRACER}=1 to build a wheel without it") from None
+        raise WheelBuildError(f"{e}: the wheel ships it compiled (set {WITHOUT_TRACER}=1 to build a wheel "
+                              "without it, whose servers then need clang or record processes with audit rules)") from None
 
 
 def vendor_js(build_lib: Path) -> None:
