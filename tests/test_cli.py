@@ -386,6 +386,18 @@ def test_server_down_is_one_line(tmp_path: Path) -> None:
     assert b"Traceback" in cli(url, "ls", AGENTCELL_DEBUG="1").stderr
 
 
+def test_a_server_that_does_not_answer_is_one_line() -> None:
+    with socket.socket() as silent:  # accepts connections (the kernel does), never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        t0 = time.monotonic()
+        for args in (["ls"], ["info", "someid"]):
+            line = one_line_error(cli(url, *args, "--request-timeout", "1"))
+            assert f"the agentcell server at {url} did not answer in time" in line, line
+        assert time.monotonic() - t0 < 20
+
+
 def test_no_server_configured_is_one_line_with_the_hint() -> None:
     for args in (["ls"], ["create"], ["exec", "someid", "--", "true"], ["kill", "--all"], ["snapshot", "ls"]):
         line = one_line_error(r := cli(None, *args))

@@ -102,7 +102,9 @@ def from_exception(e: BaseException, meta: dict[str, Any]) -> CliError:
         return CliError(f"{sandbox} is gone: it was killed or its timeout passed",
                         "`agentcell create` starts a new one; --timeout on create keeps one alive longer")
     if isinstance(e, TimeoutException):
-        return CliError(text, "pass a longer --timeout (seconds; 0 = none)", EXIT_TIMEOUT)
+        # exec's and run's own --timeout are theirs to say (exit 124); here a request went unanswered
+        return CliError(f"the agentcell server{_where(meta)} did not answer in time",
+                        "is it overloaded? --request-timeout S waits longer")
     if isinstance(e, RateLimitException):
         return CliError(text, "the server is at its sandbox limit: kill idle ones (`agentcell ls`, `agentcell kill`)")
     if isinstance(e, EmbeddedServerError):

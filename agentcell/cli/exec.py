@@ -89,6 +89,9 @@ def exec_cmd(sandbox_id: str, command: tuple[str, ...], user: str | None, cwd: s
     except KeyboardInterrupt:
         handle.kill()  # as ssh: the command goes with the terminal that ran it
         sys.exit(EXIT_INTERRUPTED)
+    except BrokenPipeError:
+        handle.kill()  # `agentcell exec ... | head`: the reader left, so does the command
+        raise
 
 
 @main.command(name="run")

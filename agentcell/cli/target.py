@@ -26,11 +26,12 @@ NO_SERVER_HINT = ("start one with `agentcell serve` (as root; then AGENTCELL_URL
 class Target:
     api_url: str | None
     api_key: str | None
+    request_timeout: float | None = None
 
     @property
     def sdk(self) -> dict[str, Any]:
         """The keywords of the SDK's class methods (Sandbox.list, Sandbox.kill ...)."""
-        return {"api_url": self.api_url, "api_key": self.api_key}
+        return {"api_url": self.api_url, "api_key": self.api_key, "request_timeout": self.request_timeout}
 
     def describe(self) -> str | None:
         return self.api_url or os.environ.get("AGENTCELL_URL") or None
@@ -44,15 +45,17 @@ class Target:
 
 
 def server_options(f: F) -> F:
-    """--api-url and --api-key, passed to the command as `target`."""
+    """--api-url, --api-key and --request-timeout, passed to the command as `target`."""
 
-    @click.option("--api-url", default=None, metavar="URL",
-                  help="The server (default: AGENTCELL_URL, else the SDK's default server).")
+    @click.option("--api-url", default=None, metavar="URL", help="The server (default: AGENTCELL_URL).")
     @click.option("--api-key", default=None, metavar="KEY",
                   help="Its API key (default: AGENTCELL_API_KEY, else E2B_API_KEY).")
+    @click.option("--request-timeout", type=click.FloatRange(min=0.1), default=None, metavar="S",
+                  help="Seconds to wait for the server to answer a request (default: 60).")
     @functools.wraps(f)
-    def wrapper(*args: Any, api_url: str | None, api_key: str | None, **kwargs: Any) -> Any:
-        target = Target(api_url, api_key)
+    def wrapper(*args: Any, api_url: str | None, api_key: str | None, request_timeout: float | None,
+                **kwargs: Any) -> Any:
+        target = Target(api_url, api_key, request_timeout)
         click.get_current_context().meta[META_TARGET] = target
         return f(*args, target=target, **kwargs)
 
