@@ -312,6 +312,13 @@ def test_shell_is_a_real_terminal(server: Serve, sid: str) -> None:
             pass
 
 
+def test_shell_reads_a_piped_stdin(server: Serve, sid: str) -> None:
+    r = cli(server.url, "shell", sid, input=b"echo $((6*7))\nexit 3\n")
+    assert r.returncode == 3 and b"42" in r.stdout
+    r = cli(server.url, "shell", sid, input=b"echo done\n")  # the end of stdin ends the shell
+    assert r.returncode == 0 and b"done" in r.stdout
+
+
 # --- pause, resume, snapshots ---------------------------------------------------------------------
 
 
