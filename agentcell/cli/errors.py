@@ -93,7 +93,10 @@ def from_exception(e: BaseException, meta: dict[str, Any]) -> CliError:
         return CliError(f"the server refused the API key{_where(meta)}",
                         "pass the server's key with --api-key or AGENTCELL_API_KEY")
     if isinstance(e, FileNotFoundException):
-        return CliError(text, "check the path (`agentcell exec ID -- ls -la DIR`)")
+        path, _, why = text.partition(": ")
+        why = why.removeprefix(f"{path}: ")  # the SDK's message names the path twice
+        return CliError(f"{path}: {why.lower() if why else 'not found'} (in {sandbox})",
+                        "check the path (`agentcell exec ID -- ls -la DIR`)")
     if isinstance(e, SandboxNotFoundException) or (isinstance(e, NotFoundException) and sid
                                                    and "sandbox" in text.lower()):
         return CliError(f"{sandbox} not found: it was killed, timed out, or never existed",
