@@ -10,6 +10,7 @@ import json
 import os
 import pty
 import select
+import shutil
 import signal
 import socket
 import struct
@@ -63,6 +64,7 @@ class Serve:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
