@@ -135,5 +135,9 @@ class SandboxNotFoundException(NotFoundException):
     """No sandbox with that id exists (it may have been killed or timed out)."""
 
 
+class ServerUnreachableException(SandboxException):
+    """No HTTP answer from the agentcell server: it is not running, or the URL or socket is wrong."""
+
+
 class EmbeddedServerError(SandboxException):
     """The embedded local server (started when no api_url / AGENTCELL_URL is set) failed to start."""
