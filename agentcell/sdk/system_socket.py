@@ -42,12 +42,23 @@ def _embedded_possible() -> bool:
     return os.geteuid() == 0
 
 
+def _socket_group(path: str) -> str:
+    """The group the socket lets in (agentcell unless the service was told otherwise)."""
+    import grp
+
+    try:
+        return grp.getgrgid(os.stat(path).st_gid).gr_name
+    except (OSError, KeyError):
+        return GROUP
+
+
 def _problem(path: str, failure: int) -> str:
     user = _user()
     if failure in (errno.EACCES, errno.EPERM):
+        group = _socket_group(path)
         return (f"you ({user}) may not connect to the agentcell system service at {path}: only members of group "
-                f"'{GROUP}' may. Ask an administrator to run `sudo usermod -aG {GROUP} {user}`, then log in again "
-                f"(or run `newgrp {GROUP}` in this shell).")
+                f"'{group}' may. Ask an administrator to run `sudo usermod -aG {group} {user}`, then log in again "
+                f"(or run `newgrp {group}` in this shell).")
     if failure == errno.ECONNREFUSED:
         return (f"the agentcell system service is not running (nothing accepts on {path}). Ask an administrator "
                 "to run `sudo systemctl start agentcell.socket` (`systemctl status agentcell` says why it stopped).")
