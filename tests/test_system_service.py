@@ -34,6 +34,7 @@ REPO = Path(__file__).resolve().parent.parent
 USER_PYTHON = "/usr/bin/python3"
 SDK_DEPENDENCIES = ("httpx==0.29.0", "urllib3==2.8.0", "httptools==0.9.0")  # pyproject's pins
 QUOTA = 2
+TCP_KEY = "e2b_" + uuid.uuid4().hex
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists(USER_PYTHON) or shutil.which("useradd") is None,
                                 reason="needs root, useradd and /usr/bin/python3")
@@ -111,6 +112,8 @@ class Service:
             assert time.monotonic() < deadline, f"the service did not start:\n{self.log()}"
             time.sleep(0.1)
 
+    tcp: str = ""
+
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-4000:]
 
@@ -128,9 +131,18 @@ class Service:
         self.log_path.unlink(missing_ok=True)
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.fixture(scope="module")
 def service(host: Host) -> Iterator[Service]:
-    svc = Service(host.group)
+    """With its TCP listener too (and so an API key): the socket's users must not need the key."""
+    port = _free_port()
+    svc = Service(host.group, "--system-tcp", "--host", "127.0.0.1", "--port", str(port), "--api-key", TCP_KEY)
+    svc.tcp = f"http://127.0.0.1:{port}"
     try:
         yield svc
     finally:
@@ -173,7 +185,24 @@ def test_member_creates_a_sandbox_with_no_url(host: Host, service: Service, memb
     listed = service.client.get("/sandboxes").json()
     assert members_sandbox["id"] in [s["sandboxID"] for s in listed]
     created = service.client.get(f"/sandboxes/{members_sandbox['id']}/events", params={"kind": "sandbox.created"})
-    assert [e["owner"] for e in map(json.loads, created.text.splitlines())] == [f"uid:{host.users['member']}"]
+    events = [json.loads(line) for line in created.text.splitlines()]
+    # the record says who: the uid the kernel vouched for, as the owner and as the verified caller
+    uid = f"uid:{host.users['member']}"
+    assert [(e["owner"], e["key_id"]) for e in events] == [(uid, uid)]
+
+
+def test_tcp_listener_is_one_tenant_behind_its_key(host: Host, service: Service, members_sandbox: dict) -> None:
+    assert httpx.get(f"{service.tcp}/sandboxes").status_code == 401  # no key, no entry (any local user reaches it)
+    key = {"X-API-KEY": TCP_KEY}
+    assert httpx.get(f"{service.tcp}/sandboxes", headers=key).json() == []  # the socket users' are not the key's
+    assert httpx.get(f"{service.tcp}/sandboxes/{members_sandbox['id']}", headers=key).status_code == 404
+    made = httpx.post(f"{service.tcp}/sandboxes", json={"timeout": 60}, headers=key, timeout=60).json()["sandboxID"]
+    try:
+        code = "import json; from agentcell import Sandbox; print(json.dumps([s.sandbox_id for s in Sandbox.list().next_items()]))"
+        assert made not in answer(as_user(host, "member", code, service.socket))
+        assert made in [s["sandboxID"] for s in service.client.get("/sandboxes").json()]  # root sees it
+    finally:
+        assert httpx.delete(f"{service.tcp}/sandboxes/{made}", headers=key).status_code == 204
 
 
 PROBE = """

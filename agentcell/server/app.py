@@ -201,7 +201,7 @@ class AgentcellApp:
         if target is None:
             try:
                 scope[auth.CREDENTIAL] = auth.HEALTH if scope["path"] == "/health" \
-                    else auth.control_credential(scope, self.config.api_key)
+                    else self.tenancy.peer_credential(scope) or auth.control_credential(scope, self.config.api_key)
             except auth.Refused as e:
                 await json_error(401, e.message)(scope, receive, send)
                 return
@@ -404,6 +404,6 @@ def serve(config: ServerConfig) -> None:
         from agentcell.server import system_listen
 
         socks = system_listen.sockets(config)
-        log.info("system service: listening on %s; each sandbox belongs to the uid that created it",
-                 system_listen.describe(socks))
+        print(f"agentcell: system service on {system_listen.describe(socks)}; each sandbox belongs to the uid "
+              f"that created it (--max-sandboxes-per-user {config.max_sandboxes_per_user})", file=sys.stderr, flush=True)
     cell.DrainingServer(uv, app.cell).run(sockets=socks)  # SIGTERM drains first (server/cell.py)

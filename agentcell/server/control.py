@@ -621,7 +621,9 @@ class ControlPlane:
         return JSONResponse(json.loads(json.dumps(built, default=_jsonable)))
 
     async def kill(self, request: Request) -> Response:
-        sandbox_id = self._any_record(request).sandbox_id  # another tenant's is "not found"
+        sandbox_id = request.path_params["sandbox_id"]
+        if self.tenancy.enabled:
+            sandbox_id = self._any_record(request).sandbox_id  # another tenant's is "not found"
         if not await self.manager.kill(sandbox_id):
             raise HTTPError(404, f"sandbox '{sandbox_id}' not found")
         return Response(status_code=204)
@@ -839,7 +841,8 @@ class ControlPlane:
 
     async def health(self, request: Request) -> Response:
         """Liveness for embedded mode and operators; needs no API key and reveals only a count."""
-        return JSONResponse({"status": "ok", "sandboxes": len(self.manager.list())})
+        caller = self.tenancy.caller(request.scope)  # with tenancy: only the caller's own are counted
+        return JSONResponse({"status": "ok", "sandboxes": len(self.tenancy.visible(caller, self.manager.list()))})
 
     def routes(self) -> list[Route]:
         sid = "/sandboxes/{sandbox_id}"

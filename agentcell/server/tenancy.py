@@ -29,6 +29,7 @@ from agentcell.server import auth
 from agentcell.server.peer import request_peer
 
 ADMIN = "uid:0"
+PEER_UID = "peer-uid"  # auth.Credential kind of a unix-socket peer identified by SO_PEERCRED
 UNVERIFIED = "unverified"
 
 
@@ -69,6 +70,12 @@ class Tenancy:
     def from_config(cls, config: Any) -> Tenancy:
         return cls(bool(getattr(config, "system", False)), Quotas(getattr(config, "max_sandboxes_per_user", None),
                                                                    getattr(config, "max_memory_mb_per_user", None)))
+
+    def peer_credential(self, scope: dict[str, Any]) -> auth.Credential | None:
+        """A unix-socket request's credential with tenancy on: the peer's uid, which the kernel vouches for
+        (the API key, if the server has one, is for its TCP listener). None otherwise."""
+        peer = request_peer(scope) if self.enabled else None
+        return None if peer is None else auth.Credential(PEER_UID, f"uid:{peer.uid}")
 
     def caller(self, scope: dict[str, Any]) -> str | None:
         """The tenant a control-plane request acts as (None: tenancy is off)."""
