@@ -34,6 +34,7 @@ REPO = Path(__file__).resolve().parent.parent
 USER_PYTHON = "/usr/bin/python3"
 SDK_DEPENDENCIES = ("httpx==0.29.0", "urllib3==2.8.0", "httptools==0.9.0")  # pyproject's pins
 QUOTA = 2
+MEMORY_QUOTA_MB = 1024  # two sandboxes of the default 512 MiB
 TCP_KEY = "e2b_" + uuid.uuid4().hex
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists(USER_PYTHON) or shutil.which("useradd") is None,
@@ -89,7 +90,7 @@ class Service:
         self.state = Path(tempfile.mkdtemp(prefix="agentcell-state-"))
         self.log_path = self.state.parent / f"{self.state.name}.log"
         args = ["--uds", self.socket, "--state-dir", str(self.state), "--egress-uplink", "none", "--standbys", "0",
-                "--max-sandboxes-per-user", str(QUOTA), *extra]
+                "--max-sandboxes-per-user", str(QUOTA), "--max-memory-mb-per-user", str(MEMORY_QUOTA_MB), *extra]
         argv = units.service_command(sys.executable, group, args)
         pass_fds: tuple[int, ...] = ()
         if activated is not None:  # as systemd passes it: fd 3, LISTEN_PID = the server's own pid
@@ -325,6 +326,24 @@ print(json.dumps({"made": len(made), "refused": refused}))
     ids = [service.client.post("/sandboxes", json={"timeout": 60}).json()["sandboxID"] for _ in range(QUOTA + 1)]
     for sid in ids:
         assert service.client.delete(f"/sandboxes/{sid}").status_code == 204
+
+
+def test_per_user_memory_quota(host: Host, service: Service) -> None:
+    code = """
+import json
+from agentcell import Sandbox, RateLimitException
+big = Sandbox.create(timeout=120, limits={"memoryMB": 768})
+try:
+    Sandbox.create(timeout=120)
+    refused = None
+except RateLimitException as e:
+    refused = str(e)
+big.kill()
+print(json.dumps({"refused": refused}))
+"""
+    refused = answer(as_user(host, "other", code, service.socket))["refused"]
+    assert f"hold 768 MiB of sandbox memory on this server and may hold at most {MEMORY_QUOTA_MB} MiB" in refused
+    assert "--max-memory-mb-per-user" in refused
 
 
 def test_socket_is_root_and_group_only(host: Host, service: Service) -> None:
