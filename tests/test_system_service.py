@@ -328,6 +328,25 @@ print(json.dumps({"made": len(made), "refused": refused}))
         assert service.client.delete(f"/sandboxes/{sid}").status_code == 204
 
 
+IDEMPOTENT_CREATE = """
+import json, httpx
+c = httpx.Client(transport=httpx.HTTPTransport(uds={socket!r}), base_url="http://localhost", timeout=60)
+made = c.post("/v2/sandboxes", json={{"timeout": 60}}, headers={{"Idempotency-Key": {key!r}}}).json()
+print(json.dumps({{"id": made["sandboxID"], "token": made["envdAccessToken"]}}))
+"""
+
+
+def test_an_idempotency_key_never_replays_another_users_create(host: Host, service: Service) -> None:
+    code = IDEMPOTENT_CREATE.format(socket=service.socket, key=f"k-{uuid.uuid4().hex}")
+    first = answer(as_user(host, "other", code, service.socket))
+    again = answer(as_user(host, "other", code, service.socket))
+    assert again == first  # the same user's retry is a replay
+    second = answer(as_user(host, "member", code, service.socket))
+    assert second["id"] != first["id"] and second["token"] != first["token"]
+    for made in (first, second):
+        assert service.client.delete(f"/sandboxes/{made['id']}").status_code == 204
+
+
 def test_per_user_memory_quota(host: Host, service: Service) -> None:
     code = """
 import json

@@ -425,6 +425,9 @@ class ControlPlane:
         key = parse_key(request.headers.get("idempotency-key"))
         if key is None:
             return JSONResponse(await self._create(request, body), status_code=201)
+        owner = self.tenancy.caller(request.scope)
+        if owner is not None:  # one tenant's key never replays another's create (its answer holds the token)
+            key = f"{owner}\n{key}"
         answer, _ = await self._idempotent.run(key, body, lambda: self._create(request, body))
         return JSONResponse(answer, status_code=201)
 
