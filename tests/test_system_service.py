@@ -84,10 +84,11 @@ def host() -> Iterator[Host]:
 class Service:
     """`agentcell serve --system` as agentcell.service runs it, on a socket in a temporary directory."""
 
-    def __init__(self, group: str, *extra: str, activated: socket.socket | None = None) -> None:
+    def __init__(self, group: str, *extra: str, activated: socket.socket | None = None,
+                 state: Path | None = None) -> None:
         self.dir = _readable_dir("agentcell-sock-")
         self.socket = str(self.dir / "agentcell.sock")
-        self.state = Path(tempfile.mkdtemp(prefix="agentcell-state-"))
+        self.state = state or Path(tempfile.mkdtemp(prefix="agentcell-state-"))
         self.log_path = self.state.parent / f"{self.state.name}.log"
         args = ["--uds", self.socket, "--state-dir", str(self.state), "--egress-uplink", "none", "--standbys", "0",
                 "--max-sandboxes-per-user", str(QUOTA), "--max-memory-mb-per-user", str(MEMORY_QUOTA_MB), *extra]
@@ -118,7 +119,7 @@ class Service:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-4000:]
 
-    def stop(self) -> None:
+    def stop(self, keep_state: bool = False) -> None:
         self.client.close()
         if self.proc.poll() is None:
             self.proc.terminate()
@@ -128,7 +129,8 @@ class Service:
                 self.proc.kill()
                 self.proc.wait()
         shutil.rmtree(self.dir, ignore_errors=True)
-        shutil.rmtree(self.state, ignore_errors=True)
+        if not keep_state:
+            shutil.rmtree(self.state, ignore_errors=True)
         self.log_path.unlink(missing_ok=True)
 
 
@@ -190,6 +192,18 @@ def test_member_creates_a_sandbox_with_no_url(host: Host, service: Service, memb
     # the record says who: the uid the kernel vouched for, as the owner and as the verified caller
     uid = f"uid:{host.users['member']}"
     assert [(e["owner"], e["key_id"]) for e in events] == [(uid, uid)]
+    # the async SDK finds it the same way
+    code = """
+import asyncio, json
+from agentcell import AsyncSandbox
+async def main():
+    sbx = await AsyncSandbox.create(timeout=60)
+    out = await sbx.commands.run("echo async")
+    await sbx.kill()
+    print(json.dumps({"out": out.stdout}))
+asyncio.run(main())
+"""
+    assert answer(as_user(host, "member", code, service.socket)) == {"out": "async\n"}
 
 
 def test_tcp_listener_is_one_tenant_behind_its_key(host: Host, service: Service, members_sandbox: dict) -> None:
@@ -368,6 +382,35 @@ print(json.dumps({"refused": refused}))
 def test_socket_is_root_and_group_only(host: Host, service: Service) -> None:
     st = os.stat(service.socket)
     assert (st.st_mode & 0o777, st.st_uid, grp.getgrgid(st.st_gid).gr_name) == (0o660, 0, host.group)
+
+
+CONNECT = """
+import json
+from agentcell import Sandbox, NotFoundException
+try:
+    sbx = Sandbox.connect({sid!r})
+    print(json.dumps({{"out": sbx.commands.run("cat /home/user/kept").stdout}}))
+except NotFoundException:
+    print(json.dumps({{"out": "not found"}}))
+"""
+
+
+def test_a_paused_sandbox_stays_its_owners_across_a_restart(host: Host) -> None:
+    """The owner is kept with a sandbox paused on disk: after the service restarts, only its owner resumes it."""
+    first = Service(host.group)
+    state = first.state
+    try:
+        code = CREATE + "sbx.files.write('/home/user/kept', 'still mine')\nsbx.pause(keep_memory=False)\n"
+        made = answer(as_user(host, "member", code, first.socket))
+    finally:
+        first.stop(keep_state=True)
+    second = Service(host.group, state=state)
+    try:
+        connect = CONNECT.format(sid=made["id"])
+        assert answer(as_user(host, "other", connect, second.socket)) == {"out": "not found"}
+        assert answer(as_user(host, "member", connect, second.socket)) == {"out": "still mine"}
+    finally:
+        second.stop()
 
 
 def test_socket_activation(host: Host) -> None:
