@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from agentcell.server import auth
 from agentcell.server.peer import request_peer
@@ -31,10 +31,6 @@ from agentcell.server.peer import request_peer
 ADMIN = "uid:0"
 PEER_UID = "peer-uid"  # auth.Credential kind of a unix-socket peer identified by SO_PEERCRED
 UNVERIFIED = "unverified"
-
-
-class Owned(Protocol):
-    owner: str | None
 
 
 class QuotaError(Exception):
