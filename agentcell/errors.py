@@ -141,3 +141,8 @@ class ServerUnreachableException(SandboxException):
 
 class EmbeddedServerError(SandboxException):
     """The embedded local server (started when no api_url / AGENTCELL_URL is set) failed to start."""
+
+
+class NoLocalServerError(EmbeddedServerError):
+    """No api_url / AGENTCELL_URL, no system service this user can reach, and no embedded server possible
+    (it needs root): the message names the fix (docs/system-service.md)."""

@@ -37,4 +37,5 @@ from agentcell.cli import (  # noqa: E402,F401
     serve,
     shell,
     snapshots,
+    system,
 )
