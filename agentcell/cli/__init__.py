@@ -18,4 +18,4 @@ def main() -> None:
 
 
 # the subcommands register themselves on `main` when imported
-from agentcell.cli import client, serve  # noqa: E402,F401
+from agentcell.cli import client, doctor, serve  # noqa: E402,F401
