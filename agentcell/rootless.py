@@ -109,8 +109,8 @@ def guarantees(subids: bool = True, cgroup_delegation: bool = False) -> list[Gua
                   "but counts processes, not threads of other ids"),
         Guarantee("CPU limit", False, "no CPU quota without cgroups: sandboxes run at nice 10 and their lifetime "
                   "(timeout) is the only bound"),
-        Guarantee("network", None, "no uplink: sandboxes have loopback only (each its own network namespace); "
-                  "internet access is refused at create"),
+        Guarantee("network", None, "no uplink: sandboxes have loopback only (each its own network namespace); a "
+                  "create asking for the internet gets a sandbox without it, as on any server without an uplink"),
         Guarantee("behaviour record", None, "API calls and lifecycle are recorded; the host-side collectors "
                   "(processes via audit/BPF, files via fanotify, limits) need root and are off"),
         Guarantee("pause, resume, snapshots", False, "need the freezer cgroup: not available rootless"),

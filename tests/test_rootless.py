@@ -86,9 +86,18 @@ def test_server_runs_as_the_user_in_its_namespace(rootless_server: tuple[str, Or
         outer_user = int(_run(sb, "cat /proc/self/uid_map").split("\n")[1].split()[1])  # 1000 -> its server-ns id
         assert outer_user >= 10_000
         assert _run(sb, "id -u").strip() == "1000"
-        # no internet in rootless mode: refused at create
-        with pytest.raises(Exception, match="internet"):
-            Sandbox.create(api_url=url, allow_internet_access=True)
+        # no uplink in rootless mode: a create asking for the internet gets loopback only (as on any server
+        # without an uplink); nothing leaves, not even to a documentation address
+        online = Sandbox.create(api_url=url, timeout=60, allow_internet_access=True)
+        try:
+            interfaces = [line.split(":")[0].strip() for line in _run(online, "cat /proc/net/dev").splitlines()[2:]]
+            assert interfaces == ["lo"]
+            unreachable = online.run_code("import socket\ns = socket.socket()\ns.settimeout(2)\n"
+                                          "try:\n    s.connect(('192.0.2.1', 80))\nexcept OSError as e:\n"
+                                          "    print(e.errno)").logs.stdout
+            assert unreachable == ["101\n"]  # ENETUNREACH
+        finally:
+            online.kill()
     finally:
         sb.kill()
 
@@ -104,7 +113,7 @@ def test_code_state_commands_files(rootless_server: tuple[str, OrdinaryUser, str
         sb.files.write("/home/user/notes.txt", "written by the test")
         assert sb.files.read("/home/user/notes.txt") == "written by the test"
         assert _run(sb, "cat /home/user/notes.txt") == "written by the test"
-        assert sb.run_code("open('/home/user/notes.txt').read()").text == "'written by the test'"
+        assert sb.run_code("open('/home/user/notes.txt').read()").text == "written by the test"
         # what rootless mode does not offer, as docs/rootless.md says: /usr is read-only
         assert "Read-only file system" in sb.commands.run("touch /usr/x 2>&1 || true", timeout=30).stdout
     finally:
@@ -138,7 +147,7 @@ def test_sandboxes_are_apart_and_the_users_files_out_of_reach(rootless_server: t
 def test_fork_bomb_and_memory_hog_are_contained(rootless_server: tuple[str, OrdinaryUser, str]) -> None:
     url, _, _ = rootless_server
     bystander = Sandbox.create(api_url=url, timeout=120)
-    sb = Sandbox.create(api_url=url, timeout=120, limits={"pids": 64, "memory_mb": 512})
+    sb = Sandbox.create(api_url=url, timeout=120, limits={"pids": 64, "memoryMB": 512})
     try:
         forks = sb.run_code(
             "import os, time\n"
@@ -163,3 +172,18 @@ def test_fork_bomb_and_memory_hog_are_contained(rootless_server: tuple[str, Ordi
     finally:
         sb.kill()
         bystander.kill()
+
+
+def test_embedded_sdk_of_an_ordinary_user_runs_rootless(rootless_server: tuple[str, OrdinaryUser, str]) -> None:
+    """`Sandbox.create()` with no URL, by a user who is not root: the embedded server starts rootless
+    (beside the user's other rootless server: the two reserve disjoint ids)."""
+    _, user, _ = rootless_server
+    script = ("from agentcell.sdk import Sandbox\n"
+              "sb = Sandbox.create()\n"
+              "print(sb.run_code('6 * 7').text)\n"
+              "print(sb.commands.run('cat /proc/self/uid_map').stdout.split()[4])\n"
+              "sb.kill()\n")
+    done = user.run([user.python, "-c", script], timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    answer, outer = done.stdout.split()
+    assert answer == "42" and int(outer) >= 10_000  # the sandbox's user: a subordinate id of this user's
