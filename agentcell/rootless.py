@@ -94,8 +94,9 @@ def guarantees(subids: bool = True, cgroup_delegation: bool = False) -> list[Gua
                   "the kernel is shared as with root; the server itself has no host privilege (a compromise of it "
                   "is a compromise of the user's account, not of root)"),
         Guarantee("writable /usr, /etc, /opt (apt/pip as the sandbox's root)", False,
-                  "idmapped mounts of host filesystems need host root: those are read-only; pip install --user, "
-                  "the home directory, /tmp and /dev/shm stay writable"),
+                  "idmapped mounts of host filesystems need host root: those are read-only (no sudo either; "
+                  "commands as user root still run); the home directory (python -m venv there), /tmp and "
+                  "/dev/shm stay writable"),
     ]
     if cgroup_delegation:
         rows.append(Guarantee("memory, pids, CPU limits", None, "cgroup v2 delegation is present but not used yet: "

@@ -114,8 +114,14 @@ def test_code_state_commands_files(rootless_server: tuple[str, OrdinaryUser, str
         assert sb.files.read("/home/user/notes.txt") == "written by the test"
         assert _run(sb, "cat /home/user/notes.txt") == "written by the test"
         assert sb.run_code("open('/home/user/notes.txt').read()").text == "written by the test"
-        # what rootless mode does not offer, as docs/rootless.md says: /usr is read-only
+        # what rootless mode does not offer, as docs/rootless.md says: /usr is read-only, even for root ...
         assert "Read-only file system" in sb.commands.run("touch /usr/x 2>&1 || true", timeout=30).stdout
+        as_root = sb.commands.run("id -u; pwd; touch /etc/x 2>&1 || true", user="root", timeout=30).stdout
+        assert as_root.startswith("0\n/root\n") and "Read-only file system" in as_root
+        # ... and a venv in the home is where packages go
+        venv = sb.commands.run("python -m venv ~/v && ~/v/bin/python -c 'import sys; print(sys.prefix)'",
+                               timeout=120).stdout
+        assert venv == "/home/user/v\n"
     finally:
         sb.kill()
 

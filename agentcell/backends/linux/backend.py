@@ -727,7 +727,7 @@ def rootless_ids() -> dict[str, Any]:
     """uids.reserve's options inside a rootless namespace: the sandbox ids come from the ids mapped
     there (the user's subordinate ids), reserved in the user's own lock directory."""
     return {"lock_dir": rootless.uid_lock_dir(), "account_files": (), "start": rootless.FIRST_SANDBOX_ID,
-            "end": uids.mapped_ids_end()}
+            "end": uids.mapped_ids_end(), "align": 1024}
 
 
 def _claimable(prepared: Limits, wanted: Limits) -> bool:

@@ -114,9 +114,11 @@ def _held_ranges(lock_dir: str) -> list[tuple[int, int, int]]:
 
 
 def reserve(size: int, base: int | None = None, lock_dir: str = LOCK_DIR,
-            account_files: tuple[str, ...] = _ACCOUNT_FILES, start: int = AUTO_START, end: int = _MAX_ID) -> UidRange:
+            account_files: tuple[str, ...] = _ACCOUNT_FILES, start: int = AUTO_START, end: int = _MAX_ID,
+            align: int = _ALIGN) -> UidRange:
     """Reserve `size` host ids for this process's life (see the module docstring); `start` and `end`
-    bound the ids (a rootless server's: those its user namespace maps)."""
+    bound the ids, automatic ranges start on `align` boundaries (a rootless server's: within the 65,536
+    ids its user namespace maps, so on smaller ones)."""
     if size < 1:
         raise ValueError("a uid range needs at least one id")
     os.makedirs(lock_dir, mode=0o700, exist_ok=True)
@@ -131,7 +133,7 @@ def reserve(size: int, base: int | None = None, lock_dir: str = LOCK_DIR,
             _check_explicit(base, size, held, host, end)
             chosen = base
         else:
-            chosen = _first_free(size, held, host, start, end)
+            chosen = _first_free(size, held, host, start, end, align)
         path = _lock_path(chosen, chosen + size - 1, lock_dir)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -159,7 +161,7 @@ def _check_explicit(base: int, size: int, held: list[tuple[int, int, int]],
 
 
 def _first_free(size: int, held: list[tuple[int, int, int]], host: list[tuple[int, int, str]],
-                start: int = AUTO_START, end: int = _MAX_ID) -> int:
+                start: int = AUTO_START, end: int = _MAX_ID, align: int = _ALIGN) -> int:
     taken = sorted([(a, b) for a, b, _ in held] + [(a, b) for a, b, _ in host])
     candidate = start
     while candidate + size - 1 <= end:
@@ -167,7 +169,7 @@ def _first_free(size: int, held: list[tuple[int, int, int]], host: list[tuple[in
         clash = next((b for a, b in taken if _overlaps(candidate, last, a, b)), None)
         if clash is None:
             return candidate
-        candidate = (clash // _ALIGN + 1) * _ALIGN  # the next boundary past what is in the way
+        candidate = (clash // align + 1) * align  # the next boundary past what is in the way
     raise UidRangeError(f"no free range of {size} host ids is left below {end}"
                         + (" (fewer sandboxes: --max-sandboxes)" if end < _MAX_ID else ""))
 
