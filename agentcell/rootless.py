@@ -106,8 +106,8 @@ def guarantees(subids: bool = True, cgroup_delegation: bool = False) -> list[Gua
                   "RLIMIT_DATA per process (memory_mb), and the disk tmpfs's size: a sandbox with several "
                   "processes can use memory_mb in each; nothing bounds the page cache or kernel memory"),
         Guarantee("process limit (fork bomb)", None,
-                  "RLIMIT_NPROC per sandbox id (pids): each sandbox has ids of its own, so it bounds the sandbox, "
-                  "but counts processes, not threads of other ids"),
+                  "RLIMIT_NPROC per sandbox id (pids): it counts the processes and threads of one id, and each "
+                  "sandbox has ids of its own, two of them (its user, its root): at most 2 x pids tasks"),
         Guarantee("CPU limit", False, "no CPU quota without cgroups: sandboxes run at nice 10 and their lifetime "
                   "(timeout) is the only bound"),
         Guarantee("network", None, "no uplink: sandboxes have loopback only (each its own network namespace); a "
