@@ -43,7 +43,8 @@ def rootless_server(ordinary_user: OrdinaryUser) -> Iterator[tuple[str, Ordinary
     port = _free_port()
     log_path = os.path.join(user.home, "server.log")
     with open(log_path, "wb") as log:
-        proc = user.popen([user.python, "-m", "agentcell", "serve", "--port", str(port), "--standbys", "1",
+        # `python -m agentcell.server` (the embedded SDK's test below covers `python -m agentcell serve`)
+        proc = user.popen([user.python, "-m", "agentcell.server", "--port", str(port), "--standbys", "1",
                            "--max-sandboxes", "8", "--egress-uplink", "none"], stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
 

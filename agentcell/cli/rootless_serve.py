@@ -33,7 +33,7 @@ def reexec_if_needed(flag: bool | None) -> None:
         # checked here, as the real user: inside, host root's directories show as the overflow id
         for path in (rootless.runtime_store_dir(), rootless.uid_lock_dir()):
             statedir.private_dir(path)
-        argv = [sys.executable, "-m", "agentcell", *sys.argv[1:]]
+        argv = [sys.executable, "-m", "agentcell", "serve", *_serve_args()]
         env = {**os.environ, rootless.ENV: "1"}
         click.echo("agentcell: rootless mode (you are not root): sandboxes run in a user namespace of yours, with "
                    "weaker limits and no internet; `agentcell doctor` lists what holds", err=True)
@@ -60,3 +60,10 @@ def adjust(opts: dict[str, Any]) -> None:
     for other in ("gvisor",):
         if opts["backend"] == other or any(b == other for b in opts["create_backends"]):
             raise click.ClickException("rootless mode runs the linux backend only")
+
+
+def _serve_args() -> list[str]:
+    """This process's serve options: after `serve` (`agentcell serve ...`, `python -m agentcell serve ...`),
+    or all of them (`python -m agentcell.server ...`)."""
+    args = sys.argv[1:]
+    return args[1:] if args[:1] == ["serve"] else args
