@@ -224,15 +224,16 @@ def check_nftables() -> Check:
 
 
 def check_bpf() -> Check:
-    from agentcell.record.linux import kernel_trace
+    from agentcell.record.linux import bpf_build, kernel_trace
 
     missing = []
     if not os.path.exists("/sys/kernel/btf/vmlinux"):
         missing.append("kernel BTF (/sys/kernel/btf/vmlinux)")
     if ctypes.util.find_library("bpf") is None:
         missing.append("libbpf (apt-get install libbpf1)")
-    prebuilt = list(kernel_trace.SOURCE.parent.glob("*.bpf.o"))
-    clang = next((c for c in kernel_trace.CLANGS if shutil.which(c)), None)
+    # the object shipped for this source and machine (a wheel's), else clang to compile one
+    prebuilt = (kernel_trace.SOURCE.parent / bpf_build.object_name(kernel_trace.SOURCE.read_bytes())).exists()
+    clang = bpf_build.find_clang()
     if not prebuilt and clang is None:
         missing.append("a prebuilt tracer object or clang (apt-get install clang libbpf-dev)")
     if missing:

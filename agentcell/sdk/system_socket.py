@@ -48,7 +48,7 @@ def _embedded_possible() -> bool:
 
 def _rootless_problem() -> str | None:
     """Why rootless mode cannot run for this user, or None."""
-    from agentcell.backends.linux.userns import RootlessUnavailableError, check_kernel, plan
+    from agentcell.rootless import RootlessUnavailableError, check_kernel, plan
 
     try:
         plan()

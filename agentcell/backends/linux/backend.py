@@ -309,7 +309,8 @@ class LinuxBackend(CgroupSandboxes, Backend):
         record with a gap rather than no sandboxes."""
         assert self.recorder is not None
         if rootless.active():  # audit, BPF, fanotify of the host: none of them for an ordinary user
-            self.missing_collectors = ["rootless mode: the host-side collectors (processes, files, limits) need root"]
+            why = "rootless mode: the host's audit, BPF and fanotify need root"
+            self.missing_collectors = [(name, why) for name in sorted(self.record_collectors)]
             return
         proc = RecordProcess(self.recorder.add, self.uid_base, self.uid_base + 2 * self._slot_count - 1,
                              names=self.record_collectors, denials=self.record_denials,

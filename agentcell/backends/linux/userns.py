@@ -20,115 +20,26 @@ from __future__ import annotations
 
 import contextlib
 import os
-import pwd
-import shutil
 import signal
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import NoReturn
 
 from agentcell.backends.linux import syscalls as sc
-from agentcell.errors import BackendUnavailableError
 
-SUBUID, SUBGID = "/etc/subuid", "/etc/subgid"
-MIN_SUBIDS = 65536 - 1  # ids 1..65535 inside: the sandboxes' range starts at 10,000 (rootless.FIRST_SANDBOX_ID)
-
-
-class RootlessUnavailableError(BackendUnavailableError):
-    """Rootless mode cannot start on this host; the message says what to change."""
-
-
-@dataclass(frozen=True, slots=True)
-class SubIds:
-    start: int
-    count: int
-
-
-def subids(path: str, user: str, uid: int) -> SubIds | None:
-    """The user's first range in /etc/subuid or /etc/subgid (by name or by numeric id)."""
-    try:
-        with open(path) as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        fields = line.strip().split(":")
-        if len(fields) != 3 or fields[0] not in (user, str(uid)):
-            continue
-        try:
-            return SubIds(int(fields[1]), int(fields[2]))
-        except ValueError:
-            continue
-    return None
-
-
-@dataclass(frozen=True, slots=True)
-class IdMaps:
-    uid: int
-    gid: int
-    sub_uid: SubIds
-    sub_gid: SubIds
-
-    @property
-    def size(self) -> int:
-        """Ids mapped inside: 0 and 1..size-1."""
-        return 1 + min(self.sub_uid.count, self.sub_gid.count, MIN_SUBIDS)
-
-    def helper_args(self) -> tuple[list[str], list[str]]:
-        """newuidmap's and newgidmap's triples (inside, outside, count) after the pid."""
-        n = self.size - 1
-        return ([str(x) for x in (0, self.uid, 1, 1, self.sub_uid.start, n)],
-                [str(x) for x in (0, self.gid, 1, 1, self.sub_gid.start, n)])
-
-
-def plan() -> IdMaps:
-    """The maps for the calling user, or RootlessUnavailableError saying what is missing."""
-    uid, gid = os.getuid(), os.getgid()
-    try:
-        user = pwd.getpwuid(uid).pw_name
-    except KeyError:
-        user = str(uid)
-    sub_uid, sub_gid = subids(SUBUID, user, uid), subids(SUBGID, user, uid)
-    if sub_uid is None or sub_gid is None:
-        raise RootlessUnavailableError(
-            f"rootless mode needs subordinate ids for {user}: ask an administrator to run "
-            f"`usermod --add-subuids 100000-165535 --add-subgids 100000-165535 {user}` (without them every "
-            "sandbox would run as you, able to read your files and each other's)")
-    maps = IdMaps(uid, gid, sub_uid, sub_gid)
-    if maps.size < 20_000:
-        raise RootlessUnavailableError(
-            f"{user}'s subordinate id ranges are too small ({maps.size - 1} ids; rootless mode wants 65536): "
-            f"ask an administrator to give {user} a range of 65536 in {SUBUID} and {SUBGID}")
-    for tool in ("newuidmap", "newgidmap"):
-        if shutil.which(tool) is None:
-            raise RootlessUnavailableError(f"rootless mode needs {tool}: install the `uidmap` package "
-                                           "(apt-get install uidmap, dnf install shadow-utils)")
-    return maps
-
-
-def check_kernel() -> None:
-    """RootlessUnavailableError if this kernel refuses unprivileged user namespaces."""
-    def read(path: str) -> str | None:
-        try:
-            with open(path) as f:
-                return f.read().strip()
-        except OSError:
-            return None
-
-    if read("/proc/sys/kernel/unprivileged_userns_clone") == "0":
-        raise RootlessUnavailableError("unprivileged user namespaces are off: an administrator must run "
-                                       "`sysctl -w kernel.unprivileged_userns_clone=1`")
-    limit = read("/proc/sys/user/max_user_namespaces")
-    if limit is not None and int(limit) < 10:
-        raise RootlessUnavailableError("user namespaces are disabled: an administrator must run "
-                                       "`sysctl -w user.max_user_namespaces=65536`")
-    if read("/proc/sys/kernel/apparmor_restrict_unprivileged_userns") == "1":
-        raise RootlessUnavailableError(
-            "AppArmor restricts unprivileged user namespaces (Ubuntu 24.04+): an administrator must allow them "
-            "for this Python with an AppArmor profile granting `userns,`, or run "
-            "`sysctl -w kernel.apparmor_restrict_unprivileged_userns=0`")
+# the host's prerequisites live with the mode (agentcell/rootless.py), light enough for the SDK to check
+from agentcell.rootless import (  # noqa: E402,F401
+    MIN_SUBIDS,
+    SUBGID,
+    SUBUID,
+    IdMaps,
+    RootlessUnavailableError,
+    SubIds,
+    check_kernel,
+    plan,
+    subids,
+)
 
 
 def exec_inside(argv: Sequence[str], env: Mapping[str, str]) -> NoReturn:
