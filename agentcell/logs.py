@@ -1,0 +1,153 @@
+"""The log of `agentcell serve` and `agentcell gateway`: one handler on the root logger, in text or JSON
+lines (`--log-format`), for every `agentcell.*` logger (lifecycle, access, policy, progress ...) and
+uvicorn's.
+
+A line may carry fields: `log.info("sandbox created", extra=fields(sandbox_id=sid, template="base"))`.
+The JSON format writes them as keys of the line's object (time, level, logger, message, sandbox_id,
+then the fields); the text format appends them as `key=value`. A line logged while a data-plane request
+is served (`sandbox_context`), or whose message starts with "sandbox %s" (the registry's older lines),
+gets the sandbox's id as `sandbox_id` without saying so.
+
+Both formats go to stderr through text_escape.SafeStream: a value a client or a sandbox chose cannot act
+on the operator's terminal. JSON is escaped by construction (ensure_ascii), and SafeStream's escapes are
+JSON escapes, so a JSON line stays the same JSON.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import json
+import logging
+import sys
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+from agentcell import text_escape
+
+FORMATS = ("text", "json")
+FIELDS = "agentcell_fields"  # the LogRecord attribute `fields()` sets
+BLOCK = "agentcell_block"  # lines the text format writes under the message (the banner)
+TEXT_HIDDEN = "agentcell_text_hidden"  # fields the text format leaves out (its message says them already)
+# the sandbox a data-plane request is for, while it is served (server/access_log.py sets it)
+sandbox_context: contextvars.ContextVar[str | None] = contextvars.ContextVar("agentcell_sandbox", default=None)
+# a record's own attributes, and uvicorn's colour copy of its message: not fields
+_RECORD_KEYS = frozenset(logging.makeLogRecord({}).__dict__) | {"message", "asctime", "color_message", FIELDS, BLOCK,
+                                                                 TEXT_HIDDEN}
+
+
+def fields(sandbox_id: str | None = None, block: list[str] | None = None, text_hidden: tuple[str, ...] = (),
+           **values: Any) -> dict[str, Any]:
+    """`extra=` for a log call: the line's structured fields (None values are left out); `block`: lines
+    the text format writes instead of the fields; `text_hidden`: fields only the JSON format writes."""
+    out = {k: v for k, v in values.items() if v is not None}
+    if sandbox_id is not None:
+        out = {"sandbox_id": sandbox_id, **out}
+    extra: dict[str, Any] = {FIELDS: out}
+    if block is not None:
+        extra[BLOCK] = block
+    if text_hidden:
+        extra[TEXT_HIDDEN] = text_hidden
+    return extra
+
+
+def record_fields(record: logging.LogRecord) -> dict[str, Any]:
+    """A record's fields, with the sandbox id found where the line did not give it."""
+    found: dict[str, Any] = dict(getattr(record, FIELDS, None) or {})
+    # extra={...} given without fields(): its keys are fields too
+    found.update({k: v for k, v in record.__dict__.items() if k not in _RECORD_KEYS and not k.startswith("_")})
+    if "sandbox_id" not in found:
+        sandbox_id = sandbox_context.get()
+        if sandbox_id is None and isinstance(record.msg, str) and record.msg.startswith("sandbox %s") \
+                and isinstance(record.args, tuple) and record.args and isinstance(record.args[0], str):
+            sandbox_id = record.args[0]
+        if sandbox_id is not None:
+            found = {"sandbox_id": sandbox_id, **found}
+    return found
+
+
+def _text_value(value: Any) -> str:
+    if isinstance(value, str) and value and not any(c in value for c in ' "=\\') :
+        return value
+    return json.dumps(value, ensure_ascii=False, default=str, separators=(",", ":"))
+
+
+class TextFormatter(logging.Formatter):
+    """`2026-01-02T03:04:05.678Z INFO    agentcell.lifecycle: sandbox created sandbox_id=... template=base`"""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = f"{_time(record.created)} {record.levelname:<7} {record.name}: {record.getMessage()}"
+        block = getattr(record, BLOCK, None)
+        if block:  # the block says what the fields would
+            line += "".join(f"\n  {text_escape.escape(entry)}" for entry in block)
+        elif pairs := record_fields(record):
+            hidden = getattr(record, TEXT_HIDDEN, ())
+            shown = [f"{k}={_text_value(v)}" for k, v in pairs.items() if k not in hidden]
+            if shown:
+                line += " " + " ".join(shown)
+        if record.exc_info:
+            line += "\n" + self.formatException(record.exc_info)
+        if record.stack_info:
+            line += "\n" + self.formatStack(record.stack_info)
+        return line
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object a line: time, level, logger, message, sandbox_id (when the line concerns one),
+    then the line's fields; `exception` with the traceback when there is one."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {"time": _time(record.created), "level": record.levelname.lower(),
+                               "logger": record.name, "message": record.getMessage()}
+        for key, value in record_fields(record).items():
+            out.setdefault(key, value)  # a field never replaces the line's own keys
+        if record.exc_info:
+            out["exception"] = self.formatException(record.exc_info)
+        if record.stack_info:
+            out["stack"] = self.formatStack(record.stack_info)
+        return json.dumps(out, ensure_ascii=True, default=str, separators=(",", ":"))
+
+
+def _time(created: float) -> str:
+    return datetime.fromtimestamp(created, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def configure(level: str = "info", fmt: str = "text") -> None:
+    """The process's log: `agentcell.*` and uvicorn's loggers at `level`, everything else at warning,
+    one handler on stderr (a SafeStream) in `fmt`. Idempotent: a second call replaces the handler."""
+    if fmt not in FORMATS:
+        raise ValueError(f"log format {fmt!r}: choose from {', '.join(FORMATS)}")
+    text_escape.protect_std_streams()
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    handler.set_name("agentcell")
+    root = logging.getLogger()
+    for old in [h for h in root.handlers if h.get_name() == "agentcell"]:
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(logging.WARNING)
+    numeric = logging.getLevelName(level.upper())
+    for name in ("agentcell", "uvicorn"):
+        logging.getLogger(name).setLevel(numeric)
+
+
+class Throttle:
+    """At most one line per key each `interval` seconds; the lines held back are counted, and the next
+    line that goes out says how many (`ready(key)` -> None to hold, else the count held since)."""
+
+    def __init__(self, interval: float = 10.0, keys: int = 10_000) -> None:
+        self.interval = interval
+        self.keys = keys
+        self._last: dict[Any, tuple[float, int]] = {}
+
+    def ready(self, key: Any) -> int | None:
+        now = time.monotonic()
+        last, held = self._last.get(key, (-self.interval, 0))
+        if now - last < self.interval:
+            self._last[key] = (last, held + 1)
+            return None
+        if len(self._last) >= self.keys:  # bounded: forget the oldest half
+            for old in sorted(self._last, key=lambda k: self._last[k][0])[: self.keys // 2]:
+                del self._last[old]
+        self._last[key] = (now, 0)
+        return held

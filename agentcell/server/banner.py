@@ -1,0 +1,69 @@
+"""The startup banner: one log line (`agentcell.server`) once the server is ready, saying what it is and
+how it is exposed: version, where it listens, whether a key is required (never the key), its backends,
+the sandboxes' way to the internet, its state dir, the most a sandbox may have, the behaviour record.
+
+Text: a block under the line; JSON: the same as fields of one line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from importlib import metadata
+from typing import Any
+
+from agentcell.logs import fields
+from agentcell.server.config import ServerConfig, backend_names
+
+log = logging.getLogger("agentcell.server")
+
+
+def version() -> str:
+    try:
+        return metadata.version("agentcell")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def listen_url(config: ServerConfig) -> str:
+    if config.uds:
+        return f"unix:{config.uds}"
+    scheme = "https" if config.tls_cert else "http"
+    host = f"[{config.host}]" if ":" in config.host else config.host
+    return f"{scheme}://{host}:{config.port}"
+
+
+def facts(config: ServerConfig) -> dict[str, Any]:
+    """What the banner says, by name."""
+    ceilings = {k: v for k, v in dataclasses.asdict(config.max_limits).items() if v is not None}
+    return {
+        "version": version(),
+        "listen": listen_url(config),
+        "tls": "on" if config.tls_cert else "off",
+        "auth": "API key required (X-API-KEY)" if config.api_key is not None
+        else "none: every client that reaches the address can run code",
+        "backends": backend_names(config),
+        "egress_uplink": config.egress_uplink,
+        "internet_default": "on" if config.internet_by_default else "off",
+        "state_dir": config.state_dir,
+        "max_sandboxes": config.max_sandboxes,
+        "max_timeout_s": config.max_timeout,
+        "max_limits": ceilings,
+        "record": ",".join(config.record_collectors) if config.record else "off",
+        "cell_id": config.cell_id,
+    }
+
+
+def log_banner(config: ServerConfig) -> None:
+    said = facts(config)
+    width = max(len(k) for k in said) + 1
+    block = [f"{k + ':':<{width}} {_text(v)}" for k, v in said.items() if v is not None]
+    log.info("agentcell %s serving on %s", said["version"], said["listen"], extra=fields(block=block, **said))
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, dict):
+        return ", ".join(f"{k} {v}" for k, v in value.items())
+    if isinstance(value, list):
+        return ", ".join(map(str, value))
+    return str(value)
