@@ -4,7 +4,7 @@ uvicorn's.
 
 A line may carry fields: `log.info("sandbox created", extra=fields(sandbox_id=sid, template="base"))`.
 The JSON format writes them as keys of the line's object (time, level, logger, message, sandbox_id,
-then the fields); the text format appends them as `key=value`. A line logged while a data-plane request
+then the fields); the text format appends them as `key=value`. A line logged while a request for a sandbox
 is served (`sandbox_context`), or whose message starts with "sandbox %s" (the registry's older lines),
 gets the sandbox's id as `sandbox_id` without saying so.
 
@@ -15,11 +15,13 @@ JSON escapes, so a JSON line stays the same JSON.
 
 from __future__ import annotations
 
+import atexit
 import contextvars
 import json
 import logging
+import os
 import sys
-import time
+import threading
 from datetime import UTC, datetime
 from typing import Any
 
@@ -29,8 +31,21 @@ FORMATS = ("text", "json")
 FIELDS = "agentcell_fields"  # the LogRecord attribute `fields()` sets
 BLOCK = "agentcell_block"  # lines the text format writes under the message (the banner)
 TEXT_HIDDEN = "agentcell_text_hidden"  # fields the text format leaves out (its message says them already)
-# the sandbox a data-plane request is for, while it is served (server/access_log.py sets it)
-sandbox_context: contextvars.ContextVar[str | None] = contextvars.ContextVar("agentcell_sandbox", default=None)
+
+
+class Serving:
+    """The sandbox a request is for, while it is served (server/access_log.py). A task the request
+    started keeps a copy of the context: `active` turns False when the request ends, so that the task's
+    later lines do not name a sandbox they may not concern."""
+
+    __slots__ = ("sandbox_id", "active")
+
+    def __init__(self, sandbox_id: str | None) -> None:
+        self.sandbox_id = sandbox_id
+        self.active = True
+
+
+sandbox_context: contextvars.ContextVar[Serving | None] = contextvars.ContextVar("agentcell_sandbox", default=None)
 # a record's own attributes, and uvicorn's colour copy of its message: not fields
 _RECORD_KEYS = frozenset(logging.makeLogRecord({}).__dict__) | {"message", "asctime", "color_message", FIELDS, BLOCK,
                                                                  TEXT_HIDDEN}
@@ -57,7 +72,8 @@ def record_fields(record: logging.LogRecord) -> dict[str, Any]:
     # extra={...} given without fields(): its keys are fields too
     found.update({k: v for k, v in record.__dict__.items() if k not in _RECORD_KEYS and not k.startswith("_")})
     if "sandbox_id" not in found:
-        sandbox_id = sandbox_context.get()
+        serving = sandbox_context.get()
+        sandbox_id = serving.sandbox_id if serving is not None and serving.active else None
         if sandbox_id is None and isinstance(record.msg, str) and record.msg.startswith("sandbox %s") \
                 and isinstance(record.args, tuple) and record.args and isinstance(record.args[0], str):
             sandbox_id = record.args[0]
@@ -114,11 +130,14 @@ def _time(created: float) -> str:
 
 def configure(level: str = "info", fmt: str = "text") -> None:
     """The process's log: `agentcell.*` and uvicorn's loggers at `level`, everything else at warning,
-    one handler on stderr (a SafeStream) in `fmt`. Idempotent: a second call replaces the handler."""
+    one handler on stderr (a SafeStream) in `fmt`. Idempotent: a second call replaces the handler.
+
+    JSON: what else reaches the process's stderr (a helper process's or a library's plain line, a
+    traceback) is made a JSON line too (logger `agentcell.stderr`), so that every line is JSON."""
     if fmt not in FORMATS:
         raise ValueError(f"log format {fmt!r}: choose from {', '.join(FORMATS)}")
     text_escape.protect_std_streams()
-    handler = logging.StreamHandler(sys.stderr)
+    handler = logging.StreamHandler(_json_stderr() if fmt == "json" else sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
     handler.set_name("agentcell")
     root = logging.getLogger()
@@ -131,23 +150,50 @@ def configure(level: str = "info", fmt: str = "text") -> None:
         logging.getLogger(name).setLevel(numeric)
 
 
-class Throttle:
-    """At most one line per key each `interval` seconds; the lines held back are counted, and the next
-    line that goes out says how many (`ready(key)` -> None to hold, else the count held since)."""
+_captured: Any = None  # the real stderr once fd 2 is a pipe read by _relay (JSON format)
+_STDERR_LINE_MAX = 64 << 10
 
-    def __init__(self, interval: float = 10.0, keys: int = 10_000) -> None:
-        self.interval = interval
-        self.keys = keys
-        self._last: dict[Any, tuple[float, int]] = {}
 
-    def ready(self, key: Any) -> int | None:
-        now = time.monotonic()
-        last, held = self._last.get(key, (-self.interval, 0))
-        if now - last < self.interval:
-            self._last[key] = (last, held + 1)
-            return None
-        if len(self._last) >= self.keys:  # bounded: forget the oldest half
-            for old in sorted(self._last, key=lambda k: self._last[k][0])[: self.keys // 2]:
-                del self._last[old]
-        self._last[key] = (now, 0)
-        return held
+def _json_stderr() -> Any:
+    """The process's real stderr, for the JSON handler; fd 2 becomes a pipe whose lines are relayed as
+    JSON (those that are not JSON already). Children inherit the pipe as their stderr."""
+    global _captured
+    if _captured is not None:
+        return _captured
+    sys.stderr.flush()
+    real = os.fdopen(os.dup(2), "w", buffering=1, encoding="utf-8", errors="backslashreplace")
+    read_end, write_end = os.pipe()
+    os.dup2(write_end, 2)
+    os.close(write_end)
+    _captured = real
+    relay = threading.Thread(target=_relay, args=(read_end,), name="agentcell-stderr", daemon=True)
+    relay.start()
+
+    def restore() -> None:  # at exit: the last lines (a traceback) are not lost in the pipe
+        sys.stderr.flush()
+        os.dup2(real.fileno(), 2)
+        relay.join(0.5)
+
+    atexit.register(restore)
+    return real
+
+
+def _relay(read_end: int) -> None:
+    log = logging.getLogger("agentcell.stderr")
+    pending = b""
+    while True:
+        try:
+            chunk = os.read(read_end, 65536)
+        except OSError:
+            return
+        if not chunk:
+            return
+        pending += chunk
+        *lines, pending = pending.split(b"\n")
+        if len(pending) > _STDERR_LINE_MAX:
+            lines.append(pending)
+            pending = b""
+        for raw in lines:
+            text = raw.decode("utf-8", "replace").rstrip("\r")
+            if text.strip():  # (a JSON-looking line too: a message, so none can pose as a line of ours)
+                log.warning("%s", text)

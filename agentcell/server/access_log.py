@@ -16,7 +16,7 @@ import re
 import time
 from typing import Any
 
-from agentcell.logs import fields, sandbox_context
+from agentcell.logs import Serving, fields, sandbox_context
 from agentcell.server import routing
 from agentcell.server.auth import ENVD_PORT, INTERPRETER_PORT
 from agentcell.server.errors import incident_counter
@@ -69,7 +69,8 @@ class AccessLog:
                 sent += len(message.get("body", b""))
             await send(message)
 
-        sandbox_token = sandbox_context.set(sandbox_id)
+        serving = Serving(sandbox_id)
+        sandbox_token = sandbox_context.set(serving)
         incident_token = incident_counter.set(self._count_incident)
         try:
             await self.app(scope, receive, seen)
@@ -80,6 +81,7 @@ class AccessLog:
             raise
         finally:
             incident_counter.reset(incident_token)
+            serving.active = False
             sandbox_context.reset(sandbox_token)
             plane = "metrics" if port is None and scope.get("path") == "/metrics" else plane_of(port)
             status_class = f"{status // 100}xx" if status is not None else "none"

@@ -148,8 +148,10 @@ class Observer:
         window = self._windows.get(key)
         if window is None:  # the first of its window: said now, in full
             self._windows[key] = _Window()
-            logger.warning(message, extra=fields(sandbox_id, kind=what, rule=rule, target=target,
-                                                 count=count if count > 1 else None, **(detail or {})))
+            said = {**(detail or {}), "kind": what, "rule": rule, "target": target}
+            if count > 1:
+                said["count"] = count
+            logger.warning(message, extra=fields(sandbox_id, **said))
             self._later(key, logger, message)
             return
         window.count += count
@@ -189,7 +191,7 @@ class ObservedRecorder:
         self.observer = observer
 
     def add(self, sandbox_id: str, event: dict[str, Any]) -> None:
-        if event.get("kind") in self.WATCHED:
+        if event.get("kind") in self.WATCHED and self.store.recording(sandbox_id):  # (not a standby's, nor a gone one's)
             try:
                 self.observer.seen(sandbox_id, event)
             except Exception:  # noqa: BLE001 - the record never raises to a collector; nor does its tap
