@@ -20,6 +20,7 @@ import contextvars
 import json
 import logging
 import os
+import re
 import sys
 import threading
 from datetime import UTC, datetime
@@ -70,7 +71,9 @@ def record_fields(record: logging.LogRecord) -> dict[str, Any]:
     """A record's fields, with the sandbox id found where the line did not give it."""
     found: dict[str, Any] = dict(getattr(record, FIELDS, None) or {})
     # extra={...} given without fields(): its keys are fields too
-    found.update({k: v for k, v in record.__dict__.items() if k not in _RECORD_KEYS and not k.startswith("_")})
+    for key in record.__dict__.keys() - _RECORD_KEYS:
+        if not key.startswith("_"):
+            found[key] = record.__dict__[key]
     if "sandbox_id" not in found:
         serving = sandbox_context.get()
         sandbox_id = serving.sandbox_id if serving is not None and serving.active else None
@@ -82,9 +85,16 @@ def record_fields(record: logging.LogRecord) -> dict[str, Any]:
     return found
 
 
+_PLAIN = re.compile(r'^[^\s"=\\]+$')  # a value written as it is; others in JSON's quotes
+
+
 def _text_value(value: Any) -> str:
-    if isinstance(value, str) and value and not any(c in value for c in ' "=\\') :
-        return value
+    if isinstance(value, str):
+        return value if _PLAIN.match(value) else json.dumps(value, ensure_ascii=False)
+    if value is None or isinstance(value, bool):
+        return "null" if value is None else "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
     return json.dumps(value, ensure_ascii=False, default=str, separators=(",", ":"))
 
 
@@ -124,8 +134,15 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, ensure_ascii=True, default=str, separators=(",", ":"))
 
 
+_second: tuple[int, str] = (-1, "")  # the last second formatted (lines come many a second)
+
+
 def _time(created: float) -> str:
-    return datetime.fromtimestamp(created, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    global _second
+    whole = int(created)
+    if _second[0] != whole:
+        _second = (whole, datetime.fromtimestamp(whole, UTC).strftime("%Y-%m-%dT%H:%M:%S"))
+    return f"{_second[1]}.{int((created - whole) * 1000):03d}Z"
 
 
 def configure(level: str = "info", fmt: str = "text") -> None:

@@ -34,7 +34,7 @@ from agentcell.record.store import EventStore
 from agentcell.server import observer as observer_module
 from agentcell.server.observer import ObservedRecorder, Observer
 from agentcell.server.prometheus import ServerMetrics
-from tests.conftest import REPO, ServerProcess
+from tests.conftest import REPO, ServerProcess, _free_port
 
 KEY = "ops-key-" + os.urandom(12).hex()
 ARGV_KEY = "argv-key-" + os.urandom(12).hex()
@@ -291,6 +291,46 @@ def test_text_log_escapes_what_clients_send(tls_server: tuple[ServerProcess, Pat
     raw_log = srv.log_path.read_bytes()
     assert b"\x1b" not in raw_log
     assert b"\\u001b[2J\\u001b[31mred" in raw_log
+
+
+def test_gateway_takes_a_config_file_key_files_and_tls(tls_server: tuple[ServerProcess, Path],
+                                                       tmp_path: Path) -> None:
+    """`agentcell gateway` from a TOML file alone: its keys from files, HTTPS, JSON logs, its banner."""
+    _, cert = tls_server
+    (tmp_path / "client-key").write_text(KEY)
+    (tmp_path / "cell-key").write_text(ARGV_KEY + "\n")
+    port = _free_port()
+    config = tmp_path / "gateway.toml"
+    config.write_text(f'port = {port}\ncell = ["http://127.0.0.1:9"]\napi-key-file = "{tmp_path / "client-key"}"\n'
+                      f'cell_api_key_file = "{tmp_path / "cell-key"}"\ntls-cert = "{cert}"\n'
+                      f'tls-key = "{cert.parent / "key.pem"}"\nlog-format = "json"\n')
+    log_path = tmp_path / "gateway.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "agentcell", "gateway"], cwd=REPO, stdout=log,
+                                stderr=subprocess.STDOUT, env={**os.environ, "AGENTCELL_CONFIG": str(config)})
+    try:
+        trust = ssl.create_default_context(cafile=str(cert))
+        url = f"https://127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        while True:
+            assert proc.poll() is None, log_path.read_text()
+            try:
+                httpx.get(f"{url}/health", verify=trust, timeout=1)
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline, log_path.read_text()
+                time.sleep(0.1)
+        assert httpx.get(f"{url}/v1/cells", verify=trust).status_code == 401
+        assert httpx.get(f"{url}/v1/cells", verify=trust, headers={"X-API-KEY": KEY}).status_code == 200
+        cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes()
+        assert KEY.encode() not in cmdline and ARGV_KEY.encode() not in cmdline
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+    lines = json_lines(log_path.read_text())
+    [banner] = [x for x in lines if "gateway" in x["message"] and "serving on" in x["message"]]
+    assert banner["listen"] == url and banner["tls"] == "on" and banner["auth"].startswith("API key required")
+    assert KEY not in log_path.read_text() and ARGV_KEY not in log_path.read_text()
 
 
 def test_config_file_unknown_key_is_one_line(tmp_path: Path) -> None:

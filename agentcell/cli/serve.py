@@ -304,6 +304,10 @@ def gateway(ctx: click.Context, **opts: Any) -> None:
         raise click.ClickException(str(e)) from None
     app = GatewayApp(discovery, opts["api_key"], opts["cell_api_key"], opts["poll_interval"],
                      body_timeout=opts["body_timeout"], max_body_memory=opts["max_body_memory_mb"] << 20)
+    from agentcell.server.banner import log_gateway_banner
+
+    log_gateway_banner(opts["host"], opts["port"], opts["tls_cert"] is not None, opts["api_key"] is not None,
+                       opts["discovery"])
     run_gateway(app, opts["host"], opts["port"], opts["log_level"], header_timeout=opts["header_timeout"],
                 max_connections=opts["max_connections"], tls=(opts["tls_cert"], opts["tls_key"]),
                 log_format=opts["log_format"])

@@ -67,3 +67,15 @@ def _text(value: Any) -> str:
     if isinstance(value, list):
         return ", ".join(map(str, value))
     return str(value)
+
+
+def log_gateway_banner(host: str, port: int, tls: bool, api_key: bool, discovery: str) -> None:
+    """`agentcell gateway`'s banner: the same shape, what a gateway has."""
+    scheme = "https" if tls else "http"
+    said = {"version": version(), "listen": f"{scheme}://{f'[{host}]' if ':' in host else host}:{port}",
+            "tls": "on" if tls else "off",
+            "auth": "API key required (X-API-KEY)" if api_key else "none: every client that reaches the address can "
+            "create sandboxes on the cells", "discovery": discovery}
+    width = max(len(k) for k in said) + 1
+    log.info("agentcell gateway %s serving on %s", said["version"], said["listen"],
+             extra=fields(block=[f"{k + ':':<{width}} {v}" for k, v in said.items()], **said))

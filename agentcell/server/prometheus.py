@@ -153,6 +153,16 @@ class _StateCollector(Collector):
                 preparing.add_metric([backend.name, template], pool.preparing)
                 target.add_metric([backend.name, template], pool.size)
         yield from (ready, preparing, target)
+        lost = CounterMetricFamily("agentcell_egress_events_lost", "Connection events the kernel could not "
+                                   "deliver (its socket overran): the egress figures undercount by at least this "
+                                   "many; source conntrack (connections) or nflog (refusals).", labels=["source"])
+        for backend in self.backends():
+            egress = getattr(backend, "egress", None)
+            stats = egress.event_stats() if egress is not None else {}
+            for source in ("conntrack", "nflog"):
+                if f"lost_{source}" in stats:
+                    lost.add_metric([source], stats[f"lost_{source}"])
+        yield lost
         if self.events is not None:
             stats = self.events.stats
             yield CounterMetricFamily("agentcell_record_events_stored", "Behaviour-record events stored.",
