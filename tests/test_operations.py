@@ -39,6 +39,7 @@ from tests.conftest import REPO, ServerProcess, _free_port
 KEY = "ops-key-" + os.urandom(12).hex()
 ARGV_KEY = "argv-key-" + os.urandom(12).hex()
 CONFIG_MAX_SANDBOXES = 2
+INTERNET_ARGS = tuple(os.environ.get("OPS_INTERNET_ARGS", "--log-format json").split())
 
 
 def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -198,6 +199,59 @@ def test_oom_is_logged_and_counted(json_server: ServerProcess) -> None:
     after = scrape(json_server)
     assert value(after, "agentcell_limit_events_total", limit="oom") > value(before, "agentcell_limit_events_total",
                                                                            limit="oom")
+
+
+@pytest.fixture(scope="module")
+def internet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """A server whose uplink leads into the tests' own internet (tests/egress_internet.py), JSON logs."""
+    from tests.egress_internet import internet_server
+
+    with internet_server(tmp_path_factory, *INTERNET_ARGS) as server:
+        yield server
+
+
+def test_egress_bytes_and_refusals_are_counted_and_logged(internet: ServerProcess) -> None:
+    from tests.egress_internet import FORBIDDEN, WEB
+
+    before = scrape(internet)
+    sbx = Sandbox.create(api_url=internet.url, allow_internet_access=True, timeout=120)
+    try:
+        out = sbx.run_code(
+            "import socket\n"
+            "def tcp(host):\n"
+            "    try:\n"
+            "        s = socket.create_connection((host, 80), timeout=1)\n"
+            "        s.sendall(b'GET / HTTP/1.0\\r\\nHost: ' + host.encode() + b'\\r\\n\\r\\n')\n"
+            "        data = s.recv(200); s.close(); return data[:12].decode()\n"
+            "    except OSError as e:\n"
+            "        return type(e).__name__\n"
+            f"print(tcp({WEB!r}), [tcp({FORBIDDEN[0]!r}) for _ in range(4)])")
+        assert out.logs.stdout and out.logs.stdout[0].startswith("HTTP/1."), out
+        assert "HTTP" not in out.logs.stdout[0].split(" ", 1)[1], out  # the forbidden address was never reached
+        deadline = time.monotonic() + 40  # a closed connection is counted after its TIME_WAIT (10 s)
+        while True:
+            now = scrape(internet)
+            sent = value(now, "agentcell_egress_bytes_total", direction="out") - value(
+                before, "agentcell_egress_bytes_total", direction="out")
+            if sent > 0 or time.monotonic() > deadline:
+                break
+            time.sleep(1)
+        assert sent > 0
+        assert value(now, "agentcell_egress_bytes_total", direction="in") > value(
+            before, "agentcell_egress_bytes_total", direction="in")
+        assert value(now, "agentcell_egress_connections_total") > value(before, "agentcell_egress_connections_total")
+        refused = sum(v for (name, labels), v in now.items() if name == "agentcell_egress_refusals_total"
+                      and ("kind", "net.deny") in labels) - sum(
+            v for (name, labels), v in before.items() if name == "agentcell_egress_refusals_total"
+            and ("kind", "net.deny") in labels)
+        assert refused >= 4, now
+    finally:
+        sbx.kill()
+    lines = [x for x in json_lines(internet.log()) if x["logger"] == "agentcell.policy"
+             and x.get("sandbox_id") == sbx.sandbox_id]
+    assert 1 <= len(lines) <= 2, lines  # the first refusal, then (at most) one sum for the rest
+    assert lines[0]["kind"] == "net.deny" and lines[0]["target"] == f"{FORBIDDEN[0]}:80", lines
+    assert sum(x.get("count", 1) for x in lines) >= 4, lines
 
 
 def _self_signed(d: Path) -> tuple[Path, Path]:
