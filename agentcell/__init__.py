@@ -17,6 +17,7 @@ from agentcell.errors import (
     SandboxException,
     SandboxNotFoundException,
     SandboxNotRunningException,
+    ServerUnreachableException,
     TimeoutException,
 )
 from agentcell.sdk import (
@@ -69,6 +70,7 @@ __all__ = [
     "SandboxNotFoundException",
     "SandboxNotRunningException",
     "SandboxQuery",
+    "ServerUnreachableException",
     "TimeoutException",
     "WriteInfo",
 ]

@@ -135,5 +135,14 @@ class SandboxNotFoundException(NotFoundException):
     """No sandbox with that id exists (it may have been killed or timed out)."""
 
 
+class ServerUnreachableException(SandboxException):
+    """No HTTP answer from the agentcell server: it is not running, or the URL or socket is wrong."""
+
+
 class EmbeddedServerError(SandboxException):
     """The embedded local server (started when no api_url / AGENTCELL_URL is set) failed to start."""
+
+
+class NoLocalServerError(EmbeddedServerError):
+    """No api_url / AGENTCELL_URL, no system service this user can reach, and no embedded server possible
+    (it needs root): the message names the fix (docs/system-service.md)."""

@@ -85,10 +85,10 @@ def test_a_flood_is_counted_over_the_budget_and_a_muted_uid_is_not_written(trace
 
 
 def test_a_missing_compiler_is_a_clear_error(monkeypatch: pytest.MonkeyPatch, tmp_path: os.PathLike[str]) -> None:
-    from agentcell.record.linux import kernel_trace
+    from agentcell.record.linux import bpf_build, kernel_trace
 
-    monkeypatch.setattr(kernel_trace, "CACHE", tmp_path)
-    monkeypatch.setattr(kernel_trace, "CLANGS", ("no-such-clang",))
+    monkeypatch.setattr(kernel_trace, "CACHE", tmp_path)  # (a checkout ships no compiled object: setup.py does)
+    monkeypatch.setattr(bpf_build, "CLANGS", ("no-such-clang",))
     with pytest.raises(KernelTraceUnavailable, match="no clang"):
         KernelTrace(FIRST, LAST)
 

@@ -387,6 +387,40 @@ def test_gateway_takes_a_config_file_key_files_and_tls(tls_server: tuple[ServerP
     assert KEY not in log_path.read_text() and ARGV_KEY not in log_path.read_text()
 
 
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("useradd") is None or not os.path.exists("/usr/bin/python3"),
+                    reason="needs root, useradd and /usr/bin/python3")
+def test_system_socket_metrics_are_roots_only() -> None:
+    """Under the system service's tenancy a group member reaches the socket without a key, but /metrics counts
+    every user's sandboxes: the member gets 403, root gets them."""
+    import pwd
+    import uuid
+
+    from tests.test_system_service import Service
+
+    tag = uuid.uuid4().hex[:6]
+    group, member = f"acopsg{tag}", f"acopsm{tag}"
+    subprocess.run(["groupadd", "--system", group], check=True)
+    service = None
+    try:
+        subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", "-G", group,
+                        member], check=True)
+        service = Service(group)
+        assert service.client.get("/metrics").status_code == 200  # root on the socket, no key
+        code = ("import socket, sys\n"
+                "s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1])\n"
+                "s.sendall(b'GET /metrics HTTP/1.1\\r\\nHost: localhost\\r\\nConnection: close\\r\\n\\r\\n')\n"
+                "print(s.recv(200).split(b'\\r\\n')[0].decode())\n")
+        seen = subprocess.run(["runuser", "-u", member, "--", "/usr/bin/python3", "-c", code, service.socket],
+                              capture_output=True, text=True, timeout=60)
+        assert seen.stdout.strip() == "HTTP/1.1 403 Forbidden", (seen.stdout, seen.stderr)
+        assert pwd.getpwnam(member).pw_uid != 0
+    finally:
+        if service is not None:
+            service.stop()
+        subprocess.run(["userdel", member], check=False)
+        subprocess.run(["groupdel", group], check=False)
+
+
 def test_config_file_unknown_key_is_one_line(tmp_path: Path) -> None:
     config = tmp_path / "bad.toml"
     config.write_text("max-sandboxs = 3\n")

@@ -2,4 +2,4 @@
 
 from agentcell.cli import main
 
-main()
+main(prog_name="agentcell")

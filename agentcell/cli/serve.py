@@ -175,6 +175,19 @@ def _tls(opts: dict[str, Any]) -> None:
               help="Disk the behaviour records of all sandboxes may take (the oldest ended ones go first).")
 @click.option("--audit-log", default=None, metavar="PATH|-",
               help="Also write every event of every sandbox as a JSON line to this file ('-': stdout), for a SIEM.")
+@click.option("--system", is_flag=True,
+              help="Run as the machine's shared service (docs/system-service.md): listen on the unix socket systemd "
+                   "passes, else on --uds (default /run/agentcell/agentcell.sock) made root:--socket-group 0660; "
+                   "each sandbox belongs to the uid that created it, other users get 404; no TCP port unless "
+                   "--system-tcp.")
+@click.option("--socket-group", default="agentcell", show_default=True,
+              help="With --system: the group whose members may connect to the socket.")
+@click.option("--system-tcp", is_flag=True,
+              help="With --system: also listen on --host:--port; needs --api-key (its holders are one tenant).")
+@click.option("--max-sandboxes-per-user", default=20, show_default=True, type=click.IntRange(1),
+              help="With --system: sandboxes (running or paused) one user may hold at once; root has no quota.")
+@click.option("--max-memory-mb-per-user", default=None, type=click.IntRange(32),
+              help="With --system: the memory limits of one user's sandboxes together (default: no bound).")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 @_LOG_FORMAT
@@ -223,16 +236,28 @@ def serve(ctx: click.Context, **opts: Any) -> None:
     opts["egress_allow_ranges"] = tuple(opts["egress_allow_ranges"])
     opts["egress_plain_http_hosts"] = tuple(h.strip().lower().rstrip(".") for h in opts["egress_plain_http_hosts"])
     opts["internet_default"] = None if opts["internet_default"] is None else opts["internet_default"] == "on"
+    if not opts["system"]:  # quotas are per user, and only the system service knows its users
+        opts["max_sandboxes_per_user"] = opts["max_memory_mb_per_user"] = None
+    elif opts["uds"] is None:
+        from agentcell.server.system_listen import SYSTEM_SOCKET
+
+        opts["uds"] = SYSTEM_SOCKET
     config = ServerConfig(**opts, limits=limits, max_limits=max_limits,
                           default_timeout=min(300, opts["max_timeout"]))
+    from agentcell.server import system_listen
+
     try:
         check(config)
         check_exposure(config)
         HostPolicy.from_config(config)
-    except ValueError as e:
+        system_listen.check(config)
+    except (ValueError, system_listen.ListenError) as e:
         raise click.ClickException(str(e)) from None
     _watch_lifeline()
-    run_server(config)
+    try:
+        run_server(config)
+    except system_listen.ListenError as e:
+        raise click.ClickException(str(e)) from None
 
 
 @main.command()

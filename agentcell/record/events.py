@@ -73,6 +73,12 @@ def event(kind: str, *, source: str = "host", pid: int | None = None, ppid: int 
             "ppid": ppid, **fields}
 
 
+def not_recorded(collector: str, why: str) -> dict[str, Any]:
+    """The note at the start of every record while a host-side collector (backends/base.py,
+    COLLECTOR_NAMES) cannot run here: the report then says that part is not recorded, not empty."""
+    return event("record.dropped", count=0, collector=collector, why=why, reason=f"{collector} not recorded here: {why}")
+
+
 class Recorder(Protocol):
     """Where a backend's events go (the server's EventStore): `begin` when a tenant's sandbox starts
     (before any of its code runs), `add` for each event, `end` once it is gone."""

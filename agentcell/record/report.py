@@ -31,6 +31,7 @@ def build(events: Iterable[dict[str, Any]], summary: dict[str, Any] | None = Non
     limits: list[dict[str, Any]] = []
     api: Counter[str] = Counter()
     kinds: Counter[str] = Counter()
+    not_recorded: dict[str, str] = {}  # a collector that did not run on the host -> why (record.dropped)
     flags = flag_rules.FlagSet()
     first = last = None
 
@@ -89,6 +90,8 @@ def build(events: Iterable[dict[str, Any]], summary: dict[str, Any] | None = Non
                 limits.append(_brief(e))
         elif kind == "api.call":
             api[str(e.get("action"))] += 1
+        elif kind == "record.dropped" and e.get("collector"):
+            not_recorded.setdefault(str(e["collector"]), str(e.get("why") or e.get("reason") or "unknown"))
     summary = dict(summary or {})
     seen = summary.pop("flags_seen", None) or []  # the store's, raised on every event (stored or not)
     end = summary.get("ended") or last
@@ -105,6 +108,7 @@ def build(events: Iterable[dict[str, Any]], summary: dict[str, Any] | None = Non
         "denials": denials[:MAX_LISTED * 2],
         "limits": limits[:MAX_LISTED],
         "api_calls": dict(api),
+        "not_recorded": not_recorded,
     }
 
 
@@ -126,13 +130,14 @@ def render(report: dict[str, Any]) -> str:
             out.append(f"  ! {escape(f['flag'])}: {escape(f['why'])} (events {cited or '-'}{unstored})")
     else:
         out.append("\nno flags")
-    out.append("\nPROCESSES")
+    missing = report.get("not_recorded") or {}
+    out.append(_heading("PROCESSES", missing.get("processes")))
     for p in report["processes"][:MAX_LISTED]:
         argv = " ".join(escape(a) for a in (p.get("argv") or [p.get("path")]))
         status = "running" if p["end"] is None else "exec'd a new program" if p["exit"] == "exec" \
             else f"exit {escape(p['exit'])}"
         out.append(f"  [{escape(p.get('pid'))}<-{escape(p.get('ppid'))}] {argv[:120]}  ({status})")
-    out.append("\nFILES")
+    out.append(_heading("FILES", missing.get("files")))
     for f in report["files"][:MAX_LISTED]:
         ops = ", ".join(f"{escape(k)}x{escape(v)}" for k, v in f["ops"].items())
         out.append(f"  {escape(f['path'])}  {ops}")
@@ -150,9 +155,15 @@ def render(report: dict[str, Any]) -> str:
                 what = f"{what} ({escape(d['syscall'])})"
         why = d.get("rule") or d.get("reason") or (f"errno {d['errno']}" if d.get("errno") else "")
         out.append(f"  {escape(d.get('kind'))} {what} {escape(why)}".rstrip())
-    out.append("\nLIMITS")
+    out.append(_heading("LIMITS", missing.get("limits")))
     for x in report["limits"]:
         out.append(f"  {escape(x.get('kind'))} {escape({k: v for k, v in x.items() if k not in ('kind', 'time', 'seq')})}")
     if report["api_calls"]:
         out.append("\nAPI CALLS  " + ", ".join(f"{escape(k)} x{v}" for k, v in sorted(report["api_calls"].items())))
     return "\n".join(out) + "\n"
+
+
+def _heading(section: str, not_recorded: str | None) -> str:
+    """A section's heading; for a part the host did not record, saying so (an empty list would say
+    that nothing happened)."""
+    return f"\n{section}" if not_recorded is None else f"\n{section}: not recorded ({escape(not_recorded)})"

@@ -1,7 +1,8 @@
 """JavaScript and TypeScript contexts: one Node.js process each (js/runner.js), the host's ``node``.
 
 The runner, its parser (acorn) and TypeScript's transpiler ship in the agentcell package
-(runtime/js, installed by scripts/setup from its package-lock.json), so a sandbox reads them at
+(runtime/js/node_modules: in a checkout installed by scripts/setup from its package-lock.json, in a
+wheel the files of them that run, put there when it was built: setup.py), so a sandbox reads them at
 /opt/agentcell/lib/agentcell/runtime/js like the rest of the package. A context costs one node
 process (~40 MiB resident, ~0.1 s to start; TypeScript's ~0.4 s), charged to the sandbox's cgroup.
 """
@@ -24,7 +25,7 @@ def _missing(language: str) -> str | None:
     for pkg in needs:
         if not os.path.isfile(os.path.join(JS_DIR, "node_modules", pkg, "package.json")):
             return (f"{language} contexts need the npm package {pkg!r} in agentcell/runtime/js/node_modules, "
-                    "which is not installed: run scripts/setup (npm ci there)")
+                    "which is not installed: run scripts/setup (npm ci there), or install a wheel (it has them)")
     return None
 
 

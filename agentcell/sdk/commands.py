@@ -102,6 +102,7 @@ class Output:
         self._err = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.result: CommandResult | None = None
         self.killed = False  # ended by a signal, not by exiting
+        self.status: str | None = None  # the end's wait status as text: "exit status 3", "signal: killed"
 
     def feed(self, msg: dict[str, Any]) -> tuple[str | None, str | None, bytes | None] | None:
         event = msg.get("event") or {}
@@ -131,6 +132,7 @@ class Output:
             if tail_err and self.retain:
                 self.stderr.append(tail_err)
             self.killed = not end.get("exited", False)
+            self.status = end.get("status") or None
             self.result = CommandResult(
                 stderr="".join(self.stderr), stdout="".join(self.stdout),
                 exit_code=int(end.get("exitCode", 0)), error=end.get("error") or None,

@@ -1,6 +1,7 @@
 """Where the SDK finds a server, and with which key.
 
-Endpoint: the `api_url` argument, else AGENTCELL_URL, else an embedded local server (started lazily, one per
+Endpoint: the `api_url` argument, else AGENTCELL_URL, else the machine's system service when this user can
+reach its socket (system_socket.py), else an embedded local server (root only; started lazily, one per
 process). API key: the argument, else AGENTCELL_API_KEY, else E2B_API_KEY, else none.
 """
 
@@ -44,15 +45,20 @@ def resolve(api_url: str | None = None, api_key: str | None = None, request_time
     url = api_url or os.environ.get("AGENTCELL_URL")
     if url:
         endpoint = Endpoint(url.rstrip("/"))
-    else:
-        from agentcell.sdk.embedded import ensure_server
+    else:  # the system service if this user can reach it, else the embedded server (system_socket.py)
+        from agentcell.sdk.system_socket import local_endpoint
 
-        endpoint = ensure_server()
+        endpoint = local_endpoint()
     return ConnectionConfig(endpoint, resolve_api_key(api_key), request_timeout or DEFAULT_REQUEST_TIMEOUT)
 
 
 def needs_embedded(api_url: str | None) -> bool:
-    return not (api_url or os.environ.get("AGENTCELL_URL"))
+    """Whether resolve() would start (or use) an embedded server: no URL and no system service to use."""
+    if api_url or os.environ.get("AGENTCELL_URL"):
+        return False
+    from agentcell.sdk.system_socket import probe, socket_path
+
+    return probe(socket_path()) is not None
 
 
 ENVD_PORT = "49983"

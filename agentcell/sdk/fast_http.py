@@ -91,7 +91,7 @@ class FastHTTP:
         else:
             self._pool = urllib3.connection_from_url(endpoint.base_url, maxsize=_POOL_SIZE, retries=False)
 
-    def request(self, method: str, path: str, *, body: bytes | None = None, headers: dict[str, str],
+    def request(self, method: str, path: str, *, body: Any = None, headers: dict[str, str],
                 connect: float | None, read: float | None, stream: bool = False) -> Response:
         """Raises urllib3's errors (see `transport_error`)."""
         return self._pool.urlopen(method, self._prefix + path, body=body, headers=headers, retries=False,

@@ -64,6 +64,25 @@ def to_bytes(data: str | bytes | bytearray | IO[Any]) -> bytes:
     raise InvalidArgumentException(f"cannot write {type(data).__name__}: pass str, bytes or a file-like object")
 
 
+def is_binary_stream(data: object) -> bool:
+    """A binary file object: files.write() streams it (a chunked upload when its size is not known)."""
+    return isinstance(data, io.RawIOBase | io.BufferedIOBase)
+
+
+def stream_length_header(data: IO[bytes]) -> dict[str, str]:
+    """Content-Length for a regular file (what is left of it); none for a pipe or socket (chunked)."""
+    import os
+    import stat
+
+    try:
+        st = os.fstat(data.fileno())
+        if stat.S_ISREG(st.st_mode):
+            return {"Content-Length": str(max(0, st.st_size - data.tell()))}
+    except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
+        pass
+    return {}
+
+
 def upload_headers(base: dict[str, str], metadata: dict[str, str] | None, gzip: bool,
                    use_octet_stream: bool | None) -> dict[str, str]:
     """e2b's write options as headers: metadata as X-Metadata-<key> (kept as the file's xattrs,

@@ -69,7 +69,7 @@ class Filesystem:
         return unary(self._fast, path, msg, self._conn.envd_headers, (rt, rt), self._conn.sandbox_id)
 
     def _files(self, method: str, path: str, headers: dict[str, str], request_timeout: float | None,
-               body: bytes | None = None, stream: bool = False) -> fast_http.Response:
+               body: bytes | IO[bytes] | None = None, stream: bool = False) -> fast_http.Response:
         rt = self._bound(request_timeout)
         url = "/files?" + urllib.parse.urlencode({"path": path})
         try:
@@ -134,7 +134,12 @@ class Filesystem:
         headers = f.upload_headers(base, metadata, gzip, use_octet_stream)
         if use_octet_stream is False:
             return self.write_files([{"path": path, "data": data}], user, request_timeout, metadata=metadata)[0]
-        r = self._files("POST", path, headers, request_timeout, body=f.upload_body(data, gzip))
+        if not gzip and f.is_binary_stream(data):  # streamed as it is read, never whole in memory
+            body: Any = data
+            headers = {**headers, **f.stream_length_header(data)}
+        else:
+            body = f.upload_body(data, gzip)
+        r = self._files("POST", path, headers, request_timeout, body=body)
         if r.status != 200:
             raise self._error(r.status, r.data, path)
         return write_info_from_json(json.loads(r.data)[0])

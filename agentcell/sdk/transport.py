@@ -17,6 +17,7 @@ from agentcell.errors import (
     RateLimitException,
     SandboxException,
     SandboxNotRunningException,
+    ServerUnreachableException,
     TimeoutException,
 )
 from agentcell.sdk.config import ENVD_PORT, Endpoint
@@ -130,7 +131,7 @@ def transport_failure(e: BaseException, what: str, timed_out: bool) -> SandboxEx
     """The SDK's exception for a call that got no HTTP answer (any of its HTTP clients)."""
     if timed_out:
         return TimeoutException(f"{what} timed out; the 'request_timeout' (or 'timeout') option can raise the limit")
-    return SandboxException(f"{what}: cannot reach the agentcell server ({type(e).__name__}: {e})")
+    return ServerUnreachableException(f"{what}: cannot reach the agentcell server ({type(e).__name__}: {e})")
 
 
 PROBE_TIMEOUT_S = 5.0

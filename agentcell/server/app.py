@@ -56,6 +56,7 @@ from agentcell.server.observer import ObservedRecorder, Observer
 from agentcell.server.registry import Admission, Retention, SandboxManager, SandboxRecord
 from agentcell.server.snapshots import SnapshotStore
 from agentcell.server.streams import current_drop, current_sandbox
+from agentcell.server.tenancy import Tenancy
 
 log = logging.getLogger("agentcell.server")
 
@@ -129,7 +130,8 @@ class AgentcellApp:
         self.manager.observer = observer
         self.metrics.watch(self.manager, lambda: (self.backend, *self.others.values()), self.events,
                            config.max_sandboxes)
-        self._metrics_endpoint = prometheus.endpoint(self.metrics, config.api_key)
+        self._metrics_endpoint = prometheus.endpoint(self.metrics, config.api_key,
+                                                     lambda scope: self.tenancy.data_plane_caller(scope))
         self.cell = cell.Cell(config.cell_id, self.manager, config.max_sandboxes, cell.drain_grace(config))
         self.snapshots = SnapshotStore(state_dir / "snapshots", config.snapshot_quota_mb << 20, config.max_snapshots)
         self.control = Starlette(routes=ControlPlane(config, self.manager, self.snapshots).routes(),
@@ -150,6 +152,7 @@ class AgentcellApp:
         self.edge = AccessLog(EdgeGuard(self._route, HostPolicy.from_config(config), config.body_timeout, budget),
                               self.metrics)
         self.state_lock: state_lock.StateDirLock | None = None  # held from startup to shutdown
+        self.tenancy = Tenancy.from_config(config)  # --system: a unix-socket peer reaches only its own sandboxes
 
     async def _lifespan(self, receive: Any, send: Any) -> None:
         while True:
@@ -223,7 +226,7 @@ class AgentcellApp:
         if target is None:
             try:
                 scope[auth.CREDENTIAL] = auth.HEALTH if scope["path"] == "/health" \
-                    else auth.control_credential(scope, self.config.api_key)
+                    else self.tenancy.peer_credential(scope) or auth.control_credential(scope, self.config.api_key)
             except auth.Refused as e:
                 await json_error(401, e.message)(scope, receive, send)
                 return
@@ -240,6 +243,8 @@ class AgentcellApp:
             return
         sandbox_id, port = target
         rec = self.manager.find(sandbox_id) if _SANDBOX_ID_RE.match(sandbox_id) else None
+        if rec is not None and not self.tenancy.sees(self.tenancy.data_plane_caller(scope), rec.owner):
+            rec = None  # another user's sandbox: as if it did not exist
         if rec is None or (rec.paused and not rec.lifecycle.auto_resume):  # E2B: a paused sandbox is "not found"
             await sandbox_not_found(sandbox_id)(scope, receive, send)
             return
@@ -285,7 +290,8 @@ class AgentcellApp:
         The v1 signature names the sandbox (auth.signed_sandbox); envd's 401s otherwise."""
         try:
             sandbox_id, scope[auth.CREDENTIAL] = auth.signed_url_credential(
-                scope, ((r.sandbox_id, r.access_token) for r in self.manager.list()))
+                scope, ((r.sandbox_id, r.access_token) for r in self.manager.list()
+                        if self.tenancy.sees(self.tenancy.data_plane_caller(scope), r.owner)))
         except auth.BadExpiration as e:
             await json_error(400, str(e))(scope, receive, send)
             return
@@ -422,4 +428,11 @@ def serve(config: ServerConfig) -> None:
         server_header=False,  # a proxied response keeps its own Server header (ports.py); no banner otherwise
         timeout_keep_alive=int(KEEP_ALIVE),
     )
-    cell.DrainingServer(uv, app.cell).run()  # SIGTERM drains first (server/cell.py)
+    socks = None
+    if config.system:  # the shared unix socket (systemd's, or bound here), TCP only with a key
+        from agentcell.server import system_listen
+
+        socks = system_listen.sockets(config)
+        print(f"agentcell: system service on {system_listen.describe(socks)}; each sandbox belongs to the uid "
+              f"that created it (--max-sandboxes-per-user {config.max_sandboxes_per_user})", file=sys.stderr, flush=True)
+    cell.DrainingServer(uv, app.cell).run(sockets=socks)  # SIGTERM drains first (server/cell.py)

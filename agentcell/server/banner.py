@@ -40,8 +40,7 @@ def facts(config: ServerConfig) -> dict[str, Any]:
         "version": version(),
         "listen": listen_url(config),
         "tls": "on" if config.tls_cert else "off",
-        "auth": "API key required (X-API-KEY)" if config.api_key is not None
-        else "none: every client that reaches the address can run code",
+        "auth": _auth(config),
         "backends": backend_names(config),
         "egress_uplink": config.egress_uplink,
         "internet_default": "on" if config.internet_by_default else "off",
@@ -52,6 +51,17 @@ def facts(config: ServerConfig) -> dict[str, Any]:
         "record": ",".join(config.record_collectors) if config.record else "off",
         "cell_id": config.cell_id,
     }
+
+
+def _auth(config: ServerConfig) -> str:
+    if getattr(config, "system", False):  # the system service (server/tenancy.py)
+        tcp = ", TCP with its API key" if config.api_key is not None else ""
+        return f"per user: the socket's peer uid (each sees only their own sandboxes){tcp}"
+    if config.api_key is not None:
+        return "API key required (X-API-KEY)"
+    if config.uds:
+        return "none: whoever can open the socket can run code"
+    return "none: every client that reaches the address can run code"
 
 
 def log_banner(config: ServerConfig) -> None:

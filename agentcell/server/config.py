@@ -92,6 +92,12 @@ class ServerConfig:
     egress_plain_http_hosts: tuple[str, ...] = ()  # secrets may go over plain HTTP to these (answered addresses)
     # whether a create that says nothing about it gets internet; None: on when there is an uplink
     internet_default: bool | None = None
+    # --- the system service (docs/system-service.md; server/system_listen.py, server/tenancy.py) ---
+    system: bool = False  # a group-shared unix socket; each sandbox belongs to the uid that made it
+    socket_group: str = "agentcell"  # the group that may connect to the system socket
+    system_tcp: bool = False  # the system service also listens on host:port (needs api_key)
+    max_sandboxes_per_user: int | None = None  # with system: sandboxes one user may hold at once
+    max_memory_mb_per_user: int | None = None  # with system: the memory their limits may add up to
 
     @property
     def internet_by_default(self) -> bool:

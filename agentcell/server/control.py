@@ -42,6 +42,7 @@ from agentcell.server.registry import (
     SandboxRecord,
 )
 from agentcell.server.snapshots import Snapshot, SnapshotError, SnapshotStore, tree_size
+from agentcell.server.tenancy import QuotaError, Tenancy, recorded_owner
 
 ENVD_VERSION = "0.6.13"
 BUILTIN_TEMPLATE = "code-interpreter-v1"
@@ -58,6 +59,9 @@ _UNSUPPORTED_NETWORK = {
     "dnsServers": "network.dnsServers: agentcell sandboxes resolve names only through agentcell's policy "
                   "resolver, which answers exactly the names allowOut allows",
 }
+
+
+_Owned = TypeVar("_Owned", SandboxRecord | None, Snapshot | None)
 
 
 def rfc3339(dt: datetime) -> str:
@@ -318,6 +322,13 @@ class ControlPlane:
         self.snapshots = snapshots
         self._idempotent = IdempotentCreates()
         self._reports = asyncio.Semaphore(4)
+        self.tenancy = Tenancy.from_config(cfg)  # who sees what (server/tenancy.py); off but for --system
+
+    def _visible(self, request: Request, rec: _Owned) -> _Owned:
+        """`rec` if the caller may see it (its own, or no tenancy), else None: another tenant's is "not found"."""
+        if rec is None or self.tenancy.sees(self.tenancy.caller(request.scope), rec.owner):
+            return rec
+        return None
 
     def _domain(self, request: Request) -> str | None:
         # get_host(port) is "{port}-{id}.{domain}": without --domain, the name this request came to,
@@ -392,9 +403,9 @@ class ControlPlane:
     def _record(self, request: Request) -> SandboxRecord:
         """The running sandbox the path names (404 for a paused one too: resume it first)."""
         sandbox_id = request.path_params["sandbox_id"]
-        rec = self.manager.get(sandbox_id)
+        rec = self._visible(request, self.manager.get(sandbox_id))
         if rec is None:
-            if self.manager.find(sandbox_id) is not None:
+            if self._visible(request, self.manager.find(sandbox_id)) is not None:
                 raise HTTPError(404, f"sandbox '{sandbox_id}' is paused: resume it first (Sandbox.connect)")
             raise HTTPError(404, f"sandbox '{sandbox_id}' not found")
         return rec
@@ -402,7 +413,7 @@ class ControlPlane:
     def _any_record(self, request: Request) -> SandboxRecord:
         """The sandbox the path names, running or paused."""
         sandbox_id = request.path_params["sandbox_id"]
-        rec = self.manager.find(sandbox_id)
+        rec = self._visible(request, self.manager.find(sandbox_id))
         if rec is None:
             raise HTTPError(404, f"sandbox '{sandbox_id}' not found")
         return rec
@@ -414,6 +425,9 @@ class ControlPlane:
         key = parse_key(request.headers.get("idempotency-key"))
         if key is None:
             return JSONResponse(await self._create(request, body), status_code=201)
+        owner = self.tenancy.caller(request.scope)
+        if owner is not None:  # one tenant's key never replays another's create (its answer holds the token)
+            key = f"{owner}\n{key}"
         answer, _ = await self._idempotent.run(key, body, lambda: self._create(request, body))
         return JSONResponse(answer, status_code=201)
 
@@ -423,7 +437,7 @@ class ControlPlane:
             raise HTTPError(400, "'templateID' must be a string")
         snapshot = None
         if template not in TEMPLATES:
-            snapshot = self.snapshots.find(template)
+            snapshot = self._visible(request, self.snapshots.find(template))
             if snapshot is None:
                 raise HTTPError(404, f"template '{template}' not found; available: base, code-interpreter-v1, "
                                      "or the id or name of a snapshot (GET /snapshots)")
@@ -452,14 +466,19 @@ class ControlPlane:
         clash = sorted(set(secrets.envs()) & set(envs))
         if clash:
             raise HTTPError(400, f"{clash[0]} is both an envVar and a secret; give it once")
+        owner = self.tenancy.caller(request.scope)
         try:
-            rec = await self.manager.create(
-                template_id=template, alias=template, timeout=timeout, metadata=metadata, envs=envs, limits=limits,
-                network=policy, secrets=secrets, lifecycle=lifecycle, backend=backend,
-                files=self.snapshots.content(snapshot) if snapshot and snapshot.mode == "filesystem" else None,
-                image=self.snapshots.content(snapshot) if snapshot and snapshot.mode == "full" else None,
-                caller=api_events.caller_id(request.scope), origin=f"snapshot {template}" if snapshot else None,
-            )
+            with self.tenancy.reserve(owner, self._held(), limits.memory_mb):
+                rec = await self.manager.create(
+                    template_id=template, alias=template, timeout=timeout, metadata=metadata, envs=envs, limits=limits,
+                    network=policy, secrets=secrets, lifecycle=lifecycle, backend=backend,
+                    files=self.snapshots.content(snapshot) if snapshot and snapshot.mode == "filesystem" else None,
+                    image=self.snapshots.content(snapshot) if snapshot and snapshot.mode == "full" else None,
+                    caller=api_events.caller_id(request.scope), origin=f"snapshot {template}" if snapshot else None,
+                    owner=owner,
+                )
+        except QuotaError as e:
+            raise HTTPError(429, str(e)) from None
         except CapacityError as e:
             raise HTTPError(429, str(e)) from None
         except InvalidArgumentError as e:
@@ -478,9 +497,14 @@ class ControlPlane:
             else bool(asked)
         return self.sandbox_json(rec, request)
 
+    def _held(self) -> list[SandboxRecord]:
+        """Every sandbox the server holds (running or paused): what tenants' quotas count."""
+        return self.manager.list() + self.manager.list_paused()
+
     def _filtered(self, request: Request, running: bool = True, paused: bool = False) -> list[SandboxRecord]:
         q = request.query_params
         records = (self.manager.list() if running else []) + (self.manager.list_paused() if paused else [])
+        records = self.tenancy.visible(self.tenancy.caller(request.scope), records)
         meta_raw = q.get("metadata")
         if meta_raw:
             # The SDK encodes metadata as urlencode({quote(k): quote(v)}): decode twice.
@@ -515,7 +539,8 @@ class ControlPlane:
         # The token is the id of the last sandbox of the previous page.
         records = _after(records, [r.sandbox_id for r in records], q.get("nextToken"), "sandbox")
         page = records[:limit]
-        headers = {"X-Total-Running": str(len(self.manager.list()))}
+        running = self.tenancy.visible(self.tenancy.caller(request.scope), self.manager.list())
+        headers = {"X-Total-Running": str(len(running))}
         if len(records) > limit:
             headers["X-Next-Token"] = page[-1].sandbox_id
         return JSONResponse([self.listed_json(r) for r in page], headers=headers)
@@ -553,10 +578,18 @@ class ControlPlane:
         store = self.manager.events
         if store is None:
             raise HTTPError(404, "this server keeps no behaviour records (it was started with --no-record)")
-        if not store.known(sandbox_id):
+        if not store.known(sandbox_id) or not self._record_visible(request, store, sandbox_id):
             raise HTTPError(404, f"sandbox '{sandbox_id}' has no behaviour record here (never created on this "
                                  "server, or its record is past the retention time)")
         return store, sandbox_id
+
+    def _record_visible(self, request: Request, store: EventStore, sandbox_id: str) -> bool:
+        """Whether the caller may read this record: its sandbox's owner, alive or gone (then its record says)."""
+        if not self.tenancy.enabled:
+            return True
+        rec = self.manager.find(sandbox_id)
+        owner = rec.owner if rec is not None else recorded_owner(store, sandbox_id)
+        return self.tenancy.sees(self.tenancy.caller(request.scope), owner)
 
     async def events(self, request: Request) -> Response:
         """agentcell extension: the sandbox's behaviour record as NDJSON, oldest first. Filters:
@@ -592,6 +625,8 @@ class ControlPlane:
 
     async def kill(self, request: Request) -> Response:
         sandbox_id = request.path_params["sandbox_id"]
+        if self.tenancy.enabled:
+            sandbox_id = self._any_record(request).sandbox_id  # another tenant's is "not found"
         if not await self.manager.kill(sandbox_id):
             raise HTTPError(404, f"sandbox '{sandbox_id}' not found")
         return Response(status_code=204)
@@ -706,7 +741,7 @@ class ControlPlane:
         snap = Snapshot(template_id=template_id, name=name or None, mode="full" if full else "filesystem",
                         backend=rec.backend.name, sandbox_id=rec.sandbox_id, source_template=rec.template_id,
                         created_at=datetime.now(UTC).timestamp(), size_bytes=0,
-                        limits=dataclasses.asdict(rec.limits))
+                        limits=dataclasses.asdict(rec.limits), owner=self.tenancy.caller(request.scope))
         content = self.snapshots.content(snap)
         try:
             if full:
@@ -733,6 +768,7 @@ class ControlPlane:
         q = request.query_params
         limit = _page_limit(q)
         snaps = self.snapshots.list(q.get("sandboxID") or None, q.get("name") or None)
+        snaps = self.tenancy.visible(self.tenancy.caller(request.scope), snaps)
         snaps = _after(snaps, [s.template_id for s in snaps], q.get("nextToken"), "snapshot")
         page = snaps[:limit]
         headers = {"X-Next-Token": page[-1].template_id} if len(snaps) > limit else {}
@@ -743,7 +779,7 @@ class ControlPlane:
         ref = unquote(request.path_params["template_id"])
         if ref in TEMPLATES:
             raise HTTPError(400, f"'{ref}' is a built-in template; it cannot be deleted")
-        if not self.snapshots.delete(ref):
+        if self._visible(request, self.snapshots.find(ref)) is None or not self.snapshots.delete(ref):
             raise HTTPError(404, f"snapshot '{ref}' not found")
         return Response(status_code=204)
 
@@ -757,7 +793,11 @@ class ControlPlane:
             raise HTTPError(400, f"'count' must be an integer between 1 and {self.cfg.max_fork}")
         rec = self._any_record(request)
         self._memory_snapshots(rec.backend, "fork")
-        results = await self.manager.fork(rec, count, timeout)
+        try:
+            with self.tenancy.reserve(rec.owner, self._held(), rec.limits.memory_mb, count):  # forks are its owner's
+                results = await self.manager.fork(rec, count, timeout)
+        except QuotaError as e:
+            raise HTTPError(429, str(e)) from None
         answers: list[dict[str, Any]] = []
         for r in results:
             if isinstance(r, SandboxRecord):
@@ -804,7 +844,8 @@ class ControlPlane:
 
     async def health(self, request: Request) -> Response:
         """Liveness for embedded mode and operators; needs no API key and reveals only a count."""
-        return JSONResponse({"status": "ok", "sandboxes": len(self.manager.list())})
+        caller = self.tenancy.caller(request.scope)  # with tenancy: only the caller's own are counted
+        return JSONResponse({"status": "ok", "sandboxes": len(self.tenancy.visible(caller, self.manager.list()))})
 
     def routes(self) -> list[Route]:
         sid = "/sandboxes/{sandbox_id}"

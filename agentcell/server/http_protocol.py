@@ -48,6 +48,8 @@ from typing import Any, ClassVar
 import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from agentcell.server.peer import PEER_EXTENSION, PeerCredentials, peer_credentials
+
 log = logging.getLogger("agentcell.server")
 READ_SIZE = 64 << 10
 # Seconds a connection must have waited for its headers before a newcomer may replace it: far longer
@@ -226,6 +228,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._head_bytes = 0  # bytes received while waiting for the current request's headers
         self._idle = False  # the timer waits for a kept-alive connection's next request
         self._upgrade: RawConnection | None = None  # after a request head that asks to upgrade
+        self._peer: PeerCredentials | None = None  # a unix socket's peer (peer.py), read once per connection
 
     # --- connection lifecycle ---
 
@@ -239,6 +242,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             transport.close()
             self.at_cap_log.warning("refusing new connections: %d open (--max-connections)", len(self.connections))
             return
+        self._peer = peer_credentials(transport.get_extra_info("socket"))
         if hasattr(transport, "max_size"):
             transport.max_size = READ_SIZE  # type: ignore[attr-defined]  # asyncio's default: 256 KiB
         super().connection_made(_CoalescingTransport(transport, self.loop))  # type: ignore[arg-type]
@@ -293,6 +297,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._cancel_header_timer()  # the request line and headers are in
         super().on_headers_complete()
         self.scope.setdefault("extensions", {})[DROP_EXTENSION] = self._drop  # type: ignore[typeddict-item]
+        if self._peer is not None:
+            self.scope["extensions"][PEER_EXTENSION] = self._peer  # type: ignore[typeddict-item]
         if self.parser.should_upgrade() and self.cycle is not None and self.cycle.scope is self.scope:
             self._upgrade = RawConnection(self)
             self.scope.setdefault("extensions", {})[UPGRADE_EXTENSION] = self._upgrade  # type: ignore[typeddict-item]

@@ -75,7 +75,8 @@ class Observer:
         limits = info.get("limits") or {}
         life_log.info("sandbox created", extra=fields(
             sandbox_id, template=info.get("template"), backend=info.get("backend"), timeout_s=info.get("timeout_s"),
-            key_id=info.get("key_id"), origin=info.get("origin"), create_ms=round(seconds * 1000, 1),
+            key_id=info.get("key_id"), owner=info.get("owner"), origin=info.get("origin"),
+            create_ms=round(seconds * 1000, 1),
             **{k: v for k, v in limits.items() if v is not None}))
 
     def create_failed(self, exc: BaseException) -> None:

@@ -10,7 +10,9 @@ histogram (creates and their latency, responses by status class, errors by type,
 refusals, limit events: server/observer.py and server/access_log.py count them).
 
 Authentication: as the control plane, the server's API key when it has one, in `X-API-KEY` or as
-`Authorization: Bearer <key>` (what Prometheus's scrape config `authorization:` sends).
+`Authorization: Bearer <key>` (what Prometheus's scrape config `authorization:` sends). Under the system
+service's tenancy (`--system`), a request on the unix socket needs root (uid 0): the figures count every
+user's sandboxes.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from prometheus_client.registry import Collector
 from agentcell.server.asgi import header
 from agentcell.server.auth import MISSING_API_KEY
 from agentcell.server.errors import json_error
+from agentcell.server.tenancy import ADMIN
 
 if TYPE_CHECKING:
     from agentcell.backends.base import Backend
@@ -185,14 +188,25 @@ def _authorized(scope: dict[str, Any], api_key: str | None) -> bool:
     return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode("latin-1"), expected)
 
 
-def endpoint(metrics: ServerMetrics, api_key: str | None) -> Callable[..., Any]:
-    """The ASGI app of GET /metrics."""
+ROOT_ONLY = ("/metrics counts every user's sandboxes: on the system socket only root may read it "
+             "(or scrape the TCP listener with its API key)")
+
+
+def endpoint(metrics: ServerMetrics, api_key: str | None,
+             socket_user: Callable[[dict[str, Any]], str | None] = lambda scope: None) -> Callable[..., Any]:
+    """The ASGI app of GET /metrics. `socket_user`: the tenant a unix-socket request comes from under the
+    system service's tenancy (server/tenancy.py), None otherwise; such a request needs no key but must
+    be root's (the figures are every user's)."""
 
     async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["method"] not in ("GET", "HEAD"):
             await json_error(405, "GET /metrics")(scope, receive, send)
             return
-        if not _authorized(scope, api_key):
+        user = socket_user(scope)
+        if user is not None and user != ADMIN:
+            await json_error(403, ROOT_ONLY)(scope, receive, send)
+            return
+        if user is None and not _authorized(scope, api_key):
             await json_error(401, MISSING_API_KEY)(scope, receive, send)
             return
         body = metrics.render()

@@ -113,6 +113,7 @@ class SandboxRecord:
     files: Path | None = None  # the disk archive of a sandbox paused with mode "filesystem"
     image: Path | None = None  # the checkpoint of a hibernated sandbox (paused "full", its memory on disk)
     pausing: bool = False  # a timeout's pause or a hibernation is under way
+    owner: str | None = None  # the tenant that created it (server/tenancy.py); None: the server has no tenancy
 
     metrics: MetricsHistory = field(init=False)  # on the record: it goes when the sandbox goes
     lock: asyncio.Lock = field(init=False)  # one pause, resume or snapshot at a time
@@ -218,7 +219,7 @@ class SandboxManager:
             "internet_at_create": rec.internet_at_create, "lifecycle": asdict(rec.lifecycle),
             "pause_mode": rec.pause_mode, "paused_at": rec.paused_at.isoformat() if rec.paused_at else None,
             "files": str(rec.files) if rec.files else None, "image": str(rec.image) if rec.image else None,
-            "backend": rec.backend.name,
+            "backend": rec.backend.name, "owner": rec.owner,
         }
         path = self._record_path(rec.sandbox_id)
         tmp = path.with_suffix(".tmp")
@@ -249,7 +250,8 @@ class SandboxManager:
                     internet_at_create=d["internet_at_create"], spec=spec, lifecycle=Lifecycle(**d["lifecycle"]),
                     timeout_s=d["timeout_s"], state="paused", pause_mode=d["pause_mode"],
                     paused_at=datetime.fromisoformat(d["paused_at"]),
-                    files=Path(d["files"]) if d["files"] else None, image=Path(d["image"]) if d["image"] else None)
+                    files=Path(d["files"]) if d["files"] else None, image=Path(d["image"]) if d["image"] else None,
+                    owner=d.get("owner"))
                 if not rec.on_disk or not (rec.files or rec.image).exists():  # type: ignore[union-attr]
                     raise ValueError("its files are gone")
             except (OSError, ValueError, KeyError, TypeError) as e:
@@ -361,6 +363,7 @@ class SandboxManager:
         backend: Backend | None = None,
         caller: str | None = None,
         origin: str | None = None,
+        owner: str | None = None,
     ) -> SandboxRecord:
         """A new sandbox; with `files`, it starts with that disk archive's files; with `image`, it is
         restored from that checkpoint (memory and files)."""
@@ -394,15 +397,16 @@ class SandboxManager:
             spec=replace(spec, sandbox_id=running.sandbox_id, files=None),
             lifecycle=lifecycle or Lifecycle(),
             timeout_s=timeout,
+            owner=owner,
         )
         self._sandboxes[rec.sandbox_id] = rec
         self.redact_secrets(rec)  # before the tenant has the id: no call of theirs yet
         self._record(rec.sandbox_id, "sandbox.created", begin=True, template=template_id, backend=backend.name,
-                     limits=asdict(limits), timeout_s=timeout, key_id=caller, origin=origin)
+                     limits=asdict(limits), timeout_s=timeout, key_id=caller, origin=origin, owner=owner)
         if self.observer is not None:
             self.observer.created(rec.sandbox_id, time.monotonic() - started, {
                 "template": template_id, "backend": backend.name, "limits": asdict(limits), "timeout_s": timeout,
-                "key_id": caller, "origin": origin})
+                "key_id": caller, "origin": origin, "owner": owner})
         self._spawn(self._watch_channel(rec, channel))
         self._wake.set()
         return rec
@@ -634,7 +638,7 @@ class SandboxManager:
                 self.create(template_id=rec.template_id, alias=rec.alias, timeout=timeout, metadata=rec.metadata,
                             envs=rec.spec.envs, limits=rec.limits, network=rec.network, secrets=rec.spec.secrets,
                             lifecycle=rec.lifecycle, image=image, backend=rec.backend,
-                            origin=f"fork of {rec.sandbox_id}")
+                            origin=f"fork of {rec.sandbox_id}", owner=rec.owner)
                 for _ in range(count)), return_exceptions=True)
         finally:
             await asyncio.to_thread(shutil.rmtree, image, True)

@@ -52,6 +52,7 @@ class Snapshot:
     created_at: float
     size_bytes: int
     limits: dict[str, Any] = field(default_factory=dict)  # the source's limits (a create's defaults)
+    owner: str | None = None  # the tenant that took it (server/tenancy.py); None: the server has no tenancy
 
     @property
     def snapshot_id(self) -> str:

@@ -45,7 +45,7 @@ from agentcell.network.policy import NetworkPolicy
 from agentcell.network.router import EgressError
 from agentcell.network.secrets import HeaderRule
 from agentcell.network.service import Egress, EgressSettings
-from agentcell.record.events import event
+from agentcell.record.events import event, not_recorded
 from agentcell.record.linux.process import RecordProcess, RecordProcessError
 from agentcell.record.linux.target import WatchTarget
 from agentcell.runtime import statedir
@@ -297,7 +297,7 @@ class LinuxBackend(CgroupSandboxes, Backend):
         # the behaviour record's host-side collectors (record/linux/target.py) in their process, started by start()
         # once a recorder is attached
         self.record_process: RecordProcess | None = None
-        self.missing_collectors: list[str] = []  # those that could not start here, and why
+        self.missing_collectors: list[tuple[str, str]] = []  # (name, why) of those that could not start here
         self.record_denials = record_denials  # what the kernel tracer sees of refused path syscalls (serve --record-denials)
 
     async def _start_collectors(self) -> None:
@@ -314,7 +314,7 @@ class LinuxBackend(CgroupSandboxes, Backend):
             self.missing_collectors = await proc.start()
         except RecordProcessError as e:
             print(f"agentcell: behaviour record without its host-side collectors: {e}", file=sys.stderr)
-            self.missing_collectors = [str(e)]
+            self.missing_collectors = [(name, str(e)) for name in sorted(self.record_collectors)]
             return
         self.record_process = proc
 
@@ -323,8 +323,8 @@ class LinuxBackend(CgroupSandboxes, Backend):
         if self.recorder is None:
             return
         self.recorder.begin(sandbox.sandbox_id)
-        for why in self.missing_collectors:
-            self.recorder.add(sandbox.sandbox_id, event("record.dropped", count=0, reason=f"not recorded here: {why}"))
+        for name, why in self.missing_collectors:  # (the report says "not recorded" for its part: report.py)
+            self.recorder.add(sandbox.sandbox_id, not_recorded(name, why))
         # The collectors are told of the claim (a standby: they watch it since it was prepared; else
         # their watch, ~0.5 ms: a fanotify group, cgroup files) right after the create's answer is on its
         # way, before the loop reads any further request: no code of the tenant's can run before it.

@@ -25,31 +25,29 @@ Each event comes structured: argv as the new program received it,
 the path as exec'd or as the refused call named it, the working directory, the pid at every
 pid-namespace level (no /proc lookup racing the process's end).
 
-The programs are compiled with clang (-target bpf) the first time a server starts with this source,
-into a cache (`AGENTCELL_BPF_CACHE`, /var/cache/agentcell/bpf), and loaded with libbpf (libbpf1,
-through ctypes): libbpf relocates their struct offsets against the running kernel's BTF
-(/sys/kernel/btf/vmlinux), so no kernel headers are needed. Needs root (CAP_BPF, CAP_PERFMON).
+The programs are compiled with clang (-target bpf, bpf_build.py) when a wheel is built, and shipped in
+it next to their source; from a checkout (or on another machine than the wheel's), the first time a
+server starts with this source, into a cache (`AGENTCELL_BPF_CACHE`, /var/cache/agentcell/bpf). They
+are loaded with libbpf (libbpf1, through ctypes): libbpf relocates their struct offsets against the
+running kernel's BTF (/sys/kernel/btf/vmlinux), so no kernel headers are needed and one object fits
+every kernel. Needs root (CAP_BPF, CAP_PERFMON).
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import hashlib
 import os
-import shutil
 import struct
-import subprocess
-import tempfile
 from pathlib import Path
 from typing import NamedTuple
 
 from agentcell.errors import BackendUnavailableError
+from agentcell.record.linux import bpf_build
 from agentcell.record.linux.audit_proc import Exit
 
-SOURCE = Path(__file__).parent / "bpf" / "kernel_trace.bpf.c"
+SOURCE = Path(__file__).parent / "bpf" / bpf_build.SOURCE_NAME
 CACHE = Path(os.environ.get("AGENTCELL_BPF_CACHE", "/var/cache/agentcell/bpf"))
-CLANGS = ("clang", "clang-19", "clang-18", "clang-17", "clang-16", "clang-15", "clang-14")
 LEVELS = 4  # pid-namespace levels in an event (bpf source: LEVELS)
 F_ARGS_CUT, F_CWD_CUT, F_EXE_CUT = 1, 2, 4
 T_EXEC, T_DENIAL, T_EXIT = 1, 2, 4
@@ -141,30 +139,28 @@ def _text(b: bytes) -> str:
 
 
 def build(source: Path = SOURCE) -> Path:
-    """The compiled object for `source`, from the cache or compiled now."""
-    text = source.read_bytes()
-    obj = CACHE / f"kernel_trace-{hashlib.sha256(text).hexdigest()[:16]}.bpf.o"
+    """The compiled object for `source`: the one shipped next to it (a wheel's, compiled when it was
+    built: setup.py), else the cache's, else compiled now with clang into the cache."""
+    try:
+        text = source.read_bytes()
+    except OSError as e:
+        raise KernelTraceUnavailable(f"the kernel tracer's source is missing ({e}): reinstall agentcell") from None
+    name = bpf_build.object_name(text)
+    shipped = source.parent / name
+    if shipped.exists():
+        return shipped
+    obj = CACHE / name
     if obj.exists():
         return obj
-    clang = next((c for c in CLANGS if shutil.which(c)), None)
-    if clang is None:
-        raise KernelTraceUnavailable("no clang to build the kernel tracer (apt install clang libbpf-dev)")
-    includes = [f"-I/usr/include/{d}" for d in ("x86_64-linux-gnu", "aarch64-linux-gnu")
-                if Path(f"/usr/include/{d}").is_dir()]
-    CACHE.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=CACHE, suffix=".o", delete=False) as tmp:
-        pass
     try:
-        arch = {"x86_64": "x86", "aarch64": "arm64"}.get(os.uname().machine, os.uname().machine)
-        done = subprocess.run([clang, "-O2", "-g", "-target", "bpf", f"-D__TARGET_ARCH_{arch}", *includes, "-c",
-                               str(source), "-o", tmp.name],
-                              capture_output=True, text=True, timeout=120)
-        if done.returncode != 0:
-            raise KernelTraceUnavailable(f"building the kernel tracer failed: {done.stderr.strip()[-2000:]}")
-        os.replace(tmp.name, obj)
-    finally:
-        if os.path.exists(tmp.name):
-            os.unlink(tmp.name)
+        CACHE.mkdir(parents=True, exist_ok=True)
+        bpf_build.compile_object(source, obj)
+    except bpf_build.BpfBuildError as e:
+        raise KernelTraceUnavailable(f"no kernel tracer compiled for {bpf_build.machine()} in this install, "
+                                     f"and {e}") from None
+    except OSError as e:
+        raise KernelTraceUnavailable(f"cannot build the kernel tracer into {CACHE} ({e}): "
+                                     "set AGENTCELL_BPF_CACHE to a writable directory") from None
     return obj
 
 
@@ -206,7 +202,8 @@ class KernelTrace:
         if denials not in DENIALS:
             raise ValueError(f"denials must be one of {', '.join(DENIALS)}, not {denials!r}")
         if not Path("/sys/kernel/btf/vmlinux").exists():
-            raise KernelTraceUnavailable("the kernel has no BTF (/sys/kernel/btf/vmlinux): CONFIG_DEBUG_INFO_BTF")
+            raise KernelTraceUnavailable("the kernel has no BTF (/sys/kernel/btf/vmlinux): the tracer needs a kernel "
+                                         "built with CONFIG_DEBUG_INFO_BTF=y")
         path = build(source)
         lib = self._lib = _libbpf()
         self._obj = self._ring = None
@@ -224,7 +221,8 @@ class KernelTrace:
             cpus = lib.libbpf_num_possible_cpus()
             lib.bpf_map__set_max_entries(lib.bpf_object__find_map_by_name(self._obj, b"scratch"), max(cpus, 1))
             if lib.bpf_object__load(self._obj) != 0:
-                raise self._error("loading the kernel tracer (is this host root, with BPF allowed?)")
+                raise self._error("loading the kernel tracer (it needs the server to run as root, with "
+                                  "CAP_BPF and CAP_PERFMON)")
             config = (ctypes.c_uint32 * 4)(uid_first, uid_last, budget, 0)
             key = ctypes.c_uint32(0)
             fd = lib.bpf_map__fd(lib.bpf_object__find_map_by_name(self._obj, b"config"))

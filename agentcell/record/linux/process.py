@@ -16,7 +16,7 @@ every record from then on (record.dropped) and goes on serving.
 Protocol: a SOCK_SEQPACKET socketpair, one orjson array per packet.
   server -> child: ["watch", target] (+ the disk's root fd, SCM_RIGHTS), ["claimed", id],
                    ["unwatch", id, n], ["close"]
-  child -> server: ["started", [why a collector is missing ...]], ["events", [[id, event] ...]],
+  child -> server: ["started", [[collector name, why it is missing] ...]], ["events", [[id, event] ...]],
                    ["unwatched", n] (after every event of that sandbox the collectors had)
 """
 
@@ -63,15 +63,15 @@ class RecordProcessError(BackendUnavailableError):
 
 
 def make_collectors(sink: EventSink, uid_first: int, uid_last: int, *, names: frozenset[str] | tuple[str, ...],
-                    denials: str = "failures", tune_sysctl: bool = True) -> list[Collector]:
-    """The linux backend's host-side collectors named in `names` (config.COLLECTOR_NAMES); the audit
-    rules cover host uids `uid_first`..`uid_last` (this server's range)."""
+                    denials: str = "failures", tune_sysctl: bool = True) -> dict[str, Collector]:
+    """The linux backend's host-side collectors named in `names` (config.COLLECTOR_NAMES), by name; the
+    audit rules cover host uids `uid_first`..`uid_last` (this server's range)."""
     made: dict[str, Collector] = {
         "processes": AuditCollector(sink, uid_first, uid_last, denials=denials),
         "files": FileCollector(sink, tune_sysctl=tune_sysctl),
         "limits": LimitsCollector(sink),
     }
-    return [c for name, c in made.items() if name in names]
+    return {name: c for name, c in made.items() if name in names}
 
 
 def processes_of(server_pid: int) -> list[int]:
@@ -114,9 +114,10 @@ class RecordProcess(child_link.ChildProcess):
         self._next_ack = 0
         self._targets: dict[str, list[Any]] = {}  # sandbox id -> [its WatchTarget, claimed]
 
-    async def start(self) -> list[str]:
+    async def start(self) -> list[tuple[str, str]]:
+        """Once the child runs: the collectors that could not start there, each with why."""
         try:
-            return list(await super().start())
+            return [(name, why) for name, why in await super().start()]
         except RecordProcessError:
             await self.close()
             raise
@@ -262,14 +263,14 @@ class _Child:
 
     async def run(self) -> None:
         c = self.config
-        missing: list[str] = []
-        for collector in make_collectors(self.sink, c["first"], c["last"], names=tuple(c["names"]),
-                                         denials=c["denials"], tune_sysctl=c["tune_sysctl"]):
+        missing: list[list[str]] = []
+        for name, collector in make_collectors(self.sink, c["first"], c["last"], names=tuple(c["names"]),
+                                               denials=c["denials"], tune_sysctl=c["tune_sysctl"]).items():
             try:
                 await collector.start()
             except (BackendUnavailableError, OSError) as e:
-                print(f"agentcell: behaviour record without {type(collector).__name__}: {e}", file=sys.stderr)
-                missing.append(f"{type(collector).__name__}: {e}")
+                print(f"agentcell: the behaviour record has no {name} on this host: {e}", file=sys.stderr)
+                missing.append([name, str(e)])
                 continue
             self.collectors.append(collector)
         self.send(orjson.dumps(["started", missing]))

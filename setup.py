@@ -1,0 +1,103 @@
+"""The wheel's build step (the configuration is pyproject.toml's): build_py also puts in the package what
+a host would otherwise need build tools for at run time.
+
+* The kernel tracer, compiled: agentcell/record/linux/bpf/kernel_trace-<source hash>-<machine>.bpf.o next
+  to its source (agentcell/record/linux/bpf_build.py). Needs clang and libbpf's headers here, not on the
+  hosts. Without clang the build fails, unless AGENTCELL_WHEEL_WITHOUT_TRACER=1 allows a wheel whose
+  servers must compile it themselves (or record processes with audit rules, at a cost to every syscall).
+* The JS/TS contexts' parser and transpiler: of agentcell/runtime/js/node_modules (`npm ci`, run here
+  if it is missing), only the files runner.js and transform.js load, their package.json and licenses.
+
+An editable install (`pip install -e`, scripts/setup) gets neither: a checkout compiles the tracer at a
+server's start and has its node_modules from scripts/setup.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from setuptools import setup
+from setuptools.command.build_py import build_py
+
+ROOT = Path(__file__).resolve().parent
+BPF_DIR = Path("agentcell/record/linux/bpf")
+JS_DIR = Path("agentcell/runtime/js")
+# per npm package: what `require` reads (package.json resolves its entry point) and its license texts
+JS_FILES = {
+    "acorn": ("package.json", "LICENSE", "dist/acorn.js"),
+    "acorn-walk": ("package.json", "LICENSE", "dist/walk.js"),
+    "typescript": ("package.json", "LICENSE.txt", "ThirdPartyNoticeText.txt", "lib/typescript.js"),
+}
+WITHOUT_TRACER = "AGENTCELL_WHEEL_WITHOUT_TRACER"
+
+
+class WheelBuildError(RuntimeError):
+    """Something the wheel must ship cannot be made here; the message says what to install."""
+
+
+def _bpf_build():  # noqa: ANN202 - the module, loaded by path: agentcell's dependencies are not installed here
+    spec = importlib.util.spec_from_file_location("_agentcell_bpf_build", ROOT / "agentcell/record/linux/bpf_build.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _say(message: str) -> None:
+    print(f"\n*** agentcell wheel: {message}\n", file=sys.stderr, flush=True)
+
+
+def compile_tracer(build_lib: Path) -> None:
+    bpf = _bpf_build()
+    source = ROOT / BPF_DIR / bpf.SOURCE_NAME
+    out_dir = build_lib / BPF_DIR
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for stale in out_dir.glob("kernel_trace-*.bpf.o"):  # an earlier build's, of another source
+        stale.unlink()
+    try:
+        bpf.compile_object(source, out_dir / bpf.object_name(source.read_bytes()))
+    except bpf.BpfBuildError as e:
+        if os.environ.get(WITHOUT_TRACER) == "1":
+            _say(f"WITHOUT the compiled kernel tracer ({WITHOUT_TRACER}=1): {e}. Servers installed from this "
+                 "wheel need clang and libbpf-dev to compile it, or record processes with audit rules.")
+            return
+        raise WheelBuildError(f"{e}: the wheel ships it compiled (set {WITHOUT_TRACER}=1 to build a wheel "
+                              "without it, whose servers then need clang or record processes with audit rules)") from None
+
+
+def vendor_js(build_lib: Path) -> None:
+    modules = ROOT / JS_DIR / "node_modules"
+    missing = [f"{pkg}/{f}" for pkg, files in JS_FILES.items() for f in files if not (modules / pkg / f).is_file()]
+    if missing:
+        npm = shutil.which("npm")
+        if npm is None:
+            raise WheelBuildError(f"{modules} lacks {', '.join(missing)} and there is no npm to install them: "
+                                  "install npm (apt install npm), or run `npm ci` there")
+        _say(f"npm ci in {JS_DIR} (the JS contexts' parser and transpiler, pinned by its package-lock.json)")
+        done = subprocess.run([npm, "ci", "--prefix", str(ROOT / JS_DIR), "--no-audit", "--no-fund", "--ignore-scripts",
+                               "--loglevel=error"], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise WheelBuildError(f"npm ci in {JS_DIR} failed: {done.stderr.strip()[-2000:]}")
+    target = build_lib / JS_DIR / "node_modules"
+    shutil.rmtree(target, ignore_errors=True)  # an earlier build's, whatever it held
+    for pkg, files in JS_FILES.items():
+        for f in files:
+            (target / pkg / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(modules / pkg / f, target / pkg / f)
+
+
+class BuildPy(build_py):
+    def run(self) -> None:
+        super().run()
+        if getattr(self, "editable_mode", False):
+            return
+        build_lib = Path(self.build_lib)
+        vendor_js(build_lib)
+        compile_tracer(build_lib)
+
+
+setup(cmdclass={"build_py": BuildPy})
