@@ -30,6 +30,7 @@ def main(ctx: click.Context, debug: bool) -> None:
 from agentcell.cli import (  # noqa: E402,F401
     client,
     completion,
+    doctor,
     exec,
     files,
     record,

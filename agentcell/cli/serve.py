@@ -190,13 +190,21 @@ def _tls(opts: dict[str, Any]) -> None:
               help="With --system: the memory limits of one user's sandboxes together (default: no bound).")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
+@click.option("--rootless/--no-rootless", default=None,
+              help="Run as an ordinary user, in a user namespace of yours (default: when not root). Weaker "
+                   "limits, no internet for sandboxes: docs/rootless.md, `agentcell doctor`.")
 @_LOG_FORMAT
 @click.pass_context
 def serve(ctx: click.Context, **opts: Any) -> None:
-    """Run the server (control plane and every sandbox's data plane on one port). Needs root."""
+    """Run the server (control plane and every sandbox's data plane on one port). As root, or rootless."""
     import dataclasses
 
     from agentcell import logs
+    from agentcell.cli import rootless_serve
+
+    rootless_serve.reexec_if_needed(opts.pop("rootless"))
+    rootless_serve.adjust(opts)
+
     from agentcell.backends.base import Limits
     from agentcell.server import ServerConfig
     from agentcell.server import serve as run_server

@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import stat
 
+from agentcell import rootless
 from agentcell.errors import BackendUnavailableError
 
 STATE_ROOT = "/var/lib/agentcell/state"  # a 0700 directory per user of it below
@@ -32,7 +33,7 @@ class UnsafeDirectoryError(BackendUnavailableError):
 
 def default_state_dir(name: str) -> str:
     """Where `name` keeps its state: under STATE_ROOT for root, the user's cache dir otherwise."""
-    if os.geteuid() == 0:
+    if os.geteuid() == 0 and not rootless.active():
         return f"{STATE_ROOT}/{name}"
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(cache, "agentcell", name)
@@ -103,7 +104,17 @@ def _check(fd: int, where: str, me: int, last: bool) -> None:
             raise UnsafeDirectoryError(
                 f"{where} must belong to uid {me} with mode 0700 (it is uid {st.st_uid}, mode "
                 f"{stat.S_IMODE(st.st_mode):04o}); someone else may have created it: remove it and restart")
-    elif st.st_uid not in (0, me) or st.st_mode & 0o022:
+    elif st.st_uid not in _trusted_owners(me) or st.st_mode & 0o022:
         raise UnsafeDirectoryError(
             f"{where} is writable by other users or belongs to uid {st.st_uid}; a private state directory "
             "cannot live under it")
+
+
+def _trusted_owners(me: int) -> tuple[int, ...]:
+    """Who may own a private directory's ancestors: root and us. Inside a rootless server's user
+    namespace host root is unmapped and shows as the overflow id; the launcher checked the same
+    directories as the real user before it entered (cli/rootless_serve.py)."""
+    return (0, me, OVERFLOW_UID) if rootless.active() else (0, me)
+
+
+OVERFLOW_UID = 65534

@@ -19,6 +19,7 @@ import time
 
 import httpx
 
+from agentcell import rootless
 from agentcell.errors import EmbeddedServerError
 from agentcell.sdk.config import Endpoint
 
@@ -42,7 +43,7 @@ class EmbeddedServer:
                 # its own state dir too: a server's state is its own (server/state_lock.py), and this one
                 # is private to this process, as its sandboxes are
                 [sys.executable, "-m", "agentcell", "serve", "--uds", self.socket,
-                 "--state-dir", os.path.join(self.dir, "state")],
+                 "--state-dir", os.path.join(self.dir, "state"), *rootless.embedded_serve_args()],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env, pass_fds=(read_end,),
                 # Its own session: a Ctrl-C meant for this program must not kill the server before atexit
                 # has cleaned up.
@@ -79,9 +80,9 @@ class EmbeddedServer:
 
     def _failure(self, what: str) -> str:
         if hasattr(os, "geteuid") and os.geteuid() != 0:
-            fix = ("The server needs root (it creates cgroups and maps each sandbox to its own host user id). "
-                   "Run this program as root, or start a server as root (`sudo agentcell serve --port 49982`) "
-                   "and point the SDK at it: AGENTCELL_URL=http://127.0.0.1:49982 or api_url=.")
+            fix = ("As you are not root it ran rootless (docs/rootless.md): `agentcell doctor` says what this host "
+                   "lacks for that. Or use a server run by root (the system service, or `sudo agentcell serve "
+                   "--port 49982` with AGENTCELL_URL=http://127.0.0.1:49982 or api_url=).")
         else:
             fix = ("Start a server yourself to see the full error (`agentcell serve --port 49982`) and point the "
                    "SDK at it with AGENTCELL_URL=http://127.0.0.1:49982 or api_url=.")

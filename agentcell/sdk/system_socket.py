@@ -9,6 +9,7 @@ that says what to ask for.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import socket
 
@@ -38,8 +39,23 @@ def probe(path: str) -> int | None:
 
 
 def _embedded_possible() -> bool:
-    """The embedded server runs sandboxes as root."""
-    return os.geteuid() == 0
+    """Root runs the embedded server as always; anyone else runs it rootless where this host allows that
+    (subordinate ids, newuidmap, user namespaces: docs/rootless.md)."""
+    if os.geteuid() == 0:
+        return True
+    return _rootless_problem() is None
+
+
+def _rootless_problem() -> str | None:
+    """Why rootless mode cannot run for this user, or None."""
+    from agentcell.backends.linux.userns import RootlessUnavailableError, check_kernel, plan
+
+    try:
+        plan()
+        check_kernel()
+    except RootlessUnavailableError as e:
+        return str(e)
+    return None
 
 
 def _socket_group(path: str) -> str:
@@ -65,7 +81,8 @@ def _problem(path: str, failure: int) -> str:
     return (f"there is no agentcell server for you to use: no api_url or AGENTCELL_URL is set, no system service "
             f"listens on {path}, and the embedded server needs root. Ask an administrator to run "
             f"`sudo agentcell system install` and to add you to group '{GROUP}' (`sudo usermod -aG {GROUP} {user}`), "
-            "or use rootless mode, or point AGENTCELL_URL at a server you may use.")
+            f"or point AGENTCELL_URL at a server you may use. Rootless mode cannot run here: {_rootless_problem()} "
+            "(`agentcell doctor` says what this host offers).")
 
 
 def _user() -> str:
@@ -88,5 +105,8 @@ def local_endpoint() -> Endpoint:
     if _embedded_possible() and not os.environ.get(SOCKET_ENV):
         from agentcell.sdk.embedded import ensure_server
 
+        if failure != errno.ENOENT and os.geteuid() != 0:  # a service is there but not for us: say so
+            logging.getLogger("agentcell").warning("%s Running a rootless embedded server instead "
+                                                   "(weaker limits: docs/rootless.md).", _problem(path, failure))
         return ensure_server()
     raise NoLocalServerError(_problem(path, failure))

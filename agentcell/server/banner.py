@@ -36,8 +36,12 @@ def listen_url(config: ServerConfig) -> str:
 def facts(config: ServerConfig) -> dict[str, Any]:
     """What the banner says, by name."""
     ceilings = {k: v for k, v in dataclasses.asdict(config.max_limits).items() if v is not None}
+    from agentcell import rootless
+
     return {
         "version": version(),
+        "mode": "rootless (reduced guarantees: agentcell doctor)" if rootless.active()
+        else "system service" if getattr(config, "system", False) else "root",
         "listen": listen_url(config),
         "tls": "on" if config.tls_cert else "off",
         "auth": _auth(config),

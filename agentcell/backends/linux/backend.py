@@ -23,6 +23,7 @@ import time
 from dataclasses import asdict, replace
 from typing import Any
 
+from agentcell import rootless
 from agentcell.backends import disk_archive
 from agentcell.backends.base import (
     Backend,
@@ -92,7 +93,7 @@ class LinuxSandbox(RunningSandbox):
 
 
 SPAWN = b"spawn"  # see zygote.SPAWN
-_ZYGOTE_ENV = {"PATH", "LANG", "LC_ALL", "PYTHONPATH", "TZ", "AGENTCELL_TIMING"}
+_ZYGOTE_ENV = {"PATH", "LANG", "LC_ALL", "PYTHONPATH", "TZ", "AGENTCELL_TIMING", rootless.ENV}
 
 
 class _Zygote:
@@ -307,6 +308,9 @@ class LinuxBackend(CgroupSandboxes, Backend):
         ...) is left out and said so, in the log and in each record (record.dropped at the claim): a
         record with a gap rather than no sandboxes."""
         assert self.recorder is not None
+        if rootless.active():  # audit, BPF, fanotify of the host: none of them for an ordinary user
+            self.missing_collectors = ["rootless mode: the host-side collectors (processes, files, limits) need root"]
+            return
         proc = RecordProcess(self.recorder.add, self.uid_base, self.uid_base + 2 * self._slot_count - 1,
                              names=self.record_collectors, denials=self.record_denials,
                              tune_sysctl=self.host_tuning.tune_sysctls)
@@ -375,10 +379,14 @@ class LinuxBackend(CgroupSandboxes, Backend):
                         "unprivileged user namespaces are off: sysctl -w kernel.unprivileged_userns_clone=1")
         try:
             # Two host ids per sandbox slot (its user's and its root's), disjoint from every other server's.
-            self._uid_range = uids.reserve(2 * self._slot_count, self.requested_uid_base)
+            self._uid_range = uids.reserve(2 * self._slot_count, self.requested_uid_base,
+                                           **(rootless_ids() if rootless.active() else {}))
         except uids.UidRangeError as e:
             raise BackendUnavailableError(str(e)) from None
         self.uid_base = self._uid_range.base
+        if rootless.active():
+            await self._start_rootless()
+            return
         try:
             stale = await asyncio.to_thread(cgroups.remove_stale_instances)  # servers that died
             if stale:
@@ -408,13 +416,28 @@ class LinuxBackend(CgroupSandboxes, Backend):
                                                        self.host_tuning)
         except OSError as e:
             raise BackendUnavailableError(f"cannot limit what sandboxes take from the host: {e}") from e
+        await self._start_zygotes()
+
+    async def _start_zygotes(self, store_dir: str = runtime_store.STORE_DIR) -> None:
         os.makedirs(self.staging, mode=0o755, exist_ok=True)
         os.chmod(self.staging, 0o755)
         if self._runtime is None:  # the Python runtime at neutral paths: built once, checked in ~0.2 s
             self._state_dir = statedir.private_dir(statedir.default_state_dir("zygote"))
-            self._runtime = await asyncio.to_thread(runtime_store.ensure)
+            self._runtime = await asyncio.to_thread(runtime_store.ensure, None, store_dir)
         await self._zygote("base")
         self._pool("base").fill()
+
+    async def _start_rootless(self) -> None:
+        """start() in an ordinary user's namespace (rootless.py): no cgroups, host sysctls, egress
+        router or host-side record collectors; the user's own directories for the runtime and staging."""
+        if self.egress_settings.enabled:
+            raise BackendUnavailableError("rootless mode gives sandboxes no uplink: start it with --egress-uplink none")
+        if self.recorder is not None:
+            await self._start_collectors()
+        self.host_budget = host.prepare_rootless(self.host_tuning)
+        if self.staging == rootfs.STAGING:
+            self.staging = rootless.staging_dir()
+        await self._start_zygotes(rootless.runtime_store_dir())
 
     @property
     def _slot_count(self) -> int:
@@ -701,6 +724,13 @@ class LinuxBackend(CgroupSandboxes, Backend):
             return await asyncio.to_thread(_export, disk_fd, dest, max_bytes, sandbox.owners)
         finally:
             os.close(disk_fd)
+
+
+def rootless_ids() -> dict[str, Any]:
+    """uids.reserve's options inside a rootless namespace: the sandbox ids come from the ids mapped
+    there (the user's subordinate ids), reserved in the user's own lock directory."""
+    return {"lock_dir": rootless.uid_lock_dir(), "account_files": (), "start": rootless.FIRST_SANDBOX_ID,
+            "end": uids.mapped_ids_end(), "align": 1024}
 
 
 def _claimable(prepared: Limits, wanted: Limits) -> bool:

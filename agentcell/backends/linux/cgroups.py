@@ -37,6 +37,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+from agentcell import rootless
 from agentcell.backends.base import Limits, SandboxStats
 from agentcell.backends.linux import syscalls as sc
 
@@ -167,6 +168,10 @@ class Cgroups:
     @classmethod
     def at(cls, rel: str) -> Cgroups:
         """The cgroups at `rel` (a path below each hierarchy's root, e.g. "agentcell/<inst>/<name>")."""
+        if rootless.active():  # an ordinary user's server: no cgroups (no_cgroups.py)
+            from agentcell.backends.linux.no_cgroups import NoCgroups
+
+            return NoCgroups.named(rel)
         if is_v2():
             return cls(rel, True, {"unified": os.path.join(ROOT, rel)})
         return cls(rel, False, {name: os.path.join(base, rel) for name, base in _v1_bases().items()})

@@ -200,3 +200,19 @@ def check_limits(limits: Limits, budget: HostBudget | None) -> None:
         raise ValueError(f"memory_mb must be at most {budget.memory_bytes >> 20} on this host, got {limits.memory_mb}")
     if limits.pids > budget.pids:
         raise ValueError(f"pids must be at most {budget.pids} on this host, got {limits.pids}")
+
+
+def prepare_rootless(tuning: HostTuning) -> HostBudget:
+    """At a rootless server's start (rootless.py): nothing on the host can change, so the budget
+    is what this host's size allows, enforced only by admission control, and every host-wide pool
+    is listed as unprotected."""
+    memory, sockets, pids = budget_for(tuning)
+    memory += sockets  # no v1 socket counter to keep apart
+    unprotected = (
+        "rootless mode: host sysctls (fs.file-max, kernel.pid_max, kernel.pty.max) are left as they are",
+        "rootless mode: no cgroups; memory is bounded per process (RLIMIT_DATA), processes per sandbox "
+        "(RLIMIT_NPROC), CPU not at all",
+    )
+    for item in unprotected:
+        _log(f"NOT PROTECTED: {item}")
+    return HostBudget(memory, 0, pids, tuning.ptys_per_sandbox, max_open_files(), unprotected)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import resource
 
+from agentcell import rootless
 from agentcell.backends.base import Limits
 from agentcell.backends.linux import rootfs
 
@@ -83,6 +84,7 @@ def confine_namespaces() -> None:
 
 def rlimits(limits: Limits) -> dict[int, tuple[int, int]]:
     """(soft, hard) of every rlimit a sandbox gets."""
+    data = limits.memory_mb << 20 if rootless.active() else _INF
     return {
         resource.RLIMIT_NOFILE: (limits.open_files, limits.open_files),
         resource.RLIMIT_FSIZE: (limits.file_size_mb << 20, limits.file_size_mb << 20),
@@ -97,7 +99,9 @@ def rlimits(limits: Limits) -> dict[int, tuple[int, int]]:
         resource.RLIMIT_NICE: (0, 0),  # no raising one's priority above the default
         resource.RLIMIT_STACK: (8 << 20, _INF),
         resource.RLIMIT_AS: (_INF, _INF),  # memory is the cgroup's business
-        resource.RLIMIT_DATA: (_INF, _INF),
+        # ... except rootless without cgroups: each process's heap and private mappings (not the address
+        # space: V8 and Python reserve far more than they use)
+        resource.RLIMIT_DATA: (data, data),
         resource.RLIMIT_RSS: (_INF, _INF),
         resource.RLIMIT_CPU: (_INF, _INF),
     }

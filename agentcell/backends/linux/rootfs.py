@@ -36,6 +36,7 @@ import stat
 import uuid
 from pathlib import Path
 
+from agentcell import rootless
 from agentcell.backends import disk_archive
 from agentcell.backends.linux import procfs, runtime_store, sandbox_etc
 from agentcell.backends.linux import syscalls as sc
@@ -262,7 +263,9 @@ def build_template(staging: str = STAGING, extra_ca: str | None = None) -> None:
     for d in ("home", "run", "var", "mnt", "opt", "srv", "var/lib", "var/log", "var/cache", "var/local",
               "var/mail", "var/spool", "var/opt", "var/backups"):
         os.makedirs(f"{root}/{d}", 0o755, exist_ok=True)
-    os.mkdir(f"{root}/root", 0o700)
+    # rootless: no overlay gives /root to the sandbox's root, and the server's own id is unmapped in the
+    # sandbox: 0700 would lock its root out of its home (empty and read-only either way)
+    os.mkdir(f"{root}/root", 0o755 if rootless.active() else 0o700)
     os.symlink("/tmp", f"{root}/var/tmp")
     if os.path.isdir(DPKG_DB):
         os.mkdir(f"{root}{DPKG_DB}", 0o755)

@@ -39,6 +39,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any, NoReturn
 
+from agentcell import rootless
 from agentcell.backends.base import Limits
 from agentcell.backends.linux import landlock, ns_limits, rootfs
 from agentcell.backends.linux import syscalls as sc
@@ -209,7 +210,8 @@ def run_child(sock_fd: int, zygote_pid: int, server_pidfd: int, cgroup: str, sta
         cg = Cgroups.at(cgroup)
         cg.create_and_join(0)  # 0: the writer itself
         cg.set_cpu_weight(standby=True)  # a standby yields the CPU until its claim (backend.create) ...
-        os.setpriority(os.PRIO_PROCESS, 0, 0)  # ... by its cgroup's weight from now on, not the zygote's nice
+        if not rootless.active():  # (rootless: no cgroup, and lowering a nice value needs host privilege)
+            os.setpriority(os.PRIO_PROCESS, 0, 0)  # ... by its cgroup's weight from now on, not the zygote's nice
         cg, cg_fds = cg.opened(SERVER_FD + 1)  # limits are written after the pivot, when /sys is out of sight
         step = "oom_score_adj"
         child_oom = _lower_oom_score()
@@ -256,7 +258,10 @@ def _run_sandbox(fd: int, req: dict[str, Any], cg: Cgroups, cg_fds: list[int], e
                                f"0 {root_gid} 1\n{rootfs.SANDBOX_UID} {gid} 1\n")
         step = "private mounts"
         _mark(step)
-        disk_fd = rootfs.finish(sandbox_id, limits.disk_limit_mb, uid, gid, userns, files_fd, (root_uid, root_gid))
+        # rootless: no copy-on-write overlays (their idmapped lower layers need host root): /usr, /etc ... read-only
+        overlays_userns = -1 if rootless.active() else userns
+        disk_fd = rootfs.finish(sandbox_id, limits.disk_limit_mb, uid, gid, overlays_userns, files_fd,
+                                (root_uid, root_gid))
         step = "disk handle"
         _send_disk(fd, disk_fd)
         step = "enter the user namespace"

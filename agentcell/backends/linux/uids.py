@@ -114,8 +114,11 @@ def _held_ranges(lock_dir: str) -> list[tuple[int, int, int]]:
 
 
 def reserve(size: int, base: int | None = None, lock_dir: str = LOCK_DIR,
-            account_files: tuple[str, ...] = _ACCOUNT_FILES) -> UidRange:
-    """Reserve `size` host ids for this process's life (see the module docstring)."""
+            account_files: tuple[str, ...] = _ACCOUNT_FILES, start: int = AUTO_START, end: int = _MAX_ID,
+            align: int = _ALIGN) -> UidRange:
+    """Reserve `size` host ids for this process's life (see the module docstring); `start` and `end`
+    bound the ids, automatic ranges start on `align` boundaries (a rootless server's: within the 65,536
+    ids its user namespace maps, so on smaller ones)."""
     if size < 1:
         raise ValueError("a uid range needs at least one id")
     os.makedirs(lock_dir, mode=0o700, exist_ok=True)
@@ -127,10 +130,10 @@ def reserve(size: int, base: int | None = None, lock_dir: str = LOCK_DIR,
         fcntl.flock(reg, fcntl.LOCK_EX)
         held = _held_ranges(lock_dir)
         if base is not None:
-            _check_explicit(base, size, held, host)
+            _check_explicit(base, size, held, host, end)
             chosen = base
         else:
-            chosen = _first_free(size, held, host)
+            chosen = _first_free(size, held, host, start, end, align)
         path = _lock_path(chosen, chosen + size - 1, lock_dir)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -141,10 +144,10 @@ def reserve(size: int, base: int | None = None, lock_dir: str = LOCK_DIR,
 
 
 def _check_explicit(base: int, size: int, held: list[tuple[int, int, int]],
-                    host: list[tuple[int, int, str]]) -> None:
+                    host: list[tuple[int, int, str]], end: int = _MAX_ID) -> None:
     last = base + size - 1
-    if base < 1000 or last > _MAX_ID:
-        raise UidRangeError(f"uid range {base}-{last} must lie within 1000-{_MAX_ID}")
+    if base < 1000 or last > end:
+        raise UidRangeError(f"uid range {base}-{last} must lie within 1000-{end}")
     for first, end, owner in held:
         if _overlaps(base, last, first, end):
             raise UidRangeError(
@@ -157,13 +160,30 @@ def _check_explicit(base: int, size: int, held: list[tuple[int, int, int]],
                 "host id with a real user or a subordinate range: pick a disjoint --uid-base")
 
 
-def _first_free(size: int, held: list[tuple[int, int, int]], host: list[tuple[int, int, str]]) -> int:
+def _first_free(size: int, held: list[tuple[int, int, int]], host: list[tuple[int, int, str]],
+                start: int = AUTO_START, end: int = _MAX_ID, align: int = _ALIGN) -> int:
     taken = sorted([(a, b) for a, b, _ in held] + [(a, b) for a, b, _ in host])
-    candidate = AUTO_START
-    while candidate + size - 1 <= _MAX_ID:
+    candidate = start
+    while candidate + size - 1 <= end:
         last = candidate + size - 1
         clash = next((b for a, b in taken if _overlaps(candidate, last, a, b)), None)
         if clash is None:
             return candidate
-        candidate = (clash // _ALIGN + 1) * _ALIGN  # the next boundary past what is in the way
-    raise UidRangeError(f"no free range of {size} host ids is left below {_MAX_ID}")
+        candidate = (clash // align + 1) * align  # the next boundary past what is in the way
+    raise UidRangeError(f"no free range of {size} host ids is left below {end}"
+                        + (" (fewer sandboxes: --max-sandboxes)" if end < _MAX_ID else ""))
+
+
+OVERFLOW_ID = 65534  # what a user namespace shows for unmapped ids: never a sandbox's
+
+
+def mapped_ids_end(uid_map: str = "/proc/self/uid_map") -> int:
+    """The last id this user namespace maps contiguously from 0, below the overflow id."""
+    end = -1
+    with open(uid_map) as f:
+        ranges = sorted((int(a), int(c)) for a, _, c in (line.split() for line in f if line.strip()))
+    for inside, count in ranges:
+        if inside > end + 1:
+            break
+        end = max(end, inside + count - 1)
+    return min(end, OVERFLOW_ID - 1)

@@ -1,0 +1,64 @@
+"""Rootless mode without cgroups: a sandbox's `Cgroups` that holds no directory and limits nothing.
+
+An ordinary user cannot create cgroups on a cgroup v1 host, nor on a v2 host without a delegated
+subtree. Then every per-sandbox cgroup operation is a no-op, the limits fall back to rlimits
+(ns_limits.rlimits: RLIMIT_DATA for memory, RLIMIT_NPROC for processes; no CPU quota), statistics
+are zero, and pause/resume, which need the freezer, are refused with the reason. docs/rootless.md
+lists what that costs.
+"""
+
+from __future__ import annotations
+
+import errno
+
+from agentcell.backends.base import Limits, SandboxStats
+from agentcell.backends.linux.cgroups import CgroupError, Cgroups
+
+NO_FREEZER = "rootless mode has no cgroups here: pausing a sandbox needs the freezer (run the server as root)"
+
+
+class NoCgroups(Cgroups):
+    """Looks like a sandbox's Cgroups; every write is skipped, every read is empty."""
+
+    @classmethod
+    def named(cls, rel: str) -> NoCgroups:
+        return cls(rel, False, {})
+
+    def create_and_join(self, pid: int) -> None:
+        pass
+
+    def opened(self, min_fd: int = 3) -> tuple[Cgroups, list[int]]:
+        return self, []
+
+    def set_limits(self, limits: Limits) -> None:
+        pass  # the rlimits do it (ns_limits.rlimits with rootless on)
+
+    def set_cpu_weight(self, standby: bool) -> None:
+        pass
+
+    def retune(self, old: Limits, new: Limits) -> None:
+        pass
+
+    def remove(self) -> bool:
+        return True
+
+    def freeze(self) -> None:
+        raise CgroupError(errno.EOPNOTSUPP, NO_FREEZER)
+
+    def thaw(self) -> None:
+        raise CgroupError(errno.EOPNOTSUPP, NO_FREEZER)
+
+    def frozen(self) -> bool:
+        return False
+
+    def exists(self) -> bool:
+        return False
+
+    def kill_all(self) -> None:
+        pass  # pid 1's death takes its pid namespace along
+
+    def thaw_quietly(self) -> None:
+        pass
+
+    def stats(self) -> SandboxStats:
+        return SandboxStats(memory_bytes=0, memory_limit_bytes=0, cpu_seconds=0.0, pids=0)

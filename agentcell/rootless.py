@@ -1,0 +1,121 @@
+"""Rootless mode: the same server, run by an ordinary user inside a user namespace that user owns.
+
+Where no one has root (a shared machine, a CI runner without sudo) `agentcell serve` re-executes
+itself inside a new user namespace (backends/linux/userns.py) in which the user is root and the
+user's subordinate ids (/etc/subuid, /etc/subgid) are ids 1..N: each sandbox still runs as ids of
+its own, none of them the user's. This module says whether that mode is on (in the server and its
+zygotes: AGENTCELL_ROOTLESS, set by the launcher), where such a server keeps what a root server
+keeps under /var/lib and /run (the user's own directories), and which guarantees hold
+(docs/rootless.md; `agentcell doctor` prints the same list).
+
+The SDK asks `embedded_serve_args()` which flags its embedded server needs: a user who is not root
+gets a rootless server.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+ENV = "AGENTCELL_ROOTLESS"  # "1" in a server (and its zygotes) running inside its rootless namespace
+# Ids inside the namespace that sandboxes use: above the ids a distribution hands to users and below
+# 65534 (the overflow id: what the namespace shows for every unmapped host id).
+FIRST_SANDBOX_ID = 10_000
+
+
+def active() -> bool:
+    """This process runs inside a rootless server's user namespace."""
+    return os.environ.get(ENV) == "1"
+
+
+def wanted() -> bool:
+    """A server started by this process should run rootless: it is not root."""
+    return os.geteuid() != 0
+
+
+def embedded_serve_args() -> list[str]:
+    """Extra `agentcell serve` flags for the SDK's embedded server (none for root)."""
+    return ["--rootless"] if wanted() else []
+
+
+def _home() -> str:
+    # HOME, not the password database: inside the namespace the user is uid 0 (root's home there)
+    return os.environ.get("HOME") or os.path.expanduser("~")
+
+
+def state_home() -> str:
+    return os.environ.get("XDG_STATE_HOME") or os.path.join(_home(), ".local", "state")
+
+
+def cache_home() -> str:
+    return os.environ.get("XDG_CACHE_HOME") or os.path.join(_home(), ".cache")
+
+
+def default_state_dir() -> str:
+    """A rootless server's --state-dir when none is given."""
+    return os.path.join(state_home(), "agentcell")
+
+
+def runtime_store_dir() -> str:
+    """The runtime store (backends/linux/runtime_store.py) of this user's rootless servers."""
+    return os.path.join(cache_home(), "agentcell", "runtime")
+
+
+def uid_lock_dir() -> str:
+    """Where this user's rootless servers reserve their sandbox id ranges (backends/linux/uids.py):
+    shared by all of them, so two servers of one user never hand out the same ids."""
+    return os.path.join(cache_home(), "agentcell", "uids")
+
+
+def staging_dir() -> str:
+    """The template root's mount point: under the state home, as /run/agentcell is root's."""
+    return os.path.join(cache_home(), "agentcell", "root")
+
+
+@dataclass(frozen=True, slots=True)
+class Guarantee:
+    """One line of the table in docs/rootless.md: what holds in rootless mode, next to a root server."""
+
+    area: str
+    holds: bool | None  # True: as with root; False: does not hold; None: holds, weaker
+    text: str
+
+
+def guarantees(subids: bool = True, cgroup_delegation: bool = False) -> list[Guarantee]:
+    """What rootless mode promises on this host (`subids`: the user has /etc/subuid and /etc/subgid
+    ranges; `cgroup_delegation`: a writable cgroup v2 subtree with memory, pids and cpu)."""
+    rows = [
+        Guarantee("sandboxes from each other", True if subids else False,
+                  "own user, pid, mount, net, ipc, uts namespaces and own ids (subordinate ids), Landlock, seccomp"
+                  if subids else "needs /etc/subuid and /etc/subgid ranges: rootless mode refuses to start without"),
+        Guarantee("sandboxes from the user's files", True if subids else False,
+                  "sandbox ids are subordinate ids, not the user's; the user's home is not in the sandbox's root"),
+        Guarantee("sandboxes from the host", None,
+                  "the kernel is shared as with root; the server itself has no host privilege (a compromise of it "
+                  "is a compromise of the user's account, not of root)"),
+        Guarantee("writable /usr, /etc, /opt (apt/pip as the sandbox's root)", False,
+                  "idmapped mounts of host filesystems need host root: those are read-only (no sudo either; "
+                  "commands as user root still run); the home directory (python -m venv there), /tmp and "
+                  "/dev/shm stay writable"),
+    ]
+    if cgroup_delegation:
+        rows.append(Guarantee("memory, pids, CPU limits", None, "cgroup v2 delegation is present but not used yet: "
+                              "the rlimit fallback below applies"))
+    rows += [
+        Guarantee("memory limit", None,
+                  "RLIMIT_DATA per process (memory_mb), and the disk tmpfs's size: a sandbox with several "
+                  "processes can use memory_mb in each; nothing bounds the page cache or kernel memory"),
+        Guarantee("process limit (fork bomb)", None,
+                  "RLIMIT_NPROC per sandbox id (pids): it counts the processes and threads of one id, and each "
+                  "sandbox has ids of its own, two of them (its user, its root): at most 2 x pids tasks"),
+        Guarantee("CPU limit", False, "no CPU quota without cgroups: sandboxes run at nice 10 and their lifetime "
+                  "(timeout) is the only bound"),
+        Guarantee("network", None, "no uplink: sandboxes have loopback only (each its own network namespace); a "
+                  "create asking for the internet gets a sandbox without it, as on any server without an uplink"),
+        Guarantee("behaviour record", None, "API calls and lifecycle are recorded; the host-side collectors "
+                  "(processes via audit/BPF, files via fanotify, limits) need root and are off"),
+        Guarantee("pause, resume, snapshots", False, "need the freezer cgroup: not available rootless"),
+        Guarantee("host sysctls (file-max, pid_max, pty.max)", False,
+                  "left as they are: an ordinary user cannot raise them"),
+    ]
+    return rows
