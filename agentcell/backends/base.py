@@ -12,11 +12,16 @@ import abc
 import secrets
 import socket
 import string
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from agentcell.network.policy import NetworkPolicy
 from agentcell.network.secrets import HeaderRule, SecretSet
 from agentcell.record.events import Recorder
+
+if TYPE_CHECKING:
+    from agentcell.backends.pool import StandbyPool
 
 # The disk is a tmpfs: its pages are memory, charged to the sandbox's memory cgroup. A full disk must
 # leave this much of the memory limit to the agent (~30 MiB with a Python context) and the user's
@@ -199,6 +204,10 @@ class Backend(abc.ABC):
     async def capacity(self) -> Capacity | None:
         """The budget all sandboxes share and its use now; None if the backend cannot tell."""
         return None
+
+    def standby_pools(self) -> Mapping[str, StandbyPool[Any]]:
+        """Its pools of prepared sandboxes by template (/metrics reads their depth); none by default."""
+        return {}
 
     # lifecycle: pause/resume, filesystem and memory snapshots -------------------------------------
 

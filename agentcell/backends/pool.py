@@ -45,6 +45,10 @@ class StandbyPool(Generic[T]):
     def ready(self) -> int:
         return len(self._ready)
 
+    @property
+    def preparing(self) -> int:
+        return self._preparing
+
     def fill(self) -> None:
         """Start preparing standbys until `size` are ready or under way."""
         self._failing = False

@@ -12,6 +12,8 @@ import click
 
 from agentcell.backends.base import COLLECTOR_NAMES
 from agentcell.cli import main
+from agentcell.cli.config_file import config_option
+from agentcell.cli.secret_options import key_file_option, resolve_key, warn_exposed_keys
 
 DEFAULT_PORT = 49982
 
@@ -40,13 +42,31 @@ def _watch_lifeline() -> None:
     threading.Thread(target=watch, name="agentcell-lifeline", daemon=True).start()
 
 
+_LOG_FORMAT = click.option("--log-format", default="text", show_default=True, type=click.Choice(["text", "json"]),
+                           help="The log's lines: text, or one JSON object a line (docs/operations.md).")
+_TLS_CERT = click.option("--tls-cert", default=None, type=click.Path(exists=True, dir_okay=False), metavar="PEM",
+                         help="Serve HTTPS with this certificate chain (needs --tls-key). Default: plain HTTP.")
+_TLS_KEY = click.option("--tls-key", default=None, type=click.Path(exists=True, dir_okay=False), metavar="PEM",
+                        help="The private key of --tls-cert.")
+
+
+def _tls(opts: dict[str, Any]) -> None:
+    if (opts["tls_cert"] is None) != (opts["tls_key"] is None):
+        raise click.ClickException("--tls-cert and --tls-key go together: pass both, or neither")
+
+
 @main.command()
+@config_option
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to listen on. Any non-loopback address needs --api-key (or --insecure-no-auth).")
 @click.option("--port", default=DEFAULT_PORT, show_default=True, type=int, help="TCP port.")
 @click.option("--uds", default=None, help="Listen on this unix socket instead of host:port.")
 @click.option("--api-key", default=None, envvar="AGENTCELL_SERVER_API_KEY",
-              help="Require this X-API-KEY on the control plane (default: accept any).")
+              help="Require this X-API-KEY on the control plane (default: accept any). On the command line it "
+                   "shows in `ps`: prefer --api-key-file or $AGENTCELL_SERVER_API_KEY.")
+@key_file_option("api_key", "AGENTCELL_SERVER_API_KEY_FILE", "the API key")
+@_TLS_CERT
+@_TLS_KEY
 @click.option("--insecure-no-auth", is_flag=True,
               help="Allow a non-loopback --host without --api-key: anyone who reaches it can run code.")
 @click.option("--domain", default=None,
@@ -173,10 +193,13 @@ def _watch_lifeline() -> None:
 @click.option("--rootless/--no-rootless", default=None,
               help="Run as an ordinary user, in a user namespace of yours (default: when not root). Weaker "
                    "limits, no internet for sandboxes: docs/rootless.md, `agentcell doctor`.")
-def serve(**opts: Any) -> None:
+@_LOG_FORMAT
+@click.pass_context
+def serve(ctx: click.Context, **opts: Any) -> None:
     """Run the server (control plane and every sandbox's data plane on one port). As root, or rootless."""
     import dataclasses
 
+    from agentcell import logs
     from agentcell.cli import rootless_serve
 
     rootless_serve.reexec_if_needed(opts.pop("rootless"))
@@ -188,6 +211,10 @@ def serve(**opts: Any) -> None:
     from agentcell.server.config import check, default_max_limits
     from agentcell.server.hosts import HostPolicy, check_exposure
 
+    resolve_key(ctx, opts, "api_key")
+    _tls(opts)
+    logs.configure(opts["log_level"], opts["log_format"])
+    warn_exposed_keys(ctx, ("api_key",))
     ceilings = {name: opts.pop(f"max_{flag}") for name, flag in (
         ("memory_mb", "memory_mb"), ("pids", "pids"), ("cpu_count", "cpus"), ("disk_mb", "disk_mb"),
         ("open_files", "open_files"))}
@@ -242,9 +269,14 @@ def serve(**opts: Any) -> None:
 
 
 @main.command()
+@config_option
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to listen on. Any non-loopback address needs --api-key (or --insecure-no-auth).")
 @click.option("--port", default=DEFAULT_PORT, show_default=True, type=int, help="TCP port.")
+@key_file_option("api_key", "AGENTCELL_GATEWAY_API_KEY_FILE", "the clients' API key")
+@key_file_option("cell_api_key", "AGENTCELL_CELL_API_KEY_FILE", "the cells' API key")
+@_TLS_CERT
+@_TLS_KEY
 @click.option("--api-key", default=None, envvar="AGENTCELL_GATEWAY_API_KEY",
               help="Require this X-API-KEY of clients on the control plane, checked here before anything "
                    "reaches a cell (default: accept any).")
@@ -275,15 +307,21 @@ def serve(**opts: Any) -> None:
                    "more creates wait.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
-def gateway(**opts: Any) -> None:
+@_LOG_FORMAT
+@click.pass_context
+def gateway(ctx: click.Context, **opts: Any) -> None:
     """Run a stateless gateway in front of many cells (agentcell serve --cell-id): docs/gateway.md."""
+    from agentcell import logs
     from agentcell.gateway.app import GatewayApp
     from agentcell.gateway.app import serve as run_gateway
     from agentcell.gateway.discovery import Discovery, StaticDiscovery
     from agentcell.server.hosts import is_loopback
 
-    if opts["api_key"] == "":
-        raise click.BadParameter("is empty; pass a real key or leave the option out", param_hint="--api-key")
+    resolve_key(ctx, opts, "api_key")
+    resolve_key(ctx, opts, "cell_api_key")
+    _tls(opts)
+    logs.configure(opts["log_level"], opts["log_format"])
+    warn_exposed_keys(ctx, ("api_key", "cell_api_key"))
     if not is_loopback(opts["host"]) and opts["api_key"] is None and not opts["insecure_no_auth"]:
         raise click.ClickException(f"refusing to listen on {opts['host']!r} without an API key: pass --api-key KEY, "
                                    "listen on 127.0.0.1, or pass --insecure-no-auth")
@@ -299,8 +337,13 @@ def gateway(**opts: Any) -> None:
         raise click.ClickException(str(e)) from None
     app = GatewayApp(discovery, opts["api_key"], opts["cell_api_key"], opts["poll_interval"],
                      body_timeout=opts["body_timeout"], max_body_memory=opts["max_body_memory_mb"] << 20)
+    from agentcell.server.banner import log_gateway_banner
+
+    log_gateway_banner(opts["host"], opts["port"], opts["tls_cert"] is not None, opts["api_key"] is not None,
+                       opts["discovery"])
     run_gateway(app, opts["host"], opts["port"], opts["log_level"], header_timeout=opts["header_timeout"],
-                max_connections=opts["max_connections"])
+                max_connections=opts["max_connections"], tls=(opts["tls_cert"], opts["tls_key"]),
+                log_format=opts["log_format"])
 
 
 def _cell_id(raw: str | None) -> str | None:

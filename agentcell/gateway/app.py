@@ -35,7 +35,6 @@ from urllib.parse import parse_qsl
 import httpx
 from starlette.responses import JSONResponse, Response
 
-from agentcell import text_escape
 from agentcell.gateway import listing, signed, snapshots
 from agentcell.gateway.bodies import read_held
 from agentcell.gateway.cells import CellState, CellTable
@@ -414,16 +413,18 @@ def _failed_create(cell: CellState, e: CellFailed) -> Response:
 
 
 def serve(app: GatewayApp, host: str, port: int, log_level: str = "info", header_timeout: float = 10.0,
-          max_connections: int = 4096) -> None:
+          max_connections: int = 4096, tls: tuple[str | None, str | None] = (None, None),
+          log_format: str = "text") -> None:
     """Run the gateway in the foreground (uvicorn, with the server's guarded HTTP protocol: header
     deadlines, connection cap, and upgrades handed over as raw connections)."""
     import uvicorn
 
+    from agentcell import logs
     from agentcell.server.http_protocol import KEEP_ALIVE, guarded_protocol
 
-    text_escape.protect_std_streams()  # before uvicorn makes its log handlers: its lines and ours quote clients
-
+    logs.configure(log_level, log_format)  # stderr as a SafeStream: its lines and ours quote clients
     uv = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on", ws="none",
+                        log_config=None, ssl_certfile=tls[0], ssl_keyfile=tls[1],
                         http=guarded_protocol(header_timeout, max_connections), server_header=False,
                         timeout_keep_alive=int(KEEP_ALIVE), timeout_graceful_shutdown=5)
     uvicorn.Server(uv).run()

@@ -383,6 +383,11 @@ class Egress:
 
     # -- events -------------------------------------------------------------------------------------
 
+    def event_stats(self) -> dict[str, int]:
+        """The connection-event collector's counts (flow_events.EventCollector.stats: lost_conntrack,
+        lost_nflog, ...); empty before start."""
+        return dict(self._collector.stats) if self._collector is not None else {}
+
     def _proxy_event(self, owner: str, event: dict[str, object]) -> None:
         """An event of the proxy's, for the sandbox the connection's slot served when it began."""
         kind = event.pop("kind", None) or ("net.deny" if event.get("verdict") == "denied" else "net.connect")

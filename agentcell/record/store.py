@@ -261,6 +261,11 @@ class EventStore:
         self._queue.put(("end", (sandbox_id, rec.ended_at)))
         self._keep_flags(sandbox_id, rec, rec.ended_at)  # with what was left running at the end
 
+    def recording(self, sandbox_id: str) -> bool:
+        """Whether events for this sandbox are taken (its record began and has not ended)."""
+        rec = self._records.get(sandbox_id)
+        return rec is not None and not rec.ended
+
     def add(self, sandbox_id: str, event: dict[str, Any]) -> None:
         """Store one event (an EventSink): never blocks, never raises; what is over a bound is counted.
         Its flags are raised either way."""

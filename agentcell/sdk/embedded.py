@@ -37,6 +37,7 @@ class EmbeddedServer:
         read_end, self._lifeline = os.pipe()
         env = {**os.environ, LIFELINE_ENV: str(read_end), "PYTHONUNBUFFERED": "1"}
         env.pop("AGENTCELL_SERVER_API_KEY", None)  # the 0700 socket is the access control here
+        env.pop("AGENTCELL_CONFIG", None)  # an operator's config file is for their server, not this private one
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
                 # its own state dir too: a server's state is its own (server/state_lock.py), and this one

@@ -21,14 +21,26 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from agentcell import text_escape
+from agentcell import logs
 from agentcell.backends import get_backend
 from agentcell.backends.base import Backend, set_sandbox_id_prefix
 from agentcell.network.service import EgressSettings
 from agentcell.record import quiet
 from agentcell.record.store import ROW_BYTES, EventStore
 from agentcell.record.store import Limits as EventLimits
-from agentcell.server import api_events, auth, cell, files, interpreter, ports, routing, state_lock
+from agentcell.server import (
+    api_events,
+    auth,
+    banner,
+    cell,
+    files,
+    interpreter,
+    ports,
+    prometheus,
+    routing,
+    state_lock,
+)
+from agentcell.server.access_log import AccessLog
 from agentcell.server.asgi import declared_length, has_body, is_connect_rpc
 from agentcell.server.auth import ENVD_PORT, INTERPRETER_PORT
 from agentcell.server.bodies import BUDGET_KEY, BodyBudget, json_content_type_refusal
@@ -40,6 +52,7 @@ from agentcell.server.envd import READ_MAX_BYTES, filesystem_app, process_app
 from agentcell.server.errors import HTTPError, internal_error, json_error, sandbox_not_found
 from agentcell.server.hosts import HostPolicy, check_exposure
 from agentcell.server.http_protocol import DROP_EXTENSION
+from agentcell.server.observer import ObservedRecorder, Observer
 from agentcell.server.registry import Admission, Retention, SandboxManager, SandboxRecord
 from agentcell.server.snapshots import SnapshotStore
 from agentcell.server.streams import current_drop, current_sandbox
@@ -105,13 +118,20 @@ class AgentcellApp:
             per_sandbox=config.events_per_sandbox, rate=config.events_rate, burst=int(config.events_rate * 10),
             max_rows=(config.events_max_mb << 20) // ROW_BYTES, retention_s=config.events_retention),
             audit_log=_audit_log(config.audit_log)) if config.record else None
+        self.metrics = prometheus.ServerMetrics(banner.version())  # GET /metrics
+        observer = Observer(self.metrics)  # lifecycle, limit and refusal log lines and counters
         for b in (self.backend, *self.others.values()):
             if self.events is not None:
-                b.attach_recorder(self.events, frozenset(config.record_collectors))
+                b.attach_recorder(ObservedRecorder(self.events, observer), frozenset(config.record_collectors))
         self.manager = SandboxManager(self.backend, config.max_sandboxes,
                                       Admission(config.memory_overcommit, config.pids_overcommit),
                                       Retention(config.paused_ttl, config.max_paused, config.hibernate_after), state_dir,
                                       self.others, self.events)
+        self.manager.observer = observer
+        self.metrics.watch(self.manager, lambda: (self.backend, *self.others.values()), self.events,
+                           config.max_sandboxes)
+        self._metrics_endpoint = prometheus.endpoint(self.metrics, config.api_key,
+                                                     lambda scope: self.tenancy.data_plane_caller(scope))
         self.cell = cell.Cell(config.cell_id, self.manager, config.max_sandboxes, cell.drain_grace(config))
         self.snapshots = SnapshotStore(state_dir / "snapshots", config.snapshot_quota_mb << 20, config.max_snapshots)
         self.control = Starlette(routes=ControlPlane(config, self.manager, self.snapshots).routes(),
@@ -129,7 +149,8 @@ class AgentcellApp:
         self.filesystem = filesystem_app()
         self.interpreter = Starlette(routes=interpreter.routes(), exception_handlers=_HANDLERS)
         budget = BodyBudget(config.max_body_memory_mb << 20, wait_timeout=config.body_timeout)
-        self.edge = EdgeGuard(self._route, HostPolicy.from_config(config), config.body_timeout, budget)
+        self.edge = AccessLog(EdgeGuard(self._route, HostPolicy.from_config(config), config.body_timeout, budget),
+                              self.metrics)
         self.state_lock: state_lock.StateDirLock | None = None  # held from startup to shutdown
         self.tenancy = Tenancy.from_config(config)  # --system: a unix-socket peer reaches only its own sandboxes
 
@@ -156,6 +177,7 @@ class AgentcellApp:
                         self.state_lock.release()
                     await send({"type": "lifespan.startup.failed", "message": str(e)})
                     return
+                banner.log_banner(self.config)
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
                 try:
@@ -197,6 +219,9 @@ class AgentcellApp:
             return
         if target is None and scope["path"] == "/files" and scope["method"] in ("GET", "POST"):
             await self._signed_files(scope, receive, send)
+            return
+        if target is None and scope["path"] == prometheus.PATH:  # the API key, also as a Bearer token
+            await self._metrics_endpoint(scope, receive, send)
             return
         if target is None:
             try:
@@ -380,7 +405,7 @@ def serve(config: ServerConfig) -> None:
     from agentcell.server.http_protocol import KEEP_ALIVE, guarded_protocol
 
     check_exposure(config)  # before anything binds
-    text_escape.protect_std_streams()  # before uvicorn makes its log handlers: its lines and ours quote clients
+    logs.configure(config.log_level, config.log_format)  # stderr as a SafeStream: log lines quote clients
     # Each sandbox holds a socket and a pidfd in the server: a 1024-fd soft limit would cap density.
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
@@ -392,6 +417,10 @@ def serve(config: ServerConfig) -> None:
         port=config.port,
         uds=config.uds,
         log_level=config.log_level,
+        log_config=None,  # logs.configure's handler, for uvicorn's loggers too
+        access_log=False,  # server/access_log.py's lines have the sandbox's id
+        ssl_certfile=config.tls_cert,
+        ssl_keyfile=config.tls_key,
         lifespan="on",
         timeout_graceful_shutdown=5,
         http=guarded_protocol(config.header_timeout, config.max_connections),

@@ -72,6 +72,10 @@ class ServerConfig:
     ptys_per_sandbox: int = 64  # each sandbox's own PTY pool (its devpts max=)
     memory_reserve_mb: int | None = None  # host memory no sandbox may take; None: max(1 GiB, 10%)
     log_level: str = "info"
+    log_format: str = "text"  # text | json (agentcell/logs.py)
+    # TLS on the listening socket (uvicorn's ssl options): PEM certificate chain and its key; None: plain HTTP
+    tls_cert: str | None = None
+    tls_key: str | None = None
     # --- the HTTP edge (docs/architecture.md, "The HTTP edge") ---
     insecure_no_auth: bool = False  # allow a non-loopback address without an API key
     allowed_hosts: tuple[str, ...] = ()  # extra Host names ("*.example.com" = any subdomain; "*" = any)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import secrets
+from collections.abc import Callable
 
 from starlette.responses import JSONResponse
 
@@ -34,6 +36,9 @@ class HTTPError(Exception):
 
 
 log = logging.getLogger("agentcell.server")
+# who counts a request's incidents by exception type (server/access_log.py sets it per request: /metrics)
+incident_counter: contextvars.ContextVar[Callable[[BaseException], None] | None] = contextvars.ContextVar(
+    "incident_counter", default=None)
 
 
 def log_incident(what: str, exc: BaseException) -> str:
@@ -43,6 +48,8 @@ def log_incident(what: str, exc: BaseException) -> str:
     client, who gets the id to quote to the operator.
     """
     incident = secrets.token_hex(6)
+    if (count := incident_counter.get()) is not None:
+        count(exc)
     log.error("incident %s: %s failed", incident, what, exc_info=exc)
     return incident
 

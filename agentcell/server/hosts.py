@@ -47,7 +47,7 @@ def check_exposure(cfg: ServerConfig) -> None:
         return
     raise InsecureExposureError(
         f"refusing to listen on {cfg.host!r} without an API key: other machines can reach that address, and "
-        "anyone who reaches it could create sandboxes and run code. Pass --api-key KEY (or set "
+        "anyone who reaches it could create sandboxes and run code. Pass --api-key-file PATH (or set "
         "AGENTCELL_SERVER_API_KEY), listen on 127.0.0.1, or pass --insecure-no-auth if every client on "
         "that network is trusted."
     )

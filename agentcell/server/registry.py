@@ -23,7 +23,7 @@ import uuid
 from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agentcell.backends.base import Backend, Limits, RunningSandbox, SandboxSpec
 from agentcell.errors import SandboxGoneError
@@ -33,6 +33,9 @@ from agentcell.record.events import event
 from agentcell.record.store import EventStore
 from agentcell.runtime.protocol import AgentChannel
 from agentcell.server.metrics import SAMPLE_INTERVAL_S, MetricsHistory, sample_due
+
+if TYPE_CHECKING:
+    from agentcell.server.observer import Observer
 
 RECORD_GRACE_S = 1.0  # a killed sandbox's record takes events this long after the kill
 
@@ -170,6 +173,7 @@ class SandboxManager:
         self._reaper: asyncio.Task[None] | None = None
         self._sampler: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
+        self.observer: Observer | None = None  # lifecycle log lines and metrics (server/observer.py)
 
     # lifecycle -----------------------------------------------------------------------------------
 
@@ -188,7 +192,8 @@ class SandboxManager:
         kept = [sid for sid, r in self._sandboxes.items() if r.paused and r.on_disk and self._persisted(r)]
         for sid in kept:  # a later server run resumes them
             self._sandboxes.pop(sid)
-        await asyncio.gather(*(self.kill(sid) for sid in list(self._sandboxes)), return_exceptions=True)
+        await asyncio.gather(*(self.kill(sid, "the server stopped") for sid in list(self._sandboxes)),
+                             return_exceptions=True)
         for t in list(self._tasks):
             t.cancel()
 
@@ -327,6 +332,13 @@ class SandboxManager:
     def list_paused(self) -> list[SandboxRecord]:
         return [r for r in self._sandboxes.values() if r.paused]
 
+    def counts(self) -> dict[str, int]:
+        """Sandboxes by state (for /metrics): starting, running, paused, paused_on_disk."""
+        out = {"starting": len(self._pending), "running": 0, "paused": 0, "paused_on_disk": 0}
+        for r in self._sandboxes.values():
+            out["running" if not r.paused else "paused_on_disk" if r.on_disk else "paused"] += 1
+        return out
+
     def paused_until(self, rec: SandboxRecord) -> datetime:
         """When a paused sandbox is removed (the operator's retention)."""
         assert rec.paused_at is not None
@@ -360,7 +372,13 @@ class SandboxManager:
                            network=network or NetworkPolicy(), secrets=secrets or SecretSet(),
                            files=str(files) if files else None)
         backend = backend or self.backend
-        running, channel = await self._start(backend, spec, image)
+        started = time.monotonic()
+        try:
+            running, channel = await self._start(backend, spec, image)
+        except Exception as e:
+            if self.observer is not None:
+                self.observer.create_failed(e)
+            raise
         now = _now()
         rec = SandboxRecord(
             sandbox_id=running.sandbox_id,
@@ -385,6 +403,10 @@ class SandboxManager:
         self.redact_secrets(rec)  # before the tenant has the id: no call of theirs yet
         self._record(rec.sandbox_id, "sandbox.created", begin=True, template=template_id, backend=backend.name,
                      limits=asdict(limits), timeout_s=timeout, key_id=caller, origin=origin, owner=owner)
+        if self.observer is not None:
+            self.observer.created(rec.sandbox_id, time.monotonic() - started, {
+                "template": template_id, "backend": backend.name, "limits": asdict(limits), "timeout_s": timeout,
+                "key_id": caller, "origin": origin, "owner": owner})
         self._spawn(self._watch_channel(rec, channel))
         self._wake.set()
         return rec
@@ -396,7 +418,9 @@ class SandboxManager:
             self.events.redact(rec.sandbox_id, _secret_pairs(rec.spec.secrets))
 
     def _record(self, sandbox_id: str, kind: str, *, begin: bool = False, **fields: Any) -> None:
-        """An event of the sandbox's life as the server sees it, in its behaviour record."""
+        """An event of the sandbox's life as the server sees it, in its behaviour record (and the log)."""
+        if self.observer is not None and kind != "sandbox.created":
+            self.observer.life(sandbox_id, kind, fields)
         if self.events is None:
             return
         if begin:
@@ -466,13 +490,13 @@ class SandboxManager:
             raise CapacityError(f"this server's sandboxes run {cap.pids_used} of the {cap.pids} tasks they may "
                                 "share: no new sandbox until some are killed")
 
-    async def kill(self, sandbox_id: str) -> bool:
+    async def kill(self, sandbox_id: str, reason: str = "the sandbox was killed") -> bool:
         """Kill a sandbox, running or paused; False if there is no such sandbox."""
         rec = self._sandboxes.pop(sandbox_id, None)
         if rec is None:
             return False
         was_alive = rec.paused or (rec.alive() and rec.end_at > _now())
-        await self._destroy(rec, "the sandbox was killed")
+        await self._destroy(rec, reason)
         return was_alive
 
     # pause and resume ---------------------------------------------------------------------------------
@@ -500,7 +524,6 @@ class SandboxManager:
             if not memory:  # nothing of it runs any more: its files are all that is kept
                 await self._destroy_running(rec, "the sandbox was paused")
                 self._persist(rec)
-            log.info("sandbox %s paused (%s)%s", rec.sandbox_id, rec.pause_mode, " at its timeout" if by_timeout else "")
             self._record(rec.sandbox_id, "sandbox.paused", mode=rec.pause_mode, at_timeout=by_timeout or None)
         self._wake.set()
 
@@ -524,7 +547,6 @@ class SandboxManager:
             rec.end_at = _now() + timedelta(seconds=rec.timeout_s)
         self._wake.set()
         self._record(rec.sandbox_id, "sandbox.resumed", begin=True, memory=memory is not False)
-        log.info("sandbox %s resumed", rec.sandbox_id)
         return True
 
     async def _restore_hibernated(self, rec: SandboxRecord) -> None:
@@ -748,7 +770,6 @@ class SandboxManager:
     def _remove(self, rec: SandboxRecord, reason: str) -> None:
         if self._sandboxes.get(rec.sandbox_id) is rec:
             del self._sandboxes[rec.sandbox_id]
-            log.info("sandbox %s: %s", rec.sandbox_id, reason)
             self._spawn(self._destroy(rec, reason))
 
     async def _pause_at_timeout(self, rec: SandboxRecord) -> None:

@@ -172,6 +172,9 @@ class GvisorBackend(CgroupSandboxes, Backend):
                                      PREPARE_PARALLEL)
             self._pool.fill()
 
+    def standby_pools(self) -> dict[str, StandbyPool[GvisorSandbox]]:
+        return {"base": self._pool} if self._pool is not None else {}
+
     async def close(self) -> None:
         if self._pool is not None:
             await self._pool.close()

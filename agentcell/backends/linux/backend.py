@@ -445,6 +445,9 @@ class LinuxBackend(CgroupSandboxes, Backend):
         """Host ids needed: one per sandbox, plus the standbys ready or being prepared."""
         return self.max_sandboxes + self.standbys + self.prepare_parallel
 
+    def standby_pools(self) -> dict[str, StandbyPool[LinuxSandbox]]:
+        return dict(self._pools)
+
     def _pool(self, template: str) -> StandbyPool[LinuxSandbox]:
         pool = self._pools.get(template)
         if pool is None:

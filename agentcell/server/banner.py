@@ -1,0 +1,95 @@
+"""The startup banner: one log line (`agentcell.server`) once the server is ready, saying what it is and
+how it is exposed: version, where it listens, whether a key is required (never the key), its backends,
+the sandboxes' way to the internet, its state dir, the most a sandbox may have, the behaviour record.
+
+Text: a block under the line; JSON: the same as fields of one line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from importlib import metadata
+from typing import Any
+
+from agentcell.logs import fields
+from agentcell.server.config import ServerConfig, backend_names
+
+log = logging.getLogger("agentcell.server")
+
+
+def version() -> str:
+    try:
+        return metadata.version("agentcell")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def listen_url(config: ServerConfig) -> str:
+    if config.uds:
+        return f"unix:{config.uds}"
+    scheme = "https" if config.tls_cert else "http"
+    host = f"[{config.host}]" if ":" in config.host else config.host
+    return f"{scheme}://{host}:{config.port}"
+
+
+def facts(config: ServerConfig) -> dict[str, Any]:
+    """What the banner says, by name."""
+    ceilings = {k: v for k, v in dataclasses.asdict(config.max_limits).items() if v is not None}
+    from agentcell import rootless
+
+    return {
+        "version": version(),
+        "mode": "rootless (reduced guarantees: agentcell doctor)" if rootless.active()
+        else "system service" if getattr(config, "system", False) else "root",
+        "listen": listen_url(config),
+        "tls": "on" if config.tls_cert else "off",
+        "auth": _auth(config),
+        "backends": backend_names(config),
+        "egress_uplink": config.egress_uplink,
+        "internet_default": "on" if config.internet_by_default else "off",
+        "state_dir": config.state_dir,
+        "max_sandboxes": config.max_sandboxes,
+        "max_timeout_s": config.max_timeout,
+        "max_limits": ceilings,
+        "record": ",".join(config.record_collectors) if config.record else "off",
+        "cell_id": config.cell_id,
+    }
+
+
+def _auth(config: ServerConfig) -> str:
+    if getattr(config, "system", False):  # the system service (server/tenancy.py)
+        tcp = ", TCP with its API key" if config.api_key is not None else ""
+        return f"per user: the socket's peer uid (each sees only their own sandboxes){tcp}"
+    if config.api_key is not None:
+        return "API key required (X-API-KEY)"
+    if config.uds:
+        return "none: whoever can open the socket can run code"
+    return "none: every client that reaches the address can run code"
+
+
+def log_banner(config: ServerConfig) -> None:
+    said = facts(config)
+    width = max(len(k) for k in said) + 1
+    block = [f"{k + ':':<{width}} {_text(v)}" for k, v in said.items() if v is not None]
+    log.info("agentcell %s serving on %s", said["version"], said["listen"], extra=fields(block=block, **said))
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, dict):
+        return ", ".join(f"{k} {v}" for k, v in value.items())
+    if isinstance(value, list):
+        return ", ".join(map(str, value))
+    return str(value)
+
+
+def log_gateway_banner(host: str, port: int, tls: bool, api_key: bool, discovery: str) -> None:
+    """`agentcell gateway`'s banner: the same shape, what a gateway has."""
+    scheme = "https" if tls else "http"
+    said = {"version": version(), "listen": f"{scheme}://{f'[{host}]' if ':' in host else host}:{port}",
+            "tls": "on" if tls else "off",
+            "auth": "API key required (X-API-KEY)" if api_key else "none: every client that reaches the address can "
+            "create sandboxes on the cells", "discovery": discovery}
+    width = max(len(k) for k in said) + 1
+    log.info("agentcell gateway %s serving on %s", said["version"], said["listen"],
+             extra=fields(block=[f"{k + ':':<{width}} {v}" for k, v in said.items()], **said))
