@@ -50,6 +50,7 @@ from agentcell.record.linux.process import RecordProcess, RecordProcessError
 from agentcell.record.linux.target import WatchTarget
 from agentcell.runtime import statedir
 from agentcell.runtime.protocol import PREFIX, encode_frame
+from agentcell.server import progress
 
 DEFAULT_ENTRY = "agentcell.runtime.agent:serve"
 READY_TIMEOUT = 10.0
@@ -151,8 +152,9 @@ class _Zygote:
 
         loop.add_reader(self.ctl.fileno(), on_readable)
         try:
-            async with asyncio.timeout(timeout):
-                msg = await fut
+            with progress.step(f"starting the {self.template!r} zygote (importing the sandbox's Python runtime)"):
+                async with asyncio.timeout(timeout):
+                    msg = await fut
         except (TimeoutError, OSError) as e:
             self.stop()
             raise BackendUnavailableError(
@@ -379,6 +381,24 @@ class LinuxBackend(CgroupSandboxes, Backend):
         except uids.UidRangeError as e:
             raise BackendUnavailableError(str(e)) from None
         self.uid_base = self._uid_range.base
+        # The Python runtime at neutral paths (checked in a thread meanwhile: ~0.5 s warm, built once)
+        runtime = asyncio.ensure_future(asyncio.to_thread(runtime_store.ensure)) if self._runtime is None else None
+        try:
+            await self._start_host_side()
+        except BaseException:
+            if runtime is not None:
+                with contextlib.suppress(Exception):
+                    (await runtime).close()
+            raise
+        if runtime is not None:
+            self._state_dir = statedir.private_dir(statedir.default_state_dir("zygote"))
+            self._runtime = await runtime
+        await self._zygote("base")
+        self._pool("base").fill()
+
+    async def _start_host_side(self) -> None:
+        """cgroups, the egress router, the record's collectors, the host's limits: what start() does
+        while the runtime store is checked."""
         try:
             stale = await asyncio.to_thread(cgroups.remove_stale_instances)  # servers that died
             if stale:
@@ -393,7 +413,8 @@ class LinuxBackend(CgroupSandboxes, Backend):
         if self.egress_settings.enabled and self.egress is None:
             egress = Egress(self.egress_settings, self.instance)
             try:
-                await egress.start()
+                with progress.step("starting the sandboxes' egress router"):
+                    await egress.start()
             except (EgressError, OSError) as e:
                 raise BackendUnavailableError(
                     f"cannot set up the sandboxes' egress router: {e} (start with --egress-uplink none to run "
@@ -402,7 +423,8 @@ class LinuxBackend(CgroupSandboxes, Backend):
         if self.egress is not None and self.recorder is not None:
             self.egress.sink = self.recorder.add  # connection and DNS events join the behaviour record
         if self.recorder is not None and self.record_process is None:
-            await self._start_collectors()
+            with progress.step("starting the behaviour record's collectors"):
+                await self._start_collectors()
         try:  # host-wide pools and the parent cgroup's limits (see host.py)
             self.host_budget = await asyncio.to_thread(host.prepare, self.cgroup_parent, self.max_sandboxes,
                                                        self.host_tuning)
@@ -410,11 +432,6 @@ class LinuxBackend(CgroupSandboxes, Backend):
             raise BackendUnavailableError(f"cannot limit what sandboxes take from the host: {e}") from e
         os.makedirs(self.staging, mode=0o755, exist_ok=True)
         os.chmod(self.staging, 0o755)
-        if self._runtime is None:  # the Python runtime at neutral paths: built once, checked in ~0.2 s
-            self._state_dir = statedir.private_dir(statedir.default_state_dir("zygote"))
-            self._runtime = await asyncio.to_thread(runtime_store.ensure)
-        await self._zygote("base")
-        self._pool("base").fill()
 
     @property
     def _slot_count(self) -> int:

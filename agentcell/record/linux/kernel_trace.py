@@ -46,6 +46,7 @@ from typing import NamedTuple
 
 from agentcell.errors import BackendUnavailableError
 from agentcell.record.linux.audit_proc import Exit
+from agentcell.server import progress
 
 SOURCE = Path(__file__).parent / "bpf" / "kernel_trace.bpf.c"
 CACHE = Path(os.environ.get("AGENTCELL_BPF_CACHE", "/var/cache/agentcell/bpf"))
@@ -156,9 +157,10 @@ def build(source: Path = SOURCE) -> Path:
         pass
     try:
         arch = {"x86_64": "x86", "aarch64": "arm64"}.get(os.uname().machine, os.uname().machine)
-        done = subprocess.run([clang, "-O2", "-g", "-target", "bpf", f"-D__TARGET_ARCH_{arch}", *includes, "-c",
-                               str(source), "-o", tmp.name],
-                              capture_output=True, text=True, timeout=120)
+        with progress.step(f"compiling the kernel tracer ({clang} -target bpf, once per version)"):
+            done = subprocess.run([clang, "-O2", "-g", "-target", "bpf", f"-D__TARGET_ARCH_{arch}", *includes, "-c",
+                                   str(source), "-o", tmp.name],
+                                  capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
             raise KernelTraceUnavailable(f"building the kernel tracer failed: {done.stderr.strip()[-2000:]}")
         os.replace(tmp.name, obj)
