@@ -155,6 +155,14 @@ def _watch_lifeline() -> None:
               help="Disk the behaviour records of all sandboxes may take (the oldest ended ones go first).")
 @click.option("--audit-log", default=None, metavar="PATH|-",
               help="Also write every event of every sandbox as a JSON line to this file ('-': stdout), for a SIEM.")
+@click.option("--runtime-store", "runtime_store_dir", default="/var/lib/agentcell/runtime", show_default=True,
+              envvar="AGENTCELL_RUNTIME_STORE", type=click.Path(file_okay=False),
+              help="The sandboxes' Python runtime, built from this server's interpreter and venv (files stored once "
+                   "by content, shared by every server and venv of the host; root-only).")
+@click.option("--runtime-store-max-gb", default=10.0, show_default=True, envvar="AGENTCELL_RUNTIME_STORE_MAX_GB",
+              type=click.FloatRange(min=0),
+              help="Disk the runtime store may keep: beyond it, the parts no running server holds are removed, least "
+                   "recently used first (and any unused for a day, whatever the size).")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 def serve(**opts: Any) -> None:
@@ -187,6 +195,9 @@ def serve(**opts: Any) -> None:
         click.echo("agentcell: the gvisor backend gives sandboxes no network: --egress-uplink none", err=True)
         opts["egress_uplink"] = "none"
     opts["tune_sysctls"] = opts.pop("host_sysctls")
+    # the runtime store is the backends' (runtime_store.store_dir, max_bytes), read from the environment
+    os.environ["AGENTCELL_RUNTIME_STORE"] = opts.pop("runtime_store_dir")
+    os.environ["AGENTCELL_RUNTIME_STORE_MAX_GB"] = repr(opts.pop("runtime_store_max_gb"))
     collectors = tuple(c for c in opts["record_collectors"].split(",") if c)
     if set(collectors) - set(COLLECTOR_NAMES):
         raise click.BadParameter(f"choose from {', '.join(COLLECTOR_NAMES)}", param_hint="--record-collectors")

@@ -82,6 +82,8 @@ class EmbeddedServer:
                             return
                     except httpx.TransportError:
                         pass
+                # a server that keeps saying how far it is (a first start's build) gets more time
+                deadline = max(deadline, startup.last_at + START_TIMEOUT_S)
                 if time.monotonic() > deadline:
                     self.stop()
                     raise EmbeddedServerError(self._failure(f"did not answer within {START_TIMEOUT_S:.0f} s"))

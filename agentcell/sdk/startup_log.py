@@ -47,6 +47,7 @@ class StartupLog:
         self.started = time.monotonic()
         self.noticed = False
         self.last: str | None = None
+        self.last_at = self.started  # when the server last said something: it is working, not stuck
         self._offset = 0
         self._partial = b""
 
@@ -62,7 +63,7 @@ class StartupLog:
         for raw in lines:
             msg = _own_line(raw.decode("utf-8", "replace").rstrip("\r"))
             if msg is not None:
-                self.last = msg
+                self.last, self.last_at = msg, time.monotonic()
                 log.info("%s", msg)
         if notice and not self.noticed and time.monotonic() - self.started >= NOTICE_S:
             self.noticed = True

@@ -407,6 +407,18 @@ def _key(part: Part, layout: Layout, hashes: HashCache, step: progress.Step | No
     return h.hexdigest()[:16]
 
 
+def _stat_key(part: Part, layout: Layout) -> str:
+    """A cheap key (names, modes, sizes, mtimes, inodes: one stat each, nothing read) that leads to the
+    content key through the store's keys/ directory, so an unchanged start needs no hash cache."""
+    h = hashlib.sha256()
+    h.update(json.dumps([FORMAT, sys.version, part.__dict__ | {"drop_dirs": sorted(part.drop_dirs)},
+                         layout.mapping, layout.pth]).encode())
+    for rel, st, link in _walk(part):
+        h.update(f"{rel}\0{st.st_mode}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}\0{link}\n".encode(
+            "utf-8", "surrogateescape"))
+    return h.hexdigest()[:32]
+
+
 def _walk(part: Part) -> Iterator[tuple[str, os.stat_result, str]]:
     """(relative path, lstat, symlink target) of everything the part keeps; a directory's files
     before its subdirectories (a .py before its __pycache__)."""
@@ -602,17 +614,28 @@ def ensure(layout: Layout | None = None, root: str | None = None, log: Callable[
         build_lock = os.open(os.path.join(root, ".build.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         fcntl.flock(build_lock, fcntl.LOCK_EX)  # one builder at a time, and no collector
         try:
-            hashes = HashCache(os.path.join(root, store_objects.HASHES))
-            objects = Objects(root, hashes)
+            keys_dir = os.path.join(root, store_collect.KEYS)
+            os.makedirs(keys_dir, mode=0o700, exist_ok=True)
+            hashes: HashCache | None = None  # loaded only if a part changed (its file: ~1 s for a few venvs)
+            objects: Objects | None = None
             for part in layout.parts:
                 with progress.step(f"runtime store: checking {part.target} ({part.source})", unit="files") as s:
-                    key = _key(part, layout, hashes, s)
-                dest = os.path.join(root, f"{part.name}-{key}")
+                    quick = os.path.join(keys_dir, f"{part.name}-{_stat_key(part, layout)}")
+                    name = _read_key(quick)
+                    if name is None or not os.path.isdir(os.path.join(root, name)):
+                        if hashes is None:
+                            hashes = HashCache(os.path.join(root, store_objects.HASHES))
+                            objects = Objects(root, hashes)
+                        name = f"{part.name}-{_key(part, layout, hashes, s)}"
+                dest = os.path.join(root, name)
                 locks.append(_hold(dest + ".lock"))
                 if not os.path.isdir(dest):
+                    assert objects is not None
                     _build_part(part, layout, dest, objects, log, s.done)
+                _write_key(quick, name)
                 mounts.append((dest, part.target))
-            hashes.save()
+            if hashes is not None:
+                hashes.save()
         except BaseException:
             os.close(build_lock)
             raise
@@ -633,6 +656,23 @@ def ensure(layout: Layout | None = None, root: str | None = None, log: Callable[
         raise RuntimeStoreError(f"cannot build the runtime store in {root}: {e}; it needs root and about "
                                 "500 MB of disk for a first venv (hard links where it can)") from e
     return Store(layout, mounts, locks)
+
+
+def _read_key(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip() or None
+    except FileNotFoundError:
+        return None
+
+
+def _write_key(path: str, name: str) -> None:
+    if _read_key(path) == name:
+        return
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        f.write(name)
+    os.replace(tmp, path)
 
 
 def _build_part(part: Part, layout: Layout, dest: str, objects: Objects, log: Callable[[str], None],

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from agentcell.backends.linux.store_objects import OBJECTS
 
 MANIFEST = ".objects"
+KEYS = "keys"  # runtime_store._stat_key -> the part it found (a file each, naming the part)
 DEFAULT_MAX_BYTES = 10 << 30  # serve --runtime-store-max-gb
 KEEP_UNUSED_S = 24 * 3600  # an unheld part unused for this long is removed whatever the budget
 
@@ -35,7 +36,7 @@ class Collected:
 
 def part_names(root: str) -> list[str]:
     """Every finished part in the store (`<name>-<key>` directories)."""
-    return [n for n in os.listdir(root) if n != OBJECTS and not n.startswith(".") and not n.endswith(".tmp")
+    return [n for n in os.listdir(root) if n not in (OBJECTS, KEYS) and not n.startswith(".") and not n.endswith(".tmp")
             and os.path.isdir(os.path.join(root, n))]
 
 
@@ -121,6 +122,7 @@ def collect(root: str, keep: set[str], max_bytes: int = DEFAULT_MAX_BYTES,
                 os.unlink(os.path.join(root, OBJECTS, name[:2], name))
             out.removed_objects += 1
             out.freed_bytes += size
+    _drop_stale_keys(root)
     out.size_bytes = sum(s for n, s in sizes.items() if n in named)
     out.over_budget = out.size_bytes > max_bytes
     return out
@@ -133,6 +135,21 @@ def _named(root: str) -> set[str]:
         if names:
             named |= names
     return named
+
+
+def _drop_stale_keys(root: str) -> None:
+    """Quick keys naming a part that is gone."""
+    parts = set(part_names(root))
+    with contextlib.suppress(FileNotFoundError):
+        for e in os.scandir(os.path.join(root, KEYS)):
+            try:
+                with open(e.path) as f:
+                    gone = f.read().strip() not in parts
+            except OSError:
+                continue
+            if gone:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(e.path)
 
 
 def usage(root: str) -> tuple[int, int]:
