@@ -383,22 +383,28 @@ class LinuxBackend(CgroupSandboxes, Backend):
         self.uid_base = self._uid_range.base
         # The Python runtime at neutral paths (checked in a thread meanwhile: ~0.5 s warm, built once)
         runtime = asyncio.ensure_future(asyncio.to_thread(runtime_store.ensure)) if self._runtime is None else None
+        zygote: asyncio.Future[_Zygote] | None = None
         try:
-            await self._start_host_side()
+            await self._start_cgroups_and_egress()
+            if runtime is not None:
+                self._state_dir = statedir.private_dir(statedir.default_state_dir("zygote"))
+                self._runtime, runtime = await runtime, None
+            # the zygote imports the sandboxes' Python runtime (~1.5 s) in its own process meanwhile
+            zygote = asyncio.ensure_future(self._zygote("base"))
+            await self._start_collectors_and_limits()
+            await zygote
         except BaseException:
+            if zygote is not None and not zygote.done():
+                zygote.cancel()
             if runtime is not None:
                 with contextlib.suppress(Exception):
                     (await runtime).close()
             raise
-        if runtime is not None:
-            self._state_dir = statedir.private_dir(statedir.default_state_dir("zygote"))
-            self._runtime = await runtime
-        await self._zygote("base")
         self._pool("base").fill()
 
-    async def _start_host_side(self) -> None:
-        """cgroups, the egress router, the record's collectors, the host's limits: what start() does
-        while the runtime store is checked."""
+    async def _start_cgroups_and_egress(self) -> None:
+        """What the zygote needs besides the runtime store (checked meanwhile, in a thread): this
+        server's cgroups, the staging directory, the egress router (its CA goes into the zygote)."""
         try:
             stale = await asyncio.to_thread(cgroups.remove_stale_instances)  # servers that died
             if stale:
@@ -407,6 +413,8 @@ class LinuxBackend(CgroupSandboxes, Backend):
             cgroups.prepare_instance(self.instance)
         except cgroups.CgroupError as e:
             raise BackendUnavailableError(str(e)) from e
+        os.makedirs(self.staging, mode=0o755, exist_ok=True)
+        os.chmod(self.staging, 0o755)
         gone = await asyncio.to_thread(Egress.remove_stale, cgroups.instance_alive)
         if gone:
             print(f"agentcell: removed the egress routers of dead server(s): {', '.join(gone)}", file=sys.stderr)
@@ -420,6 +428,9 @@ class LinuxBackend(CgroupSandboxes, Backend):
                     f"cannot set up the sandboxes' egress router: {e} (start with --egress-uplink none to run "
                     "without internet for sandboxes)") from e
             self.egress = egress
+
+    async def _start_collectors_and_limits(self) -> None:
+        """The record's collectors and the host's limits: while the zygote starts."""
         if self.egress is not None and self.recorder is not None:
             self.egress.sink = self.recorder.add  # connection and DNS events join the behaviour record
         if self.recorder is not None and self.record_process is None:
@@ -430,8 +441,6 @@ class LinuxBackend(CgroupSandboxes, Backend):
                                                        self.host_tuning)
         except OSError as e:
             raise BackendUnavailableError(f"cannot limit what sandboxes take from the host: {e}") from e
-        os.makedirs(self.staging, mode=0o755, exist_ok=True)
-        os.chmod(self.staging, 0o755)
 
     @property
     def _slot_count(self) -> int:

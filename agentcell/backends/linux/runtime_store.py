@@ -487,8 +487,9 @@ def _place_file(src: str, dst: str, rel: str, st: os.stat_result, part: Part, rw
         elif rw.maybe(data):
             new = rw.binary(data) if b"\0" in data else rw.text(data)
     if new == data and not part.copy:
-        objects.place_host_file(src, st, dst)
+        objects.place_host_file(src, st, dst, data)
     else:
+        objects.hashes.digest_data(st, data)  # the host file's digest, for the part's key (read once)
         objects.place_bytes(new, st, dst)
         stats.rewritten += 1
     stats.files += 1
@@ -622,16 +623,20 @@ def ensure(layout: Layout | None = None, root: str | None = None, log: Callable[
                 with progress.step(f"runtime store: checking {part.target} ({part.source})", unit="files") as s:
                     quick = os.path.join(keys_dir, f"{part.name}-{_stat_key(part, layout)}")
                     name = _read_key(quick)
-                    if name is None or not os.path.isdir(os.path.join(root, name)):
+                    if name is not None and not os.path.isdir(os.path.join(root, name)):
+                        name = None
+                    if name is None:
                         if hashes is None:
                             hashes = HashCache(os.path.join(root, store_objects.HASHES))
                             objects = Objects(root, hashes)
-                        name = f"{part.name}-{_key(part, layout, hashes, s)}"
-                dest = os.path.join(root, name)
+                        if hashes.covers([st for _, st, _ in _walk(part) if stat.S_ISREG(st.st_mode)]):
+                            name = f"{part.name}-{_key(part, layout, hashes, s)}"  # nothing to read
+                if name is None or not os.path.isdir(os.path.join(root, name)):
+                    # new content: built, and hashed on the way (each file read once), then keyed
+                    assert objects is not None and hashes is not None
+                    name = _build_part(part, layout, root, objects, log)
+                dest = os.path.join(root, name)  # (no collector runs meanwhile: the build lock is ours)
                 locks.append(_hold(dest + ".lock"))
-                if not os.path.isdir(dest):
-                    assert objects is not None
-                    _build_part(part, layout, dest, objects, log, s.done)
                 _write_key(quick, name)
                 mounts.append((dest, part.target))
             if hashes is not None:
@@ -675,15 +680,22 @@ def _write_key(path: str, name: str) -> None:
     os.replace(tmp, path)
 
 
-def _build_part(part: Part, layout: Layout, dest: str, objects: Objects, log: Callable[[str], None],
-                count: int) -> None:
+def _build_part(part: Part, layout: Layout, root: str, objects: Objects, log: Callable[[str], None]) -> str:
+    """Build `part` (hashing its files as they are read), key it by its content; its name in the store.
+    If a part of that content is there already (a venv made again, equal), the new build goes."""
     t0 = time.perf_counter()
-    tmp = dest + ".tmp"
+    tmp = os.path.join(root, f"{part.name}.{os.getpid()}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     new_before, written_before = objects.new_bytes, objects.written_bytes
     objects.take_used()
+    count = sum(1 for _ in _walk(part))
     with progress.step(f"runtime store: building {part.target} from {part.source}", total=count, unit="files") as s:
         stats = _build(part, layout, tmp, objects, s)
+    name = f"{part.name}-{_key(part, layout, objects.hashes)}"
+    dest = os.path.join(root, name)
+    if os.path.isdir(dest):
+        shutil.rmtree(tmp, ignore_errors=True)
+        return name
     with open(dest + store_collect.MANIFEST, "w") as f:  # before the part exists: collect() trusts it
         f.write("\n".join(sorted(objects.take_used())))
     os.rename(tmp, dest)
@@ -691,6 +703,7 @@ def _build_part(part: Part, layout: Layout, dest: str, objects: Objects, log: Ca
         f"({stats.files} files, {stats.rewritten} rewritten; {(objects.new_bytes - new_before) >> 20} MiB of content "
         f"new to the store, of which {(objects.written_bytes - written_before) >> 20} MiB written, the rest "
         "hard links to the host's files; everything else shared with other parts)")
+    return name
 
 
 def _collect(root: str, keep: set[str], budget: int, log: Callable[[str], None]) -> store_collect.Collected:

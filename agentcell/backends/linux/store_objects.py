@@ -77,6 +77,17 @@ class HashCache:
             self.put(st, hit)
         return hit
 
+    def digest_data(self, st: os.stat_result, data: bytes) -> Digest:
+        """The digest of a file already read (`data` is its content): from the cache, or of `data`."""
+        hit = self.get(st)
+        if hit is None:
+            hit = hashlib.sha256(data).digest()
+            self.put(st, hit)
+        return hit
+
+    def covers(self, stats: list[os.stat_result]) -> bool:
+        return all(file_key(st) in self.entries for st in stats)
+
     def save(self) -> None:
         if not self.changed:
             return
@@ -124,9 +135,10 @@ class Objects:
             shutil.copy2(obj, dst)
         self.used.add(os.path.basename(obj))
 
-    def place_host_file(self, src: str, st: os.stat_result, dst: str) -> None:
-        """`dst` gets the content of host file `src` (as it is), through the object of that content."""
-        digest = self.hashes.digest(src, st)
+    def place_host_file(self, src: str, st: os.stat_result, dst: str, data: bytes | None = None) -> None:
+        """`dst` gets the content of host file `src` (as it is, `data` if already read), through the
+        object of that content."""
+        digest = self.hashes.digest(src, st) if data is None else self.hashes.digest_data(st, data)
         obj = self.path(digest, st.st_mode)
         if self._valid(obj, digest) is None:
             os.makedirs(os.path.dirname(obj), mode=0o700, exist_ok=True)
