@@ -27,6 +27,7 @@ def demo(api_url: str | None, api_key: str | None) -> None:
     """Create a sandbox and run the README quick start in it."""
     from agentcell import Sandbox
 
+    _show_embedded_progress()
     t0 = time.perf_counter()
     with Sandbox.create(api_url=api_url, api_key=api_key) as sbx:
         click.echo(f"sandbox {escape(sbx.sandbox_id)} ready in {(time.perf_counter() - t0) * 1000:.0f} ms")
@@ -50,6 +51,18 @@ def demo(api_url: str | None, api_key: str | None) -> None:
         sbx.files.write("/home/user/a.csv", "a,b\n1,2\n")
         click.echo(f'files.read("/home/user/a.csv") -> {sbx.files.read("/home/user/a.csv")!r}')
     click.echo("sandbox killed; done")
+
+
+def _show_embedded_progress() -> None:
+    """An embedded server's start (its progress lines, what it changes on the host) on stderr."""
+    import logging
+
+    logger = logging.getLogger("agentcell")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("agentcell: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
 
 
 @main.command(name="ls")

@@ -83,16 +83,16 @@ _NOTICE_FILE = "~/.cache/agentcell/embedded-uplink-notice"
 
 
 def first_use_notice(uplink: str, stream: TextIO | None = None) -> bool:
-    """Say once per user (a marker file in ~/.cache/agentcell) what the embedded server's defaults do to
-    the host; logged at INFO every time. True if it was printed now."""
+    """Say once per user on stderr (a marker file in ~/.cache/agentcell) what the embedded server's defaults
+    do to the host; logged at INFO every other time. True if it was printed now."""
     if uplink == "none":
         return False
     text = ("the local sandbox server routes its sandboxes' internet traffic out through this host (NAT, private "
             f"ranges refused: --egress-uplink {uplink}); AGENTCELL_EGRESS_UPLINK=none turns it off. What it changes "
             "on the host, and undoes at stop: docs/host-changes.md")
-    log.info("%s", text)
     marker = os.path.expanduser(_NOTICE_FILE)
     if os.path.exists(marker):
+        log.info("%s", text)
         return False
     print(f"agentcell: {text} (said once)", file=stream or sys.stderr, flush=True)
     with contextlib.suppress(OSError):

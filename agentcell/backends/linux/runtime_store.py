@@ -699,10 +699,10 @@ def _build_part(part: Part, layout: Layout, root: str, objects: Objects, log: Ca
     with open(dest + store_collect.MANIFEST, "w") as f:  # before the part exists: collect() trusts it
         f.write("\n".join(sorted(objects.take_used())))
     os.rename(tmp, dest)
-    log(f"runtime store: built {part.target} from {part.source} in {time.perf_counter() - t0:.1f} s "
-        f"({stats.files} files, {stats.rewritten} rewritten; {(objects.new_bytes - new_before) >> 20} MiB of content "
-        f"new to the store, of which {(objects.written_bytes - written_before) >> 20} MiB written, the rest "
-        "hard links to the host's files; everything else shared with other parts)")
+    log(f"runtime store: built {part.target} from {part.source} in {time.perf_counter() - t0:.1f} s: "
+        f"{stats.files:,} files ({stats.rewritten:,} rewritten), {(objects.written_bytes - written_before) >> 20} MiB "
+        f"written, {(objects.new_bytes - objects.written_bytes - new_before + written_before) >> 20} MiB linked to "
+        "the host's files, the rest shared with other parts")
     return name
 
 
