@@ -403,13 +403,14 @@ class _Stats:
     sources: dict[str, tuple[int, int, int, int, bytes | None]] = field(default_factory=dict)
 
 
-def _key(part: Part, layout: Layout, hashes: HashCache, step: progress.Step | None = None) -> str:
+def _key(part: Part, layout: Layout, hashes: HashCache, step: progress.Step | None = None,
+         entries: list[tuple[str, os.stat_result, str]] | None = None) -> str:
     """The part's key: its layout and the content of what goes in (names, modes, digests, link
     targets). Digests come from the hash cache: an unchanged file is not read again."""
     h = hashlib.sha256()
     h.update(json.dumps([FORMAT, sys.version, importlib.util.MAGIC_NUMBER.hex(), part.__dict__ | {
         "drop_dirs": sorted(part.drop_dirs)}, layout.mapping, layout.pth]).encode())
-    for rel, st, link in _walk(part):
+    for rel, st, link in entries if entries is not None else _walk(part):
         digest = hashes.digest(os.path.join(part.source, rel), st).hex() if stat.S_ISREG(st.st_mode) else ""
         h.update(f"{rel}\0{st.st_mode}\0{digest}\0{link}\n".encode("utf-8", "surrogateescape"))
         if step is not None:
@@ -417,13 +418,13 @@ def _key(part: Part, layout: Layout, hashes: HashCache, step: progress.Step | No
     return h.hexdigest()[:16]
 
 
-def _stat_key(part: Part, layout: Layout) -> str:
+def _stat_key(part: Part, layout: Layout, entries: list[tuple[str, os.stat_result, str]]) -> str:
     """A cheap key (names, modes, sizes, mtimes, inodes: one stat each, nothing read) that leads to the
     content key through the store's keys/ directory, so an unchanged start needs no hash cache."""
     h = hashlib.sha256()
     h.update(json.dumps([FORMAT, sys.version, part.__dict__ | {"drop_dirs": sorted(part.drop_dirs)},
                          layout.mapping, layout.pth]).encode())
-    for rel, st, link in _walk(part):
+    for rel, st, link in entries:
         h.update(f"{rel}\0{st.st_mode}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}\0{link}\n".encode(
             "utf-8", "surrogateescape"))
     return h.hexdigest()[:32]
@@ -509,11 +510,12 @@ def _place_file(src: str, dst: str, rel: str, st: os.stat_result, part: Part, rw
                               new if new != data else None)
 
 
-def _build(part: Part, layout: Layout, dest: str, objects: Objects, step: progress.Step | None = None) -> _Stats:
+def _build(part: Part, layout: Layout, dest: str, objects: Objects, step: progress.Step | None = None,
+           entries: list[tuple[str, os.stat_result, str]] | None = None) -> _Stats:
     rw = _Rewriter(layout.mapping)
     stats = _Stats()
     os.mkdir(dest, 0o755)
-    for rel, st, link in _walk(part):
+    for rel, st, link in entries if entries is not None else _walk(part):
         src, dst = os.path.join(part.source, rel), os.path.join(dest, rel)
         if link:
             os.symlink(_map_path(link, layout.mapping) if link.startswith("/") else link, dst)
@@ -525,7 +527,7 @@ def _build(part: Part, layout: Layout, dest: str, objects: Objects, step: progre
         if step is not None:
             step.advance()
     if part.copy:  # the package: compiled here, for the path it has in the sandbox
-        for rel, _st, link in list(_walk(part)):
+        for rel, _st, link in entries if entries is not None else list(_walk(part)):
             if rel.endswith(".py") and not link:
                 path = os.path.join(dest, rel)
                 cfile = importlib.util.cache_from_source(path)
@@ -631,7 +633,8 @@ def ensure(layout: Layout | None = None, root: str | None = None, log: Callable[
             objects: Objects | None = None
             for part in layout.parts:
                 with progress.step(f"runtime store: checking {part.target} ({part.source})", unit="files") as s:
-                    quick = os.path.join(keys_dir, f"{part.name}-{_stat_key(part, layout)}")
+                    entries = list(_walk(part))
+                    quick = os.path.join(keys_dir, f"{part.name}-{_stat_key(part, layout, entries)}")
                     name = _read_key(quick)
                     if name is not None and not os.path.isdir(os.path.join(root, name)):
                         name = None
@@ -639,12 +642,12 @@ def ensure(layout: Layout | None = None, root: str | None = None, log: Callable[
                         if hashes is None:
                             hashes = HashCache(os.path.join(root, store_objects.HASHES))
                             objects = Objects(root, hashes)
-                        if hashes.covers([st for _, st, _ in _walk(part) if stat.S_ISREG(st.st_mode)]):
-                            name = f"{part.name}-{_key(part, layout, hashes, s)}"  # nothing to read
+                        if hashes.covers([st for _, st, _ in entries if stat.S_ISREG(st.st_mode)]):
+                            name = f"{part.name}-{_key(part, layout, hashes, s, entries)}"  # nothing to read
                 if name is None or not os.path.isdir(os.path.join(root, name)):
                     # new content: built, and hashed on the way (each file read once), then keyed
                     assert objects is not None and hashes is not None
-                    name = _build_part(part, layout, root, objects, log)
+                    name = _build_part(part, layout, root, objects, log, entries)
                 dest = os.path.join(root, name)  # (no collector runs meanwhile: the build lock is ours)
                 locks.append(_hold(dest + ".lock"))
                 _write_key(quick, name)
@@ -690,7 +693,8 @@ def _write_key(path: str, name: str) -> None:
     os.replace(tmp, path)
 
 
-def _build_part(part: Part, layout: Layout, root: str, objects: Objects, log: Callable[[str], None]) -> str:
+def _build_part(part: Part, layout: Layout, root: str, objects: Objects, log: Callable[[str], None],
+                entries: list[tuple[str, os.stat_result, str]]) -> str:
     """Build `part` (hashing its files as they are read), key it by its content; its name in the store.
     If a part of that content is there already (a venv made again, equal), the new build goes."""
     t0 = time.perf_counter()
@@ -698,10 +702,10 @@ def _build_part(part: Part, layout: Layout, root: str, objects: Objects, log: Ca
     shutil.rmtree(tmp, ignore_errors=True)
     new_before, written_before = objects.new_bytes, objects.written_bytes
     objects.take_used()
-    count = sum(1 for _ in _walk(part))
-    with progress.step(f"runtime store: building {part.target} from {part.source}", total=count, unit="files") as s:
-        stats = _build(part, layout, tmp, objects, s)
-    name = f"{part.name}-{_key(part, layout, objects.hashes)}"
+    with progress.step(f"runtime store: building {part.target} from {part.source}", total=len(entries),
+                       unit="files") as s:
+        stats = _build(part, layout, tmp, objects, s, entries)
+    name = f"{part.name}-{_key(part, layout, objects.hashes, entries=entries)}"
     dest = os.path.join(root, name)
     if os.path.isdir(dest):
         shutil.rmtree(tmp, ignore_errors=True)

@@ -108,6 +108,10 @@ class Objects:
         self.dir = os.path.join(root, OBJECTS)
         self.hashes = hashes
         os.makedirs(self.dir, mode=0o700, exist_ok=True)
+        if len(os.listdir(self.dir)) < 256:  # the 256 fan-out directories, made once (not per object)
+            for i in range(256):
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(os.path.join(self.dir, f"{i:02x}"), 0o700)
         self.new_bytes = 0  # bytes this store did not hold before (written here or linked from the host)
         self.written_bytes = 0  # of which written here
         self.used: set[str] = set()  # object names placed since the last take_used()
@@ -141,7 +145,6 @@ class Objects:
         digest = self.hashes.digest(src, st) if data is None else self.hashes.digest_data(st, data)
         obj = self.path(digest, st.st_mode)
         if self._valid(obj, digest) is None:
-            os.makedirs(os.path.dirname(obj), mode=0o700, exist_ok=True)
             try:
                 os.link(src, obj, follow_symlinks=False)  # the host's own inode: nothing copied
             except OSError:  # another filesystem, an immutable file ...
@@ -157,7 +160,6 @@ class Objects:
         mode = st.st_mode & 0o755
         obj = self.path(digest, mode)
         if self._valid(obj, digest) is None:
-            os.makedirs(os.path.dirname(obj), mode=0o700, exist_ok=True)
             self._write_object(obj, data=data, st=st, mode=mode)
         self._link_out(obj, dst)
 
@@ -167,7 +169,6 @@ class Objects:
         digest = digest_of(path)
         obj = self.path(digest, st.st_mode)
         if self._valid(obj, digest) is None:
-            os.makedirs(os.path.dirname(obj), mode=0o700, exist_ok=True)
             os.link(path, obj)
             self.hashes.put(st, digest)
             self.new_bytes += st.st_size
