@@ -75,10 +75,14 @@ def _try_remove(root: str, part: str, older_than: float | None) -> bool:
             return False  # a running server uses it
         if older_than is not None and os.fstat(fd).st_mtime > older_than:
             return False
-        shutil.rmtree(os.path.join(root, part), ignore_errors=True)
+        # out of sight first (one rename): a removal cut short (the server stopped meanwhile) must not
+        # leave half a part that a start would take for whole; the leftover .tmp goes next time
+        gone = os.path.join(root, f"{part}.{os.getpid()}.gone.tmp")
+        os.rename(os.path.join(root, part), gone)
         for suffix in (MANIFEST, ".lock"):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(root, part + suffix))
+        shutil.rmtree(gone, ignore_errors=True)
         return True
     finally:
         os.close(fd)
