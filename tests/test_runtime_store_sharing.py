@@ -161,3 +161,29 @@ def test_cleanup_removes_unheld_parts_beyond_the_budget_and_never_a_held_one(pla
         held.close()
     out = store_collect.collect(root, keep=set(), max_bytes=0)  # no longer held: now it goes too
     assert len(out.removed_parts) == 1 and store_collect.part_names(root) == []
+
+
+def test_a_users_files_are_never_shared_with_another_venvs_part(place: Path) -> None:
+    """A file its owner (not root) can change in place must not reach the part of a server running from
+    another venv: only rewritten copies (the store's own, root's) are shared between such trees."""
+    root = str(place / "store")
+    trees = []
+    for name in ("mine", "theirs"):
+        tree = place / name
+        tree.mkdir()
+        (tree / "same.py").write_text("X = 1\n")
+        (tree / "names.txt").write_text(f"{tree}/x\n")  # rewritten: equal once neutral
+        for f in tree.iterdir():
+            os.chown(f, 12345, 12345)
+        trees.append(tree)
+    a = runtime_store.ensure(_layout(trees[0], target="/opt/agentcell/lib/t"), root=root, collect="never")
+    b = runtime_store.ensure(_layout(trees[1], target="/opt/agentcell/lib/t"), root=root, collect="never")
+    try:
+        (dir_a, _), (dir_b, _) = a.mounts[0], b.mounts[0]
+        assert os.stat(Path(dir_a, "same.py")).st_ino == os.stat(trees[0] / "same.py").st_ino  # its own file
+        assert os.stat(Path(dir_b, "same.py")).st_ino == os.stat(trees[1] / "same.py").st_ino  # not mine
+        assert os.stat(Path(dir_a, "names.txt")).st_ino == os.stat(Path(dir_b, "names.txt")).st_ino  # the store's
+        assert os.stat(Path(dir_b, "names.txt")).st_uid == 0
+    finally:
+        a.close()
+        b.close()

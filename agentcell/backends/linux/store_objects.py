@@ -4,6 +4,8 @@ Every regular file of every part is a hard link to an *object*, ``objects/<hh>/<
 with the same packages (or two builds of the same package tree) hold the same objects, and a part costs
 only its directories and links. An object whose content is the host's file as it is *is* that host
 file (a hard link to it: no byte copied); a rewritten one (runtime_store._Rewriter) is written here.
+A host file someone other than root could change in place (a venv a user owns) is never an object:
+it is linked into its own venv's part only (_shareable).
 
 Hashing gigabytes at every start would cost seconds, so a :class:`HashCache` remembers each file's
 digest by ``(device, inode, size, mtime_ns)``: an unchanged file is never read again, a changed one
@@ -39,6 +41,23 @@ def file_key(st: os.stat_result) -> FileKey:
 def digest_of(path: str) -> Digest:
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").digest()
+
+
+def _shareable(st: os.stat_result) -> bool:
+    """May a host file be an object, linked into other venvs' parts? Only if no one but root can change
+    it in place: a file of a venv user X owns, shared with the part of a server running from another
+    venv, would let X change what that server's zygote (root) and sandboxes run. Such files are linked
+    into their own venv's part only, as they were before the store shared anything (X can change that
+    server's code anyway)."""
+    return st.st_uid == 0 and not st.st_mode & 0o022
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst, follow_symlinks=False)
+    except OSError:  # another filesystem (EXDEV), too many links, an immutable file ...
+        shutil.copy2(src, dst, follow_symlinks=False)
+        os.chmod(dst, os.lstat(src).st_mode & 0o755)
 
 
 class HashCache:
@@ -125,7 +144,7 @@ class Objects:
             st = os.lstat(obj)
         except FileNotFoundError:
             return None
-        if stat.S_ISREG(st.st_mode) and self.hashes.get(st) == digest:
+        if stat.S_ISREG(st.st_mode) and _shareable(st) and self.hashes.get(st) == digest:
             return st
         os.unlink(obj)  # edited in place since (a host file's inode), or not ours: made again
         return None
@@ -141,8 +160,11 @@ class Objects:
 
     def place_host_file(self, src: str, st: os.stat_result, dst: str, data: bytes | None = None) -> None:
         """`dst` gets the content of host file `src` (as it is, `data` if already read), through the
-        object of that content."""
+        object of that content if the file may be shared (see _shareable), else directly."""
         digest = self.hashes.digest(src, st) if data is None else self.hashes.digest_data(st, data)
+        if not _shareable(st):
+            _link_or_copy(src, dst)
+            return
         obj = self.path(digest, st.st_mode)
         if self._valid(obj, digest) is None:
             try:
