@@ -67,7 +67,7 @@ def test_serve_says_what_a_cold_start_waits_for(fresh_store: dict[str, str], tmp
         err = proc.communicate(timeout=60)[1]
     assert PROGRESS.search(err), err[-3000:]  # what, how far, how long
     assert DONE.search(err), err[-3000:]
-    assert re.search(r"^agentcell: runtime store: built /opt/agentcell/venv .* in [\d.]+ s \(\d+ files", err, re.M)
+    assert re.search(r"^agentcell: runtime store: built /opt/agentcell/venv .* in [\d.]+ s: [\d,]+ files", err, re.M)
 
 
 EMBEDDED = """
