@@ -187,3 +187,27 @@ def test_a_users_files_are_never_shared_with_another_venvs_part(place: Path) -> 
     finally:
         a.close()
         b.close()
+
+
+def test_two_worker_processes_build_what_one_builds(place: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """store_workers.py: a part placed by two processes has the same content as one placed by one, and
+    every .pyc stays valid for its source as placed (the worker that places a .pyc placed its source)."""
+    from agentcell.backends.linux import store_workers
+
+    venv = _venv(place / "venv")
+    parts = []
+    for workers, min_files in ((1, 10**9), (2, 1)):
+        monkeypatch.setattr(store_workers, "MIN_FILES", min_files)
+        store = runtime_store.ensure(_layout(venv), root=str(place / f"store{workers}"), collect="never")
+        store.close()
+        parts.append(store.mounts[0][0])
+    one, two = (_files(p) for p in parts)
+    assert one.keys() == two.keys() and len(one) > 500
+    for rel in one:
+        a, b = Path(parts[0], rel).read_bytes(), Path(parts[1], rel).read_bytes()
+        if rel.endswith(".pyc"):
+            src = os.path.join(parts[1], os.path.dirname(os.path.dirname(rel)), rel.rsplit("/", 1)[1].split(".")[0] + ".py")
+            st = os.stat(src)
+            assert int.from_bytes(b[8:12], "little") == int(st.st_mtime) & 0xFFFFFFFF, rel
+            a, b = a[16:], b[16:]
+        assert a == b, rel

@@ -64,7 +64,7 @@ from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 import agentcell
-from agentcell.backends.linux import store_collect, store_objects
+from agentcell.backends.linux import store_collect, store_objects, store_workers
 from agentcell.backends.linux import syscalls as sc
 from agentcell.backends.linux.store_objects import HashCache, Objects
 from agentcell.errors import BackendUnavailableError
@@ -515,17 +515,21 @@ def _build(part: Part, layout: Layout, dest: str, objects: Objects, step: progre
     rw = _Rewriter(layout.mapping)
     stats = _Stats()
     os.mkdir(dest, 0o755)
+    files: list[tuple[str, os.stat_result]] = []
     for rel, st, link in entries if entries is not None else _walk(part):
-        src, dst = os.path.join(part.source, rel), os.path.join(dest, rel)
+        dst = os.path.join(dest, rel)
         if link:
             os.symlink(_map_path(link, layout.mapping) if link.startswith("/") else link, dst)
         elif stat.S_ISDIR(st.st_mode):
             os.mkdir(dst, 0o755)
             os.chmod(dst, st.st_mode & 0o755)
-        elif stat.S_ISREG(st.st_mode):
-            _place_file(src, dst, rel, st, part, rw, objects, stats)  # sockets, fifos, devices: left out
+        elif stat.S_ISREG(st.st_mode):  # sockets, fifos, devices: left out
+            files.append((rel, st))
+            continue
         if step is not None:
             step.advance()
+    store_workers.place_all(files, lambda rel, st: _place_file(
+        os.path.join(part.source, rel), os.path.join(dest, rel), rel, st, part, rw, objects, stats), objects, stats, step)
     if part.copy:  # the package: compiled here, for the path it has in the sandbox
         for rel, _st, link in entries if entries is not None else list(_walk(part)):
             if rel.endswith(".py") and not link:

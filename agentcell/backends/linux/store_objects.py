@@ -68,6 +68,7 @@ class HashCache:
         self.entries: dict[FileKey, tuple[Digest, int]] = {}
         self.changed = False
         self.today = int(time.time()) // _DAY
+        self.journal: list[tuple[FileKey, Digest]] = []  # what put() added (a build's worker sends it back)
         with contextlib.suppress(OSError, ValueError, EOFError, TypeError):
             with open(path, "rb") as f:
                 loaded = marshal.load(f)
@@ -87,6 +88,7 @@ class HashCache:
     def put(self, st: os.stat_result, digest: Digest) -> None:
         self.entries[file_key(st)] = (digest, self.today)
         self.changed = True
+        self.journal.append((file_key(st), digest))
 
     def digest(self, path: str, st: os.stat_result) -> Digest:
         """The file's digest: from the cache, or read and hashed now (and remembered)."""
@@ -144,18 +146,33 @@ class Objects:
             st = os.lstat(obj)
         except FileNotFoundError:
             return None
-        if stat.S_ISREG(st.st_mode) and _shareable(st) and self.hashes.get(st) == digest:
-            return st
+        if stat.S_ISREG(st.st_mode) and _shareable(st):
+            known = self.hashes.get(st)
+            if known is None and st.st_uid == 0:  # made by another worker of this build, or a lost cache
+                with contextlib.suppress(OSError):
+                    known = digest_of(obj)
+                    if known == digest:
+                        self.hashes.put(st, known)
+            if known == digest:
+                return st
         os.unlink(obj)  # edited in place since (a host file's inode), or not ours: made again
         return None
 
     def _link_out(self, obj: str, dst: str) -> None:
-        try:
-            os.link(obj, dst)
-        except OSError as e:
-            if e.errno != errno.EMLINK:  # an empty __init__.py in every package of every part ...
-                raise
-            shutil.copy2(obj, dst)
+        for attempt in range(8):
+            try:
+                os.link(obj, dst)
+                break
+            except FileNotFoundError:
+                # another worker replaced the object by its equal copy while link(2) held the inode it
+                # replaced, whose last link was going (the kernel says ENOENT): the new one is there
+                if attempt == 7:
+                    raise
+            except OSError as e:
+                if e.errno != errno.EMLINK:  # an empty __init__.py in every package of every part ...
+                    raise
+                shutil.copy2(obj, dst)
+                break
         self.used.add(os.path.basename(obj))
 
     def place_host_file(self, src: str, st: os.stat_result, dst: str, data: bytes | None = None) -> None:
@@ -169,6 +186,8 @@ class Objects:
         if self._valid(obj, digest) is None:
             try:
                 os.link(src, obj, follow_symlinks=False)  # the host's own inode: nothing copied
+            except FileExistsError:
+                pass  # another worker of this build linked the same content just now
             except OSError:  # another filesystem, an immutable file ...
                 self._write_object(obj, src_path=src, st=st)
             else:
@@ -204,7 +223,7 @@ class Objects:
 
     def _write_object(self, obj: str, *, data: bytes | None = None, src_path: str | None = None,
                       st: os.stat_result, mode: int | None = None) -> None:
-        tmp = f"{obj}.{os.getpid()}.tmp"
+        tmp = f"{obj}.{os.getpid()}.tmp"  # (workers are processes: their pids differ)
         if src_path is not None:
             shutil.copyfile(src_path, tmp, follow_symlinks=False)
             data_len = st.st_size
@@ -220,8 +239,8 @@ class Objects:
             data_len = len(data)
         os.chmod(tmp, (st.st_mode if mode is None else mode) & 0o7777 & ~0o7022)  # never setuid, never writable by others
         os.utime(tmp, ns=(st.st_atime_ns, st.st_mtime_ns))
+        self.hashes.put(os.lstat(tmp), hashlib.sha256(data).digest() if data is not None else digest_of(tmp))
         os.replace(tmp, obj)
-        self.hashes.put(os.lstat(obj), hashlib.sha256(data).digest() if data is not None else digest_of(obj))
         self.new_bytes += data_len
         self.written_bytes += data_len
 
