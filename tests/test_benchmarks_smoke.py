@@ -58,3 +58,12 @@ def test_egress_hardening_benchmark_runs_with_tiny_counts() -> None:
     for row in ("create -> first result", "kernel (no interception)", "proxy, plain HTTP", "proxy, HTTPS with a secret",
                 "connections tried"):
         assert row in proc.stdout, (row, proc.stdout)
+
+
+def test_startup_benchmark_runs_once() -> None:
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "startup.py"), "--runs", "1", "--skip-embedded"],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for row in ("serve, first start: to first sandbox", "serve, warm start: to first sandbox"):
+        assert row in proc.stdout, (row, proc.stdout)
+    assert "runtime store: building /opt/agentcell/venv" in proc.stdout  # the first start's progress, shown

@@ -4,6 +4,7 @@ configured: the sandbox ends with the command)."""
 from __future__ import annotations
 
 import base64
+import sys
 import time
 
 import click
@@ -22,6 +23,7 @@ def demo(target: Target) -> None:
     embedded one)."""
     from agentcell import Sandbox
 
+    _show_embedded_progress()
     t0 = time.perf_counter()
     with Sandbox.create(**target.sdk) as sbx:
         click.echo(f"sandbox {escape(sbx.sandbox_id)} ready in {(time.perf_counter() - t0) * 1000:.0f} ms")
@@ -45,3 +47,15 @@ def demo(target: Target) -> None:
         sbx.files.write("/home/user/a.csv", "a,b\n1,2\n")
         click.echo(f'files.read("/home/user/a.csv") -> {sbx.files.read("/home/user/a.csv")!r}')
     click.echo("sandbox killed; done")
+
+
+def _show_embedded_progress() -> None:
+    """An embedded server's start (its progress lines, what it changes on the host) on stderr."""
+    import logging
+
+    logger = logging.getLogger("agentcell")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("agentcell: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)

@@ -188,6 +188,15 @@ def _tls(opts: dict[str, Any]) -> None:
               help="With --system: sandboxes (running or paused) one user may hold at once; root has no quota.")
 @click.option("--max-memory-mb-per-user", default=None, type=click.IntRange(32),
               help="With --system: the memory limits of one user's sandboxes together (default: no bound).")
+@click.option("--runtime-store", "runtime_store_dir", default=None,
+              envvar="AGENTCELL_RUNTIME_STORE", type=click.Path(file_okay=False),
+              help="The sandboxes' Python runtime, built from this server's interpreter and venv (files stored once "
+                   "by content, shared by every server and venv of the host; root-only). Default: "
+                   "/var/lib/agentcell/runtime; rootless: ~/.cache/agentcell/runtime.")
+@click.option("--runtime-store-max-gb", default=10.0, show_default=True, envvar="AGENTCELL_RUNTIME_STORE_MAX_GB",
+              type=click.FloatRange(min=0),
+              help="Disk the runtime store may keep: beyond it, the parts no running server holds are removed, least "
+                   "recently used first (and any unused for a day, whatever the size).")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 @click.option("--rootless/--no-rootless", default=None,
@@ -235,6 +244,10 @@ def serve(ctx: click.Context, **opts: Any) -> None:
         click.echo("agentcell: the gvisor backend gives sandboxes no network: --egress-uplink none", err=True)
         opts["egress_uplink"] = "none"
     opts["tune_sysctls"] = opts.pop("host_sysctls")
+    # the runtime store is the backends' (runtime_store.store_dir, max_bytes), read from the environment
+    if (store := opts.pop("runtime_store_dir")) is not None:
+        os.environ["AGENTCELL_RUNTIME_STORE"] = store
+    os.environ["AGENTCELL_RUNTIME_STORE_MAX_GB"] = repr(opts.pop("runtime_store_max_gb"))
     collectors = tuple(c for c in opts["record_collectors"].split(",") if c)
     if set(collectors) - set(COLLECTOR_NAMES):
         raise click.BadParameter(f"choose from {', '.join(COLLECTOR_NAMES)}", param_hint="--record-collectors")

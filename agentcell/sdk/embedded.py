@@ -22,6 +22,7 @@ import httpx
 from agentcell import rootless
 from agentcell.errors import EmbeddedServerError
 from agentcell.sdk.config import Endpoint
+from agentcell.sdk.startup_log import DEFAULT_UPLINK, StartupLog, first_use_notice
 
 START_TIMEOUT_S = 60.0
 LIFELINE_ENV = "AGENTCELL_LIFELINE_FD"
@@ -38,6 +39,9 @@ class EmbeddedServer:
         env = {**os.environ, LIFELINE_ENV: str(read_end), "PYTHONUNBUFFERED": "1"}
         env.pop("AGENTCELL_SERVER_API_KEY", None)  # the 0700 socket is the access control here
         env.pop("AGENTCELL_CONFIG", None)  # an operator's config file is for their server, not this private one
+        # sandboxes get the internet through this host unless AGENTCELL_EGRESS_UPLINK says otherwise, as on
+        # E2B (README, "Quick start"); said once at first use (first_use_notice)
+        self.uplink = env.setdefault("AGENTCELL_EGRESS_UPLINK", DEFAULT_UPLINK)
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
                 # its own state dir too: a server's state is its own (server/state_lock.py), and this one
@@ -59,6 +63,14 @@ class EmbeddedServer:
             return "(no server log)"
 
     def wait_ready(self) -> None:
+        startup = StartupLog(self.log_path)  # its progress to logging "agentcell"; a long start said on stderr
+        try:
+            self._wait_ready(startup)
+        finally:
+            startup.finish()
+        first_use_notice(self.uplink)
+
+    def _wait_ready(self, startup: StartupLog) -> None:
         transport = httpx.HTTPTransport(uds=self.socket)
         deadline = time.monotonic() + START_TIMEOUT_S
         delay = 0.01
@@ -72,9 +84,12 @@ class EmbeddedServer:
                             return
                     except httpx.TransportError:
                         pass
+                # a server that keeps saying how far it is (a first start's build) gets more time
+                deadline = max(deadline, startup.last_at + START_TIMEOUT_S)
                 if time.monotonic() > deadline:
                     self.stop()
                     raise EmbeddedServerError(self._failure(f"did not answer within {START_TIMEOUT_S:.0f} s"))
+                startup.poll()
                 time.sleep(delay)
                 delay = min(delay * 1.5, 0.1)
 

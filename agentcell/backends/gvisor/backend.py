@@ -54,6 +54,7 @@ from agentcell.errors import (
     SandboxGoneError,
 )
 from agentcell.runtime.protocol import encode_frame
+from agentcell.server import progress
 
 STATE_BASE = "/run/agentcell/gvisor"
 READY_TIMEOUT = 60.0
@@ -163,11 +164,13 @@ class GvisorBackend(CgroupSandboxes, Backend):
             [sys.executable, "-m", "agentcell.backends.gvisor.watchdog", self.cgroup_parent, self.state],
             stdin=subprocess.PIPE, start_new_session=True, close_fds=True)
         self._runtime = await asyncio.to_thread(runtime_store.ensure)
-        await asyncio.to_thread(rootfs.build, self.root, self._runtime)
+        with progress.step("gvisor: preparing the sandboxes' root tree"):
+            await asyncio.to_thread(rootfs.build, self.root, self._runtime)
         # the linux backend's filter and more (seccomp_extra.py), loaded by the guest init (guest.py)
         self._seccomp = base64.b64encode(seccomp_extra.build()).decode()
         if self.standbys:
-            await self._build_template()
+            with progress.step("gvisor: booting and saving the template the standbys are restored from"):
+                await self._build_template()
             self._pool = StandbyPool(self._prepare_standby, self.kill, GvisorSandbox.alive, self.standbys,
                                      PREPARE_PARALLEL)
             self._pool.fill()

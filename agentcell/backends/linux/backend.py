@@ -51,6 +51,7 @@ from agentcell.record.linux.process import RecordProcess, RecordProcessError
 from agentcell.record.linux.target import WatchTarget
 from agentcell.runtime import statedir
 from agentcell.runtime.protocol import PREFIX, encode_frame
+from agentcell.server import progress
 
 DEFAULT_ENTRY = "agentcell.runtime.agent:serve"
 READY_TIMEOUT = 10.0
@@ -152,8 +153,9 @@ class _Zygote:
 
         loop.add_reader(self.ctl.fileno(), on_readable)
         try:
-            async with asyncio.timeout(timeout):
-                msg = await fut
+            with progress.step(f"starting the {self.template!r} zygote (importing the sandbox's Python runtime)"):
+                async with asyncio.timeout(timeout):
+                    msg = await fut
         except (TimeoutError, OSError) as e:
             self.stop()
             raise BackendUnavailableError(
@@ -388,6 +390,30 @@ class LinuxBackend(CgroupSandboxes, Backend):
         if rootless.active():
             await self._start_rootless()
             return
+        # The Python runtime at neutral paths (checked in a thread meanwhile: ~0.5 s warm, built once)
+        runtime = asyncio.ensure_future(asyncio.to_thread(runtime_store.ensure)) if self._runtime is None else None
+        zygote: asyncio.Future[_Zygote] | None = None
+        try:
+            await self._start_cgroups_and_egress()
+            if runtime is not None:
+                self._state_dir = statedir.private_dir(statedir.default_state_dir("zygote"))
+                self._runtime, runtime = await runtime, None
+            # the zygote imports the sandboxes' Python runtime (~1.5 s) in its own process meanwhile
+            zygote = asyncio.ensure_future(self._zygote("base"))
+            await self._start_collectors_and_limits()
+            await zygote
+        except BaseException:
+            if zygote is not None and not zygote.done():
+                zygote.cancel()
+            if runtime is not None:
+                with contextlib.suppress(Exception):
+                    (await runtime).close()
+            raise
+        self._pool("base").fill()
+
+    async def _start_cgroups_and_egress(self) -> None:
+        """What the zygote needs besides the runtime store (checked meanwhile, in a thread): this
+        server's cgroups, the staging directory, the egress router (its CA goes into the zygote)."""
         try:
             stale = await asyncio.to_thread(cgroups.remove_stale_instances)  # servers that died
             if stale:
@@ -396,35 +422,42 @@ class LinuxBackend(CgroupSandboxes, Backend):
             cgroups.prepare_instance(self.instance)
         except cgroups.CgroupError as e:
             raise BackendUnavailableError(str(e)) from e
+        os.makedirs(self.staging, mode=0o755, exist_ok=True)
+        os.chmod(self.staging, 0o755)
         gone = await asyncio.to_thread(Egress.remove_stale, cgroups.instance_alive)
         if gone:
             print(f"agentcell: removed the egress routers of dead server(s): {', '.join(gone)}", file=sys.stderr)
         if self.egress_settings.enabled and self.egress is None:
             egress = Egress(self.egress_settings, self.instance)
             try:
-                await egress.start()
+                with progress.step("starting the sandboxes' egress router"):
+                    await egress.start()
             except (EgressError, OSError) as e:
                 raise BackendUnavailableError(
                     f"cannot set up the sandboxes' egress router: {e} (start with --egress-uplink none to run "
                     "without internet for sandboxes)") from e
             self.egress = egress
+
+    async def _start_collectors_and_limits(self) -> None:
+        """The record's collectors and the host's limits: while the zygote starts."""
         if self.egress is not None and self.recorder is not None:
             self.egress.sink = self.recorder.add  # connection and DNS events join the behaviour record
         if self.recorder is not None and self.record_process is None:
-            await self._start_collectors()
+            with progress.step("starting the behaviour record's collectors"):
+                await self._start_collectors()
         try:  # host-wide pools and the parent cgroup's limits (see host.py)
             self.host_budget = await asyncio.to_thread(host.prepare, self.cgroup_parent, self.max_sandboxes,
                                                        self.host_tuning)
         except OSError as e:
             raise BackendUnavailableError(f"cannot limit what sandboxes take from the host: {e}") from e
-        await self._start_zygotes()
 
-    async def _start_zygotes(self, store_dir: str = runtime_store.STORE_DIR) -> None:
+    async def _start_zygotes(self) -> None:
+        """Rootless: the runtime store (runtime_store.store_dir(): the user's own), then the zygote."""
         os.makedirs(self.staging, mode=0o755, exist_ok=True)
         os.chmod(self.staging, 0o755)
-        if self._runtime is None:  # the Python runtime at neutral paths: built once, checked in ~0.2 s
+        if self._runtime is None:
             self._state_dir = statedir.private_dir(statedir.default_state_dir("zygote"))
-            self._runtime = await asyncio.to_thread(runtime_store.ensure, None, store_dir)
+            self._runtime = await asyncio.to_thread(runtime_store.ensure)
         await self._zygote("base")
         self._pool("base").fill()
 
@@ -438,7 +471,7 @@ class LinuxBackend(CgroupSandboxes, Backend):
         self.host_budget = host.prepare_rootless(self.host_tuning)
         if self.staging == rootfs.STAGING:
             self.staging = rootless.staging_dir()
-        await self._start_zygotes(rootless.runtime_store_dir())
+        await self._start_zygotes()
 
     @property
     def _slot_count(self) -> int:

@@ -11,16 +11,26 @@ Instead the server keeps a *runtime store* and every zygote and sandbox sees it 
   /opt/agentcell/venv           the virtualenv (``sys.prefix``), if the server runs from one
   /opt/agentcell/lib/agentcell  the agentcell package alone, not the repository around it
 
-Each of these *parts* is built once into /var/lib/agentcell/runtime/<part>-<key>/ (root's, 0700
-above the parts), from hard links to the host's files where their content can stay (the same
-filesystem; copies otherwise) and rewritten copies where it names a host path: text files get the
-neutral path instead, .pyc files get their code objects' file names and constants rewritten (their
-headers still match the sources, so they stay valid), and binaries are patched in place without
-moving a byte (see _Rewriter.binary: ELF RUNPATHs become the neutral path, padded with slashes). The
-package is copied, and compiled for its neutral path. The key hashes the part's file list (names,
-sizes, mtimes, inodes) and the layout, so a server start finds an unchanged part in ~0.1 s and
-rebuilds only what changed (``pip install``, an edit of the package). A server holds a shared lock
-on each part it uses; parts no server has used for a day are removed at the next start.
+Each of these *parts* is built once into <store>/<part>-<key>/ (``--runtime-store``, default
+/var/lib/agentcell/runtime: root's, 0700 above the parts; one store per host, shared by every server and
+every venv). Its files are hard links to the store's *objects* (store_objects.py), stored once by
+content: a file whose content can stay is the host's own file (linked, not copied), one that names a host
+path is a rewritten copy: text files get the neutral path instead, .pyc files get their code objects'
+file names and constants rewritten (their headers made to match the sources as placed, so they stay
+valid), and binaries are patched in place without moving a byte (see _Rewriter.binary: ELF RUNPATHs
+become the neutral path, padded with slashes). The package is copied, and compiled for its neutral path.
+So two venvs of the same packages share every file that is equal once the host path is neutral (a
+second 1.9 GB venv adds ~13 MB of files and its directories).
+
+The key hashes the layout and the *content* of what goes in (names, modes, sha256 digests, link
+targets): a venv made again with the same packages finds its part. Digests come from a cache keyed by
+(device, inode, size, mtime) so an unchanged file is never read twice, and a cheaper *stat key* (the
+file list with sizes, mtimes and inodes) leads straight to the part, so an unchanged start reads no
+file and loads no cache (~0.5 s for a 70,000-file venv). A new part is hashed while it is built (each
+file read once). A server holds a shared lock on each part it uses; parts no server holds are removed
+when unused for a day or, least recently used first, while the store is over its budget
+(``--runtime-store-max-gb``; store_collect.py), then the objects no part names. Every wait of a second
+or more says how far it is (server/progress.py).
 
 The zygote runs from the neutral paths too (``launch``): its launcher takes a private mount
 namespace, puts the parts on /opt/agentcell (a tmpfs over /opt, in that namespace only) and execs
@@ -46,6 +56,7 @@ import shutil
 import stat
 import struct
 import sys
+import threading
 import time
 import types
 from collections.abc import Callable, Iterator
@@ -53,15 +64,18 @@ from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 import agentcell
+from agentcell.backends.linux import store_collect, store_objects, store_workers
 from agentcell.backends.linux import syscalls as sc
+from agentcell.backends.linux.store_objects import HashCache, Objects
 from agentcell.errors import BackendUnavailableError
 from agentcell.runtime import statedir
+from agentcell.server import progress
 
 NEUTRAL_ROOT = "/opt/agentcell"
-STORE_DIR = "/var/lib/agentcell/runtime"
+STORE_DIR = "/var/lib/agentcell/runtime"  # store_dir(): AGENTCELL_RUNTIME_STORE overrides it
 ZYGOTE_HOSTNAME = "agentcell"
-FORMAT = 1  # bump whenever the layout or a rewriting rule changes: every part is rebuilt
-KEEP_UNUSED_S = 24 * 3600  # an unused part is removed at a start this long after its last use
+FORMAT = 2  # bump whenever the layout or a rewriting rule changes: every part is rebuilt
+KEEP_UNUSED_S = store_collect.KEEP_UNUSED_S  # an unheld part is removed at a start this long after its last use
 _SYSTEM = ("/usr",)  # bound into every sandbox at its own path: nothing there needs hiding
 _VERSION = f"python{sys.version_info.major}.{sys.version_info.minor}"
 _ZYGOTE_MODULE = "agentcell.backends.linux.zygote"
@@ -74,6 +88,11 @@ _DROPPED_FILES = ("__editable__*", "direct_url.json", "*.egg-link")  # name the 
 _TS_LIB = "runtime/js/node_modules/typescript/lib/"
 _JS_UNUSED = tuple(_TS_LIB + p for p in ("*.d.ts", "_*.js", "tsc.js", "tsserver*.js", "typingsInstaller.js",
                                          "watchGuard.js", "*/diagnosticMessages.generated.json"))
+
+# marshal's string types (Python/marshal.c): a 4-byte length (unicode, ascii, interned ascii, interned)
+# or a 1-byte one (short ascii, interned short ascii); the top bit of the type byte flags a reference
+_MARSHAL_STR4 = frozenset(b"uaAt")
+_MARSHAL_STR1 = frozenset(b"zZ")
 
 _DROPPED_RX = re.compile("|".join(fnmatch.translate(p) for p in _DROPPED_FILES))
 
@@ -196,8 +215,8 @@ class _Rewriter:
         self.unfit = 0  # host paths in binaries shorter than their neutral path (left as they are)
 
     def maybe(self, data: bytes) -> bool:
-        """Fast: may `data` name a host path (substring search, no boundary check)?"""
-        return any(h in data for h, _ in self.pairs)
+        """Does `data` name a host path? (One regex scan: faster than a substring search per path.)"""
+        return self.rx.search(data) is not None
 
     def names(self, data: bytes) -> bool:
         return self.rx.search(data) is not None
@@ -209,7 +228,7 @@ class _Rewriter:
         return self.rx.sub(self._sub, data)
 
     def string(self, s: str) -> str:
-        if not self.maybe(s.encode("utf-8", "surrogateescape")):
+        if "/" not in s or not self.maybe(s.encode("utf-8", "surrogateescape")):  # (most constants: no "/")
             return s
         return self.text(s.encode("utf-8", "surrogateescape")).decode("utf-8", "surrogateescape")
 
@@ -258,6 +277,39 @@ class _Rewriter:
         if isinstance(c, frozenset):
             return frozenset(self._const(x) for x in c)
         return c
+
+    def pyc_body(self, body: bytes, target: str, py_rel: str) -> bytes | None:
+        """A .pyc's marshalled code with host paths rewritten; None if one would stay."""
+        fast = self._pyc_filename(body, target, py_rel)
+        if fast is not None:
+            return fast
+        try:
+            new = marshal.dumps(self.code(marshal.loads(body)))
+        except (ValueError, EOFError, TypeError):
+            return None
+        return None if self.names(new) else new
+
+    def _pyc_filename(self, body: bytes, target: str, py_rel: str) -> bytes | None:
+        """Fast (no unmarshalling): when the only host path is the code's file name, the source's host
+        path (marshal stores it once and refers back to it), that string is patched in the bytes, its
+        length with it. None when it is not so."""
+        hits = list(self.rx.finditer(body))
+        if len(hits) != 1:
+            return None
+        m = hits[0]
+        host, pos = m.group(), m.start()
+        if self.table[host] != target.encode():
+            return None
+        rel = py_rel.encode("utf-8", "surrogateescape")
+        want, new = host + b"/" + rel, target.encode() + b"/" + rel
+        if body[pos:pos + len(want)] != want:
+            return None
+        end = pos + len(want)
+        if pos >= 5 and body[pos - 5] & 0x7F in _MARSHAL_STR4 and int.from_bytes(body[pos - 4:pos], "little") == len(want):
+            return body[:pos - 4] + len(new).to_bytes(4, "little") + new + body[end:]
+        if pos >= 2 and body[pos - 2] & 0x7F in _MARSHAL_STR1 and body[pos - 1] == len(want) and len(new) < 256:
+            return body[:pos - 1] + bytes([len(new)]) + new + body[end:]
+        return None
 
     def pth(self, data: bytes) -> bytes:
         """A .pth file: host paths mapped; absolute paths the sandbox does not have dropped."""
@@ -343,30 +395,50 @@ def _version_names(data: bytes, offset: int, need: bool) -> Iterator[int]:
 
 @dataclass
 class _Stats:
-    linked: int = 0
+    files: int = 0
     rewritten: int = 0
     dropped_pyc: int = 0
-    bytes_written: int = 0
-    sources: dict[str, bytes] = field(default_factory=dict)  # rewritten .py files (for .pyc headers)
+    # placed .py files (their path in the part) -> (the host file's mtime and size, the placed file's
+    # mtime and size, its content if rewritten): what a .pyc header must say to stay valid for it
+    sources: dict[str, tuple[int, int, int, int, bytes | None]] = field(default_factory=dict)
 
 
-def _key(part: Part, layout: Layout) -> str:
+def _key(part: Part, layout: Layout, hashes: HashCache, step: progress.Step | None = None,
+         entries: list[tuple[str, os.stat_result, str]] | None = None) -> str:
+    """The part's key: its layout and the content of what goes in (names, modes, digests, link
+    targets). Digests come from the hash cache: an unchanged file is not read again."""
     h = hashlib.sha256()
     h.update(json.dumps([FORMAT, sys.version, importlib.util.MAGIC_NUMBER.hex(), part.__dict__ | {
         "drop_dirs": sorted(part.drop_dirs)}, layout.mapping, layout.pth]).encode())
-    for rel, st, link in _walk(part):
-        h.update(f"{rel}\0{st.st_mode}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}\0{link}\n".encode(
-            "utf-8", "surrogateescape"))
+    for rel, st, link in entries if entries is not None else _walk(part):
+        digest = hashes.digest(os.path.join(part.source, rel), st).hex() if stat.S_ISREG(st.st_mode) else ""
+        h.update(f"{rel}\0{st.st_mode}\0{digest}\0{link}\n".encode("utf-8", "surrogateescape"))
+        if step is not None:
+            step.advance()
     return h.hexdigest()[:16]
 
 
+def _stat_key(part: Part, layout: Layout, entries: list[tuple[str, os.stat_result, str]]) -> str:
+    """A cheap key (names, modes, sizes, mtimes, inodes: one stat each, nothing read) that leads to the
+    content key through the store's keys/ directory, so an unchanged start needs no hash cache."""
+    h = hashlib.sha256()
+    h.update(json.dumps([FORMAT, sys.version, part.__dict__ | {"drop_dirs": sorted(part.drop_dirs)},
+                         layout.mapping, layout.pth]).encode())
+    for rel, st, link in entries:
+        h.update(f"{rel}\0{st.st_mode}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}\0{link}\n".encode(
+            "utf-8", "surrogateescape"))
+    return h.hexdigest()[:32]
+
+
 def _walk(part: Part) -> Iterator[tuple[str, os.stat_result, str]]:
-    """(relative path, lstat, symlink target) of everything the part keeps, parents first."""
+    """(relative path, lstat, symlink target) of everything the part keeps; a directory's files
+    before its subdirectories (a .py before its __pycache__)."""
     stack = [""]
     while stack:
         rel_dir = stack.pop()
         with os.scandir(os.path.join(part.source, rel_dir)) as it:
             entries = sorted(it, key=lambda e: e.name)
+        subdirs = []
         for e in entries:
             rel = f"{rel_dir}/{e.name}" if rel_dir else e.name
             if not part.keeps(rel, e.name):
@@ -375,101 +447,97 @@ def _walk(part: Part) -> Iterator[tuple[str, os.stat_result, str]]:
             link = os.readlink(e.path) if e.is_symlink() else ""
             yield rel, st, link
             if e.is_dir(follow_symlinks=False):
-                stack.append(rel)
+                subdirs.append(rel)
+        stack.extend(reversed(subdirs))
 
 
-def _write(path: str, data: bytes, st: os.stat_result) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fchmod(fd, st.st_mode & 0o755)  # never setuid, never writable by others
-    finally:
-        os.close(fd)
-    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))  # .pyc headers compare the source's mtime
-
-
-def _link_or_copy(src: str, dst: str) -> None:
-    try:
-        os.link(src, dst, follow_symlinks=False)
-    except OSError:  # another filesystem (EXDEV), too many links, an immutable file ...
-        shutil.copy2(src, dst, follow_symlinks=False)
-        os.chmod(dst, os.lstat(src).st_mode & 0o755)
-
-
-def _pyc_header(header: bytes, source: bytes | None) -> bytes:
-    """A .pyc header valid for the rewritten `source` (same mtime, new size or hash)."""
+def _pyc_header(header: bytes, source: tuple[int, int, int, int, bytes | None] | None) -> bytes:
+    """A .pyc header valid for its placed source if it was valid for the host's (a timestamp pyc: the
+    placed file's mtime and size, which differ when the source's object came from another tree)."""
     if source is None:
         return header
+    host_mtime, host_size, mtime, size, rewritten = source
     flags = int.from_bytes(header[4:8], "little")
     if flags == 0:  # timestamp-based: mtime, then the source's size
-        return header[:12] + (len(source) & 0xFFFFFFFF).to_bytes(4, "little")
-    if flags & 0b10:  # checked hash-based
-        return header[:8] + importlib.util.source_hash(source)
+        valid = header[8:16] == ((host_mtime // 10**9) & 0xFFFFFFFF).to_bytes(4, "little") + (
+            host_size & 0xFFFFFFFF).to_bytes(4, "little")
+        if not valid:
+            return header  # stale already: Python compiles the source instead, as it would on the host
+        return header[:8] + ((mtime // 10**9) & 0xFFFFFFFF).to_bytes(4, "little") + (size & 0xFFFFFFFF).to_bytes(4, "little")
+    if flags & 0b10 and rewritten is not None:  # checked hash-based
+        return header[:8] + importlib.util.source_hash(rewritten)
     return header
 
 
+def _pyc_source(dst: str, name: str, stats: _Stats) -> tuple[int, int, int, int, bytes | None] | None:
+    module = name.split(".", 1)[0]
+    return stats.sources.get(os.path.join(os.path.dirname(os.path.dirname(dst)), module + ".py"))
+
+
 def _place_file(src: str, dst: str, rel: str, st: os.stat_result, part: Part, rw: _Rewriter,
-                stats: _Stats) -> None:
+                objects: Objects, stats: _Stats) -> None:
     name = os.path.basename(rel)
     with open(src, "rb") as f:
         data = f.read()
     if name.endswith(".pyc"):
         if data[:4] != importlib.util.MAGIC_NUMBER:
             return  # another Python version's: never loaded
-        module = name.split(".", 1)[0]
-        source = stats.sources.get(os.path.join(os.path.dirname(os.path.dirname(dst)), module + ".py"))
-        if not rw.maybe(data) and source is None:
-            _link_or_copy(src, dst)
-            stats.linked += 1
+        header = _pyc_header(data[:16], _pyc_source(dst, name, stats))
+        body: bytes | None = memoryview(data)[16:].tobytes()
+        if rw.maybe(body):
+            py = rel[:rel.rfind("__pycache__/")] + name.split(".", 1)[0] + ".py"
+            body = rw.pyc_body(body, part.target, py)
+        if body is None:
+            stats.dropped_pyc += 1  # a host path rewriting could not reach: Python compiles the source instead
             return
-        try:
-            body = marshal.dumps(rw.code(marshal.loads(memoryview(data)[16:])))
-        except (ValueError, EOFError, TypeError):
-            stats.dropped_pyc += 1
-            return
-        if rw.names(body):  # a host path rewriting could not reach: Python compiles the source instead
-            stats.dropped_pyc += 1
-            return
-        new = _pyc_header(data[:16], source) + body
+        new = header + body
     else:
         new = data
         if name.endswith(".pth"):
             new = rw.pth(data)
         elif rw.maybe(data):
             new = rw.binary(data) if b"\0" in data else rw.text(data)
-        if new == data and not part.copy:
-            _link_or_copy(src, dst)
-            stats.linked += 1
-            return
-        if new != data and name.endswith(".py"):
-            stats.sources[dst] = new
-    _write(dst, new, st)
-    stats.rewritten += 1
-    stats.bytes_written += len(new)
+    if new == data and not part.copy:
+        objects.place_host_file(src, st, dst, data)
+    else:
+        objects.hashes.digest_data(st, data)  # the host file's digest, for the part's key (read once)
+        objects.place_bytes(new, st, dst)
+        stats.rewritten += 1
+    stats.files += 1
+    if name.endswith(".py"):
+        placed = os.lstat(dst)
+        stats.sources[dst] = (st.st_mtime_ns, st.st_size, placed.st_mtime_ns, placed.st_size,
+                              new if new != data else None)
 
 
-def _build(part: Part, layout: Layout, dest: str) -> _Stats:
+def _build(part: Part, layout: Layout, dest: str, objects: Objects, step: progress.Step | None = None,
+           entries: list[tuple[str, os.stat_result, str]] | None = None) -> _Stats:
     rw = _Rewriter(layout.mapping)
     stats = _Stats()
     os.mkdir(dest, 0o755)
-    for rel, st, link in _walk(part):
-        src, dst = os.path.join(part.source, rel), os.path.join(dest, rel)
+    files: list[tuple[str, os.stat_result]] = []
+    for rel, st, link in entries if entries is not None else _walk(part):
+        dst = os.path.join(dest, rel)
         if link:
             os.symlink(_map_path(link, layout.mapping) if link.startswith("/") else link, dst)
         elif stat.S_ISDIR(st.st_mode):
             os.mkdir(dst, 0o755)
             os.chmod(dst, st.st_mode & 0o755)
-        elif stat.S_ISREG(st.st_mode):
-            _place_file(src, dst, rel, st, part, rw, stats)  # sockets, fifos, devices: left out
+        elif stat.S_ISREG(st.st_mode):  # sockets, fifos, devices: left out
+            files.append((rel, st))
+            continue
+        if step is not None:
+            step.advance()
+    store_workers.place_all(files, lambda rel, st: _place_file(
+        os.path.join(part.source, rel), os.path.join(dest, rel), rel, st, part, rw, objects, stats), objects, stats, step)
     if part.copy:  # the package: compiled here, for the path it has in the sandbox
-        for rel, _st, link in list(_walk(part)):
+        for rel, _st, link in entries if entries is not None else list(_walk(part)):
             if rel.endswith(".py") and not link:
                 path = os.path.join(dest, rel)
-                py_compile.compile(path, cfile=importlib.util.cache_from_source(path),
-                                   dfile=f"{part.target}/{rel}", doraise=True,
+                cfile = importlib.util.cache_from_source(path)
+                py_compile.compile(path, cfile=cfile, dfile=f"{part.target}/{rel}", doraise=True,
                                    invalidation_mode=py_compile.PycInvalidationMode.TIMESTAMP)
+                objects.adopt(cfile)
     if layout.pth is not None and layout.pth[0] == part.name and os.path.isdir(os.path.join(dest, layout.pth[1])):
         # agentcell stays importable in the sandbox's Python (the editable install's finder is gone)
         with open(os.path.join(dest, layout.pth[1], "_agentcell_runtime.pth"), "w") as f:
@@ -530,59 +598,153 @@ def _exclusive(path: str) -> Iterator[None]:
         os.close(fd)
 
 
-def ensure(layout: Layout | None = None, root: str = STORE_DIR,
-           log: Callable[[str], None] | None = None) -> Store:
-    """Build what is missing of the runtime store and hold its parts. Raises RuntimeStoreError."""
+def store_dir() -> str:
+    """The store's directory: AGENTCELL_RUNTIME_STORE, else STORE_DIR (one per host: every server and
+    every venv shares it, which is what makes a second venv cheap); a rootless server's is the user's own."""
+    from agentcell import rootless
+
+    return os.environ.get("AGENTCELL_RUNTIME_STORE") or (rootless.runtime_store_dir() if rootless.active() else STORE_DIR)
+
+
+def max_bytes() -> int:
+    """The store's size budget: AGENTCELL_RUNTIME_STORE_MAX_GB (serve --runtime-store-max-gb)."""
+    raw = os.environ.get("AGENTCELL_RUNTIME_STORE_MAX_GB")
+    try:
+        return int(float(raw) * (1 << 30)) if raw else store_collect.DEFAULT_MAX_BYTES
+    except ValueError:
+        raise RuntimeStoreError(f"AGENTCELL_RUNTIME_STORE_MAX_GB={raw!r} is not a number of GB") from None
+
+
+def ensure(layout: Layout | None = None, root: str | None = None, log: Callable[[str], None] | None = None,
+           budget: int | None = None, collect: str = "background") -> Store:
+    """Build what is missing of the runtime store and hold its parts. Raises RuntimeStoreError.
+
+    Then parts no server holds are collected (store_collect.collect: by age, and beyond `budget`):
+    collect="background" in a thread (off the server's start; it holds the build lock meanwhile),
+    "now" before returning, "never" not at all."""
     layout = layout or plan()
-    log = log or (lambda msg: print(f"agentcell: {msg}", file=sys.stderr, flush=True))
+    root = root or store_dir()
+    budget = max_bytes() if budget is None else budget
+    log = log or (lambda msg: progress.log.info("%s", msg))
     try:
         statedir.private_dir(root)
         mounts: list[tuple[str, str]] = []
         locks: list[int] = []
-        with _exclusive(os.path.join(root, ".build.lock")):  # one builder at a time, and no collector
+        build_lock = os.open(os.path.join(root, ".build.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fcntl.flock(build_lock, fcntl.LOCK_EX)  # one builder at a time, and no collector
+        try:
+            keys_dir = os.path.join(root, store_collect.KEYS)
+            os.makedirs(keys_dir, mode=0o700, exist_ok=True)
+            hashes: HashCache | None = None  # loaded only if a part changed (its file: ~1 s for a few venvs)
+            objects: Objects | None = None
             for part in layout.parts:
-                dest = os.path.join(root, f"{part.name}-{_key(part, layout)}")
+                with progress.step(f"runtime store: checking {part.target} ({part.source})", unit="files") as s:
+                    entries = list(_walk(part))
+                    quick = os.path.join(keys_dir, f"{part.name}-{_stat_key(part, layout, entries)}")
+                    name = _read_key(quick)
+                    if name is not None and not os.path.isdir(os.path.join(root, name)):
+                        name = None
+                    if name is None:
+                        if hashes is None:
+                            hashes = HashCache(os.path.join(root, store_objects.HASHES))
+                            objects = Objects(root, hashes)
+                        if hashes.covers([st for _, st, _ in entries if stat.S_ISREG(st.st_mode)]):
+                            name = f"{part.name}-{_key(part, layout, hashes, s, entries)}"  # nothing to read
+                if name is None or not os.path.isdir(os.path.join(root, name)):
+                    # new content: built, and hashed on the way (each file read once), then keyed
+                    assert objects is not None and hashes is not None
+                    name = _build_part(part, layout, root, objects, log, entries)
+                dest = os.path.join(root, name)  # (no collector runs meanwhile: the build lock is ours)
                 locks.append(_hold(dest + ".lock"))
-                if not os.path.isdir(dest):
-                    t0 = time.perf_counter()
-                    tmp = dest + ".tmp"
-                    shutil.rmtree(tmp, ignore_errors=True)
-                    stats = _build(part, layout, tmp)
-                    os.rename(tmp, dest)
-                    log(f"runtime store: built {part.target} from {part.source} in {time.perf_counter() - t0:.1f} s "
-                        f"({stats.linked} files linked, {stats.rewritten} rewritten, "
-                        f"{stats.bytes_written >> 20} MiB written)")
+                _write_key(quick, name)
                 mounts.append((dest, part.target))
-            _collect(root, {os.path.basename(d) for d, _ in mounts})
+            if hashes is not None:
+                hashes.save()
+        except BaseException:
+            os.close(build_lock)
+            raise
+        keep = {os.path.basename(d) for d, _ in mounts}
+        if collect == "never":
+            os.close(build_lock)
+        elif collect == "now":
+            try:
+                _collect(root, keep, budget, log)
+            finally:
+                os.close(build_lock)
+        else:
+            threading.Thread(target=_collect_then_release, args=(root, keep, budget, log, build_lock),
+                             name="agentcell-store-collect", daemon=True).start()
     except statedir.UnsafeDirectoryError as e:
         raise RuntimeStoreError(str(e)) from None
     except OSError as e:
         raise RuntimeStoreError(f"cannot build the runtime store in {root}: {e}; it needs root and about "
-                                "200 MB of disk (hard links where it can)") from e
+                                "500 MB of disk for a first venv (hard links where it can)") from e
     return Store(layout, mounts, locks)
 
 
-def _collect(root: str, keep: set[str]) -> None:
-    """Remove parts no server holds and none used for KEEP_UNUSED_S, and unfinished builds."""
-    for name in os.listdir(root):
-        path = os.path.join(root, name)
-        if name.endswith(".tmp"):
-            shutil.rmtree(path, ignore_errors=True)
-        elif name in keep or name.endswith(".lock") or not os.path.isdir(path):
-            continue
-        else:
-            fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                continue  # a running server uses it
-            try:
-                if time.time() - os.fstat(fd).st_mtime > KEEP_UNUSED_S:
-                    shutil.rmtree(path, ignore_errors=True)
-                    os.unlink(path + ".lock")
-            finally:
-                os.close(fd)
+def _read_key(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip() or None
+    except FileNotFoundError:
+        return None
+
+
+def _write_key(path: str, name: str) -> None:
+    if _read_key(path) == name:
+        return
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        f.write(name)
+    os.replace(tmp, path)
+
+
+def _build_part(part: Part, layout: Layout, root: str, objects: Objects, log: Callable[[str], None],
+                entries: list[tuple[str, os.stat_result, str]]) -> str:
+    """Build `part` (hashing its files as they are read), key it by its content; its name in the store.
+    If a part of that content is there already (a venv made again, equal), the new build goes."""
+    t0 = time.perf_counter()
+    tmp = os.path.join(root, f"{part.name}.{os.getpid()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    new_before, written_before = objects.new_bytes, objects.written_bytes
+    objects.take_used()
+    with progress.step(f"runtime store: building {part.target} from {part.source}", total=len(entries),
+                       unit="files") as s:
+        stats = _build(part, layout, tmp, objects, s, entries)
+    name = f"{part.name}-{_key(part, layout, objects.hashes, entries=entries)}"
+    dest = os.path.join(root, name)
+    if os.path.isdir(dest):
+        shutil.rmtree(tmp, ignore_errors=True)
+        return name
+    with open(dest + store_collect.MANIFEST, "w") as f:  # before the part exists: collect() trusts it
+        f.write("\n".join(sorted(objects.take_used())))
+    os.rename(tmp, dest)
+    log(f"runtime store: built {part.target} from {part.source} in {time.perf_counter() - t0:.1f} s: "
+        f"{stats.files:,} files ({stats.rewritten:,} rewritten), {(objects.written_bytes - written_before) >> 20} MiB "
+        f"written, {(objects.new_bytes - objects.written_bytes - new_before + written_before) >> 20} MiB linked to "
+        "the host's files, the rest shared with other parts")
+    return name
+
+
+def _collect(root: str, keep: set[str], budget: int, log: Callable[[str], None]) -> store_collect.Collected:
+    out = store_collect.collect(root, keep, budget, KEEP_UNUSED_S)
+    if out.removed_parts:
+        log(f"runtime store: removed {len(out.removed_parts)} part(s) no server held "
+            f"({out.freed_bytes >> 20} MiB of files only they used); {out.size_bytes >> 20} MiB kept in {root}")
+    if out.over_budget:
+        log(f"runtime store: {out.size_bytes >> 20} MiB in {root}, over its budget of {budget >> 20} MiB: "
+            "the rest is held by running servers")
+    return out
+
+
+def _collect_then_release(root: str, keep: set[str], budget: int, log: Callable[[str], None], lock_fd: int) -> None:
+    try:
+        _collect(root, keep, budget, log)
+    except OSError as e:
+        log(f"runtime store: cleaning {root} failed: {e}")
+    finally:
+        os.close(lock_fd)
+
 
 
 def running_paths() -> tuple[str, ...]:

@@ -39,7 +39,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentcell.backends.linux import rootfs
+from agentcell.backends.linux import host_settings, rootfs
 from agentcell.record.events import EventSink, event
 from agentcell.record.linux.target import WatchTarget, nspid
 
@@ -60,6 +60,7 @@ FAN_MOVED_FROM, FAN_MOVED_TO, FAN_CREATE, FAN_DELETE = 0x40, 0x80, 0x100, 0x200
 FAN_Q_OVERFLOW, FAN_RENAME, FAN_ONDIR = 0x4000, 0x10000000, 0x40000000
 INFO_FID, INFO_DFID_NAME, INFO_DFID, INFO_OLD_DFID_NAME, INFO_NEW_DFID_NAME = 1, 2, 3, 10, 12
 METADATA_VERSION = 3
+MAX_GROUPS = "fs.fanotify.max_user_groups"  # fanotify groups per user (the host's root: all servers')
 _META = struct.Struct("=IBBHQii")  # event_len, vers, reserved, metadata_len, mask, fd, pid
 # an info record's header, fsid and file handle's header: info_type, pad, len, fsid (2 x int),
 # handle_bytes, handle_type; then f_handle, then (for a DFID_NAME) the name and its NUL
@@ -248,6 +249,7 @@ class FileCollector:
         self.burst = burst
         self.max_pending = max_pending
         self.tune_sysctl = tune_sysctl  # raise fs.fanotify.max_user_groups when groups run out
+        self._groups_holder: host_settings.Holder | None = None  # our hold on that raise
         self._watched: dict[str, _Watched] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._timer: asyncio.Handle | None = None  # the next _tick (later, or soon to go on)
@@ -261,6 +263,9 @@ class FileCollector:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        if self._groups_holder is not None:  # its groups are closed: the raised limit can go back
+            self._groups_holder.close()
+            self._groups_holder = None
 
     # -- watch / unwatch ---------------------------------------------------------------------------
     def watch(self, target: WatchTarget) -> None:
@@ -328,13 +333,18 @@ class FileCollector:
         except OSError as e:
             if e.errno != errno.EMFILE or not self.tune_sysctl:
                 raise
-        path = "/proc/sys/fs/fanotify/max_user_groups"  # 128 by default: far below 1,000 sandboxes
-        with open(path) as f:
-            current = int(f.read())
-        with open(path, "w") as f:
-            f.write(str(current + 1024))
-        print(f"agentcell: raised fs.fanotify.max_user_groups to {current + 1024} (one group per sandbox)",
-              file=sys.stderr, flush=True)
+        # 128 by default: far below 1,000 sandboxes. A shared host setting (host_settings.py): the last
+        # server to let go of it puts the original back (docs/host-changes.md)
+        if self._groups_holder is None:
+            self._groups_holder = host_settings.Holder("file-events")
+
+        def raise_it(_original: Any, _holders: host_settings.Holders) -> None:
+            current = int(host_settings.sysctl(MAX_GROUPS).read())
+            host_settings.write_sysctl(MAX_GROUPS, str(current + 1024))
+            print(f"agentcell: raised {MAX_GROUPS} to {current + 1024} (one group per sandbox; put back at stop)",
+                  file=sys.stderr, flush=True)
+
+        self._groups_holder.hold(host_settings.sysctl(MAX_GROUPS), raise_it)
         return fanotify_init()
 
     def stats(self, sandbox_id: str) -> dict[str, Any]:

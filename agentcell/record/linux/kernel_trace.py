@@ -45,6 +45,7 @@ from typing import NamedTuple
 from agentcell.errors import BackendUnavailableError
 from agentcell.record.linux import bpf_build
 from agentcell.record.linux.audit_proc import Exit
+from agentcell.server import progress
 
 SOURCE = Path(__file__).parent / "bpf" / bpf_build.SOURCE_NAME
 CACHE = Path(os.environ.get("AGENTCELL_BPF_CACHE", "/var/cache/agentcell/bpf"))
@@ -154,7 +155,8 @@ def build(source: Path = SOURCE) -> Path:
         return obj
     try:
         CACHE.mkdir(parents=True, exist_ok=True)
-        bpf_build.compile_object(source, obj)
+        with progress.step("compiling the kernel tracer (clang -target bpf, once per version)"):
+            bpf_build.compile_object(source, obj)
     except bpf_build.BpfBuildError as e:
         raise KernelTraceUnavailable(f"no kernel tracer compiled for {bpf_build.machine()} in this install, "
                                      f"and {e}") from None

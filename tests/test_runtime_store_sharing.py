@@ -1,0 +1,213 @@
+"""The runtime store is content-addressed (backends/linux/store_objects.py): two venvs with the same
+packages share their files, and the cleanup (store_collect.py) removes parts no server holds, never a
+held one. Real venvs (python -m venv, pip from its bundled wheel, compiled at their own paths), real
+builds, real hard links."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from agentcell.backends.linux import runtime_store, store_collect
+from agentcell.backends.linux.runtime_store import Layout, Part
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the runtime store is root's")
+
+TARGET = "/opt/agentcell/venv"
+
+
+@pytest.fixture
+def place() -> Iterator[Path]:
+    """A root-only directory on the store's filesystem (hard links need it), removed afterwards."""
+    path = Path(f"/var/lib/agentcell-test-store-{os.getpid()}")
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(mode=0o700)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _venv(path: Path) -> Path:
+    """A fresh venv with pip (from the interpreter's bundled wheel: no network), compiled at `path`."""
+    subprocess.run([sys.executable, "-m", "venv", "--clear", str(path)], check=True, capture_output=True,
+                   env={**os.environ, "PIP_NO_INDEX": "1"})
+    assert list(path.glob("lib/python3*/site-packages/pip/__pycache__/*.pyc"))
+    return path
+
+
+def _layout(source: Path, name: str = "venv", target: str = TARGET) -> Layout:
+    part = Part(name, str(source.resolve()), target)
+    return Layout((part,), f"{target}/bin/python", "/opt/agentcell/lib", ((str(source.resolve()), target),), None)
+
+
+def _files(part_dir: str) -> dict[str, os.stat_result]:
+    out = {}
+    for dirpath, _dirs, names in os.walk(part_dir):
+        for n in names:
+            p = os.path.join(dirpath, n)
+            st = os.lstat(p)
+            if os.path.isfile(p) and not os.path.islink(p):
+                out[os.path.relpath(p, part_dir)] = st
+    return out
+
+
+def test_two_venvs_of_the_same_packages_share_their_files(place: Path) -> None:
+    root = str(place / "store")
+    one, two = _venv(place / "one"), _venv(place / "two")
+    first = runtime_store.ensure(_layout(one), root=root, collect="never")
+    size_one, _ = store_collect.usage(root)
+    second = runtime_store.ensure(_layout(two), root=root, collect="never")
+    size_two, parts = store_collect.usage(root)
+    try:
+        (dir_one, _), (dir_two, _) = first.mounts[0], second.mounts[0]
+        assert dir_one != dir_two and parts == 2  # two venvs at two paths: two parts ...
+        a, b = _files(dir_one), _files(dir_two)
+        assert a.keys() == b.keys() and len(a) > 500
+        shared = [rel for rel in a if a[rel].st_ino == b[rel].st_ino]
+        # ... of the same files: every one whose content is equal once the venv's path is the neutral
+        # one, the rewritten .pyc files (their code names the venv's path) and scripts (their shebang)
+        # included; not the few that differ even so (activate's prompt names the venv's directory)
+        for rel in set(a) - set(shared):
+            assert Path(dir_one, rel).read_bytes() != Path(dir_two, rel).read_bytes(), rel
+        assert len(shared) > 0.99 * len(a), sorted(set(a) - set(shared))
+        assert any(rel.endswith(".pyc") for rel in shared) and "bin/pip" in shared
+        # the second venv added its directories, links and those few files, nothing else
+        assert size_one > 5 << 20 and size_two - size_one < size_one // 100, (size_one, size_two)  # pip's RECORD, activate
+        # and nothing of either names a host path
+        for rel in a:
+            if rel.endswith((".pyc", ".py", ".cfg")) or rel.startswith("bin/"):
+                data = Path(dir_two, rel).read_bytes()
+                assert str(one).encode() not in data and str(two).encode() not in data, rel
+        # a .pyc of the second is valid for its source as placed (else every import would compile)
+        pyc = next(rel for rel in b if rel.endswith(".pyc") and "/pip/__pycache__/__init__" in rel)
+        src = os.path.join(dir_two, os.path.dirname(os.path.dirname(pyc)), "__init__.py")
+        header = Path(dir_two, pyc).read_bytes()[:16]
+        st = os.stat(src)
+        assert int.from_bytes(header[8:12], "little") == int(st.st_mtime) & 0xFFFFFFFF
+        assert int.from_bytes(header[12:16], "little") == st.st_size
+    finally:
+        first.close()
+        second.close()
+
+
+def test_an_unchanged_start_reads_nothing_and_an_edit_is_seen(place: Path) -> None:
+    root = str(place / "store")
+    tree = place / "tree"
+    (tree / "pkg").mkdir(parents=True)
+    (tree / "pkg" / "a.py").write_text("A = 1\n")
+    (tree / "pkg" / "b.txt").write_text(f"lives in {tree}/pkg\n")  # names its host path: rewritten
+    layout = _layout(tree, target="/opt/agentcell/lib/tree")
+    s1 = runtime_store.ensure(layout, root=root, collect="never")
+    s1.close()
+    hashes = runtime_store.HashCache(os.path.join(root, "hashes"))
+    assert len(hashes.entries) >= 2
+    s2 = runtime_store.ensure(layout, root=root, collect="never")
+    s2.close()
+    assert s2.mounts == s1.mounts  # same key: nothing rebuilt
+    assert Path(s2.mounts[0][0], "pkg/b.txt").read_text() == "lives in /opt/agentcell/lib/tree/pkg\n"
+    time.sleep(0.01)
+    (tree / "pkg" / "a.py").write_text("A = 2\n")  # an edit: a new part, with the new content
+    s3 = runtime_store.ensure(layout, root=root, collect="never")
+    s3.close()
+    assert s3.mounts != s1.mounts
+    assert Path(s3.mounts[0][0], "pkg/a.py").read_text() == "A = 2\n"
+    # (the old part links the edited file's inode: an edit in place shows there too, as it did in the
+    # host's tree; pip replaces files instead, and docs/host-changes.md says so)
+
+
+def test_cleanup_removes_unheld_parts_beyond_the_budget_and_never_a_held_one(place: Path) -> None:
+    root = str(place / "store")
+    trees = []
+    for name in ("held", "old", "unheld"):
+        tree = place / name
+        tree.mkdir()
+        (tree / "data.bin").write_bytes(os.urandom(200_000))  # its own content: only its part names it
+        (tree / "common.txt").write_text("the same in every tree\n")
+        trees.append(tree)
+    held = runtime_store.ensure(_layout(trees[0], "held"), root=root, collect="never")
+    try:
+        for tree, name in zip(trees[1:], ("old", "unheld"), strict=True):
+            runtime_store.ensure(_layout(tree, name), root=root, collect="never").close()
+        names = store_collect.part_names(root)
+        assert len(names) == 3
+        old = next(n for n in names if n.startswith("old-"))
+        long_ago = time.time() - store_collect.KEEP_UNUSED_S - 60
+        os.utime(os.path.join(root, old + ".lock"), (long_ago, long_ago))
+
+        # a large budget: only the part unused for a day goes (age)
+        out = store_collect.collect(root, keep=set(), max_bytes=1 << 40)
+        assert out.removed_parts == [old] and out.removed_objects == 1, out
+        assert {n.split("-")[0] for n in store_collect.part_names(root)} == {"held", "unheld"}
+
+        # no budget at all: every part no server holds goes, the held one stays, whole
+        out = store_collect.collect(root, keep=set(), max_bytes=0)
+        assert [n.split("-")[0] for n in out.removed_parts] == ["unheld"], out
+        assert out.over_budget  # what is left is held
+        (held_dir, _), = held.mounts
+        assert [n for n in store_collect.part_names(root)] == [os.path.basename(held_dir)]
+        assert Path(held_dir, "data.bin").read_bytes() == (trees[0] / "data.bin").read_bytes()
+        assert Path(held_dir, "common.txt").read_text() == "the same in every tree\n"
+        objects = sum(len(files) for _, _, files in os.walk(os.path.join(root, "objects")))
+        assert objects == 2  # the held part's two; the others' own data went with them
+    finally:
+        held.close()
+    out = store_collect.collect(root, keep=set(), max_bytes=0)  # no longer held: now it goes too
+    assert len(out.removed_parts) == 1 and store_collect.part_names(root) == []
+
+
+def test_a_users_files_are_never_shared_with_another_venvs_part(place: Path) -> None:
+    """A file its owner (not root) can change in place must not reach the part of a server running from
+    another venv: only rewritten copies (the store's own, root's) are shared between such trees."""
+    root = str(place / "store")
+    trees = []
+    for name in ("mine", "theirs"):
+        tree = place / name
+        tree.mkdir()
+        (tree / "same.py").write_text("X = 1\n")
+        (tree / "names.txt").write_text(f"{tree}/x\n")  # rewritten: equal once neutral
+        for f in tree.iterdir():
+            os.chown(f, 12345, 12345)
+        trees.append(tree)
+    a = runtime_store.ensure(_layout(trees[0], target="/opt/agentcell/lib/t"), root=root, collect="never")
+    b = runtime_store.ensure(_layout(trees[1], target="/opt/agentcell/lib/t"), root=root, collect="never")
+    try:
+        (dir_a, _), (dir_b, _) = a.mounts[0], b.mounts[0]
+        assert os.stat(Path(dir_a, "same.py")).st_ino == os.stat(trees[0] / "same.py").st_ino  # its own file
+        assert os.stat(Path(dir_b, "same.py")).st_ino == os.stat(trees[1] / "same.py").st_ino  # not mine
+        assert os.stat(Path(dir_a, "names.txt")).st_ino == os.stat(Path(dir_b, "names.txt")).st_ino  # the store's
+        assert os.stat(Path(dir_b, "names.txt")).st_uid == 0
+    finally:
+        a.close()
+        b.close()
+
+
+def test_two_worker_processes_build_what_one_builds(place: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """store_workers.py: a part placed by two processes has the same content as one placed by one, and
+    every .pyc stays valid for its source as placed (the worker that places a .pyc placed its source)."""
+    from agentcell.backends.linux import store_workers
+
+    venv = _venv(place / "venv")
+    parts = []
+    for workers, min_files in ((1, 10**9), (2, 1)):
+        monkeypatch.setattr(store_workers, "MIN_FILES", min_files)
+        store = runtime_store.ensure(_layout(venv), root=str(place / f"store{workers}"), collect="never")
+        store.close()
+        parts.append(store.mounts[0][0])
+    one, two = (_files(p) for p in parts)
+    assert one.keys() == two.keys() and len(one) > 500
+    for rel in one:
+        a, b = Path(parts[0], rel).read_bytes(), Path(parts[1], rel).read_bytes()
+        if rel.endswith(".pyc"):
+            src = os.path.join(parts[1], os.path.dirname(os.path.dirname(rel)), rel.rsplit("/", 1)[1].split(".")[0] + ".py")
+            st = os.stat(src)
+            assert int.from_bytes(b[8:12], "little") == int(st.st_mtime) & 0xFFFFFFFF, rel
+            a, b = a[16:], b[16:]
+        assert a == b, rel
