@@ -5,6 +5,8 @@
         print(sbx.run_code("1 + 1").text)
 """
 
+from typing import TYPE_CHECKING
+
 from agentcell.errors import (
     AuthenticationException,
     CommandExitException,
@@ -20,27 +22,42 @@ from agentcell.errors import (
     ServerUnreachableException,
     TimeoutException,
 )
-from agentcell.sdk import (
-    AsyncCommandHandle,
-    AsyncSandbox,
-    CommandHandle,
-    CommandResult,
-    Context,
-    EntryInfo,
-    Execution,
-    ExecutionError,
-    FileType,
-    Logs,
-    OutputMessage,
-    ProcessInfo,
-    Result,
-    Sandbox,
-    SandboxInfo,
-    SandboxQuery,
-    WriteInfo,
-)
+
+if TYPE_CHECKING:
+    from agentcell.sdk import (
+        AsyncCommandHandle,
+        AsyncSandbox,
+        CommandHandle,
+        CommandResult,
+        Context,
+        EntryInfo,
+        Execution,
+        ExecutionError,
+        FileType,
+        Logs,
+        OutputMessage,
+        ProcessInfo,
+        Result,
+        Sandbox,
+        SandboxInfo,
+        SandboxQuery,
+        WriteInfo,
+    )
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> object:
+    # The SDK (httpx and the rest) is imported on first use: the server and the sandboxes' runtime
+    # import `agentcell` too, and must not pay for the SDK on their start.
+    if name in __all__:  # the SDK's names (the errors are imported above)
+        from agentcell import sdk
+
+        value = getattr(sdk, name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'agentcell' has no attribute {name!r}")
+
 
 __all__ = [
     "AsyncCommandHandle",

@@ -42,6 +42,17 @@ def _watch_lifeline() -> None:
     threading.Thread(target=watch, name="agentcell-lifeline", daemon=True).start()
 
 
+def _check_runtime_early(opts: dict[str, Any]) -> None:
+    """Start the runtime store's check now, while the server's modules import (runtime_prefetch)."""
+    from agentcell import rootless
+
+    backends = {opts["backend"], *(b.partition("=")[2] for b in opts["template_backends"]), *opts["create_backends"]}
+    if "linux" in backends and os.geteuid() == 0 and not rootless.active():
+        from agentcell.backends.linux import runtime_prefetch
+
+        runtime_prefetch.start()
+
+
 _LOG_FORMAT = click.option("--log-format", default="text", show_default=True, type=click.Choice(["text", "json"]),
                            help="The log's lines: text, or one JSON object a line (docs/operations.md).")
 _TLS_CERT = click.option("--tls-cert", default=None, type=click.Path(exists=True, dir_okay=False), metavar="PEM",
@@ -213,6 +224,11 @@ def serve(ctx: click.Context, **opts: Any) -> None:
 
     rootless_serve.reexec_if_needed(opts.pop("rootless"))
     rootless_serve.adjust(opts)
+    # the runtime store is the backends' (runtime_store.store_dir, max_bytes), read from the environment
+    if (store := opts.pop("runtime_store_dir")) is not None:
+        os.environ["AGENTCELL_RUNTIME_STORE"] = store
+    os.environ["AGENTCELL_RUNTIME_STORE_MAX_GB"] = repr(opts.pop("runtime_store_max_gb"))
+    _check_runtime_early(opts)
 
     from agentcell.backends.base import Limits
     from agentcell.server import ServerConfig
@@ -244,10 +260,6 @@ def serve(ctx: click.Context, **opts: Any) -> None:
         click.echo("agentcell: the gvisor backend gives sandboxes no network: --egress-uplink none", err=True)
         opts["egress_uplink"] = "none"
     opts["tune_sysctls"] = opts.pop("host_sysctls")
-    # the runtime store is the backends' (runtime_store.store_dir, max_bytes), read from the environment
-    if (store := opts.pop("runtime_store_dir")) is not None:
-        os.environ["AGENTCELL_RUNTIME_STORE"] = store
-    os.environ["AGENTCELL_RUNTIME_STORE_MAX_GB"] = repr(opts.pop("runtime_store_max_gb"))
     collectors = tuple(c for c in opts["record_collectors"].split(",") if c)
     if set(collectors) - set(COLLECTOR_NAMES):
         raise click.BadParameter(f"choose from {', '.join(COLLECTOR_NAMES)}", param_hint="--record-collectors")

@@ -33,7 +33,7 @@ from agentcell.backends.base import (
     new_cell_sandbox_id,
 )
 from agentcell.backends.cgroup_backend import CgroupSandboxes
-from agentcell.backends.linux import cgroups, host, rootfs, runtime_store, uids
+from agentcell.backends.linux import cgroups, host, rootfs, runtime_prefetch, runtime_store, uids
 from agentcell.backends.pool import StandbyPool
 from agentcell.errors import (
     BackendUnavailableError,
@@ -391,7 +391,7 @@ class LinuxBackend(CgroupSandboxes, Backend):
             await self._start_rootless()
             return
         # The Python runtime at neutral paths (checked in a thread meanwhile: ~0.5 s warm, built once)
-        runtime = asyncio.ensure_future(asyncio.to_thread(runtime_store.ensure)) if self._runtime is None else None
+        runtime = self._check_runtime() if self._runtime is None else None
         zygote: asyncio.Future[_Zygote] | None = None
         try:
             await self._start_cgroups_and_egress()
@@ -410,6 +410,15 @@ class LinuxBackend(CgroupSandboxes, Backend):
                     (await runtime).close()
             raise
         self._pool("base").fill()
+
+    @staticmethod
+    def _check_runtime() -> asyncio.Future[runtime_store.Store]:
+        """The runtime store's check: the one `serve` began before its imports (runtime_prefetch), else
+        a new one in a thread."""
+        early = runtime_prefetch.take()
+        if early is not None:
+            return asyncio.wrap_future(early)
+        return asyncio.ensure_future(asyncio.to_thread(runtime_store.ensure))
 
     async def _start_cgroups_and_egress(self) -> None:
         """What the zygote needs besides the runtime store (checked meanwhile, in a thread): this
