@@ -67,3 +67,5 @@ def test_startup_benchmark_runs_once() -> None:
     for row in ("serve, first start: to first sandbox", "serve, warm start: to first sandbox"):
         assert row in proc.stdout, (row, proc.stdout)
     assert "runtime store: building /opt/agentcell/venv" in proc.stdout  # the first start's progress, shown
+    for target in ("≤ 10 s", "≤ 2 s"):  # the targets, printed next to the figures
+        assert target in proc.stdout, (target, proc.stdout)
