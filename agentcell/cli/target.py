@@ -14,7 +14,6 @@ from typing import Any, TypeVar
 import click
 
 from agentcell.cli.errors import META_SANDBOX, META_TARGET, CliError
-from agentcell.sdk.config import needs_embedded
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -39,6 +38,8 @@ class Target:
     def require_server(self, command: str) -> None:
         """A sandbox made or touched here lives on in the server: an embedded server, gone with this
         process, would take it along."""
+        from agentcell.sdk.config import needs_embedded  # here: the SDK is not imported by every command
+
         if needs_embedded(self.api_url):
             raise CliError(f"`agentcell {command}` needs a running agentcell server, and none is configured",
                            NO_SERVER_HINT)
@@ -84,6 +85,8 @@ def connect_running(target: Target, sandbox_id: str, command: str) -> Any:
 
 def complete_sandbox_ids(ctx: click.Context, param: click.Parameter, incomplete: str) -> list[str]:
     """Shell completion of a sandbox id: the ids of the configured server's sandboxes."""
+    from agentcell.sdk.config import needs_embedded
+
     if needs_embedded(ctx.params.get("api_url")):
         return []
     try:
