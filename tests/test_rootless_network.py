@@ -60,8 +60,10 @@ for name, (kwargs, exprs) in cases.items():
         assert ex.error is None, ex.error
         answers = {}
         for expr in exprs:
+            t = time.monotonic()
             ex = sbx.run_code(f"print({expr})")
             answers[expr] = "".join(ex.logs.stdout).strip() if ex.error is None else repr(ex.error)
+            answers["seconds " + expr] = round(time.monotonic() - t, 3)
         answers["interfaces"] = sbx.commands.run("cat /proc/net/dev", timeout=30).stdout
         out[name] = answers
     finally:
@@ -69,12 +71,13 @@ for name, (kwargs, exprs) in cases.items():
 print(json.dumps(out))
 '''
 
+HUNDRED = f"sum(tcp('{WEB}') == 'ok' for _ in range(100))"  # 100 HTTP exchanges, one connection each
 SLIRP_SIDE = ("100.127.0.2", "100.127.0.3")  # slirp4netns' gateway (the user's host) and its DNS
 CASES: dict[str, tuple[dict[str, Any], list[str]]] = {
     "open": ({"allow_internet_access": True},
              [f"tcp('{WEB}')", "tcp('allowed.test')", "get('http://other.test/')",
               *(f"tcp('{a}')" for a in FORBIDDEN), *(f"tcp('{a}')" for a in SLIRP_SIDE),
-              f"tcp('{SLIRP_SIDE[0]}', {PORT})", f"dns_udp('{UPSTREAM_DNS}')", "names('rebind.test')"]),
+              f"tcp('{SLIRP_SIDE[0]}', {PORT})", f"dns_udp('{UPSTREAM_DNS}')", "names('rebind.test')", HUNDRED]),
     "allow_list": ({"network": {"allow_out": ["allowed.test"]}},
                    ["tcp('allowed.test')", f"tcp('{OTHER}')", "names('other.test')"]),
     "deny_list": ({"network": {"deny_out": [DENIED_IP]}}, [f"tcp('{DENIED_IP}')", f"tcp('{WEB}')"]),
@@ -181,6 +184,8 @@ def test_an_open_sandbox_reaches_the_internet_and_nothing_private(
     assert got[f"dns_udp('{UPSTREAM_DNS}')"] != "ok"  # only the router's resolver
     assert got["names('rebind.test')"] == "noname"  # a private answer: dropped
     assert "eth0" in got["interfaces"]
+    assert got[HUNDRED] == "100"
+    print(f"100 connections with an HTTP exchange each, through slirp4netns: {got['seconds ' + HUNDRED]} s")
 
 
 def test_policies_hold(answers: tuple[dict[str, dict[str, str]], str, str]) -> None:
