@@ -217,10 +217,19 @@ def check_nftables() -> Check:
     if shutil.which("nft") is None:
         return Check("nftables", "missing", "nft not found", "apt-get install nftables (as root)",
                      "internet for sandboxes (the egress router); --egress-uplink none works without")
-    if os.geteuid() != 0:
-        return Check("nftables", "warn", "nft found; the egress router needs root",
-                     "rootless sandboxes get no internet", "internet for sandboxes")
     return Check("nftables", "ok", f"{shutil.which('nft')}")
+
+
+def check_usermode_net() -> Check:
+    from agentcell.network import usermode
+
+    if os.geteuid() == 0:
+        return Check("user-mode networking", "ok", "not needed: root's egress router has a host uplink")
+    found = usermode.missing()
+    if found is not None:
+        return Check("user-mode networking", "warn", found[0], found[1], "internet for rootless sandboxes")
+    return Check("user-mode networking", "ok", f"{shutil.which(usermode.TOOL)}, {usermode.TUN} usable: "
+                 "rootless sandboxes get internet through the egress router")
 
 
 def check_bpf() -> Check:
@@ -343,6 +352,7 @@ def diagnose() -> Report:
     mode = chosen_mode()
     probes: list[Callable[[], Check]] = [
         check_privilege, check_userns, check_subids, check_cgroups, check_seccomp, check_landlock, check_nftables,
+        check_usermode_net,
         check_bpf, check_audit, check_node, check_runsc, check_kvm, lambda: check_state_dir(mode),
         lambda: check_disk(mode)]
     checks = []
@@ -356,6 +366,8 @@ def diagnose() -> Report:
     report = Report(mode, can_run, checks)
     if mode == "rootless":
         subids_ok = next(c for c in checks if c.name == "newuidmap + subordinate ids").status == "ok"
+        usermode_ok = next(c for c in checks if c.name == "user-mode networking").status == "ok"
         report.guarantees = [asdict(g) for g in rootless.guarantees(subids=subids_ok,
-                                                                    cgroup_delegation=_delegated_v2() is not None)]
+                                                                    cgroup_delegation=_delegated_v2() is not None,
+                                                                    user_net=usermode_ok)]
     return report

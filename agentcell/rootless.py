@@ -76,6 +76,12 @@ def staging_dir() -> str:
     return os.path.join(cache_home(), "agentcell", "root")
 
 
+def netns_dir() -> str:
+    """Where a rootless server bind-mounts its egress router's network namespace (network/usermode.py):
+    the mount is in the server's own mount namespace; the empty file is all the host sees."""
+    return os.path.join(cache_home(), "agentcell", "netns")
+
+
 @dataclass(frozen=True, slots=True)
 class Guarantee:
     """One line of the table in docs/rootless.md: what holds in rootless mode, next to a root server."""
@@ -85,9 +91,10 @@ class Guarantee:
     text: str
 
 
-def guarantees(subids: bool = True, cgroup_delegation: bool = False) -> list[Guarantee]:
+def guarantees(subids: bool = True, cgroup_delegation: bool = False, user_net: bool = True) -> list[Guarantee]:
     """What rootless mode promises on this host (`subids`: the user has /etc/subuid and /etc/subgid
-    ranges; `cgroup_delegation`: a writable cgroup v2 subtree with memory, pids and cpu)."""
+    ranges; `cgroup_delegation`: a writable cgroup v2 subtree with memory, pids and cpu; `user_net`:
+    user-mode networking can run, network/usermode.py)."""
     rows = [
         Guarantee("sandboxes from each other", True if subids else False,
                   "own user, pid, mount, net, ipc, uts namespaces and own ids (subordinate ids), Landlock, seccomp"
@@ -114,8 +121,13 @@ def guarantees(subids: bool = True, cgroup_delegation: bool = False) -> list[Gua
                   "sandbox has ids of its own, two of them (its user, its root): at most 2 x pids tasks"),
         Guarantee("CPU limit", False, "no CPU quota without cgroups: sandboxes run at nice 10 and their lifetime "
                   "(timeout) is the only bound"),
-        Guarantee("network", None, "no uplink: sandboxes have loopback only (each its own network namespace); a "
-                  "create asking for the internet gets a sandbox without it, as on any server without an uplink"),
+        Guarantee("network", None, (
+            "the same egress router as root's (policy, resolver, proxy, never-list, events), its uplink user-mode "
+            "networking (slirp4netns: the traffic leaves as the user's own sockets, at user-space speed); the "
+            "router's connection-tracking and nftables are those of a namespace the user owns")
+            if user_net else (
+            "no user-mode networking here (slirp4netns and a usable /dev/net/tun): sandboxes have loopback only "
+            "(each its own network namespace); a create asking for the internet gets a sandbox without it")),
         Guarantee("behaviour record", None, "API calls and lifecycle are recorded; the host-side collectors "
                   "(processes via audit/BPF, files via fanotify, limits) need root and are off"),
         Guarantee("pause, resume, snapshots", False, "need the freezer cgroup: not available rootless"),

@@ -32,7 +32,10 @@ class OrdinaryUser:
 
     def env(self) -> dict[str, str]:
         return {"HOME": self.home, "USER": self.name, "LOGNAME": self.name, "LANG": "C.UTF-8",
-                "PATH": f"{os.path.dirname(self.python)}:/usr/sbin:/usr/bin:/sbin:/bin", "PYTHONUNBUFFERED": "1"}
+                "PATH": f"{os.path.dirname(self.python)}:/usr/sbin:/usr/bin:/sbin:/bin", "PYTHONUNBUFFERED": "1",
+                # no uplink for its servers unless a test gives one in a namespace of its own (the network rule:
+                # user-mode networking would otherwise open its sockets in the host's namespace)
+                "AGENTCELL_EGRESS_UPLINK": "none"}
 
     def popen(self, argv: list[str], **kw: object) -> subprocess.Popen[bytes]:
         return subprocess.Popen(argv, user=self.uid, group=self.gid, extra_groups=[], env=self.env(), cwd=self.home,

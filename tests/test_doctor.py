@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -15,7 +16,7 @@ from tests.ordinary_user import OrdinaryUser, ordinary_user, user_venv, user_wit
 
 STATUSES = {"ok", "warn", "missing"}
 NAMES = {"privilege", "user namespaces", "newuidmap + subordinate ids", "cgroups", "seccomp", "Landlock", "nftables",
-         "libbpf + BTF", "kernel audit", "node", "runsc (gvisor)", "/dev/kvm", "state dir", "disk for the runtime store"}
+         "user-mode networking", "libbpf + BTF", "kernel audit", "node", "runsc (gvisor)", "/dev/kvm", "state dir", "disk for the runtime store"}
 LINE = re.compile(r"^\[(ok  |warn|MISS)\] (?P<name>[^:]+): (?P<detail>.*?)(?: -> fix: (?P<fix>.+))?$")
 
 
@@ -66,6 +67,17 @@ def test_doctor_as_ordinary_user_reports_rootless(ordinary_user: OrdinaryUser) -
     areas = {g["area"]: g["holds"] for g in report["guarantees"]}
     assert areas["sandboxes from each other"] is True and areas["sandboxes from the user's files"] is True
     assert areas["CPU limit"] is False and areas["memory limit"] is None
+    # user-mode networking: slirp4netns and a /dev/net/tun others may open (this machine's is root's alone)
+    usermode_net, network = by_name["user-mode networking"], next(g for g in report["guarantees"]
+                                                                  if g["area"] == "network")
+    tun = os.stat("/dev/net/tun") if os.path.exists("/dev/net/tun") else None
+    if shutil.which("slirp4netns") and tun is not None and tun.st_mode & 0o006 == 0o006:
+        assert usermode_net["status"] == "ok" and "slirp4netns" in network["text"], usermode_net
+    else:
+        assert usermode_net["status"] == "warn" and usermode_net["fix"], usermode_net
+        assert "loopback only" in network["text"]
+    if shutil.which("slirp4netns") and tun is not None and tun.st_mode & 0o006 != 0o006:
+        assert "/dev/net/tun" in usermode_net["detail"] and "chmod 0666 /dev/net/tun" in usermode_net["fix"]
     assert report["can_run"] and done.returncode == 0
     text = ordinary_user.run([ordinary_user.python, "-m", "agentcell", "doctor"])
     mode, checks, verdict = _parse_text(text.stdout)

@@ -40,9 +40,11 @@ def fresh_store() -> Iterator[dict[str, str]]:
         shutil.rmtree(base, ignore_errors=True)
 
 
-PROGRESS = re.compile(r"^agentcell: runtime store: building /opt/agentcell/venv from \S+: [\d,]+/[\d,]+ files "
+# the server's log line: `<time> INFO    agentcell.progress: <message>` (agentcell/logs.py)
+_LINE = r"^\S+ INFO +agentcell\.progress: "
+PROGRESS = re.compile(_LINE + r"runtime store: building /opt/agentcell/venv from \S+: [\d,]+/[\d,]+ files "
                       r"\(\d+ %\), [\d.]+ s$", re.M)
-DONE = re.compile(r"^agentcell: runtime store: building /opt/agentcell/venv from \S+: done in [\d.]+ s", re.M)
+DONE = re.compile(_LINE + r"runtime store: building /opt/agentcell/venv from \S+: done in [\d.]+ s", re.M)
 
 
 def test_serve_says_what_a_cold_start_waits_for(fresh_store: dict[str, str], tmp_path: Path) -> None:
@@ -67,7 +69,8 @@ def test_serve_says_what_a_cold_start_waits_for(fresh_store: dict[str, str], tmp
         err = proc.communicate(timeout=60)[1]
     assert PROGRESS.search(err), err[-3000:]  # what, how far, how long
     assert DONE.search(err), err[-3000:]
-    assert re.search(r"^agentcell: runtime store: built /opt/agentcell/venv .* in [\d.]+ s: [\d,]+ files", err, re.M)
+    assert re.search(_LINE + r"runtime store: built /opt/agentcell/venv .* "
+                     r"in [\d.]+ s: [\d,]+ files", err, re.M), err[-3000:]
 
 
 EMBEDDED = """

@@ -36,7 +36,7 @@ def reexec_if_needed(flag: bool | None) -> None:
         argv = [sys.executable, "-m", "agentcell", "serve", *_serve_args()]
         env = {**os.environ, rootless.ENV: "1"}
         click.echo("agentcell: rootless mode (you are not root): sandboxes run in a user namespace of yours, with "
-                   "weaker limits and no internet; `agentcell doctor` lists what holds", err=True)
+                   "weaker limits; `agentcell doctor` lists what holds", err=True)
         userns.exec_inside(argv, env)
     except userns.RootlessUnavailableError as e:
         raise click.ClickException(f"{e}. Or run the server as root, or use the system service if one is installed "
@@ -48,18 +48,37 @@ def reexec_if_needed(flag: bool | None) -> None:
 def adjust(opts: dict[str, Any]) -> None:
     """Inside the namespace: what this server cannot do is turned off, loudly where it was asked for."""
     if not rootless.active():
+        if opts["egress_uplink"] == "usermode":
+            raise click.ClickException("--egress-uplink usermode is rootless mode's uplink: root uses host or netns:PATH")
         return
     if opts["state_dir"] == ROOT_STATE_DIR:
         opts["state_dir"] = rootless.default_state_dir()
-    if opts["egress_uplink"] != "none":
-        if opts["egress_uplink"] != "host":
-            raise click.ClickException("rootless mode has no uplink for sandboxes: --egress-uplink none")
-        click.echo("agentcell: rootless mode: sandboxes get no internet (--egress-uplink none)", err=True)
-        opts["egress_uplink"] = "none"
+    _choose_uplink(opts)
     opts["host_sysctls"] = False  # an ordinary user cannot raise them: said in the log as NOT PROTECTED
     for other in ("gvisor",):
         if opts["backend"] == other or any(b == other for b in opts["create_backends"]):
             raise click.ClickException("rootless mode runs the linux backend only")
+
+
+def _choose_uplink(opts: dict[str, Any]) -> None:
+    """host (the default) becomes user-mode networking where it can run (network/usermode.py), none where not."""
+    from agentcell.network import usermode
+
+    uplink = opts["egress_uplink"]
+    if uplink == "none":
+        return
+    if uplink not in ("host", "usermode"):
+        raise click.ClickException("rootless mode's uplink is user-mode networking: --egress-uplink usermode (or none)")
+    reason = usermode.unavailable_reason()
+    if reason is None:
+        opts["egress_uplink"] = "usermode"
+        click.echo("agentcell: rootless mode: sandboxes reach the internet through user-mode networking "
+                   f"({usermode.TOOL}), under the same egress policy as a root server's", err=True)
+    elif uplink == "usermode":
+        raise click.ClickException(f"--egress-uplink usermode: {reason}")
+    else:
+        click.echo(f"agentcell: rootless mode: sandboxes get no internet: {reason}", err=True)
+        opts["egress_uplink"] = "none"
 
 
 def _serve_args() -> list[str]:

@@ -136,7 +136,8 @@ def _tls(opts: dict[str, Any]) -> None:
               help="The same for their pids limits, against the host's task budget.")
 @click.option("--egress-uplink", default="host", show_default=True, envvar="AGENTCELL_EGRESS_UPLINK",
               help="Where sandboxes' internet traffic leaves: host (masqueraded out of this host's interfaces), "
-                   "netns:PATH (into that network namespace), or none (no sandbox gets internet).")
+                   "netns:PATH (into that network namespace), usermode (slirp4netns: rootless mode's, its default "
+                   "where it can run), or none (no sandbox gets internet).")
 @click.option("--egress-dns", multiple=True, metavar="IP",
               help="Upstream DNS server for the sandboxes' resolver (default: /etc/resolv.conf's, minus loopback).")
 @click.option("--egress-ca-bundle", default=None, type=click.Path(exists=True, dir_okay=False),

@@ -24,6 +24,7 @@ routes and ruleset are unchanged).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import ctypes
 import ipaddress
 import os
@@ -417,9 +418,10 @@ def _collapsed(nets: Iterable[Network], kind: int) -> list[Network]:
 
 
 class Router:
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, netns_dir: str = "/run/netns") -> None:
         self.name = name
-        self.path = f"/run/netns/{name}"
+        self.path = os.path.join(netns_dir, name)
+        self._ip_netns = netns_dir == "/run/netns"  # else a bind mount of ours (a rootless server's)
         self._worker: NetnsWorker | None = None
         # what each slot has in the shared sets (policy_commands plans, committed() records)
         self._elements: dict[int, list[tuple[str, str]]] = {}
@@ -434,14 +436,21 @@ class Router:
         return self._worker
 
     @classmethod
-    def create(cls, name: str, never: NeverList | None = None) -> Router:
-        """A fresh router namespace with the base ruleset (an existing one of that name is an error)."""
-        if os.path.exists(f"/run/netns/{name}"):
-            raise EgressError(f"network namespace {name} exists already (a server that did not clean up?)")
-        r = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True, check=False)
+    def create(cls, name: str, never: NeverList | None = None, netns_dir: str = "/run/netns") -> Router:
+        """A fresh router namespace with the base ruleset (an existing one of that name is an error).
+        `netns_dir` other than /run/netns: the namespace is bind-mounted on a file there, in this
+        process's mount namespace (a rootless server's own: network/usermode.py)."""
+        router = cls(name, netns_dir)
+        if router._ip_netns:
+            if os.path.exists(router.path):
+                raise EgressError(f"network namespace {name} exists already (a server that did not clean up?)")
+            r = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True, check=False)
+        else:
+            open(router.path, "a").close()
+            r = subprocess.run(["unshare", f"--net={router.path}", "true"], capture_output=True, text=True,
+                               check=False)
         if r.returncode != 0:
-            raise EgressError(f"ip netns add {name} failed: {r.stderr.strip()}")
-        router = cls(name)
+            raise EgressError(f"creating the network namespace {router.path} failed: {r.stderr.strip()}")
         try:
             # IPv6 off on every link the router gets: a sandbox has no IPv6 way out (docs/network.md).
             sysctl_in(router.path, "net.ipv4.ip_forward=1", "net.ipv6.conf.all.disable_ipv6=1",
@@ -461,7 +470,12 @@ class Router:
         if self._worker is not None:
             self._worker.stop()
             self._worker = None
-        subprocess.run(["ip", "netns", "del", self.name], capture_output=True, check=False)
+        if self._ip_netns:
+            subprocess.run(["ip", "netns", "del", self.name], capture_output=True, check=False)
+        else:
+            subprocess.run(["umount", "-l", self.path], capture_output=True, check=False)
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
 
     def nft(self, commands: str) -> str:
         return self.worker.nft(commands)

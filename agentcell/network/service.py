@@ -29,7 +29,9 @@ from typing import TypeVar
 
 import dns.name
 
+from agentcell import rootless
 from agentcell.network import uplink as uplinks
+from agentcell.network import usermode
 from agentcell.network.ca import EgressCA
 from agentcell.network.claims import Claim
 from agentcell.network.conntrack import ConntrackError, Flusher, netfilter_socket
@@ -61,8 +63,8 @@ TENANCIES_KEPT = 4  # past owners of a slot whose late events can still be told 
 @dataclass(frozen=True)
 class EgressSettings:
     """`uplink`: "host" (masqueraded out of the host's interfaces), "netns:PATH" (into that
-    namespace: a test's "internet", or an operator's own routing), or "none" (no sandbox has
-    internet). `dns`: upstream resolvers for the sandboxes' resolver; empty = the host's
+    namespace: a test's "internet", or an operator's own routing), "usermode" (slirp4netns: a
+    rootless server's, network/usermode.py), or "none" (no sandbox has internet). `dns`: upstream resolvers for the sandboxes' resolver; empty = the host's
     /etc/resolv.conf, minus loopback stubs the router cannot reach."""
 
     uplink: str = "host"
@@ -77,8 +79,8 @@ class EgressSettings:
         return self.uplink != "none"
 
     def check(self) -> None:
-        if self.uplink not in ("host", "none") and not self.uplink.startswith("netns:"):
-            raise ValueError(f"egress uplink must be host, none or netns:PATH, got {self.uplink!r}")
+        if self.uplink not in ("host", "none", "usermode") and not self.uplink.startswith("netns:"):
+            raise ValueError(f"egress uplink must be host, usermode, none or netns:PATH, got {self.uplink!r}")
         if self.uplink.startswith("netns:") and not os.path.exists(self.uplink[6:]):
             raise ValueError(f"egress uplink namespace {self.uplink[6:]} does not exist")
 
@@ -98,7 +100,7 @@ class Egress:
         self.settings = settings
         self.instance = instance
         self.router: Router | None = None
-        self.uplink: uplinks.Uplink | None = None
+        self.uplink: uplinks.Uplink | usermode.SlirpUplink | None = None
         self.policies: dict[int, NetworkPolicy] = {}
         self._rules: dict[int, DomainRules | None] = {}
         self._pins: dict[int, dict[str, _Pinned]] = {}  # slot -> address -> what its resolver answered
@@ -136,10 +138,16 @@ class Egress:
 
     async def start(self) -> None:
         self.never = NeverList(self.settings.allow_ranges)
-        router = await asyncio.to_thread(Router.create, NETNS_PREFIX + self.instance, self.never)
+        if self.settings.uplink == "usermode":  # a rootless server: its namespace where host root's are not
+            netns_dir = statedir.private_dir(rootless.netns_dir())
+            router = await asyncio.to_thread(Router.create, NETNS_PREFIX + self.instance, self.never, netns_dir)
+        else:
+            router = await asyncio.to_thread(Router.create, NETNS_PREFIX + self.instance, self.never)
         self.router = router
         try:
-            if self.settings.uplink == "host":
+            if self.settings.uplink == "usermode":
+                self.uplink = await asyncio.to_thread(usermode.SlirpUplink, router)
+            elif self.settings.uplink == "host":
                 self.uplink = await asyncio.to_thread(uplinks.attach_host, router, self.instance, self.never)
             else:
                 self.uplink = await asyncio.to_thread(uplinks.attach_netns, router, self.settings.uplink[6:],

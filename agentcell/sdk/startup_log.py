@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import sys
 import time
 from typing import TextIO
@@ -23,10 +24,16 @@ NOTICE_S = 3.0
 PREFIX = "agentcell: "
 
 
+# the server's text log format (agentcell/logs.py TextFormatter): `<time> <LEVEL> agentcell.<part>: <message>`
+_TEXT_LINE = re.compile(r"^\S+Z [A-Z]+\s+agentcell(?:\.[\w.]+)?: (.*)$")
+
+
 def _own_line(line: str) -> str | None:
     """The message of one of the server's own lines (not uvicorn's access log), or None."""
     if line.startswith(PREFIX):
         return line[len(PREFIX):]
+    if m := _TEXT_LINE.match(line):
+        return m.group(1)
     if line.startswith("{"):  # a structured (JSON) log line
         try:
             rec = json.loads(line)

@@ -85,7 +85,7 @@ class ServerConfig:
     max_connections: int = 1024  # open client connections, server-wide
     max_body_memory_mb: int = 64  # JSON request bodies held in memory at once, server-wide
     # --- egress (docs/network.md) ---
-    egress_uplink: str = "host"  # host | netns:PATH | none (no sandbox gets internet)
+    egress_uplink: str = "host"  # host | netns:PATH | usermode (rootless) | none (no sandbox gets internet)
     egress_dns: tuple[str, ...] = ()  # upstream resolvers; () = the host's /etc/resolv.conf
     egress_ca_bundle: str | None = None  # extra CAs (PEM) for the real certificates of secrets' hosts
     egress_allow_ranges: tuple[str, ...] = ()  # never-list ranges sandboxes may reach after all

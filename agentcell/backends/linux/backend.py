@@ -436,6 +436,9 @@ class LinuxBackend(CgroupSandboxes, Backend):
         gone = await asyncio.to_thread(Egress.remove_stale, cgroups.instance_alive)
         if gone:
             print(f"agentcell: removed the egress routers of dead server(s): {', '.join(gone)}", file=sys.stderr)
+        await self._start_egress()
+
+    async def _start_egress(self) -> None:
         if self.egress_settings.enabled and self.egress is None:
             egress = Egress(self.egress_settings, self.instance)
             try:
@@ -471,11 +474,16 @@ class LinuxBackend(CgroupSandboxes, Backend):
         self._pool("base").fill()
 
     async def _start_rootless(self) -> None:
-        """start() in an ordinary user's namespace (rootless.py): no cgroups, host sysctls, egress
-        router or host-side record collectors; the user's own directories for the runtime and staging."""
-        if self.egress_settings.enabled:
-            raise BackendUnavailableError("rootless mode gives sandboxes no uplink: start it with --egress-uplink none")
+        """start() in an ordinary user's namespace (rootless.py): no cgroups, host sysctls or host-side
+        record collectors; the egress router's uplink is user-mode networking (network/usermode.py);
+        the user's own directories for the runtime and staging."""
+        if self.egress_settings.uplink not in ("none", "usermode"):
+            raise BackendUnavailableError("rootless mode's only uplink is user-mode networking: start it with "
+                                          "--egress-uplink usermode (or none)")
+        await self._start_egress()
         if self.recorder is not None:
+            if self.egress is not None:
+                self.egress.sink = self.recorder.add  # connection and DNS events join the behaviour record
             await self._start_collectors()
         self.host_budget = host.prepare_rootless(self.host_tuning)
         if self.staging == rootfs.STAGING:

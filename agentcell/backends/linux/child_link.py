@@ -18,6 +18,8 @@ from typing import Any
 
 import orjson
 
+from agentcell import rootless
+
 _PR_SET_PDEATHSIG = 1
 
 
@@ -36,7 +38,8 @@ def socketpair(buffer: int) -> tuple[socket.socket, socket.socket]:
 def die_with_parent() -> bool:
     """SIGTERM when the server dies; False if it is already gone (nothing to do then)."""
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    return os.getppid() != 1
+    # a rootless server is pid 1 of its own pid namespace (whose end ends every process in it)
+    return os.getppid() != 1 or os.environ.get(rootless.ENV) == "1"
 
 
 def processes_of(server_pid: int, module: str) -> list[int]:

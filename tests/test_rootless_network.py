@@ -1,0 +1,203 @@
+"""Rootless mode with internet: the egress router's uplink is user-mode networking (slirp4netns,
+network/usermode.py), and the sandboxes' traffic obeys the same policy as a root server's.
+
+The whole rootless server runs, as an ordinary user made by the test, inside a network namespace the
+test made: a stand-in for the user's host whose only links are loopback and a veth into the tests'
+internet (tests/internet_services.py on tests/egress_internet.py's documentation and forbidden
+addresses), every other destination unreachable. slirp4netns opens its sockets there, never in the
+host's namespace. That namespace's /dev/net/tun is a 0666 node the test bind-mounts in `ip netns
+exec`'s own mount namespace (udev's default mode; this machine's is root's alone), so the host's is
+unchanged. The sandboxes are driven by a client inside the stand-in (the server's port is there).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.egress_internet import ADDRESSES, DENIED_IP, FORBIDDEN, OTHER, PROBES, UPSTREAM_DNS, WEB
+from tests.egress_world import host_state
+from tests.ordinary_user import OrdinaryUser, ordinary_user, user_venv  # noqa: F401
+
+pytestmark = pytest.mark.skipif(shutil.which("newuidmap") is None or shutil.which("slirp4netns") is None,
+                                reason="needs newuidmap (apt-get install uidmap) and slirp4netns")
+HERE = Path(__file__).resolve().parent
+TAG = f"acrlnet{os.getpid() % 100000}"
+STANDIN, INET = f"{TAG}-host", f"{TAG}-inet"
+LINK_HOST, LINK_INET = "192.0.2.2", "192.0.2.1"  # the stand-in's veth into the internet (documentation range)
+PORT = 8099  # the server's, on the stand-in's loopback
+
+# What the client (in the stand-in namespace) does: sandboxes with four policies, each asked `exprs`.
+CLIENT = r'''
+import json, sys, time, httpx
+from agentcell.sdk import Sandbox
+url, probes, cases = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+deadline = time.monotonic() + 240  # the first start builds the user's runtime store
+while True:
+    try:
+        if httpx.get(url + "/health", timeout=1).status_code == 200:
+            break
+    except httpx.TransportError:
+        pass
+    if time.monotonic() > deadline:
+        sys.exit("the rootless server did not answer")
+    time.sleep(0.3)
+out = {}
+for name, (kwargs, exprs) in cases.items():
+    sbx = Sandbox.create(api_url=url, timeout=300, **kwargs)
+    try:
+        ex = sbx.run_code(probes)
+        assert ex.error is None, ex.error
+        answers = {}
+        for expr in exprs:
+            t = time.monotonic()
+            ex = sbx.run_code(f"print({expr})")
+            answers[expr] = "".join(ex.logs.stdout).strip() if ex.error is None else repr(ex.error)
+            answers["seconds " + expr] = round(time.monotonic() - t, 3)
+        answers["interfaces"] = sbx.commands.run("cat /proc/net/dev", timeout=30).stdout
+        out[name] = answers
+    finally:
+        sbx.kill()
+print(json.dumps(out))
+'''
+
+HUNDRED = f"sum(tcp('{WEB}') == 'ok' for _ in range(100))"  # 100 HTTP exchanges, one connection each
+SLIRP_SIDE = ("100.127.0.2", "100.127.0.3")  # slirp4netns' gateway (the user's host) and its DNS
+CASES: dict[str, tuple[dict[str, Any], list[str]]] = {
+    "open": ({"allow_internet_access": True},
+             [f"tcp('{WEB}')", "tcp('allowed.test')", "get('http://other.test/')",
+              *(f"tcp('{a}')" for a in FORBIDDEN), *(f"tcp('{a}')" for a in SLIRP_SIDE),
+              f"tcp('{SLIRP_SIDE[0]}', {PORT})", f"dns_udp('{UPSTREAM_DNS}')", "names('rebind.test')", HUNDRED]),
+    "allow_list": ({"network": {"allow_out": ["allowed.test"]}},
+                   ["tcp('allowed.test')", f"tcp('{OTHER}')", "names('other.test')"]),
+    "deny_list": ({"network": {"deny_out": [DENIED_IP]}}, [f"tcp('{DENIED_IP}')", f"tcp('{WEB}')"]),
+    "offline": ({"allow_internet_access": False}, [f"tcp('{WEB}')", "names('allowed.test')"]),
+}
+
+
+def _ip(ns: str, *args: str) -> None:
+    subprocess.run(["ip", "-n", ns, *args], check=True)
+
+
+def _standin_state() -> str:
+    return "\n".join(subprocess.run(["ip", "-n", STANDIN, "-o", *what], capture_output=True, text=True).stdout
+                     for what in (["link"], ["-4", "addr"], ["route"]))  # (IPv6 link-local addresses age)
+
+
+def _tun_mode() -> str:
+    return oct(os.stat("/dev/net/tun").st_mode) if os.path.exists("/dev/net/tun") else "absent"
+
+
+@pytest.fixture(scope="module")
+def answers(ordinary_user: OrdinaryUser) -> Iterator[tuple[dict[str, dict[str, str]], str, str]]:  # noqa: F811
+    """(the client's answers per case, the server's log, the stand-in's links/addresses/routes before)."""
+    user = ordinary_user
+    before, tun_mode = host_state(), _tun_mode()
+    services = server = None
+    tun_dir = tempfile.mkdtemp(prefix="agentcell-tun-")
+    for ns in (STANDIN, INET):
+        subprocess.run(["ip", "netns", "add", ns], check=True)
+        _ip(ns, "link", "set", "lo", "up")
+    try:
+        # the stand-in: loopback, a veth into the internet, routes to the internet's addresses (the forbidden
+        # ones too: a refusal then proves a rule, not a missing route), every other destination unreachable
+        _ip(STANDIN, "link", "add", "wan0", "type", "veth", "peer", "name", "isp0", "netns", INET)
+        _ip(STANDIN, "addr", "add", f"{LINK_HOST}/24", "dev", "wan0")
+        _ip(STANDIN, "link", "set", "wan0", "up")
+        _ip(INET, "addr", "add", f"{LINK_INET}/24", "dev", "isp0")
+        _ip(INET, "link", "set", "isp0", "up")
+        for addr in ADDRESSES:
+            _ip(INET, "addr", "add", f"{addr}/32", "dev", "lo")
+            _ip(STANDIN, "route", "add", f"{addr}/32", "via", LINK_INET)
+        _ip(STANDIN, "route", "add", "unreachable", "default")
+        services = subprocess.Popen(["ip", "netns", "exec", INET, sys.executable, str(HERE / "internet_services.py"),
+                                     *ADDRESSES], stdout=subprocess.PIPE, text=True)
+        assert services.stdout is not None and services.stdout.readline().strip() == "ready"
+        standin_before = _standin_state()
+        tun = os.path.join(tun_dir, "tun")
+        os.mknod(tun, 0o666 | 0o020000, os.makedev(10, 200))
+        os.chmod(tun, 0o666)
+        os.chmod(tun_dir, 0o755)
+        log_path = os.path.join(user.home, "server-net.log")
+        env = {k: v for k, v in user.env().items() if k != "AGENTCELL_EGRESS_UPLINK"}  # the default: host
+        with open(log_path, "wb") as log:
+            server = subprocess.Popen(
+                ["ip", "netns", "exec", STANDIN, "sh", "-c",
+                 'mount --bind "$0" /dev/net/tun && u=$1 g=$2 && shift 2 && '
+                 'exec setpriv --reuid "$u" --regid "$g" --clear-groups -- "$@"',
+                 tun, str(user.uid), str(user.gid), user.python, "-m", "agentcell.server", "--port", str(PORT),
+                 "--standbys", "1", "--max-sandboxes", "8", "--egress-dns", UPSTREAM_DNS],
+                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=user.home)
+        client = subprocess.run(["ip", "netns", "exec", STANDIN, sys.executable, "-c", CLIENT,
+                                 f"http://127.0.0.1:{PORT}", PROBES, json.dumps(CASES)],
+                                capture_output=True, text=True, timeout=900, cwd=str(HERE.parent))
+        with open(log_path, errors="replace") as f:
+            log_text = f.read()
+        assert client.returncode == 0, f"{client.stderr[-3000:]}\n--- server log:\n{log_text[-4000:]}"
+        yield json.loads(client.stdout.splitlines()[-1]), log_text, standin_before
+    finally:
+        if server is not None and server.poll() is None:
+            server.send_signal(signal.SIGTERM)
+            try:
+                server.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait()
+        if services is not None:
+            services.kill()
+            services.wait()
+        for ns in (STANDIN, INET):
+            subprocess.run(["ip", "netns", "del", ns], check=False)
+        shutil.rmtree(tun_dir, ignore_errors=True)
+        assert host_state() == before, "the host's network changed"
+        assert _tun_mode() == tun_mode, "the host's /dev/net/tun changed"
+
+
+def test_the_server_says_it_uses_user_mode_networking(answers: tuple[dict[str, dict[str, str]], str, str]) -> None:
+    _, log, standin_before = answers
+    assert "rootless mode" in log and "user-mode networking (slirp4netns)" in log
+    # slirp4netns added nothing to the namespace it runs in: its TAP is in the router's namespace
+    assert _standin_state() == standin_before
+
+
+def test_an_open_sandbox_reaches_the_internet_and_nothing_private(
+        answers: tuple[dict[str, dict[str, str]], str, str]) -> None:
+    got = answers[0]["open"]
+    assert got[f"tcp('{WEB}')"] == "ok"
+    assert got["tcp('allowed.test')"] == "ok"  # through the router's resolver, upstream through slirp4netns
+    assert got["get('http://other.test/')"].startswith(f"hello from {OTHER} host=other.test")
+    for addr in FORBIDDEN:  # private, CGNAT, link-local, metadata: routed in the stand-in, refused by policy
+        assert got[f"tcp('{addr}')"] != "ok", addr
+    for addr in SLIRP_SIDE:  # slirp4netns' gateway (the user's host) and its DNS
+        assert got[f"tcp('{addr}')"] != "ok", addr
+    assert got[f"tcp('{SLIRP_SIDE[0]}', {PORT})"] != "ok"  # the server's own port on the host's loopback
+    assert got[f"dns_udp('{UPSTREAM_DNS}')"] != "ok"  # only the router's resolver
+    assert got["names('rebind.test')"] == "noname"  # a private answer: dropped
+    assert "eth0" in got["interfaces"]
+    assert got[HUNDRED] == "100"
+    print(f"100 connections with an HTTP exchange each, through slirp4netns: {got['seconds ' + HUNDRED]} s")
+
+
+def test_policies_hold(answers: tuple[dict[str, dict[str, str]], str, str]) -> None:
+    got = answers[0]
+    assert got["allow_list"]["tcp('allowed.test')"] == "ok"
+    assert got["allow_list"][f"tcp('{OTHER}')"] != "ok"
+    assert got["allow_list"]["names('other.test')"] == "noname"
+    assert got["deny_list"][f"tcp('{DENIED_IP}')"] != "ok"
+    assert got["deny_list"][f"tcp('{WEB}')"] == "ok"
+
+
+def test_a_sandbox_without_internet_reaches_nothing(answers: tuple[dict[str, dict[str, str]], str, str]) -> None:
+    got = answers[0]["offline"]
+    assert got[f"tcp('{WEB}')"] != "ok"
+    assert got["names('allowed.test')"] == "noname"
