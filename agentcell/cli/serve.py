@@ -225,6 +225,7 @@ def serve(ctx: click.Context, **opts: Any) -> None:
 
     rootless_serve.reexec_if_needed(opts.pop("rootless"))
     rootless_serve.adjust(opts)
+    logs.configure(opts["log_level"], opts["log_format"])  # before the runtime check below logs progress
     # the runtime store is the backends' (runtime_store.store_dir, max_bytes), read from the environment
     if (store := opts.pop("runtime_store_dir")) is not None:
         os.environ["AGENTCELL_RUNTIME_STORE"] = store
@@ -239,7 +240,6 @@ def serve(ctx: click.Context, **opts: Any) -> None:
 
     resolve_key(ctx, opts, "api_key")
     _tls(opts)
-    logs.configure(opts["log_level"], opts["log_format"])
     warn_exposed_keys(ctx, ("api_key",))
     ceilings = {name: opts.pop(f"max_{flag}") for name, flag in (
         ("memory_mb", "memory_mb"), ("pids", "pids"), ("cpu_count", "cpus"), ("disk_mb", "disk_mb"),
