@@ -139,9 +139,11 @@ def test_a_crashed_host_mode_servers_changes_are_undone_by_the_next_server(
     before = _state(fake_host)
     records = host_settings_records()
     crashed = HostModeServer(fake_host, tmp_path)
-    crashed.wait_ready()
-    crashed.proc.kill()  # no stop, no cleanup: its table, its router and forwarding stay behind
-    crashed.stop()
+    try:
+        crashed.wait_ready()
+    finally:  # (also when it did not start in time: no server of a failed test outlives it)
+        crashed.proc.kill()  # no stop, no cleanup: its table, its router and forwarding stay behind
+        crashed.stop()
     left = _state(fake_host)
     assert left[4].strip() == "1" and "table ip agentcell_" in left[3]
     survivor = HostModeServer(fake_host, tmp_path)
