@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import httptools
 import pytest
 
-from agentcell.errors import SandboxException, TimeoutException
+from agentcell.errors import SandboxException, ServerUnreachableException, TimeoutException
 from agentcell.sdk import fast_async_http as fah
 from agentcell.sdk.config import Endpoint
 
@@ -345,7 +345,9 @@ async def test_connect_errors(tmp_path: object) -> None:
     with pytest.raises(fah.ConnectError) as ei:
         await fah.client(missing).request("GET", "/", headers={}, connect=1, read=1)
     e = fah.transport_error(ei.value, "GET /")
-    assert type(e) is SandboxException and "cannot reach the agentcell server (ConnectError" in str(e)
+    # its own kind (the CLI says it in one line), still a SandboxException for code that catches those
+    assert type(e) is ServerUnreachableException and isinstance(e, SandboxException)
+    assert "cannot reach the agentcell server (ConnectError" in str(e)
 
 
 async def test_one_pool_per_loop_and_closed_loops_are_dropped(served: Served) -> None:
