@@ -113,6 +113,7 @@ class SandboxRecord:
     files: Path | None = None  # the disk archive of a sandbox paused with mode "filesystem"
     image: Path | None = None  # the checkpoint of a hibernated sandbox (paused "full", its memory on disk)
     pausing: bool = False  # a timeout's pause or a hibernation is under way
+    writing_to_disk: bool = False  # _to_disk: its checkpoint stops the sandbox, which is not it dying
     owner: str | None = None  # the tenant that created it (server/tenancy.py); None: the server has no tenancy
 
     metrics: MetricsHistory = field(init=False)  # on the record: it goes when the sandbox goes
@@ -282,24 +283,32 @@ class SandboxManager:
         async with rec.lock:
             if not rec.paused or rec.on_disk:
                 return
-            if rec.backend.memory_snapshots:
-                image = self.paused_dir / f"{rec.sandbox_id}.image"
-                self.paused_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-                await rec.backend.resume(rec.running)  # type: ignore[arg-type]
-                try:
-                    await rec.backend.checkpoint(rec.running, str(image), leave_running=False)  # type: ignore[arg-type]
-                except BaseException:
-                    shutil.rmtree(image, ignore_errors=True)
-                    with contextlib.suppress(Exception):
-                        await rec.backend.pause(rec.running)  # type: ignore[arg-type]
-                    raise
-                rec.image = image
-                log.info("sandbox %s hibernated: its memory is on disk", rec.sandbox_id)
-            else:
-                rec.files = await self._export(rec)
-                rec.pause_mode = "filesystem"
-            await self._destroy_running(rec, "the sandbox was written to disk")
-            self._persist(rec)
+            rec.writing_to_disk = True
+            try:
+                await self._write_to_disk(rec)
+            finally:
+                rec.writing_to_disk = False
+
+    async def _write_to_disk(self, rec: SandboxRecord) -> None:
+        """_to_disk's work, under the record's lock."""
+        if rec.backend.memory_snapshots:
+            image = self.paused_dir / f"{rec.sandbox_id}.image"
+            self.paused_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+            await rec.backend.resume(rec.running)  # type: ignore[arg-type]
+            try:
+                await rec.backend.checkpoint(rec.running, str(image), leave_running=False)  # type: ignore[arg-type]
+            except BaseException:
+                shutil.rmtree(image, ignore_errors=True)
+                with contextlib.suppress(Exception):
+                    await rec.backend.pause(rec.running)  # type: ignore[arg-type]
+                raise
+            rec.image = image
+            log.info("sandbox %s hibernated: its memory is on disk", rec.sandbox_id)
+        else:
+            rec.files = await self._export(rec)
+            rec.pause_mode = "filesystem"
+        await self._destroy_running(rec, "the sandbox was written to disk")
+        self._persist(rec)
 
     async def _hibernate(self, rec: SandboxRecord) -> None:
         try:
@@ -715,7 +724,8 @@ class SandboxManager:
                 what=str(h.get("what"))[:200], data=h.get("data") if isinstance(h.get("data"), dict) else None))
         await channel.closed.wait()
         # a channel closed by a pause or reboot, or replaced by a resume, is not the sandbox dying
-        if self._sandboxes.get(rec.sandbox_id) is rec and rec.channel is channel and not rec.on_disk:
+        if self._sandboxes.get(rec.sandbox_id) is rec and rec.channel is channel and not rec.on_disk \
+                and not rec.writing_to_disk:
             log.warning("sandbox %s: agent channel closed (%s); removing it", rec.sandbox_id, channel.close_reason)
             del self._sandboxes[rec.sandbox_id]
             await self._destroy(rec, channel.close_reason)
