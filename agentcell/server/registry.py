@@ -330,7 +330,8 @@ class SandboxManager:
     def find(self, sandbox_id: str) -> SandboxRecord | None:
         """The sandbox of that id, running or paused."""
         rec = self._sandboxes.get(sandbox_id)
-        if rec is not None and rec.paused:
+        # (one whose timeout's pause is under way is neither running nor paused yet: it is still there)
+        if rec is not None and (rec.paused or rec.pausing):
             return rec
         return self.get(sandbox_id)
 
