@@ -330,8 +330,9 @@ class SandboxManager:
     def find(self, sandbox_id: str) -> SandboxRecord | None:
         """The sandbox of that id, running or paused."""
         rec = self._sandboxes.get(sandbox_id)
-        # (one whose timeout's pause is under way is neither running nor paused yet: it is still there)
-        if rec is not None and (rec.paused or rec.pausing):
+        # one whose timeout pauses it is still there between its end and the reaper's pause (neither
+        # running nor paused yet), and while that pause is under way
+        if rec is not None and (rec.paused or rec.pausing or (rec.lifecycle.on_timeout == "pause" and rec.alive())):
             return rec
         return self.get(sandbox_id)
 
