@@ -211,3 +211,47 @@ def test_two_worker_processes_build_what_one_builds(place: Path, monkeypatch: py
             assert int.from_bytes(b[8:12], "little") == int(st.st_mtime) & 0xFFFFFFFF, rel
             a, b = a[16:], b[16:]
         assert a == b, rel
+
+
+def test_an_unchanged_start_waits_for_no_build_or_collection_and_notes_its_parts(place: Path) -> None:
+    """Another server's build or collection holds the store's build lock for seconds: a start whose
+    parts are all there does not wait for it (it takes only its parts' shared locks); one with a part
+    to build does. Either way the start notes its parts for the next one's early zygote (last_store)."""
+    import fcntl
+    import threading
+
+    root = str(place / "store")
+    tree = place / "tree"
+    (tree / "pkg").mkdir(parents=True)
+    (tree / "pkg" / "a.py").write_text("A = 1\n")
+    layout = _layout(tree, target="/opt/agentcell/lib/tree")
+    assert runtime_store.last_store(layout, root=root) is None  # no start yet
+    first = runtime_store.ensure(layout, root=root, collect="never")
+    first.close()
+    noted = runtime_store.last_store(layout, root=root)
+    assert noted is not None and noted.mounts == first.mounts
+    noted.close()
+
+    lock = os.open(os.path.join(root, ".build.lock"), os.O_RDWR)
+    fcntl.flock(lock, fcntl.LOCK_EX)  # a build or collection under way
+    try:
+        done: list[runtime_store.Store] = []
+        t = threading.Thread(target=lambda: done.append(runtime_store.ensure(layout, root=root, collect="never")))
+        t.start()
+        t.join(30)
+        assert done and done[0].mounts == first.mounts, "an unchanged start waited for the build lock"
+        done[0].close()
+
+        (tree / "pkg" / "a.py").write_text("A = 2\n")  # now a part must be built: that waits
+        t = threading.Thread(target=lambda: done.append(runtime_store.ensure(layout, root=root, collect="never")))
+        t.start()
+        t.join(1.0)
+        assert t.is_alive() and len(done) == 1
+    finally:
+        os.close(lock)
+    t.join(60)
+    assert len(done) == 2 and done[1].mounts != first.mounts
+    done[1].close()
+    changed = runtime_store.last_store(layout, root=root)
+    assert changed is not None and changed.mounts == done[1].mounts
+    changed.close()

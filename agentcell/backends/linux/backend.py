@@ -11,13 +11,13 @@ import asyncio
 import contextlib
 import errno
 import json
+import logging
 import os
 import re
 import select
 import signal
 import socket
 import stat
-import subprocess
 import sys
 import time
 from dataclasses import asdict, replace
@@ -34,6 +34,7 @@ from agentcell.backends.base import (
 )
 from agentcell.backends.cgroup_backend import CgroupSandboxes
 from agentcell.backends.linux import cgroups, host, rootfs, runtime_prefetch, runtime_store, uids
+from agentcell.backends.linux.zygote_process import DEFAULT_ENTRY, ZygoteProcess
 from agentcell.backends.pool import StandbyPool
 from agentcell.errors import (
     BackendUnavailableError,
@@ -53,10 +54,10 @@ from agentcell.runtime import statedir
 from agentcell.runtime.protocol import PREFIX, encode_frame
 from agentcell.server import progress
 
-DEFAULT_ENTRY = "agentcell.runtime.agent:serve"
 READY_TIMEOUT = 10.0
 STANDBYS = 4  # prepared sandboxes kept ready per template (--standbys)
 PREPARE_PARALLEL = 4  # standbys prepared at once: enough to overlap each one's cgroup-join wait
+log = logging.getLogger("agentcell.backend")
 TIMING = os.environ.get("AGENTCELL_TIMING") == "1"  # debug: per-step create() stamps on stderr
 _ID_RE = re.compile(r"^[a-z0-9]{1,63}$")
 # a sandbox made from a disk archive extracts it before its agent starts: this much more time to be ready
@@ -91,98 +92,6 @@ class LinuxSandbox(RunningSandbox):
         poller = select.poll()  # not select(): a server with 1,000 sandboxes holds fds past FD_SETSIZE
         poller.register(self.pidfd, select.POLLIN)
         return not poller.poll(0)  # readable = exited
-
-
-SPAWN = b"spawn"  # see zygote.SPAWN
-_ZYGOTE_ENV = {"PATH", "LANG", "LC_ALL", "PYTHONPATH", "TZ", "AGENTCELL_TIMING", rootless.ENV}
-
-
-class _Zygote:
-    def __init__(self, template: str, entry: str, preload: bool, cgroup_parent: str, staging: str,
-                 runtime: runtime_store.Store, state_dir: str, ptys: int = host.PTYS_PER_SANDBOX,
-                 extra_ca: str | None = None) -> None:
-        self.template = template
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        # The zygote's memory is copied into every sandbox, so it gets none of the server's environment
-        # (API keys, cloud credentials ...), only what Python and the numeric libraries need.
-        env = {k: v for k, v in os.environ.items() if k in _ZYGOTE_ENV or k.startswith(("OPENBLAS_", "OMP_"))}
-        env.setdefault("OPENBLAS_NUM_THREADS", "1")  # keep the zygote single-threaded
-        # No host path either: PATH and PYTHONPATH name the runtime store's neutral tree, and the
-        # caches live in a private directory (root's, 0700), not in /tmp.
-        env.update(runtime.zygote_env())
-        env.update(IPYTHONDIR=f"{state_dir}/ipython", MPLCONFIGDIR=f"{state_dir}/matplotlib")
-        args = ["--fd", str(theirs.fileno()), "--entry", entry, "--cgroup", cgroup_parent, "--staging", staging,
-                "--parent", str(os.getpid()), "--ptys", str(ptys)]
-        if not preload:
-            args.append("--no-preload")
-        if extra_ca:
-            args += ["--extra-ca", extra_ca]
-        # The arguments go through stdin, not argv: every sandbox is a fork of the zygote, and its
-        # /proc/<pid>/cmdline would show them (server pid, cgroup and staging paths) to user code.
-        # The launcher execs the zygote from the runtime store's neutral paths (runtime_store.launch).
-        self.proc = subprocess.Popen(
-            runtime.launcher_command(),
-            pass_fds=[theirs.fileno()], stdin=subprocess.PIPE, env=env, close_fds=True, cwd="/",
-        )
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(args).encode())
-        self.proc.stdin.close()
-        theirs.close()
-        self.ctl = ours
-        self.ready = False
-        self._ready_task: asyncio.Task[None] | None = None
-
-    async def wait_ready(self, timeout: float) -> None:
-        """Wait for the zygote's "ready" (it has imported everything); raise with a fix if it dies."""
-        if self.ready:
-            return
-        if self._ready_task is None:  # concurrent create() calls share one wait
-            self._ready_task = asyncio.get_running_loop().create_task(self._wait_ready(timeout))
-        await asyncio.shield(self._ready_task)
-
-    async def _wait_ready(self, timeout: float) -> None:
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[bytes] = loop.create_future()
-
-        def on_readable() -> None:
-            if not fut.done():
-                try:
-                    fut.set_result(self.ctl.recv(16))
-                except OSError as e:
-                    fut.set_exception(e)
-
-        loop.add_reader(self.ctl.fileno(), on_readable)
-        try:
-            with progress.step(f"starting the {self.template!r} zygote (importing the sandbox's Python runtime)"):
-                async with asyncio.timeout(timeout):
-                    msg = await fut
-        except (TimeoutError, OSError) as e:
-            self.stop()
-            raise BackendUnavailableError(
-                f"the {self.template!r} zygote did not start within {timeout:g} s ({e!r}); see its stderr") from None
-        finally:
-            loop.remove_reader(self.ctl.fileno())
-        if msg != b"ready":
-            self.stop()
-            raise BackendUnavailableError(
-                f"the {self.template!r} zygote exited during startup (code {self.proc.poll()}); see its stderr")
-        self.ready = True
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def spawn(self, sock_fd: int) -> None:
-        """Ask for a sandbox on `sock_fd`. The request itself never goes through the zygote."""
-        socket.send_fds(self.ctl, [SPAWN], [sock_fd])
-
-    def stop(self) -> None:
-        with contextlib.suppress(OSError):
-            self.ctl.close()
-        try:
-            self.proc.wait(timeout=2)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
 
 
 async def _read_frame(loop: asyncio.AbstractEventLoop, sock: socket.socket,
@@ -283,7 +192,7 @@ class LinuxBackend(CgroupSandboxes, Backend):
         # agent.preload() (numpy, pandas, IPython...) only helps the real agent
         self.preload = entry_point.startswith("agentcell.runtime.agent:") if preload is None else preload
         self.zygote_timeout = zygote_timeout
-        self._zygotes: dict[str, _Zygote] = {}
+        self._zygotes: dict[str, ZygoteProcess] = {}
         self._runtime: runtime_store.Store | None = None  # held from start() to close()
         self._state_dir = ""
         self._sandboxes: dict[str, LinuxSandbox] = {}
@@ -390,14 +299,19 @@ class LinuxBackend(CgroupSandboxes, Backend):
         if rootless.active():
             await self._start_rootless()
             return
-        # The Python runtime at neutral paths (checked in a thread meanwhile: ~0.5 s warm, built once)
-        runtime = self._check_runtime() if self._runtime is None else None
-        zygote: asyncio.Future[_Zygote] | None = None
+        # The Python runtime at neutral paths (checked in a thread meanwhile: ~0.5 s warm, built once),
+        # and maybe a zygote already importing it, launched by `serve` from the last start's parts
+        early = runtime_prefetch.take() if self._runtime is None else None
+        runtime = self._check_runtime(early) if self._runtime is None else None
+        early_zygote = early.zygote if early is not None else None
+        zygote: asyncio.Future[ZygoteProcess] | None = None
         try:
             await self._start_cgroups_and_egress()
             if runtime is not None:
                 self._state_dir = statedir.private_dir(statedir.default_state_dir("zygote"))
                 self._runtime, runtime = await runtime, None
+            self._adopt_early_zygote(early_zygote)
+            early_zygote = None
             # the zygote imports the sandboxes' Python runtime (~1.5 s) in its own process meanwhile
             zygote = asyncio.ensure_future(self._zygote("base"))
             await self._start_collectors_and_limits()
@@ -405,6 +319,9 @@ class LinuxBackend(CgroupSandboxes, Backend):
         except BaseException:
             if zygote is not None and not zygote.done():
                 zygote.cancel()
+            if early_zygote is not None:
+                early_zygote.discard()
+                early_zygote.runtime.close()
             if runtime is not None:
                 with contextlib.suppress(Exception):
                     (await runtime).close()
@@ -412,12 +329,11 @@ class LinuxBackend(CgroupSandboxes, Backend):
         self._pool("base").fill()
 
     @staticmethod
-    def _check_runtime() -> asyncio.Future[runtime_store.Store]:
+    def _check_runtime(early: runtime_prefetch.Early | None) -> asyncio.Future[runtime_store.Store]:
         """The runtime store's check: the one `serve` began before its imports (runtime_prefetch), else
         a new one in a thread."""
-        early = runtime_prefetch.take()
         if early is not None:
-            return asyncio.wrap_future(early)
+            return asyncio.wrap_future(early.check)
         return asyncio.ensure_future(asyncio.to_thread(runtime_store.ensure))
 
     async def _start_cgroups_and_egress(self) -> None:
@@ -526,18 +442,37 @@ class LinuxBackend(CgroupSandboxes, Backend):
         z.stop()
         (await self._zygote(template)).spawn(sock_fd)
 
-    async def _zygote(self, template: str) -> _Zygote:
+    async def _zygote(self, template: str) -> ZygoteProcess:
         z = self._zygotes.get(template)
         if z is None or not z.alive():
             if z is not None:
                 z.stop()
             assert self._runtime is not None, "start() first"
-            z = _Zygote(template, self.entry_point, self.preload, self.cgroup_parent, self.staging, self._runtime,
-                        self._state_dir, self.host_tuning.ptys_per_sandbox,
-                        self.egress.ca_path if self.egress is not None else None)
+            z = ZygoteProcess(template, self.entry_point, self.preload, self._runtime, self._state_dir)
+            self._place(z)
             self._zygotes[template] = z
         await z.wait_ready(self.zygote_timeout)
         return z
+
+    def _place(self, z: ZygoteProcess) -> None:
+        z.place(self.cgroup_parent, self.staging, self.host_tuning.ptys_per_sandbox,
+                self.egress.ca_path if self.egress is not None else None)
+
+    def _adopt_early_zygote(self, early: ZygoteProcess | None) -> None:
+        """The zygote `serve` launched from the last start's runtime parts (runtime_prefetch): ours if
+        the check found the same parts, placed now; else it goes, and _zygote() launches one."""
+        if early is None:
+            return
+        assert self._runtime is not None
+        if early.launched_like("base", self.entry_point, self.preload, self._runtime, self._state_dir):
+            self._place(early)
+            self._zygotes["base"] = early
+            log.debug("the 'base' zygote launched early from the last start's runtime: kept")
+        else:
+            early.discard()
+            log.debug("the 'base' zygote launched early from the last start's runtime: discarded (the runtime "
+                      "changed since)")
+        early.runtime.close()  # its parts are held by self._runtime's locks now (or not needed)
 
     async def close(self) -> None:
         for pool in self._pools.values():

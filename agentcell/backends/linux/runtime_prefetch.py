@@ -1,10 +1,13 @@
-"""The runtime store's check, started before the server's own imports.
+"""The runtime store's check and the "base" zygote, started before the server's own imports.
 
-`agentcell serve` spends ~0.7 s importing the server (starlette, e2b's generated classes ...) and the
-warm store check takes ~0.6 s (a stat of every file of the venv); both used to run one after the
-other, in front of the zygote's ~2 s import of the sandboxes' Python runtime, which cannot start before
-the store is checked (the zygote runs from it). start() runs the check in a thread at the top of
-`serve`, so the first LinuxBackend.start() finds it done (take()) and launches its zygote at once.
+`agentcell serve` spends ~0.7 s importing the server (starlette, e2b's generated classes ...), the warm
+store check takes ~0.6 s (a stat of every file of the venv) and the zygote's import of the sandboxes'
+Python runtime ~1.5 s. One after the other they were a warm start of over 2 s. start() runs the check
+in a thread at the top of `serve` and, when the store has a note of the parts the last start of this
+layout found (runtime_store.last_store), launches the zygote from those parts at once: it imports while
+the server imports itself and checks. The first LinuxBackend.start() takes both (take()): it places
+the zygote if the check found the same parts, and discards it otherwise (a changed venv or checkout),
+so what sandboxes run is always what the check found.
 
 The check is the same call with the same arguments the backend makes (runtime_store.ensure() with the
 defaults read from the environment), so what the sandboxes get does not change; an error reaches the
@@ -14,23 +17,35 @@ backend's start() exactly as before, through the future.
 from __future__ import annotations
 
 import concurrent.futures
+import sys
 import threading
+from dataclasses import dataclass
 
 from agentcell.backends.linux import runtime_store
+from agentcell.backends.linux.zygote_process import DEFAULT_ENTRY, ZygoteProcess
+from agentcell.runtime import statedir
+
+
+@dataclass
+class Early:
+    check: concurrent.futures.Future[runtime_store.Store]
+    zygote: ZygoteProcess | None  # launched from the last start's parts, not yet placed
+
 
 _lock = threading.Lock()
-_pending: concurrent.futures.Future[runtime_store.Store] | None = None
+_pending: Early | None = None
 
 
-def start() -> None:
-    """Begin runtime_store.ensure() in a thread (once per process). Call after the environment that
-    names the store (AGENTCELL_RUNTIME_STORE, AGENTCELL_RUNTIME_STORE_MAX_GB) is final."""
+def start(zygote: bool = True) -> None:
+    """Begin runtime_store.ensure() in a thread (once per process), and launch the "base" zygote
+    from the last start's parts if `zygote`. Call after the environment that names the store
+    (AGENTCELL_RUNTIME_STORE, AGENTCELL_RUNTIME_STORE_MAX_GB) is final."""
     global _pending
     with _lock:
         if _pending is not None:
             return
         future: concurrent.futures.Future[runtime_store.Store] = concurrent.futures.Future()
-        _pending = future
+        _pending = Early(future, _launch() if zygote else None)
 
     def run() -> None:
         try:
@@ -41,9 +56,26 @@ def start() -> None:
     threading.Thread(target=run, name="agentcell-store-check", daemon=True).start()
 
 
-def take() -> concurrent.futures.Future[runtime_store.Store] | None:
-    """The check start() began, for its one taker (the first backend to start); None if none was."""
+def _launch() -> ZygoteProcess | None:
+    try:
+        last = runtime_store.last_store()
+    except (OSError, runtime_store.RuntimeStoreError):
+        return None
+    if last is None:
+        return None
+    try:
+        state_dir = statedir.private_dir(statedir.default_state_dir("zygote"))
+        return ZygoteProcess("base", DEFAULT_ENTRY, True, last, state_dir)
+    except (OSError, statedir.UnsafeDirectoryError) as e:
+        last.close()
+        print(f"agentcell: could not start the zygote early ({e}); it starts after the runtime check",
+              file=sys.stderr)
+        return None
+
+
+def take() -> Early | None:
+    """What start() began, for its one taker (the first backend to start); None if nothing was."""
     global _pending
     with _lock:
-        future, _pending = _pending, None
-    return future
+        early, _pending = _pending, None
+    return early

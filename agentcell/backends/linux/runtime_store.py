@@ -620,26 +620,81 @@ def ensure(layout: Layout | None = None, root: str | None = None, log: Callable[
     """Build what is missing of the runtime store and hold its parts. Raises RuntimeStoreError.
 
     Then parts no server holds are collected (store_collect.collect: by age, and beyond `budget`):
-    collect="background" in a thread (off the server's start; it holds the build lock meanwhile),
-    "now" before returning, "never" not at all."""
+    collect="background" in a thread (off the server's start; it holds the build lock meanwhile) when
+    this call built a part or the last collection is over COLLECT_EVERY_S old, "now" before
+    returning, "never" not at all."""
     layout = layout or plan()
     root = root or store_dir()
     budget = max_bytes() if budget is None else budget
     log = log or (lambda msg: progress.log.info("%s", msg))
     try:
         statedir.private_dir(root)
-        mounts: list[tuple[str, str]] = []
-        locks: list[int] = []
-        build_lock = os.open(os.path.join(root, ".build.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        fcntl.flock(build_lock, fcntl.LOCK_EX)  # one builder at a time, and no collector
-        try:
-            keys_dir = os.path.join(root, store_collect.KEYS)
-            os.makedirs(keys_dir, mode=0o700, exist_ok=True)
+        keys_dir = os.path.join(root, store_collect.KEYS)
+        os.makedirs(keys_dir, mode=0o700, exist_ok=True)
+        walked: dict[str, list[tuple[str, os.stat_result, str]]] = {}
+        held = _held_unchanged(layout, root, keys_dir, walked)  # the usual start: no lock to wait for
+        built = held is None
+        mounts, locks = held if held is not None else _check_and_build(layout, root, keys_dir, walked, log)
+        _write_key(_last_path(root, layout), json.dumps([[os.path.basename(d), t] for d, t in mounts]))
+        keep = {os.path.basename(d) for d, _ in mounts}
+        if collect == "now":
+            with _exclusive(os.path.join(root, ".build.lock")):
+                _collect(root, keep, budget, log)
+        elif collect == "background" and (built or _collection_due(root)):
+            # in a thread, off the start (it waits for the build lock there): a scan of every object
+            threading.Thread(target=_collect_when_free, args=(root, keep, budget, log),
+                             name="agentcell-store-collect", daemon=True).start()
+    except statedir.UnsafeDirectoryError as e:
+        raise RuntimeStoreError(str(e)) from None
+    except OSError as e:
+        raise RuntimeStoreError(f"cannot build the runtime store in {root}: {e}; it needs root and about "
+                                "500 MB of disk for a first venv (hard links where it can)") from e
+    return Store(layout, mounts, locks)
+
+
+def _held_unchanged(layout: Layout, root: str, keys_dir: str,
+                    walked: dict[str, list[tuple[str, os.stat_result, str]]]) -> tuple[list[tuple[str, str]], list[int]] | None:
+    """Every part found unchanged by its quick key (one stat a file) and held; None at the first
+    part that is not (its walk kept in `walked`): then _check_and_build() does it under the build lock.
+    No lock is waited for here, so a start is not held up by another server's build or collection:
+    a part the collector removes meanwhile is seen gone once held, and sends us the slow way."""
+    mounts: list[tuple[str, str]] = []
+    locks: list[int] = []
+    try:
+        for part in layout.parts:
+            with progress.step(f"runtime store: checking {part.target} ({part.source})"):
+                entries = walked[part.name] = list(_walk(part))
+                name = _read_key(os.path.join(keys_dir, f"{part.name}-{_stat_key(part, layout, entries)}"))
+            if name is None:
+                raise LookupError(part.name)
+            dest = os.path.join(root, name)
+            locks.append(_hold(dest + ".lock"))
+            if not os.path.isdir(dest):
+                raise LookupError(name)
+            mounts.append((dest, part.target))
+    except (LookupError, OSError):
+        for fd in locks:
+            os.close(fd)
+        return None
+    return mounts, locks
+
+
+def _check_and_build(layout: Layout, root: str, keys_dir: str,
+                     walked: dict[str, list[tuple[str, os.stat_result, str]]],
+                     log: Callable[[str], None]) -> tuple[list[tuple[str, str]], list[int]]:
+    """Under the build lock (one builder at a time, and no collector): each part found by its quick
+    key, else by its content key from the hash cache, else built; then held."""
+    mounts: list[tuple[str, str]] = []
+    locks: list[int] = []
+    try:
+        with _exclusive(os.path.join(root, ".build.lock")):
             hashes: HashCache | None = None  # loaded only if a part changed (its file: ~1 s for a few venvs)
             objects: Objects | None = None
             for part in layout.parts:
                 with progress.step(f"runtime store: checking {part.target} ({part.source})", unit="files") as s:
-                    entries = list(_walk(part))
+                    entries = walked.get(part.name)
+                    if entries is None:
+                        entries = list(_walk(part))
                     quick = os.path.join(keys_dir, f"{part.name}-{_stat_key(part, layout, entries)}")
                     name = _read_key(quick)
                     if name is not None and not os.path.isdir(os.path.join(root, name)):
@@ -660,25 +715,71 @@ def ensure(layout: Layout | None = None, root: str | None = None, log: Callable[
                 mounts.append((dest, part.target))
             if hashes is not None:
                 hashes.save()
-        except BaseException:
-            os.close(build_lock)
-            raise
-        keep = {os.path.basename(d) for d, _ in mounts}
-        if collect == "never":
-            os.close(build_lock)
-        elif collect == "now":
-            try:
-                _collect(root, keep, budget, log)
-            finally:
-                os.close(build_lock)
-        else:
-            threading.Thread(target=_collect_then_release, args=(root, keep, budget, log, build_lock),
-                             name="agentcell-store-collect", daemon=True).start()
-    except statedir.UnsafeDirectoryError as e:
-        raise RuntimeStoreError(str(e)) from None
+    except BaseException:
+        for fd in locks:
+            os.close(fd)
+        raise
+    return mounts, locks
+
+
+COLLECT_EVERY_S = 3600  # a start that built nothing collects if the last collection is older than this
+_COLLECTED = ".collected"  # its mtime: the last collection's end
+
+
+def _collection_due(root: str) -> bool:
+    try:
+        return time.time() - os.stat(os.path.join(root, _COLLECTED)).st_mtime > COLLECT_EVERY_S
+    except FileNotFoundError:
+        return True
+
+
+def _collect_when_free(root: str, keep: set[str], budget: int, log: Callable[[str], None]) -> None:
+    try:
+        with _exclusive(os.path.join(root, ".build.lock")):
+            _collect(root, keep, budget, log)
     except OSError as e:
-        raise RuntimeStoreError(f"cannot build the runtime store in {root}: {e}; it needs root and about "
-                                "500 MB of disk for a first venv (hard links where it can)") from e
+        log(f"runtime store: cleaning {root} failed: {e}")
+
+
+def _last_path(root: str, layout: Layout) -> str:
+    """Where ensure() notes the parts it found for this layout (last_store() reads it)."""
+    h = hashlib.sha256(json.dumps([FORMAT, sys.version, [p.__dict__ | {"drop_dirs": sorted(p.drop_dirs)}
+                                                         for p in layout.parts],
+                                   layout.executable, layout.pythonpath, layout.mapping, layout.pth]).encode())
+    return os.path.join(root, f".last-{h.hexdigest()[:32]}")
+
+
+def last_store(layout: Layout | None = None, root: str | None = None) -> Store | None:
+    """The parts the last ensure() of this layout found, held, without checking them against the
+    host's files: what a zygote may start importing from while ensure() checks. The caller must use
+    it only if ensure() then returns the same mounts. None if there is no such note, or a part is
+    gone or being removed (the collector holds its lock: we do not wait for it)."""
+    layout = layout or plan()
+    root = root or store_dir()
+    recorded = _read_key(_last_path(root, layout))
+    if recorded is None:
+        return None
+    try:
+        named = [(str(name), str(target)) for name, target in json.loads(recorded)]
+    except (ValueError, TypeError):
+        return None
+    if [t for _, t in named] != [p.target for p in layout.parts]:
+        return None
+    mounts: list[tuple[str, str]] = []
+    locks: list[int] = []
+    try:
+        for name, target in named:
+            dest = os.path.join(root, name)
+            fd = os.open(dest + ".lock", os.O_RDWR | os.O_CLOEXEC)
+            locks.append(fd)
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # the collector renames a part away under LOCK_EX
+            if not os.path.isdir(dest):
+                raise FileNotFoundError(dest)
+            mounts.append((dest, target))
+    except OSError:
+        for fd in locks:
+            os.close(fd)
+        return None
     return Store(layout, mounts, locks)
 
 
@@ -728,6 +829,8 @@ def _build_part(part: Part, layout: Layout, root: str, objects: Objects, log: Ca
 
 def _collect(root: str, keep: set[str], budget: int, log: Callable[[str], None]) -> store_collect.Collected:
     out = store_collect.collect(root, keep, budget, KEEP_UNUSED_S)
+    with open(os.path.join(root, _COLLECTED), "w"):
+        pass  # its mtime: when the next start that builds nothing collects again (_collection_due)
     if out.removed_parts:
         log(f"runtime store: removed {len(out.removed_parts)} part(s) no server held "
             f"({out.freed_bytes >> 20} MiB of files only they used); {out.size_bytes >> 20} MiB kept in {root}")
@@ -735,16 +838,6 @@ def _collect(root: str, keep: set[str], budget: int, log: Callable[[str], None])
         log(f"runtime store: {out.size_bytes >> 20} MiB in {root}, over its budget of {budget >> 20} MiB: "
             "the rest is held by running servers")
     return out
-
-
-def _collect_then_release(root: str, keep: set[str], budget: int, log: Callable[[str], None], lock_fd: int) -> None:
-    try:
-        _collect(root, keep, budget, log)
-    except OSError as e:
-        log(f"runtime store: cleaning {root} failed: {e}")
-    finally:
-        os.close(lock_fd)
-
 
 
 def running_paths() -> tuple[str, ...]:

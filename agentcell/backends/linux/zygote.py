@@ -158,21 +158,29 @@ class Zygote:
             os.close(sock_fd)
 
 
+def _args(line: bytes) -> list[str]:
+    args = json.loads(line)
+    if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
+        raise SystemExit("agentcell zygote: stdin lines must be JSON lists of arguments")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Two steps (see zygote_process.py): stdin's first line launches (entry, parent), and the zygote
+    imports the runtime while the server gets ready; the second places it (cgroup, staging, CA). An
+    end of stdin before the second line is the server discarding it: exit quietly."""
     parser = argparse.ArgumentParser(prog="agentcell-zygote")
     parser.add_argument("--fd", type=int, required=True)
     parser.add_argument("--entry", default="agentcell.runtime.agent:serve")
-    parser.add_argument("--cgroup", required=True, help="cgroup parent of the sandboxes, e.g. agentcell/<instance>")
-    parser.add_argument("--staging", default=rootfs.STAGING)
     parser.add_argument("--parent", type=int, default=0, help="the server's pid (exit if it is gone already)")
     parser.add_argument("--no-preload", action="store_true", help="skip agent.preload() (probe-only zygotes)")
-    parser.add_argument("--extra-ca", default=None, help="a CA certificate (PEM file) sandboxes trust: the egress proxy's")
-    parser.add_argument("--ptys", type=int, default=rootfs.PTYS_PER_SANDBOX, help="each sandbox's devpts max=")
-    if argv is None and len(sys.argv) == 1:
-        argv = json.loads(sys.stdin.read())  # how the backend passes them (see backend._Zygote)
-    sys.stdin.close()
-    args = parser.parse_args(argv)
-    rootfs.PTYS_PER_SANDBOX = args.ptys
+    placing = argparse.ArgumentParser(prog="agentcell-zygote (placement)")
+    placing.add_argument("--cgroup", required=True, help="cgroup parent of the sandboxes, e.g. agentcell/<instance>")
+    placing.add_argument("--staging", default=rootfs.STAGING)
+    placing.add_argument("--extra-ca", default=None, help="a CA certificate (PEM file) sandboxes trust: the egress proxy's")
+    placing.add_argument("--ptys", type=int, default=rootfs.PTYS_PER_SANDBOX, help="each sandbox's devpts max=")
+    stdin = sys.stdin.buffer
+    args = parser.parse_args(_args(stdin.readline()) if argv is None else argv)
     ctl = socket.socket(fileno=args.fd)
     ctl.setblocking(True)
     sc.prctl(sc.PR_SET_PDEATHSIG, signal.SIGKILL)  # the server died: the zygote goes with it
@@ -192,18 +200,24 @@ def main(argv: list[str] | None = None) -> int:
         # No unshare here: the launcher (runtime_store.launch) gave us a mount namespace of our own,
         # with the runtime mounted. Leaving it would detach the mounts our interpreter and libpython
         # were mapped from, and sandboxes' /proc/self/exe and maps would name them by their bare paths.
-        rootfs.build_template(args.staging, args.extra_ca)
         if args.no_preload:
             resolve_entry(args.entry)
         else:
             _preload(args.entry)
+        line = stdin.readline()
+        if not line:
+            return 0  # discarded before it was placed
+        sys.stdin.close()
+        where = placing.parse_args(_args(line))
+        rootfs.PTYS_PER_SANDBOX = where.ptys
+        rootfs.build_template(where.staging, where.extra_ca)
         seccomp = seccomp_filter.build()
         if threading.active_count() > 1:
             print("agentcell zygote: preload started threads; forks keep only the main one", file=sys.stderr)
         gc.collect()
         gc.freeze()  # keep the preloaded heap shared copy-on-write with every sandbox
         _compact_heaps()
-        zygote = Zygote(args.cgroup, args.staging, args.entry, seccomp, server_pidfd)
+        zygote = Zygote(where.cgroup, where.staging, args.entry, seccomp, server_pidfd)
         ctl.send(b"ready")  # start() waits for this, so the first create() is as fast as the others
         while True:
             try:
