@@ -289,6 +289,11 @@ def test_a_full_cell_overflows_to_another(cells: list[ServerProcess], tmp_path: 
                 break
         assert stale.cells()[CELL_IDS[2]]["refusals"] == 1, "the full cell was never tried"
         assert all(_cell_of(s) == CELL_IDS[0] for s in ids)
+        figures = _samples(httpx.get(stale.url + "/metrics").text)  # no key: open, as its control plane
+        assert _value(figures, "agentcell_gateway_errors_total", kind="create_refused") == 1
+        assert _value(figures, "agentcell_gateway_forward_seconds_count", cell=CELL_IDS[2]) == 1  # the 429
+        assert _value(figures, "agentcell_gateway_forward_seconds_count", cell=CELL_IDS[0]) == len(ids)
+        assert _value(figures, "agentcell_gateway_http_responses_total", route="create", status_class="2xx") == len(ids)
     finally:
         _kill_all(cells[0].url, ids)
         if filler:
@@ -709,6 +714,9 @@ def test_a_terminated_cell_drains(cells: list[ServerProcess], gateways: list[Gat
     refused = httpx.post(cell.url + "/v2/sandboxes", json={"templateID": "base"})
     assert refused.status_code == 429 and "draining" in refused.json()["message"]
     _wait("the gateway sees it draining", lambda: gateways[1].cells()[CELL_IDS[2]]["draining"])
+    figures = _samples(httpx.get(gw + "/metrics").text)
+    assert _value(figures, "agentcell_gateway_cells", state="draining") == 1
+    assert _value(figures, "agentcell_gateway_cells", state="ready") == 2
     r = httpx.post(gw + "/execute", json={"code": "'still here'"}, headers=headers)  # its sandbox still answers
     assert r.status_code == 200 and "still here" in r.text
     new = _create(gw)
@@ -723,12 +731,20 @@ def test_a_killed_cell_answers_not_found(cells: list[ServerProcess], gateways: l
     gw = gateways[1].url
     sid = _create(cells[0].url)
     token = httpx.get(f"{cells[0].url}/sandboxes/{sid}").json()["envdAccessToken"]
+    before = _samples(httpx.get(gw + "/metrics").text)
     cells[0].proc.kill()
     cells[0].proc.wait()
     r = httpx.post(gw + "/execute", json={"code": "1"},
                    headers={"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": "49999", "X-Access-Token": token})
     assert _gone(r, sid)
     assert _gone(httpx.get(f"{gw}/sandboxes/{sid}"), sid)
+    after = _samples(httpx.get(gw + "/metrics").text)
+    errors = "agentcell_gateway_errors_total"
+    # each request found the cell's port closed, or its cell already marked down (by that or by a poll)
+    assert sum(_value(after, errors, kind=k) - _value(before, errors, kind=k)
+               for k in ("cell_unreachable", "cell_failed", "sandbox_cell_down")) == 2
+    _wait("this cell and the drained one down", lambda: _value(
+        _samples(httpx.get(gw + "/metrics").text), "agentcell_gateway_cells", state="down") == 2, timeout=5)
     new = _create(gw)  # the one cell left takes it
     assert _cell_of(new) == CELL_IDS[1]
     httpx.delete(f"{gw}/sandboxes/{new}")

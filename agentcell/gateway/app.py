@@ -353,8 +353,9 @@ class GatewayApp:
             if capture.passing:
                 note(capture.created_id())
                 return
-            cell.refusals += status in REFUSALS
-            self.metrics.failed("create_refused")
+            if status in REFUSALS:
+                cell.refusals += 1
+                self.metrics.failed("create_refused")
             log.warning("cell %s refused a create (%d, %.0f ms)%s", cell.cell_id, status,
                         (time.monotonic() - started) * 1000, "; trying another" if status in REFUSALS else "")
             if status not in REFUSALS:  # 401: the cell key is wrong; no other cell will differ
@@ -508,7 +509,8 @@ def serve(app: GatewayApp, host: str, port: int, log_level: str = "info", header
 
     logs.configure(log_level, log_format)  # stderr as a SafeStream: its lines and ours quote clients
     uv = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on", ws="none",
-                        log_config=None, access_log=False,  # server/access_log.py's lines, with the sandbox id ssl_certfile=tls[0], ssl_keyfile=tls[1],
+                        log_config=None, ssl_certfile=tls[0], ssl_keyfile=tls[1],
+                        access_log=False,  # server/access_log.py's lines, with the sandbox id
                         http=guarded_protocol(header_timeout, max_connections), server_header=False,
                         timeout_keep_alive=int(KEEP_ALIVE), timeout_graceful_shutdown=5)
     uvicorn.Server(uv).run()
