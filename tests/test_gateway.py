@@ -31,6 +31,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from agentcell import Sandbox
+from agentcell.gateway.cells import STATES
 from agentcell.server.auth import signature
 from agentcell.server.cell import CELL_ID_LEN, normalise_cell_id
 from tests.conftest import REPO, ServerProcess, _free_port
@@ -362,7 +363,9 @@ def test_gateway_metrics_need_its_key(ops_gateway: GatewayProcess) -> None:
     assert httpx.get(url).status_code == 401
     assert httpx.get(url, headers={"X-API-KEY": "wrong"}).status_code == 401
     assert httpx.get(url, headers={"Authorization": "Bearer wrong"}).status_code == 401
-    assert httpx.get(url, headers={"X-API-KEY": OPS_KEY}).status_code == 200
+    own = httpx.get(url, headers={"Authorization": f"Bearer {OPS_KEY}"})  # what Prometheus's `authorization:` sends
+    assert own.status_code == 200 and "agentcell_gateway_cells" in own.text  # the gateway's figures, not a cell's
+    assert httpx.get(url, headers={"X-API-KEY": OPS_KEY}).text.count("agentcell_gateway_cells{") == len(STATES)
     assert httpx.post(url, headers={"X-API-KEY": OPS_KEY}).status_code == 405
     assert httpx.get(url, headers={"X-API-KEY": OPS_KEY, "E2b-Sandbox-Id": "cellaaaa" + "a" * 20}).status_code == 502
 
