@@ -37,13 +37,15 @@ TEXT_HIDDEN = "agentcell_text_hidden"  # fields the text format leaves out (its 
 class Serving:
     """The sandbox a request is for, while it is served (server/access_log.py). A task the request
     started keeps a copy of the context: `active` turns False when the request ends, so that the task's
-    later lines do not name a sandbox they may not concern."""
+    later lines do not name a sandbox they may not concern. `noted`: fields for the request's access
+    line (server/access_log.py note)."""
 
-    __slots__ = ("sandbox_id", "active")
+    __slots__ = ("sandbox_id", "active", "noted")
 
     def __init__(self, sandbox_id: str | None) -> None:
         self.sandbox_id = sandbox_id
         self.active = True
+        self.noted: dict[str, Any] = {}
 
 
 sandbox_context: contextvars.ContextVar[Serving | None] = contextvars.ContextVar("agentcell_sandbox", default=None)

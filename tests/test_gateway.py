@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -27,8 +28,11 @@ from urllib.parse import urlsplit
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from agentcell import Sandbox
+from agentcell.gateway.cells import STATES
+from agentcell.server.auth import signature
 from agentcell.server.cell import CELL_ID_LEN, normalise_cell_id
 from tests.conftest import REPO, ServerProcess, _free_port
 from tests.helpers import e2b_pointed_at
@@ -286,6 +290,11 @@ def test_a_full_cell_overflows_to_another(cells: list[ServerProcess], tmp_path: 
                 break
         assert stale.cells()[CELL_IDS[2]]["refusals"] == 1, "the full cell was never tried"
         assert all(_cell_of(s) == CELL_IDS[0] for s in ids)
+        figures = _samples(httpx.get(stale.url + "/metrics").text)  # no key: open, as its control plane
+        assert _value(figures, "agentcell_gateway_errors_total", kind="create_refused") == 1
+        assert _value(figures, "agentcell_gateway_forward_seconds_count", cell=CELL_IDS[2]) == 1  # the 429
+        assert _value(figures, "agentcell_gateway_forward_seconds_count", cell=CELL_IDS[0]) == len(ids)
+        assert _value(figures, "agentcell_gateway_http_responses_total", route="create", status_class="2xx") == len(ids)
     finally:
         _kill_all(cells[0].url, ids)
         if filler:
@@ -312,6 +321,147 @@ def test_the_gateway_checks_the_api_key(cells: list[ServerProcess], tmp_path: Pa
     finally:
         keyed.stop()
 
+
+
+# --- operations: /metrics, the access log, the banner (docs/operations.md) ---------------------------------
+
+OPS_KEY = "ops-gw-" + os.urandom(12).hex()
+
+
+def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of an exposition, by (name, sorted labels), through prometheus_client's own parser."""
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def _value(found: dict[Any, float], name: str, **labels: str) -> float:
+    return found.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+@pytest.fixture(scope="module")
+def ops_gateway(cells: list[ServerProcess], tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
+    """A keyed gateway with JSON logs in front of two cells and an address where nothing listens."""
+    nowhere = f"http://127.0.0.1:{_free_port()}"
+    g = GatewayProcess(tmp_path_factory.mktemp("ops-gw") / "gw.log", [cells[0].url, cells[1].url, nowhere],
+                       "--api-key", OPS_KEY, "--log-format", "json", "--poll-interval", "0.2")
+    try:
+        g.wait_ready()
+        yield g
+    finally:
+        g.stop()
+
+
+def _scrape(g: GatewayProcess) -> dict[Any, float]:
+    r = httpx.get(g.url + "/metrics", headers={"Authorization": f"Bearer {OPS_KEY}"}, timeout=10)
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"].startswith("text/plain; version=")
+    return _samples(r.text)
+
+
+def test_gateway_metrics_need_its_key(ops_gateway: GatewayProcess) -> None:
+    url = ops_gateway.url + "/metrics"
+    assert httpx.get(url).status_code == 401
+    assert httpx.get(url, headers={"X-API-KEY": "wrong"}).status_code == 401
+    assert httpx.get(url, headers={"Authorization": "Bearer wrong"}).status_code == 401
+    own = httpx.get(url, headers={"Authorization": f"Bearer {OPS_KEY}"})  # what Prometheus's `authorization:` sends
+    assert own.status_code == 200 and "agentcell_gateway_cells" in own.text  # the gateway's figures, not a cell's
+    assert httpx.get(url, headers={"X-API-KEY": OPS_KEY}).text.count("agentcell_gateway_cells{") == len(STATES)
+    assert httpx.post(url, headers={"X-API-KEY": OPS_KEY}).status_code == 405
+    assert httpx.get(url, headers={"X-API-KEY": OPS_KEY, "E2b-Sandbox-Id": "cellaaaa" + "a" * 20}).status_code == 502
+
+
+def test_gateway_metrics_count_real_requests(ops_gateway: GatewayProcess) -> None:
+    g, key = ops_gateway, {"X-API-KEY": OPS_KEY}
+    before = _scrape(g)
+    assert [v for (name, _), v in before.items() if name == "agentcell_build_info"] == [1]
+    assert _value(before, "process_resident_memory_bytes") > 10 << 20
+    assert _value(before, "agentcell_gateway_cells", state="ready") == 2
+    assert _value(before, "agentcell_gateway_cells", state="down") == 1  # nothing listens there
+    assert _value(before, "agentcell_gateway_errors_total", kind="cell_poll_failed") > 0
+    r = httpx.post(g.url + "/v2/sandboxes", json={"templateID": "base", "timeout": 120}, headers=key, timeout=60)
+    assert r.status_code == 201, r.text
+    sid, token = r.json()["sandboxID"], r.json()["envdAccessToken"]
+    cell = _cell_of(sid)
+    try:
+        run = httpx.post(g.url + "/execute", json={"code": "6 * 7"}, timeout=60,
+                         headers={"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": "49999", "X-Access-Token": token})
+        assert run.status_code == 200 and '"42"' in run.text
+        assert httpx.get(f"{g.url}/sandboxes/{sid}", headers=key).status_code == 200
+        assert httpx.get(g.url + "/sandboxes", headers=key).status_code == 200
+        unknown = "zzzzzzzz" + "a" * 20
+        assert _gone(httpx.get(f"{g.url}/sandboxes/{unknown}", headers=key), unknown)
+        assert httpx.get(g.url + "/v2/sandboxes").status_code == 401
+    finally:
+        assert httpx.delete(f"{g.url}/sandboxes/{sid}", headers=key).status_code == 204
+    after = _scrape(g)
+
+    def moved(name: str, **labels: str) -> float:
+        return _value(after, name, **labels) - _value(before, name, **labels)
+
+    responses = "agentcell_gateway_http_responses_total"
+    assert moved(responses, route="create", status_class="2xx") == 1
+    assert moved(responses, route="interpreter", status_class="2xx") == 1
+    assert moved(responses, route="sandbox", status_class="2xx") == 2  # the get and the kill
+    assert moved(responses, route="sandbox", status_class="5xx") == 1  # the unknown cell's 502
+    assert moved(responses, route="list", status_class="2xx") == 1
+    assert moved(responses, route="list", status_class="4xx") == 1  # the 401: never reached a cell
+    assert moved(responses, route="metrics", status_class="2xx") == 1  # the first scrape
+    assert moved("agentcell_gateway_errors_total", kind="sandbox_cell_unknown") == 1
+    # the create, the run, the get and the kill went to the sandbox's cell and were timed there
+    assert moved("agentcell_gateway_forward_seconds_count", cell=cell) == 4
+    assert moved("agentcell_gateway_forward_seconds_bucket", cell=cell, le="+Inf") == 4
+    assert 0 < moved("agentcell_gateway_forward_seconds_sum", cell=cell) < 60
+    assert _value(after, "agentcell_gateway_cells", state="ready") == 2
+
+
+def test_gateway_json_log_lines_carry_sandbox_ids(ops_gateway: GatewayProcess, cells: list[ServerProcess]) -> None:
+    g, key = ops_gateway, {"X-API-KEY": OPS_KEY}
+    r = httpx.post(g.url + "/sandboxes", json={"templateID": "base", "timeout": 120}, headers=key, timeout=60)
+    assert r.status_code == 201, r.text
+    sid, token = r.json()["sandboxID"], r.json()["envdAccessToken"]
+    try:
+        got = httpx.get(g.url + "/files", params={"path": "/etc/hostname"}, timeout=30,
+                        headers={"E2b-Sandbox-Id": sid, "X-Access-Token": token})
+        assert got.status_code == 200, got.text
+        signed = {"path": "/etc/hostname", "username": "user",
+                  "signature": signature("/etc/hostname", "read", "user", token, None)}
+        assert httpx.get(g.url + "/files", params=signed, timeout=30).status_code == 200  # names no sandbox
+    finally:
+        assert httpx.delete(f"{g.url}/sandboxes/{sid}", headers=key).status_code == 204
+    time.sleep(0.3)
+    lines = [json.loads(line) for line in g.log().splitlines() if line.strip()]  # every line is JSON
+    for line in lines:
+        assert {"time", "level", "logger", "message"} <= set(line), line
+    access = [x for x in lines if x["logger"] == "agentcell.access"]
+    assert not [x for x in lines if x["logger"] == "uvicorn.access"]  # the gateway's own access log only
+    [create] = [x for x in access if x.get("route") == "create" and x.get("sandbox_id") == sid]
+    assert create["status"] == 201 and create["cell"] == _cell_of(sid) and create["method"] == "POST"
+    assert create["path"] == "/sandboxes" and create["duration_ms"] > 0 and create["bytes"] > 0
+    [data] = [x for x in access if x.get("route") == "envd" and x.get("sandbox_id") == sid]
+    assert data["port"] == 49983 and data["status"] == 200 and data["cell"] == _cell_of(sid)
+    [by_signature] = [x for x in access if x.get("route") == "signed_files"]
+    assert by_signature["sandbox_id"] == sid and by_signature["status"] == 200  # the signer, found by asking
+    assert "signature" not in json.dumps(by_signature)  # never the query
+    [kill] = [x for x in access if x.get("method") == "DELETE" and x.get("sandbox_id") == sid]
+    assert kill["route"] == "sandbox" and kill["status"] == 204
+    [banner] = [x for x in lines if x["logger"] == "agentcell.gateway" and "serving on" in x["message"]]
+    assert banner["listen"] == g.url and banner["tls"] == "off" and banner["auth"].startswith("API key required")
+    assert banner["discovery"] == "static" and banner["cell_auth"].startswith("the clients' key")
+    states = {c.split()[1]: (c.split()[0], c.split()[2]) for c in banner["cells"]}
+    assert states[cells[0].url] == (CELL_IDS[0], "ready") and states[cells[1].url] == (CELL_IDS[1], "ready")
+    assert sorted(v[1] for v in states.values()) == ["down", "ready", "ready"]
+    assert OPS_KEY not in g.log()
+
+
+def test_gateway_text_log_has_its_banner_and_access_lines(gateways: list[GatewayProcess]) -> None:
+    g = gateways[1]
+    assert httpx.get(g.url + "/health").status_code == 200
+    time.sleep(0.3)
+    text = g.log()
+    assert "agentcell.gateway: agentcell gateway" in text and "serving on " + g.url in text
+    assert "\n  cells:" in text and "\n  auth:" in text  # the banner's block
+    access = r'agentcell\.access: 127\.0\.0\.1:\d+ "GET /health HTTP/1\.1" 200 route=health duration_ms='
+    assert re.search(access, text), text[-2000:]
 
 
 # --- snapshots and fork through a gateway -----------------------------------------------------------------
@@ -567,6 +717,9 @@ def test_a_terminated_cell_drains(cells: list[ServerProcess], gateways: list[Gat
     refused = httpx.post(cell.url + "/v2/sandboxes", json={"templateID": "base"})
     assert refused.status_code == 429 and "draining" in refused.json()["message"]
     _wait("the gateway sees it draining", lambda: gateways[1].cells()[CELL_IDS[2]]["draining"])
+    figures = _samples(httpx.get(gw + "/metrics").text)
+    assert _value(figures, "agentcell_gateway_cells", state="draining") == 1
+    assert _value(figures, "agentcell_gateway_cells", state="ready") == 2
     r = httpx.post(gw + "/execute", json={"code": "'still here'"}, headers=headers)  # its sandbox still answers
     assert r.status_code == 200 and "still here" in r.text
     new = _create(gw)
@@ -581,12 +734,20 @@ def test_a_killed_cell_answers_not_found(cells: list[ServerProcess], gateways: l
     gw = gateways[1].url
     sid = _create(cells[0].url)
     token = httpx.get(f"{cells[0].url}/sandboxes/{sid}").json()["envdAccessToken"]
+    before = _samples(httpx.get(gw + "/metrics").text)
     cells[0].proc.kill()
     cells[0].proc.wait()
     r = httpx.post(gw + "/execute", json={"code": "1"},
                    headers={"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": "49999", "X-Access-Token": token})
     assert _gone(r, sid)
     assert _gone(httpx.get(f"{gw}/sandboxes/{sid}"), sid)
+    after = _samples(httpx.get(gw + "/metrics").text)
+    errors = "agentcell_gateway_errors_total"
+    # each request found the cell's port closed, or its cell already marked down (by that or by a poll)
+    assert sum(_value(after, errors, kind=k) - _value(before, errors, kind=k)
+               for k in ("cell_unreachable", "cell_failed", "sandbox_cell_down")) == 2
+    _wait("this cell and the drained one down", lambda: _value(
+        _samples(httpx.get(gw + "/metrics").text), "agentcell_gateway_cells", state="down") == 2, timeout=5)
     new = _create(gw)  # the one cell left takes it
     assert _cell_of(new) == CELL_IDS[1]
     httpx.delete(f"{gw}/sandboxes/{new}")

@@ -166,6 +166,9 @@ def test_json_log_lines_carry_the_sandbox_id(json_server: ServerProcess) -> None
     assert data_plane[-1]["status"] == 200 and data_plane[-1]["method"] == "GET"
     killed = [x for x in lines if x["logger"] == "agentcell.access" and x.get("method") == "DELETE"]
     assert killed[-1]["sandbox_id"] == sid  # a control-plane call on one sandbox names it too
+    made = [x for x in lines if x["logger"] == "agentcell.access" and x.get("path") == "/v2/sandboxes"
+            and x.get("method") == "POST" and x.get("sandbox_id") == sid]
+    assert len(made) == 1 and made[0]["status"] == 201  # a create's line names the sandbox it made
     banner = [x for x in lines if x["logger"] == "agentcell.server" and "serving on" in x["message"]]
     assert len(banner) == 1, banner
     assert banner[0]["auth"].startswith("API key required") and banner[0]["egress_uplink"] == "none"

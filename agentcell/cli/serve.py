@@ -340,6 +340,7 @@ def gateway(ctx: click.Context, **opts: Any) -> None:
     from agentcell import logs
     from agentcell.gateway.app import GatewayApp
     from agentcell.gateway.app import serve as run_gateway
+    from agentcell.gateway.banner import Listen
     from agentcell.gateway.discovery import Discovery, StaticDiscovery
     from agentcell.server.hosts import is_loopback
 
@@ -361,12 +362,10 @@ def gateway(ctx: click.Context, **opts: Any) -> None:
             discovery = KubernetesDiscovery(opts["k8s_service"], opts["k8s_namespace"], opts["k8s_port_name"])
     except (ValueError, OSError) as e:
         raise click.ClickException(str(e)) from None
+    listen = Listen(opts["host"], opts["port"], opts["tls_cert"] is not None, opts["discovery"])  # the banner's
     app = GatewayApp(discovery, opts["api_key"], opts["cell_api_key"], opts["poll_interval"],
-                     body_timeout=opts["body_timeout"], max_body_memory=opts["max_body_memory_mb"] << 20)
-    from agentcell.server.banner import log_gateway_banner
-
-    log_gateway_banner(opts["host"], opts["port"], opts["tls_cert"] is not None, opts["api_key"] is not None,
-                       opts["discovery"])
+                     body_timeout=opts["body_timeout"], max_body_memory=opts["max_body_memory_mb"] << 20,
+                     listen=listen)
     run_gateway(app, opts["host"], opts["port"], opts["log_level"], header_timeout=opts["header_timeout"],
                 max_connections=opts["max_connections"], tls=(opts["tls_cert"], opts["tls_key"]),
                 log_format=opts["log_format"])

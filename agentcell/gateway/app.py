@@ -16,9 +16,14 @@ only a create's JSON is held, within a gateway-wide budget (bodies.py).
 | `GET /sandboxes`, `GET /v2/sandboxes`, `GET /snapshots` | every reachable cell, merged (listing.py, snapshots.py) |
 | `/files` without a sandbox (a signed URL) | the cell whose sandbox signed it, found by asking every cell (signed.py) |
 | `GET /health` | the gateway itself (no key): 200 while a cell is routable, else 503; `GET /v1/cells`: its view of the cells (key) |
+| `GET /metrics` | the gateway itself (its key, also as a Bearer token): its own figures (metrics.py) |
 | anything else on the control plane | one ready cell |
 
 An id whose cell is unknown, down or no longer serving gets E2B's 502 "The sandbox was not found".
+
+Every request is logged and counted as the server's are (server/access_log.py), by the route it took
+(`classify`), with the cell that served it and the sandbox it concerns (a create's new one, a signed
+URL's signer) noted on its access line.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from urllib.parse import parse_qsl
 import httpx
 from starlette.responses import JSONResponse, Response
 
-from agentcell.gateway import listing, signed, snapshots
+from agentcell.gateway import banner, listing, signed, snapshots
 from agentcell.gateway.bodies import read_held
 from agentcell.gateway.cells import CellState, CellTable
 from agentcell.gateway.discovery import Discovery
@@ -47,8 +52,11 @@ from agentcell.gateway.forward import (
     relay_upgrade,
     upgrade_requested,
 )
-from agentcell.server import routing
+from agentcell.gateway.metrics import GatewayMetrics
+from agentcell.server import prometheus, routing
+from agentcell.server.access_log import AccessLog, note
 from agentcell.server.asgi import header
+from agentcell.server.banner import version
 from agentcell.server.bodies import BodyBudget
 from agentcell.server.cell import CELL_ID_LEN
 from agentcell.server.control import TEMPLATES
@@ -62,6 +70,34 @@ log = logging.getLogger("agentcell.gateway")
 _CONTROL_ID_RE = re.compile(rf"^/(?:v2/)?sandboxes/([a-z0-9]{{{CELL_ID_LEN + 1},64}})(?:/|$)")
 _CREATE_PATHS = frozenset({"/sandboxes", "/v2/sandboxes", "/sandboxes/", "/v2/sandboxes/"})
 REFUSALS = frozenset({429, 503})  # a cell said no at once: the create may go elsewhere
+_LIST_PATHS = frozenset({"/sandboxes", "/v2/sandboxes", "/snapshots"})
+CREATED_MAX = 64 << 10  # bytes of a create's answer read for the new sandbox's id
+
+
+def classify(scope: dict[str, Any], where: SandboxTarget | None) -> str:
+    """The route a request takes (the `route` label of /metrics; `route` on its access line)."""
+    if where is not None:
+        return routing.plane_of(where.port)
+    path, method = scope["path"], scope["method"]
+    if path == "/health":
+        return "health"
+    if path == prometheus.PATH:
+        return "metrics"
+    if path == "/files" and method in ("GET", "POST"):
+        return "signed_files"
+    if path == "/v1/cells" and method == "GET":
+        return "cells"
+    if _CONTROL_ID_RE.match(path):
+        return "sandbox"
+    if path in _CREATE_PATHS and method == "POST":
+        return "create"
+    if method == "GET" and path in _LIST_PATHS:
+        return "list"
+    if method == "DELETE" and path.startswith("/templates/") and "/" not in path[len("/templates/"):]:
+        ref = path[len("/templates/"):]
+        if ref and ref not in TEMPLATES:  # a built-in's delete: any cell says no
+            return "template_delete"
+    return "other"
 
 
 def _replay(body: bytes) -> Any:
@@ -86,11 +122,14 @@ class _Capture:
         self.status = 0
         self.held: list[dict[str, Any]] = []
         self.passing = False
+        self.created = bytearray()  # a 201's body: the new sandbox's id for the access line
 
     async def __call__(self, message: dict[str, Any]) -> None:
         if message["type"] == "http.response.start":
             self.status = message["status"]
             self.passing = self.status not in REFUSALS and self.status != 401
+        elif self.status == 201 and len(self.created) < CREATED_MAX:
+            self.created += message.get("body", b"")
         if self.passing:
             await self._send(message)
         else:
@@ -101,17 +140,30 @@ class _Capture:
             await self._send(message)
         self.held = []
 
+    def created_id(self) -> str | None:
+        try:
+            sandbox_id = json.loads(self.created).get("sandboxID")
+        except (ValueError, AttributeError):
+            return None
+        return sandbox_id if isinstance(sandbox_id, str) else None
+
 
 class GatewayApp:
     def __init__(self, discovery: Discovery, api_key: str | None, cell_api_key: str | None,
-                 poll_interval: float = 1.0, body_timeout: float = 30.0, max_body_memory: int = 64 << 20) -> None:
+                 poll_interval: float = 1.0, body_timeout: float = 30.0, max_body_memory: int = 64 << 20,
+                 listen: banner.Listen | None = None) -> None:
+        """`listen`: how it is exposed, for the startup banner (none without)."""
         self.discovery = discovery
         self.api_key = api_key
         self.cell_api_key = cell_api_key if cell_api_key is not None else api_key
+        self.listen = listen
         self.cells = CellTable(self.cell_api_key, poll_interval, poll_timeout=max(0.2, min(1.0, poll_interval)))
         self.client: httpx.AsyncClient | None = None
         self.budget = BodyBudget(max_body_memory, wait_timeout=body_timeout)  # what creates hold (bodies.py)
-        self.edge = BodyDeadline(self.route, body_timeout)
+        self.metrics = GatewayMetrics(version(), self.cells)
+        self.cells.on_poll_failed = lambda: self.metrics.failed("cell_poll_failed")
+        self._metrics_endpoint = prometheus.endpoint(self.metrics, api_key)  # as the server's: key or Bearer
+        self.edge = AccessLog(BodyDeadline(self.route, body_timeout), self.metrics)
 
     # --- lifespan --------------------------------------------------------------------------------
 
@@ -122,6 +174,8 @@ class GatewayApp:
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256, keepalive_expiry=30))
         await self.discovery.start(self.cells.update)
         await self.cells.wait_first_polls(timeout=3.0)
+        if self.listen is not None:
+            banner.log_banner(self.listen, self.api_key, self.cell_api_key, self.cells)
 
     async def shutdown(self) -> None:
         await self.discovery.close()
@@ -166,70 +220,100 @@ class GatewayApp:
         try:
             where = routing.target(scope)
         except routing.RoutingError as e:  # the cell would refuse it too: it never gets it
+            note(route="invalid")
             await json_error(400, str(e))(scope, receive, send)
             return
+        route = classify(scope, where)
+        note(route=route)
         if where is not None:  # data plane: no key here, none sent on; the cell checks the sandbox's token
             await self._to_sandbox(where.sandbox_id, scope, receive, send, None, where)
             return
-        path, method = scope["path"], scope["method"]
-        if path == "/health":  # a readiness probe: a gateway with no cell to route to is not ready
+        if route == "health":  # a readiness probe: a gateway with no cell to route to is not ready
             ready = sum(1 for c in self.cells.by_url.values() if c.placeable)
             routable = len(self.cells.routable())
             await JSONResponse({"status": "ok" if routable else "no cells", "cells": routable, "ready": ready},
                                status_code=200 if routable else 503)(scope, receive, send)
             return
-        if path == "/files" and method in ("GET", "POST"):
+        if route == "metrics":  # its own key check, the server's: X-API-KEY or a Bearer token
+            await self._metrics_endpoint(scope, receive, send)
+            return
+        if route == "signed_files":
             await self._signed_files(scope, receive, send)
             return
         # the control plane: nothing goes to a cell, nor is answered, before the client's key matched
         if not self._key_ok(scope):
             await json_error(401, "invalid or missing X-API-KEY")(scope, receive, send)
             return
-        if path == "/v1/cells" and method == "GET":
+        path = scope["path"]
+        if route == "cells":
             await JSONResponse([c.view() for c in self.cells.by_url.values()])(scope, receive, send)
-            return
-        if m := _CONTROL_ID_RE.match(path):
+        elif route == "sandbox" and (m := _CONTROL_ID_RE.match(path)):
             await self._to_sandbox(m.group(1), scope, receive, send, self._cell_key(scope))
-            return
-        if path in _CREATE_PATHS and method == "POST":
+        elif route == "create":
             await self._create(scope, receive, send)
-            return
-        if method == "GET" and path in ("/sandboxes", "/v2/sandboxes", "/snapshots"):
+        elif route == "list":
             await self._list(scope, receive, send)
-            return
-        if method == "DELETE" and path.startswith("/templates/") and "/" not in path[len("/templates/"):]:
-            ref = path[len("/templates/"):]
-            if ref and ref not in TEMPLATES:  # a built-in's delete: any cell says no
-                await self._delete_snapshot(ref, scope, receive, send)
-                return
+        elif route == "template_delete":
+            await self._delete_snapshot(path[len("/templates/"):], scope, receive, send)
+        else:
+            await self._anywhere(scope, receive, send)
+
+    async def _anywhere(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        """A control-plane request no cell in particular must answer: one ready cell, else one up."""
         cell = self.cells.pick(set()) or next(iter(self.cells.routable()), None)
         if cell is None:
+            self.metrics.failed("no_cell")
             await json_error(503, "no cell is reachable; retry shortly")(scope, receive, send)
             return
         try:
             await self._forward(cell, scope, receive, send, self._cell_key(scope))
+        except (CellUnreachable, CellFailed) as e:
+            await json_error(502, f"cell {cell.cell_id} failed to answer ({e}); retry shortly")(scope, receive, send)
         except ClientLeft:
             pass
 
     async def _forward(self, cell: CellState, scope: dict[str, Any], receive: Any, send: Any, api_key: str | None,
                        body: bytes | None = None, sandbox: SandboxTarget | None = None) -> int:
-        """`api_key`: the cell key for an authenticated control-plane request, else None (forward.py)."""
+        """`api_key`: the cell key for an authenticated control-plane request, else None (forward.py).
+        Timed to the cell's response head and noted on the access line; a cell whose port refuses is
+        marked down; CellUnreachable, CellFailed and ClientLeft are counted, then propagate."""
         assert self.client is not None
-        if upgrade_requested(scope):
-            await relay_upgrade(cell.url, scope, api_key, sandbox)
-            return 101
-        return await forward(self.client, cell.url, scope, receive, send, api_key, body, sandbox)
+        cell_id = cell.cell_id or "unknown"
+        note(cell=cell_id)
+        started = time.monotonic()
+
+        async def timed(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.forwarded(cell_id, time.monotonic() - started)
+            await send(message)
+
+        try:
+            if upgrade_requested(scope):
+                await relay_upgrade(cell.url, scope, api_key, sandbox)
+                return 101
+            return await forward(self.client, cell.url, scope, receive, timed, api_key, body, sandbox)
+        except CellUnreachable as e:
+            self.metrics.failed("cell_unreachable")
+            self.cells.mark_down(cell, f"connect failed: {e}")
+            raise
+        except CellFailed:
+            self.metrics.failed("cell_failed")
+            raise
+        except ClientLeft:
+            self.metrics.failed("client_left")
+            raise
 
     async def _to_sandbox(self, sandbox_id: str, scope: dict[str, Any], receive: Any, send: Any,
                           api_key: str | None, sandbox: SandboxTarget | None = None) -> None:
         cell = self.cells.route(sandbox_id)
         if cell is None:
+            known = self.cells.by_id.get(sandbox_id[:CELL_ID_LEN]) is not None
+            self.metrics.failed("sandbox_cell_down" if known else "sandbox_cell_unknown")
             await sandbox_not_found(sandbox_id)(scope, receive, send)
             return
         try:
             await self._forward(cell, scope, receive, send, api_key, sandbox=sandbox)
-        except CellUnreachable as e:
-            self.cells.mark_down(cell, f"connect failed: {e}")
+        except CellUnreachable:  # (marked down)
             await sandbox_not_found(sandbox_id)(scope, receive, send)
         except CellFailed:  # the cell dropped the connection without an answer: it, or the sandbox, is gone
             await sandbox_not_found(sandbox_id)(scope, receive, send)
@@ -267,8 +351,11 @@ class GatewayApp:
                 await _failed_create(cell, e)(scope, receive, send)
                 return
             if capture.passing:
+                note(capture.created_id())
                 return
-            cell.refusals += status in REFUSALS
+            if status in REFUSALS:
+                cell.refusals += 1
+                self.metrics.failed("create_refused")
             log.warning("cell %s refused a create (%d, %.0f ms)%s", cell.cell_id, status,
                         (time.monotonic() - started) * 1000, "; trying another" if status in REFUSALS else "")
             if status not in REFUSALS:  # 401: the cell key is wrong; no other cell will differ
@@ -276,6 +363,7 @@ class GatewayApp:
         if capture is not None and capture.held:
             await capture.release()
             return
+        self.metrics.failed("no_cell")
         await json_error(503, "no cell can take a new sandbox now (every cell is full, draining or down); "
                               "retry shortly")(scope, receive, send)
 
@@ -285,9 +373,6 @@ class GatewayApp:
         cell.inflight += 1
         try:
             status = await self._forward(cell, scope, _replay(body), capture, self._cell_key(scope), body)
-        except CellUnreachable as e:
-            self.cells.mark_down(cell, f"connect failed: {e}")
-            raise
         finally:
             cell.inflight -= 1
         cell.placed += 1
@@ -317,9 +402,11 @@ class GatewayApp:
             await _failed_create(cell, e)(scope, _replay(b""), send)
             return
         if capture.passing:
+            note(capture.created_id())
             return
         if status in REFUSALS:
             cell.refusals += 1
+            self.metrics.failed("create_refused")
             said = b"".join(m.get("body", b"") for m in capture.held if m["type"] == "http.response.body")
             try:
                 reason = str(json.loads(said).get("message", ""))
@@ -344,9 +431,7 @@ class GatewayApp:
                 await self._forward(cell, scope, receive, send, self._cell_key(scope))
             except ClientLeft:
                 pass
-            except (CellUnreachable, CellFailed) as e:
-                if isinstance(e, CellUnreachable):
-                    self.cells.mark_down(cell, f"connect failed: {e}")
+            except (CellUnreachable, CellFailed):  # (an unreachable one is marked down)
                 err = snapshots.unreachable(ref, cell)
                 await json_error(err.status, err.message)(scope, receive, send)
             return
@@ -397,11 +482,11 @@ class GatewayApp:
         if isinstance(found, signed.Refusal):
             await json_error(found.status, found.message)(scope, receive, send)
             return
+        cell, sandbox_id = found
+        note(sandbox_id)  # its access line, and what is logged for it, name the signer
         try:
-            await self._forward(found, scope, receive, send, None)
-        except (CellUnreachable, CellFailed) as e:
-            if isinstance(e, CellUnreachable):
-                self.cells.mark_down(found, f"connect failed: {e}")
+            await self._forward(cell, scope, receive, send, None)
+        except (CellUnreachable, CellFailed):  # (an unreachable one is marked down)
             await json_error(502, "The sandbox was not found")(scope, receive, send)
         except ClientLeft:
             pass
@@ -425,6 +510,7 @@ def serve(app: GatewayApp, host: str, port: int, log_level: str = "info", header
     logs.configure(log_level, log_format)  # stderr as a SafeStream: its lines and ours quote clients
     uv = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on", ws="none",
                         log_config=None, ssl_certfile=tls[0], ssl_keyfile=tls[1],
+                        access_log=False,  # server/access_log.py's lines, with the sandbox id
                         http=guarded_protocol(header_timeout, max_connections), server_header=False,
                         timeout_keep_alive=int(KEEP_ALIVE), timeout_graceful_shutdown=5)
     uvicorn.Server(uv).run()

@@ -14,6 +14,7 @@ import contextlib
 import logging
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +24,8 @@ from agentcell.gateway.discovery import Endpoint
 from agentcell.server.cell import CELL_ID_LEN
 
 log = logging.getLogger("agentcell.gateway")
+# a cell's state (CellState.state), in the order they are checked
+STATES = ("down", "not_serving", "draining", "not_ready", "full", "ready")
 
 
 @dataclass
@@ -52,12 +55,26 @@ class CellState:
     def placeable(self) -> bool:
         return self.routable and self.ready and not self.draining and self.slots - self.placed - self.inflight > 0
 
+    @property
+    def state(self) -> str:
+        """One word for the banner and /metrics: ready is placeable; full, draining, not_ready are
+        routable but take no create; not_serving and down are not routed to."""
+        if not self.up or self.cell_id is None:
+            return "down"
+        if not self.serving:
+            return "not_serving"
+        if self.draining:
+            return "draining"
+        if not self.ready:
+            return "not_ready"
+        return "ready" if self.placeable else "full"
+
     def score(self) -> float:
         """Lower is better: the cell's own load, plus what this gateway sent since it last said."""
         return self.load + (self.placed + self.inflight) / max(1, self.max_sandboxes)
 
     def view(self) -> dict[str, Any]:
-        return {"url": self.url, "cellId": self.cell_id, "up": self.up, "ready": self.ready,
+        return {"url": self.url, "cellId": self.cell_id, "state": self.state, "up": self.up, "ready": self.ready,
                 "serving": self.serving, "draining": self.draining, "sandboxes": self.sandboxes,
                 "slots": self.slots, "load": self.load, "refusals": self.refusals, "lastError": self.last_error or None}
 
@@ -72,6 +89,7 @@ class CellTable:
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(poll_timeout), trust_env=False,
                                         limits=httpx.Limits(max_keepalive_connections=64))
         self._first_polls: list[asyncio.Task[None]] = []
+        self.on_poll_failed: Callable[[], None] | None = None  # counted in /metrics (gateway/metrics.py)
 
     # --- discovery's changes ---------------------------------------------------------------------
 
@@ -128,6 +146,8 @@ class CellTable:
             if not isinstance(cell_id, str) or len(cell_id) != CELL_ID_LEN:
                 raise RuntimeError("the server has no cell id (start it with agentcell serve --cell-id)")
         except Exception as e:  # noqa: BLE001 - every failure means the same: not up now
+            if self.on_poll_failed is not None:
+                self.on_poll_failed()
             self.mark_down(cell, f"{type(e).__name__}: {e}".strip())
             return
         self._learn_id(cell, cell_id)

@@ -56,8 +56,9 @@ async def _ask(client: httpx.AsyncClient, cell: CellState, operation: str, query
 
 
 async def find_signer(client: httpx.AsyncClient, cells: list[CellState], scope: dict[str, Any],
-                      headers: dict[str, str]) -> CellState | Refusal:
-    """The cell whose sandbox signed this id-less /files request, or the refusal to answer."""
+                      headers: dict[str, str]) -> tuple[CellState, str] | Refusal:
+    """The cell whose sandbox signed this id-less /files request and that sandbox's id, or the refusal
+    to answer."""
     refusal = refusal_without_cells(scope)
     if refusal.status == 400 or refusal.message == auth.MISSING_SIGNATURE:
         return refusal  # whatever the cells hold, they would answer this too: none is asked
@@ -66,7 +67,7 @@ async def find_signer(client: httpx.AsyncClient, cells: list[CellState], scope: 
     answers = await asyncio.gather(*(_ask(client, c, operation, query, headers) for c in cells))
     for cell, answer in zip(cells, answers, strict=True):
         if answer is not None and isinstance(answer.get("sandboxID"), str):
-            return cell
+            return cell, answer["sandboxID"]
     if any(answer is not None and answer.get("refusal") == auth.EXPIRED_SIGNATURE for answer in answers):
         return Refusal(401, auth.EXPIRED_SIGNATURE)
     return refusal

@@ -40,7 +40,7 @@ from agentcell.server import (
     routing,
     state_lock,
 )
-from agentcell.server.access_log import AccessLog
+from agentcell.server.access_log import AccessLog, note
 from agentcell.server.asgi import declared_length, has_body, is_connect_rpc
 from agentcell.server.auth import ENVD_PORT, INTERPRETER_PORT
 from agentcell.server.bodies import BUDGET_KEY, BodyBudget, json_content_type_refusal
@@ -302,6 +302,7 @@ class AgentcellApp:
         if rec is None:  # gone since
             await json_error(401, auth.INVALID_SIGNATURE)(scope, receive, send)
             return
+        note(sandbox_id)  # the access line names the signer
         token = current_sandbox.set(rec)
         try:
             action = api_events.data_plane_action(scope["method"], "/files", False)

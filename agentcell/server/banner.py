@@ -2,7 +2,8 @@
 how it is exposed: version, where it listens, whether a key is required (never the key), its backends,
 the sandboxes' way to the internet, its state dir, the most a sandbox may have, the behaviour record.
 
-Text: a block under the line; JSON: the same as fields of one line.
+Text: a block under the line; JSON: the same as fields of one line. The gateway's banner
+(gateway/banner.py) is made the same way (`announce`).
 """
 
 from __future__ import annotations
@@ -69,10 +70,15 @@ def _auth(config: ServerConfig) -> str:
 
 
 def log_banner(config: ServerConfig) -> None:
-    said = facts(config)
+    announce(log, "agentcell", facts(config))
+
+
+def announce(logger: logging.Logger, title: str, said: dict[str, Any]) -> None:
+    """`{title} {version} serving on {listen}`, what `said` says as a block under it (text) or as fields
+    (JSON); None values are left out of the block. The server's banner and the gateway's."""
     width = max(len(k) for k in said) + 1
     block = [f"{k + ':':<{width}} {_text(v)}" for k, v in said.items() if v is not None]
-    log.info("agentcell %s serving on %s", said["version"], said["listen"], extra=fields(block=block, **said))
+    logger.info("%s %s serving on %s", title, said["version"], said["listen"], extra=fields(block=block, **said))
 
 
 def _text(value: Any) -> str:
@@ -81,15 +87,3 @@ def _text(value: Any) -> str:
     if isinstance(value, list):
         return ", ".join(map(str, value))
     return str(value)
-
-
-def log_gateway_banner(host: str, port: int, tls: bool, api_key: bool, discovery: str) -> None:
-    """`agentcell gateway`'s banner: the same shape, what a gateway has."""
-    scheme = "https" if tls else "http"
-    said = {"version": version(), "listen": f"{scheme}://{f'[{host}]' if ':' in host else host}:{port}",
-            "tls": "on" if tls else "off",
-            "auth": "API key required (X-API-KEY)" if api_key else "none: every client that reaches the address can "
-            "create sandboxes on the cells", "discovery": discovery}
-    width = max(len(k) for k in said) + 1
-    log.info("agentcell gateway %s serving on %s", said["version"], said["listen"],
-             extra=fields(block=[f"{k + ':':<{width}} {v}" for k, v in said.items()], **said))

@@ -27,6 +27,7 @@ from agentcell.record import report
 from agentcell.record.events import KIND_SET, KINDS
 from agentcell.record.store import EventStore
 from agentcell.server import api_events, validate
+from agentcell.server.access_log import note
 from agentcell.server.auth import traffic_token
 from agentcell.server.bodies import JSON_LIMIT, read_json
 from agentcell.server.config import ServerConfig
@@ -424,11 +425,13 @@ class ControlPlane:
         body = await json_body(request)
         key = parse_key(request.headers.get("idempotency-key"))
         if key is None:
-            return JSONResponse(await self._create(request, body), status_code=201)
-        owner = self.tenancy.caller(request.scope)
-        if owner is not None:  # one tenant's key never replays another's create (its answer holds the token)
-            key = f"{owner}\n{key}"
-        answer, _ = await self._idempotent.run(key, body, lambda: self._create(request, body))
+            answer = await self._create(request, body)
+        else:
+            owner = self.tenancy.caller(request.scope)
+            if owner is not None:  # one tenant's key never replays another's create (its answer holds the token)
+                key = f"{owner}\n{key}"
+            answer, _ = await self._idempotent.run(key, body, lambda: self._create(request, body))
+        note(answer.get("sandboxID"))  # the create's access line names the sandbox it made
         return JSONResponse(answer, status_code=201)
 
     async def _create(self, request: Request, body: dict[str, Any]) -> dict[str, Any]:

@@ -20,13 +20,14 @@ from __future__ import annotations
 import hmac
 import re
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
+from agentcell.server import routing
 from agentcell.server.asgi import header
 from agentcell.server.auth import MISSING_API_KEY
 from agentcell.server.errors import json_error
@@ -98,6 +99,7 @@ class ServerMetrics:
                                     registry=r)
         self.rule_label = BoundedLabel()
         self.error_label = BoundedLabel()
+        self._responses = ResponseCounter(self.requests)
         ProcessCollector(registry=r)  # process_resident_memory_bytes, cpu, open fds, start time
 
     def watch(self, manager: SandboxManager, backends: Callable[[], Iterable[Backend]], events: EventStore | None,
@@ -111,6 +113,33 @@ class ServerMetrics:
     def error(self, exc: BaseException) -> None:
         self.errors.labels(self.error_label(type(exc).__name__)).inc()
 
+    def responded(self, scope: dict[str, Any], port: int | None, status: int | None, noted: dict[str, Any]) -> None:
+        """A response ended (server/access_log.py): counted by plane and status class."""
+        plane = "metrics" if port is None and scope.get("path") == PATH else routing.plane_of(port)
+        self._responses.inc(plane, status)
+
+
+class ResponseCounter:
+    """Responses by a label of the caller's (a plane, a route) and status class, the counter's children
+    kept at hand (a request's end should not look them up by label)."""
+
+    def __init__(self, counter: Counter) -> None:
+        self.counter = counter
+        self._children: dict[tuple[str, str], Any] = {}
+
+    def inc(self, kind: str, status: int | None) -> None:
+        status_class = f"{status // 100}xx" if status is not None else "none"
+        child = self._children.get((kind, status_class))
+        if child is None:
+            child = self._children[(kind, status_class)] = self.counter.labels(kind, status_class)
+        child.inc()
+
+
+class Exposition(Protocol):
+    """What /metrics serves: the server's ServerMetrics, the gateway's GatewayMetrics."""
+
+    def render(self) -> bytes: ...
+
 
 class GaugeInfo(Collector):
     """agentcell_build_info{version} 1."""
@@ -120,7 +149,7 @@ class GaugeInfo(Collector):
         registry.register(self)
 
     def collect(self) -> Iterator[Metric]:
-        g = GaugeMetricFamily("agentcell_build_info", "The server's version (always 1).", labels=["version"])
+        g = GaugeMetricFamily("agentcell_build_info", "agentcell's version (always 1).", labels=["version"])
         g.add_metric([self.version], 1)
         yield g
 
@@ -193,9 +222,9 @@ ROOT_ONLY = ("/metrics counts every user's sandboxes: on the system socket only 
              "(or scrape the TCP listener with its API key)")
 
 
-def endpoint(metrics: ServerMetrics, api_key: str | None,
+def endpoint(metrics: Exposition, api_key: str | None,
              socket_user: Callable[[dict[str, Any]], str | None] = lambda scope: None) -> Callable[..., Any]:
-    """The ASGI app of GET /metrics. `socket_user`: the tenant a unix-socket request comes from under the
+    """The ASGI app of GET /metrics, the server's and the gateway's. `socket_user`: the tenant a unix-socket request comes from under the
     system service's tenancy (server/tenancy.py), None otherwise; such a request needs no key but must
     be root's (the figures are every user's)."""
 

@@ -26,7 +26,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from agentcell.server.auth import ENVD_PORT
+from agentcell.server.auth import ENVD_PORT, INTERPRETER_PORT
 
 ID_HEADER = b"e2b-sandbox-id"
 PORT_HEADER = b"e2b-sandbox-port"
@@ -49,6 +49,13 @@ class SandboxTarget:
 
     sandbox_id: str
     port: int
+
+
+def plane_of(port: int | None) -> str:
+    """A request's plane by its sandbox port (None: the control plane), as /metrics names it."""
+    if port is None:
+        return "control"
+    return {ENVD_PORT: "envd", INTERPRETER_PORT: "interpreter"}.get(port, "port")
 
 
 def host_name(value: str) -> str | None:
