@@ -22,6 +22,9 @@ from dataclasses import dataclass
 from agentcell.errors import BackendUnavailableError
 
 ENV = "AGENTCELL_ROOTLESS"  # "1" in a server (and its zygotes) running inside its rootless namespace
+# the pid, outside, of the process that started a rootless server and stays its parent (userns._relay):
+# inside, the server is pid 1 of a pid namespace of its own, a pid that means nothing to the user
+OUTSIDE_PID_ENV = "AGENTCELL_ROOTLESS_PID"
 # Ids inside the namespace that sandboxes use: above the ids a distribution hands to users and below
 # 65534 (the overflow id: what the namespace shows for every unmapped host id).
 FIRST_SANDBOX_ID = 10_000
@@ -30,6 +33,13 @@ FIRST_SANDBOX_ID = 10_000
 def active() -> bool:
     """This process runs inside a rootless server's user namespace."""
     return os.environ.get(ENV) == "1"
+
+
+def outside_pid() -> int | None:
+    """Inside a rootless server: the pid the user sees for it (its launcher, which signals reach it
+    through); None if the launcher did not say."""
+    value = os.environ.get(OUTSIDE_PID_ENV, "")
+    return int(value) if value.isdigit() else None
 
 
 def wanted() -> bool:

@@ -174,6 +174,39 @@ def test_exec_exit_codes_streams_and_options(server: Serve, sid: str) -> None:
     assert "--timeout 1 s" in one_line_error(r, 124)
 
 
+def test_exec_passes_bytes_through_and_json_collects_them(server: Serve, sid: str) -> None:
+    # not UTF-8: passed through byte for byte (it was decoded, each bad byte turned into U+FFFD)
+    r = cli(server.url, "exec", sid, "--", "sh", "-c", r"printf '\377\376\000\303('; printf '\200\n' >&2")
+    assert (r.returncode, r.stdout, r.stderr) == (0, b"\xff\xfe\x00\xc3(", b"\x80\n")
+    blob = ok(server.url, "exec", sid, "--", "sh", "-c", "head -c 300000 /dev/urandom | tee /tmp/rnd | sha256sum")
+    raw = cli(server.url, "exec", sid, "--", "cat", "/tmp/rnd")
+    assert __import__("hashlib").sha256(raw.stdout).hexdigest() == blob.split()[0]
+    r = cli(server.url, "exec", "--json", sid, "--", "sh", "-c", "echo out; echo err >&2; exit 3")
+    assert r.returncode == 3 and r.stderr == b""
+    assert json.loads(r.stdout) == {"exit_code": 3, "stdout": "out\n", "stderr": "err\n"}
+    assert json.loads(ok(server.url, "exec", "--json", sid, "--", "true")) == {"exit_code": 0, "stdout": "",
+                                                                              "stderr": ""}
+    r = cli(server.url, "exec", "--json", sid, "--", "sh", "-c", "kill -9 $$")
+    assert r.returncode == 137 and json.loads(r.stdout)["exit_code"] == 137
+    r = cli(server.url, "exec", "--json", "--timeout", "1", sid, "--", "sleep", "30")
+    assert "--timeout 1 s" in one_line_error(r, 124)
+    assert json.loads(r.stdout)["error"]["exit_code"] == 124
+
+
+def test_json_errors_are_an_object_on_stdout_and_the_line_on_stderr(server: Serve) -> None:
+    for args in (["info", "nosuchsandbox", "--json"], ["resume", "--json", "nosuchsandbox"],
+                 ["exec", "--json", "nosuchsandbox", "--", "true"], ["snapshot", "create", "--json", "nosuchsandbox"]):
+        r = cli(server.url, *args)
+        line = one_line_error(r)
+        error = json.loads(r.stdout)["error"]
+        assert error["exit_code"] == 1 and error["message"] in line and "ls --all" in error["hint"], (args, error)
+    # no --json, no JSON
+    assert cli(server.url, "info", "nosuchsandbox").stdout == b""
+    down = f"http://127.0.0.1:{_free_port()}"
+    r = cli(down, "ls", "--json")
+    assert "cannot reach" in one_line_error(r) and "cannot reach" in json.loads(r.stdout)["error"]["message"]
+
+
 def test_exec_output_arrives_as_it_is_written(server: Serve, sid: str) -> None:
     proc = subprocess.Popen([*CLI, "exec", sid, "--", "sh", "-c", "echo first; sleep 3; echo second >&2; echo third"],
                             cwd=REPO, env=_env(server.url), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -265,6 +298,34 @@ def test_cp_files_directories_and_std_streams(server: Serve, sid: str, tmp_path:
     assert cli(server.url, "cp", f"{sid}:/home/user/tree", "-").returncode == 2
 
 
+def test_cp_upload_keeps_modes_and_json_says_what_it_copied(server: Serve, sid: str, tmp_path: Path) -> None:
+    tool = tmp_path / "tool"
+    (tool / "bin").mkdir(parents=True)
+    script = tool / "bin" / "hello.sh"
+    script.write_text("#!/bin/sh\necho hello from the script\n")
+    script.chmod(0o755)
+    (tool / "private.txt").write_text("mine\n")
+    (tool / "private.txt").chmod(0o600)
+    (tool / "plain.txt").write_text("plain\n")
+    (tool / "plain.txt").chmod(0o644)
+    got = json.loads(ok(server.url, "cp", "--json", str(tool), f"{sid}:/home/user/"))
+    assert got == {"source": str(tool), "destination": "/home/user/tool", "files": 3, "directories": 2,
+                   "bytes": sum(p.stat().st_size for p in (script, tool / "private.txt", tool / "plain.txt")),
+                   "skipped": []}
+    assert ok(server.url, "exec", sid, "--", "/home/user/tool/bin/hello.sh") == "hello from the script\n"
+    modes = ok(server.url, "exec", sid, "--", "sh", "-c", "cd /home/user/tool && stat -c '%a %n' bin/hello.sh "
+               "private.txt plain.txt")
+    assert modes.split("\n")[:3] == ["755 bin/hello.sh", "600 private.txt", "644 plain.txt"]
+    # one file, to a new name: its mode too
+    ok(server.url, "cp", str(script), f"{sid}:/tmp/run-me")
+    assert ok(server.url, "exec", sid, "--", "/tmp/run-me") == "hello from the script\n"
+    # a download's --json, and --json with stdout as the file is refused
+    back = json.loads(ok(server.url, "cp", "--json", f"{sid}:/home/user/tool", str(tmp_path / "back")))
+    assert (back["files"], back["directories"], back["destination"]) == (3, 2, str(tmp_path / "back"))
+    assert (tmp_path / "back" / "bin" / "hello.sh").stat().st_mode & 0o777 == 0o755
+    assert cli(server.url, "cp", "--json", f"{sid}:/tmp/run-me", "-").returncode == 2
+
+
 # --- shell ----------------------------------------------------------------------------------------
 
 
@@ -335,6 +396,12 @@ def test_pause_and_resume_keep_the_state(server: Serve, sid: str) -> None:
     assert ok(server.url, "resume", sid) == f"resumed {sid}\n"
     assert ok(server.url, "run", sid, "kept") == "still here\n"
     assert "not paused" in one_line_error(cli(server.url, "resume", sid))
+    # --json: what was done, as objects
+    assert json.loads(ok(server.url, "pause", "--json", sid)) == {"paused": [sid], "already_paused": []}
+    assert json.loads(ok(server.url, "pause", "--json", sid)) == {"paused": [], "already_paused": [sid]}
+    resumed = json.loads(ok(server.url, "resume", "--json", "--timeout", "500", sid))
+    assert resumed["sandbox_id"] == sid and resumed["state"] == "running" and resumed["end_at"]
+    assert ok(server.url, "run", sid, "kept") == "still here\n"
 
 
 def test_snapshot_create_ls_rm(server: Serve, sid: str) -> None:
@@ -349,8 +416,13 @@ def test_snapshot_create_ls_rm(server: Serve, sid: str) -> None:
         assert ok(server.url, "exec", child, "--", "cat", "/home/user/marker") == "from-the-snapshot\n"
     finally:
         ok(server.url, "kill", child)
+    again = json.loads(ok(server.url, "snapshot", "create", "--json", sid, "--name", "cli-test-2"))
+    assert again["snapshot_id"] == "cli-test-2:default"
     assert ok(server.url, "snapshot", "rm", snap) == f"deleted {snap}\n"
     assert snap in one_line_error(cli(server.url, "snapshot", "rm", snap))
+    r = cli(server.url, "snapshot", "rm", "--json", again["snapshot_id"], snap)
+    assert snap in one_line_error(r)  # exit 1: one was not found; the JSON says which
+    assert json.loads(r.stdout) == {"deleted": [again["snapshot_id"]], "not_found": [snap]}
     assert snap not in ok(server.url, "snapshot", "ls", "--json")
 
 
@@ -474,3 +546,11 @@ def test_kill_all(server: Serve) -> None:
     out = ok(server.url, "kill", "--all")
     assert all(f"killed {m}" in out for m in made)
     assert ok(server.url, "ls", "--all", "-q") == ""
+    made = [ok(server.url, "create", "--timeout", "60").strip() for _ in range(2)]
+    ok(server.url, "pause", made[0])
+    killed = json.loads(ok(server.url, "kill", "--all", "--json"))
+    assert sorted(killed["killed"]) == sorted(made) and killed["not_found"] == []
+    assert json.loads(ok(server.url, "kill", "--all", "--json")) == {"killed": [], "not_found": []}
+    r = cli(server.url, "kill", "--json", "nosuchsandbox")
+    assert "not found" in one_line_error(r)
+    assert json.loads(r.stdout) == {"killed": [], "not_found": ["nosuchsandbox"]}

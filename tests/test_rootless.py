@@ -24,6 +24,7 @@ from tests.ordinary_user import OrdinaryUser, ordinary_user, user_venv  # noqa: 
 pytestmark = pytest.mark.skipif(shutil.which("newuidmap") is None,
                                 reason="rootless mode needs newuidmap/newgidmap: apt-get install uidmap")
 SECRET = "rootless-secret-of-the-user"
+LAUNCHER: dict[str, int] = {}  # the rootless_server fixture's launcher pid (what the user sees as the server)
 
 
 def _free_port() -> int:
@@ -47,6 +48,7 @@ def rootless_server(ordinary_user: OrdinaryUser) -> Iterator[tuple[str, Ordinary
         proc = user.popen([user.python, "-m", "agentcell.server", "--port", str(port), "--standbys", "1",
                            "--max-sandboxes", "8", "--egress-uplink", "none"], stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
+    LAUNCHER["pid"] = proc.pid
 
     def log_text() -> str:
         with open(log_path, errors="replace") as f:
@@ -194,3 +196,18 @@ def test_embedded_sdk_of_an_ordinary_user_runs_rootless(rootless_server: tuple[s
     assert done.returncode == 0, done.stderr[-3000:]
     answer, outer = done.stdout.split()
     assert answer == "42" and int(outer) >= 10_000  # the sandbox's user: a subordinate id of this user's
+
+
+def test_a_second_server_on_the_state_dir_names_the_real_holder(rootless_server: tuple[str, OrdinaryUser, str]) -> None:
+    """The server holds its state dir; inside its namespace it is pid 1, but the message names the pid
+    the user sees (its launcher, which passes signals on): it said "pid 1"."""
+    url, user, _ = rootless_server
+    port = _free_port()
+    done = user.run([user.python, "-m", "agentcell.server", "--port", str(port), "--standbys", "0",
+                     "--egress-uplink", "none"], timeout=120)
+    assert done.returncode != 0
+    assert "is in use by another agentcell server" in done.stderr, done.stderr[-3000:]
+    assert f"(a rootless server, pid {LAUNCHER['pid']}, listening on 127.0.0.1:{url.rsplit(':', 1)[1]}" in done.stderr, \
+        done.stderr[-3000:]
+    assert "pid 1," not in done.stderr
+    os.kill(LAUNCHER["pid"], 0)  # the pid named is the server's, alive

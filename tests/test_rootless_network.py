@@ -19,12 +19,14 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from agentcell.network import netns_files
 from tests.egress_internet import ADDRESSES, DENIED_IP, FORBIDDEN, OTHER, PROBES, UPSTREAM_DNS, WEB
 from tests.egress_world import host_state
 from tests.ordinary_user import OrdinaryUser, ordinary_user, user_venv  # noqa: F401
@@ -36,6 +38,7 @@ TAG = f"acrlnet{os.getpid() % 100000}"
 STANDIN, INET = f"{TAG}-host", f"{TAG}-inet"
 LINK_HOST, LINK_INET = "192.0.2.2", "192.0.2.1"  # the stand-in's veth into the internet (documentation range)
 PORT = 8099  # the server's, on the stand-in's loopback
+RUNNING: dict[str, Any] = {}  # the answers fixture's server (Popen) and what starting another one takes
 
 # What the client (in the stand-in namespace) does: sandboxes with four policies, each asked `exprs`.
 CLIENT = r'''
@@ -94,6 +97,18 @@ def _standin_state() -> str:
                      for what in (["link"], ["-4", "addr"], ["route"]))  # (IPv6 link-local addresses age)
 
 
+def _serve_in_standin(user: OrdinaryUser, tun: str, port: int, log: Any) -> subprocess.Popen[bytes]:
+    """The user's rootless server (with user-mode networking: the default uplink) inside the stand-in."""
+    env = {k: v for k, v in user.env().items() if k != "AGENTCELL_EGRESS_UPLINK"}  # the default: host
+    return subprocess.Popen(
+        ["ip", "netns", "exec", STANDIN, "sh", "-c",
+         'mount --bind "$0" /dev/net/tun && u=$1 g=$2 && shift 2 && '
+         'exec setpriv --reuid "$u" --regid "$g" --clear-groups -- "$@"',
+         tun, str(user.uid), str(user.gid), user.python, "-m", "agentcell.server", "--port", str(port),
+         "--standbys", "1", "--max-sandboxes", "8", "--egress-dns", UPSTREAM_DNS],
+        stdout=log, stderr=subprocess.STDOUT, env=env, cwd=user.home)
+
+
 def _tun_mode() -> str:
     return oct(os.stat("/dev/net/tun").st_mode) if os.path.exists("/dev/net/tun") else "absent"
 
@@ -129,15 +144,9 @@ def answers(ordinary_user: OrdinaryUser) -> Iterator[tuple[dict[str, dict[str, s
         os.chmod(tun, 0o666)
         os.chmod(tun_dir, 0o755)
         log_path = os.path.join(user.home, "server-net.log")
-        env = {k: v for k, v in user.env().items() if k != "AGENTCELL_EGRESS_UPLINK"}  # the default: host
         with open(log_path, "wb") as log:
-            server = subprocess.Popen(
-                ["ip", "netns", "exec", STANDIN, "sh", "-c",
-                 'mount --bind "$0" /dev/net/tun && u=$1 g=$2 && shift 2 && '
-                 'exec setpriv --reuid "$u" --regid "$g" --clear-groups -- "$@"',
-                 tun, str(user.uid), str(user.gid), user.python, "-m", "agentcell.server", "--port", str(PORT),
-                 "--standbys", "1", "--max-sandboxes", "8", "--egress-dns", UPSTREAM_DNS],
-                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=user.home)
+            server = _serve_in_standin(user, tun, PORT, log)
+        RUNNING.update(server=server, tun=tun, user=user)
         client = subprocess.run(["ip", "netns", "exec", STANDIN, sys.executable, "-c", CLIENT,
                                  f"http://127.0.0.1:{PORT}", PROBES, json.dumps(CASES)],
                                 capture_output=True, text=True, timeout=900, cwd=str(HERE.parent))
@@ -201,3 +210,59 @@ def test_a_sandbox_without_internet_reaches_nothing(answers: tuple[dict[str, dic
     got = answers[0]["offline"]
     assert got[f"tcp('{WEB}')"] != "ok"
     assert got["names('allowed.test')"] == "noname"
+
+
+def _netns_files(user: OrdinaryUser) -> list[str]:
+    return sorted(os.listdir(os.path.join(user.home, ".cache", "agentcell", "netns")))
+
+
+def test_a_killed_servers_netns_file_goes_at_the_next_start(answers: tuple[dict[str, dict[str, str]], str, str]) -> None:
+    """Last in this module (it ends the server): a server killed outright leaves the empty file its router
+    namespace was mounted on; the next server removes it at its start, and its own at its end."""
+    user, server = RUNNING["user"], RUNNING["server"]
+    (mine,) = _netns_files(user)
+    assert os.path.getsize(os.path.join(user.home, ".cache", "agentcell", "netns", mine)) == 0
+    server.kill()  # SIGKILL: no cleanup runs
+    server.wait()
+    assert _netns_files(user) == [mine]  # the leftover
+    log_path = os.path.join(user.home, "server-net-2.log")
+    with open(log_path, "wb") as log:
+        again = _serve_in_standin(user, RUNNING["tun"], PORT + 1, log)
+    try:
+        deadline = time.monotonic() + 240
+        while not (files := _netns_files(user)) or mine in files:  # its router is made after the sweep
+            assert again.poll() is None and time.monotonic() < deadline, Path(log_path).read_text()[-3000:]
+            time.sleep(0.3)
+        (theirs,) = files
+        assert theirs != mine
+        again.send_signal(signal.SIGTERM)
+        assert again.wait(60) == 0, Path(log_path).read_text()[-3000:]
+        assert _netns_files(user) == []
+    finally:
+        if again.poll() is None:
+            again.kill()
+            again.wait()
+
+
+def test_netns_files_nobody_holds_are_removed_held_ones_kept(tmp_path: Path) -> None:
+    d = tmp_path
+    for name in ("agentcell-dead", "agentcell-held-elsewhere", "agentcell-not-empty", "something-else"):
+        (d / name).write_bytes(b"x" if name == "agentcell-not-empty" else b"")
+    mine = netns_files.claim(str(d / "agentcell-mine"))  # this process's own hold counts too
+    holder = subprocess.Popen(["flock", "--exclusive", "--close", str(d / "agentcell-held-elsewhere"), "sleep", "120"])
+    try:
+        deadline = time.monotonic() + 10
+        while subprocess.run(["flock", "--nonblock", str(d / "agentcell-held-elsewhere"), "true"]).returncode == 0:
+            assert time.monotonic() < deadline, "flock(1) did not take its lock"
+            time.sleep(0.05)
+        assert netns_files.remove_stale(str(d), "agentcell-") == ["agentcell-dead"]
+        assert sorted(os.listdir(d)) == ["agentcell-held-elsewhere", "agentcell-mine", "agentcell-not-empty",
+                                         "something-else"]
+        with pytest.raises(BlockingIOError):
+            netns_files.claim(str(d / "agentcell-mine"))
+    finally:
+        holder.kill()
+        holder.wait()
+    os.close(mine)
+    assert netns_files.remove_stale(str(d), "agentcell-") == ["agentcell-held-elsewhere", "agentcell-mine"]
+    assert sorted(os.listdir(d)) == ["agentcell-not-empty", "something-else"]

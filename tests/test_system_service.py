@@ -379,6 +379,44 @@ print(json.dumps({"refused": refused}))
     assert "--max-memory-mb-per-user" in refused
 
 
+SNAPSHOT_NAMED_MINE = """
+import json
+from agentcell import Sandbox
+sbx = Sandbox.create(timeout=120)
+sbx.files.write("/home/user/whose", "WHO")
+snap = sbx.create_snapshot(name="mine")
+sbx.kill()
+print(json.dumps({"id": snap.snapshot_id}))
+"""
+
+SNAPSHOT_SEEN = """
+import json
+from agentcell import Sandbox
+listed = [s.snapshot_id for s in Sandbox.list_snapshots()]
+child = Sandbox.create("mine:default", timeout=60)
+whose = child.files.read("/home/user/whose")
+child.kill()
+print(json.dumps({"listed": listed, "whose": whose}))
+"""
+
+
+def test_snapshot_names_are_per_user(host: Host, service: Service) -> None:
+    """Two users may both name a snapshot "mine": each name resolves among its user's own snapshots."""
+    for role in ("member", "other"):
+        made = answer(as_user(host, role, SNAPSHOT_NAMED_MINE.replace("WHO", role), service.socket))
+        assert made == {"id": "mine:default"}  # the other's "mine" took nothing from this one (it was 409)
+    for role in ("member", "other"):
+        assert answer(as_user(host, role, SNAPSHOT_SEEN, service.socket)) == {"listed": ["mine:default"], "whose": role}
+    # root, the administrator, sees both
+    assert [s["snapshotID"] for s in service.client.get("/snapshots").json()].count("mine:default") == 2
+    # a user's delete is of its own: the other's "mine" stays, and a second delete finds nothing
+    delete = "import json; from agentcell import Sandbox; print(json.dumps([Sandbox.delete_snapshot('mine:default') for _ in range(2)]))"
+    assert answer(as_user(host, "other", delete, service.socket)) == [True, False]
+    assert answer(as_user(host, "member", SNAPSHOT_SEEN, service.socket)) == {"listed": ["mine:default"], "whose": "member"}
+    assert answer(as_user(host, "member", delete, service.socket)) == [True, False]
+    assert service.client.get("/snapshots").json() == []
+
+
 def test_socket_is_root_and_group_only(host: Host, service: Service) -> None:
     st = os.stat(service.socket)
     assert (st.st_mode & 0o777, st.st_uid, grp.getgrgid(st.st_gid).gr_name) == (0o660, 0, host.group)

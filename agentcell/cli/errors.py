@@ -1,10 +1,16 @@
 """How the `agentcell` command fails: one line `agentcell: error: ...` on stderr, then a `hint:` line
 when there is something to do about it, and an exit code (docs/cli.md). No traceback: `--debug` (or
 AGENTCELL_DEBUG=1) lets the original exception through, with its traceback, for a bug report.
+
+Under `--json` an error says the same on stderr, and stdout gets one JSON line too, so a script that
+parses stdout always has JSON: {"error": {"message", "hint", "exit_code"}}. A command whose JSON result
+already tells the failure (`kill --json` naming the ids it did not find) prints only that result.
+Usage errors (exit 2, click's) are text only: they come before the options are read.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from typing import IO, Any
 
@@ -35,18 +41,26 @@ META_DEBUG = "agentcell.debug"
 # set by server_options: where the command was sent, and about which sandbox (for the messages)
 META_TARGET = "agentcell.target"
 META_SANDBOX = "agentcell.sandbox"
+# set by output.json_option when --json is given: an error prints its JSON object on stdout too
+META_JSON = "agentcell.json"
 
 
 class CliError(click.ClickException):
     """A failure the user can act on: its message is shown as one line (escaped: it may quote what a
     server or a sandbox sent), its hint says what to do."""
 
-    def __init__(self, message: str, hint: str | None = None, exit_code: int = EXIT_ERROR) -> None:
+    def __init__(self, message: str, hint: str | None = None, exit_code: int = EXIT_ERROR,
+                 json_error: bool = True) -> None:
         super().__init__(message)
         self.hint = hint
         self.exit_code = exit_code
+        self.json_error = json_error  # False: the command printed its JSON result, which tells the failure
+        self.as_json = False  # set when the command ran with --json
 
     def show(self, file: IO[Any] | None = None) -> None:
+        if self.as_json and self.json_error:
+            click.echo(json.dumps({"error": {"message": self.message.strip(), "hint": self.hint,
+                                             "exit_code": self.exit_code}}, separators=(",", ":")))
         click.echo(f"agentcell: error: {one_line(self.message)}", err=True)
         if self.hint:
             click.echo(f"hint: {self.hint}", err=True)
@@ -126,6 +140,9 @@ class AgentcellGroup(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
+        except CliError as e:
+            e.as_json = bool(ctx.meta.get(META_JSON))
+            raise
         except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):
             raise
         except KeyboardInterrupt:
@@ -138,7 +155,9 @@ class AgentcellGroup(click.Group):
         except Exception as e:
             if debug_enabled():
                 raise
-            raise from_exception(e, ctx.meta) from None
+            error = from_exception(e, ctx.meta)
+            error.as_json = bool(ctx.meta.get(META_JSON))
+            raise error from None
 
 
 def _silence_stdout() -> None:

@@ -1,9 +1,9 @@
 """`agentcell exec` (a command in a sandbox) and `agentcell run` (code in one of its code contexts).
 
 Both stream: what the sandbox writes is on this terminal as it is written, stdout to stdout and
-stderr to stderr. A command's output is passed through as the command wrote it (as `docker exec` and
-ssh do; it is decoded as UTF-8 on the way, so binary data belongs to `agentcell cp`); the results and
-errors `run` formats itself are escaped.
+stderr to stderr. A command's output is passed through byte for byte, as the command wrote it (as
+`docker exec` and ssh do: exec_output.py); `exec --json` collects it into one object instead. The
+results and errors `run` formats itself are escaped (`run`'s output is the code interpreter's text).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import click
 
 from agentcell.cli import main
 from agentcell.cli.errors import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_TIMEOUT, CliError
+from agentcell.cli.exec_output import relay
 from agentcell.cli.output import json_option, print_json
 from agentcell.cli.params import key_values
 from agentcell.cli.target import Target, about, complete_sandbox_ids, connect_running, server_options
@@ -31,6 +32,11 @@ _SIGNALS = {"hangup": 1, "interrupt": 2, "quit": 3, "aborted": 6, "killed": 9, "
 
 def _write(stream: Any, text: str) -> None:
     stream.buffer.write(text.encode("utf-8", "surrogateescape"))
+    stream.buffer.flush()
+
+
+def _write_bytes(stream: Any, data: bytes) -> None:
+    stream.buffer.write(data)
     stream.buffer.flush()
 
 
@@ -63,23 +69,28 @@ def _forward_stdin(sbx: Any, pid: int) -> None:
 @click.option("--timeout", type=click.FloatRange(0), default=0, show_default=True,
               help="Seconds before the command is killed (exit code 124); 0: never.")
 @click.option("--interactive", "-i", is_flag=True, help="Pass this stdin to the command (EOF closes its stdin).")
+@json_option
 @server_options
 def exec_cmd(sandbox_id: str, command: tuple[str, ...], user: str | None, cwd: str | None, envs: tuple[str, ...],
-             timeout: float, interactive: bool, target: Target) -> None:
+             timeout: float, interactive: bool, as_json: bool, target: Target) -> None:
     """Run a command in a sandbox, streaming its output; exit with its exit code.
 
     The words after `--` are the command and its arguments (quoted for bash: `-- sh -c 'echo $HOME'`
-    runs a shell line)."""
+    runs a shell line). --json: no streaming; at the end one object, {exit_code, stdout, stderr}."""
     env_map = key_values(envs, "--env")
     sbx = connect_running(target, sandbox_id, "exec")
     handle = sbx.commands.run(shlex.join(command), background=True, envs=env_map or None, user=user, cwd=cwd,
-                              stdin=interactive, timeout=timeout)
+                              stdin=interactive, timeout=timeout, retain_output=False)
     if interactive:
         _forward_stdin(sbx, handle.pid)
+    out, err = bytearray(), bytearray()
+    on_out, on_err = (out.extend, err.extend) if as_json else (lambda b: _write_bytes(sys.stdout, b),
+                                                               lambda b: _write_bytes(sys.stderr, b))
     try:
-        handle.wait(on_stdout=lambda t: _write(sys.stdout, t), on_stderr=lambda t: _write(sys.stderr, t))
+        relay(handle, on_out, on_err)
+        code = 0
     except CommandExitException as e:
-        sys.exit(e.exit_code if e.exit_code >= 0 else _signal_exit(handle._output.status))
+        code = e.exit_code if e.exit_code >= 0 else _signal_exit(handle._output.status)
     except SandboxNotRunningException:
         raise  # the sandbox went (a TimeoutException too, as in e2b): errors.py says so
     except TimeoutException:
@@ -92,6 +103,11 @@ def exec_cmd(sandbox_id: str, command: tuple[str, ...], user: str | None, cwd: s
     except BrokenPipeError:
         handle.kill()  # `agentcell exec ... | head`: the reader left, so does the command
         raise
+    if as_json:
+        print_json({"exit_code": code, "stdout": out.decode("utf-8", "replace"),
+                    "stderr": err.decode("utf-8", "replace")})
+    if code:
+        sys.exit(code)
 
 
 @main.command(name="run")

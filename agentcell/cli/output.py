@@ -16,9 +16,19 @@ from typing import Any
 
 import click
 
+from agentcell.cli.errors import META_JSON
 from agentcell.text_escape import escape
 
-json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON (for scripts) instead of text.")
+
+def _note_json(ctx: click.Context, _param: click.Parameter, value: bool) -> bool:
+    if value:  # an error then prints its JSON object on stdout too (errors.py)
+        ctx.meta[META_JSON] = True
+    return value
+
+
+json_option = click.option("--json", "as_json", is_flag=True, callback=_note_json,
+                           help="Print JSON (for scripts) instead of text; an error also prints "
+                                '{"error": {...}} on stdout.')
 
 
 def _plain(value: Any) -> Any:

@@ -34,7 +34,8 @@ def reexec_if_needed(flag: bool | None) -> None:
         for path in (rootless.runtime_store_dir(), rootless.uid_lock_dir()):
             statedir.private_dir(path)
         argv = [sys.executable, "-m", "agentcell", "serve", *_serve_args()]
-        env = {**os.environ, rootless.ENV: "1"}
+        # this process stays outside as the server's parent (userns._relay): its pid is the server's for the user
+        env = {**os.environ, rootless.ENV: "1", rootless.OUTSIDE_PID_ENV: str(os.getpid())}
         click.echo("agentcell: rootless mode (you are not root): sandboxes run in a user namespace of yours, with "
                    "weaker limits; `agentcell doctor` lists what holds", err=True)
         userns.exec_inside(argv, env)

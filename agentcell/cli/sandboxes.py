@@ -100,9 +100,10 @@ def info(sandbox_id: str, as_json: bool, target: Target) -> None:
 @main.command()
 @click.argument("sandbox_ids", metavar="ID...", nargs=-1, shell_complete=complete_sandbox_ids)
 @click.option("--all", "kill_all", is_flag=True, help="Every sandbox of the server (running and paused).")
+@json_option
 @server_options
-def kill(sandbox_ids: tuple[str, ...], kill_all: bool, target: Target) -> None:
-    """Kill sandboxes. Exits 1 if any was not found."""
+def kill(sandbox_ids: tuple[str, ...], kill_all: bool, as_json: bool, target: Target) -> None:
+    """Kill sandboxes. Exits 1 if any was not found. --json: {killed: [ID...], not_found: [ID...]}."""
     from agentcell import Sandbox
     from agentcell.sdk.models import SandboxQuery
 
@@ -112,15 +113,20 @@ def kill(sandbox_ids: tuple[str, ...], kill_all: bool, target: Target) -> None:
     if kill_all:
         sandbox_ids = tuple(s.sandbox_id for s in Sandbox.list(SandboxQuery(state=["running", "paused"]),
                                                                **target.sdk))
-    missing = []
+    killed, missing = [], []
     for sid in sandbox_ids:
         about(sid)
         if Sandbox.kill(sid, **target.sdk):
-            click.echo(f"killed {escape(sid)}")
+            killed.append(sid)
+            if not as_json:
+                click.echo(f"killed {escape(sid)}")
         else:
             missing.append(sid)
+    if as_json:
+        print_json({"killed": killed, "not_found": missing})
     if missing:
-        raise CliError(f"not found: {' '.join(missing)}", "`agentcell ls --all` lists the sandboxes there are")
+        raise CliError(f"not found: {' '.join(missing)}", "`agentcell ls --all` lists the sandboxes there are",
+                       json_error=False)
 
 
 @main.command()
@@ -128,27 +134,37 @@ def kill(sandbox_ids: tuple[str, ...], kill_all: bool, target: Target) -> None:
 @click.option("--mode", type=click.Choice(["full", "filesystem"]), default=None,
               help="full: memory kept, resumed where it was; filesystem: files only, a resume cold-starts it "
                    "(default: full).")
+@json_option
 @server_options
-def pause(sandbox_ids: tuple[str, ...], mode: str | None, target: Target) -> None:
+def pause(sandbox_ids: tuple[str, ...], mode: str | None, as_json: bool, target: Target) -> None:
     """Pause sandboxes (`agentcell resume` continues them). A paused sandbox does not time out; the
-    server keeps it --paused-ttl seconds."""
+    server keeps it --paused-ttl seconds. --json: {paused: [ID...], already_paused: [ID...]}."""
     from agentcell import Sandbox
 
     target.require_server("pause")
+    paused, already = [], []
     for sid in sandbox_ids:
         if Sandbox.pause(about(sid), mode=mode, **target.sdk):
-            click.echo(f"paused {escape(sid)}")
+            paused.append(sid)
+            if not as_json:
+                click.echo(f"paused {escape(sid)}")
         else:
-            click.echo(f"{escape(sid)} was paused already", err=True)
+            already.append(sid)
+            if not as_json:
+                click.echo(f"{escape(sid)} was paused already", err=True)
+    if as_json:
+        print_json({"paused": paused, "already_paused": already})
 
 
 @main.command()
 @sandbox_id_arg
 @click.option("--timeout", type=click.IntRange(1), default=None,
               help="Seconds it lives from now (default: the server's default timeout, 300 s unless set).")
+@json_option
 @server_options
-def resume(sandbox_id: str, timeout: int | None, target: Target) -> None:
-    """Resume a paused sandbox; with --timeout, also give a running one longer."""
+def resume(sandbox_id: str, timeout: int | None, as_json: bool, target: Target) -> None:
+    """Resume a paused sandbox; with --timeout, also give a running one longer. --json: its details
+    afterwards (as `info --json`)."""
     from agentcell import Sandbox
 
     target.require_server("resume")
@@ -156,4 +172,7 @@ def resume(sandbox_id: str, timeout: int | None, target: Target) -> None:
     if info.state != "paused" and timeout is None:
         raise CliError(f"sandbox {sandbox_id} is not paused", "`--timeout S` extends a running sandbox's life")
     Sandbox.connect(sandbox_id, timeout=timeout, **target.sdk)
-    click.echo(f"{'resumed' if info.state == 'paused' else 'extended'} {escape(sandbox_id)}")
+    if as_json:
+        print_json(Sandbox.get_info(sandbox_id, **target.sdk))
+    else:
+        click.echo(f"{'resumed' if info.state == 'paused' else 'extended'} {escape(sandbox_id)}")

@@ -58,20 +58,25 @@ def snapshot_ls(sandbox_id: str | None, as_json: bool, target: Target) -> None:
 
 @snapshot.command(name="rm")
 @click.argument("snapshot_ids", metavar="SNAPSHOT_ID...", nargs=-1, required=True)
+@json_option
 @server_options
-def snapshot_rm(snapshot_ids: tuple[str, ...], target: Target) -> None:
-    """Delete snapshots. Exits 1 if any was not found."""
+def snapshot_rm(snapshot_ids: tuple[str, ...], as_json: bool, target: Target) -> None:
+    """Delete snapshots. Exits 1 if any was not found. --json: {deleted: [ID...], not_found: [ID...]}."""
     from agentcell import Sandbox
 
     target.require_server("snapshot rm")
-    missing = []
+    deleted, missing = [], []
     for snapshot_id in snapshot_ids:
         if Sandbox.delete_snapshot(snapshot_id, **target.sdk):
-            click.echo(f"deleted {escape(snapshot_id)}")
+            deleted.append(snapshot_id)
+            if not as_json:
+                click.echo(f"deleted {escape(snapshot_id)}")
         else:
             missing.append(snapshot_id)
+    if as_json:
+        print_json({"deleted": deleted, "not_found": missing})
     if missing:
-        raise CliError(f"no snapshot {' '.join(missing)}", "`agentcell snapshot ls` lists them")
+        raise CliError(f"no snapshot {' '.join(missing)}", "`agentcell snapshot ls` lists them", json_error=False)
 
 
 def _size(n: int | None) -> str:

@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 from agentcell.backends.linux import syscalls as sc
+from agentcell.network import netns_files
 from agentcell.network.policy import Network, NetworkPolicy
 from agentcell.network.proxy import FWMARK as PROXY_MARK
 from agentcell.network.proxy import routing_commands as proxy_routing
@@ -423,6 +424,7 @@ class Router:
         self.path = os.path.join(netns_dir, name)
         self._ip_netns = netns_dir == "/run/netns"  # else a bind mount of ours (a rootless server's)
         self._worker: NetnsWorker | None = None
+        self._held = -1  # a rootless server's hold on its netns file (network/netns_files.py)
         # what each slot has in the shared sets (policy_commands plans, committed() records)
         self._elements: dict[int, list[tuple[str, str]]] = {}
         self._pinned: dict[int, set[str]] = {}
@@ -446,7 +448,7 @@ class Router:
                 raise EgressError(f"network namespace {name} exists already (a server that did not clean up?)")
             r = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True, check=False)
         else:
-            open(router.path, "a").close()
+            router._held = netns_files.claim(router.path)  # removed at a later start if this server dies
             r = subprocess.run(["unshare", f"--net={router.path}", "true"], capture_output=True, text=True,
                                check=False)
         if r.returncode != 0:
@@ -476,6 +478,9 @@ class Router:
             subprocess.run(["umount", "-l", self.path], capture_output=True, check=False)
             with contextlib.suppress(OSError):
                 os.unlink(self.path)
+            if self._held >= 0:
+                os.close(self._held)
+                self._held = -1
 
     def nft(self, commands: str) -> str:
         return self.worker.nft(commands)

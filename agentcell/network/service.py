@@ -30,8 +30,8 @@ from typing import TypeVar
 import dns.name
 
 from agentcell import rootless
+from agentcell.network import netns_files, usermode
 from agentcell.network import uplink as uplinks
-from agentcell.network import usermode
 from agentcell.network.ca import EgressCA
 from agentcell.network.claims import Claim
 from agentcell.network.conntrack import ConntrackError, Flusher, netfilter_socket
@@ -140,6 +140,9 @@ class Egress:
         self.never = NeverList(self.settings.allow_ranges)
         if self.settings.uplink == "usermode":  # a rootless server: its namespace where host root's are not
             netns_dir = statedir.private_dir(rootless.netns_dir())
+            stale = netns_files.remove_stale(netns_dir, NETNS_PREFIX)  # files of this user's servers that died
+            if stale:
+                log.info("removed the network namespace files of dead rootless server(s): %s", ", ".join(stale))
             router = await asyncio.to_thread(Router.create, NETNS_PREFIX + self.instance, self.never, netns_dir)
         else:
             router = await asyncio.to_thread(Router.create, NETNS_PREFIX + self.instance, self.never)

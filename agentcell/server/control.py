@@ -440,7 +440,7 @@ class ControlPlane:
             raise HTTPError(400, "'templateID' must be a string")
         snapshot = None
         if template not in TEMPLATES:
-            snapshot = self._visible(request, self.snapshots.find(template))
+            snapshot = self._visible(request, self.snapshots.find(template, self.tenancy.caller(request.scope)))
             if snapshot is None:
                 raise HTTPError(404, f"template '{template}' not found; available: base, code-interpreter-v1, "
                                      "or the id or name of a snapshot (GET /snapshots)")
@@ -738,7 +738,7 @@ class ControlPlane:
             self._memory_snapshots(rec.backend, 'a snapshot with mode="full" (memory)')
         full = memory is not False and rec.backend.memory_snapshots and rec.pause_mode != "filesystem"
         try:
-            template_id, directory, room = self.snapshots.begin(name or None)
+            template_id, directory, room = self.snapshots.begin(name or None, self.tenancy.caller(request.scope))
         except SnapshotError as e:
             raise HTTPError(e.status, e.message) from None
         snap = Snapshot(template_id=template_id, name=name or None, mode="full" if full else "filesystem",
@@ -782,7 +782,8 @@ class ControlPlane:
         ref = unquote(request.path_params["template_id"])
         if ref in TEMPLATES:
             raise HTTPError(400, f"'{ref}' is a built-in template; it cannot be deleted")
-        if self._visible(request, self.snapshots.find(ref)) is None or not self.snapshots.delete(ref):
+        snap = self._visible(request, self.snapshots.find(ref, self.tenancy.caller(request.scope)))
+        if snap is None or not self.snapshots.delete(snap):
             raise HTTPError(404, f"snapshot '{ref}' not found")
         return Response(status_code=204)
 

@@ -10,6 +10,11 @@ is refused, and a half-written one is removed.
 Ids follow E2B's: a snapshot is a template; its id is `<name>:default` when it was given a name,
 else `<template id>:default`; `names` lists the named forms. A create may name it by any of them,
 with or without the tag.
+
+Names belong to their tenant (server/tenancy.py): with tenancy on, user A and user B may each have a
+snapshot named "mine", and each name resolves among its caller's own snapshots only; another tenant's
+is not found, as one that never existed. The administrator (uid 0) resolves its own names first, then
+any snapshot's template id, then another's name if only one tenant has it.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from agentcell.backends.base import Limits, new_cell_sandbox_id
+from agentcell.server.tenancy import ADMIN
 
 TAG = "default"
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
@@ -98,21 +104,27 @@ class SnapshotStore:
 
     # --- queries ---------------------------------------------------------------------------------
 
-    def find(self, ref: str) -> Snapshot | None:
-        """The snapshot `ref` names: its id or a name, with or without the tag."""
-        base = ref[: -len(TAG) - 1] if ref.endswith(":" + TAG) else ref
-        for snap in self._snapshots.values():
-            if base in (snap.template_id, snap.name):
-                return snap
-        return None
+    def find(self, ref: str, caller: str | None = None) -> Snapshot | None:
+        """The snapshot `ref` names for `caller` (a tenant; None: the server has no tenancy): its id or a
+        name, with or without the tag, among the snapshots the caller owns (the administrator: see above)."""
+        base = _untagged(ref)
+        named = [s for s in self._snapshots.values() if base in (s.template_id, s.name)]
+        if caller is None:
+            return named[0] if named else None
+        own = [s for s in named if s.owner == caller]
+        if own or caller != ADMIN:
+            return own[0] if own else None
+        by_id = [s for s in named if s.template_id == base]
+        if by_id:
+            return by_id[0]
+        return named[0] if len({s.owner for s in named}) == 1 else None
 
     def list(self, sandbox_id: str | None = None, name: str | None = None) -> list[Snapshot]:
         snaps = sorted(self._snapshots.values(), key=lambda s: (-s.created_at, s.template_id))
         if sandbox_id:
             snaps = [s for s in snaps if s.sandbox_id == sandbox_id]
         if name:
-            base = name[: -len(TAG) - 1] if name.endswith(":" + TAG) else name
-            snaps = [s for s in snaps if s.name == base]
+            snaps = [s for s in snaps if s.name == _untagged(name)]
         return snaps
 
     def used_bytes(self) -> int:
@@ -124,14 +136,15 @@ class SnapshotStore:
 
     # --- mutations -------------------------------------------------------------------------------
 
-    def begin(self, name: str | None) -> tuple[str, Path, int]:
+    def begin(self, name: str | None, owner: str | None = None) -> tuple[str, Path, int]:
         """A new snapshot's id, its directory (created) and the bytes it may take; raises
-        SnapshotError when the name is bad or taken, or the quota is spent."""
+        SnapshotError when the name is bad or taken (by `owner`'s own snapshots: names are per tenant),
+        or the quota is spent."""
         if name is not None:
             if not NAME_RE.match(name):
                 raise SnapshotError(400, f"snapshot name {name!r} must be 1-63 lowercase letters, digits, '.', '_' "
                                          "or '-', starting with a letter or digit")
-            if self.find(name) is not None:
+            if any(s.name == name and s.owner == owner for s in self._snapshots.values()):
                 raise SnapshotError(409, f"a snapshot named {name!r} exists already: delete it or choose another name")
         if len(self._snapshots) >= self.max_count:
             raise SnapshotError(429, f"this server keeps at most {self.max_count} snapshots: delete some first")
@@ -157,15 +170,17 @@ class SnapshotStore:
         self._reserved -= reserved
         shutil.rmtree(self.root / template_id, ignore_errors=True)
 
-    def delete(self, ref: str) -> bool:
-        snap = self.find(ref)
-        if snap is None:
+    def delete(self, snap: Snapshot) -> bool:
+        if self._snapshots.pop(snap.template_id, None) is None:
             return False
-        del self._snapshots[snap.template_id]
         with contextlib.suppress(OSError):
             (self.root / snap.template_id / "meta.json").unlink()
         shutil.rmtree(self.root / snap.template_id, ignore_errors=True)
         return True
+
+
+def _untagged(ref: str) -> str:
+    return ref[: -len(TAG) - 1] if ref.endswith(":" + TAG) else ref
 
 
 def tree_size(path: Path) -> int:

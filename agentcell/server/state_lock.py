@@ -17,6 +17,8 @@ import os
 import time
 from dataclasses import dataclass
 
+from agentcell import rootless
+
 LOCK_NAME = "server.lock"
 
 
@@ -63,13 +65,24 @@ def acquire(state_dir: str, listen: str) -> StateDirLock:
         os.close(fd)
         raise
     os.ftruncate(fd, 0)
-    os.pwrite(fd, json.dumps({"pid": os.getpid(), "listen": listen, "started": time.time()}).encode(), 0)
+    holder = {"pid": _holder_pid(), "rootless": rootless.active(), "listen": listen, "started": time.time()}
+    os.pwrite(fd, json.dumps(holder).encode(), 0)
     return StateDirLock(path, fd)
+
+
+def _holder_pid() -> int | None:
+    """This server's pid as its user sees it. A rootless server is pid 1 of a pid namespace of its own:
+    the pid of its launcher outside (which passes signals on), or None when there is none to tell."""
+    if not rootless.active():
+        return os.getpid()
+    return rootless.outside_pid()
 
 
 def _describe(fd: int) -> str:
     with contextlib.suppress(OSError, ValueError, TypeError, AttributeError):
         info = json.loads(os.pread(fd, 4096, 0))
         started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(info["started"])))
-        return f"pid {int(info['pid'])}, listening on {info['listen']}, started {started}"
+        pid, kind = info.get("pid"), "a rootless server, " if info.get("rootless") else ""
+        who = f"pid {int(pid)}" if isinstance(pid, int) else "whose pid cannot be told from here"
+        return f"{kind}{who}, listening on {info['listen']}, started {started}"
     return "its holder has not said who it is yet"
