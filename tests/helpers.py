@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any, TypeVar
 
 import httpx
 
@@ -16,6 +17,19 @@ from agentcell.backends.linux.backend import LinuxBackend, LinuxSandbox
 from agentcell.runtime.protocol import AgentChannel
 
 PROBE = "agentcell.backends.linux.probe:serve"  # the backend tests' stand-in agent
+T = TypeVar("T")
+
+
+def wait_until(what: str, check: Callable[[], T], timeout: float = 15, interval: float = 0.1) -> T:
+    """`check()`'s first truthy answer, asked every `interval` seconds; an AssertionError naming `what`
+    once `timeout` seconds have passed without one."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = check()
+        if got:
+            return got
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(interval)
 
 
 @contextlib.contextmanager
