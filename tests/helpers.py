@@ -6,7 +6,7 @@ import contextlib
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 import httpx
@@ -29,6 +29,19 @@ def wait_until(what: str, check: Callable[[], T], timeout: float = 15, interval:
         if got:
             return got
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(interval)
+
+
+def wait_for_events(read: Callable[[], Iterable[dict[str, Any]]], done: Callable[[list[dict[str, Any]]], bool],
+                    timeout: float = 10, interval: float = 0.2) -> list[dict[str, Any]]:
+    """A sandbox's record, as `read()` gives it, once `done` says it holds what the test waits for (the
+    record is written a little after what it records); an AssertionError with its kinds after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = list(read())
+        if done(got):
+            return got
+        assert time.monotonic() < deadline, f"the record never showed it: {[e['kind'] for e in got][-20:]}"
         time.sleep(interval)
 
 

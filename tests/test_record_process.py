@@ -15,7 +15,7 @@ import pytest
 from agentcell import Sandbox
 from agentcell.record.linux import audit_netlink as an
 from agentcell.record.linux.process import NICE, processes_of
-from tests.helpers import wait_until
+from tests.helpers import wait_for_events, wait_until
 from tests.servers import ServerProcess
 
 pytestmark = pytest.mark.skipif(os.environ.get("AGENTCELL_TEST_BACKEND", "linux") != "linux",
@@ -41,8 +41,7 @@ def _rule_keys() -> set[str]:
 
 
 def _events(sbx: Sandbox, pred: Any, within: float = 10) -> list[dict[str, Any]]:
-    return wait_until("the record to show it", lambda: (lambda evs: evs if pred(evs) else None)(list(sbx.events())),
-                      timeout=within)
+    return wait_for_events(sbx.events, pred, timeout=within, interval=0.1)
 
 
 def test_the_kernel_is_read_by_a_child_that_dies_with_the_server(tmp_path: Path) -> None:
