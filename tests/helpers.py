@@ -12,12 +12,13 @@ from typing import Any, TypeVar
 import httpx
 
 from agentcell import CommandExitException, Sandbox
-from agentcell.backends.base import Limits, SandboxSpec
+from agentcell.backends.base import Backend, Limits, SandboxSpec
 from agentcell.backends.linux.backend import LinuxBackend, LinuxSandbox
 from agentcell.runtime.protocol import AgentChannel
 
 PROBE = "agentcell.backends.linux.probe:serve"  # the backend tests' stand-in agent
 T = TypeVar("T")
+B = TypeVar("B", bound=Backend)
 
 
 def wait_until(what: str, check: Callable[[], T], timeout: float = 15, interval: float = 0.1) -> T:
@@ -63,14 +64,18 @@ def e2b_pointed_at(url: str) -> Iterator[str]:
 
 
 @contextlib.asynccontextmanager
-async def probe_backend(**options: Any) -> AsyncIterator[LinuxBackend]:
-    """A started LinuxBackend whose sandboxes run the probe agent (backend tests' module fixture)."""
-    be = LinuxBackend(entry_point=PROBE, **{"max_sandboxes": 1000, **options})
-    await be.start()
+async def started(backend: B) -> AsyncIterator[B]:
+    """`backend` started, closed on the way out (the backend tests' module fixtures)."""
+    await backend.start()
     try:
-        yield be
+        yield backend
     finally:
-        await be.close()
+        await backend.close()
+
+
+def probe_backend(**options: Any) -> contextlib.AbstractAsyncContextManager[LinuxBackend]:
+    """A started LinuxBackend whose sandboxes run the probe agent."""
+    return started(LinuxBackend(entry_point=PROBE, **{"max_sandboxes": 1000, **options}))
 
 
 @contextlib.contextmanager
