@@ -72,11 +72,11 @@ class ServerProcess:
         self.start_timeout = start_timeout
         self.stop_timeout = stop_timeout
         self.what = what
-        address: list[str] = []
+        added: list[str] = []  # the address, a state dir
         if address_args:
-            address = ["--uds", uds] if uds else [*(("--host", host) if host else ()), "--port", str(self.port)]
+            added = ["--uds", uds] if uds else [*(("--host", host) if host else ()), "--port", str(self.port)]
         if own_state_dir and "--state-dir" not in args:  # its snapshots and paused sandboxes: gone with the run
-            address += ["--state-dir", tempfile.mkdtemp(prefix="agentcell-state-")]
+            added += ["--state-dir", tempfile.mkdtemp(prefix="agentcell-state-")]
         environ = dict(base_env if base_env is not None else user.env() if user else os.environ)
         environ["PYTHONUNBUFFERED"] = "1"
         for name, value in (env or {}).items():
@@ -87,7 +87,7 @@ class ServerProcess:
         as_user = {"user": user.uid, "group": user.gid, "extra_groups": []} if user else {}
         with log_path.open("wb") as log:
             self.proc = subprocess.Popen(
-                [*command, *address, *args], cwd=cwd or (user.home if user else REPO), env=environ,
+                [*command, *added, *args], cwd=cwd or (user.home if user else REPO), env=environ,
                 stdout=log if stdout_to_log else subprocess.DEVNULL, stderr=log, pass_fds=tuple(pass_fds),
                 **as_user)  # type: ignore[call-overload]
 
