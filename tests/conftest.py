@@ -1,7 +1,7 @@
 """Shared fixtures: one real agentcell server (linux backend) for the whole test session.
 
 `server_url` starts `python -m agentcell.server` on a free 127.0.0.1 port in a subprocess (so a
-misbehaving sandbox can never take pytest down with it) and yields its base URL. Set
+misbehaving sandbox can never take pytest down with it; tests/servers.py) and yields its base URL. Set
 AGENTCELL_TEST_SERVER_URL to run the tests against a server that is already running instead.
 The server's log goes to `server_log` (printed when a test fails is up to the caller).
 """
@@ -9,21 +9,16 @@ The server's log goes to `server_log` (printed when a test fails is up to the ca
 from __future__ import annotations
 
 import os
-import signal
-import socket
-import subprocess
-import sys
 import tempfile
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from agentcell import Sandbox
 from tests.helpers import e2b_pointed_at
+from tests.servers import ServerProcess
 
 REPO = Path(__file__).resolve().parent.parent
 # The network rule: no server the tests start (their own, embedded ones, the SDK's) may route sandbox
@@ -36,62 +31,9 @@ BACKEND_ARGS = ("--backend", TEST_BACKEND) if TEST_BACKEND != "linux" else ()
 GVISOR = TEST_BACKEND == "gvisor"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def server_log() -> Path:
     return Path(tempfile.gettempdir()) / f"agentcell-test-server-{os.getpid()}.log"
-
-
-class ServerProcess:
-    """A real `python -m agentcell.server` on a free loopback port, for tests that need one of their own."""
-
-    def __init__(self, log_path: Path, *args: str, env: dict[str, str] | None = None) -> None:
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        self._log = log_path.open("wb")
-        if "--state-dir" not in args:  # its snapshots and paused sandboxes' files: its own, gone with the test run
-            args = ("--state-dir", tempfile.mkdtemp(prefix="agentcell-state-"), *args)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "agentcell.server", "--host", "127.0.0.1", "--port", str(self.port), *args],
-            cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-        )
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def wait_ready(self, timeout: float = 90) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
-            try:
-                httpx.get(f"{self.url}/health", timeout=1)
-                return
-            except httpx.TransportError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"the server did not start:\n{self.log()[-4000:]}") from None
-                time.sleep(0.1)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
 
 
 @pytest.fixture(scope="session")
@@ -102,12 +44,8 @@ def server(server_log: Path) -> Iterator[ServerProcess | None]:
         return
     # The canary stands for the secrets an operator's server environment holds (API keys, cloud
     # credentials); tests check that no sandbox can find it.
-    srv = ServerProcess(server_log, *BACKEND_ARGS, env={"AGENTCELL_TEST_CANARY": SERVER_ENV_CANARY})
-    try:
-        srv.wait_ready()
+    with ServerProcess(server_log, *BACKEND_ARGS, env={"AGENTCELL_TEST_CANARY": SERVER_ENV_CANARY}) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="session")

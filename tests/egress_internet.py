@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,8 +20,9 @@ import pytest
 
 from agentcell import Sandbox
 from agentcell.network.ca import EgressCA
-from tests.conftest import ServerProcess
 from tests.egress_world import host_state as _host_state
+from tests.egress_world import netns_service
+from tests.servers import ServerProcess
 
 TAG = f"acegress{os.getpid() % 100000}"
 INET = f"{TAG}-inet"
@@ -153,7 +153,7 @@ def internet_server(tmp_path_factory: pytest.TempPathFactory, *server_args: str)
     if os.geteuid() != 0:
         pytest.skip("needs root (network namespaces)")
     before = _host_state()
-    services = server = None
+    server = None
     subprocess.run(["ip", "netns", "add", INET], check=True)
     # the internet's HTTPS has certificates from a test CA the server is told to trust
     tmp = tmp_path_factory.mktemp("egress-internet")
@@ -167,23 +167,15 @@ def internet_server(tmp_path_factory: pytest.TempPathFactory, *server_args: str)
         for addr in ADDRESSES:
             _ns("addr", "add", f"{addr}/32", "dev", "lo")
         _ns("addr", "add", f"{WEB6}/128", "dev", "lo")
-        services = subprocess.Popen(["ip", "netns", "exec", INET, sys.executable, str(HERE / "internet_services.py"),
-                                     *ADDRESSES], stdout=subprocess.PIPE, text=True,
-                                    env={**os.environ, "INET_TLS_CERT": str(tmp / "upstream.pem"),
-                                         "INET_TLS_ROGUE": f"{ROGUE}={tmp / 'rogue.pem'}",
-                                         "INET_LOG": str(INTERNET_LOG)})
-        assert services.stdout is not None and services.stdout.readline().strip() == "ready"
-        server = ServerProcess(tmp_path_factory.mktemp("egress") / "server.log", "--egress-uplink",
-                               f"netns:/run/netns/{INET}", "--egress-dns", UPSTREAM_DNS, "--standbys", "2",
-                               "--egress-ca-bundle", str(tmp / "ca.pem"), *server_args)
-        server.wait_ready()
-        yield server
+        with netns_service(INET, HERE / "internet_services.py", *ADDRESSES,
+                           env={**os.environ, "INET_TLS_CERT": str(tmp / "upstream.pem"),
+                                "INET_TLS_ROGUE": f"{ROGUE}={tmp / 'rogue.pem'}", "INET_LOG": str(INTERNET_LOG)}):
+            server = ServerProcess(tmp_path_factory.mktemp("egress") / "server.log", "--egress-uplink",
+                                   f"netns:/run/netns/{INET}", "--egress-dns", UPSTREAM_DNS, "--standbys", "2",
+                                   "--egress-ca-bundle", str(tmp / "ca.pem"), *server_args)
+            with server:
+                yield server
     finally:
-        if server is not None:
-            server.stop()
-        if services is not None:
-            services.kill()
-            services.wait()
         subprocess.run(["ip", "netns", "del", INET], check=False)
         if server is not None:
             leftover = [n for n in os.listdir("/run/netns") if n.startswith(f"agentcell-{server.pid}-")]

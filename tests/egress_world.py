@@ -11,8 +11,9 @@ from __future__ import annotations
 import contextlib
 import subprocess
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from agentcell.network.router import Router
 
@@ -23,6 +24,21 @@ def host_state() -> tuple[str, ...]:
     links = "\n".join(line.split(" qlen")[0] for line in run("ip", "-o", "link").splitlines())
     return (links, run("ip", "-o", "addr"), run("ip", "-o", "route"), run("ip", "-o", "-6", "route"),
             run("nft", "list", "ruleset"))
+
+
+@contextlib.contextmanager
+def netns_service(netns: str, script: Path, *args: str,
+                  env: Mapping[str, str] | None = None) -> Iterator[subprocess.Popen[str]]:
+    """`python script args...` inside namespace `netns` (the tests' internet services), yielded once it
+    printed "ready"; killed on the way out."""
+    proc = subprocess.Popen(["ip", "netns", "exec", netns, sys.executable, str(script), *args],
+                            stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 @dataclass

@@ -4,18 +4,46 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from typing import Any, TypeVar
 
 import httpx
 
 from agentcell import CommandExitException, Sandbox
-from agentcell.backends.base import Limits, SandboxSpec
+from agentcell.backends.base import Backend, Limits, SandboxSpec
 from agentcell.backends.linux.backend import LinuxBackend, LinuxSandbox
 from agentcell.runtime.protocol import AgentChannel
 
 PROBE = "agentcell.backends.linux.probe:serve"  # the backend tests' stand-in agent
+T = TypeVar("T")
+B = TypeVar("B", bound=Backend)
+
+
+def wait_until(what: str, check: Callable[[], T], timeout: float = 15, interval: float = 0.1) -> T:
+    """`check()`'s first truthy answer, asked every `interval` seconds; an AssertionError naming `what`
+    once `timeout` seconds have passed without one."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = check()
+        if got:
+            return got
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(interval)
+
+
+def wait_for_events(read: Callable[[], Iterable[dict[str, Any]]], done: Callable[[list[dict[str, Any]]], bool],
+                    timeout: float = 10, interval: float = 0.2) -> list[dict[str, Any]]:
+    """A sandbox's record, as `read()` gives it, once `done` says it holds what the test waits for (the
+    record is written a little after what it records); an AssertionError with its kinds after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = list(read())
+        if done(got):
+            return got
+        assert time.monotonic() < deadline, f"the record never showed it: {[e['kind'] for e in got][-20:]}"
+        time.sleep(interval)
 
 
 @contextlib.contextmanager
@@ -36,14 +64,18 @@ def e2b_pointed_at(url: str) -> Iterator[str]:
 
 
 @contextlib.asynccontextmanager
-async def probe_backend(**options: Any) -> AsyncIterator[LinuxBackend]:
-    """A started LinuxBackend whose sandboxes run the probe agent (backend tests' module fixture)."""
-    be = LinuxBackend(entry_point=PROBE, **{"max_sandboxes": 1000, **options})
-    await be.start()
+async def started(backend: B) -> AsyncIterator[B]:
+    """`backend` started, closed on the way out (the backend tests' module fixtures)."""
+    await backend.start()
     try:
-        yield be
+        yield backend
     finally:
-        await be.close()
+        await backend.close()
+
+
+def probe_backend(**options: Any) -> contextlib.AbstractAsyncContextManager[LinuxBackend]:
+    """A started LinuxBackend whose sandboxes run the probe agent."""
+    return started(LinuxBackend(entry_point=PROBE, **{"max_sandboxes": 1000, **options}))
 
 
 @contextlib.contextmanager

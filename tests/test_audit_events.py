@@ -23,6 +23,7 @@ from agentcell.record.linux import audit_netlink as an
 from agentcell.record.linux.audit_events import AuditCollector
 from agentcell.record.linux.target import WatchTarget
 from agentcell.runtime.protocol import AgentChannel, line_dicts
+from tests.helpers import started
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/proc/self/ns/user"),
                                 reason="the linux backend needs root and user namespaces")
@@ -53,12 +54,9 @@ def audit_before() -> Iterator[tuple[Any, ...]]:
 
 @pytest.fixture(scope="module")
 async def backend(audit_before: tuple[Any, ...]) -> AsyncIterator[LinuxBackend]:
-    be = LinuxBackend(max_sandboxes=20, standbys=1, preload=False, ready_timeout=60)  # a busy host is slow
-    await be.start()
-    try:
+    # ready_timeout: a busy host is slow
+    async with started(LinuxBackend(max_sandboxes=20, standbys=1, preload=False, ready_timeout=60)) as be:
         yield be
-    finally:
-        await be.close()
 
 
 class Recorder:

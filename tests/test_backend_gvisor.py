@@ -25,6 +25,7 @@ from agentcell.backends.gvisor import spec as gvisor_spec
 from agentcell.backends.gvisor.backend import GvisorBackend, GvisorSandbox
 from agentcell.errors import InvalidArgumentError
 from agentcell.runtime.protocol import AgentChannel, line_dicts
+from tests.helpers import started
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("runsc") is None,
                                 reason="the gvisor backend needs root and runsc (scripts/setup installs it)")
@@ -33,12 +34,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 async def backend() -> AsyncIterator[GvisorBackend]:
-    be = GvisorBackend(max_sandboxes=20, standbys=1)
-    await be.start()
-    try:
+    async with started(GvisorBackend(max_sandboxes=20, standbys=1)) as be:
         yield be
-    finally:
-        await be.close()
 
 
 class Box:
@@ -231,6 +228,7 @@ _DYING_SERVER = """
 import asyncio, sys
 from agentcell.backends.base import SandboxSpec
 from agentcell.backends.gvisor.backend import GvisorBackend
+from tests.helpers import started
 async def main():
     be = GvisorBackend(max_sandboxes=2, standbys=0)
     await be.start()

@@ -5,6 +5,7 @@ stderr and exit code; `shell` on a real pseudo-terminal.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -22,56 +23,31 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
+
+from tests.servers import ServerProcess, free_port
 
 REPO = Path(__file__).resolve().parent.parent
 CLI = [sys.executable, "-m", "agentcell.cli"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Serve:
+@contextlib.contextmanager
+def _serve(*args: str) -> Iterator[ServerProcess]:
     """`agentcell serve --egress-uplink none` on a free loopback port, with a state dir of its own."""
-
-    def __init__(self, *args: str) -> None:
-        self.url = f"http://127.0.0.1:{_free_port()}"
-        self.dir = tempfile.mkdtemp(prefix="agentcell-cli-test-")
-        self.log = Path(self.dir, "server.log")
-        with self.log.open("wb") as log:
-            self.proc = subprocess.Popen(
-                [*CLI, "serve", "--egress-uplink", "none", "--host", "127.0.0.1", "--port", self.url.rsplit(":", 1)[1],
-                 "--state-dir", str(Path(self.dir, "state")), "--standbys", "1", *args],
-                cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        deadline = time.monotonic() + 180
-        while True:
-            assert self.proc.poll() is None, f"the server exited:\n{self.log.read_text()[-3000:]}"
-            try:
-                httpx.get(f"{self.url}/health", timeout=1)
-                return
-            except httpx.TransportError:
-                assert time.monotonic() < deadline, f"the server did not start:\n{self.log.read_text()[-3000:]}"
-                time.sleep(0.2)
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        shutil.rmtree(self.dir, ignore_errors=True)
+    tmp = tempfile.mkdtemp(prefix="agentcell-cli-test-")
+    try:
+        with ServerProcess(Path(tmp, "server.log"), "--egress-uplink", "none", "--state-dir", str(Path(tmp, "state")),
+                           "--standbys", "1", *args, command=[*CLI, "serve"], start_timeout=180,
+                           stop_timeout=30) as srv:
+            yield srv
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[Serve]:
-    s = Serve()
-    yield s
-    s.stop()
+def server() -> Iterator[ServerProcess]:
+    with _serve() as s:
+        yield s
 
 
 def _env(url: str | None, **extra: str) -> dict[str, str]:
@@ -106,7 +82,7 @@ def one_line_error(r: subprocess.CompletedProcess[bytes], code: int = 1) -> str:
 
 
 @pytest.fixture
-def sid(server: Serve) -> Iterator[str]:
+def sid(server: ServerProcess) -> Iterator[str]:
     sandbox_id = ok(server.url, "create", "--timeout", "600").strip()
     yield sandbox_id
     cli(server.url, "kill", sandbox_id)
@@ -115,7 +91,7 @@ def sid(server: Serve) -> Iterator[str]:
 # --- create, info, ls -----------------------------------------------------------------------------
 
 
-def test_create_prints_the_id_and_applies_its_options(server: Serve) -> None:
+def test_create_prints_the_id_and_applies_its_options(server: ServerProcess) -> None:
     out = ok(server.url, "create", "--timeout", "120", "--env", "GREETING=hello there", "--metadata", "team=cli",
              "--limit", "memory=256M", "--limit", "pids=128", "--no-internet")
     sandbox_id = out.strip()
@@ -135,7 +111,7 @@ def test_create_prints_the_id_and_applies_its_options(server: Serve) -> None:
     assert sandbox_id not in ok(server.url, "ls", "--all", "-q")
 
 
-def test_text_outputs_escape_what_a_client_chose(server: Serve) -> None:
+def test_text_outputs_escape_what_a_client_chose(server: ServerProcess) -> None:
     sandbox_id = ok(server.url, "create", "--timeout", "60", "--metadata", "note=\x1b]0;owned\x07\x1b[2J").strip()
     try:
         out = ok(server.url, "ls")
@@ -146,7 +122,7 @@ def test_text_outputs_escape_what_a_client_chose(server: Serve) -> None:
         ok(server.url, "kill", sandbox_id)
 
 
-def test_bad_options_are_usage_errors(server: Serve) -> None:
+def test_bad_options_are_usage_errors(server: ServerProcess) -> None:
     for args in (["create", "--limit", "memory=lots"], ["create", "--env", "NOEQUALS"], ["kill"],
                  ["cp", "a", "b"], ["run", "onlycode"], ["completion", "tcsh"]):
         r = cli(server.url, *args)
@@ -157,7 +133,7 @@ def test_bad_options_are_usage_errors(server: Serve) -> None:
 # --- exec -----------------------------------------------------------------------------------------
 
 
-def test_exec_exit_codes_streams_and_options(server: Serve, sid: str) -> None:
+def test_exec_exit_codes_streams_and_options(server: ServerProcess, sid: str) -> None:
     r = cli(server.url, "exec", sid, "--", "sh", "-c", "echo out; echo err >&2; exit 3")
     assert (r.returncode, r.stdout, r.stderr) == (3, b"out\n", b"err\n")
     assert ok(server.url, "exec", sid, "--", "true") == ""
@@ -174,7 +150,7 @@ def test_exec_exit_codes_streams_and_options(server: Serve, sid: str) -> None:
     assert "--timeout 1 s" in one_line_error(r, 124)
 
 
-def test_exec_passes_bytes_through_and_json_collects_them(server: Serve, sid: str) -> None:
+def test_exec_passes_bytes_through_and_json_collects_them(server: ServerProcess, sid: str) -> None:
     # not UTF-8: passed through byte for byte (it was decoded, each bad byte turned into U+FFFD)
     r = cli(server.url, "exec", sid, "--", "sh", "-c", r"printf '\377\376\000\303('; printf '\200\n' >&2")
     assert (r.returncode, r.stdout, r.stderr) == (0, b"\xff\xfe\x00\xc3(", b"\x80\n")
@@ -193,7 +169,7 @@ def test_exec_passes_bytes_through_and_json_collects_them(server: Serve, sid: st
     assert json.loads(r.stdout)["error"]["exit_code"] == 124
 
 
-def test_json_errors_are_an_object_on_stdout_and_the_line_on_stderr(server: Serve) -> None:
+def test_json_errors_are_an_object_on_stdout_and_the_line_on_stderr(server: ServerProcess) -> None:
     for args in (["info", "nosuchsandbox", "--json"], ["resume", "--json", "nosuchsandbox"],
                  ["exec", "--json", "nosuchsandbox", "--", "true"], ["snapshot", "create", "--json", "nosuchsandbox"]):
         r = cli(server.url, *args)
@@ -202,12 +178,12 @@ def test_json_errors_are_an_object_on_stdout_and_the_line_on_stderr(server: Serv
         assert error["exit_code"] == 1 and error["message"] in line and "ls --all" in error["hint"], (args, error)
     # no --json, no JSON
     assert cli(server.url, "info", "nosuchsandbox").stdout == b""
-    down = f"http://127.0.0.1:{_free_port()}"
+    down = f"http://127.0.0.1:{free_port()}"
     r = cli(down, "ls", "--json")
     assert "cannot reach" in one_line_error(r) and "cannot reach" in json.loads(r.stdout)["error"]["message"]
 
 
-def test_exec_output_arrives_as_it_is_written(server: Serve, sid: str) -> None:
+def test_exec_output_arrives_as_it_is_written(server: ServerProcess, sid: str) -> None:
     proc = subprocess.Popen([*CLI, "exec", sid, "--", "sh", "-c", "echo first; sleep 3; echo second >&2; echo third"],
                             cwd=REPO, env=_env(server.url), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
@@ -229,7 +205,7 @@ def test_exec_output_arrives_as_it_is_written(server: Serve, sid: str) -> None:
 # --- run ------------------------------------------------------------------------------------------
 
 
-def test_run_keeps_state_and_an_error_exits_1_with_the_traceback(server: Serve, sid: str) -> None:
+def test_run_keeps_state_and_an_error_exits_1_with_the_traceback(server: ServerProcess, sid: str) -> None:
     assert ok(server.url, "run", sid, "x = 41\nprint('side', flush=True)") == "side\n"
     assert ok(server.url, "run", sid, "x + 1") == "42\n"
     assert ok(server.url, "run", sid, "-", input=b"print(x * 2)\n") == "82\n"
@@ -256,7 +232,7 @@ def test_run_rm_uses_a_fresh_sandbox_on_an_embedded_server() -> None:
 # --- cp -------------------------------------------------------------------------------------------
 
 
-def test_cp_files_directories_and_std_streams(server: Serve, sid: str, tmp_path: Path) -> None:
+def test_cp_files_directories_and_std_streams(server: ServerProcess, sid: str, tmp_path: Path) -> None:
     blob = os.urandom(300_000) + bytes(range(256))
     tree = tmp_path / "tree"
     (tree / "sub" / "deeper").mkdir(parents=True)
@@ -298,7 +274,7 @@ def test_cp_files_directories_and_std_streams(server: Serve, sid: str, tmp_path:
     assert cli(server.url, "cp", f"{sid}:/home/user/tree", "-").returncode == 2
 
 
-def test_cp_upload_keeps_modes_and_json_says_what_it_copied(server: Serve, sid: str, tmp_path: Path) -> None:
+def test_cp_upload_keeps_modes_and_json_says_what_it_copied(server: ServerProcess, sid: str, tmp_path: Path) -> None:
     tool = tmp_path / "tool"
     (tool / "bin").mkdir(parents=True)
     script = tool / "bin" / "hello.sh"
@@ -329,7 +305,7 @@ def test_cp_upload_keeps_modes_and_json_says_what_it_copied(server: Serve, sid: 
 # --- shell ----------------------------------------------------------------------------------------
 
 
-def test_shell_is_a_real_terminal(server: Serve, sid: str) -> None:
+def test_shell_is_a_real_terminal(server: ServerProcess, sid: str) -> None:
     pid, fd = pty.fork()
     if pid == 0:  # the child: the CLI, on the pty's terminal end
         try:
@@ -375,7 +351,7 @@ def test_shell_is_a_real_terminal(server: Serve, sid: str) -> None:
             pass
 
 
-def test_shell_reads_a_piped_stdin(server: Serve, sid: str) -> None:
+def test_shell_reads_a_piped_stdin(server: ServerProcess, sid: str) -> None:
     r = cli(server.url, "shell", sid, input=b"echo $((6*7))\nexit 3\n")
     assert r.returncode == 3 and b"42" in r.stdout
     r = cli(server.url, "shell", sid, input=b"echo done\n")  # the end of stdin ends the shell
@@ -385,7 +361,7 @@ def test_shell_reads_a_piped_stdin(server: Serve, sid: str) -> None:
 # --- pause, resume, snapshots ---------------------------------------------------------------------
 
 
-def test_pause_and_resume_keep_the_state(server: Serve, sid: str) -> None:
+def test_pause_and_resume_keep_the_state(server: ServerProcess, sid: str) -> None:
     ok(server.url, "run", sid, "kept = 'still here'")
     assert ok(server.url, "pause", sid) == f"paused {sid}\n"
     assert sid not in ok(server.url, "ls", "-q")  # ls: running ones
@@ -404,7 +380,7 @@ def test_pause_and_resume_keep_the_state(server: Serve, sid: str) -> None:
     assert ok(server.url, "run", sid, "kept") == "still here\n"
 
 
-def test_snapshot_create_ls_rm(server: Serve, sid: str) -> None:
+def test_snapshot_create_ls_rm(server: ServerProcess, sid: str) -> None:
     ok(server.url, "exec", sid, "--", "sh", "-c", "echo from-the-snapshot > /home/user/marker")
     snap = ok(server.url, "snapshot", "create", sid, "--name", "cli-test").strip()
     assert snap == "cli-test:default"
@@ -429,7 +405,7 @@ def test_snapshot_create_ls_rm(server: Serve, sid: str) -> None:
 # --- the record -----------------------------------------------------------------------------------
 
 
-def test_events_logs_and_report(server: Serve, sid: str) -> None:
+def test_events_logs_and_report(server: ServerProcess, sid: str) -> None:
     ok(server.url, "exec", sid, "--", "sh", "-c", "echo recorded > /home/user/r.txt")
     events = [json.loads(x) for x in ok(server.url, "events", sid, "--kind", "api.call").splitlines()]
     assert events and all(e["kind"] == "api.call" for e in events)
@@ -458,7 +434,7 @@ def test_events_logs_and_report(server: Serve, sid: str) -> None:
 
 
 def test_server_down_is_one_line(tmp_path: Path) -> None:
-    url = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     for args in (["ls"], ["create"], ["exec", "someid", "--", "true"], ["kill", "someid"], ["report", "someid"]):
         line = one_line_error(cli(url, *args))
         assert f"cannot reach the agentcell server at {url} (connection refused)" in line, line
@@ -486,7 +462,7 @@ def test_no_server_configured_is_one_line_with_the_hint() -> None:
         assert "agentcell serve" in r.stderr.decode() and "AGENTCELL_URL" in r.stderr.decode()
 
 
-def test_unknown_id_is_one_line(server: Serve) -> None:
+def test_unknown_id_is_one_line(server: ServerProcess) -> None:
     for args in (["exec", "nosuchsandbox", "--", "true"], ["run", "nosuchsandbox", "1"], ["shell", "nosuchsandbox"],
                  ["cp", "nosuchsandbox:/x", "/tmp/"], ["info", "nosuchsandbox"], ["pause", "nosuchsandbox"],
                  ["resume", "nosuchsandbox"], ["kill", "nosuchsandbox"], ["events", "nosuchsandbox"],
@@ -496,19 +472,16 @@ def test_unknown_id_is_one_line(server: Serve) -> None:
 
 
 def test_wrong_key_is_one_line() -> None:
-    keyed = Serve("--api-key", "right-key")
-    try:
+    with _serve("--api-key", "right-key") as keyed:
         for key in ("wrong-key", None):
             extra = {"AGENTCELL_API_KEY": key} if key else {}
             for args in (["ls"], ["create"], ["exec", "someid", "--", "true"], ["events", "someid"]):
                 line = one_line_error(cli(keyed.url, *args, **extra))
                 assert "the server refused the API key" in line, (args, line)
         assert ok(keyed.url, "ls", "--api-key", "right-key") == ""
-    finally:
-        keyed.stop()
 
 
-def test_sandbox_gone_mid_stream_is_one_line(server: Serve) -> None:
+def test_sandbox_gone_mid_stream_is_one_line(server: ServerProcess) -> None:
     for args in (["exec", "{sid}", "--", "sh", "-c", "echo started; sleep 60"],
                  ["run", "{sid}", "import time; print('started', flush=True); time.sleep(60)"]):
         victim = ok(server.url, "create", "--timeout", "120").strip()
@@ -527,7 +500,7 @@ def test_sandbox_gone_mid_stream_is_one_line(server: Serve) -> None:
 # --- completion -----------------------------------------------------------------------------------
 
 
-def test_completion_scripts_and_completions(server: Serve, sid: str) -> None:
+def test_completion_scripts_and_completions(server: ServerProcess, sid: str) -> None:
     for shell in ("bash", "zsh", "fish"):
         script = ok(server.url, "completion", shell)
         assert "_AGENTCELL_COMPLETE" in script, shell
@@ -540,7 +513,7 @@ def test_completion_scripts_and_completions(server: Serve, sid: str) -> None:
     assert f"plain,{sid}".encode() in ids.stdout, ids
 
 
-def test_kill_all(server: Serve) -> None:
+def test_kill_all(server: ServerProcess) -> None:
     made = [ok(server.url, "create", "--timeout", "60").strip() for _ in range(2)]
     ok(server.url, "pause", made[1])
     out = ok(server.url, "kill", "--all")

@@ -26,6 +26,7 @@ from agentcell.backends.base import Limits, SandboxSpec
 from agentcell.backends.linux.backend import LinuxBackend, LinuxSandbox
 from agentcell.errors import InvalidArgumentError, ResourceExhaustedError
 from agentcell.runtime.protocol import AgentChannel
+from tests.helpers import started
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/proc/self/ns/user"),
                                 reason="the linux backend needs root and user namespaces")
@@ -78,12 +79,8 @@ class Box:
 
 @pytest.fixture(scope="module")
 async def backend() -> AsyncIterator[LinuxBackend]:
-    be = LinuxBackend(max_sandboxes=100, standbys=1, preload=False)
-    await be.start()
-    try:
+    async with started(LinuxBackend(max_sandboxes=100, standbys=1, preload=False)) as be:
         yield be
-    finally:
-        await be.close()
 
 
 @pytest.fixture

@@ -8,14 +8,12 @@ server stops, the fake host's ruleset, forwarding switch and links are as they w
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,6 +21,8 @@ import pytest
 
 from tests.conftest import REPO
 from tests.egress_world import host_state as _host_state
+from tests.egress_world import netns_service
+from tests.servers import ServerProcess, free_port
 from tests.test_egress import ADDRESSES, FORBIDDEN, HERE, PROBES, UPSTREAM_DNS, WEB
 
 TAG = f"achost{os.getpid() % 100000}"
@@ -60,7 +60,7 @@ def fake_host() -> Iterator[str]:
     if os.geteuid() != 0:
         pytest.skip("needs root (network namespaces)")
     before = _host_state()
-    procs: list[subprocess.Popen[str]] = []
+    procs = contextlib.ExitStack()  # the internet's services and the fake host's own
     for ns in (INET, FAKEHOST):
         subprocess.run(["ip", "netns", "add", ns], check=True)
     try:
@@ -76,51 +76,38 @@ def fake_host() -> Iterator[str]:
         subprocess.run([*fake, "addr", "add", f"{HOST_ADDR}/24", "dev", "eth0"], check=True)
         subprocess.run([*fake, "link", "set", "eth0", "up"], check=True)
         subprocess.run([*fake, "route", "add", "default", "via", INET_ADDR], check=True)
-        services = subprocess.Popen(["ip", "netns", "exec", INET, sys.executable, str(HERE / "internet_services.py"),
-                                     *ADDRESSES], stdout=subprocess.PIPE, text=True)
-        procs.append(services)
-        assert services.stdout is not None and services.stdout.readline().strip() == "ready"
+        procs.enter_context(netns_service(INET, HERE / "internet_services.py", *ADDRESSES))
         # a service of the fake host itself, on all its addresses: no sandbox may reach it
-        procs.append(subprocess.Popen(["nsenter", f"--net=/run/netns/{FAKEHOST}", sys.executable, "-m", "http.server",
-                                       "8081", "--bind", "0.0.0.0"], stdout=subprocess.DEVNULL,
-                                      stderr=subprocess.DEVNULL, text=True))
+        fake_service = subprocess.Popen(["nsenter", f"--net=/run/netns/{FAKEHOST}", sys.executable, "-m", "http.server",
+                                         "8081", "--bind", "0.0.0.0"], stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.DEVNULL, text=True)
+        procs.callback(fake_service.wait)
+        procs.callback(fake_service.kill)
         yield FAKEHOST
     finally:
-        for p in procs:
-            p.kill()
-            p.wait()
+        procs.close()
         for ns in (INET, FAKEHOST):
             subprocess.run(["ip", "netns", "del", ns], check=False)
         assert _host_state() == before, "the host's network changed"
 
 
-class HostModeServer:
+class HostModeServer(ServerProcess):
     """A real server with the production default uplink (host), run inside the stand-in host `fake_host`,
     with a --state-dir of its own under `tmp`."""
 
     def __init__(self, fake_host: str, tmp: Path, *args: str) -> None:
         self.fake_host = fake_host
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]  # free in the host's namespace; the fake host's is empty anyway
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = tmp / f"server-{self.port}.log"
-        self._log = self.log_path.open("w")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        env.pop("AGENTCELL_EGRESS_UPLINK", None)  # the production default: host
-        self.proc = subprocess.Popen(
-            ["nsenter", f"--net=/run/netns/{fake_host}", sys.executable, "-m", "agentcell.server", "--port",
-             str(self.port), "--egress-dns", UPSTREAM_DNS, "--standbys", "1", "--state-dir",
-             str(tmp / f"state-{self.port}"), *args],
-            cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT, env=env, text=True)
+        port = free_port()  # free in the host's namespace; the fake host's is empty anyway
+        super().__init__(tmp / f"server-{port}.log", "--egress-dns", UPSTREAM_DNS, "--standbys", "1", "--state-dir",
+                         str(tmp / f"state-{port}"), *args, port=port, host=None,
+                         command=["nsenter", f"--net=/run/netns/{fake_host}", sys.executable, "-m", "agentcell.server"],
+                         env={"AGENTCELL_EGRESS_UPLINK": None},  # the production default: host
+                         stop_timeout=30)
 
-    def wait_ready(self, timeout: float = 90) -> None:
-        deadline = time.monotonic() + timeout
-        while _in(self.fake_host, sys.executable, "-c",
-                  f"import urllib.request; urllib.request.urlopen('{self.url}/health')").returncode != 0:
-            assert self.proc.poll() is None, self.log_path.read_text()
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.3)
+    def answers(self) -> bool:
+        """Asked from inside the fake host (the server's port is there)."""
+        return _in(self.fake_host, sys.executable, "-c",
+                   f"import urllib.request; urllib.request.urlopen('{self.url}/health')").returncode == 0
 
     def probe(self, checks: list[str]) -> dict[str, str]:
         """`checks` (expressions of PROBES) evaluated in a new sandbox of this server."""
@@ -128,19 +115,6 @@ class HostModeServer:
                 timeout=120)
         assert r.returncode == 0, r.stderr[-3000:]
         return json.loads(r.stdout.strip().splitlines()[-1])
-
-    def terminate(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-
-    def stop(self) -> None:
-        self.terminate()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self._log.close()
 
 
 def host_settings_records() -> set[str]:
@@ -151,9 +125,7 @@ def host_settings_records() -> set[str]:
 def test_host_uplink_masquerades_and_keeps_the_host_out(fake_host: str, tmp_path: Path) -> None:
     before = _state(fake_host)
     records = host_settings_records()
-    server = HostModeServer(fake_host, tmp_path)
-    try:
-        server.wait_ready()
+    with HostModeServer(fake_host, tmp_path) as server:
         during = _state(fake_host)
         assert "masquerade" in during[3] and during[4].strip() == "1"
         # ip_forward of the fake host: its original and its holder (the host-wide sysctls have their own)
@@ -167,7 +139,5 @@ def test_host_uplink_masquerades_and_keeps_the_host_out(fake_host: str, tmp_path
             assert got[f"tcp('{a}')"] != "ok", a
         # the web service on the fake host's neighbour is public here (a documentation address): reachable
         assert got[f"tcp('{INET_ADDR}', 80)"] == "ok"
-    finally:
-        server.stop()
     assert _state(fake_host) == before, "the server left changes in its host's network"
     assert host_settings_records() == records

@@ -14,7 +14,6 @@ import os
 import socket
 import statistics
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +24,7 @@ from agentcell import Sandbox
 from agentcell.network.resolver import DomainRules, Pin, PolicyResolver, serve, serve_tcp
 from tests.conftest import ServerProcess
 from tests.egress_world import host_state as _host_state
+from tests.egress_world import netns_service
 from tests.test_egress import PROBES, ask, probed
 
 TAG = f"actenant{os.getpid() % 100000}"
@@ -114,20 +114,14 @@ def internet() -> Iterator[str]:
         pytest.skip("needs root (network namespaces)")
     before = _host_state()
     subprocess.run(["ip", "netns", "add", INET], check=True)
-    services = None
     try:
         ip = ["ip", "-n", INET]
         subprocess.run([*ip, "link", "set", "lo", "up"], check=True)
         for addr in (PEER, DNS):
             subprocess.run([*ip, "addr", "add", f"{addr}/32", "dev", "lo"], check=True)
-        services = subprocess.Popen(["ip", "netns", "exec", INET, sys.executable, str(HERE / "pushing_services.py"),
-                                     PEER, DNS], stdout=subprocess.PIPE, text=True)
-        assert services.stdout is not None and services.stdout.readline().strip() == "ready"
-        yield f"/run/netns/{INET}"
+        with netns_service(INET, HERE / "pushing_services.py", PEER, DNS):
+            yield f"/run/netns/{INET}"
     finally:
-        if services is not None:
-            services.kill()
-            services.wait()
         subprocess.run(["ip", "netns", "del", INET], check=False)
         assert _host_state() == before, "the host's network changed"
 

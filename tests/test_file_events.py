@@ -19,6 +19,7 @@ from agentcell.backends.linux.backend import LinuxBackend, LinuxSandbox
 from agentcell.record.linux import file_events
 from agentcell.record.linux.target import WatchTarget
 from agentcell.runtime.protocol import KEEPALIVE, AgentChannel
+from tests.helpers import started
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="fanotify filesystem marks and the linux backend need root")
 
@@ -79,12 +80,8 @@ class Record:
 
 @pytest.fixture(scope="module")
 async def backend() -> AsyncIterator[LinuxBackend]:
-    be = LinuxBackend(max_sandboxes=20, standbys=0, ready_timeout=90)
-    await be.start()
-    try:
+    async with started(LinuxBackend(max_sandboxes=20, standbys=0, ready_timeout=90)) as be:
         yield be
-    finally:
-        await be.close()
 
 
 @pytest.fixture(scope="module")

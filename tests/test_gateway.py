@@ -18,8 +18,6 @@ import os
 import re
 import signal
 import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,61 +32,11 @@ from agentcell import Sandbox
 from agentcell.gateway.cells import STATES
 from agentcell.server.auth import signature
 from agentcell.server.cell import CELL_ID_LEN, normalise_cell_id
-from tests.conftest import REPO, ServerProcess, _free_port
-from tests.helpers import e2b_pointed_at
+from tests.helpers import e2b_pointed_at, wait_until
+from tests.servers import GatewayProcess, ServerProcess, free_port
 
 CELL_IDS = ("cellaaaa", "cellbbbb", "cellcccc")  # the third: --max-sandboxes 1
 PORT_SERVER = (Path(__file__).parent / "port_server.py").read_text()
-
-
-class GatewayProcess:
-    def __init__(self, log_path: Path, cells: list[str], *args: str) -> None:
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        self._log = log_path.open("wb")
-        cell_args = [a for c in cells for a in ("--cell", c)]
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "agentcell", "gateway", "--port", str(self.port), *cell_args, *args],
-            cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def wait_ready(self, timeout: float = 30) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            assert self.proc.poll() is None, f"the gateway exited:\n{self.log()[-3000:]}"
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, f"the gateway did not start:\n{self.log()[-3000:]}"
-            time.sleep(0.1)
-
-    def cells(self) -> dict[str, dict[str, Any]]:
-        return {c["cellId"]: c for c in httpx.get(self.url + "/v1/cells", timeout=5).json() if c["cellId"]}
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-
-
-def _wait(what: str, check: Any, timeout: float = 15) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = check()
-        if got:
-            return got
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +65,7 @@ def gateways(cells: list[ServerProcess], tmp_path_factory: pytest.TempPathFactor
     try:
         for g in gws:
             g.wait_ready()
-        _wait("every cell up at both gateways", lambda: all(len(g.cells()) == 3 and all(
+        wait_until("every cell up at both gateways", lambda: all(len(g.cells()) == 3 and all(
             c["up"] for c in g.cells().values()) for g in gws))
         yield gws
     finally:
@@ -216,7 +164,7 @@ def test_e2b_sdks_through_the_gateway(gw: str) -> None:
                 got = httpx.post(gw + "/echo?x=1", headers={"Host": host}, content=b"payload")
                 return got if got.status_code == 200 else None
 
-            assert json.loads(_wait("the port server", echo).text)["body"] == "payload"
+            assert json.loads(wait_until("the port server", echo).text)["body"] == "payload"
             big = httpx.get(gw + "/chunked?n=3000000", headers={"Host": host})
             assert big.status_code == 200 and len(big.content) == 3000000
             from websockets.sync.client import connect as ws_connect
@@ -341,7 +289,7 @@ def _value(found: dict[Any, float], name: str, **labels: str) -> float:
 @pytest.fixture(scope="module")
 def ops_gateway(cells: list[ServerProcess], tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
     """A keyed gateway with JSON logs in front of two cells and an address where nothing listens."""
-    nowhere = f"http://127.0.0.1:{_free_port()}"
+    nowhere = f"http://127.0.0.1:{free_port()}"
     g = GatewayProcess(tmp_path_factory.mktemp("ops-gw") / "gw.log", [cells[0].url, cells[1].url, nowhere],
                        "--api-key", OPS_KEY, "--log-format", "json", "--poll-interval", "0.2")
     try:
@@ -639,23 +587,23 @@ def test_a_snapshot_on_a_stopped_cell_is_not_placed_elsewhere(cells: list[Server
     src.kill()
     os.kill(cells[1].pid, signal.SIGSTOP)
     try:
-        _wait("the stopped cell marked down", lambda: not gateways[0].cells()[CELL_IDS[1]]["up"], timeout=10)
+        wait_until("the stopped cell marked down", lambda: not gateways[0].cells()[CELL_IDS[1]]["up"], timeout=10)
         r = httpx.post(gw + "/sandboxes", json={"templateID": snap}, timeout=30)
         assert r.status_code == 503 and f"lives on cell {CELL_IDS[1]}" in r.json()["message"], r.text
         d = httpx.delete(f"{gw}/templates/{snap}")
         assert d.status_code == 503 and CELL_IDS[1] in d.json()["message"], d.text
     finally:
         os.kill(cells[1].pid, signal.SIGCONT)
-    _wait("the cell back up", lambda: gateways[0].cells()[CELL_IDS[1]]["up"], timeout=10)
+    wait_until("the cell back up", lambda: gateways[0].cells()[CELL_IDS[1]]["up"], timeout=10)
     assert Sandbox.delete_snapshot(snap, api_url=gw) is True
 
 
 def test_health_is_503_without_a_routable_cell(tmp_path: Path) -> None:
     """A readiness probe takes a gateway with no cell out of its Service (liveness must not use it)."""
-    nowhere = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
+    nowhere = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     lone = GatewayProcess(tmp_path / "lone.log", [nowhere], "--poll-interval", "0.2")
     try:
-        r = _wait("the gateway up", lambda: _health(lone.url))
+        r = wait_until("the gateway up", lambda: _health(lone.url))
         assert r.status_code == 503 and r.json() == {"status": "no cells", "cells": 0, "ready": 0}
     finally:
         lone.stop()
@@ -679,7 +627,7 @@ def test_a_stopped_cell_is_marked_down_then_back(cells: list[ServerProcess], gat
     os.kill(cells[1].pid, signal.SIGSTOP)
     try:
         t0 = time.monotonic()
-        _wait("the stopped cell marked down", lambda: not gateways[0].cells()[CELL_IDS[1]]["up"], timeout=10)
+        wait_until("the stopped cell marked down", lambda: not gateways[0].cells()[CELL_IDS[1]]["up"], timeout=10)
         noticed = time.monotonic() - t0
         assert _gone(httpx.post(gw + "/execute", json={"code": "1"}, headers=headers), sid)
         new = _create(gw)  # creates go elsewhere meanwhile
@@ -687,7 +635,7 @@ def test_a_stopped_cell_is_marked_down_then_back(cells: list[ServerProcess], gat
         httpx.delete(f"{gw}/sandboxes/{new}")
     finally:
         os.kill(cells[1].pid, signal.SIGCONT)
-    _wait("the cell back up", lambda: gateways[0].cells()[CELL_IDS[1]]["up"], timeout=10)
+    wait_until("the cell back up", lambda: gateways[0].cells()[CELL_IDS[1]]["up"], timeout=10)
     r = httpx.post(gw + "/execute", json={"code": "20 + 22"}, headers=headers)
     assert r.status_code == 200 and '"42"' in r.text
     httpx.delete(f"{gw}/sandboxes/{sid}")
@@ -713,10 +661,10 @@ def test_a_terminated_cell_drains(cells: list[ServerProcess], gateways: list[Gat
     token = httpx.get(f"{cell.url}/sandboxes/{sid}").json()["envdAccessToken"]
     headers = {"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": "49999", "X-Access-Token": token}
     cell.proc.send_signal(signal.SIGTERM)
-    _wait("health 503", lambda: httpx.get(cell.url + "/health").status_code == 503)
+    wait_until("health 503", lambda: httpx.get(cell.url + "/health").status_code == 503)
     refused = httpx.post(cell.url + "/v2/sandboxes", json={"templateID": "base"})
     assert refused.status_code == 429 and "draining" in refused.json()["message"]
-    _wait("the gateway sees it draining", lambda: gateways[1].cells()[CELL_IDS[2]]["draining"])
+    wait_until("the gateway sees it draining", lambda: gateways[1].cells()[CELL_IDS[2]]["draining"])
     figures = _samples(httpx.get(gw + "/metrics").text)
     assert _value(figures, "agentcell_gateway_cells", state="draining") == 1
     assert _value(figures, "agentcell_gateway_cells", state="ready") == 2
@@ -746,7 +694,7 @@ def test_a_killed_cell_answers_not_found(cells: list[ServerProcess], gateways: l
     # each request found the cell's port closed, or its cell already marked down (by that or by a poll)
     assert sum(_value(after, errors, kind=k) - _value(before, errors, kind=k)
                for k in ("cell_unreachable", "cell_failed", "sandbox_cell_down")) == 2
-    _wait("this cell and the drained one down", lambda: _value(
+    wait_until("this cell and the drained one down", lambda: _value(
         _samples(httpx.get(gw + "/metrics").text), "agentcell_gateway_cells", state="down") == 2, timeout=5)
     new = _create(gw)  # the one cell left takes it
     assert _cell_of(new) == CELL_IDS[1]
@@ -809,7 +757,7 @@ async def test_kubernetes_discovery_follows_endpointslices() -> None:
     app.router.add_get("/apis/discovery.k8s.io/v1/namespaces/cells/endpointslices", endpointslices)
     runner = web.AppRunner(app)
     await runner.setup()
-    port = _free_port()
+    port = free_port()
     site = web.TCPSite(runner, "127.0.0.1", port)
     await site.start()
     conf = client.Configuration(host=f"http://127.0.0.1:{port}")

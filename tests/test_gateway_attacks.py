@@ -36,8 +36,8 @@ import pytest
 
 from agentcell import Sandbox
 from agentcell.server.auth import signature
-from tests.conftest import ServerProcess
-from tests.test_gateway import GatewayProcess, _wait
+from tests.helpers import wait_until
+from tests.servers import GatewayProcess, ServerProcess
 from tests.test_http_hardening import mem_kib, request_head, reset_peak, status_of
 
 CELL_KEY = "cell_" + "cd" * 20
@@ -74,7 +74,7 @@ def gateway(cells: list[ServerProcess], tmp_path_factory: pytest.TempPathFactory
                        "--max-body-memory-mb", "8")
     try:
         g.wait_ready()
-        _wait("both cells up at the gateway", lambda: len(_cells_seen(g)) == 2, timeout=30)
+        wait_until("both cells up at the gateway", lambda: len(_cells_seen(g)) == 2, timeout=30)
         yield g
     finally:
         g.stop()

@@ -10,19 +10,16 @@ from __future__ import annotations
 
 import glob
 import os
-import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from agentcell.backends.linux import host_settings, uids
 from agentcell.record.linux import audit_netlink as an
 from agentcell.record.linux.audit_events import AUDIT_KEY, audit_setting
+from tests.servers import SERVE, ServerProcess
 
 REPO = Path(__file__).resolve().parent.parent
 SYSCTLS = ("fs.file-max", "kernel.pid_max", "kernel.pty.max")
@@ -77,45 +74,31 @@ def _uid_lock_held(first: int) -> bool:
 
 def test_a_stopped_server_leaves_the_host_as_it_found_it(tmp_path: Path) -> None:
     first = 1_600_000_000 + (os.getpid() % 1000) * 4096  # our own uid range: our audit rules are told apart
-    sock = str(tmp_path / "s.sock")
-    log = tmp_path / "server.log"
     before = _state(-1, first)
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "agentcell", "serve", "--uds", sock, "--state-dir",
-                                 str(tmp_path / "state"), "--egress-uplink", "none", "--uid-base", str(first),
-                                 "--max-sandboxes", "8", "--standbys", "1"],
-                                stdout=out, stderr=subprocess.STDOUT, cwd=str(REPO),
-                                env={**os.environ, "PYTHONPATH": str(REPO)})
+    srv = ServerProcess(tmp_path / "server.log", "--state-dir", str(tmp_path / "state"), "--egress-uplink", "none",
+                        "--uid-base", str(first), "--max-sandboxes", "8", "--standbys", "1", command=SERVE,
+                        uds=str(tmp_path / "s.sock"), env={"PYTHONPATH": str(REPO)}, ready_status=200,
+                        start_timeout=300)
     try:
-        with httpx.Client(transport=httpx.HTTPTransport(uds=sock), base_url="http://localhost", timeout=30) as c:
-            deadline = time.monotonic() + 300
-            while True:
-                assert proc.poll() is None, log.read_text()[-3000:]
-                assert time.monotonic() < deadline, log.read_text()[-3000:]
-                try:
-                    if os.path.exists(sock) and c.get("/health").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                time.sleep(0.05)
+        srv.wait_ready()
+        with srv.http_client() as c:
             sbx = c.post("/sandboxes", json={"templateID": "code-interpreter-v1", "timeout": 60})
             assert sbx.status_code == 201, sbx.text
-            during = _state(proc.pid, first)
+            during = _state(srv.pid, first)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
-    after = _state(proc.pid, first)
+        srv.stop(60, or_kill=False)  # its own shutdown undoes its changes: a SIGKILL would not tell
+    after = _state(srv.pid, first)
 
     # it did change the host while it ran ...
-    assert during["cgroups"] and during["uid_lock_held"], (during, log.read_text()[-2000:])
+    assert during["cgroups"] and during["uid_lock_held"], (during, srv.log()[-2000:])
     for name in SYSCTLS:  # held even when high enough already (another server's raise stays)
-        assert proc.pid in during["sysctl_holders"][name], (name, during)
+        assert srv.pid in during["sysctl_holders"][name], (name, during)
     # ... and nothing of it is left
     assert after["cgroups"] == [] and not after["uid_lock_held"], after
     assert after["audit_rules"] == [] and after["nft_tables"] == [] and after["mounts"] == [], after
-    assert proc.pid not in after["audit_holders"]
+    assert srv.pid not in after["audit_holders"]
     for name in SYSCTLS:
-        assert proc.pid not in after["sysctl_holders"][name], (name, after)
+        assert srv.pid not in after["sysctl_holders"][name], (name, after)
         if not after["sysctl_holders"][name] and not before["sysctl_holders"][name]:
             assert after["sysctls"][name] == before["sysctls"][name], (name, before, after)  # restored
     if not after["audit_holders"] and not before["audit_holders"]:

@@ -17,6 +17,7 @@ from agentcell.backends.linux.backend import LinuxBackend, LinuxSandbox
 from agentcell.record.linux.limit_events import LimitsCollector
 from agentcell.record.linux.target import WatchTarget
 from agentcell.runtime.protocol import AgentChannel, line_dicts
+from tests.helpers import started
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/proc/self/ns/user"),
                                 reason="the linux backend needs root and user namespaces")
@@ -88,12 +89,8 @@ class Box:
 
 @pytest.fixture(scope="module")
 async def backend() -> AsyncIterator[LinuxBackend]:
-    be = LinuxBackend(max_sandboxes=20, standbys=0, preload=False)
-    await be.start()
-    try:
+    async with started(LinuxBackend(max_sandboxes=20, standbys=0, preload=False)) as be:
         yield be
-    finally:
-        await be.close()
 
 
 @pytest.fixture(scope="module")

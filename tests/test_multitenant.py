@@ -115,12 +115,8 @@ def test_two_servers_get_disjoint_uid_ranges(server_url: str, tmp_path: Path) ->
             # The second server's whole range is disjoint from the first's: a third one asking for an
             # explicit base inside either range is refused, with a message that says why.
             for taken in (ua, ub):
-                clash = ServerProcess(tmp_path / f"clash-{taken}.log", "--uid-base", str(taken))
-                try:
-                    assert clash.proc.wait(timeout=60) != 0
-                finally:
-                    clash.stop()
-                assert "overlaps" in clash.log() and "another agentcell server" in clash.log(), clash.log()[-2000:]
+                refusal = ServerProcess(tmp_path / f"clash-{taken}.log", "--uid-base", str(taken)).refused(60)
+                assert "overlaps" in refusal and "another agentcell server" in refusal, refusal[-2000:]
     finally:
         other.stop()
 

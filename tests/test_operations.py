@@ -34,7 +34,8 @@ from agentcell.record.store import EventStore
 from agentcell.server import observer as observer_module
 from agentcell.server.observer import ObservedRecorder, Observer
 from agentcell.server.prometheus import ServerMetrics
-from tests.conftest import REPO, ServerProcess, _free_port
+from tests.conftest import REPO
+from tests.servers import GATEWAY, ServerProcess, free_port
 
 KEY = "ops-key-" + os.urandom(12).hex()
 ARGV_KEY = "argv-key-" + os.urandom(12).hex()
@@ -70,12 +71,8 @@ def json_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc
     config = d / "agentcell.toml"
     config.write_text(f'max-sandboxes = {CONFIG_MAX_SANDBOXES}\nstandbys = 1\nlog_format = "json"\n'
                       f'api-key-file = "{key_file}"\negress-uplink = "none"\n')
-    srv = ServerProcess(d / "server.log", "--config", str(config), "--state-dir", str(d / "state"))
-    try:
-        srv.wait_ready()
+    with ServerProcess(d / "server.log", "--config", str(config), "--state-dir", str(d / "state")) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 def client(srv: ServerProcess, key: str | None = KEY) -> httpx.Client:
@@ -286,23 +283,10 @@ def tls_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Serve
     """HTTPS with a self-signed certificate, text logs, the key on the command line (to be warned of)."""
     d = tmp_path_factory.mktemp("tls")
     cert, key = _self_signed(d)
-    srv = ServerProcess(d / "server.log", "--egress-uplink", "none", "--standbys", "0", "--tls-cert", str(cert),
-                        "--tls-key", str(key), "--api-key", ARGV_KEY, "--log-format", "text")
-    srv.url = srv.url.replace("http://", "https://")
-    trust = ssl.create_default_context(cafile=str(cert))
-    deadline = time.monotonic() + 90
-    while True:
-        assert srv.proc.poll() is None, srv.log()[-4000:]
-        try:
-            httpx.get(f"{srv.url}/health", verify=trust, timeout=1)
-            break
-        except httpx.TransportError:
-            assert time.monotonic() < deadline, srv.log()[-4000:]
-            time.sleep(0.2)
-    try:
+    with ServerProcess(d / "server.log", "--egress-uplink", "none", "--standbys", "0", "--tls-cert", str(cert),
+                       "--tls-key", str(key), "--api-key", ARGV_KEY, "--log-format", "text",
+                       tls=ssl.create_default_context(cafile=str(cert))) as srv:
         yield srv, cert
-    finally:
-        srv.stop()
 
 
 def test_tls_round_trip(tls_server: tuple[ServerProcess, Path]) -> None:
@@ -356,34 +340,24 @@ def test_gateway_takes_a_config_file_key_files_and_tls(tls_server: tuple[ServerP
     _, cert = tls_server
     (tmp_path / "client-key").write_text(KEY)
     (tmp_path / "cell-key").write_text(ARGV_KEY + "\n")
-    port = _free_port()
+    port = free_port()
     config = tmp_path / "gateway.toml"
     config.write_text(f'port = {port}\ncell = ["http://127.0.0.1:9"]\napi-key-file = "{tmp_path / "client-key"}"\n'
                       f'cell_api_key_file = "{tmp_path / "cell-key"}"\ntls-cert = "{cert}"\n'
                       f'tls-key = "{cert.parent / "key.pem"}"\nlog-format = "json"\n')
     log_path = tmp_path / "gateway.log"
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "agentcell", "gateway"], cwd=REPO, stdout=log,
-                                stderr=subprocess.STDOUT, env={**os.environ, "AGENTCELL_CONFIG": str(config)})
+    trust = ssl.create_default_context(cafile=str(cert))
+    gateway = ServerProcess(log_path, command=GATEWAY, port=port, address_args=False, own_state_dir=False,
+                            env={"AGENTCELL_CONFIG": str(config)}, tls=trust, start_timeout=30, what="the gateway")
+    url = gateway.url
     try:
-        trust = ssl.create_default_context(cafile=str(cert))
-        url = f"https://127.0.0.1:{port}"
-        deadline = time.monotonic() + 30
-        while True:
-            assert proc.poll() is None, log_path.read_text()
-            try:
-                httpx.get(f"{url}/health", verify=trust, timeout=1)
-                break
-            except httpx.TransportError:
-                assert time.monotonic() < deadline, log_path.read_text()
-                time.sleep(0.1)
+        gateway.wait_ready()
         assert httpx.get(f"{url}/v1/cells", verify=trust).status_code == 401
         assert httpx.get(f"{url}/v1/cells", verify=trust, headers={"X-API-KEY": KEY}).status_code == 200
-        cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes()
+        cmdline = Path(f"/proc/{gateway.pid}/cmdline").read_bytes()
         assert KEY.encode() not in cmdline and ARGV_KEY.encode() not in cmdline
     finally:
-        proc.terminate()
-        proc.wait(timeout=20)
+        gateway.stop(20, or_kill=False)
     lines = json_lines(log_path.read_text())
     [banner] = [x for x in lines if "gateway" in x["message"] and "serving on" in x["message"]]
     assert banner["listen"] == url and banner["tls"] == "on" and banner["auth"].startswith("API key required")

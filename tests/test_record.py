@@ -18,16 +18,11 @@ import pytest
 from agentcell import Sandbox
 from agentcell.errors import CommandExitException, InvalidArgumentException, NotFoundException
 from tests.conftest import ServerProcess
+from tests.helpers import wait_for_events
 
 
 def _wait_for(sbx_id: str, url: str, pred: Any, within: float = 10) -> list[dict[str, Any]]:
-    deadline = time.monotonic() + within
-    while True:
-        got = list(Sandbox.events(sbx_id, api_url=url))
-        if pred(got):
-            return got
-        assert time.monotonic() < deadline, f"the record never showed it: {[e['kind'] for e in got]}"
-        time.sleep(0.2)
+    return wait_for_events(lambda: Sandbox.events(sbx_id, api_url=url), pred, timeout=within)
 
 
 def test_api_calls_and_the_sandbox_life_are_in_its_record(server_url: str) -> None:

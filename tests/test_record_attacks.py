@@ -30,7 +30,7 @@ from agentcell import Sandbox
 from agentcell.record.store import RESERVED_SHARES
 from tests.conftest import ServerProcess
 from tests.egress_world import host_state
-from tests.helpers import create_sandbox
+from tests.helpers import create_sandbox, wait_for_events
 
 API_KEY = "record-attacks-" + os.urandom(6).hex()
 TAG = f"acrec{os.getpid() % 100000}"
@@ -44,13 +44,8 @@ def _id(prefix: str, secret: str) -> str:
 
 def _events(url: str, sid: str, api_key: str | None = None, within: float = 15,
             until: str = "sandbox.killed") -> list[dict[str, Any]]:
-    deadline = time.monotonic() + within
-    while True:
-        got = list(Sandbox.events(sid, api_url=url, api_key=api_key))
-        if any(e["kind"] == until for e in got):
-            return got
-        assert time.monotonic() < deadline, f"the record never showed {until}: {[e['kind'] for e in got][-20:]}"
-        time.sleep(0.3)
+    return wait_for_events(lambda: Sandbox.events(sid, api_url=url, api_key=api_key),
+                           lambda got: any(e["kind"] == until for e in got), timeout=within, interval=0.3)
 
 
 # --- #7: the record cannot be drowned ------------------------------------------------------------------

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from pathlib import Path
 from typing import Any
 
@@ -16,20 +15,11 @@ import pytest
 from agentcell import Sandbox
 from agentcell.record.linux import audit_netlink as an
 from agentcell.record.linux.process import NICE, processes_of
-from tests.conftest import ServerProcess
+from tests.helpers import wait_for_events, wait_until
+from tests.servers import ServerProcess
 
 pytestmark = pytest.mark.skipif(os.environ.get("AGENTCELL_TEST_BACKEND", "linux") != "linux",
                                 reason="the linux backend's collectors")
-
-
-def _wait(pred: Any, within: float, what: str) -> Any:
-    deadline = time.monotonic() + within
-    while True:
-        got = pred()
-        if got:
-            return got
-        assert time.monotonic() < deadline, what
-        time.sleep(0.1)
 
 
 def _alive(pid: int) -> bool:
@@ -51,8 +41,7 @@ def _rule_keys() -> set[str]:
 
 
 def _events(sbx: Sandbox, pred: Any, within: float = 10) -> list[dict[str, Any]]:
-    return _wait(lambda: (lambda evs: evs if pred(evs) else None)(list(sbx.events())), within,
-                 f"the record never showed it: {[e['kind'] for e in sbx.events()]}")
+    return wait_for_events(sbx.events, pred, timeout=within, interval=0.1)
 
 
 def test_the_kernel_is_read_by_a_child_that_dies_with_the_server(tmp_path: Path) -> None:
@@ -60,7 +49,7 @@ def test_the_kernel_is_read_by_a_child_that_dies_with_the_server(tmp_path: Path)
     srv = ServerProcess(tmp_path / "server.log", "--standbys", "1")
     try:
         srv.wait_ready(300)
-        (child,) = _wait(lambda: processes_of(srv.pid), 30, "no record process beside the server")
+        (child,) = wait_until("a record process beside the server", lambda: processes_of(srv.pid), timeout=30)
         assert os.getpriority(os.PRIO_PROCESS, child) == NICE
         ctl = an.AuditSocket()
         try:  # the kernel's records go to a record process, never to a server
@@ -79,7 +68,7 @@ def test_the_kernel_is_read_by_a_child_that_dies_with_the_server(tmp_path: Path)
             assert any(e.get("argv", [None])[0] == "sh" for e in execs), execs
         srv.proc.kill()  # SIGKILL: no close of the server's; the child goes by PR_SET_PDEATHSIG
         srv.proc.wait(10)
-        _wait(lambda: not _alive(child), 15, "the record process outlived its server")
+        wait_until("the record process to die with its server", lambda: not _alive(child), timeout=15)
         assert not (ours & _rule_keys()), "the dead server's audit rules stayed"
     finally:
         srv.stop()
@@ -89,12 +78,12 @@ def test_a_killed_record_process_is_started_again_and_the_records_say_so(tmp_pat
     srv = ServerProcess(tmp_path / "server.log", "--standbys", "1")
     try:
         srv.wait_ready(300)
-        (child,) = _wait(lambda: processes_of(srv.pid), 30, "no record process beside the server")
+        (child,) = wait_until("a record process beside the server", lambda: processes_of(srv.pid), timeout=30)
         with Sandbox.create(api_url=srv.url, timeout=120) as old:
             old.commands.run("true")
             os.kill(child, signal.SIGKILL)
-            (again,) = _wait(lambda: [p for p in processes_of(srv.pid) if p != child], 30,
-                             "the record process was not started again")
+            (again,) = wait_until("the record process to start again",
+                                  lambda: [p for p in processes_of(srv.pid) if p != child], timeout=30)
             assert "the behaviour record's process is gone" in srv.log()
             # the sandbox that lived through it: a note of the gap, then its events again
             _events(old, lambda evs: any(e["kind"] == "record.dropped" and "started again" in e.get("reason", "")
@@ -109,4 +98,4 @@ def test_a_killed_record_process_is_started_again_and_the_records_say_so(tmp_pat
         assert srv.proc.poll() is None
     finally:
         srv.stop()
-    _wait(lambda: not _alive(again), 15, "the record process outlived its server's stop")
+    wait_until("the record process to end with its server's stop", lambda: not _alive(again), timeout=15)

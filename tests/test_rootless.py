@@ -6,31 +6,22 @@ process)."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
-import signal
-import socket
-import subprocess
-import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
 
 from agentcell.sdk import Sandbox
 from tests.ordinary_user import OrdinaryUser, ordinary_user, user_venv  # noqa: F401
+from tests.servers import ServerProcess, free_port
 
 pytestmark = pytest.mark.skipif(shutil.which("newuidmap") is None,
                                 reason="rootless mode needs newuidmap/newgidmap: apt-get install uidmap")
 SECRET = "rootless-secret-of-the-user"
 LAUNCHER: dict[str, int] = {}  # the rootless_server fixture's launcher pid (what the user sees as the server)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -41,39 +32,13 @@ def rootless_server(ordinary_user: OrdinaryUser) -> Iterator[tuple[str, Ordinary
         f.write(SECRET)
     os.chown(secret, user.uid, user.gid)
     os.chmod(secret, 0o644)  # readable by every host user: only the sandbox's own root keeps it out
-    port = _free_port()
-    log_path = os.path.join(user.home, "server.log")
-    with open(log_path, "wb") as log:
-        # `python -m agentcell.server` (the embedded SDK's test below covers `python -m agentcell serve`)
-        proc = user.popen([user.python, "-m", "agentcell.server", "--port", str(port), "--standbys", "1",
-                           "--max-sandboxes", "8", "--egress-uplink", "none"], stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    LAUNCHER["pid"] = proc.pid
-
-    def log_text() -> str:
-        with open(log_path, errors="replace") as f:
-            return f.read()
-
-    try:
-        deadline = time.monotonic() + 180  # the first start builds the user's runtime store
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the rootless server exited with {proc.returncode}:\n{log_text()[-4000:]}")
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the rootless server did not start:\n{log_text()[-4000:]}")
-            time.sleep(0.2)
-        yield url, user, log_text()
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    # `python -m agentcell.server` (the embedded SDK's test below covers `python -m agentcell serve`)
+    with ServerProcess(Path(user.home, "server.log"), "--standbys", "1", "--max-sandboxes", "8", "--egress-uplink",
+                       "none", command=[user.python, "-m", "agentcell.server"], host=None, own_state_dir=False,
+                       user=user, ready_status=200, start_timeout=180,  # the first start builds its runtime store
+                       stop_timeout=30, what="the rootless server") as srv:
+        LAUNCHER["pid"] = srv.pid
+        yield srv.url, user, srv.log()
 
 
 def _run(sb: Sandbox, cmd: str) -> str:
@@ -202,7 +167,7 @@ def test_a_second_server_on_the_state_dir_names_the_real_holder(rootless_server:
     """The server holds its state dir; inside its namespace it is pid 1, but the message names the pid
     the user sees (its launcher, which passes signals on): it said "pid 1"."""
     url, user, _ = rootless_server
-    port = _free_port()
+    port = free_port()
     done = user.run([user.python, "-m", "agentcell.server", "--port", str(port), "--standbys", "0",
                      "--egress-uplink", "none"], timeout=120)
     assert done.returncode != 0

@@ -12,6 +12,7 @@ unchanged. The sandboxes are driven by a client inside the stand-in (the server'
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -28,8 +29,9 @@ import pytest
 
 from agentcell.network import netns_files
 from tests.egress_internet import ADDRESSES, DENIED_IP, FORBIDDEN, OTHER, PROBES, UPSTREAM_DNS, WEB
-from tests.egress_world import host_state
+from tests.egress_world import host_state, netns_service
 from tests.ordinary_user import OrdinaryUser, ordinary_user, user_venv  # noqa: F401
+from tests.servers import ServerProcess
 
 pytestmark = pytest.mark.skipif(shutil.which("newuidmap") is None or shutil.which("slirp4netns") is None,
                                 reason="needs newuidmap (apt-get install uidmap) and slirp4netns")
@@ -97,16 +99,18 @@ def _standin_state() -> str:
                      for what in (["link"], ["-4", "addr"], ["route"]))  # (IPv6 link-local addresses age)
 
 
-def _serve_in_standin(user: OrdinaryUser, tun: str, port: int, log: Any) -> subprocess.Popen[bytes]:
-    """The user's rootless server (with user-mode networking: the default uplink) inside the stand-in."""
-    env = {k: v for k, v in user.env().items() if k != "AGENTCELL_EGRESS_UPLINK"}  # the default: host
-    return subprocess.Popen(
-        ["ip", "netns", "exec", STANDIN, "sh", "-c",
-         'mount --bind "$0" /dev/net/tun && u=$1 g=$2 && shift 2 && '
-         'exec setpriv --reuid "$u" --regid "$g" --clear-groups -- "$@"',
-         tun, str(user.uid), str(user.gid), user.python, "-m", "agentcell.server", "--port", str(port),
-         "--standbys", "1", "--max-sandboxes", "8", "--egress-dns", UPSTREAM_DNS],
-        stdout=log, stderr=subprocess.STDOUT, env=env, cwd=user.home)
+def _serve_in_standin(user: OrdinaryUser, tun: str, port: int, log_path: Path) -> ServerProcess:
+    """The user's rootless server (with user-mode networking: the default uplink) inside the stand-in;
+    not waited for."""
+    return ServerProcess(
+        log_path, "--standbys", "1", "--max-sandboxes", "8", "--egress-dns", UPSTREAM_DNS,
+        command=["ip", "netns", "exec", STANDIN, "sh", "-c",
+                 'mount --bind "$0" /dev/net/tun && u=$1 g=$2 && shift 2 && '
+                 'exec setpriv --reuid "$u" --regid "$g" --clear-groups -- "$@"',
+                 tun, str(user.uid), str(user.gid), user.python, "-m", "agentcell.server"],
+        port=port, host=None, own_state_dir=False, base_env=user.env(),
+        env={"AGENTCELL_EGRESS_UPLINK": None},  # the default: host
+        cwd=user.home, stop_timeout=30)
 
 
 def _tun_mode() -> str:
@@ -118,7 +122,8 @@ def answers(ordinary_user: OrdinaryUser) -> Iterator[tuple[dict[str, dict[str, s
     """(the client's answers per case, the server's log, the stand-in's links/addresses/routes before)."""
     user = ordinary_user
     before, tun_mode = host_state(), _tun_mode()
-    services = server = None
+    server = None
+    services = contextlib.ExitStack()  # the internet's services
     tun_dir = tempfile.mkdtemp(prefix="agentcell-tun-")
     for ns in (STANDIN, INET):
         subprocess.run(["ip", "netns", "add", ns], check=True)
@@ -135,36 +140,25 @@ def answers(ordinary_user: OrdinaryUser) -> Iterator[tuple[dict[str, dict[str, s
             _ip(INET, "addr", "add", f"{addr}/32", "dev", "lo")
             _ip(STANDIN, "route", "add", f"{addr}/32", "via", LINK_INET)
         _ip(STANDIN, "route", "add", "unreachable", "default")
-        services = subprocess.Popen(["ip", "netns", "exec", INET, sys.executable, str(HERE / "internet_services.py"),
-                                     *ADDRESSES], stdout=subprocess.PIPE, text=True)
-        assert services.stdout is not None and services.stdout.readline().strip() == "ready"
+        services.enter_context(netns_service(INET, HERE / "internet_services.py", *ADDRESSES))
         standin_before = _standin_state()
         tun = os.path.join(tun_dir, "tun")
         os.mknod(tun, 0o666 | 0o020000, os.makedev(10, 200))
         os.chmod(tun, 0o666)
         os.chmod(tun_dir, 0o755)
-        log_path = os.path.join(user.home, "server-net.log")
-        with open(log_path, "wb") as log:
-            server = _serve_in_standin(user, tun, PORT, log)
-        RUNNING.update(server=server, tun=tun, user=user)
+        # the server in the stand-in, as the user (root mounts the node first); the client there waits for it
+        server = _serve_in_standin(user, tun, PORT, Path(user.home, "server-net.log"))
+        RUNNING.update(server=server.proc, tun=tun, user=user)
         client = subprocess.run(["ip", "netns", "exec", STANDIN, sys.executable, "-c", CLIENT,
-                                 f"http://127.0.0.1:{PORT}", PROBES, json.dumps(CASES)],
+                                 server.url, PROBES, json.dumps(CASES)],
                                 capture_output=True, text=True, timeout=900, cwd=str(HERE.parent))
-        with open(log_path, errors="replace") as f:
-            log_text = f.read()
+        log_text = server.log()
         assert client.returncode == 0, f"{client.stderr[-3000:]}\n--- server log:\n{log_text[-4000:]}"
         yield json.loads(client.stdout.splitlines()[-1]), log_text, standin_before
     finally:
-        if server is not None and server.poll() is None:
-            server.send_signal(signal.SIGTERM)
-            try:
-                server.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                server.kill()
-                server.wait()
-        if services is not None:
-            services.kill()
-            services.wait()
+        if server is not None:
+            server.stop()
+        services.close()
         for ns in (STANDIN, INET):
             subprocess.run(["ip", "netns", "del", ns], check=False)
         shutil.rmtree(tun_dir, ignore_errors=True)
@@ -225,9 +219,8 @@ def test_a_killed_servers_netns_file_goes_at_the_next_start(answers: tuple[dict[
     server.kill()  # SIGKILL: no cleanup runs
     server.wait()
     assert _netns_files(user) == [mine]  # the leftover
+    again = _serve_in_standin(user, RUNNING["tun"], PORT + 1, Path(user.home, "server-net-2.log")).proc
     log_path = os.path.join(user.home, "server-net-2.log")
-    with open(log_path, "wb") as log:
-        again = _serve_in_standin(user, RUNNING["tun"], PORT + 1, log)
     try:
         deadline = time.monotonic() + 240
         while not (files := _netns_files(user)) or mine in files:  # its router is made after the sweep

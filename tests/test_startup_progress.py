@@ -12,14 +12,13 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from agentcell.sdk import startup_log
+from tests.servers import SERVE, ServerProcess
 
 REPO = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the server needs root")
@@ -48,25 +47,15 @@ DONE = re.compile(_LINE + r"runtime store: building /opt/agentcell/venv from \S+
 
 
 def test_serve_says_what_a_cold_start_waits_for(fresh_store: dict[str, str], tmp_path: Path) -> None:
-    sock = str(tmp_path / "s.sock")
-    proc = subprocess.Popen([sys.executable, "-m", "agentcell", "serve", "--uds", sock, "--state-dir",
-                             str(tmp_path / "state"), "--standbys", "0"], env=fresh_store,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=str(REPO))
+    # its stderr alone in the log (the progress lines are log lines)
+    srv = ServerProcess(tmp_path / "stderr.log", "--state-dir", str(tmp_path / "state"), "--standbys", "0",
+                        command=SERVE, uds=str(tmp_path / "s.sock"), base_env=fresh_store, stdout_to_log=False,
+                        ready_status=200, start_timeout=300)
     try:
-        with httpx.Client(transport=httpx.HTTPTransport(uds=sock), base_url="http://localhost", timeout=5) as c:
-            for _ in range(3000):
-                if proc.poll() is not None:
-                    break
-                try:
-                    if os.path.exists(sock) and c.get("/health").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                time.sleep(0.05)
-            assert proc.poll() is None, "the server exited"
+        srv.wait_ready()
     finally:
-        proc.terminate()
-        err = proc.communicate(timeout=60)[1]
+        srv.stop(60, or_kill=False)
+    err = srv.log()
     assert PROGRESS.search(err), err[-3000:]  # what, how far, how long
     assert DONE.search(err), err[-3000:]
     assert re.search(_LINE + r"runtime store: built /opt/agentcell/venv .* "

@@ -19,7 +19,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ import httpx
 import pytest
 
 from agentcell.system import units
+from tests.servers import ServerProcess, free_port
 
 REPO = Path(__file__).resolve().parent.parent
 USER_PYTHON = "/usr/bin/python3"
@@ -81,7 +81,7 @@ def host() -> Iterator[Host]:
         shutil.rmtree(userlib, ignore_errors=True)
 
 
-class Service:
+class Service(ServerProcess):
     """`agentcell serve --system` as agentcell.service runs it, on a socket in a temporary directory."""
 
     def __init__(self, group: str, *extra: str, activated: socket.socket | None = None,
@@ -89,7 +89,6 @@ class Service:
         self.dir = _readable_dir("agentcell-sock-")
         self.socket = str(self.dir / "agentcell.sock")
         self.state = state or Path(tempfile.mkdtemp(prefix="agentcell-state-"))
-        self.log_path = self.state.parent / f"{self.state.name}.log"
         args = ["--uds", self.socket, "--state-dir", str(self.state), "--egress-uplink", "none", "--standbys", "0",
                 "--max-sandboxes-per-user", str(QUOTA), "--max-memory-mb-per-user", str(MEMORY_QUOTA_MB), *extra]
         argv = units.service_command(sys.executable, group, args)
@@ -98,52 +97,28 @@ class Service:
             self.socket = activated.getsockname()
             argv = ["bash", "-c", f'LISTEN_PID=$$ LISTEN_FDS=1 exec "$@" 3<&{activated.fileno()}', "bash", *argv]
             pass_fds = (activated.fileno(),)
-        with self.log_path.open("wb") as log:
-            self.proc = subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, pass_fds=pass_fds,
-                                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        self.client = httpx.Client(transport=httpx.HTTPTransport(uds=self.socket), base_url="http://localhost",
-                                   timeout=30)
-        deadline = time.monotonic() + 90
-        while True:
-            assert self.proc.poll() is None, f"the service exited:\n{self.log()}"
-            try:
-                if self.client.get("/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, f"the service did not start:\n{self.log()}"
-            time.sleep(0.1)
+        super().__init__(self.state.parent / f"{self.state.name}.log", command=argv, uds=self.socket,
+                         address_args=False, own_state_dir=False, pass_fds=pass_fds, ready_status=200,
+                         stop_timeout=30, what="the service")
+        self.client = self.http_client()
+        self.started()
 
     tcp: str = ""
 
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")[-4000:]
-
-    def stop(self, keep_state: bool = False) -> None:
+    def stop(self, grace: float | None = None, *, or_kill: bool = True, keep_state: bool = False) -> int:
         self.client.close()
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        code = super().stop(grace, or_kill=or_kill)
         shutil.rmtree(self.dir, ignore_errors=True)
         if not keep_state:
             shutil.rmtree(self.state, ignore_errors=True)
         self.log_path.unlink(missing_ok=True)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        return code
 
 
 @pytest.fixture(scope="module")
 def service(host: Host) -> Iterator[Service]:
     """With its TCP listener too (and so an API key): the socket's users must not need the key."""
-    port = _free_port()
+    port = free_port()
     svc = Service(host.group, "--system-tcp", "--host", "127.0.0.1", "--port", str(port), "--api-key", TCP_KEY)
     svc.tcp = f"http://127.0.0.1:{port}"
     try:

@@ -24,7 +24,8 @@ import pytest
 from agentcell import Sandbox
 from agentcell.record.linux import audit_netlink as an
 from agentcell.record.linux.process import processes_of
-from tests.conftest import ServerProcess
+from tests.helpers import wait_until
+from tests.servers import ServerProcess
 from tests.test_egress import FORBIDDEN, WEB
 from tests.test_egress_host_uplink import (
     HOST_ADDR,
@@ -39,14 +40,6 @@ AUDIT_FIELDS = ("enabled", "failure", "backlog_limit", "backlog_wait_time")
 LEGACY_ORIGINAL = "/run/agentcell/audit-original.json"  # where servers before the shared registry kept it
 
 
-def _exited(srv: ServerProcess, timeout: float = 90) -> int:
-    deadline = time.monotonic() + timeout
-    while srv.proc.poll() is None:
-        assert time.monotonic() < deadline, "the server neither started nor refused:\n" + srv.log()[-3000:]
-        time.sleep(0.2)
-    return srv.proc.returncode
-
-
 def test_a_second_server_on_the_same_state_dir_refuses_naming_the_first(tmp_path: Path) -> None:
     state = tmp_path / "state"
     first = ServerProcess(tmp_path / "first.log", "--state-dir", str(state), "--standbys", "0")
@@ -54,8 +47,7 @@ def test_a_second_server_on_the_same_state_dir_refuses_naming_the_first(tmp_path
     try:
         first.wait_ready()
         second = ServerProcess(tmp_path / "second.log", "--state-dir", str(state), "--standbys", "0")
-        assert _exited(second) != 0
-        refusal = second.log()
+        refusal = second.refused()
         assert f"--state-dir {state} is in use" in refusal, refusal[-3000:]
         assert f"pid {first.pid}" in refusal and f"127.0.0.1:{first.port}" in refusal, refusal[-3000:]
         assert httpx.get(f"{first.url}/health").status_code < 500  # the first one is untouched
@@ -176,11 +168,7 @@ def _agentcell_audit_rules() -> list[str]:
 
 
 def _record_process(srv: ServerProcess) -> int:
-    deadline = time.monotonic() + 30
-    while not (pids := processes_of(srv.pid)):
-        assert time.monotonic() < deadline, "the server has no record process"
-        time.sleep(0.1)
-    return pids[0]
+    return wait_until("the server's record process", lambda: processes_of(srv.pid), timeout=30)[0]
 
 
 @pytest.fixture
@@ -221,7 +209,7 @@ def test_recording_servers_stopped_at_once_leave_the_audit_status_as_it_was(
         for srv in servers:  # started at once, neither took the other for the operator's auditd
             assert "another audit daemon wants" not in srv.log(), srv.log()[-3000:]
         for srv in servers:  # both at once
-            srv.proc.terminate()
+            srv.terminate()
         for srv in servers:
             srv.proc.wait(timeout=60)
     finally:

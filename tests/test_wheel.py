@@ -16,15 +16,12 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
-import time
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from agentcell import Sandbox
@@ -32,7 +29,9 @@ from agentcell.backends.linux import runtime_store
 from agentcell.record import report
 from agentcell.record.events import event, not_recorded
 from agentcell.record.linux import bpf_build, kernel_trace
-from tests.conftest import REPO, ServerProcess, _free_port
+from tests.conftest import REPO
+from tests.helpers import wait_until
+from tests.servers import ServerProcess
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="sandboxes and the kernel tracer need root")
 
@@ -119,29 +118,17 @@ def test_the_report_says_which_part_the_host_did_not_record() -> None:
 def test_a_server_that_cannot_build_its_tracer_says_so_in_one_line_and_records_with_audit(tmp_path: Path) -> None:
     """The tree ships no compiled tracer; with a cache it cannot write, the server cannot have one: it
     says why and how to fix it in one line, and audit's rules record the processes."""
-    srv = ServerProcess(tmp_path / "server.log", env={"AGENTCELL_BPF_CACHE": "/dev/null/bpf"})
-    try:
-        srv.wait_ready()
+    with ServerProcess(tmp_path / "server.log", env={"AGENTCELL_BPF_CACHE": "/dev/null/bpf"}) as srv:
         sbx = Sandbox.create(api_url=srv.url)
         try:
             assert sbx.commands.run("ls /").exit_code == 0
-            assert _wait_for_exec(sbx, ["ls", "/"])
+            wait_until("the record's exec of ls /", lambda: ["ls", "/"] in [
+                e.get("argv") for e in sbx.events(kinds="process.exec")], timeout=10, interval=0.2)
             assert "not recorded" not in sbx.report(format="text")
         finally:
             sbx.kill()
-    finally:
-        srv.stop()
     lines = [line for line in srv.log().splitlines() if FALLBACK in line]
     assert len(lines) == 1 and "AGENTCELL_BPF_CACHE" in lines[0] and "/dev/null/bpf" in lines[0], srv.log()[-3000:]
-
-
-def _wait_for_exec(sbx: Sandbox, argv: list[str], timeout: float = 10) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if argv in [e.get("argv") for e in sbx.events(kinds="process.exec")]:
-            return True
-        time.sleep(0.2)
-    return False
 
 
 # -- the wheel (slow: built and installed once for the module) --------------------------------------------
@@ -262,18 +249,11 @@ def test_agentcell_serve_from_the_wheel(installed: Path, tmp_path: Path) -> None
     object (its compile cache stays empty)."""
     cache = tmp_path / "bpf-cache"
     env = _clean_env(AGENTCELL_BPF_CACHE=str(cache))
-    port = _free_port()
-    log_path = tmp_path / "server.log"
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen([str(installed / "agentcell"), "serve", "--host", "127.0.0.1", "--port", str(port),
-                                 "--egress-uplink", "none", "--state-dir", str(tmp_path / "state")],
-                                cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        _wait_ready(proc, f"http://127.0.0.1:{port}", log_path)
-        out = _smoke(installed, f"http://127.0.0.1:{port}", tmp_path, env)
-    finally:
-        _stop(proc)
-    server_log = log_path.read_text(errors="replace")
+    with ServerProcess(tmp_path / "server.log", "--egress-uplink", "none", "--state-dir", str(tmp_path / "state"),
+                       command=[str(installed / "agentcell"), "serve"], base_env=env, cwd=tmp_path,
+                       start_timeout=300, stop_timeout=30) as srv:
+        out = _smoke(installed, srv.url, tmp_path, env)
+    server_log = srv.log()
     _check_smoke(out, installed)
     assert FALLBACK not in server_log and "has no processes" not in server_log, server_log[-3000:]
     assert not cache.exists() or not any(cache.iterdir())  # the shipped object: nothing compiled
@@ -285,26 +265,3 @@ def test_embedded_sandbox_from_the_wheel(installed: Path, tmp_path: Path) -> Non
     out = _smoke(installed, "", tmp_path, _clean_env(AGENTCELL_BPF_CACHE=str(cache)))
     _check_smoke(out, installed)
     assert not cache.exists() or not any(cache.iterdir())
-
-
-def _wait_ready(proc: subprocess.Popen, url: str, log_path: Path, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        if proc.poll() is not None:
-            raise AssertionError(f"the server exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
-        try:
-            httpx.get(f"{url}/health", timeout=1)
-            return
-        except httpx.TransportError:
-            assert time.monotonic() < deadline, f"the server did not start:\n{log_path.read_text()[-4000:]}"
-            time.sleep(0.2)
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
