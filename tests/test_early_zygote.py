@@ -8,18 +8,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from agentcell import Sandbox
+from tests.servers import SERVE, ServerProcess
 
 REPO = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the server needs root")
@@ -39,36 +34,10 @@ def store() -> Iterator[Path]:
         shutil.rmtree(base, ignore_errors=True)
 
 
-def _serve(store: Path, tmp: Path) -> tuple[subprocess.Popen[bytes], str, Path]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = tmp / f"serve-{port}.log"
-    env = {**os.environ, "AGENTCELL_RUNTIME_STORE": str(store), "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
-    with log.open("wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "agentcell", "serve", "--egress-uplink", "none", "--host",
-                                 "127.0.0.1", "--port", str(port), "--state-dir", str(tmp / f"state-{port}"),
-                                 "--standbys", "1", "--log-level", "debug"],
-                                cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300  # the first start builds the store
-    while True:
-        assert proc.poll() is None, f"the server exited:\n{log.read_text()[-3000:]}"
-        try:
-            httpx.get(f"{url}/health", timeout=1)
-            return proc, url, log
-        except httpx.TransportError:
-            assert time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.1)
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+def _serve(store: Path, tmp: Path, n: int) -> ServerProcess:
+    return ServerProcess(tmp / f"serve-{n}.log", "--egress-uplink", "none", "--standbys", "1", "--log-level", "debug",
+                         command=SERVE, env={"AGENTCELL_RUNTIME_STORE": str(store), "PYTHONPATH": str(REPO)},
+                         start_timeout=300).started()  # the first start builds the store
 
 
 def _run(url: str, code: str) -> tuple[str, str | None]:
@@ -79,19 +48,16 @@ def _run(url: str, code: str) -> tuple[str, str | None]:
 
 def test_the_early_zygote_serves_when_the_runtime_is_unchanged_and_goes_when_it_changed(
         store: Path, tmp_path: Path) -> None:
-    proc, url, log = _serve(store, tmp_path)  # the first start: builds the store, notes its parts
-    _stop(proc)
-    first = log.read_text()
+    srv = _serve(store, tmp_path, 1)  # the first start: builds the store, notes its parts
+    srv.stop()
+    first = srv.log()
     assert KEPT not in first and DISCARDED not in first, first[-3000:]  # nothing to launch early from
     notes = list(store.glob(".last-*"))
     assert len(notes) == 1, notes
 
-    proc, url, log = _serve(store, tmp_path)  # a warm start
-    try:
-        assert KEPT in log.read_text(), log.read_text()[-3000:]
-        assert _run(url, "import agentcell.runtime.agent\nprint('ok')") == ("ok\n", None)
-    finally:
-        _stop(proc)
+    with _serve(store, tmp_path, 2) as srv:  # a warm start
+        assert KEPT in srv.log(), srv.log()[-3000:]
+        assert _run(srv.url, "import agentcell.runtime.agent\nprint('ok')") == ("ok\n", None)
 
     # The note now names a part whose content differs from what the check finds (as after an edit of
     # the checkout): a copy of the package part with one module more.
@@ -103,12 +69,9 @@ def test_the_early_zygote_serves_when_the_runtime_is_unchanged_and_goes_when_it_
     (store / f"{stale}.lock").touch(mode=0o600)
     notes[0].write_text(json.dumps([[stale if name == real else name, target] for name, target in parts]))
 
-    proc, url, log = _serve(store, tmp_path)
-    try:
-        out, error = _run(url, "import agentcell\ntry:\n    import agentcell.early_zygote_marker\n"
+    with _serve(store, tmp_path, 3) as srv:
+        out, error = _run(srv.url, "import agentcell\ntry:\n    import agentcell.early_zygote_marker\n"
                           "    print('stale')\nexcept ImportError:\n    print('checked')")
         assert (out, error) == ("checked\n", None)
-        assert DISCARDED in log.read_text(), log.read_text()[-3000:]
-    finally:
-        _stop(proc)
+        assert DISCARDED in srv.log(), srv.log()[-3000:]
     assert json.loads(notes[0].read_text()) == parts  # the note names what the check found again
