@@ -864,8 +864,11 @@ class SandboxManager:
                 upcoming = [d for r in self._sandboxes.values() if (d := self._due(r)) is not None]
                 delay = min(((min(upcoming) - now).total_seconds(), 1.0)) if upcoming else 1.0
                 self._wake.clear()
+                # (not wait_for: on 3.11 it swallows a cancel that comes as the wake is set, and
+                # close() would wait for a reaper that never stops)
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), max(delay, 0.05))
+                    async with asyncio.timeout(max(delay, 0.05)):
+                        await self._wake.wait()
             except asyncio.CancelledError:
                 raise
             except Exception:
