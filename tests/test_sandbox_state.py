@@ -132,46 +132,54 @@ def record_of(app: AgentcellApp, sandbox_id: str) -> SandboxRecord:
 async def test_a_sandbox_past_its_end_is_pausing_at_once_and_found_paused_during_the_pause(tmp_path: Path) -> None:
     async with served(tmp_path / "state") as (app, http, _):
         sbx = await create(http, timeout=120, autoPause=True)
-        sid = sbx["sandboxID"]
         assert (await http.get("/health", headers=envd(sbx))).status_code == 204
         frozen, release = hold_after(app.manager.backend, "pause")  # frozen for real, the registry's pause held
-        rec = record_of(app, sid)
+        try:
+            await _found_paused_during_the_pause(app, http, sbx, frozen, release)
+        finally:
+            release.set()  # a failed assertion must not leave the pause held (the server could not stop)
 
-        # the moment its end passes it is pausing: before the reaper, or anything else, runs
-        app.manager.set_timeout(rec, 0)
-        assert app.manager.find(sid) is rec and rec.state is S.PAUSING
-        assert app.manager.get(sid) is None  # not running any more
 
-        await frozen.wait()  # the backend's pause is done, the registry's is not
-        assert rec.state is S.PAUSING
-        for _ in range(3):  # get_info, as often as one likes: never 404, always paused
-            r = await http.get(f"/sandboxes/{sid}")
-            assert r.status_code == 200, r.text
-            assert r.json()["state"] == "paused"
-        listed = (await http.get("/v2/sandboxes", params={"state": "paused"})).json()
-        assert sid in [s["sandboxID"] for s in listed]
-        running = (await http.get("/v2/sandboxes", params={"state": "running"})).json()
-        assert sid not in [s["sandboxID"] for s in running]
-        # the data plane answers as for a paused sandbox (no auto_resume): E2B's "not found"
-        assert (await http.get("/health", headers=envd(sbx))).status_code == 502
+async def _found_paused_during_the_pause(app: AgentcellApp, http: httpx.AsyncClient, sbx: dict[str, Any],
+                                         frozen: asyncio.Event, release: asyncio.Event) -> None:
+    sid = sbx["sandboxID"]
+    rec = record_of(app, sid)
 
-        # a connect now waits for the pause, then resumes the sandbox
-        order: list[str] = []
-        connect = asyncio.ensure_future(http.post(f"/sandboxes/{sid}/connect", json={"timeout": 60}))
-        connect.add_done_callback(lambda _: order.append("connect answered"))
-        paused = asyncio.ensure_future(rec.life.reached(S.PAUSED))
-        paused.add_done_callback(lambda _: order.append("paused"))
-        await asyncio.sleep(0)
-        assert not connect.done() and not paused.done()  # the pause is held: neither can end
-        release.set()
-        r = await connect
-        assert r.status_code == 201, r.text  # resumed
-        assert order == ["paused", "connect answered"]
-        assert rec.state is S.RUNNING
-        assert (await http.get(f"/sandboxes/{sid}")).json()["state"] == "running"
-        assert (await http.get("/health", headers=envd(sbx))).status_code == 204  # thawed, its agent answers
-        assert (await http.delete(f"/sandboxes/{sid}")).status_code == 204
-        assert rec.state in (S.KILLING, S.GONE)
+    # the moment its end passes it is pausing: before the reaper, or anything else, runs
+    app.manager.set_timeout(rec, 0)
+    assert app.manager.find(sid) is rec and rec.state is S.PAUSING
+    assert app.manager.get(sid) is None  # not running any more
+
+    await frozen.wait()  # the backend's pause is done, the registry's is not
+    assert rec.state is S.PAUSING
+    for _ in range(3):  # get_info, as often as one likes: never 404, always paused
+        r = await http.get(f"/sandboxes/{sid}")
+        assert r.status_code == 200, r.text
+        assert r.json()["state"] == "paused"
+    listed = (await http.get("/v2/sandboxes", params={"state": "paused"})).json()
+    assert sid in [s["sandboxID"] for s in listed]
+    running = (await http.get("/v2/sandboxes", params={"state": "running"})).json()
+    assert sid not in [s["sandboxID"] for s in running]
+    # the data plane answers as for a paused sandbox (no auto_resume): E2B's "not found"
+    assert (await http.get("/health", headers=envd(sbx))).status_code == 502
+
+    # a connect now waits for the pause, then resumes the sandbox
+    order: list[str] = []
+    connect = asyncio.ensure_future(http.post(f"/sandboxes/{sid}/connect", json={"timeout": 60}))
+    connect.add_done_callback(lambda _: order.append("connect answered"))
+    paused = asyncio.ensure_future(rec.life.reached(S.PAUSED))
+    paused.add_done_callback(lambda _: order.append("paused"))
+    await asyncio.sleep(0)
+    assert not connect.done() and not paused.done()  # the pause is held: neither can end
+    release.set()
+    r = await connect
+    assert r.status_code == 201, r.text  # resumed
+    assert order == ["paused", "connect answered"]
+    assert rec.state is S.RUNNING
+    assert (await http.get(f"/sandboxes/{sid}")).json()["state"] == "running"
+    assert (await http.get("/health", headers=envd(sbx))).status_code == 204  # thawed, its agent answers
+    assert (await http.delete(f"/sandboxes/{sid}")).status_code == 204
+    assert rec.state in (S.KILLING, S.GONE)
 
 
 async def test_a_timeout_pause_that_fails_kills_the_sandbox(tmp_path: Path) -> None:
@@ -214,11 +222,13 @@ async def test_a_frozen_sandbox_written_to_disk_at_shutdown_survives_its_channel
         write = "checkpoint" if app.manager.backend.memory_snapshots else "export_files"
         written, release = hold_after(app.manager.backend, write, channel_closed)
         stopping = asyncio.ensure_future(shutdown())  # the server stops: it writes its frozen sandboxes to disk
-        await written.wait()
-        assert rec.state is S.PERSISTING
-        assert app.manager.find(sid) is rec  # not taken for a sandbox that died
-        release.set()
-        await stopping
+        try:
+            await written.wait()
+            assert rec.state is S.PERSISTING
+            assert app.manager.find(sid) is rec  # not taken for a sandbox that died
+        finally:
+            release.set()
+            await stopping
     assert (state / "paused" / f"{sid}.json").exists()
 
     async with served(state) as (app, http, _):
