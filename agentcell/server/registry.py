@@ -7,6 +7,11 @@ frozen ("full": its processes stopped where they were, memory resident) or only 
 ("filesystem": a disk archive in the state dir, nothing running); it is kept `paused_ttl` seconds,
 then removed. Killing one sandbox never touches another: each kill is its own task and errors are
 contained.
+
+Where a sandbox is in that life is its record's one state (server/sandbox_state.py: running, pausing,
+paused, persisting, resuming, killing, gone), moved only through that module's transitions. Time moves
+it too, at the moment of the first look (`_advance`, from a lookup or the reaper): a running sandbox
+past its end is "pausing" (on_timeout "pause") or killed from then on, never in between.
 """
 
 from __future__ import annotations
