@@ -54,6 +54,7 @@ from agentcell.server.hosts import HostPolicy, check_exposure
 from agentcell.server.http_protocol import DROP_EXTENSION
 from agentcell.server.observer import ObservedRecorder, Observer
 from agentcell.server.registry import Admission, Retention, SandboxManager, SandboxRecord
+from agentcell.server.sandbox_state import SandboxState
 from agentcell.server.snapshots import SnapshotStore
 from agentcell.server.streams import current_drop, current_sandbox
 from agentcell.server.tenancy import Tenancy
@@ -245,7 +246,8 @@ class AgentcellApp:
         rec = self.manager.find(sandbox_id) if _SANDBOX_ID_RE.match(sandbox_id) else None
         if rec is not None and not self.tenancy.sees(self.tenancy.data_plane_caller(scope), rec.owner):
             rec = None  # another user's sandbox: as if it did not exist
-        if rec is None or (rec.paused and not rec.lifecycle.auto_resume):  # E2B: a paused sandbox is "not found"
+        # E2B: a paused sandbox (or one on its way to or from a pause) is "not found"
+        if rec is None or (rec.state is not SandboxState.RUNNING and not rec.lifecycle.auto_resume):
             await sandbox_not_found(sandbox_id)(scope, receive, send)
             return
         if port not in (ENVD_PORT, INTERPRETER_PORT):
@@ -316,7 +318,7 @@ class AgentcellApp:
     async def _awake(self, rec: SandboxRecord) -> SandboxRecord | None:
         """A request that passed its checks resumes a paused sandbox whose lifecycle says so
         (E2B's auto_resume); only then, so that no stranger can wake a sandbox."""
-        return await self.manager.resume_on_traffic(rec) if rec.paused else rec
+        return await self.manager.resume_on_traffic(rec) if rec.state is not SandboxState.RUNNING else rec
 
     async def _user_port(self, rec: SandboxRecord, port: int, scope: Any, receive: Any, send: Any) -> None:
         """A port served out of the sandbox: public unless the sandbox was created with

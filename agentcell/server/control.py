@@ -42,6 +42,7 @@ from agentcell.server.registry import (
     SandboxManager,
     SandboxRecord,
 )
+from agentcell.server.sandbox_state import SandboxState
 from agentcell.server.snapshots import Snapshot, SnapshotError, SnapshotStore, tree_size
 from agentcell.server.tenancy import QuotaError, Tenancy, recorded_owner
 
@@ -358,11 +359,11 @@ class ControlPlane:
             "clientID": rec.client_id,
             "startedAt": rfc3339(rec.started_at),
             # a paused sandbox's end: when the server stops keeping it
-            "endAt": rfc3339(self.manager.paused_until(rec) if rec.paused else rec.end_at),
+            "endAt": rfc3339(self.manager.shown_end(rec)),
             "cpuCount": max(1, math.ceil(rec.limits.cpu_count)),
             "memoryMB": rec.limits.memory_mb,
             "diskSizeMB": rec.limits.disk_limit_mb,
-            "state": rec.state,
+            "state": rec.state.api_state,  # on its way to or from a pause: "paused"
             "envdVersion": ENVD_VERSION,
             "metadata": rec.metadata,
             "volumeMounts": [],
@@ -377,7 +378,7 @@ class ControlPlane:
             "network": {**rec.network.info(), "allowPublicTraffic": rec.public_traffic, "rules": rec.rules_info},
             "secrets": rec.secret_hosts,  # agentcell extension: names and hosts only
             "lifecycle": {"autoResume": rec.lifecycle.auto_resume, "onTimeout": rec.lifecycle.on_timeout},
-            **({"pauseMode": rec.pause_mode} if rec.paused else {}),
+            **({"pauseMode": rec.pause_mode} if rec.pause_mode is not None else {}),
             "limits": {
                 "memoryMB": rec.limits.memory_mb,
                 "pids": rec.limits.pids,
@@ -659,7 +660,7 @@ class ControlPlane:
         auto_pause = _optional_bool(body, "autoPause")
         memory = _optional_bool(body, "memory")
         rec = self._any_record(request)
-        if not rec.paused:
+        if rec.state is SandboxState.RUNNING:
             raise HTTPError(409, f"sandbox '{rec.sandbox_id}' is already running")
         await self._resume(rec, timeout, memory)
         if auto_pause is not None:
@@ -834,7 +835,7 @@ class ControlPlane:
         if end is not None and end < start:
             raise HTTPError(400, "'end' must not be before 'start'")
         try:
-            if not rec.paused:
+            if rec.state is SandboxState.RUNNING:
                 await rec.sample(rec.backend, MIN_GAP_S)
         except SandboxGoneError:
             raise HTTPError(404, f"sandbox {rec.sandbox_id} was not found") from None

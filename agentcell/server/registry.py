@@ -7,6 +7,11 @@ frozen ("full": its processes stopped where they were, memory resident) or only 
 ("filesystem": a disk archive in the state dir, nothing running); it is kept `paused_ttl` seconds,
 then removed. Killing one sandbox never touches another: each kill is its own task and errors are
 contained.
+
+Where a sandbox is in that life is its record's one state (server/sandbox_state.py: running, pausing,
+paused, persisting, resuming, killing, gone), moved only through that module's transitions. Time moves
+it too, at the moment of the first look (`_advance`, from a lookup or the reaper): a running sandbox
+past its end is "pausing" (on_timeout "pause") or killed from then on, never in between.
 """
 
 from __future__ import annotations
@@ -33,8 +38,11 @@ from agentcell.record.events import event
 from agentcell.record.store import EventStore
 from agentcell.runtime.protocol import AgentChannel
 from agentcell.server.metrics import SAMPLE_INTERVAL_S, MetricsHistory, sample_due
+from agentcell.server.sandbox_state import SandboxLife, SandboxState
 
 if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+
     from agentcell.server.observer import Observer
 
 RECORD_GRACE_S = 1.0  # a killed sandbox's record takes events this long after the kill
@@ -107,28 +115,28 @@ class SandboxRecord:
     spec: SandboxSpec = field(default_factory=SandboxSpec)
     lifecycle: Lifecycle = field(default_factory=Lifecycle)
     timeout_s: int = 300  # its last timeout: what an auto-resume gives it
-    state: str = "running"  # "running" | "paused"
     pause_mode: str | None = None  # "full" (frozen) | "filesystem" (its files in `files`, nothing running)
     paused_at: datetime | None = None
     files: Path | None = None  # the disk archive of a sandbox paused with mode "filesystem"
     image: Path | None = None  # the checkpoint of a hibernated sandbox (paused "full", its memory on disk)
-    pausing: bool = False  # a timeout's pause or a hibernation is under way
-    writing_to_disk: bool = False  # _to_disk: its checkpoint stops the sandbox, which is not it dying
     owner: str | None = None  # the tenant that created it (server/tenancy.py); None: the server has no tenancy
 
     metrics: MetricsHistory = field(init=False)  # on the record: it goes when the sandbox goes
-    lock: asyncio.Lock = field(init=False)  # one pause, resume or snapshot at a time
+    lock: asyncio.Lock = field(init=False)  # one pause, resume, write to disk or snapshot at a time
+    life: SandboxLife = field(init=False)  # its lifecycle state: server/sandbox_state.py
 
     def __post_init__(self) -> None:
         self.metrics = MetricsHistory(self.started_at.timestamp())
         self.lock = asyncio.Lock()
-
-    def alive(self) -> bool:
-        return self.channel is not None and not self.channel.closed.is_set()
+        self.life = SandboxLife(self.sandbox_id)
 
     @property
-    def paused(self) -> bool:
-        return self.state == "paused"
+    def state(self) -> SandboxState:
+        return self.life.state
+
+    def alive(self) -> bool:
+        """Its agent channel is open (a frozen sandbox's stays open; one kept on disk has none)."""
+        return self.channel is not None and not self.channel.closed.is_set()
 
     @property
     def on_disk(self) -> bool:
@@ -137,7 +145,7 @@ class SandboxRecord:
 
     def holds_memory(self) -> bool:
         """Running, or paused with its memory resident: its limits count against the server's budget."""
-        return not (self.paused and self.on_disk)
+        return not self.on_disk
 
     async def sample(self, backend: Backend, gap: float) -> None:
         """Add a metrics sample if the last is at least `gap` seconds old (raises as backend.stats)."""
@@ -190,7 +198,8 @@ class SandboxManager:
                 with contextlib.suppress(BaseException):
                     await task
         await self._keep_paused_on_disk()
-        kept = [sid for sid, r in self._sandboxes.items() if r.paused and r.on_disk and self._persisted(r)]
+        kept = [sid for sid, r in self._sandboxes.items()
+                if r.state is SandboxState.PAUSED and r.on_disk and self._persisted(r)]
         for sid in kept:  # a later server run resumes them
             self._sandboxes.pop(sid)
         await asyncio.gather(*(self.kill(sid, "the server stopped") for sid in list(self._sandboxes)),
@@ -249,10 +258,11 @@ class SandboxManager:
                     end_at=_now(), running=None, channel=None, backend=backend, client_id=d["client_id"],
                     access_token=d["access_token"], public_traffic=d["public_traffic"], network=spec.network,
                     internet_at_create=d["internet_at_create"], spec=spec, lifecycle=Lifecycle(**d["lifecycle"]),
-                    timeout_s=d["timeout_s"], state="paused", pause_mode=d["pause_mode"],
+                    timeout_s=d["timeout_s"], pause_mode=d["pause_mode"],
                     paused_at=datetime.fromisoformat(d["paused_at"]),
                     files=Path(d["files"]) if d["files"] else None, image=Path(d["image"]) if d["image"] else None,
                     owner=d.get("owner"))
+                rec.life = SandboxLife(rec.sandbox_id, SandboxState.PAUSED)
                 if not rec.on_disk or not (rec.files or rec.image).exists():  # type: ignore[union-attr]
                     raise ValueError("its files are gone")
             except (OSError, ValueError, KeyError, TypeError) as e:
@@ -265,8 +275,10 @@ class SandboxManager:
 
     async def _keep_paused_on_disk(self) -> None:
         """A stopping server writes its frozen sandboxes to disk (a checkpoint where the backend can,
-        else their files) so that they can be resumed after it, within the shutdown budget."""
-        frozen = [r for r in self._sandboxes.values() if r.paused and not r.on_disk and not r.spec.secrets]
+        else their files) so that they can be resumed after it, within the shutdown budget. One whose
+        pause or write to disk is under way is waited for first."""
+        frozen = [r for r in self._sandboxes.values()
+                  if r.state is not SandboxState.RUNNING and not r.on_disk and not r.spec.secrets]
         if not frozen:
             return
         with contextlib.suppress(TimeoutError):
@@ -280,17 +292,36 @@ class SandboxManager:
     async def _to_disk(self, rec: SandboxRecord) -> None:
         """A frozen sandbox's memory (hibernation) or, without memory snapshots, its files to disk;
         nothing of it runs afterwards."""
-        async with rec.lock:
-            if not rec.paused or rec.on_disk:
+        async with self._settled(rec):
+            if rec.state is not SandboxState.PAUSED or rec.on_disk:
                 return
-            rec.writing_to_disk = True
+            rec.life.to(SandboxState.PERSISTING)
+            await self._persisting(rec)
+
+    async def _hibernate(self, rec: SandboxRecord) -> None:
+        """The reaper's hibernation of a sandbox it moved to "persisting"."""
+        async with rec.lock:
+            if rec.state is not SandboxState.PERSISTING:  # killed meanwhile
+                return
             try:
-                await self._write_to_disk(rec)
-            finally:
-                rec.writing_to_disk = False
+                await self._persisting(rec)
+            except Exception as e:  # noqa: BLE001 - it stays paused in memory
+                log.warning("sandbox %s: hibernation failed, it stays paused in memory: %s", rec.sandbox_id, e)
+        self._wake.set()
+
+    async def _persisting(self, rec: SandboxRecord) -> None:
+        """Write a "persisting" sandbox to disk (its lock held); paused afterwards, on disk or, if that
+        failed, still in memory. Its agent channel closing meanwhile is the write stopping it (a
+        checkpoint does), not it dying: the channel watcher leaves a "persisting" sandbox alone."""
+        try:
+            await self._write_to_disk(rec)
+        finally:
+            if not rec.life.ended():
+                rec.life.to(SandboxState.PAUSED)
+                self._check_channel(rec)  # a failed write may have stopped it
 
     async def _write_to_disk(self, rec: SandboxRecord) -> None:
-        """_to_disk's work, under the record's lock."""
+        """_persisting's work, under the record's lock."""
         if rec.backend.memory_snapshots:
             image = self.paused_dir / f"{rec.sandbox_id}.image"
             self.paused_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -308,47 +339,70 @@ class SandboxManager:
             rec.files = await self._export(rec)
             rec.pause_mode = "filesystem"
         await self._destroy_running(rec, "the sandbox was written to disk")
+        if rec.life.ended():  # killed meanwhile: what was written goes too, no record of it is kept
+            await self._discard_disk(rec)
+            raise SandboxGoneError(f"sandbox {rec.sandbox_id} was killed while it was written to disk")
         self._persist(rec)
 
-    async def _hibernate(self, rec: SandboxRecord) -> None:
+    @contextlib.asynccontextmanager
+    async def _settled(self, rec: SandboxRecord) -> AsyncIterator[None]:
+        """Its lock, once no transition is under way (a pause, a write to disk, a resume): the task
+        carrying one out may need the lock first, so the wait is outside it."""
+        while True:
+            await rec.life.settled()
+            await rec.lock.acquire()
+            if not rec.state.under_way:
+                break
+            rec.lock.release()
         try:
-            await self._to_disk(rec)
-        except Exception as e:  # noqa: BLE001 - it stays paused in memory
-            log.warning("sandbox %s: hibernation failed, it stays paused in memory: %s", rec.sandbox_id, e)
+            yield
         finally:
-            rec.pausing = False
+            rec.lock.release()
 
     # queries ---------------------------------------------------------------------------------------
 
     def get(self, sandbox_id: str) -> SandboxRecord | None:
-        """The running sandbox of that id (None for a paused one)."""
-        rec = self._sandboxes.get(sandbox_id)
-        if rec is None or rec.paused or not rec.alive() or rec.end_at <= _now():
-            return None
-        return rec
+        """The running sandbox of that id (None for a paused one, or one on its way to or from a pause)."""
+        rec = self._current(sandbox_id)
+        return rec if rec is not None and rec.state is SandboxState.RUNNING else None
 
     def find(self, sandbox_id: str) -> SandboxRecord | None:
-        """The sandbox of that id, running or paused."""
+        """The sandbox of that id, running, paused, or on its way to or from a pause."""
+        return self._current(sandbox_id)
+
+    def _current(self, sandbox_id: str) -> SandboxRecord | None:
+        """The record, its time-made transitions applied first (a lookup never sees a sandbox that is
+        past its end and still "running")."""
         rec = self._sandboxes.get(sandbox_id)
-        # one whose timeout pauses it is still there between its end and the reaper's pause (neither
-        # running nor paused yet), and while that pause is under way
-        if rec is not None and (rec.paused or rec.pausing or (rec.lifecycle.on_timeout == "pause" and rec.alive())):
-            return rec
-        return self.get(sandbox_id)
+        if rec is None:
+            return None
+        self._advance(rec, _now())
+        return None if rec.life.ended() else rec
+
+    def _all(self) -> list[SandboxRecord]:
+        now = _now()
+        for rec in list(self._sandboxes.values()):
+            self._advance(rec, now)
+        return list(self._sandboxes.values())
 
     def list(self) -> list[SandboxRecord]:
         """The running sandboxes."""
-        return [r for r in self._sandboxes.values() if not r.paused and r.alive() and r.end_at > _now()]
+        return [r for r in self._all() if r.state is SandboxState.RUNNING]
 
     def list_paused(self) -> list[SandboxRecord]:
-        return [r for r in self._sandboxes.values() if r.paused]
+        """The paused ones, and those on their way to or from a pause (E2B's state "paused")."""
+        return [r for r in self._all() if r.state is not SandboxState.RUNNING]
 
     def counts(self) -> dict[str, int]:
         """Sandboxes by state (for /metrics): starting, running, paused, paused_on_disk."""
         out = {"starting": len(self._pending), "running": 0, "paused": 0, "paused_on_disk": 0}
-        for r in self._sandboxes.values():
-            out["running" if not r.paused else "paused_on_disk" if r.on_disk else "paused"] += 1
+        for r in self._all():
+            out["running" if r.state is SandboxState.RUNNING else "paused_on_disk" if r.on_disk else "paused"] += 1
         return out
+
+    def shown_end(self, rec: SandboxRecord) -> datetime:
+        """E2B's endAt: a paused sandbox's is when the server stops keeping it."""
+        return self.paused_until(rec) if rec.paused_at is not None else rec.end_at
 
     def paused_until(self, rec: SandboxRecord) -> datetime:
         """When a paused sandbox is removed (the operator's retention)."""
@@ -502,60 +556,96 @@ class SandboxManager:
                                 "share: no new sandbox until some are killed")
 
     async def kill(self, sandbox_id: str, reason: str = "the sandbox was killed") -> bool:
-        """Kill a sandbox, running or paused; False if there is no such sandbox."""
-        rec = self._sandboxes.pop(sandbox_id, None)
+        """Kill a sandbox, running or paused (or on its way to or from a pause: that task gives up);
+        False if there is no such sandbox (one past its end that its timeout kills is none)."""
+        rec = self._current(sandbox_id)
         if rec is None:
             return False
-        was_alive = rec.paused or (rec.alive() and rec.end_at > _now())
+        self._take_out(rec)
         await self._destroy(rec, reason)
-        return was_alive
+        return True
 
     # pause and resume ---------------------------------------------------------------------------------
 
-    async def pause(self, rec: SandboxRecord, memory: bool, *, by_timeout: bool = False) -> None:
+    async def pause(self, rec: SandboxRecord, memory: bool) -> None:
         """Pause a running sandbox: frozen (memory resident, ms) or, without `memory`, its files kept
         and everything else stopped. Raises AlreadyPausedError, CapacityError (too many paused)."""
-        async with rec.lock:
-            if rec.paused:
+        async with self._settled(rec):
+            if rec.state is not SandboxState.RUNNING:
+                if rec.life.ended():
+                    raise SandboxGoneError(f"sandbox {rec.sandbox_id} is gone")
                 raise AlreadyPausedError(f"sandbox {rec.sandbox_id} is already paused")
-            if self._sandboxes.get(rec.sandbox_id) is not rec or not rec.alive():
+            rec.life.to(SandboxState.PAUSING)
+            await self._pausing(rec, memory, by_timeout=False)
+        self._wake.set()
+
+    async def _pausing(self, rec: SandboxRecord, memory: bool, *, by_timeout: bool) -> None:
+        """Carry out the pause of a "pausing" sandbox (its lock held): paused afterwards, or running
+        again if it failed (raised)."""
+        try:
+            if rec.life.ended() or not rec.alive():
                 raise SandboxGoneError(f"sandbox {rec.sandbox_id} is gone")
-            if len(self.list_paused()) >= self.retention.max_paused:
+            paused = sum(1 for r in self._sandboxes.values() if r is not rec and r.state is not SandboxState.RUNNING)
+            if paused >= self.retention.max_paused:
                 raise CapacityError(f"this server keeps at most {self.retention.max_paused} paused sandboxes: "
                                     "kill or resume some first")
-            await rec.backend.pause(rec.running)
+            await rec.backend.pause(rec.running)  # type: ignore[arg-type]
             if not memory:
                 try:
                     rec.files = await self._export(rec)
                 except BaseException:
                     with contextlib.suppress(Exception):
-                        await rec.backend.resume(rec.running)
+                        await rec.backend.resume(rec.running)  # type: ignore[arg-type]
                     raise
-            rec.state, rec.pause_mode, rec.paused_at = "paused", "full" if memory else "filesystem", _now()
-            if not memory:  # nothing of it runs any more: its files are all that is kept
-                await self._destroy_running(rec, "the sandbox was paused")
-                self._persist(rec)
-            self._record(rec.sandbox_id, "sandbox.paused", mode=rec.pause_mode, at_timeout=by_timeout or None)
-        self._wake.set()
+            if rec.life.ended():  # killed meanwhile
+                await self._discard_disk(rec)
+                raise SandboxGoneError(f"sandbox {rec.sandbox_id} was killed while it was paused")
+        except BaseException:
+            if not rec.life.ended():
+                rec.life.to(SandboxState.RUNNING)
+                self._check_channel(rec)
+            raise
+        rec.pause_mode, rec.paused_at = "full" if memory else "filesystem", _now()
+        rec.life.to(SandboxState.PAUSED)
+        if not memory:  # nothing of it runs any more: its files are all that is kept
+            await self._destroy_running(rec, "the sandbox was paused")
+            self._persist(rec)
+        else:
+            self._check_channel(rec)  # it died while it was being frozen
+        self._record(rec.sandbox_id, "sandbox.paused", mode=rec.pause_mode, at_timeout=by_timeout or None)
 
     async def resume(self, rec: SandboxRecord, timeout: int | None, memory: bool | None = None) -> bool:
-        """Resume a paused sandbox (False if it was running: then only its timeout is extended).
-        `memory` False (E2B's on_resume="reboot") cold-starts it from its files even when its memory
-        was kept. The timeout counts from now; None: its last one."""
-        async with rec.lock:
-            if not rec.paused:
+        """Resume a paused sandbox (False if it was running: then only its timeout is extended); one
+        being paused is resumed once its pause is done. `memory` False (E2B's on_resume="reboot")
+        cold-starts it from its files even when its memory was kept. The timeout counts from now;
+        None: its last one."""
+        async with self._settled(rec):
+            if rec.state is SandboxState.RUNNING:
                 self.extend_timeout(rec, timeout if timeout is not None else rec.timeout_s)
                 return False
-            if rec.image is not None and memory is not False:
-                await self._restore_hibernated(rec)
-            elif rec.pause_mode == "full" and memory is not False:
-                await rec.backend.resume(rec.running)  # type: ignore[arg-type]
-            else:
-                await self._cold_start(rec)
+            if rec.state is not SandboxState.PAUSED:
+                raise SandboxGoneError(f"sandbox {rec.sandbox_id} is gone")
+            rec.life.to(SandboxState.RESUMING)
+            try:
+                if rec.image is not None and memory is not False:
+                    await self._restore_hibernated(rec)
+                elif rec.pause_mode == "full" and memory is not False:
+                    await rec.backend.resume(rec.running)  # type: ignore[arg-type]
+                else:
+                    await self._cold_start(rec)
+                if rec.life.ended():  # killed meanwhile: what was started goes too
+                    await self._destroy_running(rec, "the sandbox was killed")
+                    raise SandboxGoneError(f"sandbox {rec.sandbox_id} was killed while it was resumed")
+            except BaseException:
+                if not rec.life.ended():
+                    rec.life.to(SandboxState.PAUSED)
+                raise
             self._unpersist(rec)
-            rec.state, rec.pause_mode, rec.paused_at = "running", None, None
+            rec.pause_mode, rec.paused_at = None, None
             rec.timeout_s = timeout if timeout is not None else rec.timeout_s
             rec.end_at = _now() + timedelta(seconds=rec.timeout_s)
+            rec.life.to(SandboxState.RUNNING)
+            self._check_channel(rec)
         self._wake.set()
         self._record(rec.sandbox_id, "sandbox.resumed", begin=True, memory=memory is not False)
         return True
@@ -601,7 +691,9 @@ class SandboxManager:
     async def snapshot_files(self, rec: SandboxRecord, dest: Path, max_bytes: int) -> None:
         """Its files as a disk archive at `dest`; a running sandbox is paused meanwhile (ms to
         seconds, by its disk's size) so that the archive is consistent."""
-        async with rec.lock:
+        async with self._settled(rec):
+            if rec.life.ended():
+                raise SandboxGoneError(f"sandbox {rec.sandbox_id} is gone")
             if rec.image is not None:
                 raise SandboxGoneError(f"sandbox {rec.sandbox_id} is hibernated: resume it to snapshot its files")
             if rec.pause_mode == "filesystem":
@@ -610,33 +702,37 @@ class SandboxManager:
                     raise CapacityError("the snapshot would pass this server's snapshot quota")
                 shutil.copyfile(rec.files, dest)
                 return
-            if not rec.paused:
-                await rec.backend.pause(rec.running)
+            freeze = rec.state is SandboxState.RUNNING  # (a timeout meanwhile pauses it after, lock in hand)
+            if freeze:
+                await rec.backend.pause(rec.running)  # type: ignore[arg-type]
             try:
-                await rec.backend.export_files(rec.running, str(dest), max_bytes)
+                await rec.backend.export_files(rec.running, str(dest), max_bytes)  # type: ignore[arg-type]
             finally:
-                if not rec.paused:
-                    await rec.backend.resume(rec.running)
+                if freeze:
+                    await rec.backend.resume(rec.running)  # type: ignore[arg-type]
 
     async def checkpoint(self, rec: SandboxRecord, image_dir: Path, max_bytes: int | None = None) -> int:
         """Its memory, processes and files at `image_dir`; it runs on (a frozen one stays frozen).
         With `max_bytes`, refused before anything is written when the image cannot fit: its memory
         file's pages in use (the cgroup's cache: gVisor's guest memory is a memfd) are all in it."""
-        async with rec.lock:
+        async with self._settled(rec):
+            if rec.life.ended():
+                raise SandboxGoneError(f"sandbox {rec.sandbox_id} is gone")
             if rec.on_disk:
                 raise SandboxGoneError(f"sandbox {rec.sandbox_id} is kept on disk, not running: resume it first")
             if max_bytes is not None:
-                least = (await rec.backend.stats(rec.running)).cache_bytes
+                least = (await rec.backend.stats(rec.running)).cache_bytes  # type: ignore[arg-type]
                 if least > max_bytes:
                     raise CapacityError(f"its memory alone ({least >> 20} MiB) would pass the {max_bytes >> 20} MiB "
                                         "left of this server's snapshot quota")
-            if rec.paused:
-                await rec.backend.resume(rec.running)
+            frozen = rec.state is SandboxState.PAUSED
+            if frozen:
+                await rec.backend.resume(rec.running)  # type: ignore[arg-type]
             try:
-                return await rec.backend.checkpoint(rec.running, str(image_dir), leave_running=True)
+                return await rec.backend.checkpoint(rec.running, str(image_dir), leave_running=True)  # type: ignore[arg-type]
             finally:
-                if rec.paused:
-                    await rec.backend.pause(rec.running)
+                if frozen:
+                    await rec.backend.pause(rec.running)  # type: ignore[arg-type]
 
     async def fork(self, rec: SandboxRecord, count: int, timeout: int) -> list[SandboxRecord | BaseException]:
         """`count` new sandboxes restored from one checkpoint of `rec`, each with its own id, hostname
@@ -661,7 +757,7 @@ class SandboxManager:
     async def resume_on_traffic(self, rec: SandboxRecord) -> SandboxRecord | None:
         """E2B's auto_resume: a request to a paused sandbox resumes it (with its last timeout).
         None if it cannot be (not set to, or the resume failed)."""
-        if not rec.paused:
+        if rec.state is SandboxState.RUNNING:
             return rec
         if not rec.lifecycle.auto_resume:
             return None
@@ -692,11 +788,22 @@ class SandboxManager:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    def _take_out(self, rec: SandboxRecord) -> None:
+        """Out of the registry, "killing": whatever task is under way on it gives up."""
+        if self._sandboxes.get(rec.sandbox_id) is rec:
+            del self._sandboxes[rec.sandbox_id]
+        rec.life.to(SandboxState.KILLING)
+
     async def _destroy(self, rec: SandboxRecord, reason: str) -> None:
-        """Everything of a sandbox that leaves the registry: its processes and its kept files."""
+        """Everything of a "killing" sandbox: its processes and its kept files; then it is gone."""
         self._record(rec.sandbox_id, "sandbox.killed", reason=reason)
         await self._destroy_running(rec, reason)
         self._end_record(rec.sandbox_id)
+        await self._discard_disk(rec)
+        rec.life.to(SandboxState.GONE)
+
+    async def _discard_disk(self, rec: SandboxRecord) -> None:
+        """Its files, its checkpoint and its kept record, if any."""
         if rec.files is not None:
             with contextlib.suppress(OSError):
                 rec.files.unlink()
@@ -725,12 +832,20 @@ class SandboxManager:
                 "self.report", source="self", pid=h.get("pid") if isinstance(h.get("pid"), int) else None,
                 what=str(h.get("what"))[:200], data=h.get("data") if isinstance(h.get("data"), dict) else None))
         await channel.closed.wait()
-        # a channel closed by a pause or reboot, or replaced by a resume, is not the sandbox dying
-        if self._sandboxes.get(rec.sandbox_id) is rec and rec.channel is channel and not rec.on_disk \
-                and not rec.writing_to_disk:
+        self._check_channel(rec, channel)
+
+    def _check_channel(self, rec: SandboxRecord, channel: AgentChannel | None = None) -> None:
+        """A closed agent channel is the sandbox dying when it runs or is frozen in memory. During a
+        pause, a write to disk or a resume the task carrying it out closes channels itself (a
+        checkpoint stops the sandbox) and calls this when done; a channel replaced by a resume, or
+        of a sandbox kept on disk, is not its death either."""
+        channel = channel or rec.channel
+        if channel is None or not channel.closed.is_set() or rec.channel is not channel \
+                or self._sandboxes.get(rec.sandbox_id) is not rec:
+            return
+        if rec.state is SandboxState.RUNNING or (rec.state is SandboxState.PAUSED and not rec.on_disk):
             log.warning("sandbox %s: agent channel closed (%s); removing it", rec.sandbox_id, channel.close_reason)
-            del self._sandboxes[rec.sandbox_id]
-            await self._destroy(rec, channel.close_reason)
+            self._remove(rec, channel.close_reason)
 
     async def _sample_loop(self) -> None:
         """Every sandbox's metrics every SAMPLE_INTERVAL_S (a few cgroup file reads each), yielding
@@ -738,7 +853,7 @@ class SandboxManager:
         while True:
             await asyncio.sleep(SAMPLE_INTERVAL_S)
             for rec in list(self._sandboxes.values()):
-                if rec.alive() and not rec.paused:
+                if rec.state is SandboxState.RUNNING and rec.alive():
                     try:
                         await rec.sample(rec.backend, SAMPLE_INTERVAL_S / 2)
                     except Exception as e:  # a sandbox going away meanwhile
@@ -750,50 +865,69 @@ class SandboxManager:
             try:
                 now = _now()
                 for rec in list(self._sandboxes.values()):
-                    if rec.paused and self.paused_until(rec) <= now:
-                        self._remove(rec, "the paused sandbox reached the end of its retention")
-                    elif rec.paused and self._hibernation_due(rec, now):
-                        rec.pausing = True
-                        self._spawn(self._hibernate(rec))
-                    elif not rec.paused and not rec.pausing and rec.end_at <= now:
-                        if rec.lifecycle.on_timeout == "pause":
-                            rec.pausing = True
-                            self._spawn(self._pause_at_timeout(rec))
-                        else:
-                            self._record(rec.sandbox_id, "limit.timeout", timeout_s=rec.timeout_s)
-                            self._remove(rec, "the sandbox timed out")
-                upcoming = [self.paused_until(r) if r.paused else r.end_at for r in self._sandboxes.values()
-                            if not r.pausing]
+                    self._advance(rec, now)
+                upcoming = [d for r in self._sandboxes.values() if (d := self._due(r)) is not None]
                 delay = min(((min(upcoming) - now).total_seconds(), 1.0)) if upcoming else 1.0
                 self._wake.clear()
+                # (not wait_for: on 3.11 it swallows a cancel that comes as the wake is set, and
+                # close() would wait for a reaper that never stops)
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), max(delay, 0.05))
+                    async with asyncio.timeout(max(delay, 0.05)):
+                        await self._wake.wait()
             except asyncio.CancelledError:
                 raise
             except Exception:
                 log.exception("reaper iteration failed")
                 await asyncio.sleep(1)
 
+    def _advance(self, rec: SandboxRecord, now: datetime) -> None:
+        """The transitions time makes, made by whoever looks first (the reaper or a lookup): a running
+        sandbox past its end is "pausing" (on_timeout "pause") or killed from that moment on; a paused
+        one past the retention goes; a frozen one due for hibernation is "persisting"."""
+        if self._sandboxes.get(rec.sandbox_id) is not rec:
+            return
+        if rec.state is SandboxState.RUNNING and rec.end_at <= now:
+            if rec.lifecycle.on_timeout == "pause":
+                rec.life.to(SandboxState.PAUSING)
+                self._spawn(self._pause_at_timeout(rec))
+            else:
+                self._record(rec.sandbox_id, "limit.timeout", timeout_s=rec.timeout_s)
+                self._remove(rec, "the sandbox timed out")
+        elif rec.state is SandboxState.PAUSED:
+            if self.paused_until(rec) <= now:
+                self._remove(rec, "the paused sandbox reached the end of its retention")
+            elif self._hibernation_due(rec, now):
+                rec.life.to(SandboxState.PERSISTING)
+                self._spawn(self._hibernate(rec))
+
+    def _due(self, rec: SandboxRecord) -> datetime | None:
+        """When time next moves this sandbox on (None: a transition is under way)."""
+        if rec.state is SandboxState.RUNNING:
+            return rec.end_at
+        if rec.state is SandboxState.PAUSED:
+            return self.paused_until(rec)
+        return None
+
     def _hibernation_due(self, rec: SandboxRecord, now: datetime) -> bool:
         after = self.retention.hibernate_after
-        return (after is not None and not rec.on_disk and not rec.pausing and rec.backend.memory_snapshots
+        return (after is not None and not rec.on_disk and rec.backend.memory_snapshots
                 and rec.paused_at is not None and rec.paused_at + timedelta(seconds=after) <= now)
 
     def _remove(self, rec: SandboxRecord, reason: str) -> None:
         if self._sandboxes.get(rec.sandbox_id) is rec:
-            del self._sandboxes[rec.sandbox_id]
+            self._take_out(rec)
             self._spawn(self._destroy(rec, reason))
 
     async def _pause_at_timeout(self, rec: SandboxRecord) -> None:
-        """E2B's on_timeout "pause"; a sandbox that cannot be paused (too many paused, a failure) is
-        killed, as a timeout would without it."""
+        """E2B's on_timeout "pause" of a sandbox _advance moved to "pausing"; one that cannot be
+        paused (too many paused, a failure) is killed, as a timeout would without it."""
         try:
-            await self.pause(rec, rec.lifecycle.pause_memory, by_timeout=True)
-        except AlreadyPausedError:
-            pass
+            async with rec.lock:
+                await self._pausing(rec, rec.lifecycle.pause_memory, by_timeout=True)
         except Exception as e:  # noqa: BLE001
-            log.warning("sandbox %s: pausing at its timeout failed (%s): killing it", rec.sandbox_id, e)
+            if not rec.life.ended():
+                log.warning("sandbox %s: pausing at its timeout failed (%s): killing it", rec.sandbox_id, e)
             self._remove(rec, "the sandbox timed out")
         finally:
-            rec.pausing = False
             self._wake.set()
+
