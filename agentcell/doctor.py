@@ -19,9 +19,12 @@ import socket
 import stat
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from agentcell import rootless
+
+if TYPE_CHECKING:
+    from agentcell.backends.linux.cgroup_delegation import Delegation
 
 Status = Literal["ok", "warn", "missing"]
 Mode = Literal["root", "system", "rootless"]
@@ -153,9 +156,9 @@ def check_subids() -> Check:
                  f"{sub_gid.count}")
 
 
-def _delegation() -> Any:
-    """(cgroup_delegation.Delegation | None, why not): the cgroup v2 directory a rootless server
-    started here would put its sandboxes' cgroups in."""
+def _delegation() -> tuple[Delegation | None, str]:
+    """(the delegation, or None and why not): the cgroup v2 directory a rootless server started here
+    would put its sandboxes' cgroups in."""
     from agentcell.backends.linux import cgroup_delegation
 
     return cgroup_delegation.probe()
@@ -183,7 +186,7 @@ def check_cgroups() -> Check:
     if delegation.missing:
         return Check("cgroups", "warn", f"{layout}; {delegation.describe()}",
                      f"an administrator delegates {' '.join(delegation.missing)} to users (a drop-in for "
-                     f"user@.service with Delegate=memory pids cpu)", f"{', '.join(delegation.missing)} limits by cgroup")
+                     f"user@.service with Delegate=cpu cpuset io memory pids)", f"{', '.join(delegation.missing)} limits by cgroup")
     return Check("cgroups", "ok", f"{layout}; {delegation.describe()}")
 
 

@@ -268,6 +268,25 @@ def test_kill_of_a_paused_sandbox_empties_and_removes_its_cgroup(delegated: Dele
     assert not os.path.exists(cgroup_dir) and not os.path.exists(f"/proc/{pid}")
 
 
+def test_snapshot_and_filesystem_pause(server: Server) -> None:
+    """create_snapshot freezes the sandbox while its disk is archived: with the freezer, rootless too."""
+    src = Sandbox.create(api_url=server.url, timeout=120)
+    try:
+        src.files.write("/home/user/notes/a.txt", "from the source")
+        snap = src.create_snapshot()
+        assert src.run_code("1 + 1").text == "2"  # the source runs on (thawed)
+        child = Sandbox.create(snap.snapshot_id, api_url=server.url, timeout=120)
+        try:
+            assert child.files.read("/home/user/notes/a.txt") == "from the source"
+        finally:
+            child.kill()
+        assert src.pause(mode="filesystem") is True  # its files kept, everything else stopped
+        src.connect()
+        assert src.files.read("/home/user/notes/a.txt") == "from the source"
+    finally:
+        src.kill()
+
+
 def _doctor(d: Delegated, cgroup_dir: str) -> dict:
     proc = _in_cgroup(cgroup_dir, d.user, [d.user.python, "-m", "agentcell", "doctor", "--json"],
                       stdout=subprocess.PIPE, stderr=subprocess.PIPE)

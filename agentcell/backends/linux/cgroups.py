@@ -144,6 +144,9 @@ def enter_leaf(parent: str, mode: str, what: str, fix: str) -> list[int]:
                 print(f"agentcell: {mode}: moved {len(moved)} process(es) of {what} into {leaf}",
                       file=sys.stderr, flush=True)
             return moved
+        if 0 in pids:  # "0" would move the writer itself, over and over
+            raise CgroupError(errno.EPERM, f"{what} holds processes outside this pid namespace: cannot move them "
+                                           f"into {leaf}")
         for pid in pids:
             try:
                 sc.write_file(f"{leaf}/cgroup.procs", str(pid))  # the whole thread group moves
@@ -360,6 +363,8 @@ class Cgroups:
             except OSError:
                 continue
             for pid in pids:
+                if int(pid) <= 0:
+                    continue  # outside our pid namespace (see kill_tree)
                 try:
                     os.kill(int(pid), 9)
                 except OSError:
@@ -454,6 +459,8 @@ def kill_tree(rel: str) -> int:
             except OSError:
                 continue
             for pid in pids:
+                if int(pid) <= 0:
+                    continue  # a task outside our pid namespace reads as 0: kill(0) would hit our own group
                 try:
                     os.kill(int(pid), signal.SIGKILL)
                     n += 1
