@@ -34,6 +34,7 @@ import errno
 import fcntl
 import os
 import sys
+import time
 from dataclasses import dataclass
 
 from agentcell.backends.base import Limits, SandboxStats
@@ -42,6 +43,7 @@ from agentcell.backends.linux import syscalls as sc
 
 WANTED = ("memory", "pids", "cpu")
 _LIMIT_FILE = {"memory": "memory.max", "pids": "pids.max", "cpu": "cpu.max"}  # present iff the controller is
+_LOCK_TRIES = 50
 _locks: dict[str, int] = {}  # instance -> the fd of its directory, flock'ed while this server lives
 
 
@@ -184,17 +186,19 @@ def prepare_instance(instance: str) -> Delegation:
     assert root is not None, "rootless mode with a delegated cgroup only"
     parent, inst = os.path.join(root, cgroups.GROUP), _instance_dir(instance)
     try:
-        for _ in range(3):  # a stale-instance sweep of another server may remove it between mkdir and lock
+        # Another server's stale-instance sweep may hold the new directory for a moment (it then finds
+        # it empty and removes it): lock, then check that the directory locked is still the one there.
+        for _ in range(_LOCK_TRIES):
             os.makedirs(inst, exist_ok=True)
             fd = _try_lock(inst)
-            if fd is None:
-                raise cgroups.CgroupError(errno.EBUSY, f"{inst} is held by another server")
-            if os.path.samestat(os.fstat(fd), os.stat(inst)):
+            if fd is not None and os.path.samestat(os.fstat(fd), os.stat(inst)):
                 _locks[instance] = fd
                 break
-            os.close(fd)
+            if fd is not None:
+                os.close(fd)
+            time.sleep(0.02)
         else:
-            raise cgroups.CgroupError(errno.EBUSY, f"{inst} keeps disappearing")
+            raise cgroups.CgroupError(errno.EBUSY, f"{inst} is held by another server")
     except FileNotFoundError as e:
         raise cgroups.CgroupError(e.errno, f"cannot create {inst} ({e})") from e
     except PermissionError as e:
