@@ -19,9 +19,12 @@ import socket
 import stat
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from agentcell import rootless
+
+if TYPE_CHECKING:
+    from agentcell.backends.linux.cgroup_delegation import Delegation
 
 Status = Literal["ok", "warn", "missing"]
 Mode = Literal["root", "system", "rootless"]
@@ -153,21 +156,12 @@ def check_subids() -> Check:
                  f"{sub_gid.count}")
 
 
-def _delegated_v2() -> str | None:
-    """A cgroup v2 directory this (non-root) user may manage, with memory, pids and cpu, or None."""
-    unified = next((p for p in ("/sys/fs/cgroup/unified", "/sys/fs/cgroup")
-                    if os.path.exists(f"{p}/cgroup.controllers")), None)
-    own = next((line[3:] for line in (_read("/proc/self/cgroup") or "").splitlines() if line.startswith("0::")), None)
-    if unified is None or own is None:
-        return None
-    d = os.path.join(unified, own.lstrip("/"))
-    while d.startswith(unified) and d != unified:
-        controllers = set((_read(f"{d}/cgroup.controllers") or "").split())
-        if os.access(d, os.W_OK) and os.access(f"{d}/cgroup.subtree_control", os.W_OK) \
-                and {"memory", "pids", "cpu"} <= controllers:
-            return d
-        d = os.path.dirname(d)
-    return None
+def _delegation() -> tuple[Delegation | None, str]:
+    """(the delegation, or None and why not): the cgroup v2 directory a rootless server started here
+    would put its sandboxes' cgroups in."""
+    from agentcell.backends.linux import cgroup_delegation
+
+    return cgroup_delegation.probe()
 
 
 def check_cgroups() -> Check:
@@ -183,13 +177,17 @@ def check_cgroups() -> Check:
                          "cgroup v2 (systemd.unified_cgroup_hierarchy=1)", "memory, pids and CPU limits")
     if os.geteuid() == 0:
         return Check("cgroups", "ok", layout)
-    delegated = _delegated_v2()
-    if delegated:
-        return Check("cgroups", "warn", f"{layout}; delegated to you: {delegated} (rootless mode does not use it yet)",
-                     "none needed: rootless mode limits by rlimits", "per-sandbox cgroup limits rootless")
-    return Check("cgroups", "warn", f"{layout}; no cgroup v2 subtree delegated to you",
-                 "rootless limits fall back to rlimits; a v2 host with systemd's user@.service delegation "
-                 "(Delegate=yes) offers one", "memory/CPU limits and pause rootless")
+    delegation, why = _delegation()
+    if delegation is None:
+        return Check("cgroups", "warn", f"{layout}; no cgroup v2 directory delegated to you ({why})",
+                     "start the server in a delegated systemd user scope (systemd-run --user --scope -p Delegate=yes "
+                     "agentcell serve, on a host with cgroup v2 and user@.service); without: rlimits, no pause",
+                     "cgroup limits and pause rootless")
+    if delegation.missing:
+        return Check("cgroups", "warn", f"{layout}; {delegation.describe()}",
+                     f"an administrator delegates {' '.join(delegation.missing)} to users (a drop-in for "
+                     f"user@.service with Delegate=cpu cpuset io memory pids)", f"{', '.join(delegation.missing)} limits by cgroup")
+    return Check("cgroups", "ok", f"{layout}; {delegation.describe()}")
 
 
 def check_seccomp() -> Check:
@@ -367,7 +365,8 @@ def diagnose() -> Report:
     if mode == "rootless":
         subids_ok = next(c for c in checks if c.name == "newuidmap + subordinate ids").status == "ok"
         usermode_ok = next(c for c in checks if c.name == "user-mode networking").status == "ok"
-        report.guarantees = [asdict(g) for g in rootless.guarantees(subids=subids_ok,
-                                                                    cgroup_delegation=_delegated_v2() is not None,
-                                                                    user_net=usermode_ok)]
+        delegation, _ = _delegation()
+        report.guarantees = [asdict(g) for g in rootless.guarantees(
+            subids=subids_ok, delegated=delegation.controllers if delegation is not None else None,
+            user_net=usermode_ok)]
     return report

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import pwd
 import shutil
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from agentcell.errors import BackendUnavailableError
@@ -101,10 +102,12 @@ class Guarantee:
     text: str
 
 
-def guarantees(subids: bool = True, cgroup_delegation: bool = False, user_net: bool = True) -> list[Guarantee]:
+def guarantees(subids: bool = True, delegated: Collection[str] | None = None, user_net: bool = True) -> list[Guarantee]:
     """What rootless mode promises on this host (`subids`: the user has /etc/subuid and /etc/subgid
-    ranges; `cgroup_delegation`: a writable cgroup v2 subtree with memory, pids and cpu; `user_net`:
-    user-mode networking can run, network/usermode.py)."""
+    ranges; `delegated`: the server would run in a cgroup v2 directory delegated to the user, with
+    these of memory, pids, cpu (backends/linux/cgroup_delegation.py), None: no such directory;
+    `user_net`: user-mode networking can run, network/usermode.py)."""
+    cg = set(delegated or ())
     rows = [
         Guarantee("sandboxes from each other", True if subids else False,
                   "own user, pid, mount, net, ipc, uts namespaces and own ids (subordinate ids), Landlock, seccomp"
@@ -119,16 +122,18 @@ def guarantees(subids: bool = True, cgroup_delegation: bool = False, user_net: b
                   "commands as user root still run); the home directory (python -m venv there), /tmp and "
                   "/dev/shm stay writable"),
     ]
-    if cgroup_delegation:
-        rows.append(Guarantee("memory, pids, CPU limits", None, "cgroup v2 delegation is present but not used yet: "
-                              "the rlimit fallback below applies"))
     rows += [
+        Guarantee("memory limit", True, "memory.max of the sandbox's cgroup (below the delegated directory), as "
+                  "with root") if "memory" in cg else
         Guarantee("memory limit", None,
                   "RLIMIT_DATA per process (memory_mb), and the disk tmpfs's size: a sandbox with several "
                   "processes can use memory_mb in each; nothing bounds the page cache or kernel memory"),
+        Guarantee("process limit (fork bomb)", True, "pids.max of the sandbox's cgroup, as with root")
+        if "pids" in cg else
         Guarantee("process limit (fork bomb)", None,
                   "RLIMIT_NPROC per sandbox id (pids): it counts the processes and threads of one id, and each "
                   "sandbox has ids of its own, two of them (its user, its root): at most 2 x pids tasks"),
+        Guarantee("CPU limit", True, "cpu.max (CFS quota) of the sandbox's cgroup, as with root") if "cpu" in cg else
         Guarantee("CPU limit", False, "no CPU quota without cgroups: sandboxes run at nice 10 and their lifetime "
                   "(timeout) is the only bound"),
         Guarantee("network", None, (
@@ -140,7 +145,10 @@ def guarantees(subids: bool = True, cgroup_delegation: bool = False, user_net: b
             "(each its own network namespace); a create asking for the internet gets a sandbox without it")),
         Guarantee("behaviour record", None, "API calls and lifecycle are recorded; the host-side collectors "
                   "(processes via audit/BPF, files via fanotify, limits) need root and are off"),
-        Guarantee("pause, resume, snapshots", False, "need the freezer cgroup: not available rootless"),
+        Guarantee("pause, resume, snapshots", True, "the sandbox's cgroup is frozen (cgroup.freeze, a core cgroup "
+                  "v2 file: no controller needed)") if delegated is not None else
+        Guarantee("pause, resume, snapshots", False, "need the freezer cgroup: not available rootless (without a "
+                  "delegated cgroup v2 directory)"),
         Guarantee("host sysctls (file-max, pid_max, pty.max)", False,
                   "left as they are: an ordinary user cannot raise them"),
     ]

@@ -26,7 +26,7 @@ def reexec_if_needed(flag: bool | None) -> None:
         return
     if os.geteuid() == 0:
         raise click.ClickException("--rootless is for ordinary users; root runs the full server (leave it out)")
-    from agentcell.backends.linux import userns
+    from agentcell.backends.linux import cgroup_delegation, cgroups, userns
     from agentcell.runtime import statedir
 
     try:
@@ -36,6 +36,8 @@ def reexec_if_needed(flag: bool | None) -> None:
         argv = [sys.executable, "-m", "agentcell", "serve", *_serve_args()]
         # this process stays outside as the server's parent (userns._relay): its pid is the server's for the user
         env = {**os.environ, rootless.ENV: "1", rootless.OUTSIDE_PID_ENV: str(os.getpid())}
+        env.pop(cgroups.DELEGATED_ENV, None)  # only ever what the check below found
+        env.update(cgroup_delegation.launch_env())  # a delegated cgroup v2 directory: entered from here
         click.echo("agentcell: rootless mode (you are not root): sandboxes run in a user namespace of yours, with "
                    "weaker limits; `agentcell doctor` lists what holds", err=True)
         userns.exec_inside(argv, env)

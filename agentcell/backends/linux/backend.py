@@ -33,7 +33,15 @@ from agentcell.backends.base import (
     new_cell_sandbox_id,
 )
 from agentcell.backends.cgroup_backend import CgroupSandboxes
-from agentcell.backends.linux import cgroups, host, rootfs, runtime_prefetch, runtime_store, uids
+from agentcell.backends.linux import (
+    cgroup_delegation,
+    cgroups,
+    host,
+    rootfs,
+    runtime_prefetch,
+    runtime_store,
+    uids,
+)
 from agentcell.backends.linux.zygote_process import DEFAULT_ENTRY, ZygoteProcess
 from agentcell.backends.pool import StandbyPool
 from agentcell.errors import (
@@ -401,10 +409,38 @@ class LinuxBackend(CgroupSandboxes, Backend):
             if self.egress is not None:
                 self.egress.sink = self.recorder.add  # connection and DNS events join the behaviour record
             await self._start_collectors()
-        self.host_budget = host.prepare_rootless(self.host_tuning)
+        controllers = await asyncio.to_thread(self._start_delegated_cgroups)
+        self.host_budget = host.prepare_rootless(self.host_tuning, controllers)
+        if controllers:  # all sandboxes together, as a root server's parent cgroup (host.prepare)
+            with contextlib.suppress(OSError):
+                cgroup_delegation.set_instance_limits(self.instance, self.host_budget.memory_bytes,
+                                                      self.host_budget.pids)
         if self.staging == rootfs.STAGING:
             self.staging = rootless.staging_dir()
         await self._start_zygotes()
+
+    def _start_delegated_cgroups(self) -> frozenset[str] | None:
+        """Rootless: the sandboxes' cgroups below the cgroup v2 directory delegated to the user, if the
+        launcher found one (cgroup_delegation.py); else none (no_cgroups.py). Says which. Returns the
+        controllers that limit sandboxes (None: no cgroups at all)."""
+        if cgroups.delegated_root() is None:
+            why = cgroup_delegation.probe()[1] or "the launcher could not enter the delegated cgroup: see above"
+            print(f"agentcell: rootless mode: no cgroups ({why}): limits by rlimits, no pause", file=sys.stderr,
+                  flush=True)
+            return None
+        try:
+            stale = cgroup_delegation.remove_stale_instances()
+            if stale:
+                print(f"agentcell: removed the cgroups of {len(stale)} dead rootless server(s): {', '.join(stale)}",
+                      file=sys.stderr)
+            delegation = cgroup_delegation.prepare_instance(self.instance)
+        except OSError as e:
+            print(f"agentcell: rootless mode: cannot use the delegated cgroup {cgroups.delegated_root()} ({e}): "
+                  "no cgroups, limits by rlimits, no pause", file=sys.stderr, flush=True)
+            os.environ.pop(cgroups.DELEGATED_ENV, None)  # the zygotes and their sandboxes: NoCgroups
+            return None
+        print(f"agentcell: rootless mode: {delegation.describe()}", file=sys.stderr, flush=True)
+        return delegation.controllers
 
     @property
     def _slot_count(self) -> int:
@@ -495,6 +531,7 @@ class LinuxBackend(CgroupSandboxes, Backend):
             self.record_process = None
         with contextlib.suppress(OSError):
             await asyncio.to_thread(cgroups.remove_tree, self.cgroup_parent)
+        cgroup_delegation.release(self.instance)  # rootless with a delegated cgroup: its directory's lock
         await asyncio.to_thread(host.release, self.cgroup_parent)  # the sysctls it raised, if it was the last
         if self._uid_range is not None:
             self._uid_range.release()

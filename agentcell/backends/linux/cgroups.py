@@ -43,10 +43,14 @@ from agentcell.backends.linux import syscalls as sc
 
 ROOT = "/sys/fs/cgroup"
 GROUP = "agentcell"
+# rootless mode: the cgroup v2 directory delegated to the user, set by the launcher that moved the
+# server into it (cgroup_delegation.py); agentcell/ is made there instead of under ROOT
+DELEGATED_ENV = "AGENTCELL_CGROUP_DELEGATED"
 _CPU_PERIOD_US = 100_000
 _MIN_SOCKET_BYTES = 4 << 20
 # freezer: pause/resume (Cgroups.freeze); a host without it cannot pause sandboxes
 _V1_CONTROLLERS = ("memory", "pids", "cpu", "cpuacct", "freezer")
+LIMIT_CONTROLLERS = frozenset({"memory", "pids", "cpu"})
 _FREEZE_TIMEOUT_S = 5.0
 # container mode, v2: where the container's own processes go so that its root can delegate controllers
 SERVER_LEAF = "agentcell-server"
@@ -59,14 +63,28 @@ class CgroupError(OSError):
     pass
 
 
+def delegated_root() -> str | None:
+    """Rootless mode with a delegated cgroup v2 directory: that directory (else None)."""
+    return (os.environ.get(DELEGATED_ENV) or None) if rootless.active() else None
+
+
+def root_dir() -> str:
+    """The directory agentcell/ lives in: ROOT, or a rootless server's delegated cgroup v2 directory."""
+    return delegated_root() or ROOT
+
+
 def is_v2() -> bool:
+    return os.path.exists(os.path.join(root_dir(), "cgroup.controllers"))
+
+
+def _root_is_v2() -> bool:
     return os.path.exists(os.path.join(ROOT, "cgroup.controllers"))
 
 
 def in_container_root() -> bool:
     """v2 and ROOT is some cgroup below the host's root: a container's private cgroup namespace (the
     host's root cgroup has no cgroup.type; every other one has)."""
-    return is_v2() and os.path.exists(os.path.join(ROOT, "cgroup.type"))
+    return delegated_root() is None and _root_is_v2() and os.path.exists(os.path.join(ROOT, "cgroup.type"))
 
 
 def _limit_or_none(path: str) -> int | None:
@@ -84,7 +102,7 @@ def root_limits() -> tuple[int | None, int | None]:
     """(memory bytes, pids) limits of the cgroup at ROOT itself: in container mode the container's (a
     pod's resources.limits), which bound the server and all its sandboxes together; (None, None) on a
     host, whose root cgroup has no limits."""
-    if is_v2():
+    if _root_is_v2():
         return _limit_or_none(os.path.join(ROOT, "memory.max")), _limit_or_none(os.path.join(ROOT, "pids.max"))
     bases = _v1_bases()
     memory = _limit_or_none(os.path.join(bases["memory"], "memory.limit_in_bytes")) if "memory" in bases else None
@@ -102,23 +120,33 @@ def enter_container_leaf() -> list[int]:
     enable controllers for agentcell/. Returns the pids moved; [] on a host or when already done."""
     if not in_container_root():
         return []
-    leaf = os.path.join(ROOT, SERVER_LEAF)
+    return enter_leaf(ROOT, "container mode", "the container's root cgroup",
+                      "mount /sys/fs/cgroup read-write in the container (privileged, or a writable cgroup mount)")
+
+
+def enter_leaf(parent: str, mode: str, what: str, fix: str) -> list[int]:
+    """v2's "no internal processes" rule: a cgroup that enables controllers for its children holds no
+    process itself. Move every process of `parent` (`what`, for messages) into parent/SERVER_LEAF.
+    Returns the pids moved; [] when there were none. Raises CgroupError (with `fix`)."""
+    leaf = os.path.join(parent, SERVER_LEAF)
     try:
         os.makedirs(leaf, exist_ok=True)
     except OSError as e:
-        raise CgroupError(e.errno, f"cannot create {leaf} ({e}); mount /sys/fs/cgroup read-write in the container "
-                                   "(privileged, or a writable cgroup mount)") from e
+        raise CgroupError(e.errno, f"cannot create {leaf} ({e}); {fix}") from e
     moved: list[int] = []
     for _ in range(_LEAF_MOVE_ROUNDS):
         try:
-            pids = _procs(ROOT)
+            pids = _procs(parent)
         except OSError as e:
-            raise CgroupError(e.errno, f"cannot read {ROOT}/cgroup.procs ({e})") from e
+            raise CgroupError(e.errno, f"cannot read {parent}/cgroup.procs ({e})") from e
         if not pids:
             if moved:
-                print(f"agentcell: container mode: moved {len(moved)} process(es) of the container's root cgroup "
-                      f"into {leaf}", file=sys.stderr, flush=True)
+                print(f"agentcell: {mode}: moved {len(moved)} process(es) of {what} into {leaf}",
+                      file=sys.stderr, flush=True)
             return moved
+        if 0 in pids:  # "0" would move the writer itself, over and over
+            raise CgroupError(errno.EPERM, f"{what} holds processes outside this pid namespace: cannot move them "
+                                           f"into {leaf}")
         for pid in pids:
             try:
                 sc.write_file(f"{leaf}/cgroup.procs", str(pid))  # the whole thread group moves
@@ -126,10 +154,9 @@ def enter_container_leaf() -> list[int]:
             except ProcessLookupError:
                 pass  # exited meanwhile
             except OSError as e:
-                raise CgroupError(e.errno, f"cannot move process {pid} from the container's root cgroup into "
-                                           f"{leaf} ({e})") from e
-    raise CgroupError(errno.EBUSY, f"processes keep appearing in {ROOT}/cgroup.procs: cannot empty the container's "
-                                   "root cgroup to enable its controllers")
+                raise CgroupError(e.errno, f"cannot move process {pid} from {what} into {leaf} ({e})") from e
+    raise CgroupError(errno.EBUSY, f"processes keep appearing in {parent}/cgroup.procs: cannot empty {what} to "
+                                   "enable its controllers")
 
 
 def _read(path: str) -> str:
@@ -168,7 +195,12 @@ class Cgroups:
     @classmethod
     def at(cls, rel: str) -> Cgroups:
         """The cgroups at `rel` (a path below each hierarchy's root, e.g. "agentcell/<inst>/<name>")."""
-        if rootless.active():  # an ordinary user's server: no cgroups (no_cgroups.py)
+        if rootless.active():  # an ordinary user's server: a delegated v2 subtree, else no cgroups
+            delegated = delegated_root()
+            if delegated is not None:
+                from agentcell.backends.linux.cgroup_delegation import DelegatedCgroups
+
+                return DelegatedCgroups(rel, True, {"unified": os.path.join(delegated, rel)})
             from agentcell.backends.linux.no_cgroups import NoCgroups
 
             return NoCgroups.named(rel)
@@ -198,7 +230,11 @@ class Cgroups:
                 os.close(old)
             fds[d] = fd
         dirs = {k: f"/proc/self/fd/{fds[d]}" for k, d in self.dirs.items()}
-        return Cgroups(self.sandbox_id, self.v2, dirs), list(fds.values())
+        return type(self)(self.sandbox_id, self.v2, dirs), list(fds.values())
+
+    def controllers(self) -> frozenset[str]:
+        """Which of memory, pids, cpu limit this sandbox (set_limits): all of them as root."""
+        return LIMIT_CONTROLLERS
 
     def set_limits(self, limits: Limits) -> None:
         mem = limits.memory_mb << 20
@@ -327,6 +363,8 @@ class Cgroups:
             except OSError:
                 continue
             for pid in pids:
+                if int(pid) <= 0:
+                    continue  # outside our pid namespace (see kill_tree)
                 try:
                     os.kill(int(pid), 9)
                 except OSError:
@@ -421,6 +459,8 @@ def kill_tree(rel: str) -> int:
             except OSError:
                 continue
             for pid in pids:
+                if int(pid) <= 0:
+                    continue  # a task outside our pid namespace reads as 0: kill(0) would hit our own group
                 try:
                     os.kill(int(pid), signal.SIGKILL)
                     n += 1
@@ -459,7 +499,7 @@ def remove_tree(rel: str, timeout: float = 3.0) -> bool:
 
 def _bases() -> list[str]:
     if is_v2():
-        return [ROOT]
+        return [root_dir()]
     return list(dict.fromkeys(_v1_bases().values()))
 
 

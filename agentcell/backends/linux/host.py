@@ -202,17 +202,20 @@ def check_limits(limits: Limits, budget: HostBudget | None) -> None:
         raise ValueError(f"pids must be at most {budget.pids} on this host, got {limits.pids}")
 
 
-def prepare_rootless(tuning: HostTuning) -> HostBudget:
+def prepare_rootless(tuning: HostTuning, controllers: frozenset[str] | None = None) -> HostBudget:
     """At a rootless server's start (rootless.py): nothing on the host can change, so the budget
-    is what this host's size allows, enforced only by admission control, and every host-wide pool
-    is listed as unprotected."""
+    is what this host's size allows, enforced only by admission control (and by the instance's cgroup
+    where a delegated one has the controller: `controllers`, None without cgroups), and every host-wide
+    pool is listed as unprotected."""
     memory, sockets, pids = budget_for(tuning)
     memory += sockets  # no v1 socket counter to keep apart
-    unprotected = (
-        "rootless mode: host sysctls (fs.file-max, kernel.pid_max, kernel.pty.max) are left as they are",
-        "rootless mode: no cgroups; memory is bounded per process (RLIMIT_DATA), processes per sandbox "
-        "(RLIMIT_NPROC), CPU not at all",
-    )
+    fallback = {"memory": "memory is bounded per process (RLIMIT_DATA)",
+                "pids": "processes per sandbox (RLIMIT_NPROC)", "cpu": "CPU not at all"}
+    missing = [c for c in ("memory", "pids", "cpu") if c not in (controllers or ())]
+    unprotected = ["rootless mode: host sysctls (fs.file-max, kernel.pid_max, kernel.pty.max) are left as they are"]
+    if missing:
+        what = "no cgroups" if controllers is None else f"no {', '.join(missing)} controller in the delegated cgroup"
+        unprotected.append(f"rootless mode: {what}; " + ", ".join(fallback[c] for c in missing))
     for item in unprotected:
         _log(f"NOT PROTECTED: {item}")
-    return HostBudget(memory, 0, pids, tuning.ptys_per_sandbox, max_open_files(), unprotected)
+    return HostBudget(memory, 0, pids, tuning.ptys_per_sandbox, max_open_files(), tuple(unprotected))

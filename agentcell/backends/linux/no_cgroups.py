@@ -14,7 +14,8 @@ import errno
 from agentcell.backends.base import Limits, SandboxStats
 from agentcell.backends.linux.cgroups import CgroupError, Cgroups
 
-NO_FREEZER = "rootless mode has no cgroups here: pausing a sandbox needs the freezer (run the server as root)"
+NO_FREEZER = ("rootless mode has no cgroups here: pausing a sandbox needs the freezer (run the server as root, or "
+              "rootless in a delegated cgroup v2 directory: docs/rootless.md)")
 
 
 class NoCgroups(Cgroups):
@@ -26,6 +27,9 @@ class NoCgroups(Cgroups):
 
     def create_and_join(self, pid: int) -> None:
         pass
+
+    def controllers(self) -> frozenset[str]:
+        return frozenset()  # every limit is an rlimit
 
     def opened(self, min_fd: int = 3) -> tuple[Cgroups, list[int]]:
         return self, []

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import resource
+from collections.abc import Collection
 
 from agentcell import rootless
 from agentcell.backends.base import Limits
@@ -82,9 +83,10 @@ def confine_namespaces() -> None:
         os.close(sys_fd)
 
 
-def rlimits(limits: Limits) -> dict[int, tuple[int, int]]:
-    """(soft, hard) of every rlimit a sandbox gets."""
-    data = limits.memory_mb << 20 if rootless.active() else _INF
+def rlimits(limits: Limits, by_cgroup: Collection[str] = ()) -> dict[int, tuple[int, int]]:
+    """(soft, hard) of every rlimit a sandbox gets. `by_cgroup`: the controllers limiting it (rootless
+    mode: those of a delegated cgroup, cgroup_delegation.py; a root server's cgroups have them all)."""
+    data = limits.memory_mb << 20 if rootless.active() and "memory" not in by_cgroup else _INF
     return {
         resource.RLIMIT_NOFILE: (limits.open_files, limits.open_files),
         resource.RLIMIT_FSIZE: (limits.file_size_mb << 20, limits.file_size_mb << 20),
@@ -107,10 +109,10 @@ def rlimits(limits: Limits) -> dict[int, tuple[int, int]]:
     }
 
 
-def set_rlimits(limits: Limits) -> None:
+def set_rlimits(limits: Limits, by_cgroup: Collection[str] = ()) -> None:
     """Set them all; a value above the server's own hard limit is lowered to it (raising a hard limit
     needs CAP_SYS_RESOURCE in the host's namespace, which the sandbox never has)."""
-    for which, (soft, hard) in rlimits(limits).items():
+    for which, (soft, hard) in rlimits(limits, by_cgroup).items():
         _, cur_hard = resource.getrlimit(which)
         if cur_hard != _INF:
             hard = cur_hard if hard == _INF else min(hard, cur_hard)

@@ -247,6 +247,7 @@ def _run_sandbox(fd: int, req: dict[str, Any], cg: Cgroups, cg_fds: list[int], e
         files_fd = _recv_archive(fd) if req.get("files") else -1  # never for a standby of the pool
         step = "cgroup limits"
         cg.set_limits(limits)
+        by_cgroup = cg.controllers()  # (rootless: maybe none or some; the rlimits stand in for the others)
         for cg_fd in cg_fds:
             os.close(cg_fd)
         step = "user namespace"
@@ -285,7 +286,7 @@ def _run_sandbox(fd: int, req: dict[str, Any], cg: Cgroups, cg_fds: list[int], e
         _mark(step)
         ns_limits.confine_namespaces()
         step = "rlimits"
-        ns_limits.set_rlimits(limits)
+        ns_limits.set_rlimits(limits, by_cgroup)
         step = "sandbox ids"
         # The agent runs as the sandbox's user (1000) and keeps ROOT_CAPS only in its permitted set, to
         # start commands as the sandbox's root (runtime/processes.py); the bounding set is ROOT_CAPS too,

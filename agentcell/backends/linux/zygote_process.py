@@ -23,13 +23,13 @@ import socket
 import subprocess
 
 from agentcell import rootless
-from agentcell.backends.linux import runtime_store
+from agentcell.backends.linux import cgroups, runtime_store
 from agentcell.errors import BackendUnavailableError
 from agentcell.server import progress
 
 DEFAULT_ENTRY = "agentcell.runtime.agent:serve"
 SPAWN = b"spawn"  # see zygote.SPAWN
-_ENV = {"PATH", "LANG", "LC_ALL", "PYTHONPATH", "TZ", "AGENTCELL_TIMING", rootless.ENV}
+_ENV = {"PATH", "LANG", "LC_ALL", "PYTHONPATH", "TZ", "AGENTCELL_TIMING", rootless.ENV, cgroups.DELEGATED_ENV}
 
 
 class ZygoteProcess:
