@@ -616,13 +616,15 @@ def max_bytes() -> int:
 
 
 def ensure(layout: Layout | None = None, root: str | None = None, log: Callable[[str], None] | None = None,
-           budget: int | None = None, collect: str = "background") -> Store:
+           budget: int | None = None, collect: str = "background", stat_keys: dict[str, str] | None = None) -> Store:
     """Build what is missing of the runtime store and hold its parts. Raises RuntimeStoreError.
 
     Then parts no server holds are collected (store_collect.collect: by age, and beyond `budget`):
     collect="background" in a thread (off the server's start; it holds the build lock meanwhile) when
     this call built a part or the last collection is over COLLECT_EVERY_S old, "now" before
-    returning, "never" not at all."""
+    returning, "never" not at all. `stat_keys`: the parts' stat keys (stat_keys()) taken just before,
+    in another process (runtime_prefetch), so that this one need not walk the trees when nothing
+    changed."""
     layout = layout or plan()
     root = root or store_dir()
     budget = max_bytes() if budget is None else budget
@@ -632,7 +634,7 @@ def ensure(layout: Layout | None = None, root: str | None = None, log: Callable[
         keys_dir = os.path.join(root, store_collect.KEYS)
         os.makedirs(keys_dir, mode=0o700, exist_ok=True)
         walked: dict[str, list[tuple[str, os.stat_result, str]]] = {}
-        held = _held_unchanged(layout, root, keys_dir, walked)  # the usual start: no lock to wait for
+        held = _held_unchanged(layout, root, keys_dir, walked, stat_keys or {})  # the usual start: no lock to wait for
         built = held is None
         mounts, locks = held if held is not None else _check_and_build(layout, root, keys_dir, walked, log)
         _write_key(_last_path(root, layout), json.dumps([[os.path.basename(d), t] for d, t in mounts]))
@@ -652,8 +654,14 @@ def ensure(layout: Layout | None = None, root: str | None = None, log: Callable[
     return Store(layout, mounts, locks)
 
 
+def stat_keys(layout: Layout) -> dict[str, str]:
+    """Each part's stat key (a walk of its tree: one stat a file)."""
+    return {part.name: _stat_key(part, layout, list(_walk(part))) for part in layout.parts}
+
+
 def _held_unchanged(layout: Layout, root: str, keys_dir: str,
-                    walked: dict[str, list[tuple[str, os.stat_result, str]]]) -> tuple[list[tuple[str, str]], list[int]] | None:
+                    walked: dict[str, list[tuple[str, os.stat_result, str]]],
+                    known: dict[str, str]) -> tuple[list[tuple[str, str]], list[int]] | None:
     """Every part found unchanged by its quick key (one stat a file) and held; None at the first
     part that is not (its walk kept in `walked`): then _check_and_build() does it under the build lock.
     No lock is waited for here, so a start is not held up by another server's build or collection:
@@ -663,8 +671,11 @@ def _held_unchanged(layout: Layout, root: str, keys_dir: str,
     try:
         for part in layout.parts:
             with progress.step(f"runtime store: checking {part.target} ({part.source})"):
-                entries = walked[part.name] = list(_walk(part))
-                name = _read_key(os.path.join(keys_dir, f"{part.name}-{_stat_key(part, layout, entries)}"))
+                key = known.get(part.name)
+                if key is None:
+                    entries = walked[part.name] = list(_walk(part))
+                    key = _stat_key(part, layout, entries)
+                name = _read_key(os.path.join(keys_dir, f"{part.name}-{key}"))
             if name is None:
                 raise LookupError(part.name)
             dest = os.path.join(root, name)
