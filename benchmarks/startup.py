@@ -1,7 +1,7 @@
 """How long a server takes to start: first start after an install (a fresh runtime store and tracer
 cache) and later starts (both warm).
 
-    .venv/bin/python benchmarks/startup.py [--runs 3] [--skip-embedded]
+    .venv/bin/python benchmarks/startup.py [--runs 3] [--skip-embedded] [--python VENV/bin/python]
 
 Rows, each measured --runs times (median, and every run):
 
@@ -15,6 +15,11 @@ Rows, each measured --runs times (median, and every run):
 AGENTCELL_BPF_CACHE under a temporary directory on the store's filesystem), as right after `pip install`;
 "warm start" reuses them. Every server runs with --egress-uplink none (nothing leaves the machine) and its
 own --state-dir. The progress lines the server printed on the first start are shown at the end.
+
+`--python` runs the servers and the SDK with another interpreter: a venv where the wheel is installed
+(`pip wheel . --no-deps -w DIR`, then `/usr/bin/python3 -m venv V && V/bin/pip install DIR/agentcell-*.whl`),
+which is what "after install" means for a user; the default is this checkout's `.venv` (every extra:
+a 1.9 GB venv, the runtime store's worst case).
 
 Needs root, like the server.
 """
@@ -39,9 +44,18 @@ REPO = Path(__file__).resolve().parent.parent
 BENCH_ROOT = "/var/lib/agentcell-bench"  # on the store's filesystem (hard links), root-only
 
 
+PYTHON = sys.executable  # --python
+CWD = str(REPO)  # a wheel's interpreter runs elsewhere: the checkout's package must not shadow its own
+
+
 def _env(store: str, bpf: str) -> dict[str, str]:
     env = {**os.environ, "AGENTCELL_RUNTIME_STORE": store, "AGENTCELL_BPF_CACHE": bpf,
-           "PYTHONPATH": str(REPO), "AGENTCELL_EGRESS_UPLINK": "none"}
+           "AGENTCELL_EGRESS_UPLINK": "none"}
+    if PYTHON == sys.executable:
+        env["PYTHONPATH"] = str(REPO)
+    else:
+        env.pop("PYTHONPATH", None)
+        env.pop("VIRTUAL_ENV", None)
     env.pop("AGENTCELL_URL", None)
     return env
 
@@ -53,9 +67,9 @@ def serve_once(store: str, bpf: str, work: str) -> tuple[float, float, str]:
     log_path = os.path.join(work, "serve.log")
     with open(log_path, "wb") as log:
         t0 = time.perf_counter()
-        proc = subprocess.Popen([sys.executable, "-m", "agentcell", "serve", "--uds", sock, "--state-dir", state,
+        proc = subprocess.Popen([PYTHON, "-m", "agentcell", "serve", "--uds", sock, "--state-dir", state,
                                  "--egress-uplink", "none"], stdout=log, stderr=subprocess.STDOUT,
-                                env=_env(store, bpf), cwd=str(REPO))
+                                env=_env(store, bpf), cwd=CWD)
     try:
         with httpx.Client(transport=httpx.HTTPTransport(uds=sock), base_url="http://localhost", timeout=120) as c:
             while True:
@@ -92,7 +106,7 @@ print("CREATE_S", t)
 
 
 def embedded_once(store: str, bpf: str) -> tuple[float, str]:
-    done = subprocess.run([sys.executable, "-c", EMBEDDED], capture_output=True, text=True, timeout=300,
+    done = subprocess.run([PYTHON, "-c", EMBEDDED], capture_output=True, text=True, timeout=300,
                           env=_env(store, bpf), cwd=tempfile.gettempdir())
     if done.returncode != 0:
         raise RuntimeError(f"embedded create failed: {done.stderr[-3000:]}")
@@ -122,7 +136,11 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--skip-embedded", action="store_true")
     ap.add_argument("--json", default=None, help="write every sample here")
+    ap.add_argument("--python", default=None, help="the interpreter of a venv the wheel is installed in")
     args = ap.parse_args()
+    global PYTHON, CWD
+    if args.python:
+        PYTHON, CWD = args.python, tempfile.gettempdir()
     if os.geteuid() != 0:
         sys.exit("needs root (like the server)")
     os.makedirs(BENCH_ROOT, mode=0o700, exist_ok=True)
