@@ -17,19 +17,18 @@ import json
 import os
 import re
 import shutil
-import signal
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
-import httpx
 import pytest
 
 from agentcell.backends.linux import cgroup_delegation
 from agentcell.sdk import Sandbox
 from tests.ordinary_user import OrdinaryUser, ordinary_user, user_venv  # noqa: F401
+from tests.servers import ServerProcess
 
 MOUNT = cgroup_delegation.unified_mount()
 pytestmark = [
@@ -86,63 +85,26 @@ def _remove_cgroup_tree(top: str) -> None:
                 time.sleep(0.05)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _in_cgroup(cgroup_dir: str, user: OrdinaryUser, argv: list[str], **kw: object) -> subprocess.Popen[bytes]:
-    """`argv` as the user, started in `cgroup_dir` (as systemd starts a unit's processes in its cgroup)."""
+def _in_cgroup(cgroup_dir: str, user: OrdinaryUser) -> list[str]:
+    """A command prefix: what follows runs as the user, started in `cgroup_dir` (as systemd starts a
+    unit's processes in its cgroup)."""
     shell = (f'echo $$ > {cgroup_dir}/cgroup.procs && exec setpriv --reuid={user.uid} --regid={user.gid} '
              '--clear-groups -- "$@"')
-    return subprocess.Popen(["sh", "-c", shell, "sh", *argv], env=user.env(), cwd=user.home,
-                            **kw)  # type: ignore[call-overload]
+    return ["sh", "-c", shell, "sh"]
 
 
-@dataclass
-class Server:
-    url: str
-    proc: subprocess.Popen[bytes]
-    log_path: str
 
-    def log(self) -> str:
-        with open(self.log_path, errors="replace") as f:
-            return f.read()
-
-    def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
-def _start(d: Delegated, tag: str) -> Server:
-    port = _free_port()
-    log_path = os.path.join(d.user.home, f"server-{tag}.log")
-    with open(log_path, "wb") as log:
-        proc = _in_cgroup(d.directory, d.user, [d.user.python, "-m", "agentcell.server", "--port", str(port),
-                                                "--standbys", "1", "--max-sandboxes", "8", "--egress-uplink", "none"],
-                          stdout=log, stderr=subprocess.STDOUT)
-    server = Server(f"http://127.0.0.1:{port}", proc, log_path)
-    deadline = time.monotonic() + 180  # the first start builds the user's runtime store
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the rootless server exited with {proc.returncode}:\n{server.log()[-4000:]}")
-        with contextlib.suppress(httpx.TransportError):
-            if httpx.get(f"{server.url}/health", timeout=1).status_code == 200:
-                return server
-        if time.monotonic() > deadline:
-            server.stop(signal.SIGKILL)
-            raise RuntimeError(f"the rootless server did not start:\n{server.log()[-4000:]}")
-        time.sleep(0.2)
+def _start(d: Delegated, tag: str) -> ServerProcess:
+    return ServerProcess(
+        Path(d.user.home, f"server-{tag}.log"), "--standbys", "1", "--max-sandboxes", "8", "--egress-uplink", "none",
+        command=[*_in_cgroup(d.directory, d.user), d.user.python, "-m", "agentcell.server"], host=None,
+        own_state_dir=False, base_env=d.user.env(), cwd=d.user.home, ready_status=200,
+        start_timeout=180,  # the first start builds the user's runtime store
+        stop_timeout=30, what="the rootless server").started()
 
 
 @pytest.fixture(scope="module")
-def server(delegated: Delegated) -> Iterator[Server]:
+def server(delegated: Delegated) -> Iterator[ServerProcess]:
     s = _start(delegated, "main")
     try:
         yield s
@@ -183,7 +145,7 @@ def _sandbox_cgroup(d: Delegated, marker: str) -> tuple[str, int]:
         time.sleep(0.1)
 
 
-def test_the_server_runs_in_a_leaf_and_says_what_holds(delegated: Delegated, server: Server) -> None:
+def test_the_server_runs_in_a_leaf_and_says_what_holds(delegated: Delegated, server: ServerProcess) -> None:
     d = delegated
     log = server.log()
     offered = cgroup_delegation.offered(d.directory)
@@ -200,7 +162,7 @@ def test_the_server_runs_in_a_leaf_and_says_what_holds(delegated: Delegated, ser
     assert len(_instances(d)) == 1
 
 
-def test_a_sandboxs_processes_are_in_its_cgroup_and_kill_removes_it(delegated: Delegated, server: Server) -> None:
+def test_a_sandboxs_processes_are_in_its_cgroup_and_kill_removes_it(delegated: Delegated, server: ServerProcess) -> None:
     d = delegated
     sb = Sandbox.create(api_url=server.url, timeout=120)
     try:
@@ -225,7 +187,7 @@ def test_a_sandboxs_processes_are_in_its_cgroup_and_kill_removes_it(delegated: D
     assert not os.path.exists(f"/proc/{pid}")
 
 
-def test_pause_and_resume_freeze_the_sandbox(delegated: Delegated, server: Server) -> None:
+def test_pause_and_resume_freeze_the_sandbox(delegated: Delegated, server: ServerProcess) -> None:
     d = delegated
     sb = Sandbox.create(api_url=server.url, timeout=120)
     try:
@@ -259,7 +221,7 @@ def test_pause_and_resume_freeze_the_sandbox(delegated: Delegated, server: Serve
     assert not os.path.exists(cgroup_dir)
 
 
-def test_kill_of_a_paused_sandbox_empties_and_removes_its_cgroup(delegated: Delegated, server: Server) -> None:
+def test_kill_of_a_paused_sandbox_empties_and_removes_its_cgroup(delegated: Delegated, server: ServerProcess) -> None:
     sb = Sandbox.create(api_url=server.url, timeout=120)
     sb.commands.run("sleep 7002", background=True)
     cgroup_dir, pid = _sandbox_cgroup(delegated, "sleep 7002")
@@ -268,7 +230,7 @@ def test_kill_of_a_paused_sandbox_empties_and_removes_its_cgroup(delegated: Dele
     assert not os.path.exists(cgroup_dir) and not os.path.exists(f"/proc/{pid}")
 
 
-def test_snapshot_and_filesystem_pause(server: Server) -> None:
+def test_snapshot_and_filesystem_pause(server: ServerProcess) -> None:
     """create_snapshot freezes the sandbox while its disk is archived: with the freezer, rootless too."""
     src = Sandbox.create(api_url=server.url, timeout=120)
     try:
@@ -288,14 +250,14 @@ def test_snapshot_and_filesystem_pause(server: Server) -> None:
 
 
 def _doctor(d: Delegated, cgroup_dir: str) -> dict:
-    proc = _in_cgroup(cgroup_dir, d.user, [d.user.python, "-m", "agentcell", "doctor", "--json"],
-                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen([*_in_cgroup(cgroup_dir, d.user), d.user.python, "-m", "agentcell", "doctor", "--json"],
+                            env=d.user.env(), cwd=d.user.home, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     out, err = proc.communicate(timeout=120)
     assert out, err
     return json.loads(out)
 
 
-def test_doctor_in_the_delegated_directory_reports_it(delegated: Delegated, server: Server) -> None:
+def test_doctor_in_the_delegated_directory_reports_it(delegated: Delegated, server: ServerProcess) -> None:
     d = delegated
     offered = cgroup_delegation.offered(d.directory)
     missing = [c for c in cgroup_delegation.WANTED if c not in offered]
@@ -325,7 +287,7 @@ def test_doctor_in_the_delegated_directory_reports_it(delegated: Delegated, serv
 
 
 def test_stop_removes_the_instance_and_a_dead_servers_cgroups_go_with_the_next(delegated: Delegated,
-                                                                               server: Server) -> None:
+                                                                               server: ServerProcess) -> None:
     d = delegated
     server.stop()  # SIGTERM: a clean stop
     assert _instances(d) == []
@@ -336,7 +298,8 @@ def test_stop_removes_the_instance_and_a_dead_servers_cgroups_go_with_the_next(d
     _sandbox_cgroup(d, "sleep 7003")
     left = _instances(d)
     assert len(left) == 1
-    first.stop(signal.SIGKILL)
+    first.proc.kill()
+    first.proc.wait()
     time.sleep(0.5)
     assert _instances(d) == left and not any("sleep 7003" in _cmdline(p) for p in _all_procs(d))
     # ... which the next server removes (nobody holds its lock any more), and keeps its own
@@ -376,7 +339,7 @@ def _offer_or_skip(d: Delegated, controller: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def limited_server(delegated: Delegated) -> Iterator[Server]:
+def limited_server(delegated: Delegated) -> Iterator[ServerProcess]:
     for c in cgroup_delegation.WANTED:
         _offer_or_skip(delegated, c)
     s = _start(delegated, "limits")
@@ -392,29 +355,36 @@ def _events(cgroup_dir: str, name: str) -> dict[str, int]:
         return {k: int(v) for k, v in (line.split() for line in f)}
 
 
-def test_memory_hog_is_oom_killed_by_the_cgroup(delegated: Delegated, limited_server: Server) -> None:
-    sb = Sandbox.create(api_url=limited_server.url, timeout=120, limits={"memoryMB": 256})
+@contextlib.contextmanager
+def _limited_sandbox(d: Delegated, server: ServerProcess, limits: dict[str, float],
+                     marker: str) -> Iterator[tuple[Sandbox, str]]:
+    """A sandbox of `limits` and its cgroup directory (found by a process it runs, `sleep <marker>`)."""
+    sb = Sandbox.create(api_url=server.url, timeout=120, limits=limits)
     try:
-        sb.commands.run("sleep 7004", background=True)
-        cgroup_dir, _ = _sandbox_cgroup(delegated, "sleep 7004")
-        with open(f"{cgroup_dir}/memory.max") as f:
-            assert int(f.read()) == 256 << 20
+        sb.commands.run(f"sleep {marker}", background=True)
+        yield sb, _sandbox_cgroup(d, f"sleep {marker}")[0]
+    finally:
+        sb.kill()
+
+
+def _read(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
+def test_memory_hog_is_oom_killed_by_the_cgroup(delegated: Delegated, limited_server: ServerProcess) -> None:
+    with _limited_sandbox(delegated, limited_server, {"memoryMB": 256}, "7004") as (sb, cgroup_dir):
+        assert int(_read(f"{cgroup_dir}/memory.max")) == 256 << 20
         # no RLIMIT_DATA with the memory controller: the allocation succeeds, touching it meets memory.max
         hog = sb.commands.run("python3 -c \"b = b'x' * (1 << 30)\"; echo $?", timeout=60)
         assert hog.stdout.strip() == "137", hog  # SIGKILL by the OOM killer, not a MemoryError
         assert _events(cgroup_dir, "memory.events")["oom_kill"] >= 1
         assert sb.run_code("1 + 1").text == "2"  # the sandbox lives on
-    finally:
-        sb.kill()
 
 
-def test_fork_bomb_stops_at_pids_max(delegated: Delegated, limited_server: Server) -> None:
-    sb = Sandbox.create(api_url=limited_server.url, timeout=120, limits={"pids": 64})
-    try:
-        sb.commands.run("sleep 7005", background=True)
-        cgroup_dir, _ = _sandbox_cgroup(delegated, "sleep 7005")
-        with open(f"{cgroup_dir}/pids.max") as f:
-            assert int(f.read()) == 64
+def test_fork_bomb_stops_at_pids_max(delegated: Delegated, limited_server: ServerProcess) -> None:
+    with _limited_sandbox(delegated, limited_server, {"pids": 64}, "7005") as (sb, cgroup_dir):
+        assert int(_read(f"{cgroup_dir}/pids.max")) == 64
         forks = sb.run_code(
             "import os, time\nn, err = 0, None\ntry:\n    while n < 5000:\n        if os.fork() == 0:\n"
             "            time.sleep(30); os._exit(0)\n        n += 1\nexcept OSError as e:\n    err = e.errno\n(n, err)",
@@ -422,19 +392,12 @@ def test_fork_bomb_stops_at_pids_max(delegated: Delegated, limited_server: Serve
         n, err = eval(forks)  # noqa: S307 - a tuple of two ints printed by the sandbox
         assert err == 11 and n < 64
         assert _events(cgroup_dir, "pids.events")["max"] >= 1  # the cgroup refused the fork
-        with open(f"{cgroup_dir}/pids.current") as f:
-            assert int(f.read()) <= 64
-    finally:
-        sb.kill()
+        assert int(_read(f"{cgroup_dir}/pids.current")) <= 64
 
 
-def test_cpu_quota_holds(delegated: Delegated, limited_server: Server) -> None:
-    sb = Sandbox.create(api_url=limited_server.url, timeout=120, limits={"cpuCount": 0.25})
-    try:
-        sb.commands.run("sleep 7006", background=True)
-        cgroup_dir, _ = _sandbox_cgroup(delegated, "sleep 7006")
-        with open(f"{cgroup_dir}/cpu.max") as f:
-            assert f.read().split() == ["25000", "100000"]
+def test_cpu_quota_holds(delegated: Delegated, limited_server: ServerProcess) -> None:
+    with _limited_sandbox(delegated, limited_server, {"cpuCount": 0.25}, "7006") as (sb, cgroup_dir):
+        assert _read(f"{cgroup_dir}/cpu.max").split() == ["25000", "100000"]
         before = _events(cgroup_dir, "cpu.stat")
         t0 = time.monotonic()
         sb.commands.run("timeout 2 sh -c 'while :; do :; done'; true", timeout=60)
@@ -443,5 +406,3 @@ def test_cpu_quota_holds(delegated: Delegated, limited_server: Server) -> None:
         used = (after["usage_usec"] - before["usage_usec"]) / 1e6
         assert used < 0.25 * wall * 1.3, (used, wall)
         assert after["nr_throttled"] > before["nr_throttled"]
-    finally:
-        sb.kill()
