@@ -47,24 +47,27 @@ def start(zygote: bool = True) -> None:
         if _pending is not None:
             return
         future: concurrent.futures.Future[runtime_store.Store] = concurrent.futures.Future()
-        _pending = Early(future, _launch() if zygote else None)
+        try:
+            layout: runtime_store.Layout | None = runtime_store.plan()  # once, for the three of them
+        except OSError:
+            layout = None  # ensure() plans again and says why, through the future
+        _pending = Early(future, _launch(layout) if zygote and layout is not None else None)
 
-    walker = _walk_in_child()
+    walker = _walk_in_child(layout) if layout is not None else None
 
     def run() -> None:
         try:
-            future.set_result(runtime_store.ensure(stat_keys=_keys_from(walker)))
+            future.set_result(runtime_store.ensure(layout, stat_keys=_keys_from(walker)))
         except BaseException as e:  # noqa: BLE001 - handed to whoever takes it
             future.set_exception(e)
 
     threading.Thread(target=run, name="agentcell-store-check", daemon=True).start()
 
 
-def _walk_in_child() -> tuple[int, int] | None:
+def _walk_in_child(layout: runtime_store.Layout) -> tuple[int, int] | None:
     """The store check's walk (a stat of every file of the venv: ~0.5 s of CPU) in a forked child, so
     that it does not share this process's GIL with the server's imports meanwhile. (pid, read end)."""
     try:
-        layout = runtime_store.plan()
         r, w = os.pipe()
     except OSError:
         return None
@@ -97,9 +100,9 @@ def _keys_from(walker: tuple[int, int] | None) -> dict[str, str] | None:
     return keys if isinstance(keys, dict) else None
 
 
-def _launch() -> ZygoteProcess | None:
+def _launch(layout: runtime_store.Layout) -> ZygoteProcess | None:
     try:
-        last = runtime_store.last_store()
+        last = runtime_store.last_store(layout)
     except (OSError, runtime_store.RuntimeStoreError):
         return None
     if last is None:
