@@ -1,0 +1,176 @@
+"""OCI images made here for the template tests, and Debian's `docker-registry` on loopback to serve them.
+
+Images are made two ways: with umoci from this host's own files (the field's tool, real layers), and
+by hand from tar layers written with tarfile (`write_layout`), for the hostile layers no tool makes.
+Nothing here reaches beyond 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import json
+import subprocess
+import tarfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tests.servers import free_port
+
+OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
+OCI_CONFIG = "application/vnd.oci.image.config.v1+json"
+OCI_LAYER_GZIP = "application/vnd.oci.image.layer.v1.tar+gzip"
+OCI_LAYER_TAR = "application/vnd.oci.image.layer.v1.tar"
+
+
+def sha256(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def tar_bytes(entries: list[tuple[tarfile.TarInfo, bytes | None]], fmt: int = tarfile.PAX_FORMAT) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=fmt) as tf:
+        for info, data in entries:
+            if data is not None:
+                info.size = len(data)
+            tf.addfile(info, io.BytesIO(data) if data is not None else None)
+    return buf.getvalue()
+
+
+def entry(name: str, kind: bytes = tarfile.REGTYPE, *, data: bytes | None = None, mode: int = 0o644,
+          uid: int = 0, gid: int = 0, linkname: str = "", pax: dict[str, str] | None = None,
+          devmajor: int = 0, devminor: int = 0) -> tuple[tarfile.TarInfo, bytes | None]:
+    info = tarfile.TarInfo(name)
+    info.type = kind
+    info.mode = mode
+    info.uid, info.gid = uid, gid
+    info.mtime = 1_700_000_000
+    info.linkname = linkname
+    info.devmajor, info.devminor = devmajor, devminor
+    if pax:
+        info.pax_headers = dict(pax)
+    if kind == tarfile.REGTYPE and data is None:
+        data = b""
+    return info, data
+
+
+def write_layout(path: Path, layers: list[bytes], *, tag: str = "latest", gzipped: bool = True,
+                 config: dict[str, Any] | None = None, diff_ids: list[str] | None = None) -> str:
+    """An OCI image layout at `path` holding one image of these uncompressed layer tars (`diff_ids`:
+    what its config says they are, their digests unless given); returns the manifest's digest."""
+    blobs = path / "blobs" / "sha256"
+    blobs.mkdir(parents=True, exist_ok=True)
+    (path / "oci-layout").write_text(json.dumps({"imageLayoutVersion": "1.0.0"}))
+
+    def put(data: bytes) -> str:
+        digest = sha256(data)
+        (blobs / digest.split(":")[1]).write_bytes(data)
+        return digest
+
+    descs = []
+    for tar in layers:
+        blob = gzip.compress(tar, mtime=0) if gzipped else tar
+        descs.append({"mediaType": OCI_LAYER_GZIP if gzipped else OCI_LAYER_TAR, "digest": put(blob), "size": len(blob)})
+    cfg = {"architecture": "amd64", "os": "linux", "config": config or {"Cmd": ["/bin/sh"]},
+           "rootfs": {"type": "layers", "diff_ids": diff_ids or [sha256(t) for t in layers]}}
+    cfg_blob = json.dumps(cfg).encode()
+    manifest = json.dumps({"schemaVersion": 2, "mediaType": OCI_MANIFEST,
+                           "config": {"mediaType": OCI_CONFIG, "digest": put(cfg_blob), "size": len(cfg_blob)},
+                           "layers": descs}).encode()
+    mdigest = put(manifest)
+    index_path = path / "index.json"
+    index = json.loads(index_path.read_text()) if index_path.exists() else {"schemaVersion": 2, "manifests": []}
+    index["manifests"] = [m for m in index["manifests"]
+                          if m.get("annotations", {}).get("org.opencontainers.image.ref.name") != tag]
+    index["manifests"].append({"mediaType": OCI_MANIFEST, "digest": mdigest, "size": len(manifest),
+                               "annotations": {"org.opencontainers.image.ref.name": tag}})
+    index_path.write_text(json.dumps(index))
+    return mdigest
+
+
+def umoci(*args: str) -> None:
+    subprocess.run(["umoci", *args], check=True, capture_output=True)
+
+
+def skopeo_copy(src: str, dst: str) -> None:
+    """Copy between this test's own places (a loopback registry over plain HTTP included)."""
+    subprocess.run(["skopeo", "copy", "--quiet", "--src-tls-verify=false", "--dest-tls-verify=false", src, dst],
+                   check=True, capture_output=True)
+
+
+class Registry:
+    """Debian's docker-registry (the CNCF distribution registry) on 127.0.0.1, its storage in `root`,
+    with htpasswd (bcrypt) basic auth when `users` are given."""
+
+    def __init__(self, root: Path, users: dict[str, str] | None = None) -> None:
+        self.root = root
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.storage = root / "storage"
+        self.storage.mkdir(parents=True)
+        config = {"version": 0.1, "log": {"level": "info"},
+                  "storage": {"filesystem": {"rootdirectory": str(self.storage)}, "delete": {"enabled": True}},
+                  "http": {"addr": self.address}}
+        if users:
+            lines = [subprocess.run(["htpasswd", "-nbB", u, p], check=True, capture_output=True, text=True).stdout.strip()
+                     for u, p in users.items()]
+            (root / "htpasswd").write_text("\n".join(lines) + "\n")
+            config["auth"] = {"htpasswd": {"realm": "test", "path": str(root / "htpasswd")}}
+        (root / "config.yml").write_text(json.dumps(config))  # YAML reads JSON
+        self.log = open(root / "registry.log", "wb")  # noqa: SIM115 (closed in stop)
+        self.proc = subprocess.Popen(["docker-registry", "serve", str(root / "config.yml")],
+                                     stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                if httpx.get(f"http://{self.address}/v2/", timeout=1).status_code in (200, 401):
+                    break
+            except httpx.TransportError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("docker-registry did not start: " + (root / "registry.log").read_text())
+            time.sleep(0.1)
+
+    def push(self, src: str, repo_tag: str, creds: str | None = None) -> None:
+        args = ["skopeo", "copy", "--quiet", "--dest-tls-verify=false"]
+        if creds:
+            args += ["--dest-creds", creds]
+        subprocess.run([*args, src, f"docker://{self.address}/{repo_tag}"], check=True, capture_output=True)
+
+    def requests(self) -> list[str]:
+        """The requests the registry served so far (its access log's lines)."""
+        self.log.flush()
+        return [line for line in (self.root / "registry.log").read_text(errors="replace").splitlines()
+                if '"GET /v2/' in line or '"HEAD /v2/' in line]
+
+    def blob_data(self, digest: str) -> Path:
+        hexa = digest.split(":")[1]
+        return self.storage / "docker" / "registry" / "v2" / "blobs" / "sha256" / hexa[:2] / hexa / "data"
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+def host_files_image(layout: Path, tag: str, files: dict[str, str], *, base: str | None = None) -> None:
+    """With umoci: an image `layout:tag` whose top layer holds these host files (path in the image ->
+    host path), on top of `layout:base` when given (else an empty image)."""
+    if not (layout / "index.json").exists():
+        umoci("init", "--layout", str(layout))
+    if base is None:
+        umoci("new", "--image", f"{layout}:{tag}")
+    else:
+        umoci("tag", "--image", f"{layout}:{base}", tag)
+    for dest, src in files.items():
+        umoci("insert", "--image", f"{layout}:{tag}", src, dest)
+
