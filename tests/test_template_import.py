@@ -477,3 +477,56 @@ def test_a_hostile_layer_is_refused_without_writing_outside(tmp_path: Path, kind
     assert (outside / "secret").read_text() == "host secret"
     assert os.stat(outside / "secret").st_nlink == 1
     assert_untouched(store)
+
+
+# --- the API and the CLI ---------------------------------------------------------------------------
+
+
+def test_the_api_route_imports_from_the_registry(tmp_path: Path, registry: Registry) -> None:
+    """A real `agentcell serve` with the operator's flags: an import through POST /templates/imports."""
+    from tests.servers import SERVE, ServerProcess
+
+    state = tmp_path / "state"
+    args = ["--state-dir", str(state), "--egress-uplink", "none", "--standbys", "0", "--no-record",
+            "--insecure-registry", registry.address, "--allowed-registry", "registry.example.com",
+            "--max-image-mb", "64", "--template-store-max-gb", "1"]
+    with ServerProcess(tmp_path / "server.log", *args, command=SERVE) as server, server.http_client(120) as http:
+        ok = http.post("/templates/imports", json={"name": "app-a", "fromImage": f"{registry.address}/test/img:app-a"})
+        assert ok.status_code == 201, ok.text
+        body = ok.json()
+        assert body["templateID"] == "app-a" and len(body["layers"]) == 3
+        assert body["source"] == f"docker://{registry.address}/test/img:app-a"
+        store = TemplateStore(str(state / "templates"))
+        assert store.template("app-a")["layers"] == body["layers"]
+        refused = http.post("/templates/imports", json={"name": "x", "fromImage": "127.0.0.2:5000/test/img:app-a"})
+        assert refused.status_code == 403 and "not allowed" in refused.json()["message"]
+        local = http.post("/templates/imports", json={"name": "x", "fromImage": f"oci:{tmp_path}"})
+        assert local.status_code == 400 and "only registry images" in local.json()["message"]
+        missing = http.post("/templates/imports", json={"name": "x", "fromImage": f"{registry.address}/test/nope:1"})
+        assert missing.status_code == 404, missing.text
+        bad = http.post("/templates/imports", json={"name": "x", "fromImage": f"{registry.address}/test/img:app-a",
+                                                     "fromImageRegistry": {"type": "gcp"}})
+        assert bad.status_code == 400
+        # the E2B routes around it still answer as before
+        assert http.post("/templates/other", json={}).status_code == 501
+    assert sorted(os.listdir(state / "templates" / "tmp")) == []
+
+
+def test_the_cli_imports_lists_removes_and_collects(tmp_path: Path, images: Path) -> None:
+    from click.testing import CliRunner
+
+    from agentcell.cli import main
+
+    store_dir = str(tmp_path / "store")
+    runner = CliRunner()
+    done = runner.invoke(main, ["template", "import", f"oci:{images}:app-a", "--name", "a", "--store", store_dir, "--json"])
+    assert done.exit_code == 0, done.output
+    assert len(json.loads(done.output)["layers"]) == 3
+    listed = runner.invoke(main, ["template", "ls", "--store", store_dir])
+    assert listed.exit_code == 0 and f"oci:{images}:app-a" in listed.output
+    refused = runner.invoke(main, ["template", "import", "127.0.0.1:1/x", "--name", "b", "--store", store_dir])
+    assert refused.exit_code != 0 and "loopback, private or reserved" in refused.output
+    assert runner.invoke(main, ["template", "rm", "a", "--store", store_dir]).exit_code == 0
+    gc = runner.invoke(main, ["template", "gc", "--store", store_dir, "--json"])
+    assert gc.exit_code == 0 and len(json.loads(gc.output)["removed_layers"]) == 3
+    assert layer_dirs(TemplateStore(store_dir)) == []

@@ -39,4 +39,5 @@ from agentcell.cli import (  # noqa: E402,F401
     shell,
     snapshots,
     system,
+    templates,
 )

@@ -209,6 +209,19 @@ def _tls(opts: dict[str, Any]) -> None:
               type=click.FloatRange(min=0),
               help="Disk the runtime store may keep: beyond it, the parts no running server holds are removed, least "
                    "recently used first (and any unused for a day, whatever the size).")
+@click.option("--allowed-registry", "allowed_registries", multiple=True, metavar="HOST[:PORT]",
+              help="A registry template imports may use (repeatable; docker.io for Docker Hub). Default: any "
+                   "registry at a public address.")
+@click.option("--insecure-registry", "insecure_registries", multiple=True, metavar="HOST:PORT",
+              help="A registry served over plain HTTP (or with an unverified certificate) that imports may use "
+                   "(repeatable). Default: none.")
+@click.option("--max-image-mb", default=4096, show_default=True, type=click.IntRange(1),
+              help="Largest image a template import takes (its layers, compressed and unpacked).")
+@click.option("--template-store-max-gb", default=50.0, show_default=True, type=click.FloatRange(min=0),
+              help="Disk the imported templates' layers may take together (each layer stored once; unused ones "
+                   "are collected when an import needs room).")
+@click.option("--max-concurrent-imports", default=2, show_default=True, type=click.IntRange(1, 64),
+              help="Template imports running at once; more are answered 429.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 @click.option("--rootless/--no-rootless", default=None,
@@ -267,6 +280,8 @@ def serve(ctx: click.Context, **opts: Any) -> None:
     opts["record_collectors"] = collectors
     opts["cell_id"] = _cell_id(opts["cell_id"])
     opts["egress_dns"] = tuple(opts["egress_dns"])
+    opts["allowed_registries"] = tuple(opts["allowed_registries"])
+    opts["insecure_registries"] = tuple(opts["insecure_registries"])
     opts["egress_allow_ranges"] = tuple(opts["egress_allow_ranges"])
     opts["egress_plain_http_hosts"] = tuple(h.strip().lower().rstrip(".") for h in opts["egress_plain_http_hosts"])
     opts["internet_default"] = None if opts["internet_default"] is None else opts["internet_default"] == "on"

@@ -57,6 +57,7 @@ from agentcell.server.registry import Admission, Retention, SandboxManager, Sand
 from agentcell.server.sandbox_state import SandboxState
 from agentcell.server.snapshots import SnapshotStore
 from agentcell.server.streams import current_drop, current_sandbox
+from agentcell.server.template_imports import TemplateImports
 from agentcell.server.tenancy import Tenancy
 
 log = logging.getLogger("agentcell.server")
@@ -135,7 +136,9 @@ class AgentcellApp:
                                                      lambda scope: self.tenancy.data_plane_caller(scope))
         self.cell = cell.Cell(config.cell_id, self.manager, config.max_sandboxes, cell.drain_grace(config))
         self.snapshots = SnapshotStore(state_dir / "snapshots", config.snapshot_quota_mb << 20, config.max_snapshots)
-        self.control = Starlette(routes=ControlPlane(config, self.manager, self.snapshots).routes(),
+        # the template import route first: /templates/{id} routes of ControlPlane would take its path
+        self.control = Starlette(routes=[*TemplateImports(config).routes(),
+                                         *ControlPlane(config, self.manager, self.snapshots).routes()],
                                  exception_handlers=_HANDLERS)
         self.envd_http = Starlette(
             routes=[

@@ -98,6 +98,13 @@ class ServerConfig:
     system_tcp: bool = False  # the system service also listens on host:port (needs api_key)
     max_sandboxes_per_user: int | None = None  # with system: sandboxes one user may hold at once
     max_memory_mb_per_user: int | None = None  # with system: the memory their limits may add up to
+    # --- templates from OCI images (agentcell/templates/; POST /templates/imports) ---
+    allowed_registries: tuple[str, ...] = ()  # registries imports may use; () = any at a public address
+    insecure_registries: tuple[str, ...] = ()  # HOST:PORT served over plain HTTP (or unverified TLS), allowed
+    max_image_mb: int = 4096  # one image's size, compressed and unpacked
+    template_store_max_gb: float = 50.0  # the imported layers together (each stored once)
+    template_store_dir: str | None = None  # None: <state_dir>/templates
+    max_concurrent_imports: int = 2
 
     @property
     def internet_by_default(self) -> bool:

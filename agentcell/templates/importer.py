@@ -39,6 +39,10 @@ class ImportLimits:
     timeout_s: float = DEFAULT_TIMEOUT_S
 
 
+class ImportsBusyError(ResourceExhaustedError):
+    """As many imports as the operator allows at once are running: try again later."""
+
+
 class Importer:
     def __init__(self, store: TemplateStore, policy: RegistryPolicy | None = None,
                  limits: ImportLimits | None = None) -> None:
@@ -60,7 +64,7 @@ class Importer:
                                        "import local files with `agentcell template import` on the server's host")
         self.policy.check(ref)
         if not self._slots.acquire(blocking=False):
-            raise ResourceExhaustedError(f"{self.limits.concurrent} image imports are running already; try again later")
+            raise ImportsBusyError(f"{self.limits.concurrent} image imports are running already; try again later")
         try:
             try:
                 return self._attempt(ref, name, credentials)
@@ -175,7 +179,7 @@ class Importer:
         return ResourceExhaustedError(
             f"the template store holds {size} bytes of the {self.store.max_bytes} it may (serve "
             f"--template-store-max-gb): no room for {more} once unused layers are collected; delete templates "
-            "(`agentcell template delete`) and try again")
+            "(`agentcell template rm`) and try again")
 
 
 class _OverBudget(Exception):

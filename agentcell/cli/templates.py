@@ -1,0 +1,125 @@
+"""`agentcell template import|ls|rm|gc`: templates from OCI images, in this host's template store.
+
+These commands work on the store directly (as root, on the server's host), like an operator's tool:
+`import` takes every transport (a registry, an OCI layout directory, a `docker save` tarball); a
+client elsewhere imports from registries through the server's API (POST /templates/imports). The
+registry policy and ceilings are given as `serve` takes them. A password is read from stdin
+(--password-stdin), never from the command line, where `ps` would show it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any
+
+import click
+
+from agentcell.cli import main
+from agentcell.cli.errors import CliError
+from agentcell.cli.output import json_option, print_json, table
+from agentcell.errors import AgentcellError
+from agentcell.text_escape import escape
+
+DEFAULT_STORE = "/var/lib/agentcell/templates"
+
+_store_option = click.option("--store", "store_dir", default=DEFAULT_STORE, show_default=True,
+                             envvar="AGENTCELL_TEMPLATE_STORE", type=click.Path(file_okay=False),
+                             help="The template store (a server's is <its --state-dir>/templates).")
+_budget_option = click.option("--store-max-gb", default=50.0, show_default=True, type=click.FloatRange(min=0),
+                              help="Disk the store's layers may take (serve --template-store-max-gb).")
+
+
+def _store(store_dir: str, max_gb: float = 50.0) -> Any:
+    from agentcell.templates.store import TemplateStore
+
+    if os.geteuid() != 0:
+        raise CliError("the template store is root's (its layers keep the images' owners and set-id bits)",
+                       hint="run this command as root")
+    return TemplateStore(store_dir, int(max_gb * (1 << 30)))
+
+
+def _run(action: Callable[[], Any]) -> Any:
+    try:
+        return action()
+    except AgentcellError as e:
+        raise CliError(str(e)) from None
+
+
+@main.group()
+def template() -> None:
+    """Templates from OCI images: import, ls, rm, gc (this host's template store)."""
+
+
+@template.command(name="import")
+@click.argument("ref", metavar="REF")
+@click.option("--name", required=True, help="The template's name (a-z0-9._-); an existing one is replaced.")
+@click.option("--username", default=None, help="The registry's user name (with --password-stdin).")
+@click.option("--password-stdin", is_flag=True, help="Read the registry password (or token) from stdin.")
+@click.option("--allowed-registry", "allowed", multiple=True, metavar="HOST[:PORT]",
+              help="Only these registries (repeatable). Default: any at a public address.")
+@click.option("--insecure-registry", "insecure", multiple=True, metavar="HOST:PORT",
+              help="Allow this registry over plain HTTP or unverified TLS (repeatable).")
+@click.option("--max-image-mb", default=4096, show_default=True, type=click.IntRange(1),
+              help="Refuse images bigger than this (compressed and unpacked).")
+@_store_option
+@_budget_option
+@json_option
+def template_import(ref: str, name: str, username: str | None, password_stdin: bool, allowed: tuple[str, ...],
+                    insecure: tuple[str, ...], max_image_mb: int, store_dir: str, store_max_gb: float,
+                    as_json: bool) -> None:
+    """Import the image REF as template NAME. REF in skopeo's syntax: docker://HOST/REPO:TAG (a bare
+    NAME:TAG is Docker Hub's), oci:DIR[:TAG], docker-archive:FILE."""
+    from agentcell.templates.fetch import Credentials
+    from agentcell.templates.importer import Importer, ImportLimits
+    from agentcell.templates.refs import RegistryPolicy
+
+    if (username is None) != (not password_stdin):
+        raise CliError("--username and --password-stdin go together")
+    creds = Credentials(username, sys.stdin.readline().rstrip("\r\n")) if username is not None else None
+    store = _store(store_dir, store_max_gb)
+    importer = Importer(store, RegistryPolicy.of(allowed, insecure), ImportLimits(max_image_bytes=max_image_mb << 20))
+    record = _run(lambda: importer.import_image(ref, name, creds))
+    if as_json:
+        print_json(record)
+    else:
+        click.echo(f"{escape(record['name'])}: {len(record['layers'])} layers, {record['size_bytes']} bytes "
+                   f"({escape(record['manifest_digest'])})")
+
+
+@template.command(name="ls")
+@_store_option
+@json_option
+def template_ls(store_dir: str, as_json: bool) -> None:
+    """The templates of the store."""
+    records = _store(store_dir).templates()
+    if as_json:
+        print_json(records)
+        return
+    table(["NAME", "LAYERS", "BYTES", "IMPORTED", "SOURCE"],
+          [[r["name"], str(len(r["layers"])), str(r["size_bytes"]),
+            datetime.fromtimestamp(r["imported_at"], UTC).isoformat(timespec="seconds"), r["source"]]
+           for r in records])
+
+
+@template.command(name="rm")
+@click.argument("name")
+@_store_option
+def template_rm(name: str, store_dir: str) -> None:
+    """Delete a template (its layers go at the next gc, unless another template has them)."""
+    _run(lambda: _store(store_dir).delete_template(name))
+
+
+@template.command(name="gc")
+@_store_option
+@json_option
+def template_gc(store_dir: str, as_json: bool) -> None:
+    """Remove the layers no template names (waits for imports in progress)."""
+    done = _run(lambda: _store(store_dir).collect())
+    if as_json:
+        print_json(done)
+    else:
+        click.echo(f"removed {len(done.removed_layers)} layers ({done.freed_bytes} bytes); "
+                   f"the store holds {done.size_bytes} bytes")
