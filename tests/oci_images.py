@@ -58,7 +58,7 @@ def entry(name: str, kind: bytes = tarfile.REGTYPE, *, data: bytes | None = None
     return info, data
 
 
-def write_layout(path: Path, layers: list[bytes], *, tag: str = "latest", gzipped: bool = True,
+def write_layout(path: Path, layers: list[bytes], *, tag: str = "latest", compression: str = "gzip",
                  config: dict[str, Any] | None = None, diff_ids: list[str] | None = None) -> str:
     """An OCI image layout at `path` holding one image of these uncompressed layer tars (`diff_ids`:
     what its config says they are, their digests unless given); returns the manifest's digest."""
@@ -73,8 +73,14 @@ def write_layout(path: Path, layers: list[bytes], *, tag: str = "latest", gzippe
 
     descs = []
     for tar in layers:
-        blob = gzip.compress(tar, mtime=0) if gzipped else tar
-        descs.append({"mediaType": OCI_LAYER_GZIP if gzipped else OCI_LAYER_TAR, "digest": put(blob), "size": len(blob)})
+        if compression == "gzip":
+            blob = gzip.compress(tar, mtime=0)
+        elif compression == "zstd":
+            blob = subprocess.run(["zstd", "-q", "-c"], input=tar, check=True, capture_output=True).stdout
+        else:
+            blob = tar
+        media = {"gzip": OCI_LAYER_GZIP, "zstd": OCI_LAYER_TAR + "+zstd"}.get(compression, OCI_LAYER_TAR)
+        descs.append({"mediaType": media, "digest": put(blob), "size": len(blob)})
     cfg = {"architecture": "amd64", "os": "linux", "config": config or {"Cmd": ["/bin/sh"]},
            "rootfs": {"type": "layers", "diff_ids": diff_ids or [sha256(t) for t in layers]}}
     cfg_blob = json.dumps(cfg).encode()

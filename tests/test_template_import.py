@@ -226,6 +226,16 @@ def test_layer_semantics_whiteouts_opaque_dirs_links_setuid_xattrs(tmp_path: Pat
     assert "/bin/tagged: trusted.evil" in info["dropped_xattrs"]
 
 
+@pytest.mark.parametrize("compression", ["zstd", "none"])
+def test_zstd_and_uncompressed_layers(tmp_path: Path, compression: str) -> None:
+    layers = [tar_bytes([entry("a", data=b"one")]), tar_bytes([entry("b/", tarfile.DIRTYPE), entry("b/c", data=b"two")])]
+    write_layout(tmp_path / "layout", layers, compression=compression)
+    store = store_at(tmp_path)
+    rec = Importer(store).import_image(f"oci:{tmp_path}/layout", compression)
+    assert rec["layers"] == [sha256(t) for t in layers]
+    assert (tree(store, rec["layers"][1]) / "b/c").read_bytes() == b"two"
+
+
 def test_umoci_whiteouts_unpack_as_overlay_whiteouts(tmp_path: Path, images: Path) -> None:
     layout = tmp_path / "layout"
     shutil.copytree(images, layout)

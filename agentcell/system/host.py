@@ -19,6 +19,8 @@ BASE_PACKAGES = (
     "procps", "util-linux", "ca-certificates",
     "libbpf1",          # loads the behaviour record's kernel tracer
     "nodejs",           # JavaScript/TypeScript code contexts
+    "skopeo",           # template imports from OCI registries, layouts and docker-archive tarballs
+    "zstd",             # their zstd-compressed layers
 )
 BPF_BUILD_PACKAGES = ("clang", "libbpf-dev", "linux-libc-dev")  # to compile the tracer when no object is shipped
 GVISOR_PACKAGE = "runsc"  # `--backend gvisor`: from bookworm-backports (bookworm's own is too old)
