@@ -405,17 +405,25 @@ def test_concurrent_imports_are_bounded(tmp_path: Path, images: Path) -> None:
     importer = Importer(store, limits=ImportLimits(concurrent=1))
     lock = os.open(os.path.join(store.root, "lock"), os.O_RDWR)
     fcntl.flock(lock, fcntl.LOCK_EX)  # as a collection would: the first import waits for it
-    results: list[object] = []
-    first = threading.Thread(target=lambda: results.append(importer.import_image(f"oci:{images}:base", "first")))
+    results: dict[str, object] = {}
+
+    def run(name: str, tag: str) -> None:
+        try:
+            results[name] = importer.import_image(f"oci:{images}:{tag}", name)
+        except Exception as e:  # noqa: BLE001 (the test looks at it)
+            results[name] = e
+
+    first = threading.Thread(target=run, args=("first", "base"), daemon=True)
     first.start()
-    try:
-        time.sleep(0.5)
-        with pytest.raises(ResourceExhaustedError, match="running already"):
-            importer.import_image(f"oci:{images}:app-a", "second")
-    finally:
-        os.close(lock)
-        first.join(60)
-    assert len(results) == 1 and store.template("first")
+    time.sleep(0.5)
+    second = threading.Thread(target=run, args=("second", "app-a"), daemon=True)
+    second.start()
+    second.join(10)  # refused at once, not queued behind the first
+    os.close(lock)
+    first.join(60)
+    assert isinstance(results.get("second"), ResourceExhaustedError), results.get("second")
+    assert "running already" in str(results["second"])
+    assert isinstance(results.get("first"), dict) and store.template("first")
     importer.import_image(f"oci:{images}:app-a", "second")  # the slot is free again
 
 
