@@ -266,6 +266,26 @@ def test_a_corrupt_blob_in_the_registry_is_refused(tmp_path: Path, images: Path)
         reg.stop()
 
 
+def test_a_registry_sending_more_than_the_manifest_says_is_cut_off(tmp_path: Path) -> None:
+    """The manifest's sizes pass the ceiling; the blob the registry then sends is 64 MiB more (its digest
+    would fail only at its end): the download stops at the ceiling."""
+    write_layout(tmp_path / "layout", [tar_bytes([entry("a", data=b"small")])])
+    reg = Registry(tmp_path / "registry")
+    try:
+        reg.push(f"oci:{tmp_path}/layout:latest", "liar/img:1")
+        manifest = json.loads((tmp_path / "layout/blobs/sha256" / _manifest_digest(tmp_path / "layout", "latest")
+                               .split(":")[1]).read_bytes())
+        with open(reg.blob_data(manifest["layers"][0]["digest"]), "ab") as f:
+            f.write(os.urandom(64 << 20))
+        store = store_at(tmp_path)
+        with pytest.raises(ResourceExhaustedError, match="--max-image-mb"):
+            Importer(store, RegistryPolicy.of(insecure=[reg.address]), ImportLimits(max_image_bytes=4 << 20)).import_image(
+                f"docker://{reg.address}/liar/img:1", "liar")
+        assert_untouched(store)
+    finally:
+        reg.stop()
+
+
 def test_a_corrupt_blob_in_a_layout_is_refused(tmp_path: Path) -> None:
     write_layout(tmp_path / "layout", [tar_bytes([entry("a", data=b"hello" * 100)])])
     blobs = tmp_path / "layout/blobs/sha256"

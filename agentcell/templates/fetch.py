@@ -14,7 +14,10 @@ import base64
 import json
 import os
 import shutil
+import signal
 import subprocess
+import tempfile
+import time
 from dataclasses import dataclass
 
 from agentcell.errors import (
@@ -24,10 +27,13 @@ from agentcell.errors import (
     InvalidArgumentError,
     NotFoundError,
     PermissionDeniedError,
+    ResourceExhaustedError,
 )
 from agentcell.templates.refs import ImageRef
 
 DEFAULT_TIMEOUT_S = 1800.0
+WATCH_S = 0.1  # how often a download's size is looked at
+MAX_OUTPUT = 4 << 20  # of skopeo's stdout (a manifest) and stderr read back
 
 
 @dataclass(frozen=True)
@@ -63,17 +69,43 @@ class Skopeo:
             f.write(text)
         return path
 
-    def _run(self, args: list[str], what: str) -> bytes:
+    def _run(self, args: list[str], what: str, *, into: str | None = None, max_bytes: int | None = None) -> bytes:
+        """skopeo `args`; with `max_bytes`, what it writes under `into` is bounded: no one file may grow past
+        it (RLIMIT_FSIZE, the kernel's), and all of them together are watched and skopeo killed past it
+        (containers/image checks a blob's digest only at its end: a registry could send gigabytes)."""
         cmd = ["skopeo", "--registries-conf", self.registries_conf, "--policy", self.policy, *args]
+        if max_bytes is not None:
+            cmd = ["prlimit", f"--fsize={max_bytes}", "--", *cmd]
         env = {"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"), "HOME": self.dir, "TMPDIR": self.dir,
                "XDG_RUNTIME_DIR": self.dir, "XDG_CONFIG_HOME": self.dir}
-        try:
-            done = subprocess.run(cmd, capture_output=True, env=env, timeout=self.timeout_s, stdin=subprocess.DEVNULL)
-        except subprocess.TimeoutExpired:
-            raise DeadlineExceededError(f"{what} took longer than {self.timeout_s:.0f} s") from None
-        if done.returncode != 0:
-            raise skopeo_error(done.stderr.decode(errors="replace"), what)
-        return done.stdout
+        deadline = time.monotonic() + self.timeout_s
+        with tempfile.TemporaryFile(dir=self.dir) as out, tempfile.TemporaryFile(dir=self.dir) as err:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, stdin=subprocess.DEVNULL)
+            try:
+                while True:
+                    try:
+                        proc.wait(timeout=WATCH_S)
+                        break
+                    except subprocess.TimeoutExpired:
+                        pass
+                    if time.monotonic() > deadline:
+                        raise DeadlineExceededError(f"{what} took longer than {self.timeout_s:.0f} s")
+                    if max_bytes is not None and into is not None and disk_usage(into) > max_bytes:
+                        raise ResourceExhaustedError(f"{what}: the image takes more than the {max_bytes} bytes an "
+                                                     "image may take on this server (serve --max-image-mb)")
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+            out.seek(0)
+            err.seek(0)
+            stdout, stderr = out.read(MAX_OUTPUT), err.read(MAX_OUTPUT).decode(errors="replace")
+        if proc.returncode != 0:
+            if max_bytes is not None and (proc.returncode == -signal.SIGXFSZ or "file too large" in stderr.lower()):
+                raise ResourceExhaustedError(f"{what}: a blob of the image is bigger than the {max_bytes} bytes an "
+                                             "image may take on this server (serve --max-image-mb)")
+            raise skopeo_error(stderr, what)
+        return stdout
 
     def _source_flags(self, ref: ImageRef) -> list[str]:
         if ref.transport != "docker":
@@ -86,10 +118,23 @@ class Skopeo:
             if ref.transport == "docker" else []
         return self._run(["inspect", "--raw", "--retry-times", "2", *flags, ref.skopeo(digest)], f"reading {ref}'s manifest")
 
-    def copy(self, ref: ImageRef, layout: str, digest: str | None = None) -> None:
-        """`ref` (this manifest of it, with `digest`) into a new OCI layout directory."""
+    def copy(self, ref: ImageRef, layout: str, max_bytes: int, digest: str | None = None) -> None:
+        """`ref` (this manifest of it, with `digest`) into a new OCI layout directory, which may take at
+        most `max_bytes`."""
         self._run(["copy", "--quiet", "--retry-times", "2", *self._source_flags(ref), ref.skopeo(digest),
-                   f"oci:{layout}:image"], f"fetching {ref}")
+                   f"oci:{layout}:image"], f"fetching {ref}", into=layout, max_bytes=max_bytes)
+
+
+def disk_usage(path: str) -> int:
+    """The bytes the files under `path` take on disk (a directory skopeo writes: no symlinks followed)."""
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_blocks * 512
+            except FileNotFoundError:
+                pass
+    return total
 
 
 def skopeo_error(stderr: str, what: str) -> AgentcellError:

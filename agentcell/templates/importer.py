@@ -29,6 +29,7 @@ from agentcell.templates.unpack import unpack_layer
 DEFAULT_MAX_IMAGE_BYTES = 4 << 30
 DEFAULT_MAX_ENTRIES = 1_000_000
 DEFAULT_CONCURRENT = 2
+JSON_SLACK = 1 << 20  # the manifest, config and index.json a download holds besides the layers
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,7 @@ class Importer:
         if ref.transport == "docker":
             digest = self._checked_manifest(skopeo, ref)
         image_dir = os.path.join(work, "image")
-        skopeo.copy(ref, image_dir, digest)
+        skopeo.copy(ref, image_dir, self.limits.max_image_bytes + JSON_SLACK, digest)
         image = oci_layout.read_image(image_dir)
         self._check_size(image.blob_bytes, ref)
         left = self.limits.max_image_bytes
