@@ -527,8 +527,11 @@ def test_the_api_route_imports_from_the_registry(tmp_path: Path, registry: Regis
     state = tmp_path / "state"
     args = ["--state-dir", str(state), "--egress-uplink", "none", "--standbys", "0", "--no-record",
             "--insecure-registry", registry.address, "--allowed-registry", "registry.example.com",
-            "--max-image-mb", "64", "--template-store-max-gb", "1"]
+            "--max-image-mb", "64", "--template-store-max-gb", "1", "--api-key", "test-key"]
     with ServerProcess(tmp_path / "server.log", *args, command=SERVE) as server, server.http_client(120) as http:
+        anonymous = http.post("/templates/imports", json={"name": "app-a", "fromImage": f"{registry.address}/test/img:app-a"})
+        assert anonymous.status_code == 401  # the control plane's API key, as for every other route
+        http.headers["X-API-KEY"] = "test-key"
         ok = http.post("/templates/imports", json={"name": "app-a", "fromImage": f"{registry.address}/test/img:app-a"})
         assert ok.status_code == 201, ok.text
         body = ok.json()
