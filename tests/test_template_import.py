@@ -300,6 +300,14 @@ def test_a_corrupt_blob_in_a_layout_is_refused(tmp_path: Path) -> None:
     assert_untouched(store)
 
 
+def test_broken_compressed_data_is_refused(tmp_path: Path) -> None:
+    write_layout(tmp_path / "layout", [tar_bytes([entry("a", data=os.urandom(50_000))])], compression="broken-gzip")
+    store = store_at(tmp_path)
+    with pytest.raises(InvalidArgumentError, match="not a valid tar"):
+        Importer(store).import_image(f"oci:{tmp_path}/layout", "broken")
+    assert_untouched(store)
+
+
 def test_a_wrong_diff_id_is_refused(tmp_path: Path) -> None:
     """A config whose diff_id is not its layer's uncompressed digest (the blob's own digest is right)."""
     good, other = tar_bytes([entry("a", data=b"1")]), tar_bytes([entry("a", data=b"2")])

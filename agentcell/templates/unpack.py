@@ -27,13 +27,15 @@ import errno
 import gzip
 import hashlib
 import os
+import shutil
 import stat
 import subprocess
 import tarfile
+import zlib
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
-from agentcell.errors import InvalidArgumentError, ResourceExhaustedError
+from agentcell.errors import BackendUnavailableError, InvalidArgumentError, ResourceExhaustedError
 
 ID_BASE = 0x50000000  # image id N is host id ID_BASE + N: a range no host user has
 ID_RANGE = 65536
@@ -136,6 +138,8 @@ def unpack_layer(blob_path: str, media_type: str, digest: str, diff_id: str, des
         if compression == "gzip":
             stream = gzip.GzipFile(fileobj=raw, mode="rb")  # type: ignore[assignment]
         elif compression == "zstd":
+            if shutil.which("zstd") is None:
+                raise BackendUnavailableError("the image has zstd-compressed layers: install zstd (apt-get install zstd)")
             zstd = subprocess.Popen(["zstd", "-dcq", "--no-progress"], stdin=raw, stdout=subprocess.PIPE,
                                     stderr=subprocess.DEVNULL)
             assert zstd.stdout is not None
@@ -151,7 +155,7 @@ def unpack_layer(blob_path: str, media_type: str, digest: str, diff_id: str, des
                         tf.members.clear()  # tarfile keeps every header: memory the image's author picks
                 counted.drain()  # the tar's end blocks and padding: part of the diff_id
                 ex.finish()
-            except (tarfile.TarError, EOFError, UnicodeError, OverflowError, ValueError, gzip.BadGzipFile) as e:
+            except (tarfile.TarError, EOFError, UnicodeError, OverflowError, ValueError, gzip.BadGzipFile, zlib.error) as e:
                 raise InvalidArgumentError(f"layer {digest} is not a valid tar: {e}") from None
             except OSError as e:
                 if e.errno in (errno.ENOSPC, errno.EDQUOT):
