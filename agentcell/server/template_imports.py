@@ -43,6 +43,11 @@ class TemplateImports:
 
     def importer(self) -> Any:
         if self._importer is None:
+            from agentcell import rootless
+
+            if rootless.active() or os.geteuid() != 0:
+                # the store keeps the images' owners shifted to ids only host root can give
+                raise HTTPError(501, "template imports need a server running as root (not rootless mode)")
             from agentcell.templates.importer import Importer, ImportLimits
             from agentcell.templates.refs import RegistryPolicy
             from agentcell.templates.store import TemplateStore
