@@ -184,7 +184,7 @@ def test_a_base_layer_two_images_share_is_stored_once(tmp_path: Path, registry: 
 
 
 def test_layer_semantics_whiteouts_opaque_dirs_links_setuid_xattrs(tmp_path: Path) -> None:
-    cap = bytes.fromhex("0100000200040000000000000000000000000000")  # cap_net_raw, permitted
+    cap = bytes.fromhex("0100000200040000000000000000000000000000")  # v2: cap_net_bind_service, permitted, effective
     layer = tar_bytes([
         entry("./", tarfile.DIRTYPE, mode=0o755),
         entry("bin/", tarfile.DIRTYPE, mode=0o755),
@@ -221,7 +221,12 @@ def test_layer_semantics_whiteouts_opaque_dirs_links_setuid_xattrs(tmp_path: Pat
     assert (f.st_uid, stat.S_IMODE(f.st_mode)) == (ID_BASE + 1000, 0o2750)
     assert os.getxattr(root / "bin/tagged", "user.origin") == b"test"
     assert "trusted.evil" not in os.listxattr(root / "bin/tagged")
-    assert "security.capability" not in os.listxattr(root / "bin/ping")  # never a host file capability
+    # a namespaced capability of ID_BASE as root: honoured in a sandbox's namespace, never on the host
+    stored = os.getxattr(root / "bin/ping", "security.capability")
+    assert stored == bytes.fromhex("01000003") + cap[4:20] + ID_BASE.to_bytes(4, "little")
+    if shutil.which("getcap"):
+        shown = subprocess.run(["getcap", "-n", str(root / "bin/ping")], capture_output=True, text=True).stdout
+        assert f"[rootid={ID_BASE}]" in shown and "cap_net_bind_service" in shown, shown
     info = store.layer_info(rec["layers"][0])
     assert info["capabilities"] == {"/bin/ping": cap.hex()}
     assert "/bin/tagged: trusted.evil" in info["dropped_xattrs"]
@@ -235,6 +240,33 @@ def test_zstd_and_uncompressed_layers(tmp_path: Path, compression: str) -> None:
     rec = Importer(store).import_image(f"oci:{tmp_path}/layout", compression)
     assert rec["layers"] == [sha256(t) for t in layers]
     assert (tree(store, rec["layers"][1]) / "b/c").read_bytes() == b"two"
+
+
+def test_an_image_file_capability_is_not_honoured_on_the_host(tmp_path: Path) -> None:
+    """A program of the image with cap_net_bind_service=ep, run on the host by an unprivileged user,
+    gets no capability (the same bytes as a host v2 capability would give it: the control)."""
+    cap = bytes.fromhex("0100000200040000000000000000000000000000")
+    cat = Path("/usr/bin/cat").read_bytes()
+    write_layout(tmp_path / "layout", [tar_bytes([
+        entry("cat", data=cat, mode=0o755, pax={"SCHILY.xattr.security.capability": cap.decode("latin-1")})])])
+    store = store_at(tmp_path)
+    rec = Importer(store).import_image(f"oci:{tmp_path}/layout", "caps")
+    control = tmp_path / "control-cat"
+    control.write_bytes(cat)
+    control.chmod(0o755)
+    os.setxattr(control, "security.capability", cap)  # a host (v2) capability
+
+    def permitted_as_nobody(program: Path) -> int:
+        status = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", str(program),
+                                 "/proc/self/status"], capture_output=True, text=True, check=True).stdout
+        return int(next(line for line in status.splitlines() if line.startswith("CapPrm:")).split()[1], 16)
+
+    os.chmod(tmp_path, 0o755)
+    os.chmod(store.root, 0o711)  # only for this test: nobody may reach the program
+    for d in (store.layers_dir, store.layer_path(rec["layers"][0])):
+        os.chmod(d, 0o711)
+    assert permitted_as_nobody(control) == 1 << 10  # cap_net_bind_service: a host capability works
+    assert permitted_as_nobody(tree(store, rec["layers"][0]) / "cat") == 0
 
 
 def test_umoci_whiteouts_unpack_as_overlay_whiteouts(tmp_path: Path, images: Path) -> None:

@@ -8,9 +8,10 @@ Owners are shifted, never the host's: an image's id N is stored as host id ``ID_
 images must be below ``ID_RANGE``), so no stored file belongs to a host user, a setuid-root program of
 the image is setuid to an id nobody on the host has, and inside a sandbox (a user namespace whose ids
 0..65535 map to ID_BASE.. through an idmapped mount) it is the image's own root again. Set-id bits are
-kept. Only ``user.*`` xattrs are set; ``security.capability`` (file capabilities, which the host
-kernel would honour) is recorded in the layer's metadata instead, for the runtime to apply inside the
-sandbox's namespace; other xattrs are dropped (their names are recorded).
+kept. Only ``user.*`` xattrs are set as they are. A file capability (``security.capability``) is
+stored as a namespaced (v3) one whose root id is ID_BASE: the kernel honours it only in a user
+namespace whose root is ID_BASE (a sandbox's, through its id mapping), never on the host; the image's
+value is also recorded in the layer's metadata. Other xattrs are dropped (their names are recorded).
 
 Layers are untrusted and this runs as host root, so, as backends/disk_archive.py does, it works through
 directory fds only: every component is opened with openat(O_NOFOLLOW | O_DIRECTORY) from the layer's
@@ -45,6 +46,8 @@ OPAQUE_MARKER = ".wh..wh..opq"
 MAX_DEPTH = 256
 MAX_HEADER_BYTES = 1 << 20  # one pax or GNU long-name header: tarfile reads it whole into memory
 CAPABILITY_XATTR = "security.capability"
+_CAP_REVISION_MASK, _CAP_REVISION_2, _CAP_REVISION_3, _CAP_EFFECTIVE = 0xFF000000, 0x02000000, 0x03000000, 0x1
+_CAP_V2_SIZE, _CAP_V3_SIZE = 20, 24
 _CHUNK = 1 << 20
 
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -111,6 +114,21 @@ class _BoundedInfo(tarfile.TarInfo):
             raise ResourceExhaustedError(f"a layer's extended tar header takes {self.size} bytes (at most "
                                          f"{MAX_HEADER_BYTES} are read)")
         return super()._proc_member(tarfile_)  # type: ignore[misc]
+
+
+def namespaced_capability(raw: bytes) -> bytes | None:
+    """An image's file capability (v2, or v3 of the image's root) as a v3 one whose root is ID_BASE: the
+    kernel honours it only in a user namespace whose root is host id ID_BASE (a sandbox's), never on
+    the host, where that id is nobody's root. None for what is no capability of the image's root."""
+    if len(raw) == _CAP_V2_SIZE and int.from_bytes(raw[:4], "little") & _CAP_REVISION_MASK == _CAP_REVISION_2:
+        data = raw[4:20]
+    elif len(raw) == _CAP_V3_SIZE and int.from_bytes(raw[:4], "little") & _CAP_REVISION_MASK == _CAP_REVISION_3 \
+            and int.from_bytes(raw[20:24], "little") == 0:
+        data = raw[4:20]
+    else:
+        return None
+    magic = _CAP_REVISION_3 | (int.from_bytes(raw[:4], "little") & _CAP_EFFECTIVE)
+    return magic.to_bytes(4, "little") + data + ID_BASE.to_bytes(4, "little")
 
 
 def file_digest(path: str) -> str:
@@ -381,6 +399,9 @@ class _Extractor:
                 os.setxattr(fd, name, raw)
             elif name == CAPABILITY_XATTR:
                 self.result.capabilities[path] = raw.hex()
+                nscap = namespaced_capability(raw)
+                if nscap is not None:
+                    os.setxattr(fd, CAPABILITY_XATTR, nscap)
             elif len(self.result.dropped_xattrs) < 1000:
                 self.result.dropped_xattrs.append(f"{path}: {name}")
 
