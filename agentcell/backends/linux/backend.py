@@ -782,6 +782,25 @@ class LinuxBackend(CgroupSandboxes, Backend):
             os.close(disk_fd)
 
 
+    async def export_layer(self, sandbox: RunningSandbox, dest: str, max_bytes: int) -> str:
+        """What an image sandbox changed (its root's upper layer and /home/user) as an OCI layer tar at
+        `dest` (templates/capture.py); returns its diff_id. For template builds: each step's layer."""
+        from agentcell.templates import capture
+
+        assert isinstance(sandbox, LinuxSandbox)
+        async with sandbox.kill_lock:
+            if sandbox.killed or sandbox.disk_fd < 0:
+                raise SandboxGoneError(f"sandbox {sandbox.sandbox_id} was killed")
+            disk_fd = os.dup(sandbox.disk_fd)
+        try:
+            def write() -> str:
+                with open(dest, "wb") as out:
+                    return capture.write_layer(disk_fd, out, max_bytes, sandbox.owners)
+            return await asyncio.to_thread(write)
+        finally:
+            os.close(disk_fd)
+
+
 def rootless_ids() -> dict[str, Any]:
     """uids.reserve's options inside a rootless namespace: the sandbox ids come from the ids mapped
     there (the user's subordinate ids), reserved in the user's own lock directory."""
