@@ -203,7 +203,7 @@ def musl_root(root: Path) -> Path:
     musl = "/usr/lib/x86_64-linux-musl/libc.so"
     if not os.path.exists(busybox) or not os.path.exists(musl):
         pytest.skip("the musl test image needs busybox-static and musl (scripts/setup installs them)")
-    for d in ("bin", "lib", "etc", "usr/bin", "usr/local/bin", "tmp", "root", "var/empty"):
+    for d in ("bin", "lib", "etc", "usr/bin", "usr/local/bin", "tmp", "root", "srv", "var/empty"):
         (root / d).mkdir(parents=True, exist_ok=True)
     shutil.copy(busybox, root / "bin/busybox")
     applets = subprocess.run([busybox, "--list"], check=True, capture_output=True, text=True).stdout.split()

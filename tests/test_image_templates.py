@@ -8,6 +8,7 @@ with no shell (distroless), Debian bookworm (apt, bash, sudo), Debian trixie wit
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -75,7 +76,8 @@ def test_musl_image_commands_files_and_root(server: ServerProcess) -> None:
     try:
         assert "ID=alpine" in run(sb, "cat /etc/os-release")
         assert run(sb, "id -u; id -un").split() == ["1000", "user"]
-        assert run(sb, "echo $GREETING; pwd; echo $HOME").split() == ["from-the-image", "/home/user", "/home/user"]
+        # the image's Env and WorkingDir; HOME stays the sandbox user's
+        assert run(sb, "echo $GREETING; pwd; echo $HOME").split() == ["from-the-image", "/srv", "/home/user"]
         assert run(sb, "ls /lib").split() == ["ld-musl-x86_64.so.1"]  # no glibc came in with the runtime
         assert not run(sb, "test -e /bin/bash && echo bash || true").strip()
         # the whole root is writable by the sandbox's root: a new top-level directory, a new tool
@@ -170,3 +172,22 @@ def test_debian_image_bash_apt_sudo_and_owners(server: ServerProcess, debian: st
         assert sb.run_code("import sys; sys.version_info[:2]").error is None
     finally:
         sb.kill()
+
+
+def test_start_command_runs_and_the_sandbox_is_ready_when_the_ready_command_says(server: ServerProcess,
+                                                                                  images: Path) -> None:
+    """E2B's set_start_cmd(start, ready): the service is up when create returns, in every sandbox."""
+    store = server.state / "templates"  # type: ignore[attr-defined]
+    _import(store, images, "musl", "svc")
+    record_path = store / "templates" / "svc.json"
+    record = json.loads(record_path.read_text())
+    record["agentcell"] = {"start_cmd": "sleep 1; echo up > /tmp/started; exec sleep 1000",
+                           "ready_cmd": "test -f /tmp/started"}
+    record_path.write_text(json.dumps(record))
+    for _ in range(2):  # the first prepared on demand, the second from the template's standby pool
+        sb = sandbox(server, "svc")
+        try:
+            assert run(sb, "cat /tmp/started").strip() == "up"
+            assert any(p.tag == "start_cmd" for p in sb.commands.list())
+        finally:
+            sb.kill()
