@@ -191,3 +191,27 @@ def test_start_command_runs_and_the_sandbox_is_ready_when_the_ready_command_says
             assert any(p.tag == "start_cmd" for p in sb.commands.list())
         finally:
             sb.kill()
+
+
+def test_pause_resume_and_snapshot_keep_the_root_changes(server: ServerProcess) -> None:
+    """The root's copy-on-write layer (a new tool, a deleted image file) and home survive a pause with
+    a cold start, and a snapshot's sandboxes start on the image's layers with those changes."""
+    sb = sandbox(server, "musl", timeout=120)
+    try:
+        run(sb, "printf '#!/bin/sh\\necho kept\\n' > /usr/local/bin/kept && chmod 755 /usr/local/bin/kept"
+                " && rm /etc/os-release && mkdir /data && echo d > /data/d", user="root")
+        sb.files.write("/home/user/marker.txt", "persisted\n")
+        assert sb.pause(mode="filesystem") is True
+        sb.connect()  # a cold start from its files
+        assert run(sb, "kept; cat /data/d /home/user/marker.txt; test -e /etc/os-release || echo gone").split() \
+            == ["kept", "d", "persisted", "gone"]
+        assert "ID=alpine" not in run(sb, "cat /etc/*release* 2>/dev/null; true")
+        snap = sb.create_snapshot(name=f"img-{sb.sandbox_id[:8]}")
+        child = Sandbox.create(snap.snapshot_id, api_key="e2b_test", api_url=server.url, sandbox_url=server.url)
+        try:
+            assert run(child, "kept; cat /data/d; ls /bin/busybox").split() == ["kept", "d", "/bin/busybox"]
+            assert run(child, "test -e /etc/os-release || echo gone").strip() == "gone"
+        finally:
+            child.kill()
+    finally:
+        sb.kill()

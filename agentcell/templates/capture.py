@@ -22,6 +22,7 @@ from dataclasses import asdict
 from typing import BinaryIO
 
 from agentcell.backends import disk_archive
+from agentcell.backends.linux import image_root
 from agentcell.templates.store import TemplateStore
 from agentcell.templates.unpack import WHITEOUT, unpack_layer
 
@@ -30,7 +31,6 @@ _OPAQUE = WHITEOUT + WHITEOUT + ".opq"
 # agentcell's own, regenerated in every sandbox (image_root._etc, image_root._sudo)
 _GENERATED = frozenset({"etc/hosts", "etc/hostname", "etc/resolv.conf"})
 _SUDO = "usr/bin/sudo"
-_RUNTIME = "opt/agentcell"
 _SPOOL = 16 << 20  # the disk archive is spooled in memory up to this, then on disk
 
 
@@ -42,7 +42,7 @@ def _layer_name(name: str) -> str | None:
     if place != "root":
         return None  # tmp/: scratch, as a fresh sandbox's /tmp is empty
     rest = rest.lstrip("/")
-    if not rest or rest in _GENERATED or rest == _RUNTIME or rest.startswith(_RUNTIME + "/"):
+    if not rest or rest in _GENERATED:
         return None
     return rest
 
@@ -58,7 +58,8 @@ def write_layer(disk_fd: int, out: BinaryIO, max_bytes: int, owners: disk_archiv
             return out.write(data)
 
     with tempfile.SpooledTemporaryFile(_SPOOL) as spool:
-        disk_archive.write_archive(disk_fd, spool, max_bytes, owners, overlays=["/"])
+        disk_archive.write_archive(disk_fd, spool, max_bytes, owners, overlays=[image_root.ROOT],
+                                   mount_points=image_root.MOUNT_POINTS)
         spool.seek(0)
         with tarfile.open(fileobj=spool, mode="r|") as src, \
                 tarfile.open(fileobj=_Hashing(), mode="w|", format=tarfile.PAX_FORMAT) as dst:  # type: ignore[call-overload]
