@@ -215,3 +215,23 @@ def test_pause_resume_and_snapshot_keep_the_root_changes(server: ServerProcess) 
             child.kill()
     finally:
         sb.kill()
+
+
+def test_layers_in_use_outlive_their_template(server: ServerProcess, images: Path, tmp_path: Path) -> None:
+    """A template removed (or replaced) while its sandboxes run: collection leaves its layers, which
+    the server leases while it may run sandboxes on them."""
+    root = musl_root(tmp_path / "root")
+    (root / "etc/variant").write_text("lease\n")
+    root_image(images, "lease", root=root)
+    store = server.state / "templates"  # type: ignore[attr-defined]
+    _import(store, images, "lease", "lease-me")
+    layers = json.loads((store / "templates" / "lease-me.json").read_text())["layers"]
+    sb = sandbox(server, "lease-me")
+    try:
+        for args in (["rm", "lease-me"], ["gc"]):
+            done = subprocess.run([*AGENTCELL, "template", *args, "--store", str(store)], capture_output=True, text=True)
+            assert done.returncode == 0, done.stderr
+        assert (store / "layers" / layers[0].split(":")[1]).is_dir()
+        assert run(sb, "cat /etc/variant; ls /bin/busybox").split() == ["lease", "/bin/busybox"]
+    finally:
+        sb.kill()
