@@ -216,7 +216,7 @@ async def _serve(sock: socket.socket, config: dict[str, Any]) -> None:
     # The backend knows whether the agent got its low OOM score; children take what it says.
     oom = int(config.get("child_oom_score_adj", processes.CHILD_OOM_SCORE_ADJ))
     agent = Agent(writer, ProcessTable(the_reaper, envs, home, oom), FileSystem(home),
-                  ContextManager(the_reaper, envs, home, oom))  # fmt: skip
+                  ContextManager(the_reaper, envs, home, oom, python=config.get("python")))  # fmt: skip
     sudo_service = SudoService(the_reaper, oom)
     self_reports: SelfReports | None = None
     sudo_service.start(loop)  # /usr/bin/sudo's way to root (runtime/sudo.py); nothing of a tenant's in it
