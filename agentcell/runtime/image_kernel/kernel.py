@@ -382,6 +382,19 @@ def _figure_png(fig):
     return buf.getvalue()
 
 
+def _chart(fig):
+    """E2B's chart dict of a figure, when the image has E2B's e2b_charts (it needs pydantic, so it
+    cannot come with this script); {} for a figure it cannot read, as E2B."""
+    try:
+        from e2b_charts import chart_figure_to_dict
+    except Exception:
+        return None
+    try:
+        return chart_figure_to_dict(fig)
+    except Exception:
+        return {}
+
+
 def format_bundle(obj):
     """The mime bundle of `obj`, as IPython's display formatter makes it."""
     data = {}
@@ -411,11 +424,15 @@ def format_bundle(obj):
         if value is not None:
             data[mime] = value
     figure_module = sys.modules.get("matplotlib.figure")
-    if figure_module is not None and isinstance(obj, figure_module.Figure) and "image/png" not in data:
-        try:
-            data["image/png"] = _figure_png(obj)
-        except Exception:
-            traceback.print_exc()
+    if figure_module is not None and isinstance(obj, figure_module.Figure):
+        if "image/png" not in data:
+            try:
+                data["image/png"] = _figure_png(obj)
+            except Exception:
+                traceback.print_exc()
+        chart = _chart(obj)
+        if chart is not None:
+            data["e2b/chart"] = chart
     if isinstance(obj, (list, dict)) and "application/json" not in data:
         value = _json_of(obj)
         if value is not None:
@@ -848,7 +865,6 @@ class Kernel(object):
         builtins.display = self.display
         self.magics = Magics(self)
         self.capturing = None
-        self.shown_figures = set()  # ids of figures shown as a cell's result (not shown again)
         sys.meta_path.insert(0, _MatplotlibHook(self))
 
     # frames ------------------------------------------------------------------------------------
@@ -915,11 +931,9 @@ class Kernel(object):
         for n in numbers:
             fig = pyplot.figure(n)
             try:
-                if id(fig) not in self.shown_figures:
-                    self.display(fig)
+                self.display(fig)
             finally:
                 pyplot.close(fig)
-        self.shown_figures.clear()
 
     # running code --------------------------------------------------------------------------------
     def compile_cell(self, source, count):
@@ -1008,9 +1022,6 @@ class Kernel(object):
         self.ns["___"], self.ns["__"], self.ns["_"] = self.ns["__"], self.ns["_"], value
         self.ns["_%d" % count] = value
         self.ns["Out"][count] = value
-        figure_module = sys.modules.get("matplotlib.figure")
-        if figure_module is not None and isinstance(value, figure_module.Figure):
-            self.shown_figures.add(id(value))
         self.send_line(result_line(format_bundle(value), True))
 
     def serve(self):
