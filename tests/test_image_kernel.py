@@ -88,6 +88,12 @@ class Lines:
         return "".join(line["text"] for line in self.of("stderr"))
 
     @property
+    def count(self) -> int:
+        """The run's execution count (its line may come after output the agent drained first)."""
+        (line,) = self.of("number_of_executions")
+        return int(line["execution_count"])
+
+    @property
     def main(self) -> dict[str, Any] | None:
         found = [r for r in self.of("result") if r["is_main_result"]]
         return found[0] if found else None
@@ -184,11 +190,11 @@ async def test_runs_on_the_images_interpreter_with_state_prints_and_results(home
     async with image(PY312, home) as img:
         ctx = img.context()
         first = await img.run(ctx, "import sys\nx = 41\nprint('hi', sys.version_info[:2])\nx + 1")
-        assert first.lines[0] == {"type": "number_of_executions", "execution_count": 1}
+        assert first.of("number_of_executions") == [{"type": "number_of_executions", "execution_count": 1}]
         assert first.stdout == "hi (3, 12)\n"
         assert first.main == {"type": "result", "text": "42", "extra": {}, "is_main_result": True}
         second = await img.run(ctx, "x, sys.executable")
-        assert second.lines[0]["execution_count"] == 2
+        assert second.count == 2
         assert second.main is not None and second.main["text"] == f"(41, '{PY312}')"
         # a string's repr without its quotes, lists and dicts as JSON too, as E2B's kernels
         assert (await img.run(ctx, "'str'")).main["text"] == "str"  # type: ignore[index]
@@ -234,7 +240,7 @@ async def test_errors_have_ipython_tracebacks_and_the_context_lives_on(home: str
         assert exited is not None and exited["name"] == "SystemExit" and exited["value"] == "3"
         after = await img.run(ctx, "y")
         assert after.error is None and after.main is not None and after.main["text"] == "1"
-        assert after.lines[0]["execution_count"] == 6
+        assert after.count == 6
 
 
 @needs_312
@@ -300,6 +306,8 @@ async def test_shell_escapes_and_magics(home: str, tmp_path: Path) -> None:
         assert (tmp_path / "notes.txt").read_text() == "line one\n"
         bash = await img.run(ctx, "%%bash\necho from bash $((6 * 7))")
         assert bash.stdout == "from bash 42\n"
+        via_shell = await img.run(ctx, "get_ipython().run_line_magic('env', 'SHADE=red')\nget_ipython().getoutput('echo $SHADE')")
+        assert via_shell.stdout == "env: SHADE=red\n" and via_shell.main["json"] == ["red"]  # type: ignore[index]
         unknown = await img.run(ctx, "%nosuchmagic")
         assert unknown.stderr == "UsageError: Line magic function `%nosuchmagic` not found.\n" and unknown.error is None
         # valid Python is never rewritten, even where a line starts like a magic would
@@ -394,7 +402,7 @@ async def test_an_image_with_pandas_and_matplotlib_gets_html_data_and_png(home: 
         assert figures[0]["text"] == "<Figure size 640x480 with 1 Axes>"
         assert base64.b64decode(figures[0]["png"])[:8] == b"\x89PNG\r\n\x1a\n"
         show = await img.run(ctx, "import time\nplt.figure(); plt.plot([3]); plt.show(); time.sleep(0.3); print('x')")
-        assert [line["type"] for line in show.lines[1:]] == ["result", "stdout"]  # shown at show(), closed
+        assert [line["type"] for line in show.lines if line["type"] != "number_of_executions"] == ["result", "stdout"]
         assert (await img.run(ctx, "plt.get_fignums()")).main["text"] == "[]"  # type: ignore[index]
         assert (await img.run(ctx, "import numpy as np\nnp.arange(3)")).main["text"] == "array([0, 1, 2])"  # type: ignore[index]
 

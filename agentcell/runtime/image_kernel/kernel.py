@@ -845,6 +845,20 @@ class _MatplotlibHook(object):
 # The kernel
 # --------------------------------------------------------------------------------------------------
 
+class _Shell(object):
+    """The little of IPython's shell object notebook code uses through get_ipython()."""
+
+    def __init__(self, kernel):
+        self.user_ns = kernel.ns
+        self.execution_count = kernel.count
+        self.run_line_magic = kernel.line_magic
+        self.run_cell_magic = kernel.cell_magic
+        self.system = lambda cmd: system(expand(cmd, kernel.ns))
+
+    def getoutput(self, cmd):
+        return system(expand(cmd, self.user_ns), capture=True)
+
+
 class Kernel(object):
     def __init__(self, sock):
         self.sock = sock
@@ -863,6 +877,7 @@ class Kernel(object):
         self.ns["__agentcell__"] = self
         self.builtin_names = set(self.ns)
         builtins.display = self.display
+        builtins.get_ipython = lambda: _Shell(self)  # for code that calls get_ipython().run_line_magic(...)
         self.magics = Magics(self)
         self.capturing = None
         sys.meta_path.insert(0, _MatplotlibHook(self))
