@@ -11,18 +11,15 @@ count, ``!cmd`` and the common magics (%pip, %cd, %env, %pwd, %%writefile, %%bas
 """
 
 import ast
-import asyncio
 import base64
 import builtins
 import datetime
-import hashlib
 import io
 import json
 import linecache
 import math
 import numbers
 import os
-import pprint
 import re
 import shlex
 import signal
@@ -325,14 +322,28 @@ def result_line(data, is_main_result):
 # Formatting an object into a mime bundle (IPython's formatters, E2B's additions)
 # --------------------------------------------------------------------------------------------------
 
-class _Pretty(pprint.PrettyPrinter):
-    """IPython's text/plain, near enough: wrapped at 79 columns, dicts in insertion order, strings
-    never split into pieces."""
+try:
+    from _sha1 import sha1  # what hashlib would give, without loading OpenSSL at every start
+except ImportError:
+    from hashlib import sha1
 
-    _dispatch = dict(pprint.PrettyPrinter._dispatch)
-    for _t in (str, bytes, bytearray):
-        _dispatch.pop(_t.__repr__, None)
-    del _t
+_pretty = None
+
+
+def _pretty_printer():
+    """IPython's text/plain, near enough: wrapped at 79 columns, dicts in insertion order, strings
+    never split into pieces. (pprint imports dataclasses and inspect: loaded on first need.)"""
+    global _pretty
+    if _pretty is None:
+        import pprint
+
+        class Pretty(pprint.PrettyPrinter):
+            _dispatch = dict(pprint.PrettyPrinter._dispatch)
+            for _t in (str, bytes, bytearray):
+                _dispatch.pop(_t.__repr__, None)
+
+        _pretty = Pretty(width=79, sort_dicts=False)
+    return _pretty
 
 
 def _plain(obj):
@@ -355,10 +366,7 @@ def _plain(obj):
         klass = type(obj)
         return "<%s.%s at 0x%x>" % (klass.__module__, getattr(klass, "__qualname__", klass.__name__), id(obj))
     if isinstance(obj, (list, tuple, dict, set, frozenset)):
-        try:
-            return _Pretty(width=79, sort_dicts=False).pformat(obj)
-        except TypeError:  # 3.7's pprint has no sort_dicts (never here: >= 3.8)
-            return pprint.pformat(obj, width=79)
+        return _pretty_printer().pformat(obj)
     return repr(obj)
 
 
@@ -952,7 +960,7 @@ class Kernel(object):
 
     # running code --------------------------------------------------------------------------------
     def compile_cell(self, source, count):
-        name = "<ipython-input-%d-%s>" % (count, hashlib.sha1(source.encode("utf-8", "surrogatepass")).hexdigest()[:12])
+        name = "<ipython-input-%d-%s>" % (count, sha1(source.encode("utf-8", "surrogatepass")).hexdigest()[:12])
         try:
             tree = ast.parse(source, name, "exec")
         except SyntaxError:
@@ -972,6 +980,7 @@ class Kernel(object):
         result = eval(code, self.ns)
         if code.co_flags & CO_COROUTINE:
             if self.loop is None:
+                import asyncio  # ~60 ms to import: only for a cell with top-level await
                 self.loop = asyncio.new_event_loop()
             result = self.loop.run_until_complete(result)
         return result
