@@ -441,3 +441,36 @@ def test_the_script_stays_standard_library_only() -> None:
     if PY38 is not None:
         subprocess.run([PY38, "-c", f"import ast; ast.parse(open({kernel_image_python.SCRIPT!r}).read())"], check=True)
     assert shutil.which("python3") is not None
+
+
+def test_finding_the_images_python_in_its_tree(tmp_path: Path) -> None:
+    """Inside the image's unpacked tree only: links resolved against it, never against the host."""
+    root = tmp_path / "rootfs"
+    for d in ("usr/local/bin", "usr/bin", "bin", "etc/alternatives", "opt/venv/bin"):
+        (root / d).mkdir(parents=True)
+
+    def exe(rel: str) -> None:
+        (root / rel).write_text("#!/bin/sh\n")
+        (root / rel).chmod(0o755)
+
+    assert kernel_image_python.find_in_image(str(root)) is None  # no Python: the runtime's contexts
+    exe("usr/bin/python3.11")
+    (root / "etc/alternatives/python3").symlink_to("/usr/bin/python3.11")  # absolute: inside the image
+    (root / "usr/bin/python3").symlink_to("/etc/alternatives/python3")
+    assert kernel_image_python.find_in_image(str(root)) == "/usr/bin/python3"
+    exe("usr/local/bin/python3.12")
+    (root / "usr/local/bin/python3").symlink_to("python3.12")
+    assert kernel_image_python.find_in_image(str(root)) == "/usr/local/bin/python3"
+    # the image config's PATH first: a venv's interpreter, by its own path (so it finds pyvenv.cfg)
+    (root / "opt/venv/bin/python3").symlink_to("/usr/local/bin/python3.12")
+    assert kernel_image_python.find_in_image(str(root), "/opt/venv/bin:/usr/bin") == "/opt/venv/bin/python3"
+    # a link out of the tree resolves inside it (as in the sandbox), to nothing here
+    (root / "opt/venv/bin/python3").unlink()
+    (root / "opt/venv/bin/python3").symlink_to("../../../../../../../../usr/bin/python3.11-host")
+    assert kernel_image_python.find_in_image(str(root), "/opt/venv/bin") == "/usr/local/bin/python3"
+    # too old, or not executable: skipped
+    (root / "usr/local/bin/python3").unlink()
+    exe("usr/local/bin/python3.7")
+    (root / "usr/local/bin/python3").symlink_to("python3.7")
+    (root / "usr/bin/python3.11").chmod(0o644)
+    assert kernel_image_python.find_in_image(str(root)) is None

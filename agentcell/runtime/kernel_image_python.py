@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 import sys
 
 from agentcell.runtime.kernel_exec import KernelSpec, exec_kernel
@@ -73,6 +74,65 @@ def usable(interpreter: str | None) -> bool:
         return False
     version = version_of(interpreter)
     return version is None or version >= MIN_VERSION
+
+
+def _resolve_in(root: str, path: str, hops: int = 40) -> str | None:
+    """`path` (absolute, as the sandbox sees it) with its symlinks followed inside `root`, the image's
+    unpacked tree; None if it leads nowhere. Never follows a link out of `root`: `..` stops at it,
+    an absolute target starts again at it, as inside the sandbox."""
+    parts = [p for p in path.split("/") if p]
+    resolved: list[str] = []
+    while parts:
+        part = parts.pop(0)
+        if part == ".":
+            continue
+        if part == "..":
+            if resolved:
+                resolved.pop()
+            continue
+        host = os.path.join(root, *resolved, part)
+        try:
+            st = os.lstat(host)
+        except OSError:
+            return None
+        if stat.S_ISLNK(st.st_mode):
+            hops -= 1
+            if hops < 0:
+                return None
+            target = os.readlink(host)
+            if target.startswith("/"):
+                resolved = []
+            parts = [p for p in target.split("/") if p] + parts
+            continue
+        resolved.append(part)
+    return "/" + "/".join(resolved)
+
+
+def find_in_image(root: str, path_env: str | None = None) -> str | None:
+    """The image's Python for its code contexts: the first ``python3`` (then ``python``) on the image
+    config's PATH, then in /usr/local/bin, /usr/bin, /bin, that is an executable regular file inside
+    `root` (its unpacked tree) of version >= 3.8 by its name. The path as found (a venv's
+    bin/python3 stays a venv's), or None: the template keeps the runtime's Python contexts."""
+    dirs = [d for d in (path_env or "").split(":") if d.startswith("/")]
+    dirs += [d for d in ("/usr/local/bin", "/usr/bin", "/bin") if d not in dirs]
+    for name in ("python3", "python"):
+        for d in dirs:
+            candidate = os.path.join(d, name)
+            real = _resolve_in(root, candidate)
+            if real is None:
+                continue
+            host = os.path.join(root, real.lstrip("/"))
+            try:
+                st = os.lstat(host)
+            except OSError:
+                continue
+            if not stat.S_ISREG(st.st_mode) or not st.st_mode & 0o111:
+                continue
+            m = _VERSION_NAME.match(os.path.basename(real))
+            if m and (int(m.group(1)), int(m.group(2))) < MIN_VERSION:
+                continue
+            return candidate
+    return None
 
 
 def image_python_spec(interpreter: str) -> KernelSpec:
