@@ -308,6 +308,13 @@ async def test_shell_escapes_and_magics(home: str, tmp_path: Path) -> None:
         assert bash.stdout == "from bash 42\n"
         via_shell = await img.run(ctx, "get_ipython().run_line_magic('env', 'SHADE=red')\nget_ipython().getoutput('echo $SHADE')")
         assert via_shell.stdout == "env: SHADE=red\n" and via_shell.main["json"] == ["red"]  # type: ignore[index]
+        captured = await img.run(ctx, "%%capture out\nprint('quiet')\ndisplay(5)")
+        assert captured.stdout == "" and captured.of("result") == []
+        shown = await img.run(ctx, "out.stdout, len(out.outputs)")
+        assert shown.main is not None and shown.main["text"] == "('quiet\\n', 1)"
+        timed = await img.run(ctx, "%time sum(range(10))")
+        assert timed.main["text"] == "45" and timed.stdout.startswith("CPU times: user ")  # type: ignore[index]
+        assert "\nWall time: " in timed.stdout
         unknown = await img.run(ctx, "%nosuchmagic")
         assert unknown.stderr == "UsageError: Line magic function `%nosuchmagic` not found.\n" and unknown.error is None
         # valid Python is never rewritten, even where a line starts like a magic would

@@ -688,15 +688,20 @@ def _env(line):
 
 
 def _time_line(line, ns):
-    start, cpu = time.perf_counter(), time.process_time()
+    """%time / %%time, printed as IPython prints them."""
     try:
-        return eval(compile(line, "<timed exec>", "eval"), ns)
+        code, mode = compile(line, "<timed eval>", "eval"), "eval"
     except SyntaxError:
-        exec(compile(line, "<timed exec>", "exec"), ns)
-        return None
+        code, mode = compile(line, "<timed exec>", "exec"), "exec"
+    start, before = time.perf_counter(), os.times()
+    try:
+        result = eval(code, ns) if mode == "eval" else exec(code, ns)
     finally:
-        wall, used = time.perf_counter() - start, time.process_time() - cpu
-        print("CPU times: total: %s\nWall time: %s" % (_fmt_time(used), _fmt_time(wall)))
+        after, wall = os.times(), time.perf_counter() - start
+        user, sys_ = after.user - before.user, after.system - before.system
+        print("CPU times: user %s, sys: %s, total: %s\nWall time: %s"
+              % (_fmt_time(user), _fmt_time(sys_), _fmt_time(user + sys_), _fmt_time(wall)))
+    return result
 
 
 def _fmt_time(s):
@@ -758,7 +763,12 @@ class Magics(object):
         if name == "time":
             return _time_line(body, ns)
         if name == "capture":
-            return self.kernel.run_source(body, capture=True)
+            words = arg.split()
+            target = next((w for w in words if not w.startswith("-")), None)
+            captured = self.kernel.run_captured(body, "--no-stdout" not in words, "--no-stderr" not in words)
+            if target:
+                self.kernel.ns[target] = captured
+            return None
         raise UsageError("Cell magic `%%%%%s` not found." % name)
 
 
@@ -852,6 +862,31 @@ class _MatplotlibHook(object):
 # --------------------------------------------------------------------------------------------------
 # The kernel
 # --------------------------------------------------------------------------------------------------
+
+class CapturedIO(object):
+    """What %%capture NAME keeps, like IPython's: .stdout, .stderr, .outputs, .show()."""
+
+    def __init__(self, kernel):
+        self._kernel = kernel
+        self._out, self._err = io.StringIO(), io.StringIO()
+        self.outputs = []
+
+    @property
+    def stdout(self):
+        return self._out.getvalue()
+
+    @property
+    def stderr(self):
+        return self._err.getvalue()
+
+    def show(self):
+        sys.stdout.write(self.stdout)
+        sys.stderr.write(self.stderr)
+        for line in self.outputs:
+            self._kernel.send_line(line)
+
+    __call__ = show
+
 
 class _Shell(object):
     """The little of IPython's shell object notebook code uses through get_ipython()."""
@@ -985,16 +1020,23 @@ class Kernel(object):
             result = self.loop.run_until_complete(result)
         return result
 
-    def run_source(self, source, capture=False):
-        """Run `source` as a cell body (%%capture: its results are not shown)."""
+    def run_captured(self, source, stdout=True, stderr=True):
+        """%%capture: run `source` with its prints and displays kept (output of subprocesses, written
+        to the fds themselves, is not: as in IPython)."""
         tree = ast.parse(source, "<cell>", "exec")
-        saved, self.capturing = self.capturing, ([] if capture else None)
+        captured = CapturedIO(self)
+        saved = (self.capturing, sys.stdout, sys.stderr)
+        self.capturing = captured.outputs
+        if stdout:
+            sys.stdout = captured._out
+        if stderr:
+            sys.stderr = captured._err
         try:
             for node in tree.body:
                 self._exec(ast.Module([node], []), "<cell>", "exec")
         finally:
-            self.capturing = saved
-        return None
+            self.capturing, sys.stdout, sys.stderr = saved
+        return captured
 
     def run_cell(self, source, count):
         if not source.endswith("\n"):
