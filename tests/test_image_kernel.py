@@ -481,3 +481,62 @@ def test_finding_the_images_python_in_its_tree(tmp_path: Path) -> None:
     (root / "usr/local/bin/python3").symlink_to("python3.7")
     (root / "usr/bin/python3.11").chmod(0o644)
     assert kernel_image_python.find_in_image(str(root)) is None
+
+
+_IN_SANDBOX_DRIVER = """
+import asyncio, json, os
+from agentcell.runtime.kernel import ContextManager
+from agentcell.runtime.reaper import Reaper
+
+class Sink:
+    cancelled = False
+    def __init__(self): self.lines = []
+    def can_emit_line(self): return True
+    async def wait_line_slot(self): pass
+    def emit_line(self, line): self.lines.append(json.loads(line))
+    async def send_line(self, line): self.lines.append(json.loads(line))
+    def hold_line(self, line): self.lines.append(json.loads(line)); return True
+
+async def main():
+    reaper = Reaper()
+    reaper.install(asyncio.get_running_loop())
+    contexts = ContextManager(reaper, dict(os.environ), os.environ["HOME"], python="/usr/bin/python3")
+    ctx = contexts.create("python")
+    out = []
+    for code, timeout_ms in json.loads(os.environ["CELLS"]):
+        sink = Sink()
+        await ctx.run(code, {}, timeout_ms, sink, lambda f: None)
+        out.append([line for line in sink.lines if line["type"] in ("result", "error", "stdout")])
+    contexts.close()
+    print(json.dumps(out))
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root for sandboxes")
+async def test_in_a_sandbox_the_kernel_runs_from_the_runtime_on_the_systems_python() -> None:
+    """In a real sandbox (the probe backend), as the sandbox user: the script is read from the
+    runtime's read-only tree, the sandbox's /usr/bin/python3 runs it, the image's own packages
+    (Debian's dist-packages: yaml) import, the runtime's (agentcell) do not, and an interrupt stops it."""
+    from helpers import ProbeBox, probe_backend
+
+    cells = [
+        ["import sys, os, yaml\nprint(sys.executable, os.getuid())\nyaml.safe_load('a: 1')", 30_000],
+        ["import agentcell", 30_000],
+        ["while True: pass", 700],
+        ["!echo from the shell", 30_000],
+    ]
+    async with probe_backend() as backend:
+        box = await ProbeBox.create(backend, "ik")
+        try:
+            code, out, err = await box.run("env", f"CELLS={json.dumps(cells)}", "python3", "-c", _IN_SANDBOX_DRIVER)
+        finally:
+            await backend.kill(box.sandbox)
+    assert code == 0, err
+    first, runtime, loop, shell = json.loads(out)
+    assert (first[0]["type"], first[0]["text"]) == ("stdout", "/usr/bin/python3 1000\n")
+    assert first[1]["type"] == "result" and first[1]["json"] == {"a": 1}
+    assert runtime[0]["type"] == "error" and runtime[0]["name"] == "ModuleNotFoundError"
+    assert loop[-1]["type"] == "error" and loop[-1]["name"] == "KeyboardInterrupt"
+    assert shell[0]["text"] == "from the shell\n"
