@@ -374,6 +374,9 @@ async def test_the_runtimes_packages_are_not_importable(home: str) -> None:
         assert run.main is not None and run.main["text"] == f"('/srv/image-own', '{DEBIAN}', True)"
         path = await img.run(ctx, "os.environ['PATH']")
         assert path.main is not None and path.main["text"] == "/usr/bin:/bin"  # no runtime bin dir for !pip
+        img.manager.update_envs({"PATH": f"{sys.prefix}/bin:/usr/local/bin:/usr/bin", "PYTHONPATH": repo})  # a claim's
+        path = await img.run(ctx, "os.environ['PATH'], os.environ.get('PYTHONPATH')")
+        assert path.main is not None and path.main["text"] == "('/usr/local/bin:/usr/bin', None)"
         # the control socket is not inherited by what the code starts
         fds = await img.run(ctx, "!ls /proc/self/fd")
         assert sorted(int(x) for x in fds.stdout.split()) == [0, 1, 2, 3]  # 3: ls's own directory fd

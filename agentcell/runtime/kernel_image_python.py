@@ -21,7 +21,7 @@ import re
 import stat
 import sys
 
-from agentcell.runtime.kernel_exec import KernelSpec, exec_kernel
+from agentcell.runtime.kernel_exec import KernelSpec, exec_kernel, framed_env
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "image_kernel", "kernel.py")
 MIN_VERSION = (3, 8)  # the script's oldest Python
@@ -146,4 +146,7 @@ def image_python_spec(interpreter: str) -> KernelSpec:
             return f"python contexts of this template run {interpreter}, which is not an executable in the sandbox"
         return None
 
-    return KernelSpec("python", launch, missing)
+    def encode_env(envs: dict[str, str]) -> bytes:  # the claim's env vars: the same filter as at the start
+        return framed_env(kernel_env(envs))
+
+    return KernelSpec("python", launch, missing, encode_env=encode_env)

@@ -1161,6 +1161,7 @@ def _ends_with_semicolon(source):
 
 def main():
     global _site_state
+    sys.argv[:] = [""]  # as `python -c`: no path of the runtime in it
     _clean_sys_path()
     _note_pth_files()
     _site_state = _site_stamp()
