@@ -241,6 +241,17 @@ async def test_errors_have_ipython_tracebacks_and_the_context_lives_on(home: str
         after = await img.run(ctx, "y")
         assert after.error is None and after.main is not None and after.main["text"] == "1"
         assert after.count == 6
+        deep = (await img.run(ctx, "def r(n):\n    return r(n + 1)\nr(0)")).error
+        assert deep is not None and deep["name"] == "RecursionError"
+        assert "\n    [... skipping similar frames: r at line 2 (" in deep["traceback"]  # as IPython folds them
+        assert len(deep["traceback"]) < 2000
+        awaited = (await img.run(ctx, "import asyncio\nawait asyncio.sleep('x')")).error
+        assert awaited is not None and awaited["traceback"].split("\n")[2] == "Cell In[8], line 2"  # no loop frames
+        bad_repr = await img.run(ctx, "class B:\n    def _repr_html_(self): raise ValueError('no html')\nB()")
+        assert bad_repr.error is not None and bad_repr.error["traceback"].endswith(
+            "Cell In[9], line 2, in B._repr_html_(self)\n----> 2 def _repr_html_(self): raise ValueError('no html')\n\n"
+            "ValueError: no html")
+        assert bad_repr.main is not None and "html" not in bad_repr.main  # the result still comes, without it
 
 
 @needs_312

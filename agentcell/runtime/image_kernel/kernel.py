@@ -390,6 +390,16 @@ def _figure_png(fig):
     return buf.getvalue()
 
 
+formatter_error_hook = None  # set by the kernel: a failing _repr_*_ is an error line, as in IPython
+
+
+def _formatter_error():
+    if formatter_error_hook is not None:
+        formatter_error_hook(*sys.exc_info())
+    else:
+        traceback.print_exc()
+
+
 def _chart(fig):
     """E2B's chart dict of a figure, when the image has E2B's e2b_charts (it needs pydantic, so it
     cannot come with this script); {} for a figure it cannot read, as E2B."""
@@ -415,7 +425,7 @@ def format_bundle(obj):
             if isinstance(got, dict):
                 data.update(got)
         except Exception:
-            traceback.print_exc()
+            _formatter_error()
     for mime, method in _REPR_METHODS:
         if mime in data or isinstance(obj, type):
             continue
@@ -425,7 +435,7 @@ def format_bundle(obj):
         try:
             value = fn()
         except Exception:
-            traceback.print_exc()
+            _formatter_error()
             continue
         if isinstance(value, tuple) and len(value) == 2:
             value = value[0]
@@ -437,7 +447,7 @@ def format_bundle(obj):
             try:
                 data["image/png"] = _figure_png(obj)
             except Exception:
-                traceback.print_exc()
+                _formatter_error()
         chart = _chart(obj)
         if chart is not None:
             data["e2b/chart"] = chart
@@ -555,12 +565,69 @@ def _exception_only(etype, value):
     return "\n".join(lines)
 
 
+def _collapse(entries):
+    """stack_data's collapse_repeated: frames whose (code, line) occurs more than 3 times in the
+    stack are shown at their first, second and last occurrence of a run; the rest of the run
+    becomes one ``[... skipping similar frames: ...]`` line. Entries: (tb, key); yields tb or a
+    list of (tb, key) collapsed."""
+    counts = {}
+    for _, key in entries:
+        counts[key] = counts.get(key, 0) + 1
+    marked = []  # (entry, shown)
+    i = 0
+    while i < len(entries):
+        common = counts[entries[i][1]] > 3
+        j = i
+        while j < len(entries) and (counts[entries[j][1]] > 3) == common:
+            j += 1
+        group = entries[i:j]
+        if not common:
+            marked.extend((e, True) for e in group)
+        else:
+            keys = [k for _, k in group]
+            shown = [False] * len(group)
+            for key in set(keys):
+                first = keys.index(key)
+                shown[first] = True
+                if key in keys[first + 1:]:
+                    shown[keys.index(key, first + 1)] = True
+                shown[len(keys) - 1 - keys[::-1].index(key)] = True
+            marked.extend((group[k], shown[k]) for k in range(len(group)))
+        i = j
+    run = []
+    for entry, shown in marked:
+        if shown:
+            if run:
+                yield run
+                run = []
+            yield entry[0]
+        else:
+            run.append(entry)
+    if run:
+        yield run
+
+
+def _skipped(run):
+    counts = {}
+    for _, key in run:
+        counts[key] = counts.get(key, 0) + 1
+    ordered = sorted(counts.items(), key=lambda item: (-item[1], item[0][0].co_name))
+    return "    [... skipping similar frames: %s]\n" % ", ".join(
+        "%s at line %d (%d times)" % (code.co_name, line, n) for (code, line), n in ordered)
+
+
 def _one_exception(etype, value, tb):
     head = "%s%s" % (etype.__name__.ljust(42), "Traceback (most recent call last)")
     parts = [head]
+    entries = []
     while tb is not None:
-        parts.append(_frame_text(tb.tb_frame, tb.tb_frame.f_code.co_filename, tb.tb_lineno))
+        entries.append((tb, (tb.tb_frame.f_code, tb.tb_lineno)))
         tb = tb.tb_next
+    for item in _collapse(entries):
+        if isinstance(item, list):
+            parts.append(_skipped(item))
+        else:
+            parts.append(_frame_text(item.tb_frame, item.tb_frame.f_code.co_filename, item.tb_lineno))
     parts.append(_exception_only(etype, value))
     return "\n".join(parts)
 
@@ -920,6 +987,8 @@ class Kernel(object):
         self.ns["__agentcell__"] = self
         self.builtin_names = set(self.ns)
         builtins.display = self.display
+        global formatter_error_hook
+        formatter_error_hook = self.send_error
         builtins.get_ipython = lambda: _Shell(self)  # for code that calls get_ipython().run_line_magic(...)
         self.magics = Magics(self)
         self.capturing = None
@@ -960,6 +1029,18 @@ class Kernel(object):
             return
         hold = line.get("type") == "number_of_executions"
         self.send({"line": True, "hold": True} if hold else {"line": True}, data)
+
+    def send_error(self, etype, value, tb):
+        tb = _user_frames(tb)
+        try:
+            text = format_traceback(etype, value, tb)
+        except Exception:
+            text = "".join(traceback.format_exception(etype, value, tb))
+        try:
+            text_value = str(value)
+        except Exception:
+            text_value = "<exception str() failed>"
+        self.send_line({"type": "error", "name": etype.__name__, "value": text_value, "traceback": text})
 
     # user-facing helpers -----------------------------------------------------------------------
     def display(self, *objs, **kwargs):
@@ -1074,13 +1155,7 @@ class Kernel(object):
         except BaseException as e:  # the user's error (KeyboardInterrupt too): an error line
             tb = sys.exc_info()[2]
             tb = tb.tb_next if tb is not None else None  # our own frame
-            while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
-                tb = tb.tb_next
-            try:
-                text = format_traceback(type(e), e, tb)
-            except Exception:
-                text = "".join(traceback.format_exception(type(e), e, tb))
-            self.send_line({"type": "error", "name": type(e).__name__, "value": str(e), "traceback": text})
+            self.send_error(type(e), e, tb)
         finally:
             self.flush_figures()
 
@@ -1138,6 +1213,19 @@ class Kernel(object):
                     else:
                         os.environ[key] = value
                 self.send({"done": True})
+
+
+def _user_frames(tb):
+    """The traceback from the user's cell on: this script's frames and, for a cell with top-level
+    await, the event loop's before the cell's, left out (IPython shows none of its own either)."""
+    first = tb
+    while tb is not None:
+        if _CELL_NAME.match(tb.tb_frame.f_code.co_filename):
+            return tb
+        tb = tb.tb_next
+    while first is not None and first.tb_frame.f_code.co_filename == __file__:
+        first = first.tb_next
+    return first
 
 
 def _leading_indent(source):
