@@ -50,15 +50,13 @@ _RUNTIME_LIB = os.path.dirname(os.path.dirname(os.path.dirname(_HERE)))  # the d
 # --------------------------------------------------------------------------------------------------
 
 def _clean_sys_path():
-    """'' first (the cwd, as IPython and `python -c`), not this script's directory; nothing of the
-    runtime even if a PYTHONPATH named it."""
-    keep = []
-    for entry in sys.path[1:]:
-        real = os.path.realpath(entry) if entry else entry
-        if entry and (real == os.path.realpath(_RUNTIME_LIB) or real.startswith(os.path.realpath(_HERE))):
-            continue
-        keep.append(entry)
-    sys.path[:] = [""] + keep
+    """'' first (the cwd, as IPython and `python -c`; not with -P/PYTHONSAFEPATH), not this
+    script's directory; nothing of the runtime even if a PYTHONPATH named it."""
+    ours = (os.path.realpath(_RUNTIME_LIB), os.path.realpath(_HERE))
+    keep = [e for e in sys.path if not (e and os.path.realpath(e) in ours)]
+    if not getattr(sys.flags, "safe_path", False) and "" not in keep:
+        keep.insert(0, "")
+    sys.path[:] = keep
 
 
 _seen_pth = set()
