@@ -12,7 +12,8 @@ and the agent drains the pipes before it forwards the frame, so lines keep their
 
 The other languages' kernels (JavaScript, TypeScript, bash) are programs started the same way and
 spoken to on the same socket and pipes (kernel_exec.KernelSpec: kernel_node.py, kernel_bash.py), so
-flow control, interrupts, deadlines and restarts below serve every language.
+flow control, interrupts, deadlines and restarts below serve every language. So is Python's in a
+template whose image has its own interpreter (``python=``: kernel_image_python.py).
 """
 
 from __future__ import annotations
