@@ -235,3 +235,49 @@ def test_layers_in_use_outlive_their_template(server: ServerProcess, images: Pat
         assert run(sb, "cat /etc/variant; ls /bin/busybox").split() == ["lease", "/bin/busybox"]
     finally:
         sb.kill()
+
+
+@pytest.fixture(scope="module")
+def python_image(server: ServerProcess, images: Path) -> str:
+    """python:3.x-slim's kind: Debian trixie with its own Python (3.13), not the runtime's."""
+    root_image(images, "trixie-python", tar=debian_tar("trixie", ("python3", "python3-pip")))
+    _import(server.state / "templates", images, "trixie-python", "trixie-python")  # type: ignore[attr-defined]
+    return "trixie-python"
+
+
+def _wheel(name: str, body: str) -> bytes:
+    """A pure-Python wheel of one module, made here (no index, no network)."""
+    import base64
+    import hashlib
+    import io
+    import zipfile
+
+    files = {f"{name}.py": body.encode(),
+             f"{name}-1.0.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n".encode(),
+             f"{name}-1.0.dist-info/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    record = "".join(f"{path},sha256={base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b'=').decode()},"
+                     f"{len(data)}\n" for path, data in files.items()) + f"{name}-1.0.dist-info/RECORD,,\n"
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        for path, data in {**files, f"{name}-1.0.dist-info/RECORD": record.encode()}.items():
+            z.writestr(path, data)
+    return buf.getvalue()
+
+
+def test_run_code_uses_the_images_own_python_and_sees_what_pip_installs(server: ServerProcess,
+                                                                         python_image: str) -> None:
+    sb = sandbox(server, python_image)
+    try:
+        execution = sb.run_code("import sys; sys.version_info[:2], sys.executable")
+        assert execution.error is None and execution.text == "((3, 13), '/usr/bin/python3')"
+        assert "python 3.13" in run(sb, "python3 --version").lower()
+        assert "ModuleNotFoundError" in str(sb.run_code("import numpy").error)  # not the runtime's
+        sb.files.write("/tmp/hello_pkg-1.0-py3-none-any.whl", _wheel("hello_pkg", "GREETING = 'installed'\n"))
+        out = sb.commands.run("pip install --user --break-system-packages --no-index "
+                              "/tmp/hello_pkg-1.0-py3-none-any.whl 2>&1", timeout=120)
+        assert out.exit_code == 0, out.stdout
+        execution = sb.run_code("import hello_pkg; hello_pkg.GREETING")
+        assert execution.error is None and execution.text == "installed"
+        assert run(sb, "sudo python3 -c 'import os; print(os.getuid())'").strip() == "0"
+    finally:
+        sb.kill()
