@@ -20,7 +20,7 @@ import pytest
 from e2b import CommandExitException
 from e2b_code_interpreter import Sandbox
 
-from tests.oci_images import debian_tar, distroless_root, musl_root, root_image
+from tests.oci_images import UBUNTU, debian_tar, distroless_root, musl_root, root_image
 from tests.servers import ServerProcess
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="image templates need a server running as root")
@@ -281,3 +281,35 @@ def test_run_code_uses_the_images_own_python_and_sees_what_pip_installs(server: 
         assert run(sb, "sudo python3 -c 'import os; print(os.getuid())'").strip() == "0"
     finally:
         sb.kill()
+
+
+@pytest.fixture(scope="module")
+def ubuntu(server: ServerProcess, images: Path) -> str:
+    root_image(images, "noble", tar=debian_tar("noble", archive=UBUNTU))
+    _import(server.state / "templates", images, "noble", "noble")  # type: ignore[attr-defined]
+    return "noble"
+
+
+def test_ubuntu_image(server: ServerProcess, ubuntu: str) -> None:
+    sb = sandbox(server, ubuntu)
+    try:
+        assert "Ubuntu" in run(sb, "cat /etc/os-release")
+        assert run(sb, "id -un; sudo id -un").split() == ["user", "root"]
+        assert "(Ubuntu" in run(sb, "ldd --version | head -1")  # the image's own glibc, not the host's
+        execution = sb.run_code("import ctypes, sqlite3; sqlite3.sqlite_version_info >= (3, 0, 0)")
+        assert execution.error is None and execution.text == "True"
+    finally:
+        sb.kill()
+
+
+def test_uid_1000_of_another_name_reads_as_user() -> None:
+    """An image whose uid 1000 has a name (ubuntu:24.04's `ubuntu`, node's `node`): E2B's `user` goes
+    first, so 1000 reads as `user`, and the image's name still resolves."""
+    from agentcell.backends.linux.image_root import with_user
+
+    line = "user:x:1000:1000:user:/home/user:/bin/bash"
+    image = "root:x:0:0:root:/root:/bin/bash\nubuntu:x:1000:1000::/home/ubuntu:/bin/bash\n"
+    assert with_user(image, line).splitlines() == ["root:x:0:0:root:/root:/bin/bash", line,
+                                                    "ubuntu:x:1000:1000::/home/ubuntu:/bin/bash"]
+    assert with_user(image + line + "\n", line) == image + line + "\n"  # already there: unchanged
+    assert with_user("root:x:0:0::/root:/bin/sh", line).splitlines()[-1] == line
