@@ -222,6 +222,10 @@ def _tls(opts: dict[str, Any]) -> None:
                    "are collected when an import needs room).")
 @click.option("--max-concurrent-imports", default=2, show_default=True, type=click.IntRange(1, 64),
               help="Template imports running at once; more are answered 429.")
+@click.option("--max-concurrent-builds", default=2, show_default=True, type=click.IntRange(1, 64),
+              help="Template builds (E2B's Template.build) running at once; up to 16 more wait, then 429.")
+@click.option("--build-timeout", "build_timeout_s", default=3600.0, show_default=True,
+              type=click.FloatRange(min=1), help="Seconds one template build may take, all its steps.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 @click.option("--rootless/--no-rootless", default=None,

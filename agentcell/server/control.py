@@ -303,10 +303,9 @@ def _time_param(query: Any, name: str) -> datetime | None:
 UNSERVED = (
     ("/sandboxes/metrics", "metrics of many sandboxes at once"),
     ("/sandboxes/{sandbox_id}/logs", "sandbox logs"), ("/v2/sandboxes/{sandbox_id}/logs", "sandbox logs"),
-    ("/default-templates", "template builds"), ("/templates", "template builds"),
-    ("/v2/templates", "template builds"), ("/v3/templates", "template builds"),
-    ("/templates/tags", "template tags"),
-    ("/v2/templates/{template_id}", "template builds"), ("/templates/{template_id}/{rest:path}", "template builds"),
+    ("/default-templates", "default templates"), ("/templates", "template builds"),
+    ("/v2/templates", "v2 template builds (the SDKs use /v3/templates)"),
+    ("/v2/templates/{template_id}", "template updates"), ("/templates/{template_id}/{rest:path}", "template builds"),
     ("/v2/templates/{template_id}/{rest:path}", "template builds"),
     ("/secrets", "stored secrets (pass them in the create body: secrets=)"),
     ("/secrets/{secret_id}", "stored secrets (pass them in the create body: secrets=)"),
