@@ -68,7 +68,7 @@ def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
 
 def _serve(tmp_path: Path, registry: Registry | None, *extra: str) -> ServerProcess:
     args = ["--state-dir", str(tmp_path / "state"), "--egress-uplink", "none", "--standbys", "0", "--no-record",
-            "--api-key", KEY, *extra]
+            "--api-key", KEY, "--allowed-registry", "registry.invalid", *extra]  # never Docker Hub: loopback only
     if registry is not None:
         args += ["--insecure-registry", registry.address]
     return ServerProcess(tmp_path / "server.log", *args, command=SERVE)
