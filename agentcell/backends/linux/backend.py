@@ -27,6 +27,7 @@ from agentcell import rootless
 from agentcell.backends import disk_archive
 from agentcell.backends.base import (
     Backend,
+    ImageRoot,
     Limits,
     RunningSandbox,
     SandboxSpec,
@@ -37,6 +38,7 @@ from agentcell.backends.linux import (
     cgroup_delegation,
     cgroups,
     host,
+    image_root,
     rootfs,
     runtime_prefetch,
     runtime_store,
@@ -100,6 +102,16 @@ class LinuxSandbox(RunningSandbox):
         poller = select.poll()  # not select(): a server with 1,000 sandboxes holds fds past FD_SETSIZE
         poller.register(self.pidfd, select.POLLIN)
         return not poller.poll(0)  # readable = exited
+
+
+def _send_layers(sock: socket.socket, layers: tuple[str, ...]) -> None:
+    """Detached clones of an image's layer trees (image_root.open_layers), one message, then ours closed."""
+    fds = image_root.open_layers(layers)
+    try:
+        socket.send_fds(sock, [b"L"], fds)
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 async def _read_frame(loop: asyncio.AbstractEventLoop, sock: socket.socket,
@@ -201,6 +213,7 @@ class LinuxBackend(CgroupSandboxes, Backend):
         self.preload = entry_point.startswith("agentcell.runtime.agent:") if preload is None else preload
         self.zygote_timeout = zygote_timeout
         self._zygotes: dict[str, ZygoteProcess] = {}
+        self._images: dict[str, ImageRoot] = {}  # "image:<key>" -> the image root its sandboxes have
         self._runtime: runtime_store.Store | None = None  # held from start() to close()
         self._state_dir = ""
         self._sandboxes: dict[str, LinuxSandbox] = {}
@@ -464,7 +477,20 @@ class LinuxBackend(CgroupSandboxes, Backend):
             sandbox_id = new_cell_sandbox_id()
         return sandbox_id
 
+    def _template_key(self, spec: SandboxSpec) -> str:
+        """What a sandbox is prepared from: the template's name, or for a template made from an image
+        "image:<its key>" (one zygote, "base", serves them all: image_root.py)."""
+        if spec.image_root is None:
+            return spec.template
+        if rootless.active():
+            raise InvalidArgumentError("templates made from images need a server running as root (not rootless mode)")
+        key = f"image:{spec.image_root.key}"
+        self._images[key] = spec.image_root
+        return key
+
     async def _spawn(self, template: str, sock_fd: int) -> None:
+        if template.startswith("image:"):
+            template = "base"
         z = await self._zygote(template)
         try:
             z.spawn(sock_fd)
@@ -572,15 +598,16 @@ class LinuxBackend(CgroupSandboxes, Backend):
             raise InvalidArgumentError(NO_EGRESS)
         sandbox = None
         # a sandbox that starts from a disk archive is prepared for it: a standby's disk is mounted already
+        template = self._template_key(spec)
         if not spec.sandbox_id and not spec.files and self.standbys and _claimable(self.standby_limits, spec.limits):
-            sandbox = await self._pool(spec.template).take()
+            sandbox = await self._pool(template).take()
             try:
                 sandbox.cgroups.retune(sandbox.limits, spec.limits)
             except OSError:  # e.g. less memory than the standby already uses: prepare one instead
                 await self.kill(sandbox)
                 sandbox = None
         if sandbox is None:
-            sandbox = await self._prepare(spec.template, spec.limits, spec.sandbox_id or self._new_id(), spec.files)
+            sandbox = await self._prepare(template, spec.limits, spec.sandbox_id or self._new_id(), spec.files)
         try:
             sandbox.limits = spec.limits
             sandbox.cgroups.set_cpu_weight(standby=False)
@@ -624,6 +651,10 @@ class LinuxBackend(CgroupSandboxes, Backend):
             request["t0_ns"] = t0_ns
         if files_fd >= 0:
             request["files"] = True  # the archive's fd follows the frame
+        image = self._images.get(template) if template.startswith("image:") else None
+        if image is not None:  # its layers follow the frame (and the archive)
+            request["image"] = {"layers": len(image.layers), "env": dict(image.env), "workdir": image.workdir,
+                                "python": image.python, "start_cmd": image.start_cmd, "ready_cmd": image.ready_cmd}
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         sandbox: LinuxSandbox | None = None
         try:
@@ -635,6 +666,8 @@ class LinuxBackend(CgroupSandboxes, Backend):
                 await loop.sock_sendall(ours, encode_frame(request))
                 if files_fd >= 0:  # one byte on a fresh socket: never blocks
                     socket.send_fds(ours, [b"F"], [files_fd])
+                if image is not None:
+                    _send_layers(ours, image.layers)
                 first = await _read_frame(loop, ours)
                 if first is None or first.get("event") != "spawned":
                     raise _setup_failure(sandbox_id, first)
