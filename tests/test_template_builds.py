@@ -42,19 +42,24 @@ def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
     """A loopback registry with `test/app:1`: Debian-like merged /usr (/bin -> usr/bin), a user `app`
     (uid 1500), a symlink pointing far out of the root, and a working directory in its config."""
     root = tmp_path_factory.mktemp("images")
-    passwd = f"root:x:0:0:root:/root:/bin/sh\napp:x:{APP_UID}:{APP_UID}::/home/app:/bin/sh\n".encode()
+    passwd = (f"root:x:0:0:root:/root:/bin/sh\nuser:x:1000:1000::/home/user:/bin/sh\n"
+              f"app:x:{APP_UID}:{APP_UID}::/home/app:/bin/sh\n").encode()
+    busybox = Path("/bin/busybox").read_bytes()  # static: a shell and coreutils for the image's sandboxes
     layer = tar_bytes([
-        entry("etc/", tarfile.DIRTYPE, mode=0o755),
-        entry("etc/passwd", data=passwd),
-        entry("etc/group", data=f"root:x:0:\napp:x:{APP_UID}:\n".encode()),
         entry("usr/", tarfile.DIRTYPE, mode=0o755),
         entry("usr/bin/", tarfile.DIRTYPE, mode=0o755),
+        entry("usr/bin/busybox", data=busybox, mode=0o755),
+        *[entry(f"usr/bin/{tool}", tarfile.SYMTYPE, linkname="busybox") for tool in ("sh", "cat", "id", "pwd", "env")],
+        entry("etc/", tarfile.DIRTYPE, mode=0o755),
+        entry("etc/passwd", data=passwd),
+        entry("etc/group", data=f"root:x:0:\nuser:x:1000:\napp:x:{APP_UID}:\n".encode()),
         entry("usr/bin/hello", data=b"#!/bin/sh\necho hello\n", mode=0o755),
         entry("bin", tarfile.SYMTYPE, linkname="usr/bin"),
         entry("srv/", tarfile.DIRTYPE, mode=0o750, uid=APP_UID, gid=APP_UID),
         entry("escape", tarfile.SYMTYPE, linkname="../../../../../../tmp/agentcell-build-escape"),
         entry("home/", tarfile.DIRTYPE, mode=0o755),
         entry("home/app/", tarfile.DIRTYPE, mode=0o700, uid=APP_UID, gid=APP_UID),
+        entry("home/user/", tarfile.DIRTYPE, mode=0o755, uid=1000, gid=1000),
     ])
     write_layout(root / "layout", [layer], tag="1",
                  config={"Env": ["PATH=/usr/bin:/bin", "IMAGE=yes"], "WorkingDir": "/home/app", "User": "app"})
@@ -151,7 +156,7 @@ def test_a_build_on_the_default_base_stores_its_layers_and_config(server: Server
     assert record["builtin_base"] == "base" and len(record["layers"]) == 2  # COPY, WORKDIR (ENV: config only)
     assert "GREETING=hi" in record["config"]["Env"] and "BOTH=hi there" in record["config"]["Env"]
     assert record["config"]["WorkingDir"] == "/app"
-    assert record["start_cmd"] == "python -m http.server 8000" and "8000" in record["ready_cmd"]
+    assert record["agentcell"]["start_cmd"] == "python -m http.server 8000" and "8000" in record["agentcell"]["ready_cmd"]
     copied = tree(server, record["layers"][0]) / "home" / "user" / "folder"  # relative to the base's /home/user
     assert (copied / "test.txt").read_text() == "This is a test file."
     assert (copied / "deep.txt").read_text() == "deep"  # Docker's rule: a matched directory's contents
@@ -218,6 +223,32 @@ def test_a_build_from_a_registry_image_copies_through_its_symlinks_as_its_users(
                            "child", **opts(server))
     child_layers = record_of(server, child.template_id, child.build_id)["layers"]
     assert child_layers[:4] == record["layers"] and len(child_layers) == 5
+
+
+def test_a_sandbox_of_a_built_template_has_its_files_and_config(server: ServerProcess, registry: Registry,
+                                                                  tmp_path: Path) -> None:
+    """Sandbox.create("name") of a template built here: its layers are the sandbox's root (the backend's
+    image roots), the build's ENV its environment."""
+    from e2b import Sandbox
+
+    ctx = context(tmp_path, {"tool.sh": "echo tool ran\n"})
+    template = (Template(file_context_path=str(ctx)).from_image(f"{registry.address}/test/app:1")
+                .copy("tool.sh", "/bin/tool.sh", mode=0o755).set_envs({"GREETING": "built"}).set_workdir("/srv"))
+    Template.build(template, "runnable:v1", **opts(server))
+    base_only = Template.build(Template().from_base_image().set_envs({"A": "1"}), "on-default-base", **opts(server))
+    conn = {"api_key": KEY, "api_url": server.url, "sandbox_url": server.url}
+    for name in ("runnable", "runnable:v1"):
+        sbx = Sandbox.create(name, **conn)
+        try:
+            out = sbx.commands.run("sh /usr/bin/tool.sh; echo $GREETING $IMAGE", user="root")
+            assert out.stdout.split("\n")[:2] == ["tool ran", "built yes"], out
+        finally:
+            sbx.kill()
+    with pytest.raises(Exception, match="default base"):  # not startable yet: said so, not a broken root
+        Sandbox.create("on-default-base", **conn)
+    with pytest.raises(Exception, match="not found"):  # a build's store record by its name: another's is hidden
+        Sandbox.create("runnable:nope", **conn)
+    assert base_only.template_id
 
 
 def test_build_in_background_status_and_log_offsets(server: ServerProcess, tmp_path: Path) -> None:

@@ -143,6 +143,7 @@ class AgentcellApp:
         control_plane = ControlPlane(config, self.manager, self.snapshots)
         # E2B's template builds: the backend's build sandboxes run RUN steps, when it has them
         self.template_builds = TemplateBuilds(config, imports, control_plane, getattr(self.backend, "build_sandboxes", None))
+        control_plane.built_templates = self.template_builds  # Sandbox.create("alias:tag") of a built template
         self.control = Starlette(routes=[*imports.routes(), *self.template_builds.routes(), *control_plane.routes()],
                                  exception_handlers=_HANDLERS)
         self.envd_http = Starlette(

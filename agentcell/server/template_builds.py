@@ -395,20 +395,32 @@ class TemplateBuilds:
             Route(tid, self.delete_template, methods=["DELETE"]),
         ]
 
-    def resolve(self, ref: str, caller: str | None) -> dict[str, Any] | None:
-        """For sandbox creation: the stored template record `ref` (alias[:tag] or id[:tag]) names for
-        `caller`, None if it names no build of this server's."""
+    def store_name(self, ref: str, caller: str | None) -> str:
+        """For sandbox creation: the template store's name of what `ref` names for `caller` — a built
+        template's alias[:tag] or id[:tag] gives its build's record; a build's record of another caller
+        gives "" (not found); anything else is `ref` itself (an imported template's name)."""
         try:
             _, b = self.registry.tagged_build(ref, caller)
         except NotFoundError:
-            return None
+            b = None
+        if b is None:
+            build_id = ref.partition(".")[2]
+            other = self.registry.builds.get(build_id)
+            if other is not None and other.store_name == ref:  # a build's record named directly
+                t = self.registry.templates.get(other.template_id)
+                return ref if t is not None and self.registry.sees(caller, t.owner) else ""
+            return ref
         if b.status != "ready":
-            return None
+            raise HTTPError(400, f"template '{ref}' is not built yet (its build is {b.status})")
         try:
-            record: dict[str, Any] = self.imports.importer().store.template(b.store_name)
-        except (NotFoundError, HTTPError):
-            return None
-        return record
+            record = self.imports.importer().store.template(b.store_name)
+        except NotFoundError:
+            return ""
+        if record.get("builtin_base"):
+            raise HTTPError(501, f"template '{ref}' was built on E2B's default base (agentcell's built-in template): "
+                                 "sandboxes of such templates cannot start yet; build it from an image "
+                                 "(Template().from_image(...)) to start sandboxes of it")
+        return b.store_name
 
 
 def _int(raw: str | None, default: int, name: str) -> int:

@@ -326,7 +326,9 @@ class Executor:
         return {
             "name": ctx.store_name, "source": "e2b-build", "manifest_digest": "", "config_digest": "",
             "config": config, "architecture": "", "os": "linux", "layers": list(state.layers),
-            "builtin_base": state.builtin, "start_cmd": spec.start_cmd, "ready_cmd": spec.ready_cmd,
+            "builtin_base": state.builtin,
+            # what a sandbox of it runs at its start (templates/roots.py reads these)
+            "agentcell": {"start_cmd": spec.start_cmd or "", "ready_cmd": spec.ready_cmd or ""},
             "size_bytes": size, "imported_at": time.time(), "build_id": ctx.build_id, **ctx.extra,
         }
 
