@@ -72,14 +72,14 @@ class TemplateBuilds:
             raise HTTPError(404, f"template '{ref}' not found")
         return t
 
-    def _executor(self) -> Any:
+    def _executor(self, build: Any) -> Any:
         from agentcell.templates.executor import BuildLimits, Executor
 
         importer = self.imports.importer()  # 501 on a rootless server (the store shifts owners)
         cfg = self.config
         return Executor(importer.store, self.sandboxes, BuildLimits(
             max_image_bytes=cfg.max_image_mb << 20, timeout_s=cfg.build_timeout_s,
-            internet=cfg.internet_by_default))
+            internet=cfg.internet_by_default, cpu_count=build.cpu_count, memory_mb=build.memory_mb))
 
     # routes ----------------------------------------------------------------------------------------
 
@@ -181,7 +181,7 @@ class TemplateBuilds:
             spec = parse_spec(body)
         except SpecError as e:
             raise HTTPError(400, e.message) from None
-        executor = self._executor()
+        executor = self._executor(b)
         caller = self._caller(request)
         self._started.add(b.build_id)
 

@@ -125,30 +125,37 @@ class Executor:
 
         started = time.monotonic()
         state = await asyncio.to_thread(self._base, spec, ctx, log)
-        forced = spec.force
-        for step in spec.steps:
-            forced = forced or step.force
-            t0 = time.monotonic()
-            log("info", f"[builder {step.index}/{len(spec.steps)}] {step.describe()}", step.name)
-            key = _chain(state.key, step, ctx.build_id if forced else None)
-            if step.type == "ENV":
-                for k, v in zip(step.args[::2], step.args[1::2], strict=True):
-                    state.env[k] = _expand(v, state.env)
-            elif step.type == "USER":
-                self._check_user(state, step.args[0], step)
-                state.user = step.args[0]
-            elif step.type == "WORKDIR":
-                path = step.args[0] if step.args[0].startswith("/") else os.path.join(state.workdir, step.args[0])
-                state.workdir = os.path.normpath(path)
-                await self._layer(state, key, forced, step, log, lambda tree, s=state: self._workdir(s, tree))
-            elif step.type == "COPY":
-                await self._layer(state, key, forced, step, log, lambda tree, s=state, st=step: self._copy(s, st, ctx, tree))
-            elif step.type == "RUN":
-                await self._run(state, key, forced, step, log)
-            state.key = key
-            log("info", f"step {step.index} done in {time.monotonic() - t0:.2f}s", step.name)
-        record = self._record(spec, ctx, state)
-        await asyncio.to_thread(self.store.write_template, ctx.store_name, record)
+        # the store's shared lock from the first layer to the record naming them all: no collection
+        # meanwhile removes a layer this build made or reuses (the base's are named by its own record)
+        lock = self.store.importing()
+        await asyncio.to_thread(lock.__enter__)
+        try:
+            forced = spec.force
+            for step in spec.steps:
+                forced = forced or step.force
+                t0 = time.monotonic()
+                log("info", f"[builder {step.index}/{len(spec.steps)}] {step.describe()}", step.name)
+                key = _chain(state.key, step, ctx.build_id if forced else None)
+                if step.type == "ENV":
+                    for k, v in zip(step.args[::2], step.args[1::2], strict=True):
+                        state.env[k] = _expand(v, state.env)
+                elif step.type == "USER":
+                    self._check_user(state, step.args[0], step)
+                    state.user = step.args[0]
+                elif step.type == "WORKDIR":
+                    path = step.args[0] if step.args[0].startswith("/") else os.path.join(state.workdir, step.args[0])
+                    state.workdir = os.path.normpath(path)
+                    await self._layer(state, key, forced, step, log, lambda tree, s=state: self._workdir(s, tree))
+                elif step.type == "COPY":
+                    await self._layer(state, key, forced, step, log, lambda tree, s=state, st=step: self._copy(s, st, ctx, tree))
+                elif step.type == "RUN":
+                    await self._run(state, key, forced, step, log)
+                state.key = key
+                log("info", f"step {step.index} done in {time.monotonic() - t0:.2f}s", step.name)
+            record = self._record(spec, ctx, state)
+            await asyncio.to_thread(self.store.write_template, ctx.store_name, record)
+        finally:
+            lock.__exit__(None, None, None)
         log("info", f"template stored: {len(state.layers)} layers, built in {time.monotonic() - started:.2f}s",
             FINALIZE_STEP)
         return record
@@ -201,17 +208,17 @@ class Executor:
             log("info", f"CACHED {step.describe()}", step.name)
             state.layers.append(diff_id)
             return
-        with self.store.importing():
-            work = self.store.private_dir()
-            try:
-                tree = os.path.join(work, "tree")
-                os.mkdir(tree, 0o755)
-                os.chown(tree, ID_BASE, ID_BASE)
-                if await asyncio.to_thread(make, tree):
-                    self._commit(diff_id, work, step)
-                    state.layers.append(diff_id)
-            finally:
-                shutil.rmtree(work, ignore_errors=True)
+        work = self.store.private_dir()
+        try:
+            tree = os.path.join(work, "tree")
+            os.mkdir(tree, 0o755)
+            os.chown(tree, ID_BASE, ID_BASE)
+            if await asyncio.to_thread(make, tree):
+                self._commit(diff_id, work, step)
+                state.layers.append(diff_id)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+            shutil.rmtree(work + ".layer", ignore_errors=True)
 
     def _commit(self, diff_id: str, work: str, step: Step) -> None:
         files, entries = _measure(os.path.join(work, "tree"))
@@ -289,28 +296,28 @@ class Executor:
         shell = "/bin/bash" if view.lookup("/bin/bash") is not None else "/bin/sh"
         env = {"HOME": home, "USER": user, **state.env}
         sandboxes = self.sandboxes
-        with self.store.importing():
-            work = self.store.private_dir()
-            try:
-                tree = os.path.join(work, "tree")
-                os.mkdir(tree, 0o755)
-                os.chown(tree, ID_BASE, ID_BASE)
-                request = RunRequest(
-                    layers=tuple(os.path.join(self.store.layer_path(d), "tree") for d in reversed(state.layers)),
-                    builtin=state.builtin, argv=(shell, "-c", step.args[0]), user=user, uid=uid, gid=gid,
-                    env=env, cwd=state.workdir, upper=tree, internet=self.limits.internet,
-                    cpu_count=self.limits.cpu_count, memory_mb=self.limits.memory_mb, timeout_s=self.limits.timeout_s)
+        work = self.store.private_dir()
+        try:
+            tree = os.path.join(work, "tree")
+            os.mkdir(tree, 0o755)
+            os.chown(tree, ID_BASE, ID_BASE)
+            request = RunRequest(
+                layers=tuple(os.path.join(self.store.layer_path(d), "tree") for d in reversed(state.layers)),
+                builtin=state.builtin, argv=(shell, "-c", step.args[0]), user=user, uid=uid, gid=gid,
+                env=env, cwd=state.workdir, upper=tree, internet=self.limits.internet,
+                cpu_count=self.limits.cpu_count, memory_mb=self.limits.memory_mb, timeout_s=self.limits.timeout_s)
 
-                def output(stream: str, line: str) -> None:
-                    log("error" if stream == "stderr" else "info", line, step.name)
+            def output(stream: str, line: str) -> None:
+                log("error" if stream == "stderr" else "info", line, step.name)
 
-                code = await sandboxes.run(request, output)
-                if code != 0:
-                    raise BuildStepError(f"failed to run command '{step.args[0]}': exit status {code}", step.name)
-                self._commit(diff_id, work, step)
-                state.layers.append(diff_id)
-            finally:
-                shutil.rmtree(work, ignore_errors=True)
+            code = await sandboxes.run(request, output)
+            if code != 0:
+                raise BuildStepError(f"failed to run command '{step.args[0]}': exit status {code}", step.name)
+            self._commit(diff_id, work, step)
+            state.layers.append(diff_id)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+            shutil.rmtree(work + ".layer", ignore_errors=True)
 
     def _record(self, spec: BuildSpec, ctx: BuildContext, state: _State) -> dict[str, Any]:
         config = dict(state.image_config)
