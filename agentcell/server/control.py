@@ -450,7 +450,14 @@ class ControlPlane:
         root = None
         if template not in TEMPLATES:
             snapshot = self._visible(request, self.snapshots.find(template, self.tenancy.caller(request.scope)))
-            root = template_root(self.cfg, self._stored_name(request, template)) if snapshot is None else None
+            # a template made from an image; a snapshot of one of its sandboxes starts on its layers too
+            source, earlier = template, snapshot
+            for _ in range(64):  # a snapshot of a sandbox made from a snapshot ...: the first one's template
+                if earlier is None:
+                    break
+                source = earlier.source_template
+                earlier = self.snapshots.find(source, self.tenancy.caller(request.scope))
+            root = template_root(self.cfg, self._stored_name(request, source)) if source not in TEMPLATES else None
             if snapshot is None and root is None:
                 raise HTTPError(404, f"template '{template}' not found; available: base, code-interpreter-v1, "
                                      "a template imported or built here (GET /templates), "

@@ -38,9 +38,14 @@ _NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}")
 _HEX = re.compile(r"[0-9a-f]{64}")
 
 
+BUILT_IN = frozenset({"base", "code-interpreter-v1", "code-interpreter"})  # the server's own templates
+
+
 def check_name(name: str) -> str:
     if not _NAME.fullmatch(name):
         raise InvalidArgumentError(f"template name {name!r}: 1-63 of a-z 0-9 . _ -, starting with a letter or digit")
+    if name in BUILT_IN:
+        raise InvalidArgumentError(f"template name {name!r} is a built-in template's; choose another name")
     return name
 
 

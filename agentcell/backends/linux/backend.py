@@ -95,6 +95,7 @@ class LinuxSandbox(RunningSandbox):
         self.disk_fd = -1
         self.owners = disk_archive.Owners(-1, -1)  # its user's host ids
         self.host_uids: tuple[int, ...] = ()  # the host uids its processes run as (its user's, its root's)
+        self.image = False  # its root is an image template's (image_root.py): one overlay, of "/"
 
     def alive(self) -> bool:
         if self.killed or self.pidfd < 0:
@@ -168,12 +169,14 @@ def _open_archive(path: str) -> int:
     return fd
 
 
-def _export(disk_fd: int, dest: str, max_bytes: int, owners: disk_archive.Owners) -> int:
-    """write_archive into a new file at `dest` (removed again on failure)."""
-    overlays = [path for path, _ in rootfs.OVERLAYS]
+def _export(disk_fd: int, dest: str, max_bytes: int, owners: disk_archive.Owners, image: bool) -> int:
+    """write_archive into a new file at `dest` (removed again on failure). `image`: a sandbox of an
+    image template, whose one overlay is its whole root (image_root.py)."""
+    overlays = [image_root.ROOT] if image else [path for path, _ in rootfs.OVERLAYS]
     try:
         with open(dest, "wb") as out:
-            return disk_archive.write_archive(disk_fd, out, max_bytes, owners, overlays=overlays)
+            return disk_archive.write_archive(disk_fd, out, max_bytes, owners, overlays=overlays,
+                                              mount_points=image_root.MOUNT_POINTS if image else ())
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(dest)
@@ -679,6 +682,7 @@ class LinuxBackend(CgroupSandboxes, Backend):
                 sandbox = LinuxSandbox(sandbox_id, ours, pid, os.pidfd_open(pid), slot, cgroup, limits)
                 sandbox.owners = disk_archive.Owners(host_id, host_id)
                 sandbox.host_uids = (host_id, root_id)
+                sandbox.image = image is not None
                 self._owned[sandbox_id] = sandbox
                 fds: list[int] = []
                 disk = await _read_frame(loop, ours, fds)  # from the child, before any sandbox code ran
@@ -777,7 +781,26 @@ class LinuxBackend(CgroupSandboxes, Backend):
                 raise SandboxGoneError(f"sandbox {sandbox.sandbox_id} was killed")
             disk_fd = os.dup(sandbox.disk_fd)
         try:  # the walk (host root, through fds only: disk_archive.py) runs off the event loop
-            return await asyncio.to_thread(_export, disk_fd, dest, max_bytes, sandbox.owners)
+            return await asyncio.to_thread(_export, disk_fd, dest, max_bytes, sandbox.owners, sandbox.image)
+        finally:
+            os.close(disk_fd)
+
+
+    async def export_layer(self, sandbox: RunningSandbox, dest: str, max_bytes: int) -> str:
+        """What an image sandbox changed (its root's upper layer and /home/user) as an OCI layer tar at
+        `dest` (templates/capture.py); returns its diff_id. For template builds: each step's layer."""
+        from agentcell.templates import capture
+
+        assert isinstance(sandbox, LinuxSandbox)
+        async with sandbox.kill_lock:
+            if sandbox.killed or sandbox.disk_fd < 0:
+                raise SandboxGoneError(f"sandbox {sandbox.sandbox_id} was killed")
+            disk_fd = os.dup(sandbox.disk_fd)
+        try:
+            def write() -> str:
+                with open(dest, "wb") as out:
+                    return capture.write_layer(disk_fd, out, max_bytes, sandbox.owners)
+            return await asyncio.to_thread(write)
         finally:
             os.close(disk_fd)
 

@@ -31,19 +31,25 @@ from __future__ import annotations
 
 import os
 import socket
+import stat
 import sys
 import uuid
 from pathlib import Path
 
+from agentcell.backends import disk_archive
 from agentcell.backends.linux import rootfs, runtime_store
 from agentcell.backends.linux import syscalls as sc
 from agentcell.templates.unpack import ID_BASE
 
 SYSTEM_USR, SYSTEM_LIBS = runtime_store.SYSTEM_USR, runtime_store.SYSTEM_LIBS  # the host's /usr, for the runtime
 MAX_LAYERS = 250  # below SCM_MAX_FD (253) and overlayfs's 500 lower layers
-_ROOT_OVERLAY = 0  # the disk's .root/0: its upper layer (what disk_archive.py keeps of the root)
-_SKELETON = ("proc", "dev", "sys", "tmp", "run", "etc", "home/user", "root")
-_MODES = {"tmp": 0o1777, "root": 0o700}
+_ROOT_OVERLAY = 0  # the disk's .root/0: its upper layer (what disk_archive.py keeps of the root) ...
+ROOT = "/"  # ... is the overlay of "/" (disk_archive's `overlays` for an image sandbox)
+# where agentcell mounts in every image root (the runtime's binds are all under NEUTRAL_ROOT): kept out
+# of disk archives and layers, and no archive may put anything there
+MOUNT_POINTS = ("/proc", "/dev", "/tmp", "/home/user", runtime_store.NEUTRAL_ROOT)
+_SKELETON = ("/etc", "/root")  # directories it writes into
+_MODES = {"/tmp": 0o1777, "/root": 0o700}
 
 
 def open_layers(paths: tuple[str, ...]) -> list[int]:
@@ -76,17 +82,27 @@ def _image_ids(root_id: int, user_id: int) -> str:
     return f"{ID_BASE} {root_id} 1\n{ID_BASE + rootfs.SANDBOX_UID} {user_id} 1\n"
 
 
+def _skeleton_paths() -> list[str]:
+    return [*MOUNT_POINTS, *_SKELETON, *rootfs.python_paths(), SYSTEM_USR]
+
+
 def _skeleton(up: str, root_ids: tuple[int, int]) -> None:
     """The mount points every sandbox root needs, in the upper layer (owned by the sandbox's root):
-    merged with the image's own directories of those names."""
-    for rel in (*_SKELETON, *(p.lstrip("/") for p in rootfs.python_paths()), SYSTEM_USR.lstrip("/")):
+    merged with the image's own directories of those names. Never through a symlink: an extracted
+    archive's upper layer is the sandbox's (disk_archive kept these paths plain directories)."""
+    for point in _skeleton_paths():
         path = up
-        for part in rel.split("/"):
+        for part in point.strip("/").split("/"):
             path = f"{path}/{part}"
-            if not os.path.isdir(path):
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError:
                 os.mkdir(path)
-                os.chmod(path, _MODES.get(rel, 0o755))
+                os.chmod(path, _MODES.get(point, 0o755))
                 os.chown(path, *root_ids)
+                continue
+            if not stat.S_ISDIR(st.st_mode):
+                raise RuntimeError(f"the root's upper layer has a non-directory at {point}")
 
 
 def _bind(src: str, dst: str, flags: int = 0) -> None:
@@ -94,7 +110,7 @@ def _bind(src: str, dst: str, flags: int = 0) -> None:
 
 
 def finish(sandbox_id: str, disk_mb: int, host_uid: int, host_gid: int, layer_fds: list[int],
-           root_ids: tuple[int, int]) -> int:
+           root_ids: tuple[int, int], files_fd: int = -1) -> int:
     """In the standby, after rootfs.enter() (host root, its own mount namespace, in the staging root):
     the image's root, made writable, with /proc, /dev and the runtime moved in; pivots into it.
     Returns an O_PATH fd of the disk's root, as rootfs.finish does."""
@@ -108,6 +124,10 @@ def finish(sandbox_id: str, disk_mb: int, host_uid: int, host_gid: int, layer_fd
     os.chown(f"{scratch}/home", host_uid, host_gid)
     for name in ("tmp", "shm"):  # root's, as in an image's own root
         os.chown(f"{scratch}/{name}", *root_ids)
+    if files_fd >= 0:  # a paused or snapshotted sandbox's files: home, tmp and the root's upper layer
+        with os.fdopen(files_fd, "rb") as archive:
+            disk_archive.extract_archive(archive, disk_fd, host_uid, host_gid, *root_ids, overlays=[ROOT],
+                                         protected=MOUNT_POINTS)
     # the image's ids through the sandbox's: image root = its root, image uid 1000 = its user
     ids = sc.new_userns(_image_ids(root_ids[0], host_uid), _image_ids(root_ids[1], host_gid))
     lowers = []
@@ -124,7 +144,7 @@ def finish(sandbox_id: str, disk_mb: int, host_uid: int, host_gid: int, layer_fd
             os.close(fd)
     base = f"{scratch}/.root/{_ROOT_OVERLAY}"
     up, work, merged = f"{base}/up", f"{base}/work", f"{scratch}/.merged"
-    os.makedirs(up)
+    os.makedirs(up, exist_ok=True)  # an extracted archive made it
     os.mkdir(work)
     os.mkdir(merged)
     os.chmod(up, 0o755)

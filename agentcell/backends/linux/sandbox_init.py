@@ -259,8 +259,6 @@ def _run_sandbox(fd: int, req: dict[str, Any], cg: Cgroups, cg_fds: list[int], e
         files_fd = _recv_archive(fd) if req.get("files") else -1  # never for a standby of the pool
         image = req.get("image")  # a template made from an image: its layers follow (image_root.py)
         layer_fds = image_root.receive_layers(fd, int(image["layers"])) if image else []
-        if image and files_fd >= 0:
-            raise SandboxError("a sandbox of an image template cannot start from a disk archive yet", "invalid_argument")
         step = "cgroup limits"
         cg.set_limits(limits)
         by_cgroup = cg.controllers()  # (rootless: maybe none or some; the rlimits stand in for the others)
@@ -278,7 +276,8 @@ def _run_sandbox(fd: int, req: dict[str, Any], cg: Cgroups, cg_fds: list[int], e
         # rootless: no copy-on-write overlays (their idmapped lower layers need host root): /usr, /etc ... read-only
         overlays_userns = -1 if rootless.active() else userns
         if image:
-            disk_fd = image_root.finish(sandbox_id, limits.disk_limit_mb, uid, gid, layer_fds, (root_uid, root_gid))
+            disk_fd = image_root.finish(sandbox_id, limits.disk_limit_mb, uid, gid, layer_fds, (root_uid, root_gid),
+                                        files_fd)
         else:
             disk_fd = rootfs.finish(sandbox_id, limits.disk_limit_mb, uid, gid, overlays_userns, files_fd,
                                     (root_uid, root_gid))
