@@ -2,8 +2,8 @@
 build_in_background + get_build_status, exists, tags, delete), the upload links, refusals naming the
 step, builds from a loopback registry's image, the layer cache, and hostile uploads.
 
-RUN steps need the linux backend's build sandboxes (not on this branch yet): here they are checked to
-fail clearly; every other step is built for real into the template store and checked there.
+Every step is built for real into the template store and checked there; RUN steps run in sandboxes of
+the layers so far (the linux backend's image roots).
 """
 
 from __future__ import annotations
@@ -251,6 +251,42 @@ def test_a_sandbox_of_a_built_template_has_its_files_and_config(server: ServerPr
     assert base_only.template_id
 
 
+def test_run_steps_run_in_a_sandbox_of_the_layers_so_far_and_are_cached(server: ServerProcess, registry: Registry,
+                                                                        tmp_path: Path) -> None:
+    ctx = context(tmp_path, {"in.txt": "from the context\n"})
+
+    def template(word: str) -> Any:
+        return (Template(file_context_path=str(ctx)).from_image(f"{registry.address}/test/app:1")
+                .copy("in.txt", "/opt/in.txt").set_envs({"WORD": word}).set_user("root").set_workdir("/opt")
+                .run_cmd("cat in.txt > out.txt; echo $WORD >> out.txt; id -u; rm /usr/bin/hello")
+                .run_cmd("echo $(cat out.txt) > /home/user/note; echo to-stderr >&2", user="user"))
+
+    logs = Logs()
+    info = Template.build(template("one"), "runs", on_build_logs=logs, **opts(server))
+    text = logs.text()
+    assert "[builder 5/6] RUN cat in.txt" in text and "\n0\n" in f"\n{text}\n"  # id -u of root, streamed
+    assert "to-stderr" in text
+    record = record_of(server, info.template_id, info.build_id)
+    run1, run2 = (tree(server, d) for d in record["layers"][-2:])
+    assert (run1 / "opt" / "out.txt").read_text() == "from the context\none\n"
+    whiteout = os.lstat(run1 / "usr" / "bin" / "hello")  # deleted from the image: an overlay whiteout
+    assert stat.S_ISCHR(whiteout.st_mode) and whiteout.st_rdev == 0
+    note = run2 / "home" / "user" / "note"
+    assert note.read_text() == "from the context one\n" and os.stat(note).st_uid == ID_BASE + 1000
+    again = Logs()
+    Template.build(template("one"), "runs", on_build_logs=again, **opts(server))
+    assert again.text().count("CACHED") == 3 and built_seconds(again) < 0.5  # COPY, RUN, RUN (/opt: the COPY made it)
+    changed = Logs()
+    Template.build(template("two"), "runs", on_build_logs=changed, **opts(server))
+    assert changed.text().count("CACHED") == 1  # the COPY; the ENV change makes both RUNs anew
+    with pytest.raises(BuildException, match="exit status 3"):
+        failing = Template().from_image(f"{registry.address}/test/app:1").set_workdir("/").run_cmd("exit 3", user="root")
+        Template.build(failing, "fails", **opts(server))
+    with pytest.raises(BuildException, match="as root or as uid 1000"):
+        Template.build(Template().from_image(f"{registry.address}/test/app:1").run_cmd("true", user="app"),
+                       "other-user", **opts(server))
+
+
 def test_build_in_background_status_and_log_offsets(server: ServerProcess, tmp_path: Path) -> None:
     ctx = context(tmp_path, {"f": "f"})
     template = Template(file_context_path=str(ctx)).from_base_image().copy("f", "/f").set_workdir("/w")
@@ -344,7 +380,7 @@ def test_bad_specs_are_refused_naming_the_step(server: ServerProcess, registry: 
                        "no-such-user", **o)
     assert "failed to run command 'whoami': command failed: unauthenticated: invalid username: 'root123'" \
         in str(no_user.value)
-    with pytest.raises(BuildException, match="RUN steps need"):  # until the backend has build sandboxes
+    with pytest.raises(BuildException, match="default base"):  # RUN needs an image's layers under it
         Template.build(Template().from_base_image().run_cmd("true"), "run-later", **o)
     with pytest.raises(BuildException, match="not found|does not exist"):
         Template.build(Template().from_template("no-such-template"), "from-nothing", **o)

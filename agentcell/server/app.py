@@ -44,6 +44,7 @@ from agentcell.server.access_log import AccessLog, note
 from agentcell.server.asgi import declared_length, has_body, is_connect_rpc
 from agentcell.server.auth import ENVD_PORT, INTERPRETER_PORT
 from agentcell.server.bodies import BUDGET_KEY, BodyBudget, json_content_type_refusal
+from agentcell.server.build_sandboxes import ManagerBuildSandboxes
 from agentcell.server.config import ServerConfig, backend_names
 from agentcell.server.config import check as check_config
 from agentcell.server.control import ControlPlane
@@ -141,8 +142,9 @@ class AgentcellApp:
         # the template import route first: /templates/{id} routes of ControlPlane would take its path
         imports = TemplateImports(config)
         control_plane = ControlPlane(config, self.manager, self.snapshots)
-        # E2B's template builds: the backend's build sandboxes run RUN steps, when it has them
-        self.template_builds = TemplateBuilds(config, imports, control_plane, getattr(self.backend, "build_sandboxes", None))
+        # E2B's template builds: RUN steps in sandboxes of the layers so far (linux backend: export_layer)
+        steps = ManagerBuildSandboxes(self.manager) if hasattr(self.backend, "export_layer") else None
+        self.template_builds = TemplateBuilds(config, imports, control_plane, steps)
         control_plane.built_templates = self.template_builds  # Sandbox.create("alias:tag") of a built template
         self.control = Starlette(routes=[*imports.routes(), *self.template_builds.routes(), *control_plane.routes()],
                                  exception_handlers=_HANDLERS)

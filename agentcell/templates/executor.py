@@ -23,6 +23,7 @@ fail with a clear message.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 import shutil
@@ -64,19 +65,27 @@ class RunRequest:
     gid: int
     env: Mapping[str, str]
     cwd: str
-    upper: str  # an empty directory: leave the root's changes here, as the store keeps a layer's tree
+    layer_tar: str  # where to write the step's changes: an uncompressed OCI layer tar
     internet: bool  # the build's network policy: all traffic out, or none
     cpu_count: float | None = None
     memory_mb: int | None = None
     timeout_s: float = 3600
+    max_layer_bytes: int = 4 << 30
+
+
+@dataclass(frozen=True)
+class RunOutcome:
+    exit_code: int
+    diff_id: str | None  # the layer tar's digest (None: no tar written)
 
 
 class BuildSandboxes(Protocol):
-    async def run(self, request: RunRequest, output: Callable[[str, str], None]) -> int:
-        """Run `request.argv` in a sandbox whose root is `request.layers`; stream its output lines to
-        `output(stream, line)` ("stdout"/"stderr"); export the root's changes into `request.upper`
-        (whiteouts as 0:0 character devices, opaque directories by trusted.overlay.opaque=y, owners
-        ID_BASE + image id); return the exit status. The sandbox is gone when this returns."""
+    async def run(self, request: RunRequest, output: Callable[[str, str], None]) -> RunOutcome:
+        """Run `request.argv` in a sandbox whose root is `request.layers`, as `request.user`, with its
+        env and cwd; stream its output lines to `output(stream, line)` ("stdout"/"stderr"); write what
+        it changed in the root (and /home/user) to `request.layer_tar` as an OCI layer tar (whiteouts as
+        .wh. entries); return the exit status and the tar's diff_id. The sandbox is gone when this
+        returns."""
         ...
 
 
@@ -121,8 +130,6 @@ class Executor:
 
     async def run_build(self, spec: BuildSpec, ctx: BuildContext, log: Log) -> dict[str, Any]:
         """Build `spec` into the stored template `ctx.store_name`; return its record."""
-        import asyncio
-
         started = time.monotonic()
         state = await asyncio.to_thread(self._base, spec, ctx, log)
         # the store's shared lock from the first layer to the record naming them all: no collection
@@ -201,8 +208,6 @@ class Executor:
     async def _layer(self, state: _State, key: str, forced: bool, step: Step, log: Log,
                      make: Callable[[str], bool]) -> None:
         """The layer of `key`: the stored one, or made by `make(tree)` (False: the step changes no file)."""
-        import asyncio
-
         diff_id = "sha256:" + key
         if not forced and self.store.has_layer(diff_id):
             log("info", f"CACHED {step.describe()}", step.name)
@@ -284,10 +289,10 @@ class Executor:
     async def _run(self, state: _State, key: str, forced: bool, step: Step, log: Log) -> None:
         user = step.args[1] if len(step.args) > 1 and step.args[1] else state.user or "root"
         uid, gid, home = self._check_user(state, user, step)
-        diff_id = "sha256:" + key
-        if not forced and self.store.has_layer(diff_id):
+        cached = None if forced else _read_cache(self.store, key)
+        if cached is not None and self.store.has_layer(cached):
             log("info", f"CACHED {step.describe()}", step.name)
-            state.layers.append(diff_id)
+            state.layers.append(cached)
             return
         if self.sandboxes is None:
             raise BuildStepError(f"failed to run command '{step.args[0]}': this server cannot run build commands "
@@ -295,29 +300,46 @@ class Executor:
         view = self.view(state)
         shell = "/bin/bash" if view.lookup("/bin/bash") is not None else "/bin/sh"
         env = {"HOME": home, "USER": user, **state.env}
-        sandboxes = self.sandboxes
+        if state.builtin is not None:
+            raise BuildStepError(f"failed to run command '{step.args[0]}': RUN steps on E2B's default base "
+                                 "(agentcell's built-in template) are not supported yet: start from an image "
+                                 "(Template().from_image(...))", step.name)
         work = self.store.private_dir()
         try:
-            tree = os.path.join(work, "tree")
-            os.mkdir(tree, 0o755)
-            os.chown(tree, ID_BASE, ID_BASE)
             request = RunRequest(
                 layers=tuple(os.path.join(self.store.layer_path(d), "tree") for d in reversed(state.layers)),
                 builtin=state.builtin, argv=(shell, "-c", step.args[0]), user=user, uid=uid, gid=gid,
-                env=env, cwd=state.workdir, upper=tree, internet=self.limits.internet,
-                cpu_count=self.limits.cpu_count, memory_mb=self.limits.memory_mb, timeout_s=self.limits.timeout_s)
+                env=env, cwd=state.workdir, layer_tar=os.path.join(work, "layer.tar"), internet=self.limits.internet,
+                cpu_count=self.limits.cpu_count, memory_mb=self.limits.memory_mb, timeout_s=self.limits.timeout_s,
+                max_layer_bytes=self.limits.max_image_bytes)
 
             def output(stream: str, line: str) -> None:
                 log("error" if stream == "stderr" else "info", line, step.name)
 
-            code = await sandboxes.run(request, output)
-            if code != 0:
-                raise BuildStepError(f"failed to run command '{step.args[0]}': exit status {code}", step.name)
-            self._commit(diff_id, work, step)
+            try:
+                outcome = await self.sandboxes.run(request, output)
+            except (InvalidArgumentError, ResourceExhaustedError) as e:
+                raise BuildStepError(f"failed to run command '{step.args[0]}': {e}", step.name) from None
+            if outcome.exit_code != 0:
+                raise BuildStepError(f"failed to run command '{step.args[0]}': exit status {outcome.exit_code}",
+                                     step.name)
+            if outcome.diff_id is None:
+                raise BuildStepError(f"failed to run command '{step.args[0]}': its changes were not exported",
+                                     step.name)
+            diff_id = outcome.diff_id
+            await asyncio.to_thread(self._store_run_layer, request.layer_tar, diff_id, key)
             state.layers.append(diff_id)
         finally:
             shutil.rmtree(work, ignore_errors=True)
-            shutil.rmtree(work + ".layer", ignore_errors=True)
+
+    def _store_run_layer(self, tar: str, diff_id: str, key: str) -> None:
+        from agentcell.templates import capture
+
+        capture.store_layer(self.store, tar, diff_id, self.limits.max_image_bytes)
+        if self.store.size_bytes() > self.store.max_bytes:
+            raise ResourceExhaustedError(f"the template store is full (its budget is {self.store.max_bytes} bytes: "
+                                         "serve --template-store-max-gb)")
+        _write_cache(self.store, key, diff_id)
 
     def _record(self, spec: BuildSpec, ctx: BuildContext, state: _State) -> dict[str, Any]:
         config = dict(state.image_config)
@@ -360,6 +382,29 @@ def _expand(value: str, env: Mapping[str, str]) -> str:
 
     return re.sub(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}|\$([A-Za-z_][A-Za-z0-9_]*)",
                   lambda m: env.get(m.group(1) or m.group(2), ""), value)
+
+
+def _cache_path(store: TemplateStore, key: str) -> str:
+    return os.path.join(store.root, "build-cache", key)
+
+
+def _read_cache(store: TemplateStore, key: str) -> str | None:
+    """The layer a RUN step of this cache key made before (its diff_id: a RUN layer is stored by its tar's
+    digest, as an image's are)."""
+    try:
+        with open(_cache_path(store, key)) as f:
+            value = f.read().strip()
+    except OSError:
+        return None
+    return value if value.startswith("sha256:") else None
+
+
+def _write_cache(store: TemplateStore, key: str, diff_id: str) -> None:
+    os.makedirs(os.path.dirname(_cache_path(store, key)), mode=0o700, exist_ok=True)
+    tmp = _cache_path(store, key) + f".{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        f.write(diff_id)
+    os.replace(tmp, _cache_path(store, key))
 
 
 def _measure(tree: str) -> tuple[int, int]:
