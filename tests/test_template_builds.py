@@ -66,6 +66,7 @@ def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
     reg = Registry(root / "registry")
     try:
         reg.push(f"oci:{root / 'layout'}:1", "test/app:1")
+        reg.push(f"oci:{root / 'layout'}:1", "library/ubuntu:22.04")  # Docker Hub's name, through the mirror
         yield reg
     finally:
         reg.stop()
@@ -81,7 +82,8 @@ def _serve(tmp_path: Path, registry: Registry | None, *extra: str) -> ServerProc
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, registry: Registry) -> Iterator[ServerProcess]:
-    with _serve(tmp_path_factory.mktemp("server"), registry, "--max-image-mb", "64") as s:
+    with _serve(tmp_path_factory.mktemp("server"), registry, "--max-image-mb", "64",
+                "--registry-mirror", f"docker.io={registry.address}") as s:
         yield s
 
 
@@ -285,6 +287,14 @@ def test_run_steps_run_in_a_sandbox_of_the_layers_so_far_and_are_cached(server: 
     with pytest.raises(BuildException, match="as root or as uid 1000"):
         Template.build(Template().from_image(f"{registry.address}/test/app:1").run_cmd("true", user="app"),
                        "other-user", **opts(server))
+
+
+def test_docker_hub_images_come_from_the_operators_mirror(server: ServerProcess, registry: Registry) -> None:
+    info = Template.build(Template().from_image("ubuntu:22.04").set_workdir("/").run_cmd("whoami", user="root"),
+                          "mirrored", **opts(server))
+    record = record_of(server, info.template_id, info.build_id)
+    assert record["base"] == f"docker://{registry.address}/library/ubuntu:22.04"
+    assert any("/v2/library/ubuntu/manifests/22.04" in line for line in registry.requests())
 
 
 def test_build_in_background_status_and_log_offsets(server: ServerProcess, tmp_path: Path) -> None:

@@ -108,6 +108,7 @@ class ServerConfig:
     # --- E2B's template builds (agentcell/templates/builds.py; server/template_builds.py) ---
     max_concurrent_builds: int = 2  # builds running at once; more wait (E2B's "waiting"), 16 at most
     build_timeout_s: float = 3600.0  # one build, all of its steps
+    registry_mirrors: tuple[tuple[str, str], ...] = ()  # (registry, mirror): build bases fetched from the mirror
 
     @property
     def internet_by_default(self) -> bool:

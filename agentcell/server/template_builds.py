@@ -251,6 +251,7 @@ class TemplateBuilds:
         """fromImage: imported once per (caller, reference, registry user) and reused by later builds
         unless the build is forced (skip_cache on the base)."""
         importer = self.imports.importer()
+        ref = mirrored(ref, dict(self.config.registry_mirrors))
         key = "\n".join([caller or "", ref, creds.username if creds is not None else ""])
         name = "img-" + hashlib.sha256(key.encode()).hexdigest()[:40]
         if not fresh:
@@ -421,6 +422,23 @@ class TemplateBuilds:
                                  "sandboxes of such templates cannot start yet; build it from an image "
                                  "(Template().from_image(...)) to start sandboxes of it")
         return b.store_name
+
+
+def mirrored(ref: str, mirrors: dict[str, str]) -> str:
+    """`ref` fetched from the operator's mirror of its registry (serve --registry-mirror), if any."""
+    if not mirrors:
+        return ref
+    from agentcell.templates.refs import parse_ref
+
+    try:
+        parsed = parse_ref(ref)
+    except InvalidArgumentError:
+        return ref  # the importer says what is wrong with it
+    mirror = mirrors.get(parsed.registry.lower()) if parsed.transport == "docker" else None
+    if mirror is None:
+        return ref
+    at = f"@{parsed.digest}" if parsed.digest else f":{parsed.tag or 'latest'}"
+    return f"docker://{mirror}/{parsed.repository}{at}"
 
 
 def _int(raw: str | None, default: int, name: str) -> int:

@@ -119,6 +119,7 @@ class _State:
     user: str
     key: str
     image_config: dict[str, Any]
+    base: str = ""  # what the base is: "builtin:base", or the stored template's source (an image reference)
 
 
 class Executor:
@@ -173,7 +174,7 @@ class Executor:
         if spec.builtin is not None:
             log("info", f"base: agentcell's built-in template '{spec.builtin}' (E2B's default base)", BASE_STEP)
             return _State([], spec.builtin, {"PATH": DEFAULT_PATH}, "/home/user", "root",
-                          _sha(f"builtin:{spec.builtin}"), {})
+                          _sha(f"builtin:{spec.builtin}"), {}, f"builtin:{spec.builtin}")
         try:
             if spec.from_template is not None:
                 log("info", f"base: template {spec.from_template}", BASE_STEP)
@@ -197,7 +198,7 @@ class Executor:
         ident = _sha("\n".join([record.get("builtin_base") or "", *record["layers"]]) + "\n" + _canon(config))
         log("info", f"base: {len(record['layers'])} layers", BASE_STEP)
         return _State(list(record["layers"]), record.get("builtin_base"), env, config.get("WorkingDir") or "/",
-                      config.get("User") or "root", ident, config)
+                      config.get("User") or "root", ident, config, str(record.get("source") or record.get("name")))
 
     # layers ----------------------------------------------------------------------------------------
 
@@ -355,7 +356,7 @@ class Executor:
         return {
             "name": ctx.store_name, "source": "e2b-build", "manifest_digest": "", "config_digest": "",
             "config": config, "architecture": "", "os": "linux", "layers": list(state.layers),
-            "builtin_base": state.builtin,
+            "builtin_base": state.builtin, "base": state.base,
             # what a sandbox of it runs at its start (templates/roots.py reads these)
             "agentcell": {"start_cmd": spec.start_cmd or "", "ready_cmd": spec.ready_cmd or ""},
             "size_bytes": size, "imported_at": time.time(), "build_id": ctx.build_id, **ctx.extra,
