@@ -219,7 +219,7 @@ async def _serve(sock: socket.socket, config: dict[str, Any]) -> None:
     # an image template's WorkingDir is where commands and code start (E2B's template workdir)
     workdir = str(config.get("workdir") or "") if os.path.isdir(str(config.get("workdir") or "")) else home
     agent = Agent(writer, ProcessTable(the_reaper, envs, workdir, oom), FileSystem(home),
-                  ContextManager(the_reaper, envs, workdir, oom))  # fmt: skip
+                  ContextManager(the_reaper, envs, workdir, oom, python=config.get("python")))  # fmt: skip
     sudo_service = SudoService(the_reaper, oom)
     self_reports: SelfReports | None = None
     sudo_service.start(loop)  # /usr/bin/sudo's way to root (runtime/sudo.py); nothing of a tenant's in it

@@ -58,9 +58,18 @@ def template_root(config: ServerConfig, name: str) -> ImageRoot | None:
         return None
     store = open_store(config)
     try:
-        return image_root(store, store.template(name))
+        record = store.template(name)
+        root = image_root(store, record)
     except NotFoundError:
         return None
+    if root.key not in _LEASES:  # this server may run sandboxes on these layers from now on
+        _LEASES[root.key] = store.lease(record["layers"])
+    return root
+
+
+# ImageRoot.key -> flocked fds of its layers (TemplateStore.lease), for the server's life: a template
+# replaced or deleted meanwhile keeps its layers until the server that used them exits
+_LEASES: dict[str, list[int]] = {}
 
 
 class TemplateImports:
