@@ -73,6 +73,7 @@ def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
 
 
 def _serve(tmp_path: Path, registry: Registry | None, *extra: str) -> ServerProcess:
+    tmp_path.mkdir(parents=True, exist_ok=True)
     args = ["--state-dir", str(tmp_path / "state"), "--egress-uplink", "none", "--standbys", "0", "--no-record",
             "--api-key", KEY, "--allowed-registry", "registry.invalid", *extra]  # never Docker Hub: loopback only
     if registry is not None:
@@ -475,6 +476,30 @@ def test_hostile_uploads_fail_the_build_and_write_nothing_outside(tmp_path: Path
         store = store_of(srv)
         assert os.listdir(store.tmp_dir) == []
     assert not outside.exists() and not os.path.exists("/etc/evil") and not os.path.exists("/evil")
+
+
+def test_cells_sharing_a_store_share_built_templates(tmp_path: Path, registry: Registry) -> None:
+    """Two servers (cells) with one --template-store-dir: a template built on one starts sandboxes on the
+    other by its name, and a cell starting meanwhile leaves the other's running build alone."""
+    from e2b import Sandbox
+
+    store = tmp_path / "store"
+    a = _serve(tmp_path / "a", registry, "--cell-id", "cella001", "--template-store-dir", str(store))
+    with a:
+        slow = Template().from_image(f"{registry.address}/test/app:1").set_workdir("/").run_cmd(
+            "sleep 2; echo built-on-a > /where", user="root")
+        info = Template.build_in_background(slow, "shared:v1", **opts(a))
+        with _serve(tmp_path / "b", registry, "--cell-id", "cellb002", "--template-store-dir", str(store)) as b:
+            with api(a) as http:
+                status = _wait(http, info.template_id, info.build_id)
+            assert status["status"] == "ready", status.get("reason")  # b's start did not call a's build interrupted
+            sbx = Sandbox.create("shared:v1", api_key=KEY, api_url=b.url, sandbox_url=b.url)
+            try:
+                assert sbx.commands.run("cat /where", user="root").stdout == "built-on-a\n"
+                assert sbx.sandbox_id.startswith("cellb002")
+            finally:
+                sbx.kill()
+            assert Template.exists("shared", **opts(b))
 
 
 # --- the records, slots and limits (builds.py) ------------------------------------------------------------

@@ -55,8 +55,13 @@ class TemplateBuilds:
         self.control = control  # ControlPlane: built-in templates and snapshots answer what is not a build's
         self.sandboxes = sandboxes  # executor.BuildSandboxes of the backend, once it has them
         self.tenancy = Tenancy.from_config(config)
-        root = os.path.join(config.state_dir, "template-builds")
-        self.registry = BuildRegistry(root, concurrent=config.max_concurrent_builds, timeout_s=config.build_timeout_s)
+        # beside a shared template store (cells: serve --template-store-dir), shared too: every cell
+        # resolves a built template's name, the one the gateway sends template requests to builds
+        shared = config.template_store_dir is not None
+        root = os.path.join(config.template_store_dir, "e2b-builds") if shared else \
+            os.path.join(config.state_dir, "template-builds")
+        self.registry = BuildRegistry(root, concurrent=config.max_concurrent_builds, timeout_s=config.build_timeout_s,
+                                      cell=config.cell_id or "", shared=shared)
         self.uploads = uploads_mod.UploadStore(os.path.join(root, "files"), config.max_image_mb << 20)
         self._started: set[str] = set()  # builds whose spec came (a second POST is refused)
 
@@ -400,6 +405,7 @@ class TemplateBuilds:
         """For sandbox creation: the template store's name of what `ref` names for `caller` — a built
         template's alias[:tag] or id[:tag] gives its build's record; a build's record of another caller
         gives "" (not found); anything else is `ref` itself (an imported template's name)."""
+        self.registry.refresh()  # a build another cell finished (or tagged) since
         try:
             _, b = self.registry.tagged_build(ref, caller)
         except NotFoundError:

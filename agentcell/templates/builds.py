@@ -85,6 +85,7 @@ class Build:
     cpu_count: int = 2
     memory_mb: int = 1024
     store_name: str = ""
+    cell: str = ""  # the server that runs it (serve --cell-id): only it may call it interrupted
     log: list[dict[str, Any]] = field(default_factory=list, repr=False)
     dropped_lines: int = 0
 
@@ -92,7 +93,7 @@ class Build:
         return {"buildID": self.build_id, "templateID": self.template_id, "status": self.status,
                 "createdAt": self.created_at, "updatedAt": self.updated_at, "finishedAt": self.finished_at,
                 "reason": self.reason, "tags": self.tags, "cpuCount": self.cpu_count, "memoryMB": self.memory_mb,
-                "storeName": self.store_name}
+                "storeName": self.store_name, "cell": self.cell}
 
     def api_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"buildID": self.build_id, "status": self.status, "createdAt": now_iso(self.created_at),
@@ -124,8 +125,11 @@ class TemplateRecord:
 class BuildRegistry:
     """The records, their files, and the build slots."""
 
-    def __init__(self, root: str, *, concurrent: int = 2, queue: int = 16, timeout_s: float = 3600) -> None:
+    def __init__(self, root: str, *, concurrent: int = 2, queue: int = 16, timeout_s: float = 3600,
+                 cell: str = "", shared: bool = False) -> None:
         self.root = root
+        self.cell = cell
+        self.shared = shared  # other servers write here too (cells sharing a template store): re-read to resolve
         self.concurrent = concurrent
         self.queue = queue
         self.timeout_s = timeout_s
@@ -133,6 +137,7 @@ class BuildRegistry:
         self.builds: dict[str, Build] = {}
         self._slots: asyncio.Semaphore | None = None
         self._pending = 0
+        self.running: set[str] = set()  # builds this server runs (never re-read from disk meanwhile)
         self.tasks: set[asyncio.Task[None]] = set()
         for d in ("templates", "builds"):
             os.makedirs(os.path.join(root, d), mode=0o700, exist_ok=True)
@@ -141,7 +146,10 @@ class BuildRegistry:
 
     # persistence -----------------------------------------------------------------------------------
 
-    def _load(self) -> None:
+    def _load(self, startup: bool = True) -> None:
+        if not startup:  # what is gone on disk is gone here too; the builds this server runs stay its own
+            self.templates = {}
+            self.builds = {k: b for k, b in self.builds.items() if k in self.running}
         for n in os.listdir(os.path.join(self.root, "templates")):
             if n.endswith(".json"):
                 with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
@@ -150,16 +158,21 @@ class BuildRegistry:
                         d["templateID"], d.get("owner"), list(d["names"]), d["createdAt"], d["updatedAt"],
                         dict(d["tags"]), list(d["builds"]), d.get("cpuCount", 2), d.get("memoryMB", 1024))
         for n in os.listdir(os.path.join(self.root, "builds")):
-            if n.endswith(".json"):
+            if n.endswith(".json") and (startup or n[:-5] not in self.running):
                 with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
                     d = _read(os.path.join(self.root, "builds", n))
                     b = Build(d["buildID"], d["templateID"], d["status"], d["createdAt"], d["updatedAt"],
                               d.get("finishedAt"), d.get("reason"), list(d.get("tags") or []), d.get("cpuCount", 2),
-                              d.get("memoryMB", 1024), d.get("storeName", ""))
+                              d.get("memoryMB", 1024), d.get("storeName", ""), d.get("cell", ""))
                     b.log = self._read_log(b.build_id)
-                    if b.status in ("waiting", "building"):  # the server stopped during it
+                    if startup and b.status in ("waiting", "building") and b.cell == self.cell:
                         self.fail(b, "the server restarted before this build finished: build again", None)
                     self.builds[b.build_id] = b
+
+    def refresh(self) -> None:
+        """Re-read what other servers sharing this directory wrote (a no-op unless shared)."""
+        if self.shared:
+            self._load(startup=False)
 
     def _read_log(self, build_id: str) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
@@ -191,6 +204,13 @@ class BuildRegistry:
 
     def find(self, ref: str, caller: str | None) -> TemplateRecord | None:
         """A template by id or name (an "alias:tag" or "team/alias" also names its template)."""
+        found = self._find(ref, caller)
+        if found is None and self.shared:
+            self.refresh()
+            found = self._find(ref, caller)
+        return found
+
+    def _find(self, ref: str, caller: str | None) -> TemplateRecord | None:
         t = self.templates.get(ref)
         if t is not None and self.sees(caller, t.owner):
             return t
@@ -252,7 +272,8 @@ class BuildRegistry:
             self.templates[t.template_id] = t
         t.cpu_count, t.memory_mb = cpu_count, memory_mb
         b = Build(str(uuid.uuid4()), t.template_id, tags=wanted or [DEFAULT_TAG], cpu_count=cpu_count,
-                  memory_mb=memory_mb)
+                  memory_mb=memory_mb, cell=self.cell)
+        self.running.add(b.build_id)
         b.store_name = f"{t.template_id}.{b.build_id}"
         t.builds.append(b.build_id)
         self.builds[b.build_id] = b
