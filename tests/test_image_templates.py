@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -313,3 +314,28 @@ def test_uid_1000_of_another_name_reads_as_user() -> None:
                                                     "ubuntu:x:1000:1000::/home/ubuntu:/bin/bash"]
     assert with_user(image + line + "\n", line) == image + line + "\n"  # already there: unchanged
     assert with_user("root:x:0:0::/root:/bin/sh", line).splitlines()[-1] == line
+
+
+def test_pty_and_ports_in_a_musl_sandbox(server: ServerProcess) -> None:
+    """A terminal (through /bin/sh: no bash) and a port served by the image's own program (busybox
+    httpd), reached through the server as E2B's get_host(port) names it."""
+    from e2b import PtySize
+
+    sb = sandbox(server, "musl")
+    try:
+        term = sb.pty.create(PtySize(rows=24, cols=80))
+        sb.pty.send_stdin(term.pid, b"stty size; tty; exit 0\n")
+        out = bytearray()
+        term.wait(on_pty=out.extend)
+        assert b"24 80" in out and b"/dev/pts/" in out, out
+        sb.files.write("/home/user/www/index.html", "served by the image")
+        sb.commands.run("httpd -f -p 8080 -h /home/user/www", background=True)
+        host = sb.get_host(8080)
+        for _ in range(100):
+            r = httpx.get(server.url + "/", headers={"Host": host}, timeout=5)
+            if r.status_code == 200:
+                break
+            time.sleep(0.1)
+        assert r.text == "served by the image"
+    finally:
+        sb.kill()
