@@ -502,6 +502,51 @@ def test_cells_sharing_a_store_share_built_templates(tmp_path: Path, registry: R
             assert Template.exists("shared", **opts(b))
 
 
+def test_a_build_through_the_gateway_runs_on_every_cell(tmp_path: Path, registry: Registry) -> None:
+    """E2B's builder through `agentcell gateway` (docs/gateway.md): the build, its upload link and its
+    status on one cell, sandboxes of the result on both."""
+    from e2b import Sandbox
+
+    from tests.servers import GatewayProcess
+
+    store = tmp_path / "store"
+    cells = [ServerProcess(tmp_path / f"{cid}.log", "--cell-id", cid, "--standbys", "0", "--egress-uplink", "none",
+                           "--no-record", "--template-store-dir", str(store), "--insecure-registry", registry.address,
+                           "--allowed-registry", "registry.invalid") for cid in ("cella001", "cellb002")]
+    gateway = None
+    try:
+        for c in cells:
+            c.wait_ready()
+        gateway = GatewayProcess(tmp_path / "gw.log", [c.url for c in cells])
+        gateway.wait_ready()
+        ctx = context(tmp_path, {"greeting.txt": "through the gateway\n"})
+        template = (Template(file_context_path=str(ctx)).from_image(f"{registry.address}/test/app:1").set_workdir("/")
+                    .copy("greeting.txt", "/greeting.txt").run_cmd("cat /greeting.txt > /copied", user="root"))
+        gw = {"api_key": "e2b_x", "api_url": gateway.url, "sandbox_url": gateway.url}
+        Template.build(template, "via-gateway", **gw)
+        seen: dict[str, Any] = {}
+        try:
+            for _ in range(24):  # creates go to the less loaded cell: until each has one
+                sb = Sandbox.create("via-gateway", **gw)
+                if sb.sandbox_id[:8] in seen:
+                    sb.kill()
+                    continue
+                seen[sb.sandbox_id[:8]] = sb
+                if len(seen) == 2:
+                    break
+            assert sorted(seen) == ["cella001", "cellb002"]
+            for sb in seen.values():
+                assert sb.commands.run("cat /copied", user="root").stdout == "through the gateway\n"
+        finally:
+            for sb in seen.values():
+                sb.kill()
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        for c in cells:
+            c.stop()
+
+
 # --- the records, slots and limits (builds.py) ------------------------------------------------------------
 
 
