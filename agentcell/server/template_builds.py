@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import math
 import os
 from typing import Any
 
@@ -100,8 +101,10 @@ class TemplateBuilds:
             raise HTTPError(400, "'tags' must be a list of strings")
         cpu, memory = body.get("cpuCount", DEFAULT_CPU), body.get("memoryMB", DEFAULT_MEMORY_MB)
         limits = self.config.max_limits
-        if not isinstance(cpu, int) or isinstance(cpu, bool) or not 1 <= cpu <= max(1, int(limits.cpu_count or 1) * 64):
-            raise HTTPError(400, "'cpuCount' must be a whole number of CPUs")
+        most_cpus = max(1, math.ceil(limits.cpu_count))
+        if not isinstance(cpu, int) or isinstance(cpu, bool) or not 1 <= cpu <= most_cpus:
+            raise HTTPError(400, f"'cpuCount' must be a whole number of CPUs between 1 and {most_cpus} (this server's "
+                                 "maximum)")
         if not isinstance(memory, int) or isinstance(memory, bool) or not 128 <= memory <= limits.memory_mb:
             raise HTTPError(400, f"'memoryMB' must be between 128 and {limits.memory_mb} (this server's maximum)")
         self.imports.importer()

@@ -91,16 +91,12 @@ def _matches(staging: str, pattern: str) -> list[tuple[str, ...]]:
             if not stat.S_ISDIR(os.lstat(here).st_mode):
                 continue
             for name in sorted(os.listdir(here)):
-                if fnmatch.fnmatchcase(name, part) and (name[0] != "." or part[0] == "." or not _wild(part)):
+                if fnmatch.fnmatchcase(name, part):  # a dotfile too, as Docker's COPY (Go's filepath.Match)
                     nxt.append((*rel, name))
         found = nxt
         if not found:
             raise InvalidArgumentError(f"COPY {pattern}: no uploaded file matches {'/'.join(parts[:i + 1])!r}")
     return found
-
-
-def _wild(part: str) -> bool:
-    return any(c in part for c in "*?[")
 
 
 class _Layer:
