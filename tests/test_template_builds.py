@@ -298,6 +298,24 @@ def test_docker_hub_images_come_from_the_operators_mirror(server: ServerProcess,
     assert any("/v2/library/ubuntu/manifests/22.04" in line for line in registry.requests())
 
 
+def test_the_operator_can_name_an_image_for_e2bs_default_base(tmp_path: Path, registry: Registry) -> None:
+    """serve --e2b-base-image: Template() and from_base_image() start from that image, so RUN steps run
+    and the result starts sandboxes (Docker Hub's name through the mirror, here the test image)."""
+    from e2b import Sandbox
+
+    with _serve(tmp_path, registry, "--registry-mirror", f"docker.io={registry.address}",
+                "--e2b-base-image", "ubuntu:22.04") as srv:
+        template = Template().from_base_image().set_workdir("/").run_cmd("echo on-the-base > /base-note", user="root")
+        info = Template.build(template, "on-base", **opts(srv))
+        assert record_of(srv, info.template_id, info.build_id)["base"] == \
+            f"docker://{registry.address}/library/ubuntu:22.04"
+        sbx = Sandbox.create("on-base", api_key=KEY, api_url=srv.url, sandbox_url=srv.url)
+        try:
+            assert sbx.commands.run("cat /base-note", user="root").stdout == "on-the-base\n"
+        finally:
+            sbx.kill()
+
+
 def test_build_in_background_status_and_log_offsets(server: ServerProcess, tmp_path: Path) -> None:
     ctx = context(tmp_path, {"f": "f"})
     template = Template(file_context_path=str(ctx)).from_base_image().copy("f", "/f").set_workdir("/w")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import math
 import os
@@ -189,6 +190,8 @@ class TemplateBuilds:
             spec = parse_spec(body)
         except SpecError as e:
             raise HTTPError(400, e.message) from None
+        if spec.builtin == "base" and self.config.e2b_base_image:  # the operator's image for E2B's base
+            spec = dataclasses.replace(spec, builtin=None, from_image=self.config.e2b_base_image)
         executor = self._executor(b)
         caller = self._caller(request)
         self._started.add(b.build_id)
