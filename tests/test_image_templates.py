@@ -112,6 +112,10 @@ def test_sandbox_root_cannot_change_the_store_or_escape(server: ServerProcess) -
     before = {p: p.stat().st_mtime_ns for p in store.rglob("*") if not p.is_symlink()}
     sb = sandbox(server, "musl")
     try:
+        # agentcell's own mounts in the image root stay read-only to the sandbox's root
+        for path in ("/opt/agentcell/system/usr/x", "/opt/agentcell/venv/x", "/dev/x", "/proc/x"):
+            with pytest.raises(CommandExitException):
+                run(sb, f"touch {path}", user="root")
         # a file of an image id other than 0 and 1000 cannot be made: ids outside the sandbox's two
         with pytest.raises(CommandExitException):
             run(sb, "touch /tmp/f && chown 4242 /tmp/f", user="root")
