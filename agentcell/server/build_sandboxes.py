@@ -7,14 +7,12 @@ sandboxes the internet by default, else none). The command runs through the agen
 layer and /home/user) are exported as an OCI layer tar (LinuxBackend.export_layer, templates/
 capture.py) and the sandbox is killed. The executor stores the layer.
 
-A step's sandbox is one-off: its limits are ones no standby has (a file size limit of its own), so no
-standby pool is made for a step's layers.
+A step's sandbox is one-off (SandboxSpec.pooled=False): no standby pool is made for a step's layers.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 from collections.abc import Callable
 from typing import Any
@@ -34,11 +32,7 @@ class ManagerBuildSandboxes:
         self.manager = manager
 
     def _limits(self, request: RunRequest) -> Limits:
-        limits = Limits(memory_mb=request.memory_mb or 1024, cpu_count=float(request.cpu_count or 1))
-        standby = getattr(self.manager.backend, "standby_limits", None)
-        size = limits.file_size_mb + 1 if standby is not None and standby.file_size_mb == limits.file_size_mb \
-            else limits.file_size_mb
-        return dataclasses.replace(limits, file_size_mb=size)
+        return Limits(memory_mb=request.memory_mb or 1024, cpu_count=float(request.cpu_count or 1))
 
     async def run(self, request: RunRequest, output: Callable[[str, str], None]) -> RunOutcome:
         user = AGENT_USERS.get(request.uid)
@@ -51,7 +45,7 @@ class ManagerBuildSandboxes:
         network = NetworkPolicy.parse(request.internet)
         rec = await self.manager.create(template_id="build-step", alias=None, timeout=int(request.timeout_s) + 60,
                                         metadata={"agentcell.build": "step"}, envs=dict(request.env),
-                                        limits=self._limits(request), network=network, root=root)
+                                        limits=self._limits(request), network=network, root=root, pooled=False)
         try:
             code = await self._command(rec, request, user, output)
             diff_id: str = await rec.backend.export_layer(rec.running, request.layer_tar, request.max_layer_bytes)

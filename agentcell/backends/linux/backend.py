@@ -618,7 +618,8 @@ class LinuxBackend(CgroupSandboxes, Backend):
         sandbox = None
         # a sandbox that starts from a disk archive is prepared for it: a standby's disk is mounted already
         template = self._template_key(spec)
-        if not spec.sandbox_id and not spec.files and self.standbys and _claimable(self.standby_limits, spec.limits):
+        if (not spec.sandbox_id and not spec.files and spec.pooled and self.standbys
+                and _claimable(self.standby_limits, spec.limits)):
             sandbox = await self._pool(template).take()
             try:
                 sandbox.cgroups.retune(sandbox.limits, spec.limits)
