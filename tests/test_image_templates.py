@@ -360,3 +360,23 @@ def test_the_record_sees_an_image_sandbox(server: ServerProcess) -> None:
     assert any(e["kind"] == "process.exec" and (e.get("argv") or [""])[0] == "/bin/sh" for e in events), events
     assert any(e["kind"] == "deny.write" and e.get("path") == "/etc/passwd" for e in events), events
     assert any(e["kind"].startswith("file.") and e.get("path") == "/home/user/seen.txt" for e in events), events
+
+
+def test_pip_install_in_a_build_step_is_importable_by_run_code(server: ServerProcess, python_image: str,
+                                                               tmp_path: Path) -> None:
+    """E2B's Template() on the Python image: a wheel copied in and pip-installed by a RUN step (as root,
+    into the image's own site-packages) imports in run_code of the built template's sandboxes."""
+    from e2b import Template
+
+    (tmp_path / "built_pkg-1.0-py3-none-any.whl").write_bytes(_wheel("built_pkg", "WHERE = 'built in'\n"))
+    template = (Template(file_context_path=str(tmp_path)).from_template(python_image)
+                .copy("built_pkg-1.0-py3-none-any.whl", "/tmp/")
+                .run_cmd("pip install --break-system-packages --no-index /tmp/built_pkg-1.0-py3-none-any.whl",
+                         user="root"))
+    Template.build(template, "py-with-pkg", api_url=server.url, api_key="e2b_test", on_build_logs=lambda e: print(e))
+    sb = sandbox(server, "py-with-pkg")
+    try:
+        execution = sb.run_code("import built_pkg, sys; built_pkg.WHERE, sys.version_info[:2]")
+        assert execution.error is None and execution.text == "('built in', (3, 13))"
+    finally:
+        sb.kill()

@@ -47,8 +47,10 @@ _ROOT_OVERLAY = 0  # the disk's .root/0: its upper layer (what disk_archive.py k
 ROOT = "/"  # ... is the overlay of "/" (disk_archive's `overlays` for an image sandbox)
 # where agentcell mounts in every image root (the runtime's binds are all under NEUTRAL_ROOT): kept out
 # of disk archives and layers, and no archive may put anything there
-MOUNT_POINTS = ("/proc", "/dev", "/tmp", "/home/user", runtime_store.NEUTRAL_ROOT)
-_SKELETON = ("/etc", "/root")  # directories it writes into
+MOUNT_POINTS = ("/proc", "/dev", "/home/user", runtime_store.NEUTRAL_ROOT)
+# directories it writes into, or that must exist: /tmp is the root's own here (an image's /tmp files,
+# e.g. a build's COPY there, are seen as in Docker), in the root's upper layer on the same disk
+_SKELETON = ("/etc", "/root", "/tmp")
 _MODES = {"/tmp": 0o1777, "/root": 0o700}
 
 
@@ -122,8 +124,7 @@ def finish(sandbox_id: str, disk_mb: int, host_uid: int, host_gid: int, layer_fd
         os.mkdir(f"{scratch}/{name}")
         os.chmod(f"{scratch}/{name}", mode)
     os.chown(f"{scratch}/home", host_uid, host_gid)
-    for name in ("tmp", "shm"):  # root's, as in an image's own root
-        os.chown(f"{scratch}/{name}", *root_ids)
+    os.chown(f"{scratch}/shm", *root_ids)  # root's, as in an image's own root
     if files_fd >= 0:  # a paused or snapshotted sandbox's files: home, tmp and the root's upper layer
         with os.fdopen(files_fd, "rb") as archive:
             disk_archive.extract_archive(archive, disk_fd, host_uid, host_gid, *root_ids, overlays=[ROOT],
@@ -164,7 +165,8 @@ def finish(sandbox_id: str, disk_mb: int, host_uid: int, host_gid: int, layer_fd
         _bind(path, merged + path)
     _bind("/usr", merged + SYSTEM_USR)  # the staging's /usr is the host's, read-only
     for target, name, _mode in rootfs._WRITABLE:
-        sc.mount(f"{scratch}/{name}", merged + target, None, sc.MS_BIND)
+        if target != "/tmp":  # (the root's own, above)
+            sc.mount(f"{scratch}/{name}", merged + target, None, sc.MS_BIND)
     rootfs.write_file(f"{scratch}/.boot_id", f"{uuid.uuid4()}\n")
     boot_id = f"{merged}/proc/sys/kernel/random/boot_id"
     if os.path.exists(boot_id):
