@@ -50,7 +50,7 @@ from wcmatch import glob
 from agentcell.errors import InvalidArgumentError
 
 # E2B's converter's own default ready command for a Dockerfile's start command (its from_dockerfile)
-DEFAULT_READY_CMD = wait_for_timeout(20_000)
+DEFAULT_READY_CMD = wait_for_timeout(20_000).get_cmd()
 
 _GIT_SOURCE = re.compile(r"^git@")
 _E2B_LINE_NOTE = re.compile(r"^(?P<message>.*) \(line (?P<line>\d+)\)$")
@@ -236,8 +236,9 @@ class _StepRecorder:
 
     def _context_path(self, src: str) -> str:
         """Docker's source paths are inside the context: a leading / is its root; `..` may not leave it."""
-        rel = posixpath.normpath(src.lstrip("/") or ".")
-        if rel == ".." or rel.startswith("../"):
+        rel = src.lstrip("/") or "."
+        normal = posixpath.normpath(rel)
+        if normal == ".." or normal.startswith("../"):
             raise self.error(f"{self.instruction} {src}: the path is outside the build context")
         return rel
 
