@@ -321,8 +321,8 @@ def test_a_source_matching_nothing_or_only_ignored_files_is_refused(tmp_path: Pa
     assert refused(tmp_path, f"FROM {BASE}\nCOPY ../outside /x\n", files) == (
         "Dockerfile:2: COPY ../outside: the path is outside the build context")
     # Docker's sources are inside the context: a leading / is its root
-    assert steps(convert(tmp_path, f"FROM {BASE}\nCOPY /a.txt *.txt /x/\n", files))[2:4] == [
-        ("COPY", ["a.txt", "/x/", "", ""]), ("COPY", ["*.txt", "/x/", "", ""])]
+    assert steps(convert(tmp_path, f"FROM {BASE}\nCOPY /a.txt *.txt sub/../a.txt /x/\n", files))[2:5] == [
+        ("COPY", ["a.txt", "/x/", "", ""]), ("COPY", ["*.txt", "/x/", "", ""]), ("COPY", ["a.txt", "/x/", "", ""])]
 
 
 def test_an_invalid_dockerignore_pattern_is_an_error(tmp_path: Path) -> None:

@@ -240,6 +240,8 @@ class _StepRecorder:
         normal = posixpath.normpath(rel)
         if normal == ".." or normal.startswith("../"):
             raise self.error(f"{self.instruction} {src}: the path is outside the build context")
+        if ".." in rel.split("/"):  # a/../b: the server takes paths without '..'
+            return normal + ("/" if rel.endswith("/") else "")
         return rel
 
     def _absolute_dest(self, dest: str) -> str:
