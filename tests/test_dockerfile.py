@@ -222,6 +222,7 @@ def test_arg_scoping_follows_docker(tmp_path: Path) -> None:
         ARG TAG
         ARG MODE=debug
         ARG EMPTY
+        ARG not-a-shell-name=x
         ENV APP_MODE=$MODE APP_TAG=v${TAG} HOME_BIN=$HOME/bin
         WORKDIR /opt/$MODE${REGISTRY}
         RUN echo "$MODE $TAG"

@@ -56,6 +56,7 @@ _GIT_SOURCE = re.compile(r"^git@")
 _E2B_LINE_NOTE = re.compile(r"^(?P<message>.*) \(line (?P<line>\d+)\)$")
 _E2B_PARSE_PREFIX = re.compile(r"^Dockerfile parse error(?: on line \d+)?: ")
 _ADD_TMP = "/tmp/.agentcell-add"
+_SHELL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 _IGNORED = {
     "EXPOSE": "a sandbox's ports are reachable without it",
@@ -429,7 +430,8 @@ class _Converter(_DockerfileConverter):
 
     def _update_exports(self) -> None:
         """RUN sees the ARGs in scope as variables (an ENV of the same name wins), not the template."""
-        self._steps.exports = {k: v for k, v in self._values(self._args).items() if k not in self._envs}
+        self._steps.exports = {k: v for k, v in self._values(self._args).items()
+                               if k not in self._envs and _SHELL_NAME.fullmatch(k)}  # a shell can export it
 
     # -- instructions ---------------------------------------------------------------------------
     def _handle_run(self, instruction: DockerfileInstruction) -> None:
