@@ -549,7 +549,11 @@ def test_a_dockerfile_built_by_the_cli_runs_as_a_sandbox(tmp_path: Path, base_im
 
 @e2e
 def test_a_failing_step_fails_the_cli_naming_its_line(tmp_path: Path, base_image: str, server: str) -> None:
-    ctx = context(tmp_path, {"Dockerfile": f"FROM {base_image}/test/busybox:1\nRUN true\nRUN exit 3\nRUN true\n"})
+    ctx = context(tmp_path, {"Dockerfile": f"FROM {base_image}/test/busybox:1\nWORKDIR /srv\n\nUSER nobody-here\n"})
+    done = _cli(str(ctx), "--name", "df-fails", "--api-url", server)
+    assert done.returncode == 1
+    assert f"{ctx}/Dockerfile:4: " in done.stderr and "nobody-here" in done.stderr, done.stderr
+    (ctx / "Dockerfile").write_text(f"FROM {base_image}/test/busybox:1\nRUN true\nRUN exit 3\nRUN true\n")
     done = _cli(str(ctx), "--name", "df-fails", "--api-url", server)
     assert done.returncode == 1
     assert f"{ctx}/Dockerfile:3: " in done.stderr, done.stderr
