@@ -261,6 +261,19 @@ def test_build_args_override_defaults_and_env_wins_over_arg(tmp_path: Path) -> N
     assert steps(given)[2] == ("ENV", ["SHADOWED", "from-env"])
 
 
+def test_an_arg_default_uses_the_args_before_it(tmp_path: Path) -> None:
+    converted = convert(tmp_path, """
+        ARG HOST=127.0.0.1 PORT=5000
+        ARG REG=$HOST:$PORT
+        FROM $REG/test/base:1
+        ARG A=1 B=${A}0
+        ARG C=$B$A
+        RUN echo $C
+        """, build_args={"A": "2"})
+    assert converted.spec()["fromImage"] == BASE
+    assert steps(converted)[2] == ("RUN", ["export A=2 B=20 C=202\necho $C"])
+
+
 def test_build_args_reach_copy_and_heredocs(tmp_path: Path) -> None:
     converted = convert(tmp_path, f"""
         FROM {BASE}

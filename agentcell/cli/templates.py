@@ -51,7 +51,8 @@ def _run(action: Callable[[], Any]) -> Any:
 
 @main.group()
 def template() -> None:
-    """Templates from OCI images: import, ls, rm, gc (this host's template store)."""
+    """Templates: import, ls, rm, gc (OCI images, this host's template store); build (a Dockerfile, on a
+    server)."""
 
 
 @template.command(name="import")

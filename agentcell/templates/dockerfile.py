@@ -401,8 +401,11 @@ class _Converter(_DockerfileConverter):
             if name in self._build_args:
                 self._consumed.add(name)
                 declared[name] = self._build_args[name]
-            elif has_default:
-                env = self._values(scope) if scope is self._global_args else self._known()
+            elif has_default:  # the default may use the ARGs before it (in this instruction too)
+                if scope is self._global_args:
+                    env = {**self._values(scope), **self._values(declared)}
+                else:
+                    env = {**self._values(self._args), **self._values(declared), **self._envs}
                 declared[name] = self._expand(instruction, raw_value,
                                               ShellLex(self._escape, env=env, skip_unset_env=True))
             else:
