@@ -235,7 +235,7 @@ def test_arg_scoping_follows_docker(tmp_path: Path) -> None:
     # a global ARG not declared again in the stage is not in scope (Docker: empty; the build decides)
     assert got[3] == ("WORKDIR", ["/opt/debug${REGISTRY}"])
     # RUN sees the ARGs in scope as exported variables (a declared ARG without a value: none)
-    assert got[4] == ("RUN", ["export TAG=1 MODE=debug\necho \"$MODE $TAG\""])
+    assert got[4] == ("RUN", ["export TAG=1 MODE=debug; echo \"$MODE $TAG\""])
     assert all(kind != "ENV" or "MODE" not in args for kind, args in got[3:])
     assert converted.warnings == []
 
@@ -251,11 +251,11 @@ def test_build_args_override_defaults_and_env_wins_over_arg(tmp_path: Path) -> N
         RUN build --version "$VERSION" --token "$TOKEN"
         """
     plain = convert(tmp_path, dockerfile)
-    assert steps(plain)[3] == ("RUN", ['export VERSION=1.0\nbuild --version "$VERSION" --token "$TOKEN"'])
+    assert steps(plain)[3] == ("RUN", ['export VERSION=1.0; build --version "$VERSION" --token "$TOKEN"'])
     given = convert(tmp_path, dockerfile, build_args={"VERSION": "2.0 beta", "TOKEN": "t'k", "BASE": "other:2",
                                                       "UNUSED": "x"})
     assert given.spec()["fromImage"] == "other:2"
-    assert steps(given)[3] == ("RUN", ["export VERSION='2.0 beta' TOKEN='t'\"'\"'k'\n"
+    assert steps(given)[3] == ("RUN", ["export VERSION='2.0 beta' TOKEN='t'\"'\"'k'; "
                                        'build --version "$VERSION" --token "$TOKEN"'])
     assert given.warnings == ["Dockerfile: build-args not consumed by any ARG: UNUSED"]
     assert steps(given)[2] == ("ENV", ["SHADOWED", "from-env"])
@@ -271,7 +271,7 @@ def test_an_arg_default_uses_the_args_before_it(tmp_path: Path) -> None:
         RUN echo $C
         """, build_args={"A": "2"})
     assert converted.spec()["fromImage"] == BASE
-    assert steps(converted)[2] == ("RUN", ["export A=2 B=20 C=202\necho $C"])
+    assert steps(converted)[2] == ("RUN", ["export A=2 B=20 C=202; echo $C"])
 
 
 def test_build_args_reach_copy_and_heredocs(tmp_path: Path) -> None:
@@ -286,7 +286,7 @@ def test_build_args_reach_copy_and_heredocs(tmp_path: Path) -> None:
         """, {"v2.txt": "2"}, build_args={"FILE": "v2.txt"})
     got = steps(converted)
     assert got[2] == ("COPY", ["v2.txt", "/opt/app/", "", ""])
-    assert got[3][0] == "RUN" and got[3][1][0].startswith("export DIR=/opt/app FILE=v2.txt\n")
+    assert got[3][0] == "RUN" and got[3][1][0].startswith("export DIR=/opt/app FILE=v2.txt; ")
 
 
 # --- the context: files hashes and .dockerignore ----------------------------------------------------

@@ -193,7 +193,7 @@ class _StepRecorder:
     def run_cmd(self, command: str | list[str], user: str | None = None) -> _StepRecorder:
         if self.exports:
             prefix = "export " + " ".join(f"{k}={shlex.quote(v)}" for k, v in self.exports.items())
-            command = prefix + "\n" + (command if isinstance(command, str) else " && ".join(command))
+            command = prefix + "; " + (command if isinstance(command, str) else " && ".join(command))
         return self._record(self.builder.run_cmd, command, user=user)
 
     def set_workdir(self, workdir: str) -> _StepRecorder:
