@@ -582,3 +582,8 @@ def test_e2b_from_dockerfile_builds_on_the_server(tmp_path: Path, base_image: st
         f"FROM {base_image}/test/busybox:1\nCOPY hello.txt /srv/\nRUN cat /srv/hello.txt\n")
     info = Template.build(template, "df-e2b", api_url=server, api_key="test-key")
     assert info.name == "df-e2b"
+    from agentcell import Sandbox
+
+    with Sandbox.create(template="df-e2b", api_url=server, api_key="test-key") as sbx:
+        assert sbx.files.read("/srv/hello.txt") == "hello\n"
+        assert sbx.commands.run("pwd; id -un").stdout.split() == ["/home/user", "user"]  # E2B's defaults
