@@ -24,7 +24,6 @@ import pytest
 from click.testing import CliRunner
 
 from agentcell.templates.dockerfile import (
-    DEFAULT_READY_CMD,
     ConvertedDockerfile,
     DockerfileError,
     convert_dockerfile,
@@ -110,7 +109,7 @@ def test_a_dockerfile_with_every_supported_instruction(tmp_path: Path) -> None:
     spec = converted.spec()
     assert spec["fromImage"] == BASE
     assert spec["startCmd"] == "python3 -m http.server 8080"
-    assert spec["readyCmd"] == DEFAULT_READY_CMD
+    assert spec["readyCmd"] == "true"  # ready once started (E2B: sleep 20, which every standby would wait here)
     assert all(s.get("filesHash") for s in spec["steps"] if s["type"] == "COPY")
     assert converted.warnings == []
     # each step's Dockerfile line, for a build error's step
@@ -155,7 +154,7 @@ def test_healthcheck_is_the_ready_command_and_ready_cmd_overrides(tmp_path: Path
     exec_form = convert(tmp_path, f'FROM {BASE}\nHEALTHCHECK CMD ["test", "-e", "/tmp/a b"]\nCMD serve\n')
     assert exec_form.spec()["readyCmd"] == "test -e '/tmp/a b'"
     none = convert(tmp_path, f"FROM {BASE}\nHEALTHCHECK CMD true\nHEALTHCHECK NONE\nCMD serve\n")
-    assert none.spec()["readyCmd"] == DEFAULT_READY_CMD
+    assert none.spec()["readyCmd"] == "true"
     alone = convert(tmp_path, f"FROM {BASE}\nHEALTHCHECK CMD true\n")
     assert "readyCmd" not in alone.spec() and any("HEALTHCHECK ignored" in w for w in alone.warnings)
 

@@ -137,7 +137,8 @@ def template_gc(store_dir: str, as_json: bool) -> None:
 @click.option("--tag", "tags", multiple=True, metavar="TAG", help="Also tag the build TAG (repeatable).")
 @click.option("--no-cache", is_flag=True, help="Rebuild every step (no cached layer).")
 @click.option("--ready-cmd", default=None, metavar="CMD",
-              help="The start command's ready check (default: the HEALTHCHECK's command, else E2B's).")
+              help="The start command's ready check, run until it exits 0 (default: the HEALTHCHECK's "
+                   "command, else none: ready once started).")
 @server_options
 @json_option
 def template_build(context: str, dockerfile: str | None, name: str, build_args: tuple[str, ...],

@@ -49,8 +49,11 @@ from wcmatch import glob
 
 from agentcell.errors import InvalidArgumentError
 
-# E2B's converter's own default ready command for a Dockerfile's start command (its from_dockerfile)
-DEFAULT_READY_CMD = wait_for_timeout(20_000).get_cmd()
+# E2B's from_dockerfile makes every start command ready after `sleep 20`: E2B waits once, at build
+# time; agentcell waits in every standby (runtime/start_command.py). Docker has no readiness but a
+# HEALTHCHECK, so without one (or --ready-cmd) the sandbox is ready once the start command is started.
+E2B_READY_CMD = wait_for_timeout(20_000).get_cmd()
+DEFAULT_READY_CMD = "true"
 
 _GIT_SOURCE = re.compile(r"^git@")
 _E2B_LINE_NOTE = re.compile(r"^(?P<message>.*) \(line (?P<line>\d+)\)$")
@@ -129,8 +132,8 @@ def convert_dockerfile(text: str, context: str | os.PathLike[str], build_args: M
                        *, label: str = "Dockerfile", ready_cmd: str | None = None) -> ConvertedDockerfile:
     """The E2B template for Dockerfile `text` with its build context directory `context`.
 
-    `build_args` are `--build-arg`s; `ready_cmd` replaces the ready command of the start command
-    (default: the HEALTHCHECK's command, else E2B's). Raises DockerfileError naming the line.
+    `build_args` are `--build-arg`s; `ready_cmd` is the ready command of the start command (default:
+    the HEALTHCHECK's command, else none: ready once started). Raises DockerfileError naming the line.
     """
     context_dir = os.path.abspath(context)
     if not os.path.isdir(context_dir):
@@ -365,7 +368,7 @@ class _Converter(_DockerfileConverter):
             super()._handle_instruction(instruction)
 
     def _apply_start_cmd(self) -> None:
-        self._steps.ready_cmd = self._ready_cmd or self._healthcheck
+        self._steps.ready_cmd = self._ready_cmd or self._healthcheck or DEFAULT_READY_CMD
         super()._apply_start_cmd()
         self._steps.line = None  # E2B's default user and workdir steps follow: no line of the Dockerfile
         if self._cmd is None and self._entrypoint is None:
