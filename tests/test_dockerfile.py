@@ -449,6 +449,9 @@ def test_the_cli_refuses_a_dockerfile_error_before_any_request(tmp_path: Path) -
     result = CliRunner().invoke(main, ["template", "build", str(ctx), "--name", "t", "--api-url", "http://127.0.0.1:9"])
     assert result.exit_code == 1, result.output
     assert f"{ctx}/Dockerfile:3: COPY --from=build is not supported" in result.output
+    result = CliRunner().invoke(main, ["template", "build", str(ctx), "-f", "-", "--name", "t", "--api-url",
+                                       "http://127.0.0.1:9"], input=f"FROM {BASE}\nADD git@host:r.git /r\n")
+    assert result.exit_code == 1 and "Dockerfile:2: ADD git@host:r.git: sources from URLs" in result.output
     result = CliRunner().invoke(main, ["template", "build", str(ctx), "--name", "t"], env={"AGENTCELL_URL": None})
     assert result.exit_code != 0 and "needs a running agentcell server" in result.output
 

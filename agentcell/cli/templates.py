@@ -129,8 +129,8 @@ def template_gc(store_dir: str, as_json: bool) -> None:
 
 @template.command(name="build")
 @click.argument("context", default=".", type=click.Path(exists=True, file_okay=False))
-@click.option("-f", "--file", "dockerfile", default=None, type=click.Path(dir_okay=False),
-              help="The Dockerfile (default: CONTEXT/Dockerfile).")
+@click.option("-f", "--file", "dockerfile", default=None, type=click.Path(dir_okay=False, allow_dash=True),
+              help="The Dockerfile (default: CONTEXT/Dockerfile; - reads it from stdin).")
 @click.option("--name", required=True, help="The template's name (NAME or NAME:TAG).")
 @click.option("--build-arg", "build_args", multiple=True, metavar="NAME[=VALUE]",
               help="A build argument (repeatable); NAME alone takes its value from this environment.")
@@ -147,14 +147,19 @@ def template_build(context: str, dockerfile: str | None, name: str, build_args: 
     """Build template NAME from a Dockerfile and its build CONTEXT (default: .), on the server,
     through E2B's template-build API. Build logs go to stderr."""
     from agentcell.sdk.config import resolve_api_key
-    from agentcell.templates.dockerfile import load_dockerfile
+    from agentcell.templates.dockerfile import convert_dockerfile, load_dockerfile
     from agentcell.templates.remote_build import build_on_server
 
     api_url = target.api_url or os.environ.get("AGENTCELL_URL")
     if not api_url:
         raise CliError("`agentcell template build` needs a running agentcell server's URL", NO_SERVER_HINT)
-    converted = _run(lambda: load_dockerfile(dockerfile or os.path.join(context, "Dockerfile"), context,
-                                             _build_args(build_args), ready_cmd=ready_cmd))
+    args = _build_args(build_args)
+    if dockerfile == "-":
+        converted = _run(lambda: convert_dockerfile(sys.stdin.read(), context, args, label="Dockerfile",
+                                                    ready_cmd=ready_cmd))
+    else:
+        converted = _run(lambda: load_dockerfile(dockerfile or os.path.join(context, "Dockerfile"), context, args,
+                                                 ready_cmd=ready_cmd))
     for warning in converted.warnings:
         click.echo(f"warning: {escape(warning)}", err=True)
 
