@@ -2,7 +2,7 @@
 
 Images are made two ways: with umoci from this host's own files (the field's tool, real layers), and
 by hand from tar layers written with tarfile (`write_layout`), for the hostile layers no tool makes.
-Nothing here reaches beyond 127.0.0.1.
+Nothing here reaches beyond 127.0.0.1 but mmdebstrap, which fetches Debian packages from the archive.
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ import gzip
 import hashlib
 import io
 import json
+import os
+import shutil
 import subprocess
 import tarfile
 import time
@@ -18,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from tests.servers import free_port
 
@@ -184,3 +187,81 @@ def host_files_image(layout: Path, tag: str, files: dict[str, str], *, base: str
     for dest, src in files.items():
         umoci("insert", "--image", f"{layout}:{tag}", src, dest)
 
+
+
+# --- root filesystems for sandboxes of image templates ------------------------------------------------
+# Made on this host, no registry reached: a musl/busybox one (Alpine's kind: no glibc, no bash), a
+# distroless one (no shell at all), and Debian ones from the Debian archive (mmdebstrap, the package
+# mirrors being the one network the tests may use). Debian roots are cached between runs of one host.
+
+IMAGE_CACHE = Path(os.environ.get("AGENTCELL_TEST_IMAGE_CACHE", "/var/tmp/agentcell-test-images"))
+
+
+def musl_root(root: Path) -> Path:
+    """Alpine's kind of root: busybox (static) as every command, musl's loader, no bash, no glibc."""
+    busybox = shutil.which("busybox") or "/bin/busybox"
+    musl = "/usr/lib/x86_64-linux-musl/libc.so"
+    if not os.path.exists(busybox) or not os.path.exists(musl):
+        pytest.skip("the musl test image needs busybox-static and musl (scripts/setup installs them)")
+    for d in ("bin", "lib", "etc", "usr/bin", "usr/local/bin", "tmp", "root", "srv", "var/empty"):
+        (root / d).mkdir(parents=True, exist_ok=True)
+    shutil.copy(busybox, root / "bin/busybox")
+    applets = subprocess.run([busybox, "--list"], check=True, capture_output=True, text=True).stdout.split()
+    for applet in applets:
+        if applet not in ("busybox", "bash"):
+            os.symlink("busybox", root / "bin" / applet)
+    shutil.copy(musl, root / "lib/ld-musl-x86_64.so.1")
+    (root / "etc/passwd").write_text("root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/:/sbin/nologin\n")
+    (root / "etc/group").write_text("root:x:0:\nnogroup:x:65534:\n")
+    (root / "etc/os-release").write_text('NAME="agentcell musl test"\nID=alpine\n')
+    return root
+
+
+def distroless_root(root: Path) -> Path:
+    """A distroless kind of root: a few /etc files and one static program, no shell."""
+    busybox = shutil.which("busybox") or "/bin/busybox"
+    if not os.path.exists(busybox):
+        pytest.skip("the distroless test image needs busybox-static (scripts/setup installs it)")
+    for d in ("etc", "app", "tmp"):
+        (root / d).mkdir(parents=True, exist_ok=True)
+    shutil.copy(busybox, root / "app/busybox")
+    (root / "etc/passwd").write_text("root:x:0:0:root:/root:/sbin/nologin\nnonroot:x:65532:65532::/home/nonroot:/sbin/nologin\n")
+    (root / "etc/group").write_text("root:x:0:\nnonroot:x:65532:\n")
+    (root / "etc/os-release").write_text('NAME="agentcell distroless test"\nID=distroless\n')
+    return root
+
+
+def debian_tar(suite: str, include: tuple[str, ...] = ()) -> Path:
+    """A minbase Debian root of `suite` as a tar (mmdebstrap, from the Debian archive), cached."""
+    name = "-".join((suite, *include)) + ".tar"
+    cached = IMAGE_CACHE / name
+    if cached.exists():
+        return cached
+    if shutil.which("mmdebstrap") is None:
+        pytest.skip("the Debian test images need mmdebstrap (scripts/setup installs it)")
+    IMAGE_CACHE.mkdir(parents=True, exist_ok=True)
+    partial = cached.with_suffix(".partial")
+    args = ["mmdebstrap", "--variant=minbase", "--format=tar", "--quiet", *(["--include=" + ",".join(include)] if include else []),
+            suite, str(partial)]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        partial.unlink(missing_ok=True)
+        pytest.skip(f"mmdebstrap {suite} failed (is the Debian archive reachable?): {done.stderr[-500:]}")
+    partial.rename(cached)
+    return cached
+
+
+def root_image(layout: Path, tag: str, root: Path | None = None, tar: Path | None = None,
+               config: dict[str, object] | None = None) -> None:
+    """An image `layout:tag` of one layer: the directory `root` (umoci insert) or the tar `tar`
+    (umoci raw add-layer), with `config` (umoci config options: env=[...], workdir=..., cmd=[...])."""
+    if not (layout / "index.json").exists():
+        umoci("init", "--layout", str(layout))
+    umoci("new", "--image", f"{layout}:{tag}")
+    if root is not None:
+        umoci("insert", "--image", f"{layout}:{tag}", str(root), "/")
+    if tar is not None:
+        umoci("raw", "add-layer", "--image", f"{layout}:{tag}", str(tar))
+    for key, value in (config or {}).items():
+        for item in value if isinstance(value, list) else [value]:
+            umoci("config", "--image", f"{layout}:{tag}", f"--config.{key}={item}")

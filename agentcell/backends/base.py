@@ -112,6 +112,21 @@ def new_cell_sandbox_id() -> str:
     return _cell_prefix + new_sandbox_id()
 
 
+@dataclass(frozen=True)
+class ImageRoot:
+    """A template made from an image (agentcell/templates/): the sandbox's root is an overlay of its
+    layers, with a copy-on-write upper layer on the sandbox's disk."""
+
+    key: str  # what identifies these exact layers and settings: the standby pool's key
+    layers: tuple[str, ...]  # host paths of the layer trees, top first (the store's, owners shifted)
+    env: tuple[tuple[str, str], ...] = ()  # the image's Env, over the sandbox's defaults
+    workdir: str = ""  # the image's WorkingDir ("": the user's home)
+    python: str = ""  # the image's own python3, for run_code ("": the runtime's)
+    shell: str = "/bin/bash"  # what commands run through: /bin/bash, else /bin/sh
+    start_cmd: str = ""  # E2B's start command, run at the sandbox's start as root ...
+    ready_cmd: str = ""  # ... and the sandbox is ready once this exits 0
+
+
 @dataclass(frozen=True, slots=True)
 class SandboxSpec:
     sandbox_id: str = ""  # ^[a-z0-9]+$, also the sandbox's hostname; "": the backend picks one
@@ -123,6 +138,7 @@ class SandboxSpec:
     # a disk archive (backends/disk_archive.py) the sandbox starts with: E2B's filesystem snapshot,
     # or the files of a sandbox paused with mode="filesystem" that is resumed (a cold start)
     files: str | None = None
+    image_root: ImageRoot | None = None  # a template made from an image; None: the backend's own root
 
 
 @dataclass(slots=True)

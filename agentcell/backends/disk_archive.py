@@ -66,14 +66,15 @@ class _Place:
     skip: frozenset[tuple[str, ...]] = frozenset()  # subtrees that are another overlay's (hidden by its mount)
 
 
-def places(overlays: Sequence[str]) -> list[_Place]:
-    """home, tmp, then one place per overlay path (`overlays[n]` is the upper layer .root/<n>/up)."""
+def places(overlays: Sequence[str], mount_points: Sequence[str] = ()) -> list[_Place]:
+    """home, tmp, then one place per overlay path (`overlays[n]` is the upper layer .root/<n>/up).
+    `mount_points`: paths inside the overlays that the runtime mounts onto, left out of the walk."""
     found = [_Place("home", ("home",), False), _Place("tmp", ("tmp",), False)]
     for n, path in enumerate(overlays):
         parts = _components(path)
-        skip = frozenset(tuple(_components(o))[len(parts):] for o in overlays
+        skip = frozenset(tuple(_components(o))[len(parts):] for o in [*overlays, *mount_points]
                          if o != path and tuple(_components(o))[:len(parts)] == tuple(parts))
-        found.append(_Place("root/" + "/".join(parts), (".root", str(n), "up"), True, skip))
+        found.append(_Place("/".join(("root", *parts)), (".root", str(n), "up"), True, skip))  # "/": root/...
     return found
 
 
@@ -154,7 +155,7 @@ def _open_path(root: int, parts: Sequence[str], dev: int) -> int | None:
 
 
 def write_archive(disk_root_fd: int, out_file: BinaryIO, max_bytes: int, owners: Owners, *,
-                  overlays: Sequence[str]) -> int:
+                  overlays: Sequence[str], mount_points: Sequence[str] = ()) -> int:
     """Write the disk's files (home, tmp, each overlay's upper layer; never shm) to `out_file` as a
     disk archive; return its size. Raises ResourceExhaustedError past `max_bytes`.
 
@@ -163,7 +164,7 @@ def write_archive(disk_root_fd: int, out_file: BinaryIO, max_bytes: int, owners:
     the walk may or may not be in the archive (never anything outside the disk)."""
     dev = os.fstat(disk_root_fd).st_dev
     out = _Limited(out_file, max_bytes)  # uncompressed: the server may compress at rest
-    for place in places(overlays):
+    for place in places(overlays, mount_points):
         fd = _open_path(disk_root_fd, place.disk, dev)
         if fd is None:
             continue  # e.g. an overlay path this host does not have

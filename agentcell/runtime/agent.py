@@ -31,6 +31,7 @@ from agentcell.runtime import (
     processes,
     protocol,
     reaper,
+    start_command,
     statedir,
     tunnel,
     watcher,
@@ -215,8 +216,10 @@ async def _serve(sock: socket.socket, config: dict[str, Any]) -> None:
     reader, writer = await asyncio.open_unix_connection(sock=sock, limit=protocol.MAX_HEADER)
     # The backend knows whether the agent got its low OOM score; children take what it says.
     oom = int(config.get("child_oom_score_adj", processes.CHILD_OOM_SCORE_ADJ))
-    agent = Agent(writer, ProcessTable(the_reaper, envs, home, oom), FileSystem(home),
-                  ContextManager(the_reaper, envs, home, oom))  # fmt: skip
+    # an image template's WorkingDir is where commands and code start (E2B's template workdir)
+    workdir = str(config.get("workdir") or "") if os.path.isdir(str(config.get("workdir") or "")) else home
+    agent = Agent(writer, ProcessTable(the_reaper, envs, workdir, oom), FileSystem(home),
+                  ContextManager(the_reaper, envs, workdir, oom, python=config.get("python")))  # fmt: skip
     sudo_service = SudoService(the_reaper, oom)
     self_reports: SelfReports | None = None
     sudo_service.start(loop)  # /usr/bin/sudo's way to root (runtime/sudo.py); nothing of a tenant's in it
@@ -225,6 +228,8 @@ async def _serve(sock: socket.socket, config: dict[str, Any]) -> None:
             # Forked and warmed now, while the sandbox is a standby, so the first run_code is fast.
             async with asyncio.timeout(_WARM_TIMEOUT):
                 await agent.contexts.default().warm()
+        if config.get("start_cmd"):  # a template's service: up before the sandbox is (start_command.py)
+            await start_command.start(agent.processes, str(config["start_cmd"]), str(config.get("ready_cmd") or ""))
         writer.write(encode_frame({"id": 0, "event": "ready"}))
         await writer.drain()
         # A standby until the server claims it for a tenant: the claim brings the tenant's env vars.

@@ -12,7 +12,8 @@ and the agent drains the pipes before it forwards the frame, so lines keep their
 
 The other languages' kernels (JavaScript, TypeScript, bash) are programs started the same way and
 spoken to on the same socket and pipes (kernel_exec.KernelSpec: kernel_node.py, kernel_bash.py), so
-flow control, interrupts, deadlines and restarts below serve every language.
+flow control, interrupts, deadlines and restarts below serve every language. So is Python's in a
+template whose image has its own interpreter (``python=``: kernel_image_python.py).
 """
 
 from __future__ import annotations
@@ -33,7 +34,16 @@ from collections.abc import Callable
 from typing import Any, NoReturn, Protocol
 
 from agentcell.errors import InvalidArgumentError, NotFoundError, SandboxError
-from agentcell.runtime import display, forkstate, kernel_bash, kernel_java, kernel_node, rootcaps, stdio
+from agentcell.runtime import (
+    display,
+    forkstate,
+    kernel_bash,
+    kernel_image_python,
+    kernel_java,
+    kernel_node,
+    rootcaps,
+    stdio,
+)
 from agentcell.runtime.kernel_exec import KernelSpec
 from agentcell.runtime.processes import CHILD_OOM_SCORE_ADJ, set_oom_score_adj
 from agentcell.runtime.protocol import ProtocolError, encode_frame, read_frame, recv_frame
@@ -92,11 +102,11 @@ def normalize_language(language: str | None) -> str:
     return LANGUAGES[lang]
 
 
-def kernel_spec(language: str) -> KernelSpec:
+def kernel_spec(language: str, kernels: dict[str, KernelSpec] | None = None) -> KernelSpec:
     """The kernel of a normalized language; InvalidArgumentError (a 400) naming what the host lacks."""
     if language in _UNSUPPORTED:
         raise InvalidArgumentError(_UNSUPPORTED[language])
-    spec = _KERNELS[language]
+    spec = (kernels or _KERNELS)[language]
     missing = spec.missing()
     if missing:
         raise InvalidArgumentError(missing)
@@ -366,8 +376,14 @@ class Context:
 
 class ContextManager:
     def __init__(self, reaper: Reaper, envs: dict[str, str], home: str,
-                 oom_score_adj: int = CHILD_OOM_SCORE_ADJ) -> None:  # fmt: skip
+                 oom_score_adj: int = CHILD_OOM_SCORE_ADJ, python: str | None = None) -> None:  # fmt: skip
+        """`python`: a template image's interpreter (a path in the sandbox); Python contexts then run
+        on it (kernel_image_python.py) instead of being forks of the agent."""
         preload()
+        self._kernels = dict(_KERNELS)
+        if kernel_image_python.usable(python):
+            assert python is not None
+            self._kernels["python"] = kernel_image_python.image_python_spec(python)
         self._reaper = reaper
         self._oom_score_adj = oom_score_adj
         self._envs = dict(envs)
@@ -383,7 +399,7 @@ class ContextManager:
                 ctx.kernel.set_envs(self._envs)
 
     def spawn(self, cwd: str, language: str = "python") -> _Kernel:
-        return _Kernel(_KERNELS[language], asyncio.get_running_loop(), self._reaper, cwd, self._envs,
+        return _Kernel(self._kernels[language], asyncio.get_running_loop(), self._reaper, cwd, self._envs,
                        self._oom_score_adj)  # fmt: skip
 
     def _resolve_cwd(self, cwd: str | None) -> str:
@@ -394,7 +410,7 @@ class ContextManager:
 
     def create(self, language: str | None = None, cwd: str | None = None, start: bool = True) -> Context:
         lang = normalize_language(language)
-        kernel_spec(lang)
+        kernel_spec(lang, self._kernels)
         ctx = Context(self, str(uuid.uuid4()), lang, self._resolve_cwd(cwd))
         if start:
             ctx.start()

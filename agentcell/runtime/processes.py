@@ -324,6 +324,10 @@ class ProcessTable:
         exe = cmd if "/" in cmd else shutil.which(cmd, path=env.get("PATH", os.defpath))
         if exe is None:
             raise NotFoundError(f"command {cmd!r} not found in PATH {env.get('PATH', '')!r}")
+        if exe == "/bin/bash" and not os.path.exists(exe) and os.path.exists("/bin/sh"):
+            # E2B's SDKs run every command through /bin/bash -l -c: an image without bash (Alpine's
+            # busybox, for one) runs it with its POSIX shell, named as itself (busybox picks by argv[0])
+            exe = cmd = "/bin/sh"
         pty_size = req.get("pty")
         loop = asyncio.get_running_loop()
 

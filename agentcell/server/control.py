@@ -44,6 +44,7 @@ from agentcell.server.registry import (
 )
 from agentcell.server.sandbox_state import SandboxState
 from agentcell.server.snapshots import Snapshot, SnapshotError, SnapshotStore, tree_size
+from agentcell.server.template_imports import template_root
 from agentcell.server.tenancy import QuotaError, Tenancy, recorded_owner
 
 ENVD_VERSION = "0.6.13"
@@ -440,12 +441,25 @@ class ControlPlane:
         if not isinstance(template, str):
             raise HTTPError(400, "'templateID' must be a string")
         snapshot = None
+        root = None
         if template not in TEMPLATES:
             snapshot = self._visible(request, self.snapshots.find(template, self.tenancy.caller(request.scope)))
-            if snapshot is None:
+            # a template made from an image; a snapshot of one of its sandboxes starts on its layers too
+            source, earlier = template, snapshot
+            for _ in range(64):  # a snapshot of a sandbox made from a snapshot ...: the first one's template
+                if earlier is None:
+                    break
+                source = earlier.source_template
+                earlier = self.snapshots.find(source, self.tenancy.caller(request.scope))
+            root = template_root(self.cfg, source) if source not in TEMPLATES else None
+            if snapshot is None and root is None:
                 raise HTTPError(404, f"template '{template}' not found; available: base, code-interpreter-v1, "
+                                     "a template imported or built here (GET /templates), "
                                      "or the id or name of a snapshot (GET /snapshots)")
         backend = self._backend(body, template, snapshot)
+        if root is not None and backend.name != "linux":
+            raise HTTPError(400, f"template '{template}' is made from an image: its sandboxes run on the linux "
+                                 f"backend only, not {backend.name}")
         timeout = _timeout(self.cfg, body, self.cfg.default_timeout)
         try:
             metadata = validate.string_map(body.get("metadata"), "metadata", validate.MAX_METADATA_BYTES)
@@ -479,7 +493,7 @@ class ControlPlane:
                     files=self.snapshots.content(snapshot) if snapshot and snapshot.mode == "filesystem" else None,
                     image=self.snapshots.content(snapshot) if snapshot and snapshot.mode == "full" else None,
                     caller=api_events.caller_id(request.scope), origin=f"snapshot {template}" if snapshot else None,
-                    owner=owner,
+                    owner=owner, root=root,
                 )
         except QuotaError as e:
             raise HTTPError(429, str(e)) from None

@@ -30,7 +30,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from agentcell.backends.base import Backend, Limits, RunningSandbox, SandboxSpec
+from agentcell.backends.base import Backend, ImageRoot, Limits, RunningSandbox, SandboxSpec
 from agentcell.errors import SandboxGoneError
 from agentcell.network.policy import NetworkPolicy
 from agentcell.network.secrets import SecretSet
@@ -429,13 +429,15 @@ class SandboxManager:
         caller: str | None = None,
         origin: str | None = None,
         owner: str | None = None,
+        root: ImageRoot | None = None,
     ) -> SandboxRecord:
         """A new sandbox; with `files`, it starts with that disk archive's files; with `image`, it is
         restored from that checkpoint (memory and files)."""
         # The backend picks the id: it is a standby's, prepared before this request.
-        spec = SandboxSpec(sandbox_id="", template="base", limits=limits, envs=dict(envs),
+        # `root`: a template made from an image (agentcell/templates/): the sandbox's root is its layers
+        spec = SandboxSpec(sandbox_id="", template=template_id if root else "base", limits=limits, envs=dict(envs),
                            network=network or NetworkPolicy(), secrets=secrets or SecretSet(),
-                           files=str(files) if files else None)
+                           files=str(files) if files else None, image_root=root)
         backend = backend or self.backend
         started = time.monotonic()
         try:

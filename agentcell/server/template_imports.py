@@ -27,11 +27,49 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from agentcell.errors import BackendUnavailableError, SandboxError
+from agentcell.backends.base import ImageRoot
+from agentcell.errors import BackendUnavailableError, InvalidArgumentError, NotFoundError, SandboxError
 from agentcell.server.config import ServerConfig
 from agentcell.server.errors import HTTPError, from_sandbox_error
 
 PATH = "/templates/imports"
+
+
+def store_dir(config: ServerConfig) -> str:
+    return config.template_store_dir or os.path.join(config.state_dir, "templates")
+
+
+def open_store(config: ServerConfig) -> Any:
+    from agentcell.templates.store import TemplateStore
+
+    return TemplateStore(store_dir(config), int(config.template_store_max_gb * (1 << 30)))
+
+
+def template_root(config: ServerConfig, name: str) -> ImageRoot | None:
+    """The root of the stored template `name` (templates/roots.py), or None if there is none."""
+    from agentcell.templates.roots import image_root
+    from agentcell.templates.store import check_name
+
+    try:
+        check_name(name)
+    except InvalidArgumentError:
+        return None
+    if os.geteuid() != 0 or not os.path.isfile(os.path.join(store_dir(config), "templates", name + ".json")):
+        return None
+    store = open_store(config)
+    try:
+        record = store.template(name)
+        root = image_root(store, record)
+    except NotFoundError:
+        return None
+    if root.key not in _LEASES:  # this server may run sandboxes on these layers from now on
+        _LEASES[root.key] = store.lease(record["layers"])
+    return root
+
+
+# ImageRoot.key -> flocked fds of its layers (TemplateStore.lease), for the server's life: a template
+# replaced or deleted meanwhile keeps its layers until the server that used them exits
+_LEASES: dict[str, list[int]] = {}
 
 
 class TemplateImports:
@@ -50,11 +88,9 @@ class TemplateImports:
                 raise HTTPError(501, "template imports need a server running as root (not rootless mode)")
             from agentcell.templates.importer import Importer, ImportLimits
             from agentcell.templates.refs import RegistryPolicy
-            from agentcell.templates.store import TemplateStore
 
             cfg = self.config
-            store = TemplateStore(cfg.template_store_dir or os.path.join(cfg.state_dir, "templates"),
-                                  int(cfg.template_store_max_gb * (1 << 30)))
+            store = open_store(cfg)
             self._importer = Importer(store, RegistryPolicy.of(cfg.allowed_registries, cfg.insecure_registries),
                                       ImportLimits(max_image_bytes=cfg.max_image_mb << 20,
                                                    concurrent=cfg.max_concurrent_imports))

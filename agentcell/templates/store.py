@@ -38,9 +38,14 @@ _NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}")
 _HEX = re.compile(r"[0-9a-f]{64}")
 
 
+BUILT_IN = frozenset({"base", "code-interpreter-v1", "code-interpreter"})  # the server's own templates
+
+
 def check_name(name: str) -> str:
     if not _NAME.fullmatch(name):
         raise InvalidArgumentError(f"template name {name!r}: 1-63 of a-z 0-9 . _ -, starting with a letter or digit")
+    if name in BUILT_IN:
+        raise InvalidArgumentError(f"template name {name!r} is a built-in template's; choose another name")
     return name
 
 
@@ -108,6 +113,30 @@ class TemplateStore:
         if not os.path.exists(final + ".json"):
             _write_json(final + ".json", info)
 
+    def lease(self, diff_ids: list[str]) -> list[int]:
+        """Shared flocks on these layers' records, held as long as the fds are open: a server holds them
+        while sandboxes may run on the layers, and collect() leaves a leased layer in place even when
+        no template names it any more (its template was replaced or deleted)."""
+        fds: list[int] = []
+        for diff_id in diff_ids:
+            fd = os.open(self.layer_path(diff_id) + ".json", os.O_RDONLY | os.O_CLOEXEC)
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            fds.append(fd)
+        return fds
+
+    def _leased(self, diff_id: str) -> bool:
+        try:
+            fd = os.open(self.layer_path(diff_id) + ".json", os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return False
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)  # (drops the probe's own lock)
+
     def size_bytes(self) -> int:
         """The layers' bytes, each counted once."""
         return sum(self.layer_info(d)["file_bytes"] for d in self._layer_ids())
@@ -162,7 +191,7 @@ class TemplateStore:
                 shutil.rmtree(os.path.join(self.tmp_dir, n), ignore_errors=True)
             named = {d for t in self.templates() for d in t.get("layers", [])}
             for diff_id in self._layer_ids():
-                if diff_id in named:
+                if diff_id in named or self._leased(diff_id):
                     continue
                 with contextlib.suppress(OSError, ValueError, KeyError):
                     out.freed_bytes += self.layer_info(diff_id)["file_bytes"]

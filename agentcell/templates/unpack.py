@@ -17,7 +17,7 @@ Layers are untrusted and this runs as host root, so, as backends/disk_archive.py
 directory fds only: every component is opened with openat(O_NOFOLLOW | O_DIRECTORY) from the layer's
 root fd, new entries are made with O_CREAT | O_EXCL | O_NOFOLLOW, mkdirat, symlinkat, mknodat and
 linkat without following: no symlink of the layer is ever followed, no name leaves the directory.
-Absolute names, ``..``, device nodes (but whiteouts) are refused. The decompressed stream, the bytes
+Absolute names and ``..`` are refused; device nodes (but whiteouts) are left out and recorded. The decompressed stream, the bytes
 written (a sparse file counts at its full size), the entries and the size of any one header are
 bounded: a decompression bomb stops at the budget, never at the disk's end.
 """
@@ -75,6 +75,7 @@ class Unpacked:
     entries: int = 0
     capabilities: dict[str, str] = field(default_factory=dict)  # path -> security.capability (hex)
     dropped_xattrs: list[str] = field(default_factory=list)  # "path: name", for the record
+    dropped_devices: list[str] = field(default_factory=list)  # device nodes left out (never made)
 
 
 class _Counted:
@@ -341,10 +342,14 @@ class _Extractor:
             os.mkfifo(leaf, 0o600, dir_fd=parent)
         elif member.ischr() and member.devmajor == 0 and member.devminor == 0:
             os.mknod(leaf, stat.S_IFCHR | 0o600, 0, dir_fd=parent)  # an overlay whiteout already
+        elif member.ischr() or member.isblk():
+            # not made, only recorded: a sandbox gets its own /dev (rootfs builders such as mmdebstrap put
+            # /dev/console, /dev/null ... in their tars), and no layer may hold a host device
+            if len(res.dropped_devices) < 1000:
+                res.dropped_devices.append(member.name)
+            return
         else:
-            raise InvalidArgumentError(
-                f"layer entry {member.name!r}: device nodes and entries of type {member.type!r} are refused "
-                "(a sandbox gets its own /dev)")
+            raise InvalidArgumentError(f"layer entry {member.name!r}: entries of type {member.type!r} are refused")
         os.chown(leaf, uid, gid, dir_fd=parent, follow_symlinks=False)  # the new entry itself, never a target
         if not member.issym():
             os.chmod(leaf, mode & 0o777, dir_fd=parent)  # a fifo or whiteout just made here, not a link

@@ -27,6 +27,7 @@ from agentcell import rootless
 from agentcell.backends import disk_archive
 from agentcell.backends.base import (
     Backend,
+    ImageRoot,
     Limits,
     RunningSandbox,
     SandboxSpec,
@@ -37,6 +38,7 @@ from agentcell.backends.linux import (
     cgroup_delegation,
     cgroups,
     host,
+    image_root,
     rootfs,
     runtime_prefetch,
     runtime_store,
@@ -93,6 +95,7 @@ class LinuxSandbox(RunningSandbox):
         self.disk_fd = -1
         self.owners = disk_archive.Owners(-1, -1)  # its user's host ids
         self.host_uids: tuple[int, ...] = ()  # the host uids its processes run as (its user's, its root's)
+        self.image = False  # its root is an image template's (image_root.py): one overlay, of "/"
 
     def alive(self) -> bool:
         if self.killed or self.pidfd < 0:
@@ -100,6 +103,16 @@ class LinuxSandbox(RunningSandbox):
         poller = select.poll()  # not select(): a server with 1,000 sandboxes holds fds past FD_SETSIZE
         poller.register(self.pidfd, select.POLLIN)
         return not poller.poll(0)  # readable = exited
+
+
+def _send_layers(sock: socket.socket, layers: tuple[str, ...]) -> None:
+    """Detached clones of an image's layer trees (image_root.open_layers), one message, then ours closed."""
+    fds = image_root.open_layers(layers)
+    try:
+        socket.send_fds(sock, [b"L"], fds)
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 async def _read_frame(loop: asyncio.AbstractEventLoop, sock: socket.socket,
@@ -156,12 +169,14 @@ def _open_archive(path: str) -> int:
     return fd
 
 
-def _export(disk_fd: int, dest: str, max_bytes: int, owners: disk_archive.Owners) -> int:
-    """write_archive into a new file at `dest` (removed again on failure)."""
-    overlays = [path for path, _ in rootfs.OVERLAYS]
+def _export(disk_fd: int, dest: str, max_bytes: int, owners: disk_archive.Owners, image: bool) -> int:
+    """write_archive into a new file at `dest` (removed again on failure). `image`: a sandbox of an
+    image template, whose one overlay is its whole root (image_root.py)."""
+    overlays = [image_root.ROOT] if image else [path for path, _ in rootfs.OVERLAYS]
     try:
         with open(dest, "wb") as out:
-            return disk_archive.write_archive(disk_fd, out, max_bytes, owners, overlays=overlays)
+            return disk_archive.write_archive(disk_fd, out, max_bytes, owners, overlays=overlays,
+                                              mount_points=image_root.MOUNT_POINTS if image else ())
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(dest)
@@ -201,6 +216,7 @@ class LinuxBackend(CgroupSandboxes, Backend):
         self.preload = entry_point.startswith("agentcell.runtime.agent:") if preload is None else preload
         self.zygote_timeout = zygote_timeout
         self._zygotes: dict[str, ZygoteProcess] = {}
+        self._images: dict[str, ImageRoot] = {}  # "image:<key>" -> the image root its sandboxes have
         self._runtime: runtime_store.Store | None = None  # held from start() to close()
         self._state_dir = ""
         self._sandboxes: dict[str, LinuxSandbox] = {}
@@ -464,7 +480,20 @@ class LinuxBackend(CgroupSandboxes, Backend):
             sandbox_id = new_cell_sandbox_id()
         return sandbox_id
 
+    def _template_key(self, spec: SandboxSpec) -> str:
+        """What a sandbox is prepared from: the template's name, or for a template made from an image
+        "image:<its key>" (one zygote, "base", serves them all: image_root.py)."""
+        if spec.image_root is None:
+            return spec.template
+        if rootless.active():
+            raise InvalidArgumentError("templates made from images need a server running as root (not rootless mode)")
+        key = f"image:{spec.image_root.key}"
+        self._images[key] = spec.image_root
+        return key
+
     async def _spawn(self, template: str, sock_fd: int) -> None:
+        if template.startswith("image:"):
+            template = "base"
         z = await self._zygote(template)
         try:
             z.spawn(sock_fd)
@@ -572,15 +601,16 @@ class LinuxBackend(CgroupSandboxes, Backend):
             raise InvalidArgumentError(NO_EGRESS)
         sandbox = None
         # a sandbox that starts from a disk archive is prepared for it: a standby's disk is mounted already
+        template = self._template_key(spec)
         if not spec.sandbox_id and not spec.files and self.standbys and _claimable(self.standby_limits, spec.limits):
-            sandbox = await self._pool(spec.template).take()
+            sandbox = await self._pool(template).take()
             try:
                 sandbox.cgroups.retune(sandbox.limits, spec.limits)
             except OSError:  # e.g. less memory than the standby already uses: prepare one instead
                 await self.kill(sandbox)
                 sandbox = None
         if sandbox is None:
-            sandbox = await self._prepare(spec.template, spec.limits, spec.sandbox_id or self._new_id(), spec.files)
+            sandbox = await self._prepare(template, spec.limits, spec.sandbox_id or self._new_id(), spec.files)
         try:
             sandbox.limits = spec.limits
             sandbox.cgroups.set_cpu_weight(standby=False)
@@ -624,6 +654,10 @@ class LinuxBackend(CgroupSandboxes, Backend):
             request["t0_ns"] = t0_ns
         if files_fd >= 0:
             request["files"] = True  # the archive's fd follows the frame
+        image = self._images.get(template) if template.startswith("image:") else None
+        if image is not None:  # its layers follow the frame (and the archive)
+            request["image"] = {"layers": len(image.layers), "env": dict(image.env), "workdir": image.workdir,
+                                "python": image.python, "start_cmd": image.start_cmd, "ready_cmd": image.ready_cmd}
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         sandbox: LinuxSandbox | None = None
         try:
@@ -635,6 +669,8 @@ class LinuxBackend(CgroupSandboxes, Backend):
                 await loop.sock_sendall(ours, encode_frame(request))
                 if files_fd >= 0:  # one byte on a fresh socket: never blocks
                     socket.send_fds(ours, [b"F"], [files_fd])
+                if image is not None:
+                    _send_layers(ours, image.layers)
                 first = await _read_frame(loop, ours)
                 if first is None or first.get("event") != "spawned":
                     raise _setup_failure(sandbox_id, first)
@@ -646,6 +682,7 @@ class LinuxBackend(CgroupSandboxes, Backend):
                 sandbox = LinuxSandbox(sandbox_id, ours, pid, os.pidfd_open(pid), slot, cgroup, limits)
                 sandbox.owners = disk_archive.Owners(host_id, host_id)
                 sandbox.host_uids = (host_id, root_id)
+                sandbox.image = image is not None
                 self._owned[sandbox_id] = sandbox
                 fds: list[int] = []
                 disk = await _read_frame(loop, ours, fds)  # from the child, before any sandbox code ran
@@ -744,7 +781,26 @@ class LinuxBackend(CgroupSandboxes, Backend):
                 raise SandboxGoneError(f"sandbox {sandbox.sandbox_id} was killed")
             disk_fd = os.dup(sandbox.disk_fd)
         try:  # the walk (host root, through fds only: disk_archive.py) runs off the event loop
-            return await asyncio.to_thread(_export, disk_fd, dest, max_bytes, sandbox.owners)
+            return await asyncio.to_thread(_export, disk_fd, dest, max_bytes, sandbox.owners, sandbox.image)
+        finally:
+            os.close(disk_fd)
+
+
+    async def export_layer(self, sandbox: RunningSandbox, dest: str, max_bytes: int) -> str:
+        """What an image sandbox changed (its root's upper layer and /home/user) as an OCI layer tar at
+        `dest` (templates/capture.py); returns its diff_id. For template builds: each step's layer."""
+        from agentcell.templates import capture
+
+        assert isinstance(sandbox, LinuxSandbox)
+        async with sandbox.kill_lock:
+            if sandbox.killed or sandbox.disk_fd < 0:
+                raise SandboxGoneError(f"sandbox {sandbox.sandbox_id} was killed")
+            disk_fd = os.dup(sandbox.disk_fd)
+        try:
+            def write() -> str:
+                with open(dest, "wb") as out:
+                    return capture.write_layer(disk_fd, out, max_bytes, sandbox.owners)
+            return await asyncio.to_thread(write)
         finally:
             os.close(disk_fd)
 

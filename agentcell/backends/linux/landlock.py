@@ -81,6 +81,10 @@ def _add(ruleset: int, path: str, access: int) -> None:
         os.close(fd)
 
 
+def _writable_root() -> bool:
+    return os.statvfs("/").f_flag & os.ST_RDONLY == 0
+
+
 def restrict(abi: int | None = None) -> int:
     """Confine the calling process (and its future children). Needs no_new_privs. Returns the ABI used."""
     abi = abi_version() if abi is None else abi
@@ -98,7 +102,9 @@ def restrict(abi: int | None = None) -> int:
                                    ctypes.c_uint32(0)), "create_ruleset")
     try:
         read = (EXECUTE | READ_FILE | READ_DIR | IOCTL_DEV) & handled
-        _add(ruleset, "/", read)
+        # an image template's root is one writable overlay (image_root.py): all of it as far as the
+        # files' modes allow (the default template's root is read-only: only its overlays below)
+        _add(ruleset, "/", handled & ~(MAKE_CHAR | MAKE_BLOCK) if _writable_root() else read)
         for d in WRITABLE_DIRS:
             _add(ruleset, d, handled)
         for d in OVERLAY_DIRS:

@@ -45,6 +45,7 @@ import contextlib
 import fcntl
 import fnmatch
 import functools
+import glob
 import hashlib
 import importlib.util
 import json
@@ -56,6 +57,7 @@ import shutil
 import stat
 import struct
 import sys
+import sysconfig
 import threading
 import time
 import types
@@ -72,6 +74,10 @@ from agentcell.runtime import statedir
 from agentcell.server import progress
 
 NEUTRAL_ROOT = "/opt/agentcell"
+# The host's /usr again, for what the runtime loads or runs later in a sandbox whose root is an image's
+# (image_root.py); the zygote's loader searches its library directory first (launch()).
+SYSTEM_USR = f"{NEUTRAL_ROOT}/system/usr"
+SYSTEM_LIBS = f"{SYSTEM_USR}/lib/{sysconfig.get_config_var('MULTIARCH') or os.uname().machine + '-linux-gnu'}"
 STORE_DIR = "/var/lib/agentcell/runtime"  # store_dir(): AGENTCELL_RUNTIME_STORE overrides it
 ZYGOTE_HOSTNAME = "agentcell"
 FORMAT = 2  # bump whenever the layout or a rewriting rule changes: every part is rebuilt
@@ -888,10 +894,18 @@ def launch(spec: dict[str, Any]) -> NoReturn:
         os.makedirs(dst, mode=0o755, exist_ok=True)
         sc.mount(src, dst, None, sc.MS_BIND)
         sc.mount(None, dst, None, sc.MS_REMOUNT | sc.MS_BIND | sc.MS_RDONLY | base)
+    if os.path.isdir("/usr"):
+        os.makedirs(SYSTEM_USR, mode=0o755, exist_ok=True)
+        sc.mount("/usr", SYSTEM_USR, None, sc.MS_BIND)
+        sc.mount(None, SYSTEM_USR, None, sc.MS_REMOUNT | sc.MS_BIND | sc.MS_RDONLY | base)
     sc.mount(None, top, None, sc.MS_REMOUNT | sc.MS_RDONLY | base)
     env = dict(os.environ)
     env["PYTHONPATH"] = spec["pythonpath"]
     argv = spec["argv"]
+    # the same libraries as /usr's, by a path an image sandbox has too (its /usr is the image's); after
+    # the interpreter's own lib directory in the store, whose libpython must win over the host's
+    own = sorted({os.path.dirname(p) for p in glob.glob(f"{NEUTRAL_ROOT}/*/lib/libpython*.so*")})
+    env["LD_LIBRARY_PATH"] = ":".join(p for p in (*own, SYSTEM_LIBS, env.get("LD_LIBRARY_PATH", "")) if p)
     os.execve(argv[0], argv, env)
 
 

@@ -41,7 +41,7 @@ from typing import Any, NoReturn
 
 from agentcell import rootless
 from agentcell.backends.base import Limits
-from agentcell.backends.linux import landlock, ns_limits, rootfs
+from agentcell.backends.linux import image_root, landlock, ns_limits, rootfs
 from agentcell.backends.linux import syscalls as sc
 from agentcell.backends.linux.cgroups import Cgroups
 from agentcell.errors import SandboxError
@@ -141,6 +141,18 @@ def default_envs(sandbox_id: str) -> dict[str, str]:
         "REQUESTS_CA_BUNDLE": "/etc/ssl/certs/ca-certificates.crt",
         "NODE_EXTRA_CA_CERTS": "/etc/ssl/certs/ca-certificates.crt",
     }
+
+
+# what an image's Env may not change: who the sandbox's user is and where its home is
+_KEPT_ENVS = ("HOME", "USER", "LOGNAME", "HOSTNAME", "TMPDIR")
+
+
+def image_envs(image: dict[str, Any]) -> dict[str, str]:
+    """The image's Env (its PATH first of all), over the sandbox's defaults; never the runtime's venv
+    on the PATH (an image's `python` is its own)."""
+    envs = {str(k): str(v) for k, v in (image.get("env") or {}).items() if k not in _KEPT_ENVS}
+    envs.setdefault("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
+    return envs
 
 
 def _place_fds(sock_fd: int, server_pidfd: int) -> None:
@@ -245,6 +257,8 @@ def _run_sandbox(fd: int, req: dict[str, Any], cg: Cgroups, cg_fds: list[int], e
         if min(uid, gid, root_uid, root_gid) <= 0 or len({uid, root_uid}) < 2 or len({gid, root_gid}) < 2:
             raise ValueError("refusing to run a sandbox as host root, or with one host id for both of its users")
         files_fd = _recv_archive(fd) if req.get("files") else -1  # never for a standby of the pool
+        image = req.get("image")  # a template made from an image: its layers follow (image_root.py)
+        layer_fds = image_root.receive_layers(fd, int(image["layers"])) if image else []
         step = "cgroup limits"
         cg.set_limits(limits)
         by_cgroup = cg.controllers()  # (rootless: maybe none or some; the rlimits stand in for the others)
@@ -261,8 +275,12 @@ def _run_sandbox(fd: int, req: dict[str, Any], cg: Cgroups, cg_fds: list[int], e
         _mark(step)
         # rootless: no copy-on-write overlays (their idmapped lower layers need host root): /usr, /etc ... read-only
         overlays_userns = -1 if rootless.active() else userns
-        disk_fd = rootfs.finish(sandbox_id, limits.disk_limit_mb, uid, gid, overlays_userns, files_fd,
-                                (root_uid, root_gid))
+        if image:
+            disk_fd = image_root.finish(sandbox_id, limits.disk_limit_mb, uid, gid, layer_fds, (root_uid, root_gid),
+                                        files_fd)
+        else:
+            disk_fd = rootfs.finish(sandbox_id, limits.disk_limit_mb, uid, gid, overlays_userns, files_fd,
+                                    (root_uid, root_gid))
         step = "disk handle"
         _send_disk(fd, disk_fd)
         step = "enter the user namespace"
@@ -327,12 +345,18 @@ def _run_sandbox(fd: int, req: dict[str, Any], cg: Cgroups, cg_fds: list[int], e
             os.dup2(devnull, i)
         os.close(devnull)
         envs = default_envs(sandbox_id)  # the tenant's own come with the server's claim (agent.serve)
+        if image:
+            image_root.system_paths()
+            envs.update(image_envs(image))
         os.environ.clear()
         os.environ.update(envs)
         os.chdir(rootfs.HOME)
         sock = socket.socket(fileno=fd)
         config = {"sandbox_id": sandbox_id, "envs": envs, "home": rootfs.HOME, "landlock_abi": landlock_abi,
                   "child_oom_score_adj": req["child_oom_score_adj"], "server_pidfd": SERVER_FD}
+        if image:
+            config.update({"python": image.get("python", ""), "workdir": image.get("workdir", ""),
+                           "start_cmd": image.get("start_cmd", ""), "ready_cmd": image.get("ready_cmd", "")})
         entry(sock, config)
         os._exit(0)
     except SystemExit as e:

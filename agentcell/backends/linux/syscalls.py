@@ -166,17 +166,28 @@ def idmapped_clone(path: str, userns_fd: int, attrs: int) -> int:
     """A detached copy of the mount at `path` (that one mount, not its submounts) whose file owners are
     read through `userns_fd`'s id maps (host root's files show as the uid host 0 maps to there), with
     `attrs` (MOUNT_ATTR_*) set. Returns the tree's fd; attach it with move_mount_fd."""
-    fd = _check(_libc.syscall(ctypes.c_long(_syscall_nr("open_tree")), ctypes.c_int(AT_FDCWD), path.encode(),
-                              ctypes.c_uint(OPEN_TREE_CLONE | os.O_CLOEXEC)), f"open_tree({path!r})")
-    attr = _MountAttr(attrs | MOUNT_ATTR_IDMAP, 0, 0, userns_fd)
+    fd = open_tree_one(path)
     try:
-        _check(_libc.syscall(ctypes.c_long(_syscall_nr("mount_setattr")), ctypes.c_int(fd), b"",
-                             ctypes.c_uint(AT_EMPTY_PATH), ctypes.byref(attr), ctypes.c_size_t(ctypes.sizeof(attr))),
-               f"mount_setattr({path!r}, idmap)")
+        set_idmap(fd, userns_fd, attrs, path)
     except OSError:
         os.close(fd)
         raise
-    return int(fd)
+    return fd
+
+
+def open_tree_one(path: str) -> int:
+    """A detached copy of the mount or directory at `path` alone (no submounts): an fd, which another
+    process may receive, idmap (set_idmap) and attach (move_mount_fd) in its own mount namespace."""
+    return int(_check(_libc.syscall(ctypes.c_long(_syscall_nr("open_tree")), ctypes.c_int(AT_FDCWD), path.encode(),
+                                    ctypes.c_uint(OPEN_TREE_CLONE | os.O_CLOEXEC)), f"open_tree({path!r})"))
+
+
+def set_idmap(fd: int, userns_fd: int, attrs: int, what: str = "") -> None:
+    """Owners of the detached tree `fd` read through `userns_fd`'s id maps, and `attrs` set."""
+    attr = _MountAttr(attrs | MOUNT_ATTR_IDMAP, 0, 0, userns_fd)
+    _check(_libc.syscall(ctypes.c_long(_syscall_nr("mount_setattr")), ctypes.c_int(fd), b"",
+                         ctypes.c_uint(AT_EMPTY_PATH), ctypes.byref(attr), ctypes.c_size_t(ctypes.sizeof(attr))),
+           f"mount_setattr({what or fd!r}, idmap)")
 
 
 def open_tree_clone(path: str) -> int:

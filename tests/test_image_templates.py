@@ -1,0 +1,237 @@
+"""Sandboxes of templates made from images (issue 27): a real server, images made on this host and
+imported into its template store, the official E2B SDKs driving sandboxes of them.
+
+Each image kind stands for a family users bring: musl + busybox (Alpine: no glibc, no bash), a root
+with no shell (distroless), Debian bookworm (apt, bash, sudo), Debian trixie with its own Python 3.13
+(python:3.x-slim's kind: the image's Python differs from the runtime's).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from e2b import CommandExitException
+from e2b_code_interpreter import Sandbox
+
+from tests.oci_images import debian_tar, distroless_root, musl_root, root_image
+from tests.servers import ServerProcess
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="image templates need a server running as root")
+AGENTCELL = [sys.executable, "-m", "agentcell"]
+
+
+def _import(store: Path, layout: Path, tag: str, name: str) -> None:
+    done = subprocess.run([*AGENTCELL, "template", "import", f"oci:{layout}:{tag}", "--name", name, "--store", str(store)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An OCI layout holding the test images: musl, distroless, and (when the Debian archive is
+    reachable) bookworm and trixie-python."""
+    tmp = tmp_path_factory.mktemp("images")
+    layout = tmp / "layout"
+    root_image(layout, "musl", root=musl_root(tmp / "musl"), config={"env": ["GREETING=from-the-image"],
+                                                                      "workingdir": "/srv"})
+    root_image(layout, "distroless", root=distroless_root(tmp / "distroless"))
+    return layout
+
+
+@pytest.fixture(scope="module")
+def server(images: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    state = tmp_path_factory.mktemp("state")
+    for tag in ("musl", "distroless"):
+        _import(state / "templates", images, tag, tag)
+    with ServerProcess(state / "server.log", "--state-dir", str(state), "--egress-uplink", "none",
+                       "--standbys", "1") as srv:
+        srv.state = state  # type: ignore[attr-defined]
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def debian(server: ServerProcess, images: Path) -> str:
+    root_image(images, "bookworm", tar=debian_tar("bookworm"))
+    _import(server.state / "templates", images, "bookworm", "bookworm")  # type: ignore[attr-defined]
+    return "bookworm"
+
+
+def sandbox(server: ServerProcess, template: str, **kw: object) -> Sandbox:
+    return Sandbox.create(template=template, api_key="e2b_test", api_url=server.url, sandbox_url=server.url, **kw)
+
+
+def run(sb: Sandbox, cmd: str, user: str = "user") -> str:
+    return sb.commands.run(cmd, user=user, timeout=60).stdout  # type: ignore[arg-type]
+
+
+def test_musl_image_commands_files_and_root(server: ServerProcess) -> None:
+    sb = sandbox(server, "musl")
+    try:
+        assert "ID=alpine" in run(sb, "cat /etc/os-release")
+        assert run(sb, "id -u; id -un").split() == ["1000", "user"]
+        # the image's Env and WorkingDir; HOME stays the sandbox user's
+        assert run(sb, "echo $GREETING; pwd; echo $HOME").split() == ["from-the-image", "/srv", "/home/user"]
+        assert run(sb, "ls /lib").split() == ["ld-musl-x86_64.so.1"]  # no glibc came in with the runtime
+        assert not run(sb, "test -e /bin/bash && echo bash || true").strip()
+        # the whole root is writable by the sandbox's root: a new top-level directory, a new tool
+        run(sb, "mkdir /0 && echo x > /0/x && printf '#!/bin/sh\\necho tool ran\\n' > /usr/local/bin/tool"
+                " && chmod 755 /usr/local/bin/tool", user="root")
+        assert run(sb, "cat /0/x; tool").split() == ["x", "tool", "ran"]
+        # ... and not by its user, where the image's modes say so
+        with pytest.raises(CommandExitException):
+            run(sb, "echo y > /etc/passwd")
+        sb.files.write("/home/user/note.txt", "hello")
+        assert sb.files.read("/home/user/note.txt") == "hello"
+        # its root may delete the image's own files: a copy-on-write layer over them
+        run(sb, "rm /bin/busybox.bak 2>/dev/null; cp /bin/busybox /tmp/bb && rm /bin/cat", user="root")
+        assert "not found" in sb.commands.run("/bin/cat /etc/os-release 2>&1 || true").stdout
+        # run_code: the image has no Python, so the runtime's own runs it, libraries included
+        execution = sb.run_code("import ssl, sqlite3, numpy\nint(numpy.arange(3).sum())")
+        assert execution.error is None and execution.text == "3"
+    finally:
+        sb.kill()
+    fresh = sandbox(server, "musl")
+    try:  # nothing of the last sandbox's: the layers are the image's, unchanged
+        assert "ID=alpine" in run(fresh, "cat /etc/os-release")
+        assert not run(fresh, "ls /0 2>/dev/null || true").strip()
+        assert not run(fresh, "ls /usr/local/bin").strip()
+    finally:
+        fresh.kill()
+
+
+def test_sandbox_root_cannot_change_the_store_or_escape(server: ServerProcess) -> None:
+    store = server.state / "templates" / "layers"  # type: ignore[attr-defined]
+    before = {p: p.stat().st_mtime_ns for p in store.rglob("*") if not p.is_symlink()}
+    sb = sandbox(server, "musl")
+    try:
+        # a file of an image id other than 0 and 1000 cannot be made: ids outside the sandbox's two
+        with pytest.raises(CommandExitException):
+            run(sb, "touch /tmp/f && chown 4242 /tmp/f", user="root")
+        out = run(sb, "cat /proc/self/mountinfo; /bin/busybox rm -rf /bin /etc /lib && echo done", user="root")
+        assert out.endswith("done\n")
+        assert str(store) not in out  # no host path of the layers
+    finally:
+        sb.kill()
+    after = {p: p.stat().st_mtime_ns for p in store.rglob("*") if not p.is_symlink()}
+    assert after == before
+
+
+def test_distroless_image_runs_code_without_a_shell(server: ServerProcess) -> None:
+    sb = sandbox(server, "distroless")
+    try:
+        execution = sb.run_code("open('/etc/os-release').read()")
+        assert execution.error is None and "distroless" in (execution.text or "")
+        execution = sb.run_code("import subprocess\nsubprocess.run(['/app/busybox', 'echo', 'hi'], capture_output=True, text=True).stdout")
+        assert "hi" in (execution.text or "")
+    finally:
+        sb.kill()
+
+
+def test_disk_limit_bounds_the_root_overlay(server: ServerProcess) -> None:
+    with httpx.Client(base_url=server.url, headers={"X-API-Key": "e2b_test"}, timeout=60) as http:
+        created = http.post("/sandboxes", json={"templateID": "musl", "limits": {"diskMB": 64, "memoryMB": 512}})
+        assert created.status_code == 201, created.text
+    sb = Sandbox.connect(created.json()["sandboxID"], api_key="e2b_test", api_url=server.url, sandbox_url=server.url)
+    try:
+        out = sb.commands.run("dd if=/dev/zero of=/big bs=1M count=200 2>&1; echo rc=$?", user="root").stdout
+        assert "No space left on device" in out and "rc=1" in out
+    finally:
+        sb.kill()
+
+
+def test_unknown_template_is_404_and_builtin_names_stay_builtin(server: ServerProcess, images: Path) -> None:
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        r = http.post("/sandboxes", json={"templateID": "no-such-template"}, headers={"X-API-Key": "e2b_test"})
+        assert r.status_code == 404 and "GET /templates" in r.text
+    done = subprocess.run([*AGENTCELL, "template", "import", f"oci:{images}:musl", "--name", "base",
+                           "--store", str(server.state / "templates")], capture_output=True, text=True)  # type: ignore[attr-defined]
+    assert done.returncode != 0 and "built-in" in done.stderr
+
+
+def test_debian_image_bash_apt_sudo_and_owners(server: ServerProcess, debian: str) -> None:
+    sb = sandbox(server, debian)
+    try:
+        assert "bookworm" in run(sb, "cat /etc/os-release")
+        assert run(sb, "echo $0; readlink /proc/$$/exe; true").split() == ["/bin/bash", "/usr/bin/bash"]
+        assert run(sb, "sudo id -u").strip() == "0"
+        assert "apt 2." in run(sb, "apt-get --version | head -1")
+        # the image's own owners: root's files are the sandbox's root's; shadow's group is no id here
+        assert run(sb, "stat -c '%U %G' /etc/passwd /etc/shadow").split() == ["root", "root", "root", "nogroup"]
+        with pytest.raises(CommandExitException):
+            run(sb, "cat /etc/shadow")
+        # a setuid-root program of the image gives the user nothing (nosuid layers, no_new_privs)
+        assert run(sb, "ls -l /usr/bin/su | cut -c1-10").startswith("-rwsr-xr-x")
+        assert "uid=1000" in sb.commands.run("su -c id root </dev/null 2>&1; id").stdout
+        assert sb.run_code("import sys; sys.version_info[:2]").error is None
+    finally:
+        sb.kill()
+
+
+def test_start_command_runs_and_the_sandbox_is_ready_when_the_ready_command_says(server: ServerProcess,
+                                                                                  images: Path) -> None:
+    """E2B's set_start_cmd(start, ready): the service is up when create returns, in every sandbox."""
+    store = server.state / "templates"  # type: ignore[attr-defined]
+    _import(store, images, "musl", "svc")
+    record_path = store / "templates" / "svc.json"
+    record = json.loads(record_path.read_text())
+    record["agentcell"] = {"start_cmd": "sleep 1; echo up > /tmp/started; exec sleep 1000",
+                           "ready_cmd": "test -f /tmp/started"}
+    record_path.write_text(json.dumps(record))
+    for _ in range(2):  # the first prepared on demand, the second from the template's standby pool
+        sb = sandbox(server, "svc")
+        try:
+            assert run(sb, "cat /tmp/started").strip() == "up"
+            assert any(p.tag == "start_cmd" for p in sb.commands.list())
+        finally:
+            sb.kill()
+
+
+def test_pause_resume_and_snapshot_keep_the_root_changes(server: ServerProcess) -> None:
+    """The root's copy-on-write layer (a new tool, a deleted image file) and home survive a pause with
+    a cold start, and a snapshot's sandboxes start on the image's layers with those changes."""
+    sb = sandbox(server, "musl", timeout=120)
+    try:
+        run(sb, "printf '#!/bin/sh\\necho kept\\n' > /usr/local/bin/kept && chmod 755 /usr/local/bin/kept"
+                " && rm /etc/os-release && mkdir /data && echo d > /data/d", user="root")
+        sb.files.write("/home/user/marker.txt", "persisted\n")
+        assert sb.pause(mode="filesystem") is True
+        sb.connect()  # a cold start from its files
+        assert run(sb, "kept; cat /data/d /home/user/marker.txt; test -e /etc/os-release || echo gone").split() \
+            == ["kept", "d", "persisted", "gone"]
+        assert "ID=alpine" not in run(sb, "cat /etc/*release* 2>/dev/null; true")
+        snap = sb.create_snapshot(name=f"img-{sb.sandbox_id[:8]}")
+        child = Sandbox.create(snap.snapshot_id, api_key="e2b_test", api_url=server.url, sandbox_url=server.url)
+        try:
+            assert run(child, "kept; cat /data/d; ls /bin/busybox").split() == ["kept", "d", "/bin/busybox"]
+            assert run(child, "test -e /etc/os-release || echo gone").strip() == "gone"
+        finally:
+            child.kill()
+    finally:
+        sb.kill()
+
+
+def test_layers_in_use_outlive_their_template(server: ServerProcess, images: Path, tmp_path: Path) -> None:
+    """A template removed (or replaced) while its sandboxes run: collection leaves its layers, which
+    the server leases while it may run sandboxes on them."""
+    root = musl_root(tmp_path / "root")
+    (root / "etc/variant").write_text("lease\n")
+    root_image(images, "lease", root=root)
+    store = server.state / "templates"  # type: ignore[attr-defined]
+    _import(store, images, "lease", "lease-me")
+    layers = json.loads((store / "templates" / "lease-me.json").read_text())["layers"]
+    sb = sandbox(server, "lease-me")
+    try:
+        for args in (["rm", "lease-me"], ["gc"]):
+            done = subprocess.run([*AGENTCELL, "template", *args, "--store", str(store)], capture_output=True, text=True)
+            assert done.returncode == 0, done.stderr
+        assert (store / "layers" / layers[0].split(":")[1]).is_dir()
+        assert run(sb, "cat /etc/variant; ls /bin/busybox").split() == ["lease", "/bin/busybox"]
+    finally:
+        sb.kill()
