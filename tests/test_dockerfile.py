@@ -469,36 +469,26 @@ def test_the_cli_build_args(tmp_path: Path) -> None:
 
 # --- end to end: through a real server --------------------------------------------------------------
 
-E2E_TOOLS = ("skopeo", "umoci", "docker-registry", "busybox")
+E2E_TOOLS = ("skopeo", "umoci", "docker-registry")
 e2e = pytest.mark.skipif(os.geteuid() != 0 or not all(shutil.which(t) for t in E2E_TOOLS),
-                         reason="needs root and skopeo, umoci, docker-registry, busybox (scripts/setup)")
+                         reason="needs root and skopeo, umoci, docker-registry (scripts/setup)")
 
 
 @pytest.fixture(scope="module")
 def base_image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A busybox image (a shell, tar, id ...; users root, user, app) in a loopback registry."""
-    from tests.oci_images import Registry, umoci
+    """A musl/busybox image (tests/oci_images.py; users root, user, app) in a loopback registry."""
+    from tests.oci_images import Registry, musl_root, root_image
 
     root = tmp_path_factory.mktemp("base")
-    rootfs = root / "rootfs"
-    (rootfs / "bin").mkdir(parents=True)
-    shutil.copy("/bin/busybox", rootfs / "bin/busybox")
-    for tool in ("sh", "tar", "id", "cat", "mkdir", "rm", "chown", "chmod", "ls", "env", "sleep", "echo", "test", "touch", "stat"):
-        (rootfs / "bin" / tool).symlink_to("busybox")
-    (rootfs / "etc").mkdir()
+    rootfs = musl_root(root / "rootfs")
     (rootfs / "etc/passwd").write_text("root:x:0:0:root:/root:/bin/sh\nuser:x:1000:1000::/home/user:/bin/sh\n"
                                        "app:x:1001:1001::/srv:/bin/sh\n")
     (rootfs / "etc/group").write_text("root:x:0:\nuser:x:1000:\napp:x:1001:\n")
-    for d in ("root", "home/user", "tmp", "srv"):
-        (rootfs / d).mkdir(parents=True)
-    layout = root / "layout"
-    umoci("init", "--layout", str(layout))
-    umoci("new", "--image", f"{layout}:1")
-    for top in sorted(os.listdir(rootfs)):
-        umoci("insert", "--image", f"{layout}:1", str(rootfs / top), f"/{top}")
+    (rootfs / "home/user").mkdir(parents=True)
+    root_image(root / "layout", "1", rootfs)
     registry = Registry(root / "registry")
     try:
-        registry.push(f"oci:{layout}:1", "test/busybox:1")
+        registry.push(f"oci:{root / 'layout'}:1", "test/busybox:1")
         yield registry.address
     finally:
         registry.stop()
