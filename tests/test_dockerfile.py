@@ -124,6 +124,11 @@ def test_without_user_and_workdir_the_e2b_defaults_follow(tmp_path: Path) -> Non
                                 ("USER", ["user"]), ("WORKDIR", ["/home/user"])]
     assert converted.step_lines == [1, 1, 2, None, None]
     assert "startCmd" not in converted.spec()
+    from agentcell.templates.remote_build import _default_step
+
+    # a build error at such a step says what the step is, having no line to name
+    assert _default_step(converted, "4") == " (USER user, E2B's default after the Dockerfile)"
+    assert converted.line_of_step("4") is None and converted.line_of_step("3") == 2
 
 
 @pytest.mark.parametrize(("lines", "start"), [

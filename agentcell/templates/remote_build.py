@@ -72,7 +72,16 @@ def build_on_server(converted: ConvertedDockerfile, name: str, *, api_url: str, 
         reason = status.reason
         step = reason.step if reason else None
         line = converted.line_of_step(step)
-        where = f"{converted.label}:{line}: " if line is not None else (f"step {step}: " if step else "")
+        where = f"{converted.label}:{line}: " if line is not None else (f"step {step}{_default_step(converted, step)}: "
+                                                                        if step else "")
         raise TemplateBuildError(f"the build failed: {where}{reason.message if reason else 'no reason given'}",
                                  line, step)
     return BuildResult(info.template_id, info.build_id, info.name, list(info.tags or []))
+
+
+def _default_step(converted: ConvertedDockerfile, step: str) -> str:
+    """A step no Dockerfile line made: E2B's default user and workdir after the Dockerfile."""
+    if step.isdigit() and 1 <= int(step) <= len(converted.step_lines):
+        spec = converted.template._template._instructions[int(step) - 1]
+        return f" ({spec['type']} {' '.join(spec['args'])}, E2B's default after the Dockerfile)"
+    return ""
