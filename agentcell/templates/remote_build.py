@@ -83,5 +83,6 @@ def _default_step(converted: ConvertedDockerfile, step: str) -> str:
     """A step no Dockerfile line made: E2B's default user and workdir after the Dockerfile."""
     if step.isdigit() and 1 <= int(step) <= len(converted.step_lines):
         spec = converted.template._template._instructions[int(step) - 1]
-        return f" ({spec['type']} {' '.join(spec['args'])}, E2B's default after the Dockerfile)"
+        kind = getattr(spec["type"], "value", spec["type"])  # e2b's InstructionType
+        return f" ({kind} {' '.join(spec['args'])}, E2B's default after the Dockerfile)"
     return ""
