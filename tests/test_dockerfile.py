@@ -203,15 +203,15 @@ def test_metadata_instructions_are_ignored_with_a_warning(tmp_path: Path) -> Non
         """, {"a": "a"})
     assert [s[0] for s in steps(converted)] == ["USER", "WORKDIR", "RUN", "RUN", "COPY", "USER", "WORKDIR"]
     assert converted.warnings == [
-        "Dockerfile:8: Ignoring unsupported RUN flag --mount",
-        "Dockerfile:9: Ignoring unsupported RUN flag --network",
-        "Dockerfile:10: Ignoring unsupported COPY flag --link",
         "Dockerfile:2: LABEL ignored: a template keeps no image labels",
         "Dockerfile:3: MAINTAINER ignored: a template keeps no image metadata",
         "Dockerfile:4: EXPOSE ignored: a sandbox's ports are reachable without it",
         "Dockerfile:5: VOLUME ignored: the directory stays part of the template's filesystem",
         "Dockerfile:6: STOPSIGNAL ignored: a sandbox is stopped as a whole",
         "Dockerfile:7: ONBUILD ignored: its triggers are for images built FROM this one",
+        "Dockerfile:8: Ignoring unsupported RUN flag --mount",
+        "Dockerfile:9: Ignoring unsupported RUN flag --network",
+        "Dockerfile:10: Ignoring unsupported COPY flag --link",
     ]
 
 

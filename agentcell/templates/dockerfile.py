@@ -145,7 +145,8 @@ def convert_dockerfile(text: str, context: str | os.PathLike[str], build_args: M
         ast = parse_dockerfile_ast(text)
         steps = _StepRecorder(result.template, context_dir, read_dockerignore(context_dir), label)
         converter = _Converter(steps, ast.escape_token, label, dict(build_args or {}), ready_cmd)
-        with contextlib.redirect_stdout(notes):  # E2B's converter prints its warnings
+        # E2B's converter prints its warnings (process-wide: a tool's call, not a server thread's)
+        with contextlib.redirect_stdout(notes):
             result.base_image = converter.convert(ast.instructions)
     except DockerfileSyntaxError as e:
         raise DockerfileError(label, e.line, _E2B_PARSE_PREFIX.sub("", str(e))) from None
@@ -154,9 +155,15 @@ def convert_dockerfile(text: str, context: str | os.PathLike[str], build_args: M
     template._base_image = result.base_image
     result.step_lines = steps.lines
     result.from_line = converter.from_line
-    result.warnings = [*(f"{label}:{w.line}: {w.message}" for w in ast.warnings),
-                       *_e2b_notes(notes.getvalue(), label), *converter.warnings]
+    warnings = [*(f"{label}:{w.line}: {w.message}" for w in ast.warnings),
+                *_e2b_notes(notes.getvalue(), label), *converter.warnings]
+    result.warnings = sorted(warnings, key=lambda w: _line_of(w, label))  # in the Dockerfile's order
     return result
+
+
+def _line_of(warning: str, label: str) -> float:
+    head = warning[len(label) + 1:].partition(":")[0]
+    return int(head) if head.isdigit() else float("inf")
 
 
 def _e2b_notes(printed: str, label: str) -> list[str]:
