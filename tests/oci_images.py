@@ -231,8 +231,12 @@ def distroless_root(root: Path) -> Path:
     return root
 
 
-def debian_tar(suite: str, include: tuple[str, ...] = ()) -> Path:
-    """A minbase Debian root of `suite` as a tar (mmdebstrap, from the Debian archive), cached."""
+UBUNTU = ("http://archive.ubuntu.com/ubuntu", "/usr/share/keyrings/ubuntu-archive-keyring.gpg")
+
+
+def debian_tar(suite: str, include: tuple[str, ...] = (), archive: tuple[str, str] | None = None) -> Path:
+    """A minbase Debian root of `suite` as a tar (mmdebstrap, from the Debian archive; `archive`: another
+    distribution's (mirror, keyring), e.g. UBUNTU), cached."""
     name = "-".join((suite, *include)) + ".tar"
     cached = IMAGE_CACHE / name
     if cached.exists():
@@ -241,8 +245,11 @@ def debian_tar(suite: str, include: tuple[str, ...] = ()) -> Path:
         pytest.skip("the Debian test images need mmdebstrap (scripts/setup installs it)")
     IMAGE_CACHE.mkdir(parents=True, exist_ok=True)
     partial = cached.with_suffix(".partial")
+    if archive is not None and not os.path.exists(archive[1]):
+        pytest.skip(f"the {suite} test image needs the keyring {archive[1]} (scripts/setup installs ubuntu-keyring)")
     args = ["mmdebstrap", "--variant=minbase", "--format=tar", "--quiet", *(["--include=" + ",".join(include)] if include else []),
-            suite, str(partial)]
+            *([f"--keyring={archive[1]}", "--components=main"] if archive else []), suite, str(partial),
+            *([archive[0]] if archive else [])]
     done = subprocess.run(args, capture_output=True, text=True, timeout=600)
     if done.returncode != 0:
         partial.unlink(missing_ok=True)

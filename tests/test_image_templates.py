@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,7 +21,7 @@ import pytest
 from e2b import CommandExitException
 from e2b_code_interpreter import Sandbox
 
-from tests.oci_images import debian_tar, distroless_root, musl_root, root_image
+from tests.oci_images import UBUNTU, debian_tar, distroless_root, musl_root, root_image
 from tests.servers import ServerProcess
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="image templates need a server running as root")
@@ -111,6 +112,10 @@ def test_sandbox_root_cannot_change_the_store_or_escape(server: ServerProcess) -
     before = {p: p.stat().st_mtime_ns for p in store.rglob("*") if not p.is_symlink()}
     sb = sandbox(server, "musl")
     try:
+        # agentcell's own mounts in the image root stay read-only to the sandbox's root
+        for path in ("/opt/agentcell/system/usr/x", "/opt/agentcell/venv/x", "/dev/x", "/proc/x"):
+            with pytest.raises(CommandExitException):
+                run(sb, f"touch {path}", user="root")
         # a file of an image id other than 0 and 1000 cannot be made: ids outside the sandbox's two
         with pytest.raises(CommandExitException):
             run(sb, "touch /tmp/f && chown 4242 /tmp/f", user="root")
@@ -233,5 +238,108 @@ def test_layers_in_use_outlive_their_template(server: ServerProcess, images: Pat
             assert done.returncode == 0, done.stderr
         assert (store / "layers" / layers[0].split(":")[1]).is_dir()
         assert run(sb, "cat /etc/variant; ls /bin/busybox").split() == ["lease", "/bin/busybox"]
+    finally:
+        sb.kill()
+
+
+@pytest.fixture(scope="module")
+def python_image(server: ServerProcess, images: Path) -> str:
+    """python:3.x-slim's kind: Debian trixie with its own Python (3.13), not the runtime's."""
+    root_image(images, "trixie-python", tar=debian_tar("trixie", ("python3", "python3-pip")))
+    _import(server.state / "templates", images, "trixie-python", "trixie-python")  # type: ignore[attr-defined]
+    return "trixie-python"
+
+
+def _wheel(name: str, body: str) -> bytes:
+    """A pure-Python wheel of one module, made here (no index, no network)."""
+    import base64
+    import hashlib
+    import io
+    import zipfile
+
+    files = {f"{name}.py": body.encode(),
+             f"{name}-1.0.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n".encode(),
+             f"{name}-1.0.dist-info/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    record = "".join(f"{path},sha256={base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b'=').decode()},"
+                     f"{len(data)}\n" for path, data in files.items()) + f"{name}-1.0.dist-info/RECORD,,\n"
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        for path, data in {**files, f"{name}-1.0.dist-info/RECORD": record.encode()}.items():
+            z.writestr(path, data)
+    return buf.getvalue()
+
+
+def test_run_code_uses_the_images_own_python_and_sees_what_pip_installs(server: ServerProcess,
+                                                                         python_image: str) -> None:
+    sb = sandbox(server, python_image)
+    try:
+        execution = sb.run_code("import sys; sys.version_info[:2], sys.executable")
+        assert execution.error is None and execution.text == "((3, 13), '/usr/bin/python3')"
+        assert "python 3.13" in run(sb, "python3 --version").lower()
+        assert "ModuleNotFoundError" in str(sb.run_code("import numpy").error)  # not the runtime's
+        sb.files.write("/tmp/hello_pkg-1.0-py3-none-any.whl", _wheel("hello_pkg", "GREETING = 'installed'\n"))
+        out = sb.commands.run("pip install --user --break-system-packages --no-index "
+                              "/tmp/hello_pkg-1.0-py3-none-any.whl 2>&1", timeout=120)
+        assert out.exit_code == 0, out.stdout
+        execution = sb.run_code("import hello_pkg; hello_pkg.GREETING")
+        assert execution.error is None and execution.text == "installed"
+        assert run(sb, "sudo python3 -c 'import os; print(os.getuid())'").strip() == "0"
+    finally:
+        sb.kill()
+
+
+@pytest.fixture(scope="module")
+def ubuntu(server: ServerProcess, images: Path) -> str:
+    root_image(images, "noble", tar=debian_tar("noble", archive=UBUNTU))
+    _import(server.state / "templates", images, "noble", "noble")  # type: ignore[attr-defined]
+    return "noble"
+
+
+def test_ubuntu_image(server: ServerProcess, ubuntu: str) -> None:
+    sb = sandbox(server, ubuntu)
+    try:
+        assert "Ubuntu" in run(sb, "cat /etc/os-release")
+        assert run(sb, "id -un; sudo id -un").split() == ["user", "root"]
+        assert "(Ubuntu" in run(sb, "ldd --version | head -1")  # the image's own glibc, not the host's
+        execution = sb.run_code("import ctypes, sqlite3; sqlite3.sqlite_version_info >= (3, 0, 0)")
+        assert execution.error is None and execution.text == "True"
+    finally:
+        sb.kill()
+
+
+def test_uid_1000_of_another_name_reads_as_user() -> None:
+    """An image whose uid 1000 has a name (ubuntu:24.04's `ubuntu`, node's `node`): E2B's `user` goes
+    first, so 1000 reads as `user`, and the image's name still resolves."""
+    from agentcell.backends.linux.image_root import with_user
+
+    line = "user:x:1000:1000:user:/home/user:/bin/bash"
+    image = "root:x:0:0:root:/root:/bin/bash\nubuntu:x:1000:1000::/home/ubuntu:/bin/bash\n"
+    assert with_user(image, line).splitlines() == ["root:x:0:0:root:/root:/bin/bash", line,
+                                                    "ubuntu:x:1000:1000::/home/ubuntu:/bin/bash"]
+    assert with_user(image + line + "\n", line) == image + line + "\n"  # already there: unchanged
+    assert with_user("root:x:0:0::/root:/bin/sh", line).splitlines()[-1] == line
+
+
+def test_pty_and_ports_in_a_musl_sandbox(server: ServerProcess) -> None:
+    """A terminal (through /bin/sh: no bash) and a port served by the image's own program (busybox
+    httpd), reached through the server as E2B's get_host(port) names it."""
+    from e2b import PtySize
+
+    sb = sandbox(server, "musl")
+    try:
+        term = sb.pty.create(PtySize(rows=24, cols=80))
+        sb.pty.send_stdin(term.pid, b"stty size; tty; exit 0\n")
+        out = bytearray()
+        term.wait(on_pty=out.extend)
+        assert b"24 80" in out and b"/dev/pts/" in out, out
+        sb.files.write("/home/user/www/index.html", "served by the image")
+        sb.commands.run("httpd -f -p 8080 -h /home/user/www", background=True)
+        host = sb.get_host(8080)
+        for _ in range(100):
+            r = httpx.get(server.url + "/", headers={"Host": host}, timeout=5)
+            if r.status_code == 200:
+                break
+            time.sleep(0.1)
+        assert r.text == "served by the image"
     finally:
         sb.kill()

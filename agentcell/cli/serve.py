@@ -220,6 +220,9 @@ def _tls(opts: dict[str, Any]) -> None:
 @click.option("--template-store-max-gb", default=50.0, show_default=True, type=click.FloatRange(min=0),
               help="Disk the imported templates' layers may take together (each layer stored once; unused ones "
                    "are collected when an import needs room).")
+@click.option("--template-store-dir", default=None, type=click.Path(file_okay=False),
+              help="Where imported and built templates are kept (default: STATE_DIR/templates). Cells behind one "
+                   "gateway share one (docs/gateway.md): each cell starts sandboxes of the others' templates.")
 @click.option("--max-concurrent-imports", default=2, show_default=True, type=click.IntRange(1, 64),
               help="Template imports running at once; more are answered 429.")
 @click.option("--log-level", default="info", show_default=True,

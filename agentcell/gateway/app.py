@@ -72,6 +72,11 @@ _CREATE_PATHS = frozenset({"/sandboxes", "/v2/sandboxes", "/sandboxes/", "/v2/sa
 REFUSALS = frozenset({429, 503})  # a cell said no at once: the create may go elsewhere
 _LIST_PATHS = frozenset({"/sandboxes", "/v2/sandboxes", "/snapshots"})
 CREATED_MAX = 64 << 10  # bytes of a create's answer read for the new sandbox's id
+# Templates (imports, E2B's builds, their upload links, tags, aliases): one cell, the routable one with
+# the lowest id, runs them all, so a build's status is where its build is; the cells share one template
+# store (serve --template-store-dir on shared storage), so every cell starts sandboxes of the result.
+_TEMPLATE_PATHS = ("/templates/", "/v2/templates", "/v3/templates", "/default-templates")
+_TEMPLATE_FILES = "/template-files/"  # an upload link's PUT: its token is the credential, no key
 
 
 def classify(scope: dict[str, Any], where: SandboxTarget | None) -> str:
@@ -97,6 +102,10 @@ def classify(scope: dict[str, Any], where: SandboxTarget | None) -> str:
         ref = path[len("/templates/"):]
         if ref and ref not in TEMPLATES:  # a built-in's delete: any cell says no
             return "template_delete"
+    if path.startswith(_TEMPLATE_FILES):
+        return "template_files"
+    if path == "/templates" or path.startswith(_TEMPLATE_PATHS):
+        return "templates"
     return "other"
 
 
@@ -240,6 +249,9 @@ class GatewayApp:
         if route == "signed_files":
             await self._signed_files(scope, receive, send)
             return
+        if route == "template_files":  # no key here, none sent on: the cell checks the link's token
+            await self._to_template_cell(scope, receive, send, None)
+            return
         # the control plane: nothing goes to a cell, nor is answered, before the client's key matched
         if not self._key_ok(scope):
             await json_error(401, "invalid or missing X-API-KEY")(scope, receive, send)
@@ -255,8 +267,24 @@ class GatewayApp:
             await self._list(scope, receive, send)
         elif route == "template_delete":
             await self._delete_snapshot(path[len("/templates/"):], scope, receive, send)
+        elif route == "templates":
+            await self._to_template_cell(scope, receive, send, self._cell_key(scope))
         else:
             await self._anywhere(scope, receive, send)
+
+    async def _to_template_cell(self, scope: dict[str, Any], receive: Any, send: Any, api_key: str | None) -> None:
+        """Template requests: to the routable cell of the lowest id (the same one from every replica)."""
+        cells = sorted(self.cells.routable(), key=lambda c: c.cell_id or "")
+        if not cells:
+            self.metrics.failed("no_cell")
+            await json_error(503, "no cell is reachable; retry shortly")(scope, receive, send)
+            return
+        try:
+            await self._forward(cells[0], scope, receive, send, api_key)
+        except (CellUnreachable, CellFailed) as e:
+            await json_error(502, f"cell {cells[0].cell_id} failed to answer ({e}); retry shortly")(scope, receive, send)
+        except ClientLeft:
+            pass
 
     async def _anywhere(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         """A control-plane request no cell in particular must answer: one ready cell, else one up."""
@@ -334,9 +362,10 @@ class GatewayApp:
             await self.budget.release(held)
 
     async def _place(self, body: bytes, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if (ref := snapshots.create_template(body)) is not None:
-            await self._create_from_snapshot(ref, body, scope, send)
+        if (ref := snapshots.create_template(body)) is not None and await self._create_from_snapshot(ref, body, scope, send):
             return
+        # a built-in template, or one no cell holds a snapshot of: a template of the cells' shared store
+        # (imported or built, docs/gateway.md), placed like any create; a cell answers 404 if none has it
         tried: set[str] = set()
         capture: _Capture | None = None
         while (cell := self.cells.pick(tried)) is not None:
@@ -378,9 +407,11 @@ class GatewayApp:
         cell.placed += 1
         return status
 
-    async def _create_from_snapshot(self, ref: str, body: bytes, scope: dict[str, Any], send: Any) -> None:
+    async def _create_from_snapshot(self, ref: str, body: bytes, scope: dict[str, Any], send: Any) -> bool:
         """A create from a snapshot goes to the cell that holds it, and nowhere else (no other cell has
-        its files); that cell's refusal is the answer, with the reason it was not placed elsewhere."""
+        its files); that cell's refusal is the answer, with the reason it was not placed elsewhere.
+        False (nothing sent) when no cell answered that it holds a snapshot `ref`: it may be the name of
+        a template of the cells' store."""
         assert self.client is not None
         try:
             cell = snapshots.owner_by_prefix(self.cells, ref)
@@ -389,21 +420,23 @@ class GatewayApp:
             elif not cell.routable:
                 raise snapshots.unreachable(ref, cell)
         except snapshots.SnapshotRouteError as e:
+            if e.status == 404:
+                return False
             await json_error(e.status, e.message)(scope, _replay(b""), send)
-            return
+            return True
         capture = _Capture(send)
         try:
             status = await self._try_create(cell, scope, body, capture)
         except CellUnreachable:
             err = snapshots.unreachable(ref, cell)
             await json_error(err.status, err.message)(scope, _replay(b""), send)
-            return
+            return True
         except CellFailed as e:
             await _failed_create(cell, e)(scope, _replay(b""), send)
-            return
+            return True
         if capture.passing:
             note(capture.created_id())
-            return
+            return True
         if status in REFUSALS:
             cell.refusals += 1
             self.metrics.failed("create_refused")
@@ -415,8 +448,9 @@ class GatewayApp:
             await json_error(status, f"snapshot '{ref}' lives on cell {cell.cell_id}, which cannot take a sandbox "
                                      f"now: {reason}; a snapshot is only on its own cell, so retry shortly, or "
                                      "delete sandboxes there")(scope, _replay(b""), send)
-            return
+            return True
         await capture.release()
+        return True
 
     async def _delete_snapshot(self, ref: str, scope: dict[str, Any], receive: Any, send: Any) -> None:
         """DELETE /templates/{ref}: to the cell its template id names; a name to every cell."""

@@ -206,11 +206,21 @@ def _etc(sandbox_id: str) -> None:
     generated = rootfs.sandbox_etc.generated(rootfs.SANDBOX_UID, rootfs.HOME)
     rootfs._write_nofollow("/etc/resolv.conf", generated["resolv.conf"])
     shell = "/bin/bash" if os.path.exists("/bin/bash") else "/bin/sh"
-    for name, line in (("passwd", f"user:x:{rootfs.SANDBOX_UID}:{rootfs.SANDBOX_UID}:user:{rootfs.HOME}:{shell}\n"),
-                       ("group", f"user:x:{rootfs.SANDBOX_UID}:\n")):
+    for name, line in (("passwd", f"user:x:{rootfs.SANDBOX_UID}:{rootfs.SANDBOX_UID}:user:{rootfs.HOME}:{shell}"),
+                       ("group", f"user:x:{rootfs.SANDBOX_UID}:")):
         text = _read_nofollow(f"/etc/{name}")
-        if not any(entry.split(":", 1)[0] == "user" for entry in text.splitlines()):
-            rootfs._write_nofollow(f"/etc/{name}", (text if not text or text.endswith("\n") else text + "\n") + line, 0o644)
+        rootfs._write_nofollow(f"/etc/{name}", with_user(text, line), 0o644)
+
+
+def with_user(text: str, line: str) -> str:
+    """`text` (passwd or group) with E2B's `user` (uid/gid 1000): as it is if it has that name; else the
+    line goes before an entry of the image that has id 1000 under another name (ubuntu, node ...), so
+    that 1000 reads as `user` and the image's name still works, or at the end."""
+    entries = text.splitlines()
+    if any(e.split(":", 1)[0] == "user" for e in entries):
+        return text
+    at = next((i for i, e in enumerate(entries) if e.split(":")[2:3] == [str(rootfs.SANDBOX_UID)]), len(entries))
+    return "\n".join([*entries[:at], line, *entries[at:]]) + "\n"
 
 
 def _read_nofollow(path: str) -> str:
