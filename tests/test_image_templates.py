@@ -343,3 +343,20 @@ def test_pty_and_ports_in_a_musl_sandbox(server: ServerProcess) -> None:
         assert r.text == "served by the image"
     finally:
         sb.kill()
+
+
+def test_the_record_sees_an_image_sandbox(server: ServerProcess) -> None:
+    """The behaviour record works on an image root: the image's shell exec'd, a file written in the
+    home, a write refused on a file of the image's root."""
+    from agentcell.sdk import Sandbox as Ours
+    from tests.helpers import wait_for_events
+
+    sb = sandbox(server, "musl")
+    sid = sb.sandbox_id
+    sb.commands.run("echo x > /home/user/seen.txt; echo y > /etc/passwd 2>/dev/null; true")
+    sb.kill()
+    events = wait_for_events(lambda: Ours.events(sid, api_url=server.url),
+                             lambda got: any(e["kind"] == "sandbox.killed" for e in got), timeout=15)
+    assert any(e["kind"] == "process.exec" and (e.get("argv") or [""])[0] == "/bin/sh" for e in events), events
+    assert any(e["kind"] == "deny.write" and e.get("path") == "/etc/passwd" for e in events), events
+    assert any(e["kind"].startswith("file.") and e.get("path") == "/home/user/seen.txt" for e in events), events

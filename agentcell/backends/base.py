@@ -139,6 +139,7 @@ class SandboxSpec:
     # or the files of a sandbox paused with mode="filesystem" that is resumed (a cold start)
     files: str | None = None
     image_root: ImageRoot | None = None  # a template made from an image; None: the backend's own root
+    pooled: bool = True  # False: prepared for this create alone, never through (or making) a standby pool
 
 
 @dataclass(slots=True)

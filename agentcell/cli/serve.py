@@ -225,6 +225,17 @@ def _tls(opts: dict[str, Any]) -> None:
                    "gateway share one (docs/gateway.md): each cell starts sandboxes of the others' templates.")
 @click.option("--max-concurrent-imports", default=2, show_default=True, type=click.IntRange(1, 64),
               help="Template imports running at once; more are answered 429.")
+@click.option("--max-concurrent-builds", default=2, show_default=True, type=click.IntRange(1, 64),
+              help="Template builds (E2B's Template.build) running at once; up to 16 more wait, then 429.")
+@click.option("--registry-mirror", "registry_mirrors", multiple=True, metavar="REGISTRY=MIRROR",
+              help="Fetch template builds' base images of REGISTRY (docker.io for Docker Hub) from MIRROR (HOST:PORT; "
+                   "name it with --insecure-registry or --allowed-registry too). Repeatable.")
+@click.option("--e2b-base-image", default=None, metavar="IMAGE",
+              help="The image template builds start from for E2B's default base (Template(), from_base_image(), "
+                   "from_template('base')), e.g. ubuntu:24.04. Default: agentcell's built-in template, on which "
+                   "RUN steps and sandboxes of the result are not supported yet.")
+@click.option("--build-timeout", "build_timeout_s", default=3600.0, show_default=True,
+              type=click.FloatRange(min=1), help="Seconds one template build may take, all its steps.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 @click.option("--rootless/--no-rootless", default=None,
@@ -285,6 +296,7 @@ def serve(ctx: click.Context, **opts: Any) -> None:
     opts["egress_dns"] = tuple(opts["egress_dns"])
     opts["allowed_registries"] = tuple(opts["allowed_registries"])
     opts["insecure_registries"] = tuple(opts["insecure_registries"])
+    opts["registry_mirrors"] = tuple(_mirror(m) for m in opts["registry_mirrors"])
     opts["egress_allow_ranges"] = tuple(opts["egress_allow_ranges"])
     opts["egress_plain_http_hosts"] = tuple(h.strip().lower().rstrip(".") for h in opts["egress_plain_http_hosts"])
     opts["internet_default"] = None if opts["internet_default"] is None else opts["internet_default"] == "on"
@@ -396,3 +408,11 @@ def _cell_id(raw: str | None) -> str | None:
         return normalise_cell_id(raw)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--cell-id") from None
+
+
+def _mirror(text: str) -> tuple[str, str]:
+    registry, sep, mirror = text.partition("=")
+    if not sep or not registry.strip() or not mirror.strip() or "/" in mirror:
+        raise click.BadParameter(f"{text!r}: REGISTRY=HOST[:PORT], e.g. docker.io=127.0.0.1:5000",
+                                 param_hint="--registry-mirror")
+    return registry.strip().lower(), mirror.strip()

@@ -44,6 +44,7 @@ from agentcell.server.access_log import AccessLog, note
 from agentcell.server.asgi import declared_length, has_body, is_connect_rpc
 from agentcell.server.auth import ENVD_PORT, INTERPRETER_PORT
 from agentcell.server.bodies import BUDGET_KEY, BodyBudget, json_content_type_refusal
+from agentcell.server.build_sandboxes import ManagerBuildSandboxes
 from agentcell.server.config import ServerConfig, backend_names
 from agentcell.server.config import check as check_config
 from agentcell.server.control import ControlPlane
@@ -57,8 +58,10 @@ from agentcell.server.registry import Admission, Retention, SandboxManager, Sand
 from agentcell.server.sandbox_state import SandboxState
 from agentcell.server.snapshots import SnapshotStore
 from agentcell.server.streams import current_drop, current_sandbox
+from agentcell.server.template_builds import TemplateBuilds
 from agentcell.server.template_imports import TemplateImports
 from agentcell.server.tenancy import Tenancy
+from agentcell.templates import uploads as template_uploads
 
 log = logging.getLogger("agentcell.server")
 
@@ -137,8 +140,13 @@ class AgentcellApp:
         self.cell = cell.Cell(config.cell_id, self.manager, config.max_sandboxes, cell.drain_grace(config))
         self.snapshots = SnapshotStore(state_dir / "snapshots", config.snapshot_quota_mb << 20, config.max_snapshots)
         # the template import route first: /templates/{id} routes of ControlPlane would take its path
-        self.control = Starlette(routes=[*TemplateImports(config).routes(),
-                                         *ControlPlane(config, self.manager, self.snapshots).routes()],
+        imports = TemplateImports(config)
+        control_plane = ControlPlane(config, self.manager, self.snapshots)
+        # E2B's template builds: RUN steps in sandboxes of the layers so far (linux backend: export_layer)
+        steps = ManagerBuildSandboxes(self.manager) if hasattr(self.backend, "export_layer") else None
+        self.template_builds = TemplateBuilds(config, imports, control_plane, steps)
+        control_plane.built_templates = self.template_builds  # Sandbox.create("alias:tag") of a built template
+        self.control = Starlette(routes=[*imports.routes(), *self.template_builds.routes(), *control_plane.routes()],
                                  exception_handlers=_HANDLERS)
         self.envd_http = Starlette(
             routes=[
@@ -223,6 +231,9 @@ class AgentcellApp:
             return
         if target is None and scope["path"] == "/files" and scope["method"] in ("GET", "POST"):
             await self._signed_files(scope, receive, send)
+            return
+        if target is None and scope["path"].startswith(template_uploads.PATH_PREFIX):  # its token is its key
+            await self.template_builds.upload(scope, receive, send)
             return
         if target is None and scope["path"] == prometheus.PATH:  # the API key, also as a Bearer token
             await self._metrics_endpoint(scope, receive, send)

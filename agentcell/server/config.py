@@ -105,6 +105,11 @@ class ServerConfig:
     template_store_max_gb: float = 50.0  # the imported layers together (each stored once)
     template_store_dir: str | None = None  # None: <state_dir>/templates
     max_concurrent_imports: int = 2
+    # --- E2B's template builds (agentcell/templates/builds.py; server/template_builds.py) ---
+    max_concurrent_builds: int = 2  # builds running at once; more wait (E2B's "waiting"), 16 at most
+    build_timeout_s: float = 3600.0  # one build, all of its steps
+    registry_mirrors: tuple[tuple[str, str], ...] = ()  # (registry, mirror): build bases fetched from the mirror
+    e2b_base_image: str | None = None  # what E2B's default base (e2bdev/base) is in builds; None: the built-in
 
     @property
     def internet_by_default(self) -> bool:

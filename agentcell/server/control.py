@@ -304,10 +304,9 @@ def _time_param(query: Any, name: str) -> datetime | None:
 UNSERVED = (
     ("/sandboxes/metrics", "metrics of many sandboxes at once"),
     ("/sandboxes/{sandbox_id}/logs", "sandbox logs"), ("/v2/sandboxes/{sandbox_id}/logs", "sandbox logs"),
-    ("/default-templates", "template builds"), ("/templates", "template builds"),
-    ("/v2/templates", "template builds"), ("/v3/templates", "template builds"),
-    ("/templates/tags", "template tags"),
-    ("/v2/templates/{template_id}", "template builds"), ("/templates/{template_id}/{rest:path}", "template builds"),
+    ("/default-templates", "default templates"), ("/templates", "template builds"),
+    ("/v2/templates", "v2 template builds (the SDKs use /v3/templates)"),
+    ("/v2/templates/{template_id}", "template updates"), ("/templates/{template_id}/{rest:path}", "template builds"),
     ("/v2/templates/{template_id}/{rest:path}", "template builds"),
     ("/secrets", "stored secrets (pass them in the create body: secrets=)"),
     ("/secrets/{secret_id}", "stored secrets (pass them in the create body: secrets=)"),
@@ -326,12 +325,19 @@ class ControlPlane:
         self._idempotent = IdempotentCreates()
         self._reports = asyncio.Semaphore(4)
         self.tenancy = Tenancy.from_config(cfg)  # who sees what (server/tenancy.py); off but for --system
+        self.built_templates: Any = None  # server/template_builds.py: names of E2B-built templates -> the store's
 
     def _visible(self, request: Request, rec: _Owned) -> _Owned:
         """`rec` if the caller may see it (its own, or no tenancy), else None: another tenant's is "not found"."""
         if rec is None or self.tenancy.sees(self.tenancy.caller(request.scope), rec.owner):
             return rec
         return None
+
+    def _stored_name(self, request: Request, template: str) -> str:
+        """The template store's name for `template`: a built template's alias[:tag] or id is its build's."""
+        if self.built_templates is None:
+            return template
+        return str(self.built_templates.store_name(template, self.tenancy.caller(request.scope)))
 
     def _domain(self, request: Request) -> str | None:
         # get_host(port) is "{port}-{id}.{domain}": without --domain, the name this request came to,
@@ -451,7 +457,7 @@ class ControlPlane:
                     break
                 source = earlier.source_template
                 earlier = self.snapshots.find(source, self.tenancy.caller(request.scope))
-            root = template_root(self.cfg, source) if source not in TEMPLATES else None
+            root = template_root(self.cfg, self._stored_name(request, source)) if source not in TEMPLATES else None
             if snapshot is None and root is None:
                 raise HTTPError(404, f"template '{template}' not found; available: base, code-interpreter-v1, "
                                      "a template imported or built here (GET /templates), "

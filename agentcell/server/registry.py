@@ -430,6 +430,7 @@ class SandboxManager:
         origin: str | None = None,
         owner: str | None = None,
         root: ImageRoot | None = None,
+        pooled: bool = True,
     ) -> SandboxRecord:
         """A new sandbox; with `files`, it starts with that disk archive's files; with `image`, it is
         restored from that checkpoint (memory and files)."""
@@ -437,7 +438,7 @@ class SandboxManager:
         # `root`: a template made from an image (agentcell/templates/): the sandbox's root is its layers
         spec = SandboxSpec(sandbox_id="", template=template_id if root else "base", limits=limits, envs=dict(envs),
                            network=network or NetworkPolicy(), secrets=secrets or SecretSet(),
-                           files=str(files) if files else None, image_root=root)
+                           files=str(files) if files else None, image_root=root, pooled=pooled)
         backend = backend or self.backend
         started = time.monotonic()
         try:

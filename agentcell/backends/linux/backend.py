@@ -66,6 +66,7 @@ from agentcell.server import progress
 
 READY_TIMEOUT = 10.0
 STANDBYS = 4  # prepared sandboxes kept ready per template (--standbys)
+IMAGE_POOLS = 8  # image templates with standbys at once (the least recently used beyond: none)
 PREPARE_PARALLEL = 4  # standbys prepared at once: enough to overlap each one's cgroup-join wait
 log = logging.getLogger("agentcell.backend")
 TIMING = os.environ.get("AGENTCELL_TIMING") == "1"  # debug: per-step create() stamps on stderr
@@ -222,6 +223,7 @@ class LinuxBackend(CgroupSandboxes, Backend):
         self._sandboxes: dict[str, LinuxSandbox] = {}
         self._slots: set[int] = set()
         self._unlinking: set[asyncio.Task[None]] = set()  # killed sandboxes' slots on their way back
+        self._closing_pools: set[asyncio.Task[None]] = set()  # image templates' pools beyond IMAGE_POOLS
         self._next_slot = 0
         self.last_create_ms = 0.0
         self.instance = cgroups.new_instance_id()  # cgroups live in agentcell/<instance>/...
@@ -468,11 +470,25 @@ class LinuxBackend(CgroupSandboxes, Backend):
 
     def _pool(self, template: str) -> StandbyPool[LinuxSandbox]:
         pool = self._pools.get(template)
+        if pool is not None and template.startswith("image:"):
+            self._pools[template] = self._pools.pop(template)  # the most recently used last
+        if pool is None and template.startswith("image:"):
+            self._bound_image_pools()
         if pool is None:
             pool = StandbyPool(lambda: self._prepare_standby(template),
                                self.kill, LinuxSandbox.alive, self.standbys, self.prepare_parallel)
             self._pools[template] = pool
         return pool
+
+    def _bound_image_pools(self) -> None:
+        """At most IMAGE_POOLS image templates keep standbys: a new one closes the least recently used
+        one's pool (its standbys are killed), so templates a client makes cannot pile up prepared
+        sandboxes (their memory and host ids)."""
+        images = [key for key in self._pools if key.startswith("image:")]
+        for key in images[:max(0, len(images) - IMAGE_POOLS + 1)]:
+            task = asyncio.get_running_loop().create_task(self._pools.pop(key).close())
+            self._closing_pools.add(task)
+            task.add_done_callback(self._closing_pools.discard)
 
     def _new_id(self) -> str:
         sandbox_id = new_cell_sandbox_id()
@@ -602,7 +618,8 @@ class LinuxBackend(CgroupSandboxes, Backend):
         sandbox = None
         # a sandbox that starts from a disk archive is prepared for it: a standby's disk is mounted already
         template = self._template_key(spec)
-        if not spec.sandbox_id and not spec.files and self.standbys and _claimable(self.standby_limits, spec.limits):
+        if (not spec.sandbox_id and not spec.files and spec.pooled and self.standbys
+                and _claimable(self.standby_limits, spec.limits)):
             sandbox = await self._pool(template).take()
             try:
                 sandbox.cgroups.retune(sandbox.limits, spec.limits)
@@ -655,6 +672,8 @@ class LinuxBackend(CgroupSandboxes, Backend):
         if files_fd >= 0:
             request["files"] = True  # the archive's fd follows the frame
         image = self._images.get(template) if template.startswith("image:") else None
+        if template.startswith("image:") and image is None:
+            raise SandboxError(f"sandbox {sandbox_id}: no image root is known for {template}")
         if image is not None:  # its layers follow the frame (and the archive)
             request["image"] = {"layers": len(image.layers), "env": dict(image.env), "workdir": image.workdir,
                                 "python": image.python, "start_cmd": image.start_cmd, "ready_cmd": image.ready_cmd}
