@@ -58,7 +58,8 @@ DEFAULT_READY_CMD = "true"
 _GIT_SOURCE = re.compile(r"^git@")
 _E2B_LINE_NOTE = re.compile(r"^(?P<message>.*) \(line (?P<line>\d+)\)$")
 _E2B_PARSE_PREFIX = re.compile(r"^Dockerfile parse error(?: on line \d+)?: ")
-_ADD_TMP = "/tmp/.agentcell-add"
+# staged outside /tmp: a build step's /tmp is its own tmpfs (as a sandbox's), not the layers'
+_ADD_TMP = "/.agentcell-add"
 _SHELL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 _IGNORED = {
@@ -239,10 +240,13 @@ class _StepRecorder:
                 self._record(self.builder.copy, rel, dest)
                 continue
             # Docker's ADD extracts a local tar archive (plain, gzip, bzip2, xz) into the destination
-            staged = f"{_ADD_TMP}/{posixpath.basename(rel)}"
+            staged = shlex.quote(f"{_ADD_TMP}/{posixpath.basename(rel)}")
             self._record(self.builder.copy, rel, f"{_ADD_TMP}/")
-            self.run_cmd(f"mkdir -p {shlex.quote(dest)} && tar -xf {shlex.quote(staged)} -C {shlex.quote(dest)}"
-                         f" && rm -rf {_ADD_TMP}", user="root")
+            tool = _decompressor(m)  # decompressed apart: busybox tar's own gzip reading fails on some files
+            unpack = (f"{tool} -dc {staged} > {_ADD_TMP}/.tar && tar -xf {_ADD_TMP}/.tar" if tool
+                      else f"tar -xf {staged}")
+            self.run_cmd(f"mkdir -p {shlex.quote(dest)} && {unpack} -C {shlex.quote(dest)} && rm -rf {_ADD_TMP}",
+                         user="root")
         return self
 
     def _context_path(self, src: str) -> str:
@@ -273,6 +277,9 @@ class _StepRecorder:
         return found, sorted({os.path.normpath(os.path.join(self.context, t)) for t in tops} & set(found))
 
 
+_DECOMPRESSORS = {b"\x1f\x8b": "gzip", b"BZh": "bzip2", b"\xfd7zXZ\x00": "xz"}
+
+
 def _is_tar(path: str) -> bool:
     if os.path.islink(path) or not os.path.isfile(path):
         return False
@@ -280,6 +287,13 @@ def _is_tar(path: str) -> bool:
         return tarfile.is_tarfile(path)
     except OSError:
         return False
+
+
+def _decompressor(path: str) -> str | None:
+    """The program that decompresses this archive (None: a plain tar)."""
+    with open(path, "rb") as f:
+        head = f.read(6)
+    return next((tool for magic, tool in _DECOMPRESSORS.items() if head.startswith(magic)), None)
 
 
 class _Converter(_DockerfileConverter):
