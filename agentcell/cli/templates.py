@@ -20,6 +20,7 @@ import click
 from agentcell.cli import main
 from agentcell.cli.errors import CliError
 from agentcell.cli.output import json_option, print_json, table
+from agentcell.cli.target import NO_SERVER_HINT, Target, server_options
 from agentcell.errors import AgentcellError
 from agentcell.text_escape import escape
 
@@ -50,7 +51,8 @@ def _run(action: Callable[[], Any]) -> Any:
 
 @main.group()
 def template() -> None:
-    """Templates from OCI images: import, ls, rm, gc (this host's template store)."""
+    """Templates: import, ls, rm, gc (OCI images, this host's template store); build (a Dockerfile, on a
+    server)."""
 
 
 @template.command(name="import")
@@ -123,3 +125,66 @@ def template_gc(store_dir: str, as_json: bool) -> None:
     else:
         click.echo(f"removed {len(done.removed_layers)} layers ({done.freed_bytes} bytes); "
                    f"the store holds {done.size_bytes} bytes")
+
+
+@template.command(name="build")
+@click.argument("context", default=".", type=click.Path(exists=True, file_okay=False))
+@click.option("-f", "--file", "dockerfile", default=None, type=click.Path(dir_okay=False, allow_dash=True),
+              help="The Dockerfile (default: CONTEXT/Dockerfile; - reads it from stdin).")
+@click.option("--name", required=True, help="The template's name (NAME or NAME:TAG).")
+@click.option("--build-arg", "build_args", multiple=True, metavar="NAME[=VALUE]",
+              help="A build argument (repeatable); NAME alone takes its value from this environment.")
+@click.option("--tag", "tags", multiple=True, metavar="TAG", help="Also tag the build TAG (repeatable).")
+@click.option("--no-cache", is_flag=True, help="Rebuild every step (no cached layer).")
+@click.option("--ready-cmd", default=None, metavar="CMD",
+              help="The start command's ready check, run until it exits 0 (default: the HEALTHCHECK's "
+                   "command, else none: ready once started).")
+@server_options
+@json_option
+def template_build(context: str, dockerfile: str | None, name: str, build_args: tuple[str, ...],
+                   tags: tuple[str, ...], no_cache: bool, ready_cmd: str | None, target: Target,
+                   as_json: bool) -> None:
+    """Build template NAME from a Dockerfile and its build CONTEXT (default: .), on the server,
+    through E2B's template-build API. Build logs go to stderr."""
+    from agentcell.sdk.config import resolve_api_key
+    from agentcell.templates.dockerfile import convert_dockerfile, load_dockerfile
+    from agentcell.templates.remote_build import build_on_server
+
+    api_url = target.api_url or os.environ.get("AGENTCELL_URL")
+    if not api_url:
+        raise CliError("`agentcell template build` needs a running agentcell server's URL", NO_SERVER_HINT)
+    args = _build_args(build_args)
+    if dockerfile == "-":
+        converted = _run(lambda: convert_dockerfile(sys.stdin.read(), context, args, label="Dockerfile",
+                                                    ready_cmd=ready_cmd))
+    else:
+        converted = _run(lambda: load_dockerfile(dockerfile or os.path.join(context, "Dockerfile"), context, args,
+                                                 ready_cmd=ready_cmd))
+    for warning in converted.warnings:
+        click.echo(f"warning: {escape(warning)}", err=True)
+
+    def show(entry: Any) -> None:
+        click.echo(escape(str(entry)), err=True)
+
+    result = _run(lambda: build_on_server(converted, name, api_url=api_url, api_key=resolve_api_key(target.api_key),
+                                          tags=list(tags), skip_cache=no_cache, on_log=show,
+                                          request_timeout=target.request_timeout))
+    if as_json:
+        print_json({"templateID": result.template_id, "buildID": result.build_id, "name": result.name,
+                    "tags": result.tags, "warnings": converted.warnings})
+    else:
+        click.echo(f"{escape(result.name)}: template {escape(result.template_id)}, build {escape(result.build_id)}")
+
+
+def _build_args(pairs: tuple[str, ...]) -> dict[str, str]:
+    """Docker's --build-arg: NAME=VALUE, or NAME for this environment's value (skipped when unset)."""
+    args = {}
+    for pair in pairs:
+        name, has_value, value = pair.partition("=")
+        if not name:
+            raise CliError(f"--build-arg {pair!r}: the name is empty", "use --build-arg NAME=VALUE")
+        if has_value:
+            args[name] = value
+        elif name in os.environ:
+            args[name] = os.environ[name]
+    return args
