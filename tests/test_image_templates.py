@@ -380,3 +380,22 @@ def test_pip_install_in_a_build_step_is_importable_by_run_code(server: ServerPro
         assert execution.error is None and execution.text == "('built in', (3, 13))"
     finally:
         sb.kill()
+
+
+def test_the_templates_last_user_root_is_the_default_user(server: ServerProcess) -> None:
+    """E2B: a template's last set_user (a Dockerfile's last USER) is its sandboxes' default user."""
+    from e2b import Template
+
+    Template.build(Template().from_template("musl").set_user("root"), "musl-as-root", api_url=server.url,
+                   api_key="e2b_test")
+    sb = sandbox(server, "musl-as-root")
+    try:
+        assert sb.commands.run("id -u").stdout.strip() == "0"
+        assert sb.commands.run("id -u", user="user").stdout.strip() == "1000"
+    finally:
+        sb.kill()
+    sb = sandbox(server, "musl")
+    try:
+        assert sb.commands.run("id -u").stdout.strip() == "1000"
+    finally:
+        sb.kill()

@@ -123,6 +123,7 @@ class ImageRoot:
     workdir: str = ""  # the image's WorkingDir ("": the user's home)
     python: str = ""  # the image's own python3, for run_code ("": the runtime's)
     shell: str = "/bin/bash"  # what commands run through: /bin/bash, else /bin/sh
+    user: str = ""  # "root": the image's last USER is root, the default user of its commands (E2B); "": `user`
     start_cmd: str = ""  # E2B's start command, run at the sandbox's start as root ...
     ready_cmd: str = ""  # ... and the sandbox is ready once this exits 0
 

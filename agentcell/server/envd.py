@@ -52,7 +52,10 @@ def check_user(ctx: RequestContext, root_ok: bool = False) -> str:
     """Run-as user from `Authorization: Basic base64("<user>:")`: `user`, or `root` where `root_ok`
     (the sandbox's root, uid 0 of its own user namespace)."""
     try:
-        user = auth.run_as(auth.basic_user(ctx.request_headers.get("authorization")))
+        name = auth.basic_user(ctx.request_headers.get("authorization"))
+        if name is None and root_ok:  # no user named: the template's default (an image's last USER)
+            name = default_user(current_sandbox.get(None))
+        user = auth.run_as(name)
     except auth.MalformedAuthorization as e:
         raise ConnectError(Code.INVALID_ARGUMENT, str(e)) from None
     except ValueError as e:
@@ -60,6 +63,13 @@ def check_user(ctx: RequestContext, root_ok: bool = False) -> str:
     if user == "root" and not root_ok:
         raise ConnectError(Code.PERMISSION_DENIED, "this call cannot run as root: leave the user out")
     return user
+
+
+def default_user(rec: Any) -> str | None:
+    """The user a call runs as when it names none: "root" when the sandbox's template (an image's last
+    USER, E2B's semantics) says so, else None (`user`)."""
+    root = getattr(getattr(rec, "spec", None), "image_root", None)
+    return "root" if root is not None and root.user == "root" else None
 
 
 def _keepalive_interval(ctx: RequestContext) -> float:

@@ -68,10 +68,14 @@ def image_root(store: TemplateStore, record: dict[str, Any]) -> ImageRoot:
     path = env.get("PATH", _PATH)
     python = find_python(trees, path)
     shell = "/bin/bash" if _lookup(trees, "bin/bash") else "/bin/sh"
+    # E2B: the template's last USER is its sandboxes' default user; here that can be its root or `user`
+    user = str(config.get("User") or "")
+    default_user = "root" if user.split(":")[0] in ("root", "0") else ""
     extra = record.get("agentcell") or {}  # what a build adds: start and ready commands
     root = {"layers": record["layers"], "env": sorted(env.items()), "workdir": config.get("WorkingDir") or "",
-            "python": python, "shell": shell, "start_cmd": extra.get("start_cmd", ""),
+            "python": python, "shell": shell, "user": default_user, "start_cmd": extra.get("start_cmd", ""),
             "ready_cmd": extra.get("ready_cmd", "")}
     key = hashlib.sha256(json.dumps(root, sort_keys=True).encode()).hexdigest()[:24]
     return ImageRoot(key=key, layers=tuple(trees), env=tuple(sorted(env.items())), workdir=root["workdir"],
-                     python=python, shell=shell, start_cmd=root["start_cmd"], ready_cmd=root["ready_cmd"])
+                     python=python, shell=shell, user=default_user, start_cmd=root["start_cmd"],
+                     ready_cmd=root["ready_cmd"])
