@@ -1,4 +1,5 @@
-"""OCI images made here for the template tests, and Debian's `docker-registry` on loopback to serve them.
+"""OCI images made here for the template tests, and Debian's `docker-registry` on loopback to serve them
+(with basic auth, or bearer tokens from a token server made here).
 
 Images are made two ways: with umoci from this host's own files (the field's tool, real layers), and
 by hand from tar layers written with tarfile (`write_layout`), for the hostile layers no tool makes.
@@ -7,6 +8,8 @@ Nothing here reaches beyond 127.0.0.1 but mmdebstrap, which fetches Debian packa
 
 from __future__ import annotations
 
+import base64
+import datetime
 import gzip
 import hashlib
 import io
@@ -15,12 +18,20 @@ import os
 import shutil
 import subprocess
 import tarfile
+import threading
 import time
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qs, urlsplit
 
 import httpx
 import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import padding, rsa
+from cryptography.x509.oid import NameOID
 
 from tests.servers import free_port
 
@@ -115,11 +126,106 @@ def skopeo_copy(src: str, dst: str) -> None:
                    check=True, capture_output=True)
 
 
+def b64url(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+
+class TokenServer:
+    """A token server of distribution's token auth (the Docker Hub kind) on 127.0.0.1, in a thread: a
+    client the registry sent here with a Bearer challenge asks `GET /token?service=...&scope=...`, with
+    basic credentials or none; it gets a JWT (RS256) granting the scope's actions to a user of `users`
+    (wrong credentials: 401; none: an anonymous token granting nothing). The registry trusts
+    the signing key through a self-signed certificate (`cert_path`, its rootcertbundle), which the JWT
+    carries in its `x5c` header. `requests` records what was asked: (the user named or None, scopes, status)."""
+
+    def __init__(self, root: Path, users: dict[str, str], *, service: str = "agentcell-test-registry",
+                 issuer: str = "agentcell-test-token-server") -> None:
+        self.users = dict(users)
+        self.service, self.issuer = service, issuer
+        self.key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+        now = datetime.datetime.now(datetime.UTC)
+        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)])
+        self.cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
+                     .public_key(self.key.public_key()).serial_number(x509.random_serial_number())
+                     .not_valid_before(now - datetime.timedelta(hours=1))
+                     .not_valid_after(now + datetime.timedelta(days=1))
+                     .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+                     .sign(self.key, hashes.SHA256()))
+        self.cert_path = root / "token-signer.pem"
+        root.mkdir(parents=True, exist_ok=True)
+        self.cert_path.write_bytes(self.cert.public_bytes(serialization.Encoding.PEM))
+        self.requests: list[tuple[str | None, list[str], int]] = []
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+                url = urlsplit(self.path)
+                query = parse_qs(url.query)
+                scopes = [s for value in query.get("scope", []) for s in value.split(" ") if s]
+                user, right = server._basic(self.headers.get("Authorization", ""))
+                if url.path != "/token" or query.get("service") != [server.service]:
+                    status, body = 404, {"errors": [{"code": "NOT_FOUND"}]}
+                elif user is not None and not right:
+                    status, body = 401, {"errors": [{"code": "UNAUTHORIZED", "message": "wrong credentials"}]}
+                else:  # anonymous: a token that grants nothing (the registry then refuses the pull)
+                    status, body = 200, server._token(user or "", scopes if user else [])
+                server.requests.append((user, scopes, status))
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                if status == 401:
+                    self.send_header("WWW-Authenticate", 'Basic realm="token"')
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.realm = f"http://127.0.0.1:{self.httpd.server_address[1]}/token"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def _basic(self, authorization: str) -> tuple[str | None, bool]:
+        """The user the basic credentials name (None without any), and whether they are right."""
+        if not authorization:
+            return None, False
+        scheme, _, value = authorization.partition(" ")
+        try:
+            user, _, password = base64.b64decode(value, validate=True).decode().partition(":")
+        except ValueError:
+            return "", False
+        return user, scheme.lower() == "basic" and user in self.users and self.users[user] == password
+
+    def _token(self, user: str, scopes: list[str]) -> dict[str, Any]:
+        access = []
+        for scope in scopes:  # "repository:NAME:pull,push" (NAME has no colon: no host in it)
+            kind, name, actions = scope.split(":", 2) if scope.count(":") >= 2 else (scope, "", "")
+            access.append({"type": kind, "name": name, "actions": [a for a in actions.split(",") if a]})
+        now = int(time.time())
+        claims = {"iss": self.issuer, "sub": user, "aud": self.service, "iat": now, "nbf": now - 5,
+                  "exp": now + 300, "jti": uuid.uuid4().hex, "access": access}
+        header = {"typ": "JWT", "alg": "RS256",
+                  "x5c": [base64.b64encode(self.cert.public_bytes(serialization.Encoding.DER)).decode()]}
+        signing_input = f"{b64url(json.dumps(header).encode())}.{b64url(json.dumps(claims).encode())}"
+        signature = self.key.sign(signing_input.encode(), padding.PKCS1v15(), hashes.SHA256())
+        token = f"{signing_input}.{b64url(signature)}"
+        return {"token": token, "access_token": token, "expires_in": 300,
+                "issued_at": datetime.datetime.fromtimestamp(now, datetime.UTC).isoformat()}
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.thread.join(5)
+
+
 class Registry:
     """Debian's docker-registry (the CNCF distribution registry) on 127.0.0.1, its storage in `root`,
-    with htpasswd (bcrypt) basic auth when `users` are given."""
+    with htpasswd (bcrypt) basic auth when `users` are given, or distribution's token auth (Bearer
+    tokens from `token_auth`) when that is."""
 
-    def __init__(self, root: Path, users: dict[str, str] | None = None) -> None:
+    def __init__(self, root: Path, users: dict[str, str] | None = None, token_auth: TokenServer | None = None) -> None:
         self.root = root
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
@@ -133,6 +239,9 @@ class Registry:
                      for u, p in users.items()]
             (root / "htpasswd").write_text("\n".join(lines) + "\n")
             config["auth"] = {"htpasswd": {"realm": "test", "path": str(root / "htpasswd")}}
+        if token_auth is not None:
+            config["auth"] = {"token": {"realm": token_auth.realm, "service": token_auth.service,
+                                        "issuer": token_auth.issuer, "rootcertbundle": str(token_auth.cert_path)}}
         (root / "config.yml").write_text(json.dumps(config))  # YAML reads JSON
         self.log = open(root / "registry.log", "wb")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(["docker-registry", "serve", str(root / "config.yml")],

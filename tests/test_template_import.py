@@ -1,5 +1,5 @@
 """Importing OCI images as templates (agentcell/templates/): from a real registry on loopback (Debian's
-docker-registry, with and without basic auth), an OCI layout and a `docker save` tarball; layers
+docker-registry, with no auth, basic auth and bearer tokens), an OCI layout and a `docker save` tarball; layers
 unpacked for overlayfs and stored once; the operator's controls (allowlist, insecure registries, size
 ceiling, store budget and collection, concurrent imports); and hostile layers, each refused without a
 byte written outside the layer. Images are made here (umoci from this host's files, or tar layers
@@ -19,6 +19,7 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from agentcell.errors import (
@@ -32,7 +33,16 @@ from agentcell.templates.importer import Importer, ImportLimits
 from agentcell.templates.refs import ImageRef, RegistryPolicy, parse_ref
 from agentcell.templates.store import TemplateStore
 from agentcell.templates.unpack import ID_BASE, OPAQUE_XATTR
-from tests.oci_images import Registry, entry, host_files_image, sha256, skopeo_copy, tar_bytes, write_layout
+from tests.oci_images import (
+    Registry,
+    TokenServer,
+    entry,
+    host_files_image,
+    sha256,
+    skopeo_copy,
+    tar_bytes,
+    write_layout,
+)
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or not all(shutil.which(t) for t in ("skopeo", "umoci", "docker-registry")),
@@ -405,6 +415,60 @@ def test_basic_auth_registry(tmp_path: Path, images: Path) -> None:
         assert os.listdir(store.tmp_dir) == []  # the authfile went with the import's private directory
     finally:
         reg.stop()
+
+
+def test_bearer_token_auth(tmp_path: Path, images: Path) -> None:
+    """A registry with distribution's token auth (Docker Hub's kind): its Bearer challenge sends the
+    client to a token server, which takes the import's credentials as basic auth and returns a JWT the
+    registry verifies (RS256, against the token server's certificate) and checks the scope of."""
+    tokens = TokenServer(tmp_path / "token", {"bob": "t0ken-pw"})
+    reg = Registry(tmp_path / "registry", token_auth=tokens)
+    try:
+        reg.push(f"oci:{images}:base", "private/img:1", creds="bob:t0ken-pw")
+        challenge = httpx.get(f"http://{reg.address}/v2/").headers["www-authenticate"]
+        assert challenge.startswith(f'Bearer realm="{tokens.realm}"') and f'service="{tokens.service}"' in challenge
+        store = store_at(tmp_path)
+        importer = Importer(store, RegistryPolicy.of(insecure=[reg.address]))
+        ref = f"docker://{reg.address}/private/img:1"
+        pull = ["repository:private/img:pull"]
+
+        log = reg.root / "registry.log"
+
+        def authorized_pulls(since: int) -> list[str]:
+            """The registry's log lines since byte `since` saying it let a GET of the image through."""
+            with open(log, "rb") as f:
+                f.seek(since)
+                return [line for line in f.read().decode(errors="replace").splitlines()
+                        if 'msg="authorized request"' in line and "http.request.method=GET" in line
+                        and "/v2/private/img/" in line]
+
+        seen = log.stat().st_size
+        tokens.requests.clear()
+        with pytest.raises(PermissionDeniedError, match="refused access"):
+            importer.import_image(ref, "private")
+        assert tokens.requests and all(user is None for user, _, _ in tokens.requests)  # anonymous tokens only
+        tokens.requests.clear()
+        with pytest.raises(PermissionDeniedError, match="refused access"):
+            importer.import_image(ref, "private", Credentials("bob", "wrong"))
+        assert ("bob", pull, 401) in tokens.requests
+        # the registry takes only tokens: the right credentials sent to it as basic auth are refused too
+        manifest = httpx.get(f"http://{reg.address}/v2/private/img/manifests/1", auth=("bob", "t0ken-pw"))
+        assert manifest.status_code == 401 and manifest.headers["www-authenticate"].startswith("Bearer ")
+        assert authorized_pulls(seen) == []
+        assert_untouched(store)
+
+        seen = log.stat().st_size
+        tokens.requests.clear()
+        rec = importer.import_image(ref, "private", Credentials("bob", "t0ken-pw"))
+        assert (tree(store, rec["layers"][1]) / "etc/host.conf").read_bytes() == Path("/etc/host.conf").read_bytes()
+        assert tokens.requests and all(r == ("bob", pull, 200) for r in tokens.requests)
+        authorized = authorized_pulls(seen)  # the registry took bob's token for the manifest and the blobs
+        assert any("/v2/private/img/manifests/1" in line for line in authorized)
+        assert any("/v2/private/img/blobs/" in line for line in authorized)
+        assert os.listdir(store.tmp_dir) == []  # the authfile went with the import's private directory
+    finally:
+        reg.stop()
+        tokens.stop()
 
 
 def test_the_size_ceiling_refuses_before_downloading(tmp_path: Path, registry: Registry) -> None:
