@@ -399,3 +399,22 @@ def test_the_templates_last_user_root_is_the_default_user(server: ServerProcess)
         assert sb.commands.run("id -u").stdout.strip() == "1000"
     finally:
         sb.kill()
+
+
+def test_a_paused_image_sandbox_resumes_after_a_server_restart(images: Path, tmp_path: Path) -> None:
+    """A sandbox paused with its files is kept on disk by the server; the next server on the same state
+    dir resumes it on its template's layers, its root's changes there."""
+    state = tmp_path / "state"
+    _import(state / "templates", images, "musl", "musl")
+    args = ("--state-dir", str(state), "--egress-uplink", "none", "--standbys", "0")
+    with ServerProcess(tmp_path / "one.log", *args) as one:
+        sb = sandbox(one, "musl", timeout=300)
+        run(sb, "echo kept > /srv/mark", user="root")
+        assert sb.pause(mode="filesystem") is True
+        sandbox_id = sb.sandbox_id
+    with ServerProcess(tmp_path / "two.log", *args) as two:
+        sb = Sandbox.connect(sandbox_id, api_key="e2b_test", api_url=two.url, sandbox_url=two.url)
+        try:
+            assert run(sb, "cat /srv/mark; cat /etc/os-release | grep ^ID=").split() == ["kept", "ID=alpine"]
+        finally:
+            sb.kill()

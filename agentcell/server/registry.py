@@ -164,6 +164,12 @@ def _now() -> datetime:
     return datetime.now(UTC)
 
 
+def _image_root(d: dict[str, Any] | None) -> ImageRoot | None:
+    if not d:
+        return None
+    return ImageRoot(**{**d, "layers": tuple(d["layers"]), "env": tuple(tuple(kv) for kv in d["env"])})
+
+
 class SandboxManager:
     def __init__(self, backend: Backend, max_sandboxes: int = 1000, admission: Admission | None = None,
                  retention: Retention | None = None, state_dir: Path | None = None,
@@ -230,6 +236,8 @@ class SandboxManager:
             "pause_mode": rec.pause_mode, "paused_at": rec.paused_at.isoformat() if rec.paused_at else None,
             "files": str(rec.files) if rec.files else None, "image": str(rec.image) if rec.image else None,
             "backend": rec.backend.name, "owner": rec.owner,
+            # an image template's root (its layers' paths in the template store), to resume on it
+            "image_root": asdict(rec.spec.image_root) if rec.spec.image_root else None,
         }
         path = self._record_path(rec.sandbox_id)
         tmp = path.with_suffix(".tmp")
@@ -250,8 +258,10 @@ class SandboxManager:
                 d = json.loads(path.read_text())
                 backend = self.backends[d["backend"]]
                 internet, allow, deny = d["network"]
+                root = d.get("image_root")
                 spec = SandboxSpec(sandbox_id=d["sandbox_id"], limits=Limits(**d["limits"]), envs=d["envs"],
-                                   network=NetworkPolicy.parse(internet, allow, deny))
+                                   network=NetworkPolicy.parse(internet, allow, deny),
+                                   template=d["template_id"] if root else "base", image_root=_image_root(root))
                 rec = SandboxRecord(
                     sandbox_id=d["sandbox_id"], template_id=d["template_id"], alias=d["alias"], metadata=d["metadata"],
                     envs=d["envs"], limits=spec.limits, started_at=datetime.fromisoformat(d["started_at"]),
