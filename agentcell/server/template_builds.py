@@ -175,14 +175,18 @@ class TemplateBuilds:
                     os.unlink(part)
         return Response(status_code=200)
 
+    def _build_of(self, t: Any, request: Request) -> Any:
+        """The build the path names, of template `t`; 404 when it has none of that id."""
+        try:
+            return self.registry.build_of(t, request.path_params["build_id"])
+        except NotFoundError as e:
+            raise HTTPError(404, e.message) from None
+
     async def start_build(self, request: Request) -> Response:
         from agentcell.server.control import json_body
 
         t = self._template(request)
-        try:
-            b = self.registry.build_of(t, request.path_params["build_id"])
-        except NotFoundError as e:
-            raise HTTPError(404, e.message) from None
+        b = self._build_of(t, request)
         if b.status != "waiting" or b.build_id in self._started:
             raise HTTPError(400, f"build {b.build_id} was started already (it is {b.status}): request a new build")
         body = await json_body(request, limit=8 << 20)
@@ -276,10 +280,7 @@ class TemplateBuilds:
 
     async def status(self, request: Request) -> Response:
         t = self._template(request)
-        try:
-            b = self.registry.build_of(t, request.path_params["build_id"])
-        except NotFoundError as e:
-            raise HTTPError(404, e.message) from None
+        b = self._build_of(t, request)
         q = request.query_params
         offset = _int(q.get("logsOffset"), 0, "logsOffset")
         limit = min(_int(q.get("limit"), MAX_LOG_PAGE, "limit"), MAX_LOG_PAGE)
@@ -292,10 +293,7 @@ class TemplateBuilds:
 
     async def logs(self, request: Request) -> Response:
         t = self._template(request)
-        try:
-            b = self.registry.build_of(t, request.path_params["build_id"])
-        except NotFoundError as e:
-            raise HTTPError(404, e.message) from None
+        b = self._build_of(t, request)
         q = request.query_params
         entries = _at_level(b.log, q.get("level"))
         cursor = _int(q.get("cursor"), 0, "cursor")
