@@ -75,7 +75,8 @@ def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
 def _serve(tmp_path: Path, registry: Registry | None, *extra: str) -> ServerProcess:
     tmp_path.mkdir(parents=True, exist_ok=True)
     args = ["--state-dir", str(tmp_path / "state"), "--egress-uplink", "none", "--standbys", "0", "--no-record",
-            "--api-key", KEY, "--allowed-registry", "registry.invalid", *extra]  # never Docker Hub: loopback only
+            "--api-key", KEY, "--allowed-registry", "registry.invalid",  # never Docker Hub: loopback only
+            "--e2b-base-image", "builtin", *extra]
     if registry is not None:
         args += ["--insecure-registry", registry.address]
     return ServerProcess(tmp_path / "server.log", *args, command=SERVE)
@@ -633,3 +634,15 @@ def _wait(http: httpx.Client, template_id: str, build_id: str) -> dict[str, Any]
             return status
         assert time.monotonic() < deadline, status
         time.sleep(0.05)
+
+
+def test_e2b_base_is_e2bs_own_image_by_default(tmp_path: Path) -> None:
+    """With no --e2b-base-image, Template() / from_base_image() start from E2B's own base image, pulled
+    like any import: here the registry policy refuses Docker Hub, and the build's error says so (nothing
+    leaves the machine)."""
+    args = ["--state-dir", str(tmp_path / "state"), "--egress-uplink", "none", "--standbys", "0", "--no-record",
+            "--api-key", KEY, "--allowed-registry", "registry.invalid"]
+    with ServerProcess(tmp_path / "server.log", *args, command=SERVE) as srv:
+        with pytest.raises(BuildException) as failed:
+            Template.build(Template().from_base_image().run_cmd("true"), "on-e2b-base", **opts(srv))
+    assert "registry docker.io is not allowed" in str(failed.value), str(failed.value)

@@ -230,10 +230,11 @@ def _tls(opts: dict[str, Any]) -> None:
 @click.option("--registry-mirror", "registry_mirrors", multiple=True, metavar="REGISTRY=MIRROR",
               help="Fetch template builds' base images of REGISTRY (docker.io for Docker Hub) from MIRROR (HOST:PORT; "
                    "name it with --insecure-registry or --allowed-registry too). Repeatable.")
-@click.option("--e2b-base-image", default=None, metavar="IMAGE",
-              help="The image template builds start from for E2B's default base (Template(), from_base_image(), "
-                   "from_template('base')), e.g. ubuntu:24.04. Default: agentcell's built-in template, on which "
-                   "RUN steps and sandboxes of the result are not supported yet.")
+@click.option("--e2b-base-image", default="docker.io/e2bdev/base:latest", show_default=True, metavar="IMAGE",
+              help="The image template builds start from for E2B's default base (Template(), from_base_image()): "
+                   "E2B's own base image, pulled as any import (the registry policy applies), or another, e.g. "
+                   "ubuntu:24.04. 'builtin': agentcell's built-in template, on which RUN steps and sandboxes of "
+                   "the result are not supported yet.")
 @click.option("--build-timeout", "build_timeout_s", default=3600.0, show_default=True,
               type=click.FloatRange(min=1), help="Seconds one template build may take, all its steps.")
 @click.option("--log-level", default="info", show_default=True,

@@ -16,6 +16,9 @@ def default_max_limits() -> Limits:
                   open_files=65536, file_size_mb=8192)
 
 
+E2B_BASE_IMAGE = "docker.io/e2bdev/base:latest"  # what E2B's SDKs call "the E2B base image"
+
+
 @dataclass
 class ServerConfig:
     host: str = "127.0.0.1"
@@ -109,7 +112,9 @@ class ServerConfig:
     max_concurrent_builds: int = 2  # builds running at once; more wait (E2B's "waiting"), 16 at most
     build_timeout_s: float = 3600.0  # one build, all of its steps
     registry_mirrors: tuple[tuple[str, str], ...] = ()  # (registry, mirror): build bases fetched from the mirror
-    e2b_base_image: str | None = None  # what E2B's default base (e2bdev/base) is in builds; None: the built-in
+    # what E2B's default base (Template(), from_base_image()) is in builds: E2B's own image, as on E2B;
+    # "builtin" (or None): agentcell's built-in template, on which RUN steps cannot run yet
+    e2b_base_image: str | None = E2B_BASE_IMAGE
 
     @property
     def internet_by_default(self) -> bool:

@@ -194,8 +194,9 @@ class TemplateBuilds:
             spec = parse_spec(body)
         except SpecError as e:
             raise HTTPError(400, e.message) from None
-        if spec.builtin == "base" and self.config.e2b_base_image:  # the operator's image for E2B's base
-            spec = dataclasses.replace(spec, builtin=None, from_image=self.config.e2b_base_image)
+        base_image = self.config.e2b_base_image
+        if spec.builtin == "base" and base_image and base_image != "builtin":  # the image E2B's base is here
+            spec = dataclasses.replace(spec, builtin=None, from_image=base_image)
         executor = self._executor(b)
         caller = self._caller(request)
         self._started.add(b.build_id)
