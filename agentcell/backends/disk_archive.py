@@ -180,6 +180,16 @@ def write_archive(disk_root_fd: int, out_file: BinaryIO, max_bytes: int, owners:
 _USTAR = struct.Struct("100s8s8s8s12s12s8s1s100s8s32s32s8s8s155s12x")
 
 
+def write_member(fd: int, tf: tarfile.TarFile, member: tarfile.TarInfo) -> None:
+    """A regular member's data into `fd`, a chunk at a time (also the template store's unpacker)."""
+    src = tf.extractfile(member)
+    if src is not None:
+        while chunk := src.read(_CHUNK):
+            view = memoryview(chunk)
+            while view:
+                view = view[os.write(fd, view):]
+
+
 def _octal(n: int, size: int) -> bytes:
     return b"%0*o\0" % (size - 1, n)
 
@@ -565,12 +575,7 @@ class _Extractor:
               tf: tarfile.TarFile) -> None:
         fd = os.open(leaf, _CREATE, 0o600, dir_fd=parent)
         try:
-            src = tf.extractfile(member)
-            if src is not None:
-                while chunk := src.read(_CHUNK):
-                    view = memoryview(chunk)
-                    while view:
-                        view = view[os.write(fd, view):]
+            write_member(fd, tf, member)
             os.fchown(fd, uid, gid)
             os.fchmod(fd, mode)
             os.utime(fd, ns=(int(member.mtime) * 10**9,) * 2)

@@ -54,8 +54,16 @@ def template_root(config: ServerConfig, name: str) -> ImageRoot | None:
         check_name(name)
     except InvalidArgumentError:
         return None
-    if os.geteuid() != 0 or not os.path.isfile(os.path.join(store_dir(config), "templates", name + ".json")):
+    if os.geteuid() != 0:
         return None
+    try:  # a create's hot path: the record's identity says whether the last answer still holds
+        st = os.stat(os.path.join(store_dir(config), "templates", name + ".json"))
+    except OSError:
+        return None
+    seen = (store_dir(config), name, st.st_ino, st.st_mtime_ns, st.st_size)
+    cached = _ROOTS.get(seen[:2])
+    if cached is not None and cached[0] == seen:
+        return cached[1]
     store = open_store(config)
     try:
         record = store.template(name)
@@ -64,7 +72,12 @@ def template_root(config: ServerConfig, name: str) -> ImageRoot | None:
         return None
     if root.key not in _LEASES:  # this server may run sandboxes on these layers from now on
         _LEASES[root.key] = store.lease(record["layers"])
+    _ROOTS[seen[:2]] = (seen, root)
     return root
+
+
+# (store, name) -> (the record file's identity when read, its root): a record is replaced by a rename
+_ROOTS: dict[tuple[str, str], tuple[tuple[str, str, int, int, int], ImageRoot]] = {}
 
 
 # ImageRoot.key -> flocked fds of its layers (TemplateStore.lease), for the server's life: a template

@@ -36,6 +36,7 @@ import zlib
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
+from agentcell.backends import disk_archive
 from agentcell.errors import BackendUnavailableError, InvalidArgumentError, ResourceExhaustedError
 
 ID_BASE = 0x50000000  # image id N is host id ID_BASE + N: a range no host user has
@@ -380,12 +381,7 @@ class _Extractor:
                 "(a huge or sparse file)")
         fd = os.open(leaf, _CREATE, 0o600, dir_fd=parent)
         try:
-            src = tf.extractfile(member)
-            if src is not None:
-                while chunk := src.read(_CHUNK):
-                    view = memoryview(chunk)
-                    while view:
-                        view = view[os.write(fd, view):]
+            disk_archive.write_member(fd, tf, member)
             os.fchown(fd, uid, gid)
             os.fchmod(fd, mode)  # after the chown: set-id bits stay (owned by the shifted ids)
             self._xattrs(fd, parts, member)

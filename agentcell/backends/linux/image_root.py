@@ -187,12 +187,23 @@ _LIBRARY_PATH = os.environ.get("LD_LIBRARY_PATH", SYSTEM_LIBS)
 _LOADERS = ("ld-linux-x86-64.so.2", "ld-linux-aarch64.so.1")
 
 
+def _runtime_python() -> str:
+    """The runtime's interpreter itself (not the venv's link to it), by a path an image root has: one of
+    the host's /usr (a wheel's venv of /usr/bin/python3) is at SYSTEM_USR there. Resolved in the zygote,
+    where the host's paths are still seen."""
+    real = os.path.realpath(sys.executable)
+    return SYSTEM_USR + real[len("/usr"):] if real.startswith("/usr/") else real
+
+
+_PYTHON = _runtime_python()
+
+
 def _sudo() -> None:
     """The sandbox's sudo (runtime/sudo_shim.py: asks the agent), as in the default template; here a
     shell script that runs it on the runtime's Python through the host's loader. Not for an image
     without /bin/sh or /usr/bin (a distroless one has neither shell nor sudo)."""
     loader = next((f"{SYSTEM_LIBS}/{n}" for n in _LOADERS if os.path.exists(f"{SYSTEM_LIBS}/{n}")), "")
-    python = os.path.join(sys.prefix, "bin", "python3")
+    python = _PYTHON
     if not (loader and os.path.exists("/bin/sh") and os.path.isdir("/usr/bin")):
         return
     shim = Path(rootfs.__file__).parents[2] / "runtime" / "sudo_shim.py"
