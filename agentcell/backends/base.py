@@ -12,12 +12,13 @@ import abc
 import secrets
 import socket
 import string
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from agentcell.network.policy import NetworkPolicy
 from agentcell.network.secrets import HeaderRule, SecretSet
+from agentcell.policy.model import Policy, PolicyError
 from agentcell.record.events import Recorder
 
 if TYPE_CHECKING:
@@ -141,6 +142,7 @@ class SandboxSpec:
     files: str | None = None
     image_root: ImageRoot | None = None  # a template made from an image; None: the backend's own root
     pooled: bool = True  # False: prepared for this create alone, never through (or making) a standby pool
+    policy: Policy = field(default_factory=Policy)  # what its code may run, touch and reach (issue 28)
 
 
 @dataclass(slots=True)
@@ -162,6 +164,17 @@ class Capacity:
     pids: int
     memory_used: int
     pids_used: int
+
+
+# How an enforcement point asks for a decision: (kind "exec" | "network", what) -> (allowed, remember)
+Asker = Callable[[str, dict[str, Any]], Awaitable[tuple[bool, bool]]]
+
+
+def policy_parts(policy: Policy) -> list[tuple[str, bool]]:
+    """Each part of a policy, and whether it asks for anything beyond the default."""
+    return [("policy.exec", policy.exec_rules), ("policy.files", bool(policy.files)),
+            ("policy.syscalls", policy.syscalls != "default"), ("policy.processes", policy.processes_max is not None),
+            ("policy.network", policy.network_ask)]
 
 
 class RunningSandbox(abc.ABC):
@@ -208,6 +221,27 @@ class Backend(abc.ABC):
                           rules: tuple[HeaderRule, ...] = ()) -> None:
         """Replace a running sandbox's way out and E2B's header rules (new connections follow at once)."""
         raise NotImplementedError(f"the {self.name} backend has no egress")
+
+    # -- the sandbox's policy (issue 28; agentcell/policy/) ------------------------------------------
+
+    def check_policy(self, policy: Policy) -> None:
+        """Raise PolicyError naming the first part of `policy` this backend cannot enforce here (asked
+        before any sandbox exists, so a create fails before it starts anything). By default: none."""
+        for part, used in policy_parts(policy):
+            if used:
+                raise PolicyError(part, f"the {self.name} backend cannot enforce this; leave it out or create the "
+                                        "sandbox on the linux backend")
+
+    async def enforce_policy(self, sandbox: RunningSandbox, policy: Policy, previous: Policy,
+                             asker: Asker) -> None:
+        """Make `policy` (after `previous`, Policy() for a new sandbox) hold for the sandbox's processes;
+        `asker` is how a held operation asks for a decision. check_policy() came first."""
+        if not policy.empty:
+            raise NotImplementedError(f"the {self.name} backend enforces no policy")
+
+    async def release_policy(self, sandbox: RunningSandbox) -> None:
+        """What the sandbox's policy held on the host (kernel marks, pins, held operations): gone."""
+        return None
 
     recorder: Recorder | None = None
     record_collectors: frozenset[str] = frozenset(COLLECTOR_NAMES)

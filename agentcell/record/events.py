@@ -35,10 +35,13 @@ KINDS = (
     "secret.refused",
     # refused operations: seccomp {syscall, nr}; Landlock / read-only {path, reason}; EACCES/EPERM {path, errno}
     "deny.syscall", "deny.write", "deny.access",
+    # the sandbox's policy (issue 28): a program its exec rules refused {path, comm, hook}; an operation
+    # an "ask" policy held {approval, request, path | host ...} and its decision {verdict, by, remember}
+    "deny.exec", "approval.request", "approval.decision",
     # limits {detail}: oom {victim pid, comm}, pids, disk, cpu {throttled_s}, timeout
     "limit.oom", "limit.pids", "limit.disk", "limit.cpu", "limit.timeout",
     # the sandbox's life as the server saw it, and API calls {action, key_id, ...}
-    "sandbox.created", "sandbox.killed", "sandbox.paused", "sandbox.resumed", "api.call",
+    "sandbox.created", "sandbox.killed", "sandbox.paused", "sandbox.resumed", "api.call", "policy.set",
     # what code in the sandbox said of itself (runtime/self_report.py; source "self") {what, data}
     "self.report",
     # the store's own notes: events it dropped {count, reason}
@@ -58,7 +61,8 @@ KIND_CLASS = {
     "net.connect": "network", "net.deny": "network", "dns.query": "network", "secret.refused": "network",
     **{k: "refusals" for k in KINDS if k.startswith("deny.")},
     **{k: "limits" for k in KINDS if k.startswith("limit.")},
-    **{k: "api" for k in KINDS if k.startswith("sandbox.")}, "api.call": "api",
+    **{k: "api" for k in KINDS if k.startswith("sandbox.")}, "api.call": "api", "policy.set": "api",
+    "approval.request": "api", "approval.decision": "api",
     "self.report": "self",
     "record.dropped": "notes",
 }

@@ -10,6 +10,7 @@ from typing import Any
 
 from agentcell.errors import SandboxException
 from agentcell.sdk import api, fast_async_http
+from agentcell.sdk.approvals import AsyncApprovals
 from agentcell.sdk.code_async import AsyncCodeInterpreter
 from agentcell.sdk.commands_async import AsyncCommands
 from agentcell.sdk.config import ConnectionConfig, SandboxConnection, aresolve
@@ -88,6 +89,12 @@ class AsyncSandbox(ConnectedSandbox):
         self._commands = AsyncCommands(conn)
         self._pty = AsyncPty(self._commands)
         self._code = AsyncCodeInterpreter(conn)
+        self._approvals = AsyncApprovals(conn)
+
+    @property
+    def approvals(self) -> AsyncApprovals:
+        """agentcell extension: operations the sandbox's "ask" policy holds (list, allow, deny, on_approval)."""
+        return self._approvals
 
     @property
     def files(self) -> AsyncFilesystem:
@@ -109,17 +116,23 @@ class AsyncSandbox(ConnectedSandbox):
                request_timeout: float | None = None, limits: dict[str, Any] | None = None,
                allow_internet_access: bool | None = None, network: Mapping[str, Any] | None = None,
                secrets: Mapping[str, Mapping[str, Any]] | None = None, secure: bool | None = None,
-               idempotency_key: str | None = None, lifecycle: Mapping[str, Any] | None = None) -> AsyncSandbox:
+               idempotency_key: str | None = None, lifecycle: Mapping[str, Any] | None = None,
+               policy: Mapping[str, Any] | None = None) -> AsyncSandbox:
         """Create a sandbox living `timeout` seconds (extend with set_timeout). Without api_url or
         AGENTCELL_URL an embedded local server is started for this process.
 
         `allow_internet_access` (default: the server's, ``--internet-default``) and `network` (e2b's
         ``allow_out``/``deny_out``: CIDRs, IPs, domains, ``*.`` wildcards; ``allow_public_traffic``) set
-        what the sandbox may reach: only the public internet ever, and within it what the lists allow."""
+        what the sandbox may reach: only the public internet ever, and within it what the lists allow.
+
+        `policy` (agentcell extension): what its code may run, touch and reach, and what waits for a
+        decision (Sandbox.create says more); ``set_policy()`` changes it, ``approvals`` answers "ask"."""
         config = await aresolve(api_url, api_key, request_timeout)
         body = api.create_body(template, timeout, metadata, envs, limits, allow_internet_access, network, secrets,
                                secure)
         body.update(api.lifecycle_body(lifecycle))  # e2b's lifecycle: on_timeout "pause", auto_resume
+        if policy is not None:
+            body["policy"] = dict(policy)
         r = await api.acall(config, "POST", "/v2/sandboxes", json=body, ok=(201, 200),
                      headers=api.create_headers(idempotency_key))
         sandbox_id, token = api.sandbox_fields(r.json())
@@ -215,6 +228,18 @@ class AsyncSandbox(ConnectedSandbox):
     async def report(self, format: str = "json", request_timeout: float | None = None) -> dict[str, Any] | str:
         """agentcell extension: the behaviour record summed up for a reviewer (see Sandbox.report)."""
         return await _report(self._conn.config, self.sandbox_id, format, request_timeout)
+    async def get_policy(self, request_timeout: float | None = None) -> dict[str, Any]:
+        """agentcell extension: the sandbox's policy as the server holds it (every part, defaults included)."""
+        r = await api.acall(self._conn.config, "GET", f"/sandboxes/{self.sandbox_id}/policy",
+                            sandbox_id=self.sandbox_id, request_timeout=request_timeout)
+        return dict(r.json())
+
+    async def set_policy(self, policy: Mapping[str, Any], request_timeout: float | None = None) -> dict[str, Any]:
+        """agentcell extension: replace the sandbox's policy (Sandbox.set_policy says how it applies)."""
+        r = await api.acall(self._conn.config, "PUT", f"/sandboxes/{self.sandbox_id}/policy", json=dict(policy),
+                            sandbox_id=self.sandbox_id, request_timeout=request_timeout)
+        return dict(r.json())
+
     async def update_network(self, network: Mapping[str, Any], request_timeout: float | None = None) -> None:
         """Replace the sandbox's egress rules (e2b's update_network: ``allow_out``, ``deny_out``,
         ``allow_internet_access``; what is left out is cleared). New connections follow within

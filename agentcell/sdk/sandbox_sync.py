@@ -12,6 +12,7 @@ import httpx
 
 from agentcell.errors import SandboxException
 from agentcell.sdk import api
+from agentcell.sdk.approvals import Approvals
 from agentcell.sdk.code_sync import CodeInterpreter
 from agentcell.sdk.commands_sync import Commands
 from agentcell.sdk.config import ConnectionConfig, SandboxConnection, resolve
@@ -82,6 +83,12 @@ class Sandbox(ConnectedSandbox):
         self._commands = Commands(conn)
         self._pty = Pty(self._commands)
         self._code = CodeInterpreter(conn)
+        self._approvals = Approvals(conn)
+
+    @property
+    def approvals(self) -> Approvals:
+        """agentcell extension: operations the sandbox's "ask" policy holds (list, allow, deny, on_approval)."""
+        return self._approvals
 
     @property
     def files(self) -> Filesystem:
@@ -103,17 +110,25 @@ class Sandbox(ConnectedSandbox):
                request_timeout: float | None = None, limits: dict[str, Any] | None = None,
                allow_internet_access: bool | None = None, network: Mapping[str, Any] | None = None,
                secrets: Mapping[str, Mapping[str, Any]] | None = None, secure: bool | None = None,
-               idempotency_key: str | None = None, lifecycle: Mapping[str, Any] | None = None) -> Sandbox:
+               idempotency_key: str | None = None, lifecycle: Mapping[str, Any] | None = None,
+               policy: Mapping[str, Any] | None = None) -> Sandbox:
         """Create a sandbox living `timeout` seconds (extend with set_timeout). Without api_url or
         AGENTCELL_URL an embedded local server is started for this process.
 
         `allow_internet_access` (default: the server's, ``--internet-default``) and `network` (e2b's
         ``allow_out``/``deny_out``: CIDRs, IPs, domains, ``*.`` wildcards; ``allow_public_traffic``) set
-        what the sandbox may reach: only the public internet ever, and within it what the lists allow."""
+        what the sandbox may reach: only the public internet ever, and within it what the lists allow.
+
+        `policy` (agentcell extension): what its code may run, touch and reach, and what waits for a
+        decision: ``{"exec": {"default": "deny", "allow": ["python3", "git"]}, "files": [{"path":
+        "/home/user/repo", "access": "read"}], "syscalls": "strict", "processes": {"max": 64}}``
+        (README, docs/security.md); ``sbx.set_policy()`` changes it, ``sbx.approvals`` answers "ask"."""
         config = resolve(api_url, api_key, request_timeout)
         body = api.create_body(template, timeout, metadata, envs, limits, allow_internet_access, network, secrets,
                                secure)
         body.update(api.lifecycle_body(lifecycle))  # e2b's lifecycle: on_timeout "pause", auto_resume
+        if policy is not None:
+            body["policy"] = dict(policy)
         r = api.call(config, "POST", "/v2/sandboxes", json=body, ok=(201, 200),
                      headers=api.create_headers(idempotency_key))
         sandbox_id, token = api.sandbox_fields(r.json())
@@ -207,6 +222,20 @@ class Sandbox(ConnectedSandbox):
         hosts, denials, limits, flags citing events); `format="text"` for the text a person reads.
         Also ``Sandbox.report(sandbox_id)``, after the sandbox is gone too."""
         return _report(self._conn.config, self.sandbox_id, format, request_timeout)
+
+    def get_policy(self, request_timeout: float | None = None) -> dict[str, Any]:
+        """agentcell extension: the sandbox's policy as the server holds it (every part, defaults included)."""
+        r = api.call(self._conn.config, "GET", f"/sandboxes/{self.sandbox_id}/policy", sandbox_id=self.sandbox_id,
+                     request_timeout=request_timeout)
+        return dict(r.json())
+
+    def set_policy(self, policy: Mapping[str, Any], request_timeout: float | None = None) -> dict[str, Any]:
+        """agentcell extension: replace the sandbox's policy (what `policy` leaves out goes back to the
+        default). Exec rules and processes apply at once to every process; file rules to every access from
+        now on; a strict syscall filter to processes started from now on, and it cannot be lifted."""
+        r = api.call(self._conn.config, "PUT", f"/sandboxes/{self.sandbox_id}/policy", json=dict(policy),
+                     sandbox_id=self.sandbox_id, request_timeout=request_timeout)
+        return dict(r.json())
 
     def update_network(self, network: Mapping[str, Any], request_timeout: float | None = None) -> None:
         """Replace the sandbox's egress rules (e2b's update_network: ``allow_out``, ``deny_out``,

@@ -23,10 +23,13 @@ from agentcell.backends.base import LIMIT_RANGES, Backend, Limits
 from agentcell.errors import BackendUnavailableError, InvalidArgumentError, SandboxError, SandboxGoneError
 from agentcell.network.policy import ALL_TRAFFIC, NetworkPolicy, PolicyError
 from agentcell.network.secrets import SecretError, SecretSet, parse_rules
+from agentcell.policy import model as policy_model
+from agentcell.policy.approvals import ApprovalDecided, ApprovalNotFound
+from agentcell.policy.model import Policy
 from agentcell.record import report
 from agentcell.record.events import KIND_SET, KINDS
 from agentcell.record.store import EventStore
-from agentcell.server import api_events, validate
+from agentcell.server import api_events, policies, validate
 from agentcell.server.access_log import note
 from agentcell.server.auth import traffic_token
 from agentcell.server.bodies import JSON_LIMIT, read_json
@@ -409,6 +412,20 @@ class ControlPlane:
             return dataclasses.replace(policy, internet=False)
         return policy
 
+    def _parsed_policy(self, value: Any, backend: Backend, previous: Policy | None = None,
+                       limits: Limits | None = None) -> Policy:
+        """The create body's (or an update's) `policy`, checked against what `backend` can enforce: a 400
+        naming the part otherwise."""
+        try:
+            policy = policy_model.parse(value)
+            if policy.processes_max is not None and limits is not None and policy.processes_max > limits.pids:
+                raise policy_model.PolicyError("policy.processes.max", f"{policy.processes_max} is above the sandbox's own limit "
+                                                          f"of {limits.pids} processes")
+            policies.check(backend, policy, previous)
+        except policy_model.PolicyError as e:
+            raise HTTPError(400, str(e)) from None
+        return policy
+
     def _record(self, request: Request) -> SandboxRecord:
         """The running sandbox the path names (404 for a paused one too: resume it first)."""
         sandbox_id = request.path_params["sandbox_id"]
@@ -487,6 +504,7 @@ class ControlPlane:
         if secrets and not backend.has_egress:
             raise HTTPError(400, "secrets need the egress proxy, and this server gives sandboxes no internet "
                                  "(--egress-uplink none)")
+        policy_rules = self._parsed_policy(body.get("policy"), backend, limits=limits)
         clash = sorted(set(secrets.envs()) & set(envs))
         if clash:
             raise HTTPError(400, f"{clash[0]} is both an envVar and a secret; give it once")
@@ -499,7 +517,7 @@ class ControlPlane:
                     files=self.snapshots.content(snapshot) if snapshot and snapshot.mode == "filesystem" else None,
                     image=self.snapshots.content(snapshot) if snapshot and snapshot.mode == "full" else None,
                     caller=api_events.caller_id(request.scope), origin=f"snapshot {template}" if snapshot else None,
-                    owner=owner, root=root,
+                    owner=owner, root=root, policy=policy_rules,
                 )
         except QuotaError as e:
             raise HTTPError(429, str(e)) from None
@@ -507,6 +525,8 @@ class ControlPlane:
             raise HTTPError(429, str(e)) from None
         except InvalidArgumentError as e:
             raise HTTPError(400, e.message) from None
+        except policy_model.PolicyError as e:  # what only the sandbox itself could tell (a rule's path, a program's files)
+            raise HTTPError(400, str(e)) from None
         except (SandboxError, BackendUnavailableError) as e:
             if isinstance(e, SandboxError) and e.code == "resource_exhausted":  # a full host: nothing to hide
                 raise HTTPError(500, f"the sandbox could not be started: {e.message}") from None
@@ -595,6 +615,62 @@ class ControlPlane:
         rec.spec = dataclasses.replace(rec.spec, network=policy, secrets=dataclasses.replace(rec.spec.secrets, rules=rules))
         self.manager.redact_secrets(rec)  # new header values are kept out of its record too
         return Response(status_code=204)
+
+    # --- the sandbox's policy and its approvals (issue 28) --------------------------------------------
+
+    async def get_policy(self, request: Request) -> Response:
+        rec = self._any_record(request)
+        return JSONResponse(rec.spec.policy.to_json())
+
+    async def put_policy(self, request: Request) -> Response:
+        """agentcell extension: replace a running sandbox's policy (what the body leaves out is the default)."""
+        body = await json_body(request)
+        rec = self._record(request)
+        previous = rec.spec.policy
+        policy = self._parsed_policy(body, rec.backend, previous, rec.limits)
+        assert rec.running is not None and rec.channel is not None
+        async with rec.lock:
+            try:
+                await policies.enforce(rec.backend, rec.running, rec.channel, self.manager.approvals, policy, previous)
+            except policy_model.PolicyError as e:
+                raise HTTPError(400, str(e)) from None
+            except SandboxError as e:
+                raise HTTPError(404 if isinstance(e, SandboxGoneError) else 500, e.message) from None
+            rec.spec = dataclasses.replace(rec.spec, policy=policy)
+        self.manager.note(rec.sandbox_id, "policy.set", policy=policy.to_json(), key_id=api_events.caller_id(request.scope))
+        return JSONResponse(policy.to_json())
+
+    async def list_approvals(self, request: Request) -> Response:
+        rec = self._any_record(request)
+        everything = request.query_params.get("all", "false").lower() in ("1", "true", "yes")
+        return JSONResponse({"approvals": [a.to_json() for a in
+                                           self.manager.approvals.list(rec.sandbox_id, include_decided=everything)]})
+
+    async def decide_approval(self, request: Request) -> Response:
+        body = await json_body(request)
+        rec = self._any_record(request)
+        allow, remember = body.get("allow"), body.get("remember", False)
+        if not isinstance(allow, bool) or not isinstance(remember, bool):
+            raise HTTPError(400, "the body is {\"allow\": true|false, \"remember\": true|false}")
+        aid = request.path_params["approval_id"]
+        try:
+            item = self.manager.approvals.decide(rec.sandbox_id, aid, allow, remember,
+                                                 by=api_events.caller_id(request.scope) or "api")
+        except ApprovalNotFound:
+            raise HTTPError(404, f"sandbox '{rec.sandbox_id}' has no approval request '{aid}'") from None
+        except ApprovalDecided as e:
+            raise HTTPError(409, str(e)) from None
+        return JSONResponse(item.to_json())
+
+    async def follow_approvals(self, request: Request) -> Response:
+        """NDJSON: the sandbox's pending requests, then each new request and decision as it happens."""
+        rec = self._record(request)
+
+        async def lines() -> AsyncIterator[bytes]:
+            async for item in self.manager.approvals.follow(rec.sandbox_id):
+                yield json.dumps(item, separators=(",", ":"), default=str).encode() + b"\n"
+
+        return StreamingResponse(lines(), media_type="application/x-ndjson")
 
     def _recorded(self, request: Request) -> tuple[EventStore, str]:
         """The store and the sandbox id whose record the path names (alive, paused or gone)."""
@@ -888,6 +964,11 @@ class ControlPlane:
             Route(sid, self.kill, methods=["DELETE"]),
             Route(sid + "/timeout", self.set_timeout, methods=["POST"]),
             Route(sid + "/network", self.update_network, methods=["PUT"]),
+            Route(sid + "/policy", self.get_policy, methods=["GET"]),
+            Route(sid + "/policy", self.put_policy, methods=["PUT"]),
+            Route(sid + "/approvals", self.list_approvals, methods=["GET"]),
+            Route(sid + "/approvals/stream", self.follow_approvals, methods=["GET"]),
+            Route(sid + "/approvals/{approval_id}", self.decide_approval, methods=["POST"]),
             Route(sid + "/events", self.events, methods=["GET"]),
             Route(sid + "/report", self.report, methods=["GET"]),
             Route(sid + "/connect", self.connect, methods=["POST"]),

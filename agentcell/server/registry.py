@@ -34,9 +34,13 @@ from agentcell.backends.base import Backend, ImageRoot, Limits, RunningSandbox, 
 from agentcell.errors import SandboxGoneError
 from agentcell.network.policy import NetworkPolicy
 from agentcell.network.secrets import SecretSet
+from agentcell.policy import model as policy_model
+from agentcell.policy.approvals import Approvals
+from agentcell.policy.model import Policy
 from agentcell.record.events import event
 from agentcell.record.store import EventStore
 from agentcell.runtime.protocol import AgentChannel
+from agentcell.server import policies
 from agentcell.server.metrics import SAMPLE_INTERVAL_S, MetricsHistory, sample_due
 from agentcell.server.sandbox_state import SandboxLife, SandboxState
 
@@ -189,6 +193,8 @@ class SandboxManager:
         self._sampler: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         self.observer: Observer | None = None  # lifecycle log lines and metrics (server/observer.py)
+        # the requests of sandboxes whose policy asks (issue 28), in their records too
+        self.approvals = Approvals(lambda sandbox_id, e: self.events.add(sandbox_id, e) if self.events else None)
 
     # lifecycle -----------------------------------------------------------------------------------
 
@@ -238,6 +244,7 @@ class SandboxManager:
             "backend": rec.backend.name, "owner": rec.owner,
             # an image template's root (its layers' paths in the template store), to resume on it
             "image_root": asdict(rec.spec.image_root) if rec.spec.image_root else None,
+            "policy": rec.spec.policy.to_json() if not rec.spec.policy.empty else None,
         }
         path = self._record_path(rec.sandbox_id)
         tmp = path.with_suffix(".tmp")
@@ -261,7 +268,8 @@ class SandboxManager:
                 root = d.get("image_root")
                 spec = SandboxSpec(sandbox_id=d["sandbox_id"], limits=Limits(**d["limits"]), envs=d["envs"],
                                    network=NetworkPolicy.parse(internet, allow, deny),
-                                   template=d["template_id"] if root else "base", image_root=_image_root(root))
+                                   template=d["template_id"] if root else "base", image_root=_image_root(root),
+                                   policy=policy_model.parse(d.get("policy")))
                 rec = SandboxRecord(
                     sandbox_id=d["sandbox_id"], template_id=d["template_id"], alias=d["alias"], metadata=d["metadata"],
                     envs=d["envs"], limits=spec.limits, started_at=datetime.fromisoformat(d["started_at"]),
@@ -441,6 +449,7 @@ class SandboxManager:
         owner: str | None = None,
         root: ImageRoot | None = None,
         pooled: bool = True,
+        policy: Policy | None = None,
     ) -> SandboxRecord:
         """A new sandbox; with `files`, it starts with that disk archive's files; with `image`, it is
         restored from that checkpoint (memory and files)."""
@@ -448,7 +457,8 @@ class SandboxManager:
         # `root`: a template made from an image (agentcell/templates/): the sandbox's root is its layers
         spec = SandboxSpec(sandbox_id="", template=template_id if root else "base", limits=limits, envs=dict(envs),
                            network=network or NetworkPolicy(), secrets=secrets or SecretSet(),
-                           files=str(files) if files else None, image_root=root, pooled=pooled)
+                           files=str(files) if files else None, image_root=root, pooled=pooled,
+                           policy=policy or Policy())
         backend = backend or self.backend
         started = time.monotonic()
         try:
@@ -480,7 +490,8 @@ class SandboxManager:
         self._sandboxes[rec.sandbox_id] = rec
         self.redact_secrets(rec)  # before the tenant has the id: no call of theirs yet
         self._record(rec.sandbox_id, "sandbox.created", begin=True, template=template_id, backend=backend.name,
-                     limits=asdict(limits), timeout_s=timeout, key_id=caller, origin=origin, owner=owner)
+                     limits=asdict(limits), timeout_s=timeout, key_id=caller, origin=origin, owner=owner,
+                     policy=None if spec.policy.empty else spec.policy.to_json())
         if self.observer is not None:
             self.observer.created(rec.sandbox_id, time.monotonic() - started, {
                 "template": template_id, "backend": backend.name, "limits": asdict(limits), "timeout_s": timeout,
@@ -505,6 +516,10 @@ class SandboxManager:
             self.events.begin(sandbox_id)
         self.events.add(sandbox_id, event(kind, source="api", **{k: v for k, v in fields.items() if v is not None}))
 
+    def note(self, sandbox_id: str, kind: str, **fields: Any) -> None:
+        """An API event of the sandbox's (a policy set ...) in its behaviour record."""
+        self._record(sandbox_id, kind, **fields)
+
     def _end_record(self, sandbox_id: str) -> None:
         """The record closes a moment after the kill, so that the kernel's last events (the exits of
         the killed processes) still land in it."""
@@ -528,6 +543,8 @@ class SandboxManager:
             try:
                 running.sock.setblocking(False)
                 channel = await AgentChannel.open(running.sock)
+                if not spec.policy.empty:  # before the tenant has the sandbox: nothing of theirs ran yet
+                    await policies.enforce(backend, running, channel, self.approvals, spec.policy, Policy())
             except BaseException:
                 with contextlib.suppress(Exception):
                     await backend.kill(running)
@@ -810,6 +827,7 @@ class SandboxManager:
     async def _destroy(self, rec: SandboxRecord, reason: str) -> None:
         """Everything of a "killing" sandbox: its processes and its kept files; then it is gone."""
         self._record(rec.sandbox_id, "sandbox.killed", reason=reason)
+        self.approvals.forget(rec.sandbox_id)
         await self._destroy_running(rec, reason)
         self._end_record(rec.sandbox_id)
         await self._discard_disk(rec)
