@@ -1,0 +1,67 @@
+"""The policy's API (issue 28): what a create or an update with a malformed or unenforceable policy
+gets (a 400 naming the part, nothing created), the policy as the server holds it, approvals' endpoints.
+The enforcement itself: tests/test_policy.py."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tests.helpers import create_sandbox
+
+
+@pytest.fixture(scope="module")
+def http(server_url: str) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server_url, timeout=60) as c:
+        yield c
+
+
+BAD = [
+    ({"exce": {"default": "deny"}}, "policy.exce"),
+    ({"exec": {"default": "never"}}, "policy.exec.default"),
+    ({"exec": {"allow": "python3"}}, "policy.exec.allow"),
+    ({"exec": {"allow": ["bin/python3"]}}, "policy.exec.allow[0]"),
+    ({"exec": {"deny": ["/usr/bin/../bin/ls"]}}, "policy.exec.deny[0]"),
+    ({"files": [{"path": "home/user", "access": "read"}]}, "policy.files[0].path"),
+    ({"files": [{"path": "/home/user", "access": "rw"}]}, "policy.files[0].access"),
+    ({"files": [{"path": "/a", "access": "read"}, {"path": "/a/", "access": "none"}]}, "policy.files[1].path"),
+    ({"files": [{"path": "/a", "access": "read", "mode": 1}]}, "policy.files[0].mode"),
+    ({"syscalls": "paranoid"}, "policy.syscalls"),
+    ({"processes": {"max": 0}}, "policy.processes.max"),
+    ({"processes": {"max": 100000}}, "policy.processes.max"),
+    ({"network": {"default": "deny"}}, "policy.network.default"),
+    ({"ask_timeout_s": 0}, "policy.ask_timeout_s"),
+    ([], "policy"),
+]
+
+
+@pytest.mark.parametrize(("policy", "part"), BAD, ids=[p for _, p in BAD])
+def test_a_bad_policy_is_a_400_naming_its_part_and_creates_nothing(http: httpx.Client, policy: object,
+                                                                      part: str) -> None:
+    before = len(http.get("/sandboxes").json())
+    r = http.post("/v2/sandboxes", json={"templateID": "base", "policy": policy})
+    assert r.status_code == 400, r.text
+    assert r.json()["message"].startswith(part + ":"), r.json()
+    assert len(http.get("/sandboxes").json()) == before
+
+
+def test_no_policy_is_the_default_and_approvals_are_empty(http: httpx.Client) -> None:
+    sbx = create_sandbox(http)
+    sid = sbx["sandboxID"]
+    try:
+        got = http.get(f"/sandboxes/{sid}/policy").json()
+        assert got["exec"] == {"default": "allow", "allow": [], "deny": []}
+        assert got["files"] == [] and got["syscalls"] == "default" and got["processes"] == {"max": None}
+        assert http.get(f"/sandboxes/{sid}/approvals").json() == {"approvals": []}
+        r = http.post(f"/sandboxes/{sid}/approvals/a1nothere", json={"allow": True})
+        assert r.status_code == 404, r.text
+        r = http.post(f"/sandboxes/{sid}/approvals/a1nothere", json={"allow": "yes"})
+        assert r.status_code == 400, r.text
+        r = http.put(f"/sandboxes/{sid}/policy", json={"files": [{"path": "/x", "access": "sometimes"}]})
+        assert r.status_code == 400 and "policy.files[0].access" in r.text
+        assert http.get(f"/sandboxes/{sid}/policy").json() == got  # a refused update changed nothing
+    finally:
+        http.delete(f"/sandboxes/{sid}")
+    assert http.get(f"/sandboxes/{sid}/policy").status_code == 404
