@@ -332,6 +332,13 @@ async def test_hold_exec_keeps_the_agent_answering(box: Box) -> None:
     assert out.count("0000000000000000") == 2 and "NoNewPrivs:\t1" in out
     code, out, _ = await box.sh("id -u", user="root")
     assert (code, out.strip()) == (0, "0")
+    pty = b""  # a pty's slave, opened after setsid: the controlling terminal, as with posix_spawn
+    async for f in box.channel.stream("proc.start", cmd="/bin/bash", args=["-c", "tty; ps -o tty= -p $$"], envs={},
+                                      cwd=None, tag=None, stdin=False, pty={"cols": 80, "rows": 24}, timeout_ms=10_000,
+                                      user=None):  # fmt: skip
+        pty += f.payload if f.header.get("event") == "pty" else b""
+    tty, ctty = pty.decode().split()
+    assert tty.startswith("/dev/pts/") and tty.endswith(ctty), pty
 
 
 async def test_hold_exec_errors(box: Box) -> None:
