@@ -91,6 +91,17 @@ LIMIT_RANGES: dict[str, tuple[float, float]] = {
 }
 
 
+def check_pids_max(n: object, ceiling: int) -> int:
+    """A policy's processes.max for a sandbox whose own pids limit is `ceiling`: an int from the
+    lowest pids limit a sandbox may have (LIMIT_RANGES) up to `ceiling`. Raises ValueError."""
+    low = int(LIMIT_RANGES["pids"][0])
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise ValueError(f"processes.max must be an integer, got {n!r}")
+    if not low <= n <= ceiling:
+        raise ValueError(f"processes.max must be between {low} and the sandbox's pids limit {ceiling}, got {n}")
+    return n
+
+
 _ID_ALPHABET = string.ascii_lowercase + string.digits
 
 
@@ -282,6 +293,12 @@ class Backend(abc.ABC):
         """Write the sandbox's writable files (/home/user, /tmp, the writable root's upper layers) to
         `dest` as a disk archive (backends/disk_archive.py); the size written. The caller pauses the
         sandbox first so that the archive is consistent. Raises ResourceExhaustedError past max_bytes."""
+
+    async def set_pids_max(self, sandbox: RunningSandbox, n: int) -> None:
+        """Limit the running sandbox to `n` processes + threads from now on (a policy's processes.max),
+        at most its own pids limit (the operator's ceiling: check_pids_max). Raises NotImplementedError,
+        saying why, where the backend cannot enforce that."""
+        raise NotImplementedError(f"the {self.name} backend cannot change a running sandbox's process limit")
 
     async def checkpoint(self, sandbox: RunningSandbox, image_dir: str, leave_running: bool) -> int:
         """Save the whole sandbox (memory, processes, files) to `image_dir` (which must not exist);

@@ -28,6 +28,7 @@ from agentcell.runtime import (
     display,
     filesystem,
     kernel,
+    policy,
     processes,
     protocol,
     reaper,
@@ -48,7 +49,7 @@ __all__ = ["preload", "serve"]
 
 _PR_SET_DUMPABLE = 4
 _PR_SET_CHILD_SUBREAPER = 36
-_AGENT_MODULES = (display, filesystem, kernel, processes, protocol, reaper, tunnel, watcher)  # imported now, never lazily
+_AGENT_MODULES = (display, filesystem, kernel, policy, processes, protocol, reaper, tunnel, watcher)  # imported now, never lazily
 _WARM_TIMEOUT = 10.0  # seconds the default context gets to start before the sandbox says ready anyway
 
 
@@ -200,6 +201,7 @@ def _harden() -> None:
 
 
 async def _serve(sock: socket.socket, config: dict[str, Any]) -> None:
+    policy.configure(config.get("strict_seccomp"))  # before any fork: contexts inherit it (kernel.py)
     home = os.path.abspath(config.get("home") or "/home/user")
     envs = {str(k): str(v) for k, v in (config.get("envs") or {}).items()}
     envs.setdefault("HOME", home)
@@ -512,6 +514,18 @@ def _field(frame: Frame, name: str, kind: type | tuple[type, ...], default: Any 
 @op("ping")
 async def _ping(agent: Agent, call: Call, frame: Frame) -> None:
     return None
+
+
+@op("policy")
+async def _policy(agent: Agent, call: Call, frame: Frame) -> dict[str, Any]:
+    """The sandbox policy's runtime parts (runtime/policy.py): syscalls and hold_exec."""
+    syscalls, hold_exec = policy.check(frame.header.get("syscalls"), frame.header.get("hold_exec"))
+    policy.set_hold_exec(hold_exec)  # first: the contexts restarted below start through it
+    kept: list[str] = []
+    if syscalls == "strict":
+        policy.load_strict()
+        kept = agent.contexts.adopt_strict()
+    return {"syscalls": policy.syscalls(), "hold_exec": policy.holds_exec(), "contexts_kept": kept}
 
 
 # -- processes --------------------------------------------------------------------------------------

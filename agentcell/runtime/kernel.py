@@ -41,6 +41,7 @@ from agentcell.runtime import (
     kernel_image_python,
     kernel_java,
     kernel_node,
+    policy,
     rootcaps,
     stdio,
 )
@@ -137,6 +138,9 @@ class _Kernel:
         self._paused = False
         self.writer: asyncio.StreamWriter | None = None
         self._envs: dict[str, str] | None = None  # for connect() to send
+        self._strict_pending = False  # for connect() to send: load the strict filter (never ran code)
+        self.ran = False  # code of a tenant's was sent to it
+        self.strict = policy.syscalls() == "strict"  # carries the strict filter (inherited at its start)
         ours, theirs = socket.socketpair()
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
@@ -179,12 +183,25 @@ class _Kernel:
             if self._envs is not None:  # env vars that came while it warmed up (the claim's)
                 self.writer.write(self.spec.encode_env(self._envs))
                 self._envs = None
+            if self._strict_pending:
+                self.writer.write(encode_frame({"seccomp": "strict"}))
+                self._strict_pending = False
             try:
                 warm = await read_frame(self.reader, 1 << 10)
             except (OSError, ValueError, ProtocolError):
                 warm = None
             if warm is None or not warm.header.get("warm"):
                 self.kill("it broke its protocol while starting")
+
+    def load_strict(self) -> None:
+        """A Python kernel forked from the agent that never ran code: it loads the strict filter itself
+        before the next frame it reads (frames are taken in order, so before any run). A kernel that
+        cannot load it exits, and the context restarts from the agent, which carries it."""
+        if self.writer is not None:
+            self.writer.write(encode_frame({"seccomp": "strict"}))
+        else:
+            self._strict_pending = True
+        self.strict = True
 
     def set_envs(self, envs: dict[str, str]) -> None:
         """Replace the kernel's os.environ before its next run."""
@@ -331,6 +348,7 @@ class Context:
             on_interrupt(interrupt)
             deadline = loop.call_later(timeout_ms / 1000, deadline_passed) if timeout_ms > 0 else None
             kernel.sink = sink
+            kernel.ran = True
             try:
                 kernel.writer.write(kernel.spec.encode_run(code, env_vars or {}))
                 while True:
@@ -457,6 +475,24 @@ class ContextManager:
     def close(self) -> None:
         for ctx in self._contexts.values():
             ctx.close()
+
+    def adopt_strict(self) -> list[str]:
+        """After the agent loaded the strict seccomp filter (policy.py): kernels that never ran code
+        take it too (a Python fork loads it itself, another kernel is restarted); the ids of the
+        contexts whose kernels ran code and keep the old filter."""
+        kept = []
+        for ctx in self._contexts.values():
+            kernel = ctx.kernel
+            if kernel is None or not kernel.alive or kernel.strict:
+                continue  # (none running: its next start is a child of the agent's, filtered)
+            if kernel.ran:
+                kept.append(ctx.id)
+            elif kernel.spec.launch is _fork_python:
+                kernel.load_strict()
+            else:
+                with contextlib.suppress(SandboxError):  # (if it fails, its next run starts it)
+                    ctx.restart()
+        return kept
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -634,6 +670,12 @@ def _serve_kernel(sock: socket.socket) -> NoReturn:
         frame = recv_frame(sock)
         if frame is None:
             os._exit(0)
+        if frame.header.get("seccomp") == "strict":  # before any run (ContextManager.adopt_strict)
+            try:
+                policy.load_strict()
+            except SandboxError:
+                os._exit(1)
+            continue
         if "set_env" in frame.header:  # the claim's env vars (ContextManager.update_envs)
             os.environ.clear()
             os.environ.update({str(k): str(v) for k, v in frame.header["set_env"].items()})

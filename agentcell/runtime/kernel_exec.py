@@ -16,7 +16,7 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from agentcell.runtime.processes import set_oom_score_adj, spawn
+from agentcell.runtime.processes import spawn
 from agentcell.runtime.protocol import encode_frame
 
 CTRL_FD = 3
@@ -66,8 +66,8 @@ def exec_kernel(argv: list[str], ctrl_fd: int, out_w: int, err_w: int, cwd: str,
             (os.POSIX_SPAWN_DUP2, err_w, 2),
             (os.POSIX_SPAWN_DUP2, ctrl_fd, CTRL_FD),
         ]
-        pid = spawn(argv[0], argv, env, cwd, actions)
+        # the OOM killer takes a context before the agent
+        pid = spawn(argv[0], argv, env, cwd, actions, oom_score_adj)
     finally:
         os.close(devnull)
-    set_oom_score_adj(pid, oom_score_adj)  # the OOM killer takes a context before the agent
     return pid

@@ -1,7 +1,10 @@
 """The sandbox's process table: start, connect, list, input, signal, close stdin, resize.
 
 Processes are started with ``posix_spawn`` (vfork: cheap even though the agent holds NumPy, pandas and
-IPython in memory) in a new session, with every signal at its default. The agent's own fds are all
+IPython in memory) in a new session, with every signal at its default. vfork stops the agent until
+the child's exec is done: while the sandbox's policy may hold an exec for a human's decision
+(policy.holds_exec(), the exec policy's "ask"), they are started with fork + exec instead, which
+costs the agent a copy of its page tables per start but never waits for the exec. The agent's own fds are all
 close-on-exec, so a child gets only its stdio. Exit statuses come from the agent's single reaper; the
 output of a process fans out to any number of subscribers (the start call plus ``proc.connect`` calls).
 """
@@ -19,7 +22,7 @@ import signal
 import struct
 import termios
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 from agentcell.errors import (
     InvalidArgumentError,
@@ -27,7 +30,7 @@ from agentcell.errors import (
     PermissionDeniedError,
     SandboxError,
 )
-from agentcell.runtime import rootcaps
+from agentcell.runtime import policy, rootcaps
 from agentcell.runtime.reaper import Reaper, describe_status
 
 READ_SIZE = 256 * 1024  # per read(); well under the 1 MiB frame cap
@@ -364,7 +367,7 @@ class ProcessTable:
             if as_root:
                 pid = spawn_as_root(exe, [cmd, *args], env, cwd, actions, self._oom_score_adj)
             else:
-                pid = spawn(exe, [cmd, *args], env, cwd, actions)
+                pid = spawn(exe, [cmd, *args], env, cwd, actions, self._oom_score_adj)
         except BaseException:
             for fd in [*child_fds, *out_fds]:
                 with contextlib.suppress(OSError):
@@ -377,7 +380,8 @@ class ProcessTable:
         proc = Process(pid, req.get("tag"), cmd, args, envs, cwd, bool(pty_size), loop, self, out_fds, stdin)
         self._reaper.watch(pid, proc.on_exit)
         self._procs[pid] = proc
-        set_oom_score_adj(pid, self._oom_score_adj)
+        if as_root:
+            set_oom_score_adj(pid, self._oom_score_adj)  # (spawn sets it for the others)
         timeout_ms = int(req.get("timeout_ms") or 0)
         if timeout_ms > 0:
             proc.timeout = loop.call_later(timeout_ms / 1000, proc.kill_on_deadline)
@@ -422,15 +426,20 @@ class ProcessTable:
             proc.kill_group()
 
 
-def spawn(exe: str, argv: list[str], env: dict[str, str], cwd: str, actions: list[tuple]) -> int:
-    """posix_spawn `exe` in a new session, every signal at its default, in `cwd`."""
+def spawn(exe: str, argv: list[str], env: dict[str, str], cwd: str, actions: list[tuple],
+          oom_score_adj: int | None = None) -> int:
+    """Start `exe` in a new session, every signal at its default, in `cwd`: posix_spawn, or fork + exec
+    while the sandbox's policy holds execs (policy.holds_exec(), module doc). `oom_score_adj`: set once
+    the exec is done (callers may set it themselves right after, as posix_spawn returns after the exec)."""
+    if policy.holds_exec():
+        return fork_exec(exe, argv, env, cwd, actions, as_root=False, oom_score_adj=oom_score_adj)
     # posix_spawn has no chdir action in Python 3.11: switch the agent's cwd around the call. The agent
     # is single-threaded and resolves every path itself, so nothing else sees the change.
     old = os.getcwd()
     os.chdir(cwd)
     try:
-        return os.posix_spawn(exe, argv, env, file_actions=actions, setsid=True,
-                              setsigdef=_DEFAULT_SIGNALS, setsigmask=())  # fmt: skip
+        pid = os.posix_spawn(exe, argv, env, file_actions=actions, setsid=True,
+                             setsigdef=_DEFAULT_SIGNALS, setsigmask=())  # fmt: skip
     except PermissionError as e:
         raise PermissionDeniedError(f"cannot execute {exe!r}: {e.strerror}") from None
     except FileNotFoundError:
@@ -440,40 +449,43 @@ def spawn(exe: str, argv: list[str], env: dict[str, str], cwd: str, actions: lis
                            if e.errno in (errno.EAGAIN, errno.ENOMEM) else "internal") from None  # fmt: skip
     finally:
         os.chdir(old)
+    if oom_score_adj is not None:
+        set_oom_score_adj(pid, oom_score_adj)
+    return pid
 
 
 def spawn_as_root(exe: str, argv: list[str], env: dict[str, str], cwd: str, actions: list[tuple],
-                   oom_score_adj: int) -> int:
+                  oom_score_adj: int) -> int:
     """fork + exec as the sandbox's root (posix_spawn cannot change ids). The fork copies the agent's
-    page tables (a few ms): only commands run as root pay it. Exec errors come back on a pipe."""
-    err_r, err_w = os.pipe()  # close-on-exec: EOF means the exec happened
-    pid = os.fork()
+    page tables (a few ms): only commands run as root pay it."""
+    return fork_exec(exe, argv, env, cwd, actions, as_root=True, oom_score_adj=oom_score_adj)
+
+
+def fork_exec(exe: str, argv: list[str], env: dict[str, str], cwd: str, actions: list[tuple], as_root: bool,
+              oom_score_adj: int | None) -> int:
+    """fork, then exec in the child (as the sandbox's root if `as_root`, else with no capability).
+
+    Exec errors come back on a close-on-exec pipe (EOF: the exec happened). While the policy holds
+    execs (a human may take minutes to answer), the agent does not wait for that: the call returns at
+    once, and a failed exec shows as the child's stderr line and exit status 126 / 127, as a shell's.
+    Otherwise the agent waits (the exec is a few ms away) and raises the typed error."""
+    hold = policy.holds_exec()
+    if hold:
+        _check_executable(exe, as_root)  # the usual mistakes still get their typed error
+    err_r, err_w = os.pipe()  # close-on-exec
+    try:
+        pid = os.fork()
+    except OSError as e:
+        os.close(err_r)
+        os.close(err_w)
+        raise SandboxError(f"cannot start {exe!r}: {e.strerror}", "resource_exhausted"
+                           if e.errno in (errno.EAGAIN, errno.ENOMEM) else "internal") from None  # fmt: skip
     if pid == 0:  # pragma: no cover - the child execs or exits
-        try:
-            rootcaps.become_root()
-            os.setsid()
-            for action in actions:
-                if action[0] == os.POSIX_SPAWN_OPEN:
-                    _, fd, path, flags, mode = action
-                    opened = os.open(path, flags, mode)  # after setsid: a tty opened so is the controlling one
-                    if opened != fd:
-                        os.dup2(opened, fd)
-                        os.close(opened)
-                else:
-                    os.dup2(action[1], action[2])
-            for sig in _DEFAULT_SIGNALS:
-                with contextlib.suppress(OSError, ValueError):
-                    signal.signal(sig, signal.SIG_DFL)
-            signal.pthread_sigmask(signal.SIG_SETMASK, ())
-            set_oom_score_adj("self", oom_score_adj)  # the agent's own score is lower: raise it here
-            os.chdir(cwd)
-            os.execve(exe, argv, env)
-        except OSError as e:
-            os.write(err_w, str(e.errno or errno.EPERM).encode())
-        except BaseException:  # noqa: BLE001
-            os.write(err_w, str(errno.EPERM).encode())
-        os._exit(127)
+        _exec_child(exe, argv, env, cwd, actions, as_root, oom_score_adj, err_w, tell_stderr=hold)
     os.close(err_w)
+    if hold:
+        _after_exec(err_r, pid, oom_score_adj)
+        return pid
     try:
         with os.fdopen(err_r, "rb") as f:
             failed = f.read(16)
@@ -482,13 +494,86 @@ def spawn_as_root(exe: str, argv: list[str], env: dict[str, str], cwd: str, acti
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(pid, 0)
     if failed:
-        code = int(failed)
-        if code in (errno.EACCES, errno.EPERM):
-            raise PermissionDeniedError(f"cannot execute {exe!r} as root: {os.strerror(code)}")
-        if code == errno.ENOENT:
-            raise NotFoundError(f"command {exe!r} not found")
-        raise SandboxError(f"cannot start {exe!r} as root: {os.strerror(code)}")
+        raise _exec_error(exe, int(failed), as_root)
+    if oom_score_adj is not None and not as_root:
+        set_oom_score_adj(pid, oom_score_adj)
     return pid
+
+
+def _exec_child(exe: str, argv: list[str], env: dict[str, str], cwd: str, actions: list[tuple], as_root: bool,
+                oom_score_adj: int | None, err_w: int, tell_stderr: bool) -> NoReturn:  # pragma: no cover
+    code = errno.EPERM
+    try:
+        if as_root:
+            rootcaps.become_root()
+        else:
+            rootcaps.drop_in_child()  # what posix_spawn's exec does: nothing of the agent's set survives
+        os.setsid()
+        for action in actions:
+            if action[0] == os.POSIX_SPAWN_OPEN:
+                _, fd, path, flags, mode = action
+                opened = os.open(path, flags, mode)  # after setsid: a tty opened so is the controlling one
+                if opened != fd:
+                    os.dup2(opened, fd)
+                    os.close(opened)
+            else:
+                os.dup2(action[1], action[2])
+        for sig in _DEFAULT_SIGNALS:
+            with contextlib.suppress(OSError, ValueError):
+                signal.signal(sig, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_SETMASK, ())
+        if as_root and oom_score_adj is not None:
+            set_oom_score_adj("self", oom_score_adj)  # the agent's own score is lower: raise it here
+        os.chdir(cwd)
+        os.execve(exe, argv, env)
+    except OSError as e:
+        code = e.errno or errno.EPERM
+    except BaseException:  # noqa: BLE001
+        pass
+    with contextlib.suppress(OSError):
+        os.write(err_w, str(code).encode())
+        if tell_stderr:  # nobody waits for the pipe: the process's own stderr says it
+            os.write(2, f"agentcell: cannot execute {exe}: {os.strerror(code)}\n".encode())
+    os._exit(127 if code == errno.ENOENT else 126)
+
+
+def _after_exec(err_r: int, pid: int, oom_score_adj: int | None) -> None:
+    """Watch the exec pipe without waiting: at EOF (the exec happened, the child is dumpable again)
+    its oom_score_adj is set; an error was told on the child's stderr."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        os.close(err_r)
+        return
+
+    def done() -> None:
+        loop.remove_reader(err_r)
+        try:
+            failed = os.read(err_r, 16)
+        except OSError:
+            failed = b"?"
+        os.close(err_r)
+        if not failed and oom_score_adj is not None:
+            set_oom_score_adj(pid, oom_score_adj)
+
+    loop.add_reader(err_r, done)
+
+
+def _check_executable(exe: str, as_root: bool) -> None:
+    if not os.path.exists(exe):
+        raise NotFoundError(f"command {exe!r} not found")
+    if os.path.isdir(exe) or not os.access(exe, os.X_OK if not as_root else os.F_OK):
+        raise PermissionDeniedError(f"cannot execute {exe!r}: Permission denied")
+
+
+def _exec_error(exe: str, code: int, as_root: bool) -> SandboxError:
+    who = " as root" if as_root else ""
+    if code in (errno.EACCES, errno.EPERM):
+        return PermissionDeniedError(f"cannot execute {exe!r}{who}: {os.strerror(code)}")
+    if code == errno.ENOENT:
+        return NotFoundError(f"command {exe!r} not found")
+    return SandboxError(f"cannot start {exe!r}{who}: {os.strerror(code)}", "resource_exhausted"
+                        if code in (errno.EAGAIN, errno.ENOMEM) else "internal")  # fmt: skip
 
 
 def set_oom_score_adj(pid: int | str, value: int) -> None:

@@ -67,6 +67,15 @@ NO_NETWORK = ("the gvisor backend gives sandboxes no network at all (runsc --net
               "sandbox with allow_internet_access=False and no secrets, or use the linux backend")
 
 
+# A policy's processes.max (Backend.set_pids_max): the guest's limit is its RLIMIT_NPROC, set at the start
+# (each process keeps its own, and may raise its soft limit back to its hard one; a hard limit, once
+# lowered, cannot go up again); the host's pids cgroup counts the sentry's threads, and a sandbox that
+# reaches it dies whole (spec.py). Neither can serve as a run-time limit.
+NO_PIDS_MAX = ("the gvisor backend cannot change a running sandbox's process limit: inside the guest it is the "
+               "RLIMIT_NPROC set at the start, and the host's pids cgroup counts the sentry's own threads "
+               "(reaching it kills the whole sandbox); create the sandbox with the pids limit it needs")
+
+
 class GvisorSandbox(RunningSandbox):
     def __init__(self, sandbox_id: str, sock: socket.socket, directory: str, cgroup: str, limits: Limits) -> None:
         self.sandbox_id = sandbox_id
@@ -131,6 +140,7 @@ class GvisorBackend(CgroupSandboxes, Backend):
         self._pool: StandbyPool[GvisorSandbox] | None = None
         self.template = os.path.join(self.state, "template")  # the standbys' checkpoint image
         self._seccomp = ""
+        self._seccomp_strict = ""
         self.last_create_ms = 0.0
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -168,6 +178,7 @@ class GvisorBackend(CgroupSandboxes, Backend):
             await asyncio.to_thread(rootfs.build, self.root, self._runtime)
         # the linux backend's filter and more (seccomp_extra.py), loaded by the guest init (guest.py)
         self._seccomp = base64.b64encode(seccomp_extra.build()).decode()
+        self._seccomp_strict = base64.b64encode(seccomp_extra.build_strict()).decode()  # a policy's "strict"
         if self.standbys:
             with progress.step("gvisor: booting and saving the template the standbys are restored from"):
                 await self._build_template()
@@ -288,7 +299,7 @@ class GvisorBackend(CgroupSandboxes, Backend):
             ours.setblocking(False)
             loop = asyncio.get_running_loop()
             request = {"sandbox_id": sandbox_id, "limits": asdict(limits), "preload": True,
-                       "seccomp": self._seccomp}
+                       "seccomp": self._seccomp, "seccomp_strict": self._seccomp_strict}
             async with asyncio.timeout(self.ready_timeout):
                 await loop.sock_sendall(ours, encode_frame(request))
                 ready = await _read_frame(loop, ours)
@@ -477,6 +488,9 @@ class GvisorBackend(CgroupSandboxes, Backend):
         return written
 
     # -- memory snapshots: runsc checkpoint / restore --------------------------------------------
+
+    async def set_pids_max(self, sandbox: RunningSandbox, n: int) -> None:
+        raise NotImplementedError(NO_PIDS_MAX)
 
     async def checkpoint(self, sandbox: RunningSandbox, image_dir: str, leave_running: bool) -> int:
         assert isinstance(sandbox, GvisorSandbox) and self.runsc is not None

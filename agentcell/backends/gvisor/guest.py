@@ -256,6 +256,8 @@ def main() -> None:
 
     config = {"sandbox_id": sandbox_id, "envs": envs, "home": rootfs.HOME, "child_oom_score_adj": 0,
               "on_claim": claimed}
+    if req.get("seccomp_strict"):  # a policy's syscalls "strict" (runtime/policy.py)
+        config["strict_seccomp"] = seccomp_filter.Filter.of_program(base64.b64decode(req["seccomp_strict"]))
     if req.get("preload"):
         agent.preload()
     os.dup2(devnull, 2)  # the host's log file until now: nothing the sandbox runs may write there

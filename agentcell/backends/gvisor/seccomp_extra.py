@@ -42,3 +42,9 @@ def build() -> bytes:
         for kind in _DEVICE_TYPES:
             f.add_rule(eperm, name, seccomp.Arg(arg, seccomp.MASKED_EQ, _S_IFMT, kind))
     return seccomp_filter.Filter(f).bpf
+
+
+def build_strict() -> bytes:
+    """The strict filter (seccomp_filter.build_strict), built here on the host like the default one;
+    the guest's agent loads it into itself when a policy asks (runtime/policy.py)."""
+    return seccomp_filter.build_strict().bpf

@@ -31,6 +31,7 @@ from agentcell.backends.base import (
     Limits,
     RunningSandbox,
     SandboxSpec,
+    check_pids_max,
     new_cell_sandbox_id,
 )
 from agentcell.backends.cgroup_backend import CgroupSandboxes
@@ -792,6 +793,26 @@ class LinuxBackend(CgroupSandboxes, Backend):
                 raise InvalidArgumentError(NO_EGRESS)
             return
         await self.egress.apply(sandbox.slot, policy, rules=rules)
+
+    async def set_pids_max(self, sandbox: RunningSandbox, n: int) -> None:
+        """The sandbox's cgroup pids.max (v1 or v2) set to `n`, at most its own pids limit. Rootless
+        without a pids cgroup: NotImplementedError (its RLIMIT_NPROC cannot change at run time)."""
+        assert isinstance(sandbox, LinuxSandbox)
+        try:
+            check_pids_max(n, sandbox.limits.pids)
+        except ValueError as e:
+            raise InvalidArgumentError(str(e)) from None
+        async with sandbox.kill_lock:  # never against a kill: its cgroups are going away
+            if sandbox.killed:
+                raise SandboxGoneError(f"sandbox {sandbox.sandbox_id} was killed")
+            try:
+                sandbox.cgroups.set_pids_max(n)
+            except cgroups.CgroupError as e:
+                if e.errno == errno.EOPNOTSUPP:
+                    raise NotImplementedError(e.strerror or str(e)) from None
+                raise SandboxError(f"sandbox {sandbox.sandbox_id}: pids.max not set: {e.strerror or e}") from e
+            except OSError as e:
+                raise SandboxError(f"sandbox {sandbox.sandbox_id}: pids.max not set: {e.strerror or e}") from e
 
     async def export_files(self, sandbox: RunningSandbox, dest: str, max_bytes: int) -> int:
         assert isinstance(sandbox, LinuxSandbox)

@@ -47,6 +47,10 @@ _LOCK_TRIES = 50
 _locks: dict[str, int] = {}  # instance -> the fd of its directory, flock'ed while this server lives
 
 
+NO_PIDS_CONTROLLER = ("rootless mode: the delegated cgroup has no pids controller, so a sandbox's process limit is "
+                      "the RLIMIT_NPROC it started with and cannot change at run time (delegate pids: docs/rootless.md)")
+
+
 class NotDelegatedError(Exception):
     """This process's cgroup is not a cgroup v2 directory the user may manage; the message says why."""
 
@@ -275,6 +279,11 @@ class DelegatedCgroups(cgroups.Cgroups):
             sc.write_file(f"{d}/pids.max", str(limits.pids))
         if "cpu" in have:
             sc.write_file(f"{d}/cpu.max", f"{cgroups._quota_us(limits.cpu_count)} {cgroups._CPU_PERIOD_US}")
+
+    def set_pids_max(self, n: int) -> None:
+        if "pids" not in self.controllers():
+            raise cgroups.CgroupError(errno.EOPNOTSUPP, NO_PIDS_CONTROLLER)
+        super().set_pids_max(n)
 
     def set_cpu_weight(self, standby: bool) -> None:
         if self._has("cpu.weight"):

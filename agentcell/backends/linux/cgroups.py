@@ -261,6 +261,19 @@ class Cgroups:
             sc.write_file(f"{c}/cpu.cfs_period_us", str(_CPU_PERIOD_US))
             sc.write_file(f"{c}/cpu.cfs_quota_us", str(quota))
 
+    def set_pids_max(self, n: int) -> None:
+        """A running sandbox's pids.max (processes + threads) from now on (a policy's processes.max): a
+        process count already above it stays, new forks fail with EAGAIN until it is below."""
+        d = self.dirs.get("unified" if self.v2 else "pids")
+        if d is None:
+            raise CgroupError(errno.EOPNOTSUPP, "cgroup v1's pids controller is not mounted")
+        sc.write_file(f"{d}/pids.max", str(n))
+
+    def pids_max(self) -> int | None:
+        """Its pids.max now (None: "max")."""
+        d = self.dirs.get("unified" if self.v2 else "pids")
+        return None if d is None else _limit_or_none(f"{d}/pids.max")
+
     def set_cpu_weight(self, standby: bool) -> None:
         """A standby's preparation runs at the lowest CPU weight, so that it yields to sandboxes that
         serve someone (and to the server); its claim gives it the default weight back."""

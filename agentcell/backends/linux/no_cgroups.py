@@ -18,6 +18,14 @@ NO_FREEZER = ("rootless mode has no cgroups here: pausing a sandbox needs the fr
               "rootless in a delegated cgroup v2 directory: docs/rootless.md)")
 
 
+# RLIMIT_NPROC cannot stand in at run time: it is each process's own (a running process keeps its value,
+# and may raise its soft limit back to the hard one), and a hard limit once lowered cannot be raised
+# again without CAP_SYS_RESOURCE on the host
+NO_PIDS_MAX = ("rootless mode has no cgroups here: a sandbox's process limit is the RLIMIT_NPROC it started with "
+               "and cannot change at run time (run the server as root, or rootless in a delegated cgroup v2 "
+               "directory with the pids controller: docs/rootless.md)")
+
+
 class NoCgroups(Cgroups):
     """Looks like a sandbox's Cgroups; every write is skipped, every read is empty."""
 
@@ -36,6 +44,12 @@ class NoCgroups(Cgroups):
 
     def set_limits(self, limits: Limits) -> None:
         pass  # the rlimits do it (ns_limits.rlimits with rootless on)
+
+    def set_pids_max(self, n: int) -> None:
+        raise CgroupError(errno.EOPNOTSUPP, NO_PIDS_MAX)
+
+    def pids_max(self) -> int | None:
+        return None
 
     def set_cpu_weight(self, standby: bool) -> None:
         pass

@@ -67,7 +67,7 @@ def serve(sock: socket.socket, config: dict[str, Any]) -> None:
         if req.get("op") == "exec":
             answer = _exec(req, config)
         elif req.get("op") == "config":
-            answer = {"config": config}
+            answer = {"config": {k: v for k, v in config.items() if k != "strict_seccomp"}}  # (a program)
         elif req.get("op") != "ping":
             answer = {"error": {"code": "unimplemented", "message": f"probe has no op {req.get('op')!r}"}}
         sock.sendall(encode_frame({"id": req.get("id"), "done": True, **answer}))

@@ -353,7 +353,9 @@ def _run_sandbox(fd: int, req: dict[str, Any], cg: Cgroups, cg_fds: list[int], e
         os.chdir(rootfs.HOME)
         sock = socket.socket(fileno=fd)
         config = {"sandbox_id": sandbox_id, "envs": envs, "home": rootfs.HOME, "landlock_abi": landlock_abi,
-                  "child_oom_score_adj": req["child_oom_score_adj"], "server_pidfd": SERVER_FD}
+                  "child_oom_score_adj": req["child_oom_score_adj"], "server_pidfd": SERVER_FD,
+                  # a policy's syscalls "strict": the agent loads it into itself (runtime/policy.py)
+                  "strict_seccomp": getattr(seccomp_filter, "strict", None)}
         if image:
             config.update({"python": image.get("python", ""), "workdir": image.get("workdir", ""),
                            "start_cmd": image.get("start_cmd", ""), "ready_cmd": image.get("ready_cmd", "")})

@@ -26,6 +26,39 @@ NOT_IMPLEMENTED calls, which are fallbacks rather than refusals (glibc tries clo
 record each would cost every fork ~µs of the kernel's audit formatting and the server a parse. Of two
 filters' verdicts the stricter wins, and for an equal one the later-loaded filter's: so those calls get
 the second filter's ENOSYS and no record.
+
+The strict filter (`build_strict()`, a sandbox policy's `syscalls: "strict"`) is a third one, stacked on
+these two by the agent into itself when a policy asks for it (runtime/policy.py), with
+SECCOMP_FILTER_FLAG_TSYNC: every thread of the agent carries it, and every process it starts from then
+on (commands, code contexts, sudo). Processes started before keep the filters they had: a filter is
+attached to a task and inherited at fork, never added to another running process. It can only be
+added: no filter is ever removed, so a sandbox goes from default to strict, never back
+(runtime/policy.syscalls_change_allowed). Built once in the zygote with the default pair.
+
+Strict refuses (EPERM, logged like the default's refusals) what code that needs no special powers
+never uses, where the kernel's attack surface or a way around the network's rules lies:
+  * raw, packet and ICMP ("ping") sockets: an inet socket is SOCK_STREAM or SOCK_DGRAM (with
+    SOCK_NONBLOCK / SOCK_CLOEXEC) of protocol 0, TCP or UDP; a unix one SOCK_STREAM, SOCK_DGRAM or
+    SOCK_SEQPACKET (socket and socketpair). The default filter already keeps out every other family.
+  * SysV IPC (shm*, sem*, msg*): POSIX shared memory (/dev/shm) and semaphores (futexes) are what
+    Python, Node and most programs use. PostgreSQL needs SysV shared memory: run it under "default".
+  * character and block device nodes (mknod, mknodat): never made without CAP_MKNOD, except overlayfs
+    "whiteouts" (0:0), which anyone may make; FIFOs and sockets stay (mkfifo).
+  * personality(2) other than PER_LINUX and the query (no PER_LINUX32, UNAME26: `linux32`, `setarch`).
+  * vmsplice: pages of a process mapped into a pipe, the path of several kernel bugs; programs use
+    write/splice instead.
+Already refused by the default filter: ptrace, process_vm_readv/writev, io_uring, bpf, perf_event_open,
+userfaultfd, namespaces (unshare, setns, clone's CLONE_NEW*), keyrings, the mount API, kcmp, pidfd_getfd.
+Not refused, on purpose:
+  * setuid/setgid-family and capset: the agent itself (which carries the filter) uses them to start
+    commands as the sandbox's root (sudo, user="root": rootcaps.become_root) and for the files API as
+    root (setfsuid, capset); refusing them would break sudo. The kernel bounds them already: two ids
+    are mapped, and the bounding set is the root capability set.
+  * memfd_create (MFD_EXEC or not) and execveat(AT_EMPTY_PATH): a memfd made without flags is
+    executable too, so a flag filter proves nothing; what may run is the exec policy's business (BPF
+    LSM on every exec, whatever its path). wasmtime, .NET and Chromium use memfds.
+  * pidfd_open, pidfd_send_signal: the race-free way to wait for and signal a process (Go >= 1.23,
+    Python's asyncio, systemd); the checks are kill()'s.
 """
 
 from __future__ import annotations
@@ -33,7 +66,9 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import stat
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 import pyseccomp as seccomp
 
@@ -129,21 +164,29 @@ PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
 # each refused syscall (the behaviour record's deny.syscall, record/linux/audit_events.py). It costs nothing while
 # audit is off: the kernel's audit_seccomp returns at once.
 _SYS_SECCOMP = {"x86_64": 317, "aarch64": 277}
-SECCOMP_SET_MODE_FILTER, SECCOMP_FILTER_FLAG_LOG = 1, 2
+SECCOMP_SET_MODE_FILTER, SECCOMP_FILTER_FLAG_TSYNC, SECCOMP_FILTER_FLAG_LOG = 1, 1, 2
 
 
 class Filter:
     """The filter as a BPF program, generated once; loaded with the audit flag if `log`, then `then`."""
 
-    def __init__(self, rules: seccomp.SyscallFilter, log: bool = True, then: Filter | None = None) -> None:
+    def __init__(self, rules: seccomp.SyscallFilter | None, log: bool = True, then: Filter | None = None,
+                 bpf: bytes = b"") -> None:
         self.log, self.then = log, then
-        fd = os.memfd_create("seccomp-bpf", os.MFD_CLOEXEC)
-        with os.fdopen(fd, "w+b") as f:
-            rules.export_bpf(f)
-            f.seek(0)
-            self.bpf = f.read()
+        if rules is not None:
+            fd = os.memfd_create("seccomp-bpf", os.MFD_CLOEXEC)
+            with os.fdopen(fd, "w+b") as f:
+                rules.export_bpf(f)
+                f.seek(0)
+                bpf = f.read()
+        self.bpf = bpf
         self._buf = ctypes.create_string_buffer(self.bpf, len(self.bpf))
         self._prog = _SockFprog(len(self.bpf) // 8, ctypes.addressof(self._buf))
+
+    @classmethod
+    def of_program(cls, bpf: bytes, log: bool = True) -> Filter:
+        """A program built elsewhere (gvisor: on the host, whose libseccomp probes the real kernel)."""
+        return cls(None, log=log, bpf=bpf)
 
     def load(self) -> None:
         """Confine the calling thread (and everything it forks) for good."""
@@ -158,6 +201,44 @@ class Filter:
             sc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.addressof(self._prog))  # no logging flag here
         if self.then is not None:
             self.then.load()
+
+    def load_all_threads(self) -> None:
+        """Confine every thread of the calling process (SECCOMP_FILTER_FLAG_TSYNC), and all they fork, for
+        good. Raises OSError if the kernel refuses (a thread it could not synchronise: its tid)."""
+        nr = _SYS_SECCOMP.get(os.uname().machine)
+        if nr is None:
+            raise OSError(errno.ENOSYS, f"seccomp(2) with TSYNC: unknown syscall number on {os.uname().machine}")
+        sc.prctl(sc.PR_SET_NO_NEW_PRIVS, 1)
+        flags = SECCOMP_FILTER_FLAG_TSYNC | (SECCOMP_FILTER_FLAG_LOG if self.log else 0)
+        res = _libc.syscall(ctypes.c_long(nr), ctypes.c_uint(SECCOMP_SET_MODE_FILTER), ctypes.c_uint(flags),
+                            ctypes.c_void_p(ctypes.addressof(self._prog)))
+        if res < 0 and self.log and ctypes.get_errno() == errno.EINVAL:  # a kernel (or sentry) without LOG
+            flags = SECCOMP_FILTER_FLAG_TSYNC
+            res = _libc.syscall(ctypes.c_long(nr), ctypes.c_uint(SECCOMP_SET_MODE_FILTER), ctypes.c_uint(flags),
+                                ctypes.c_void_p(ctypes.addressof(self._prog)))
+        if res < 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"seccomp(SECCOMP_SET_MODE_FILTER, TSYNC): {os.strerror(err)}")
+        if res > 0:
+            raise OSError(errno.EBUSY, f"seccomp TSYNC: thread {res} could not take the filter")
+        if self.then is not None:
+            self.then.load_all_threads()
+
+
+@dataclass(frozen=True)
+class SandboxFilters:
+    """What the zygote builds once for all its sandboxes: the default pair, loaded by each sandbox's pid 1
+    during setup (`load`), and the strict filter its agent loads into itself when a policy asks."""
+
+    default: Filter
+    strict: Filter
+
+    def load(self) -> None:
+        self.default.load()
+
+
+def build_sandbox_filters() -> SandboxFilters:
+    return SandboxFilters(build(), build_strict())
 
 
 def build() -> Filter:
@@ -207,3 +288,65 @@ def rules(not_implemented: bool = True) -> seccomp.SyscallFilter:
                      seccomp.Arg(0, seccomp.EQ, family))
     _deny_unless(f, eperm, "personality", 0, PERSONALITIES)
     return f
+
+
+# -- strict (module doc) ------------------------------------------------------------------------------
+SOCK_STREAM, SOCK_DGRAM, SOCK_RAW, SOCK_SEQPACKET = 1, 2, 3, 5
+SOCK_NONBLOCK, SOCK_CLOEXEC = 0o4000, 0o2000000
+
+
+def with_type_flags(types: Iterable[int]) -> tuple[int, ...]:
+    """Each socket type as socket(2) may name it: alone, with SOCK_NONBLOCK, SOCK_CLOEXEC or both."""
+    return tuple(sorted({t | nb | ce for t in types for nb in (0, SOCK_NONBLOCK) for ce in (0, SOCK_CLOEXEC)}))
+
+
+STRICT_SOCKET_TYPES = {
+    AF_UNIX: with_type_flags((SOCK_STREAM, SOCK_DGRAM, SOCK_SEQPACKET)),
+    AF_INET: with_type_flags((SOCK_STREAM, SOCK_DGRAM)),
+    AF_INET6: with_type_flags((SOCK_STREAM, SOCK_DGRAM)),
+}
+STRICT_INET_PROTOCOLS = (0, IPPROTO_TCP, IPPROTO_UDP)  # no ICMP / ICMPv6: no ping sockets
+STRICT_DENIED = (
+    "shmget", "shmat", "shmdt", "shmctl", "semget", "semop", "semtimedop", "semctl",
+    "msgget", "msgsnd", "msgrcv", "msgctl",
+    "vmsplice",
+)
+STRICT_PERSONALITIES = (0x0, 0xFFFFFFFF)  # PER_LINUX, and the query
+# (syscall, index of its mode argument); the file types refused there
+_MKNOD_MODE_ARG = (("mknod", 1), ("mknodat", 2))
+_DEVICE_TYPES = (stat.S_IFCHR, stat.S_IFBLK)
+_S_IFMT = 0o170000  # the file type bits of a mode
+
+
+def strict_rules() -> seccomp.SyscallFilter:
+    """The strict filter in libseccomp's terms: a default-allow filter loaded on top of the default pair
+    (whose refusals still hold: a family the default refuses never gets here allowed)."""
+    f = seccomp.SyscallFilter(seccomp.ALLOW)
+    f.set_attr(seccomp.Attr.ACT_BADARCH, seccomp.KILL_PROCESS)
+    try:
+        f.set_attr(seccomp.Attr.CTL_OPTIMIZE, 2)
+    except (OSError, RuntimeError, ValueError):
+        pass
+    eperm = seccomp.ERRNO(errno.EPERM)
+    _refusing(STRICT_DENIED, errno.EPERM, f)
+    for family, types in STRICT_SOCKET_TYPES.items():
+        _deny_unless(f, eperm, "socket", 1, types, seccomp.Arg(0, seccomp.EQ, family))
+        if family == AF_UNIX:
+            _deny_unless(f, eperm, "socketpair", 1, types, seccomp.Arg(0, seccomp.EQ, family))
+        else:
+            _deny_unless(f, eperm, "socket", 2, STRICT_INET_PROTOCOLS, seccomp.Arg(0, seccomp.EQ, family))
+    _deny_unless(f, eperm, "personality", 0, STRICT_PERSONALITIES)
+    for name, arg in _MKNOD_MODE_ARG:  # mode_t: the mask's high bits are 0, so garbage there cannot hide
+        try:
+            if seccomp.resolve_syscall(seccomp.system_arch(), name) < 0:
+                continue
+        except (OSError, RuntimeError, ValueError):
+            continue
+        for kind in _DEVICE_TYPES:
+            f.add_rule(eperm, name, seccomp.Arg(arg, seccomp.MASKED_EQ, _S_IFMT, kind))
+    return f
+
+
+def build_strict() -> Filter:
+    """The strict filter as a program (module doc), loaded with the audit flag like the default's."""
+    return Filter(strict_rules())

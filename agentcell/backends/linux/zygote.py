@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         where = placing.parse_args(_args(line))
         rootfs.PTYS_PER_SANDBOX = where.ptys
         rootfs.build_template(where.staging, where.extra_ca)
-        seccomp = seccomp_filter.build()
+        seccomp = seccomp_filter.build_sandbox_filters()  # the default pair and the strict one
         if threading.active_count() > 1:
             print("agentcell zygote: preload started threads; forks keep only the main one", file=sys.stderr)
         gc.collect()
