@@ -11,6 +11,7 @@ from agentcell.policy import model
 from agentcell.policy.approvals import Approvals
 from agentcell.policy.model import Policy
 from agentcell.runtime.protocol import AgentChannel
+from agentcell.server.agent_policy import set_agent_policy
 
 
 def asker_for(approvals: Approvals, sandbox_id: str, policy: Policy) -> Asker:
@@ -33,7 +34,7 @@ async def enforce(backend: Backend, running: RunningSandbox, channel: AgentChann
     hold_exec = policy.exec is not None and policy.exec.default == "ask"
     if policy.syscalls != previous.syscalls or hold_exec != _holds(previous) or policy.syscalls == "strict":
         # first: the agent starts no process with vfork before an exec can be held
-        await channel.call("policy", syscalls=policy.syscalls, hold_exec=hold_exec)
+        await set_agent_policy(channel, policy.syscalls, hold_exec)
     await backend.enforce_policy(running, policy, previous, asker_for(approvals, running.sandbox_id, policy))
 
 

@@ -33,11 +33,13 @@ from dataclasses import asdict
 from typing import Any
 
 from agentcell.backends.base import (
+    Asker,
     Backend,
     Limits,
     RunningSandbox,
     SandboxSpec,
     new_cell_sandbox_id,
+    policy_parts,
 )
 from agentcell.backends.cgroup_backend import CgroupSandboxes
 from agentcell.backends.gvisor import reap, rootfs, seccomp_extra, spec, standby
@@ -53,6 +55,7 @@ from agentcell.errors import (
     SandboxError,
     SandboxGoneError,
 )
+from agentcell.policy.model import Policy, PolicyError
 from agentcell.runtime.protocol import encode_frame
 from agentcell.server import progress
 
@@ -74,6 +77,18 @@ NO_NETWORK = ("the gvisor backend gives sandboxes no network at all (runsc --net
 NO_PIDS_MAX = ("the gvisor backend cannot change a running sandbox's process limit: inside the guest it is the "
                "RLIMIT_NPROC set at the start, and the host's pids cgroup counts the sentry's own threads "
                "(reaching it kills the whole sandbox); create the sandbox with the pids limit it needs")
+
+
+# Why each part of a sandbox policy but its syscalls cannot be enforced here: the guest's execs, files and
+# processes are the sentry's, which no host mechanism (fanotify, mounts, cgroups) sees one by one.
+GVISOR_POLICY = {
+    "policy.exec": "the gvisor backend cannot enforce exec rules: a guest's execs happen inside the sentry, out of "
+                   "reach of the host's fanotify and BPF; use the linux backend for exec rules",
+    "policy.files": "the gvisor backend cannot enforce file rules on a running sandbox (its mounts are the sentry's); "
+                    "use the linux backend for file rules",
+    "policy.processes": NO_PIDS_MAX,
+    "policy.network": "gvisor sandboxes get no internet on this server, so there is no connection to ask about",
+}
 
 
 class GvisorSandbox(RunningSandbox):
@@ -488,6 +503,16 @@ class GvisorBackend(CgroupSandboxes, Backend):
         return written
 
     # -- memory snapshots: runsc checkpoint / restore --------------------------------------------
+
+    def check_policy(self, policy: Policy) -> None:
+        """What a gvisor sandbox's policy can hold: its syscalls (the guest's agent loads the strict filter
+        into the sentry's seccomp). The rest names why not (docs/security.md, "Sandbox policy")."""
+        for part, used in policy_parts(policy):
+            if used and part != "policy.syscalls":
+                raise PolicyError(part, GVISOR_POLICY[part])
+
+    async def enforce_policy(self, sandbox: RunningSandbox, policy: Policy, previous: Policy, asker: Asker) -> None:
+        self.check_policy(policy)  # syscalls: the server's call to the agent did it
 
     async def set_pids_max(self, sandbox: RunningSandbox, n: int) -> None:
         raise NotImplementedError(NO_PIDS_MAX)
