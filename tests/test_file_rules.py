@@ -10,6 +10,8 @@ from __future__ import annotations
 import errno
 import json
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,6 +23,8 @@ from agentcell.policy.linux import file_rules
 from agentcell.policy.linux.file_rules import Applied, FileRulesError
 from tests.conftest import GVISOR
 from tests.helpers import sh, wait_until
+from tests.oci_images import musl_root, root_image
+from tests.servers import ServerProcess
 
 pytestmark = pytest.mark.skipif(GVISOR or os.geteuid() != 0, reason="linux backend, as root")
 
@@ -246,6 +250,7 @@ def test_bypass_attempts_fail(sbx: Sandbox, rules: Rules, user: str) -> None:
     code, out, err = sh(sbx, "python3 /tmp/bypass.py", user=user)
     assert code == 0, err
     got = json.loads(out)
+    print(user, got)
     # a hard link made inside the same writable mount would be a new name for the read-only inode:
     # the kernel refuses links across mounts (EXDEV), and the rule's mount is another one
     allowed = {k: v for k, v in got.items() if v == "ok"}
@@ -437,3 +442,41 @@ def test_a_dead_sandbox_is_cleared_quietly(server_url: str) -> None:
     with pytest.raises(OSError) as e:
         file_rules.apply(r.pid, [Rule("/home/user", "read")])
     assert e.value.errno in (errno.ENOENT, errno.ESRCH)
+
+
+@pytest.fixture(scope="module")
+def image_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """A server with a musl + busybox image template: its sandboxes' root is one overlay."""
+    tmp = tmp_path_factory.mktemp("images")
+    root_image(tmp / "layout", "musl", root=musl_root(tmp / "musl"))
+    done = subprocess.run([sys.executable, "-m", "agentcell", "template", "import", f"oci:{tmp / 'layout'}:musl",
+                           "--name", "musl", "--store", str(tmp / "state" / "templates")],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    with ServerProcess(tmp / "server.log", "--state-dir", str(tmp / "state"), "--egress-uplink", "none") as srv:
+        yield srv
+
+
+def test_rules_in_an_image_sandbox(image_server: ServerProcess) -> None:
+    s = Sandbox.create(template="musl", api_url=image_server.url, timeout=120)
+    r = Rules(s)
+    try:
+        assert sh(s, "mkdir -p /srv/app/out /home/user/repo && echo a > /srv/app/a && echo s > /etc/secret "
+                     "&& chmod 644 /etc/secret", user="root")[0] == 0
+        assert sh(s, "echo x >> /srv/app/a", user="root")[0] == 0
+        r.set(("/srv/app", "read"), ("/srv/app/out", "write"), ("/etc/secret", "none"), ("/usr/lib", "read"))
+        for user in ("user", "root"):
+            code, _, err = sh(s, "echo x >> /srv/app/a || rm /srv/app/a || touch /usr/lib/x || cat /etc/secret",
+                              user=user)
+            assert code != 0, err
+            assert sh(s, "cat /srv/app/a", user=user)[1] == "a\nx\n"
+        assert sh(s, "echo o > /srv/app/out/o && cat /srv/app/out/o", user="root")[1] == "o\n"
+        assert "Permission denied" in sh(s, "cat /etc/secret", user="root")[2]
+        # the image root is writable for the sandbox's root: 'write' rules are possible anywhere in it
+        r.set(("/srv", "read"), ("/srv/new", "write"))
+        assert sh(s, "touch /srv/new/f && ! touch /srv/f", user="root")[0] == 0
+        r.clear()
+        assert sh(s, "touch /srv/f && echo y >> /srv/app/a && cat /etc/secret", user="root")[1] == "s\n"
+    finally:
+        r.clear()
+        s.kill()
