@@ -480,3 +480,42 @@ def test_rules_in_an_image_sandbox(image_server: ServerProcess) -> None:
     finally:
         r.clear()
         s.kill()
+
+
+def test_a_kernel_refusal_midway_leaves_the_old_rules(sbx: Sandbox, rules: Rules,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel refusing one of the attaches (injected: EINVAL from move_mount) after others were
+    made: the previous rules stay in force, and the next update and clear() still end clean."""
+    from agentcell.policy.linux import mount_api
+
+    fresh_dir(sbx, "/home/user/repo")
+    sh(sbx, "mkdir -p /home/user/other /home/user/zzz")
+    rules.set(("/home/user/repo", "read"))
+    real = mount_api.attach
+
+    zzz = os.stat(f"/proc/{rules.pid}/root/home/user/zzz").st_ino
+
+    def refuse(when: str) -> None:
+        def attach(tree_fd: int, target_fd: int, beneath: bool = False) -> None:
+            if beneath if when == "swap" else os.fstat(target_fd).st_ino == zzz:
+                raise OSError(errno.EINVAL, "injected")
+            real(tree_fd, target_fd, beneath)
+        monkeypatch.setattr(mount_api, "attach", attach)
+
+    def still_old() -> None:
+        assert "Read-only" in sh(sbx, "echo x > /home/user/repo/y")[2]
+        assert sh(sbx, "cat /home/user/repo/a")[1] == "data\n"
+        assert sh(sbx, "touch /home/user/other/f /home/user/zzz/f")[0] == 0
+
+    refuse("swap")  # the new rule on other/ is attached first, then repo's swap fails
+    with pytest.raises(FileRulesError, match="previous rules stay"):
+        rules.set(("/home/user/other", "read"), ("/home/user/repo", "none"))
+    still_old()
+    refuse("new")  # repo's swap is made (beneath the old one), then the new rule on zzz/ fails
+    with pytest.raises(FileRulesError, match="previous rules stay"):
+        rules.set(("/home/user/repo", "none"), ("/home/user/zzz", "read"))
+    still_old()
+    monkeypatch.setattr(mount_api, "attach", real)
+    rules.set(("/home/user/repo", "none"))
+    assert "Permission denied" in sh(sbx, "cat /home/user/repo/a")[2]
+    assert sh(sbx, "touch /home/user/zzz/g")[0] == 0

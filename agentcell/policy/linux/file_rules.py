@@ -218,7 +218,15 @@ def clear(init_pid: int, applied: Applied) -> None:
 
 def _detach_all(applied: Applied, proc_fd: int) -> None:
     for root in applied.roots.values():
-        m.umount_fd(proc_fd, root.fds[0])  # the bottom one: everything stacked on it goes along
+        _detach_stack(root, proc_fd)
+
+
+def _detach_stack(root: _Root, proc_fd: int) -> None:
+    """Lazily detach our mounts at one path, top first: a umount through a mount's fd reaches the
+    topmost mount stacked on it, so a lower one goes only once those above are gone."""
+    while root.fds:
+        m.umount_fd(proc_fd, root.fds[-1])
+        _close(root.fds.pop())
 
 
 def _in_namespace(ns_fd: int, work: Callable[[int], T]) -> T:
@@ -516,11 +524,10 @@ def _switch(roots: dict[str, _Node], trees: dict[str, int], old: dict[str, _Root
         except OSError as e:
             failures.append(f"{root.path}: {e}")
             root.signature = root.old_signature
-    for path, root in list(old.items()):  # rules that went away: the bottom takes the stack along
+    for path, root in list(old.items()):  # rules that went away
         try:
-            m.umount_fd(proc_fd, root.fds[0])
-            for fd in (*root.fds, root.under_fd):
-                _close(fd)
+            _detach_stack(root, proc_fd)
+            _close(root.under_fd)
             del old[path]
         except OSError as e:
             failures.append(f"{path}: {e}")
@@ -532,7 +539,7 @@ def _switch(roots: dict[str, _Node], trees: dict[str, int], old: dict[str, _Root
 def _undo(attached: list[_Root], swapped: list[_Root], old: dict[str, _Root], applied: Applied,
           proc_fd: int) -> None:
     """After a failed attach: the old rules stay. A new tree that sits alone is detached; one beneath an
-    old top stays there, invisible (the bottom's umount takes it along later)."""
+    old top stays there, invisible, in the old root's stack (detached with it later)."""
     for root in attached:
         if root in swapped:
             root.signature = root.old_signature
