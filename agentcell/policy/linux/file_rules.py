@@ -16,10 +16,15 @@ on an inode of some mount, and the mount decides.
 How. A short-lived server thread leaves the process's shared fs_struct (unshare(CLONE_FS)), enters
 the sandbox's mount namespace (setns) and works on file descriptors only (mount_api.py): every path
 is resolved once with openat2(RESOLVE_NO_SYMLINKS), so a symlink a sandbox planted fails the rule
-rather than redirecting a mount. At the first apply the thread clones the sandbox's whole mount tree,
-detached ("pristine": the mounts before any rule, same files); every copy of an original place is
-taken from it, so an update never copies our own earlier mounts. The new rules are assembled as
-detached trees (nested rules mounted inside their parent's tree) and only then attached:
+rather than redirecting a mount.
+
+At the first apply the thread unshares a copy of the sandbox's mount namespace: the "workshop", owned
+by host root's user namespace, the sandbox's mounts as they were before any rule (same files). Every
+copy of an original place is cloned there (open_tree), so an update never copies our own earlier
+mounts; and a detached mount tree counts as a mount namespace of its creator's namespace's owner: in
+the sandbox's own namespace the sandbox's limit of 0 namespaces (ns_limits.py) would refuse it
+(ENOSPC). The new rules are assembled there as detached trees (nested rules mounted inside their
+parent's tree), then the thread goes back into the sandbox's namespace and attaches them:
 
     * a rule area that did not change keeps its mounts;
     * a changed one is swapped: the new tree is mounted beneath the old one (MOVE_MOUNT_BENEATH), then
@@ -27,11 +32,13 @@ detached trees (nested rules mounted inside their parent's tree) and only then a
     * a new one is attached; one inside an area whose rules go away is attached to the original place
       beneath them, then revealed when they are detached.
 
-A failure while assembling (a symlink in a path, a missing mount) leaves the old rules untouched.
+A failure while assembling (a symlink in a path, a missing mount) or attaching leaves the old rules in
+force (FileRulesError); one while detaching old mounts leaves them on top (FileRulesApplyError).
 
-Limits (see docs/security.md): a file descriptor opened before an update keeps the access it was
-opened with; a rule protects the directory that was at its path when applied: renaming an ancestor
-moves the protected tree (still protected) and frees the name.
+Limits (docs/security.md): a file descriptor, an open directory or a working directory taken before an
+update keeps reaching what it was opened on with the access it had; a rule protects the directory that
+was at its path when applied: renaming an ancestor moves the protected tree (still protected) and frees
+the name.
 """
 
 from __future__ import annotations
@@ -109,13 +116,13 @@ class _Root:
 @dataclass
 class Applied:
     """What apply() put in place for one sandbox: pass it to the next apply() (an update) or to clear().
-    Holds file descriptors (the pristine tree pins the sandbox's filesystems): clear() or close() it
+    Holds file descriptors (the workshop namespace pins the sandbox's filesystems): clear() or close() it
     when the sandbox ends."""
 
     init_pid: int
     mntns: tuple[int, int]
     rules: tuple[tuple[str, str], ...]
-    workshop_fd: int  # the "pristine" mount namespace, see the module's docstring
+    workshop_fd: int  # the sandbox's mounts before any rule, see the module's docstring
     roots: dict[str, _Root] = field(default_factory=dict)
     absent: tuple[str, ...] = ()  # rule paths that do not exist and cannot be created: nothing to cover
     apply_ms: float = 0.0
