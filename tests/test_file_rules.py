@@ -519,3 +519,31 @@ def test_a_kernel_refusal_midway_leaves_the_old_rules(sbx: Sandbox, rules: Rules
     rules.set(("/home/user/repo", "none"))
     assert "Permission denied" in sh(sbx, "cat /home/user/repo/a")[2]
     assert sh(sbx, "touch /home/user/zzz/g")[0] == 0
+
+
+def test_a_rename_while_rules_are_applied_is_refused(sbx: Sandbox, rules: Rules,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sandbox swapping the directory at a rule's path between our look and our mount (made to
+    happen here, from the host, right after the plan): no copy of the old directory goes over the new
+    one (the old one would stay writable under its new name); the update fails, nothing changes."""
+    fresh_dir(sbx, "/home/user/repo")
+    sh(sbx, "rm -rf /home/user/repo_real")
+    root_fd = os.open(f"/proc/{rules.pid}/root", os.O_PATH)
+    real_plan = file_rules._plan
+
+    def plan_then_swap(*args: object):  # type: ignore[no-untyped-def]
+        planned = real_plan(*args)  # type: ignore[arg-type]
+        os.rename("home/user/repo", "home/user/repo_real", src_dir_fd=root_fd, dst_dir_fd=root_fd)
+        os.mkdir("home/user/repo", dir_fd=root_fd)
+        owner = os.stat("home/user/repo_real", dir_fd=root_fd)
+        os.chown("home/user/repo", owner.st_uid, owner.st_gid, dir_fd=root_fd)
+        return planned
+
+    monkeypatch.setattr(file_rules, "_plan", plan_then_swap)
+    try:
+        with pytest.raises(FileRulesError, match="changed while the rules were applied") as e:
+            rules.set(("/home/user/repo", "read"))
+    finally:
+        os.close(root_fd)
+    assert e.value.index == 0 and rules.applied is None
+    assert sh(sbx, "touch /home/user/repo/x /home/user/repo_real/x && rm -rf /home/user/repo_real")[0] == 0

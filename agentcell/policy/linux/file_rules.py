@@ -185,7 +185,16 @@ class _Node:
 
     rule: _Rule
     is_dir: bool
+    ident: tuple[int, int]  # (st_dev, st_ino) of what the rule's path named when planned
     children: list[_Node] = field(default_factory=list)
+
+    def check(self, fd: int) -> None:
+        """Refuse to mount over `fd` unless it is still what was planned: a sandbox renaming things
+        meanwhile must not get a copy of one directory mounted over another."""
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) != self.ident:
+            raise FileRulesError(self.rule.index, f"{self.rule.path} changed while the rules were applied; "
+                                 "the previous rules stay, try again")
 
     def signature(self, base: str) -> tuple[tuple[str, str, bool], ...]:
         own = ((posixpath.relpath(self.rule.path, base), self.rule.access, self.is_dir),)
@@ -332,7 +341,7 @@ def _plan(rules: tuple[_Rule, ...], pristine: int) -> tuple[dict[str, _Node], tu
             if kind is None:  # on a read-only mount: nobody in the sandbox can create it either
                 absent.append(rule.path)
                 continue
-        node = _Node(rule, kind)
+        node = _Node(rule, kind, _ident(pristine, rel))
         host = _mount_parent(rule, nodes)
         if host is None:
             roots[rule.path] = node
@@ -364,6 +373,15 @@ def _kind(pristine: int, rel: str, rule: _Rule) -> bool | None:
         raise
     try:
         return stat.S_ISDIR(os.fstat(fd).st_mode)
+    finally:
+        os.close(fd)
+
+
+def _ident(pristine: int, rel: str) -> tuple[int, int]:
+    fd = m.open_exact(pristine, rel)
+    try:
+        st = os.fstat(fd)
+        return st.st_dev, st.st_ino
     finally:
         os.close(fd)
 
@@ -428,6 +446,10 @@ def _build(node: _Node, pristine: int, made: list[int]) -> int:
         sub = _build(child, pristine, made)
         target = m.open_exact(tree, posixpath.relpath(child.rule.path, rule.path))
         try:
+            if rule.access != "none":  # in a cover, the place is our skeleton's
+                child.check(target)
+            if child.rule.access != "none":  # a copy of the original place, not a cover
+                child.check(sub)
             m.attach(sub, target)
         finally:
             os.close(target)
@@ -510,6 +532,9 @@ def _switch(roots: dict[str, _Node], trees: dict[str, int], old: dict[str, _Root
             else:
                 under = m.open_exact(live, path.lstrip("/"))
             try:
+                node.check(under)
+                if node.rule.access != "none":
+                    node.check(trees[path])
                 m.attach(trees[path], under)
             except BaseException:
                 os.close(under)
