@@ -398,6 +398,11 @@ def test_rules_are_validated(rule: Rule, message: str) -> None:
     assert e.value.index == 1 and e.value.part == "policy.files[1]"
 
 
+def test_a_process_outside_any_sandbox_is_refused() -> None:
+    with pytest.raises(FileRulesError, match="not in a sandbox"):
+        file_rules.apply(os.getpid(), [Rule("/tmp", "read")])
+
+
 def test_rule_count_and_duplicates() -> None:
     with pytest.raises(FileRulesError, match="at most 64"):
         file_rules.validate([Rule(f"/tmp/{i}", "read") for i in range(65)])

@@ -210,11 +210,18 @@ def apply(init_pid: int, rules: Sequence[FileRuleLike], previous: Applied | None
     try:
         st = os.fstat(ns_fd)
         mntns = (st.st_dev, st.st_ino)
+        if _same_ns(init_pid, "mnt") or _same_ns(init_pid, "user"):  # never the server's own mounts
+            raise FileRulesError(None, f"process {init_pid} is not in a sandbox (it shares the server's namespaces)")
         if previous is not None and previous.mntns != mntns:
             raise FileRulesError(None, f"process {init_pid} is not the sandbox the previous rules were applied to")
         return _in_namespace(ns_fd, lambda proc_fd: _apply(ns_fd, mntns, init_pid, checked, previous, proc_fd))
     finally:
         os.close(ns_fd)
+
+
+def _same_ns(pid: int, kind: str) -> bool:
+    theirs, ours = os.stat(f"/proc/{pid}/ns/{kind}"), os.stat(f"/proc/self/ns/{kind}")
+    return (theirs.st_dev, theirs.st_ino) == (ours.st_dev, ours.st_ino)
 
 
 def clear(init_pid: int, applied: Applied) -> None:
