@@ -317,6 +317,9 @@ def test_updates_reach_running_processes(sbx: Sandbox, rules: Rules) -> None:
         rules.set(("/home/user/area", "read"), ("/home/user/area/work", "write"))  # loosen, restructured
         assert ask() == {"old_fd": "ok", "new_open": "ok", "read": "ok"}
         assert sh(sbx, "touch /home/user/area/x")[0] != 0
+        rules.set(("/home/user/area/work", "none"))  # inside a rule that goes away: placed beneath it first
+        assert ask() == {"old_fd": "ok", "new_open": "EACCES", "read": "EACCES"}
+        assert sh(sbx, "touch /home/user/area/x && rm /home/user/area/x")[0] == 0
         rules.set()
         assert ask() == {"old_fd": "ok", "new_open": "ok", "read": "ok"}
         assert sh(sbx, "touch /home/user/area/x && rm /home/user/area/x")[0] == 0
