@@ -345,9 +345,6 @@ def test_a_cwd_inside_the_area_keeps_its_access_until_it_moves(sbx: Sandbox, rul
     assert result.stdout == "rel ok\n/home/user/repo/abs Read-only file system\n"
 
 
-@pytest.mark.xfail(strict=True, reason="runtime: the agent restores its cwd by path after each spawn "
-                   "(processes.spawn); once that was a rule's mount, which an update detaches, getcwd() fails "
-                   "and no command starts. Fix: chdir('/') or fchdir to an fd kept from before.")
 def test_the_agent_survives_a_rule_on_its_home(server_url: str) -> None:
     s = Sandbox.create(api_url=server_url, timeout=120)
     try:
@@ -360,10 +357,6 @@ def test_the_agent_survives_a_rule_on_its_home(server_url: str) -> None:
         s.kill()
 
 
-@pytest.mark.xfail(strict=True, reason="runtime: a code context's kernel started before the rules (cwd "
-                   "/home/user) writes relative paths through the mount it took its cwd on. Fix: after each "
-                   "apply every kernel chdirs again to its working directory by path (kept as a string: getcwd() fails "
-                   "once the mount it was on is detached).")
 def test_a_code_context_started_before_the_rules_obeys_them(server_url: str) -> None:
     s = Sandbox.create(api_url=server_url, timeout=120)
     try:

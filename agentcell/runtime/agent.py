@@ -205,8 +205,9 @@ async def _serve(sock: socket.socket, config: dict[str, Any]) -> None:
     home = os.path.abspath(config.get("home") or "/home/user")
     envs = {str(k): str(v) for k, v in (config.get("envs") or {}).items()}
     envs.setdefault("HOME", home)
-    with contextlib.suppress(OSError):
-        os.chdir(home)
+    # "/": the agent resolves every path itself; a working directory under /home/user would be taken
+    # from under it by a policy's file rules there (policy/linux/file_rules.py)
+    os.chdir("/")
     loop = asyncio.get_running_loop()
     server_pidfd = config.get("server_pidfd")
     if isinstance(server_pidfd, int):

@@ -519,6 +519,25 @@ def _arm_sigint() -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+_last_cwd = ""
+
+
+def _rejoin_cwd() -> None:
+    """Enter the working directory again, by its path, before each run: the server may have put a
+    policy's file rules (mounts) over it since (policy/linux/file_rules.py); a working directory taken
+    before keeps reaching what is under the rules. A chdir() of the user's own code is kept: it is
+    the path that is entered again."""
+    global _last_cwd
+    try:
+        here = os.getcwd()
+    except OSError:  # the mount it was on was replaced and detached: its path, as last known
+        here = _last_cwd
+    if here:
+        with contextlib.suppress(OSError):
+            os.chdir(here)
+            _last_cwd = here
+
+
 def _disarm_sigint() -> None:
     global _running
     signal.signal(signal.SIGINT, _defer_sigint)
@@ -683,6 +702,7 @@ def _serve_kernel(sock: socket.socket) -> NoReturn:
             # its generators are redrawn at the claim, before any user code
             forkstate.refresh()
             continue
+        _rejoin_cwd()
         code = frame.payload.decode("utf-8", "replace")
         env_vars = {str(k): str(v) for k, v in (frame.header.get("env_vars") or {}).items()}
         saved = {k: os.environ.get(k) for k in env_vars}

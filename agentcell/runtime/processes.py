@@ -434,8 +434,8 @@ def spawn(exe: str, argv: list[str], env: dict[str, str], cwd: str, actions: lis
     if policy.holds_exec():
         return fork_exec(exe, argv, env, cwd, actions, as_root=False, oom_score_adj=oom_score_adj)
     # posix_spawn has no chdir action in Python 3.11: switch the agent's cwd around the call. The agent
-    # is single-threaded and resolves every path itself, so nothing else sees the change.
-    old = os.getcwd()
+    # is single-threaded and resolves every path itself, so nothing else sees the change. It goes back
+    # to "/", never to a path a policy's file rules may have put a mount over (or taken one from) since.
     os.chdir(cwd)
     try:
         pid = os.posix_spawn(exe, argv, env, file_actions=actions, setsid=True,
@@ -448,7 +448,7 @@ def spawn(exe: str, argv: list[str], env: dict[str, str], cwd: str, actions: lis
         raise SandboxError(f"cannot start {exe!r}: {e.strerror}", "resource_exhausted"
                            if e.errno in (errno.EAGAIN, errno.ENOMEM) else "internal") from None  # fmt: skip
     finally:
-        os.chdir(old)
+        os.chdir("/")
     if oom_score_adj is not None:
         set_oom_score_adj(pid, oom_score_adj)
     return pid
