@@ -64,6 +64,12 @@ struct { __uint(type, BPF_MAP_TYPE_RINGBUF); __uint(max_entries, 256 << 10); } r
 struct { __uint(type, BPF_MAP_TYPE_PERCPU_ARRAY); __uint(max_entries, 1); __type(key, __u32); __type(value, __u64); }
     lost SEC(".maps");
 
+// An earlier program's refusal, passed on: within the range the verifier lets an LSM program return
+// (-MAX_ERRNO..0), whatever the argument held.
+static __always_inline int passed_on(int ret) {
+    return ret < -4095 || ret > 0 ? -EACCES : ret;
+}
+
 static __always_inline int bit(const __u64 *words, __u32 slot) {
     return (words[(slot / 64) & (WORDS - 1)] >> (slot % 64)) & 1;
 }
@@ -94,7 +100,7 @@ static __always_inline int refuse(struct sandbox *sb, __u32 uid, __u32 hook, str
 SEC("lsm/bprm_check_security")
 int BPF_PROG(check_exec, struct linux_binprm *bprm, int ret) {
     if (ret)
-        return ret;  // refused already
+        return passed_on(ret);  // refused already
     __u32 uid = (__u32)bpf_get_current_uid_gid();
     struct sandbox *sb = bpf_map_lookup_elem(&sandboxes, &uid);
     if (!sb)
@@ -137,14 +143,14 @@ static __always_inline int check_map(struct file *file, unsigned long prot, __u3
 SEC("lsm/mmap_file")
 int BPF_PROG(check_mmap, struct file *file, unsigned long reqprot, unsigned long prot, unsigned long flags, int ret) {
     if (ret)
-        return ret;
+        return passed_on(ret);
     return check_map(file, prot, H_MMAP);
 }
 
 SEC("lsm/file_mprotect")
 int BPF_PROG(check_mprotect, struct vm_area_struct *vma, unsigned long reqprot, unsigned long prot, int ret) {
     if (ret)
-        return ret;
+        return passed_on(ret);
     return check_map(vma->vm_file, prot, H_MPROTECT);
 }
 
