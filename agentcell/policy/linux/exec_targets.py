@@ -23,6 +23,7 @@ import ctypes
 import errno
 import fnmatch
 import os
+import re
 import stat
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -120,7 +121,7 @@ class _Resolver:
                 self._listings[directory] = []
             else:
                 try:
-                    self._listings[directory] = sorted(os.listdir(fd))
+                    self._listings[directory] = os.listdir(fd)
                 finally:
                     os.close(fd)
         return self._listings[directory]
@@ -137,8 +138,7 @@ class _Resolver:
                 if _MAGIC.isdisjoint(part):
                     nxt.append(os.path.join(prefix, part))
                 else:
-                    nxt.extend(os.path.join(prefix, n) for n in self.names(prefix)
-                               if fnmatch.fnmatchcase(n, part) and (part.startswith(".") or not n.startswith(".")))
+                    nxt.extend(os.path.join(prefix, n) for n in _matching(self.names(prefix), part))
                 if not last and len(nxt) > self.max_matches:
                     raise ExecPatternError(path, f"exec pattern {path!r} matches more than {self.max_matches} "
                                                  "directories: name the files more narrowly")
@@ -172,8 +172,7 @@ def resolve_in(root_fd: int, patterns: Iterable[str], extra_dirs: Iterable[str] 
             elif _MAGIC.isdisjoint(pattern):
                 candidates = (os.path.join(d, pattern) for d in dirs)
             else:
-                candidates = (os.path.join(d, n) for d in dirs for n in r.names(d)
-                              if fnmatch.fnmatchcase(n, pattern) and not n.startswith("."))
+                candidates = (os.path.join(d, n) for d in dirs for n in _matching(r.names(d), pattern))
             out.extend(_open_distinct(r, pattern, candidates))
     except BaseException:
         for t in out:
@@ -226,6 +225,13 @@ def _open_distinct(r: _Resolver, pattern: str, candidates: Iterable[str]) -> lis
             os.close(t.fd)
         raise
     return out
+
+
+def _matching(names: list[str], glob: str) -> list[str]:
+    """The names `glob` matches, in order (a leading dot only by a glob that starts with one, as a shell)."""
+    match = re.compile(fnmatch.translate(glob)).match
+    hidden = glob.startswith(".")
+    return sorted(n for n in names if match(n) and (hidden or n[0] != "."))
 
 
 def _distinct_dirs(r: _Resolver, dirs: list[str]) -> list[str]:
