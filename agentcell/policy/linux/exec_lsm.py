@@ -192,6 +192,7 @@ class ExecLsm:
     def add_sandbox(self, uids: Iterable[int], mode: str = "allow") -> int:
         """A new slot for the processes of host uids `uids`, default `mode` (MODES); its number."""
         uids = tuple(uids)
+        _check_mode(mode)
         with self._lock:
             slot = next((s for s in range(SLOTS) if s not in self._slots), None)
             if slot is None:
@@ -208,6 +209,7 @@ class ExecLsm:
     def set_mode(self, slot: int, mode: str) -> None:
         """The slot's default for files it has no verdict on: allow, deny or ask (ask: refused here, as
         deny; exec_hold.py asks before the kernel gets there)."""
+        _check_mode(mode)
         with self._lock:
             self._slot(slot).mode = mode
             self._write_uids(slot)
@@ -229,8 +231,6 @@ class ExecLsm:
 
     def _write_uids(self, slot: int) -> None:
         s = self._slots[slot]
-        if s.mode not in MODES:
-            raise ValueError(f"mode must be one of {', '.join(MODES)}, not {s.mode!r}")
         value = (ctypes.c_uint32 * 2)(slot, MODES[s.mode])
         for uid in s.uids:
             key = ctypes.c_uint32(uid)
@@ -381,6 +381,11 @@ class ExecLsm:
             for fd in s.pins.values():
                 os.close(fd)
         self._slots.clear()
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
 
 
 def _bit(words: list[int], slot: int) -> bool:
