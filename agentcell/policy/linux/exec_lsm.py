@@ -142,46 +142,20 @@ class ExecLsm:
     def __init__(self, source: Path = SOURCE, max_files: int = MAX_FILES) -> None:
         check_host()
         path = bpf_objects.compiled(source, CACHE, ExecPolicyUnavailable)
-        lib = self._lib = bpf_objects.libbpf(ExecPolicyUnavailable)
         self.max_files = max_files
         self._lock = threading.Lock()
-        self._obj = self._ring = None
-        self._links: list[int] = []
         self._slots: dict[int, _Slot] = {}
         self._loader_slots: dict[int, set[int]] = {}  # file id -> the slots that marked it a loader
         self._next_id = 1
         self._got: list[Refusal] = []
-        self._callback = bpf_objects.CALLBACK(self._on_refusal)  # kept: libbpf calls it
-        try:
-            self._obj = lib.bpf_object__open_file(str(path).encode(), None)
-            if not self._obj or lib.libbpf_get_error(self._obj):
-                self._obj = None
-                raise self._error("opening the exec policy's programs")
-            if lib.bpf_object__load(self._obj) != 0:
-                if ctypes.get_errno() == errno.EPERM:
-                    raise ExecPolicyUnavailable(REFUSED_LOAD)
-                raise self._error("loading the exec policy's programs")
-            self._sandboxes = self._map_fd(b"sandboxes")
-            self._files = self._map_fd(b"files")
-            self._once = self._map_fd(b"once")
-            self._lost = self._map_fd(b"lost")
-            self._cpus = max(lib.libbpf_num_possible_cpus(), 1)
-            prog = lib.bpf_object__next_program(self._obj, None)
-            while prog:
-                link = lib.bpf_program__attach(prog)
-                if not link or lib.libbpf_get_error(link):
-                    raise self._error(f"attaching the exec policy's {(lib.bpf_program__name(prog) or b'?').decode()}")
-                self._links.append(link)
-                prog = lib.bpf_object__next_program(self._obj, prog)
-            self._ring = lib.ring_buffer__new(self._map_fd(b"refusals"), self._callback, None, None)
-            if not self._ring:
-                raise self._error("opening the exec policy's ring buffer")
-        except BaseException:
-            self.close()
-            raise
-
-    def _map_fd(self, name: bytes) -> int:
-        return self._lib.bpf_map__fd(self._lib.bpf_object__find_map_by_name(self._obj, name))
+        self._bpf = bpf_objects.BpfObject(path, ExecPolicyUnavailable, "the exec policy's programs", "refusals",
+                                          self._on_refusal, refusals={errno.EPERM: REFUSED_LOAD})
+        self._lib = self._bpf.lib
+        self._sandboxes = self._bpf.map_fd("sandboxes")
+        self._files = self._bpf.map_fd("files")
+        self._once = self._bpf.map_fd("once")
+        self._lost = self._bpf.map_fd("lost")
+        self._cpus = max(self._lib.libbpf_num_possible_cpus(), 1)
 
     def _error(self, what: str) -> ExecPolicyUnavailable:
         err = ctypes.get_errno()
@@ -349,12 +323,10 @@ class ExecLsm:
 
     def fileno(self) -> int:
         """Readable when refusals are waiting (read_refusals)."""
-        assert self._ring is not None
-        return self._lib.ring_buffer__epoll_fd(self._ring)
+        return self._bpf.ring_fd()
 
     def read_refusals(self) -> list[Refusal]:
-        assert self._ring is not None
-        self._lib.ring_buffer__consume(self._ring)
+        self._bpf.consume()
         got, self._got = self._got, []
         return got
 
@@ -367,16 +339,7 @@ class ExecLsm:
 
     def close(self) -> None:
         """Detach the programs (nothing is enforced from now on) and drop every pin."""
-        lib = self._lib
-        if self._ring:
-            lib.ring_buffer__free(self._ring)
-            self._ring = None
-        for link in self._links:
-            lib.bpf_link__destroy(link)
-        self._links.clear()
-        if self._obj:
-            lib.bpf_object__close(self._obj)
-            self._obj = None
+        self._bpf.close()
         for s in self._slots.values():
             for fd in s.pins.values():
                 os.close(fd)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import os
+from collections.abc import Callable
 from pathlib import Path
 
 from agentcell.errors import BackendUnavailableError
@@ -74,3 +76,77 @@ def _libbpf() -> ctypes.CDLL:
         f = getattr(lib, fn)
         f.restype, f.argtypes = res, args
     return lib
+
+
+class BpfObject:
+    """A compiled object opened, loaded and its programs attached (all but `skip`), with a ring buffer
+    map `ring` read through `callback`. `what` names it in errors (of type `error`); `sizes`: map
+    name -> max_entries, set before the load; `load_hint`: said when the load fails, with errno ->
+    a message of its own in `refusals`; `configure(self)` runs between the load and the attach."""
+
+    def __init__(self, path: Path, error: type[BackendUnavailableError], what: str, ring: str,
+                 callback: Callable[[int | None, int, int], int], skip: tuple[str, ...] = (),
+                 sizes: dict[str, int] | None = None, load_hint: str = "", refusals: dict[int, str] | None = None,
+                 configure: Callable[[BpfObject], None] | None = None) -> None:
+        self.lib = lib = libbpf(error)
+        self._error_type, self._what = error, what
+        self._obj = self._ring = None
+        self._links: list[int] = []
+        self._callback = CALLBACK(callback)  # kept: libbpf calls it
+        try:
+            self._obj = lib.bpf_object__open_file(str(path).encode(), None)
+            if not self._obj or lib.libbpf_get_error(self._obj):
+                self._obj = None
+                raise self.error(f"opening {what}")
+            for name in skip:
+                lib.bpf_program__set_autoload(lib.bpf_object__find_program_by_name(self._obj, name.encode()), False)
+            for name, size in (sizes or {}).items():
+                lib.bpf_map__set_max_entries(lib.bpf_object__find_map_by_name(self._obj, name.encode()), size)
+            if lib.bpf_object__load(self._obj) != 0:
+                known = (refusals or {}).get(ctypes.get_errno())
+                raise error(known) if known else self.error(f"loading {what}{load_hint}")
+            if configure:
+                configure(self)
+            prog = lib.bpf_object__next_program(self._obj, None)
+            while prog:
+                name = (lib.bpf_program__name(prog) or b"?").decode()
+                if name not in skip:
+                    link = lib.bpf_program__attach(prog)
+                    if not link or lib.libbpf_get_error(link):
+                        raise self.error(f"attaching {what}'s {name}")
+                    self._links.append(link)
+                prog = lib.bpf_object__next_program(self._obj, prog)
+            self._ring = lib.ring_buffer__new(self.map_fd(ring), self._callback, None, None)
+            if not self._ring:
+                raise self.error(f"opening {what}'s ring buffer")
+        except BaseException:
+            self.close()
+            raise
+
+    def error(self, doing: str) -> BackendUnavailableError:
+        err = ctypes.get_errno()
+        return self._error_type(f"{doing}: {os.strerror(err) if err else 'failed'}")
+
+    def map_fd(self, name: str) -> int:
+        return self.lib.bpf_map__fd(self.lib.bpf_object__find_map_by_name(self._obj, name.encode()))
+
+    def ring_fd(self) -> int:
+        """Readable when the ring holds records (consume() hands them to the callback)."""
+        assert self._ring is not None
+        return self.lib.ring_buffer__epoll_fd(self._ring)
+
+    def consume(self) -> None:
+        assert self._ring is not None
+        self.lib.ring_buffer__consume(self._ring)
+
+    def close(self) -> None:
+        """Detach the programs and free the object (idempotent)."""
+        if self._ring:
+            self.lib.ring_buffer__free(self._ring)
+            self._ring = None
+        for link in self._links:
+            self.lib.bpf_link__destroy(link)
+        self._links.clear()
+        if self._obj:
+            self.lib.bpf_object__close(self._obj)
+            self._obj = None
