@@ -23,8 +23,10 @@ from pathlib import Path
 SOURCE_NAME = "kernel_trace.bpf.c"  # the kernel tracer's
 SUFFIX = ".bpf.c"
 # every source a wheel ships compiled, relative to the project's root
-SOURCES = ("agentcell/record/linux/bpf/kernel_trace.bpf.c", "agentcell/policy/linux/bpf/exec_policy.bpf.c")
-WHAT = {"kernel_trace": "the kernel tracer", "exec_policy": "the exec policy's BPF LSM programs"}  # by stem, for messages
+SOURCES = ("agentcell/record/linux/bpf/kernel_trace.bpf.c", "agentcell/policy/linux/bpf/exec_policy.bpf.c",
+           "agentcell/policy/linux/bpf/exec_guard.bpf.c")
+WHAT = {"kernel_trace": "the kernel tracer", "exec_policy": "the exec policy's BPF LSM programs",
+        "exec_guard": "the exec policy's guard"}  # by stem, for messages
 CLANGS = ("clang", "clang-19", "clang-18", "clang-17", "clang-16", "clang-15", "clang-14")
 _TARGET_ARCH = {"x86_64": "x86", "aarch64": "arm64"}  # uname's machine -> libbpf's __TARGET_ARCH_*
 CLANG_TIMEOUT_S = 120
