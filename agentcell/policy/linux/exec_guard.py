@@ -16,12 +16,14 @@ instruction; the signal is taken on the way back to user space, so the program r
 `ld.so /bin/touch f` creates no file). The shell that started it sees it killed (status 137, "Killed").
 
 How the loader is recognised: the name of the file the kernel runs (its own name, whatever path or
-link led there: ld-*.so*, ld.so*, ld64.so*, ...) and no interpreter loaded for it (AT_BASE == 0 in the
-new program's auxiliary vector), which spares a dynamically linked program that merely has such a name.
-The ELF type cannot tell the loader from a static-pie program (both ET_DYN without PT_INTERP: Rust's
-musl binaries), so the name is the identity; a copy under another name is a new file, which the gate
-refuses under default deny (and an overlay hard link is a copy-up: a new inode). Under default allow
-a renamed copy of the loader runs, as a copy of a denied program does.
+link led there) is a shared object's (*.so, *.so.*), and the kernel loaded no interpreter for it
+(AT_BASE == 0 in the new program's auxiliary vector), which spares the libraries that run with one
+(glibc's libc.so.6 prints its version). A list of loader names would miss musl's: its loader is its
+libc.so (Debian: /lib/ld-musl-x86_64.so.1 -> x86_64-linux-musl/libc.so). The ELF type cannot tell a
+loader from a static-pie program (both ET_DYN without PT_INTERP: Rust's musl binaries), so the name is
+the identity: a copy under another name is a new file, which the gate refuses under default deny (an
+overlay hard link is a copy-up: a new inode too). Under default allow a renamed copy of the loader
+runs, as a copy of a denied program does. A static-pie program named *.so is killed.
 
 Each kill is an event in a ring buffer (`fileno()`, `read()`), at most `budget` a second per uid
 (beyond: counted, `dropped(uid)`); the kill itself is never skipped.

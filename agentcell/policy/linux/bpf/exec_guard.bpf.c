@@ -3,8 +3,9 @@
 // sched_process_exec that kills (SIGKILL) a process of a guarded host uid whose exec started a program
 // the exec gate (fanotify FAN_OPEN_EXEC_PERM on the sandbox's mounts) cannot judge:
 // * R_LOADER: the ELF loader run as the main program (`ld.so /bin/x`, or a script whose "#!" names the
-//   loader): the file the kernel runs is named as a loader is (ld-*.so*, ld.so*, ld64.so*, ...) and the
-//   kernel loaded no interpreter for it (AT_BASE == 0 in the new program's auxiliary vector). Every
+//   loader): the file the kernel runs is named as a shared object is (*.so, *.so.*: ld-linux-*.so.2,
+//   musl's libc.so) and the kernel loaded no interpreter for it (AT_BASE == 0 in the new program's
+//   auxiliary vector: glibc's libc.so.6, which runs to print its version, has one). Every
 //   dynamic exec opens the loader as its interpreter, so the gate must allow the file itself; here the
 //   loader would then open and map any file with plain open(2)/mmap(2), which no exec check sees;
 // * R_INTERNAL: a file on a kernel-internal mount (memfd_create(2) files, exec'd through
@@ -70,16 +71,13 @@ struct { __uint(type, BPF_MAP_TYPE_LRU_HASH); __uint(max_entries, 65536); __type
 struct { __uint(type, BPF_MAP_TYPE_PERCPU_ARRAY); __uint(max_entries, 1); __type(key, __u32); __type(value, __u64); }
     lost SEC(".maps");
 
-// ld-*.so*, ld.so*, ld64.so*, ld32.so* ...: "ld", then '-', '.' or a digit, then ".so" ending the name or
-// followed by '.' (glibc's ld-linux-x86-64.so.2, ld-linux-aarch64.so.1, ld-2.31.so, musl's ld-musl-x86_64.so.1,
-// uClibc's ld-uClibc.so.0, ld.so.1, ld64.so.2)
-static __always_inline int loader_name(const char *n) {
-    if (n[0] != 'l' || n[1] != 'd')
-        return 0;
-    if (n[2] != '-' && n[2] != '.' && (n[2] < '0' || n[2] > '9'))
-        return 0;
+// A shared object's name: ".so" ending it or followed by '.' (glibc's ld-linux-x86-64.so.2, ld-2.31.so,
+// musl's ld-musl-x86_64.so.1 or the libc.so it links to, ld64.so.2, libc.musl-x86_64.so.1). Programs are
+// not named so; the loaders are, and musl's loader is its libc.so (Debian: /lib/ld-musl-x86_64.so.1 ->
+// x86_64-linux-musl/libc.so), so a fixed list of loader names would miss it.
+static __always_inline int shared_object_name(const char *n) {
     #pragma unroll
-    for (int i = 2; i < NAME_SCAN - 3; i++) {
+    for (int i = 0; i < NAME_SCAN - 3; i++) {
         if (n[i] == 0)
             return 0;
         if (n[i] == '.' && n[i + 1] == 's' && n[i + 2] == 'o' && (n[i + 3] == 0 || n[i + 3] == '.'))
@@ -145,7 +143,7 @@ int on_exec(__u64 *ctx) {
     if (!(allow & ALLOW_INTERNAL) &&
         ((BPF_CORE_READ(mnt, mnt_flags) & MNT_INTERNAL) || (BPF_CORE_READ(mnt, mnt_sb, s_flags) & (SB_NOUSER | SB_KERNMOUNT))))
         reason = R_INTERNAL;
-    else if (!(allow & ALLOW_LOADER) && loader_name(name) && !has_interpreter(t))
+    else if (!(allow & ALLOW_LOADER) && shared_object_name(name) && !has_interpreter(t))
         reason = R_LOADER;
     if (!reason)
         return 0;
