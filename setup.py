@@ -1,7 +1,7 @@
 """The wheel's build step (the configuration is pyproject.toml's): build_py also puts in the package what
 a host would otherwise need build tools for at run time.
 
-* The eBPF programs, compiled (bpf_build.SOURCES: the kernel tracer, the exec policy's LSM programs):
+* The eBPF programs, compiled (bpf_build.SOURCES: the kernel tracer, the exec policy's LSM programs and guard):
   e.g. agentcell/record/linux/bpf/kernel_trace-<source hash>-<machine>.bpf.o next to its source
   (agentcell/record/linux/bpf_build.py). Needs clang and libbpf's headers here, not on the hosts.
   Without clang the build fails, unless AGENTCELL_WHEEL_WITHOUT_TRACER=1 allows a wheel whose servers
