@@ -225,3 +225,18 @@ def test_unavailable_to_a_rootless_server_with_the_reason(tmp_path: Path) -> Non
                           "from agentcell.policy.linux import exec_guard; print(exec_guard.available())"],
                          capture_output=True, text=True, cwd=Path(__file__).parent.parent)
     assert got.returncode == 0 and "needs the server to run as root" in got.stdout, got.stderr
+
+
+def test_a_pid_namespace_init_is_killed_too(guard: ExecGuard) -> None:
+    # (sandboxes cannot make namespaces: seccomp; a host process of a guarded uid can.) SIGKILL from
+    # the kernel is forced: the init of a pid namespace, which ignores its own namespace's SIGKILL, dies
+    uid = 3_600_201  # a uid no server of these tests uses
+    guard.guard([uid])
+    try:
+        got = subprocess.run(["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "unshare", "--user",
+                              "--map-root-user", "--pid", "--fork", "sh", "-c",
+                              f"echo pid=$$; exec {LOADER} /bin/echo escaped"], capture_output=True, text=True, cwd="/")
+        assert got.stdout == "pid=1\n", got.stderr
+        assert [(k.uid, k.reason) for k in guard.read() if k.uid == uid] == [(uid, "loader")]
+    finally:
+        guard.unguard([uid])

@@ -8,8 +8,10 @@
 //   auxiliary vector: glibc's libc.so.6, which runs to print its version, has one). Every
 //   dynamic exec opens the loader as its interpreter, so the gate must allow the file itself; here the
 //   loader would then open and map any file with plain open(2)/mmap(2), which no exec check sees;
-// * R_INTERNAL: a file on a kernel-internal mount (memfd_create(2) files, exec'd through
-//   /proc/self/fd/N or execveat(AT_EMPTY_PATH)): no mount of the sandbox holds it, so no mark sees it.
+// * R_INTERNAL: a file on a kernel-internal mount (MNT_INTERNAL: kern_mount()'s, e.g. the shmem mount
+//   of memfd_create(2) files, exec'd through /proc/self/fd/N or execveat(AT_EMPTY_PATH)), or on a
+//   superblock users cannot mount (SB_NOUSER): no mount of the sandbox holds it, so no mark sees it.
+//   (Not SB_KERNMOUNT: devtmpfs mounted by users shares its kernel mount's superblock.)
 // The tracepoint fires after the point of no return of execve, before the new program's first
 // instruction: the signal is pending when the exec returns to user space, where it is taken first, so
 // the new program runs nothing. Each kill is one event in the ring (bounded per uid and second).
@@ -27,7 +29,6 @@
 #define AT_BASE 7
 #define SIGKILL 9
 #define MNT_INTERNAL 0x4000
-#define SB_KERNMOUNT (1UL << 22)
 #define SB_NOUSER (1UL << 31)
 #define ALLOW_LOADER 1           // guarded flags: what this uid may run anyway
 #define ALLOW_INTERNAL 2
@@ -141,7 +142,7 @@ int on_exec(__u64 *ctx) {
 
     __u32 reason = 0;
     if (!(allow & ALLOW_INTERNAL) &&
-        ((BPF_CORE_READ(mnt, mnt_flags) & MNT_INTERNAL) || (BPF_CORE_READ(mnt, mnt_sb, s_flags) & (SB_NOUSER | SB_KERNMOUNT))))
+        ((BPF_CORE_READ(mnt, mnt_flags) & MNT_INTERNAL) || (BPF_CORE_READ(mnt, mnt_sb, s_flags) & SB_NOUSER)))
         reason = R_INTERNAL;
     else if (!(allow & ALLOW_LOADER) && shared_object_name(name) && !has_interpreter(t))
         reason = R_LOADER;
