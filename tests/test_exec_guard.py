@@ -240,3 +240,16 @@ def test_a_pid_namespace_init_is_killed_too(guard: ExecGuard) -> None:
         assert [(k.uid, k.reason) for k in guard.read() if k.uid == uid] == [(uid, "loader")]
     finally:
         guard.unguard([uid])
+
+
+async def test_every_one_of_many_parallel_loader_runs_is_killed(guarded: ProbeBox, guard: ExecGuard) -> None:
+    # both CPUs exec'ing at once: each kill is sent (a refused signal would be signal_error != 0 and a file)
+    guard.read()
+    code, out, err = await sh(guarded, f"""
+        rm -rf /tmp/many; mkdir /tmp/many
+        for i in $(seq 200); do {LOADER} /bin/touch /tmp/many/$i 2>/dev/null & done; wait
+        ls /tmp/many | wc -l""")
+    assert (code, out) == (0, "0\n"), err
+    kills = kills_of(guard, guarded)
+    assert kills and all(k.signal_error == 0 and k.reason == "loader" for k in kills)
+    assert len(kills) + guard.dropped(guarded.sandbox.host_uids[0]) >= 200
