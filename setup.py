@@ -1,10 +1,12 @@
 """The wheel's build step (the configuration is pyproject.toml's): build_py also puts in the package what
 a host would otherwise need build tools for at run time.
 
-* The kernel tracer, compiled: agentcell/record/linux/bpf/kernel_trace-<source hash>-<machine>.bpf.o next
-  to its source (agentcell/record/linux/bpf_build.py). Needs clang and libbpf's headers here, not on the
-  hosts. Without clang the build fails, unless AGENTCELL_WHEEL_WITHOUT_TRACER=1 allows a wheel whose
-  servers must compile it themselves (or record processes with audit rules, at a cost to every syscall).
+* The eBPF programs, compiled (bpf_build.SOURCES: the kernel tracer, the exec policy's LSM programs and guard):
+  e.g. agentcell/record/linux/bpf/kernel_trace-<source hash>-<machine>.bpf.o next to its source
+  (agentcell/record/linux/bpf_build.py). Needs clang and libbpf's headers here, not on the hosts.
+  Without clang the build fails, unless AGENTCELL_WHEEL_WITHOUT_TRACER=1 allows a wheel whose servers
+  must compile them themselves (or record processes with audit rules, at a cost to every syscall, and
+  refuse exec policies).
 * The JS/TS contexts' parser and transpiler: of agentcell/runtime/js/node_modules (`npm ci`, run here
   if it is missing), only the files runner.js and transform.js load, their package.json and licenses.
 
@@ -25,7 +27,6 @@ from setuptools import setup
 from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).resolve().parent
-BPF_DIR = Path("agentcell/record/linux/bpf")
 JS_DIR = Path("agentcell/runtime/js")
 # per npm package: what `require` reads (package.json resolves its entry point) and its license texts
 JS_FILES = {
@@ -51,19 +52,24 @@ def _say(message: str) -> None:
     print(f"\n*** agentcell wheel: {message}\n", file=sys.stderr, flush=True)
 
 
-def compile_tracer(build_lib: Path) -> None:
+def compile_bpf(build_lib: Path) -> None:
     bpf = _bpf_build()
-    source = ROOT / BPF_DIR / bpf.SOURCE_NAME
-    out_dir = build_lib / BPF_DIR
+    for name in bpf.SOURCES:
+        compile_one(bpf, ROOT / name, build_lib / Path(name).parent)
+
+
+def compile_one(bpf, source: Path, out_dir: Path) -> None:  # noqa: ANN001 - bpf: the module loaded by path
+    stem = bpf.stem_of(source.name)
     out_dir.mkdir(parents=True, exist_ok=True)
-    for stale in out_dir.glob("kernel_trace-*.bpf.o"):  # an earlier build's, of another source
+    for stale in out_dir.glob(f"{stem}-*.bpf.o"):  # an earlier build's, of another source
         stale.unlink()
     try:
-        bpf.compile_object(source, out_dir / bpf.object_name(source.read_bytes()))
+        bpf.compile_object(source, out_dir / bpf.object_name(source.read_bytes(), stem=stem))
     except bpf.BpfBuildError as e:
         if os.environ.get(WITHOUT_TRACER) == "1":
-            _say(f"WITHOUT the compiled kernel tracer ({WITHOUT_TRACER}=1): {e}. Servers installed from this "
-                 "wheel need clang and libbpf-dev to compile it, or record processes with audit rules.")
+            _say(f"WITHOUT {bpf.what(source)} compiled ({WITHOUT_TRACER}=1): {e}. Servers installed from this "
+                 "wheel need clang and libbpf-dev to compile it (or record processes with audit rules, and "
+                 "refuse exec policies).")
             return
         raise WheelBuildError(f"{e}: the wheel ships it compiled (set {WITHOUT_TRACER}=1 to build a wheel "
                               "without it, whose servers then need clang or record processes with audit rules)") from None
@@ -97,7 +103,7 @@ class BuildPy(build_py):
             return
         build_lib = Path(self.build_lib)
         vendor_js(build_lib)
-        compile_tracer(build_lib)
+        compile_bpf(build_lib)
 
 
 setup(cmdclass={"build_py": BuildPy})

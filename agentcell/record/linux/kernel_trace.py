@@ -36,16 +36,14 @@ every kernel. Needs root (CAP_BPF, CAP_PERFMON).
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import struct
 from pathlib import Path
 from typing import NamedTuple
 
 from agentcell.errors import BackendUnavailableError
-from agentcell.record.linux import bpf_build
+from agentcell.record.linux import bpf_build, bpf_objects
 from agentcell.record.linux.audit_proc import Exit
-from agentcell.server import progress
 
 SOURCE = Path(__file__).parent / "bpf" / bpf_build.SOURCE_NAME
 CACHE = Path(os.environ.get("AGENTCELL_BPF_CACHE", "/var/cache/agentcell/bpf"))
@@ -140,57 +138,8 @@ def _text(b: bytes) -> str:
 
 
 def build(source: Path = SOURCE) -> Path:
-    """The compiled object for `source`: the one shipped next to it (a wheel's, compiled when it was
-    built: setup.py), else the cache's, else compiled now with clang into the cache."""
-    try:
-        text = source.read_bytes()
-    except OSError as e:
-        raise KernelTraceUnavailable(f"the kernel tracer's source is missing ({e}): reinstall agentcell") from None
-    name = bpf_build.object_name(text)
-    shipped = source.parent / name
-    if shipped.exists():
-        return shipped
-    obj = CACHE / name
-    if obj.exists():
-        return obj
-    try:
-        CACHE.mkdir(parents=True, exist_ok=True)
-        with progress.step("compiling the kernel tracer (clang -target bpf, once per version)"):
-            bpf_build.compile_object(source, obj)
-    except bpf_build.BpfBuildError as e:
-        raise KernelTraceUnavailable(f"no kernel tracer compiled for {bpf_build.machine()} in this install, "
-                                     f"and {e}") from None
-    except OSError as e:
-        raise KernelTraceUnavailable(f"cannot build the kernel tracer into {CACHE} ({e}): "
-                                     "set AGENTCELL_BPF_CACHE to a writable directory") from None
-    return obj
-
-
-_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
-
-
-def _libbpf() -> ctypes.CDLL:
-    name = ctypes.util.find_library("bpf") or "libbpf.so.1"
-    try:
-        lib = ctypes.CDLL(name, use_errno=True)
-    except OSError as e:
-        raise KernelTraceUnavailable(f"no libbpf ({e}): apt install libbpf1") from None
-    p, s, i = ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int
-    for fn, res, args in (
-            ("bpf_object__open_file", p, (s, p)), ("bpf_object__load", i, (p,)), ("bpf_object__close", None, (p,)),
-            ("bpf_object__find_program_by_name", p, (p, s)), ("bpf_object__find_map_by_name", p, (p, s)),
-            ("bpf_map__fd", i, (p,)), ("bpf_map__set_max_entries", i, (p, ctypes.c_uint32)),
-            ("bpf_program__attach", p, (p,)), ("bpf_object__next_program", p, (p, p)),
-            ("bpf_program__name", s, (p,)), ("bpf_program__set_autoload", i, (p, ctypes.c_bool)),
-            ("bpf_link__destroy", i, (p,)), ("libbpf_num_possible_cpus", i, ()),
-            ("libbpf_get_error", ctypes.c_long, (p,)),
-            ("bpf_map_update_elem", i, (i, p, p, ctypes.c_uint64)), ("bpf_map_lookup_elem", i, (i, p, p)),
-            ("bpf_map_delete_elem", i, (i, p)),
-            ("ring_buffer__new", p, (i, _CALLBACK, p, p)), ("ring_buffer__consume", i, (p,)),
-            ("ring_buffer__epoll_fd", i, (p,)), ("ring_buffer__free", None, (p,))):
-        f = getattr(lib, fn)
-        f.restype, f.argtypes = res, args
-    return lib
+    """The compiled object for `source` (bpf_objects.compiled): shipped, cached, or compiled now."""
+    return bpf_objects.compiled(source, CACHE, KernelTraceUnavailable)
 
 
 class KernelTrace:
@@ -207,50 +156,23 @@ class KernelTrace:
             raise KernelTraceUnavailable("the kernel has no BTF (/sys/kernel/btf/vmlinux): the tracer needs a kernel "
                                          "built with CONFIG_DEBUG_INFO_BTF=y")
         path = build(source)
-        lib = self._lib = _libbpf()
-        self._obj = self._ring = None
-        self._links: list[int] = []
         self._got: list[Exec | Denial | Exit] = []
         self._limit = 0  # read(): events to take at most (0: all)
-        self._callback = _CALLBACK(self._on_event)  # kept: libbpf calls it
-        try:
-            self._obj = lib.bpf_object__open_file(str(path).encode(), None)
-            if not self._obj or lib.libbpf_get_error(self._obj):
-                self._obj = None
-                raise self._error("opening the kernel tracer")
-            unused = "on_sys_exit" if denials == "failures" else "on_cap_denied"
-            lib.bpf_program__set_autoload(lib.bpf_object__find_program_by_name(self._obj, unused.encode()), False)
-            cpus = lib.libbpf_num_possible_cpus()
-            lib.bpf_map__set_max_entries(lib.bpf_object__find_map_by_name(self._obj, b"scratch"), max(cpus, 1))
-            if lib.bpf_object__load(self._obj) != 0:
-                raise self._error("loading the kernel tracer (it needs the server to run as root, with "
-                                  "CAP_BPF and CAP_PERFMON)")
+        self._cpus = max(bpf_objects.libbpf(KernelTraceUnavailable).libbpf_num_possible_cpus(), 1)
+
+        def configure(obj: bpf_objects.BpfObject) -> None:  # before the programs see anything
             config = (ctypes.c_uint32 * 4)(uid_first, uid_last, budget, 0)
-            key = ctypes.c_uint32(0)
-            fd = lib.bpf_map__fd(lib.bpf_object__find_map_by_name(self._obj, b"config"))
-            if lib.bpf_map_update_elem(fd, ctypes.byref(key), config, 0) != 0:
-                raise self._error("configuring the kernel tracer")
-            self._lost_fd = lib.bpf_map__fd(lib.bpf_object__find_map_by_name(self._obj, b"lost"))
-            self._budgets_fd = lib.bpf_map__fd(lib.bpf_object__find_map_by_name(self._obj, b"budgets"))
-            self._muted_fd = lib.bpf_map__fd(lib.bpf_object__find_map_by_name(self._obj, b"muted"))
-            self._cpus = cpus
-            prog = lib.bpf_object__next_program(self._obj, None)
-            while prog:
-                if lib.bpf_program__name(prog).decode() == unused:
-                    prog = lib.bpf_object__next_program(self._obj, prog)
-                    continue
-                link = lib.bpf_program__attach(prog)
-                if not link or lib.libbpf_get_error(link):
-                    raise self._error(f"attaching the kernel tracer's {(lib.bpf_program__name(prog) or b'?').decode()}")
-                self._links.append(link)
-                prog = lib.bpf_object__next_program(self._obj, prog)
-            ring_fd = lib.bpf_map__fd(lib.bpf_object__find_map_by_name(self._obj, b"events"))
-            self._ring = lib.ring_buffer__new(ring_fd, self._callback, None, None)
-            if not self._ring:
-                raise self._error("opening the kernel tracer's ring buffer")
-        except BaseException:
-            self.close()
-            raise
+            if obj.lib.bpf_map_update_elem(obj.map_fd("config"), ctypes.byref(ctypes.c_uint32(0)), config, 0) != 0:
+                raise obj.error("configuring the kernel tracer")
+
+        self._bpf = bpf_objects.BpfObject(
+            path, KernelTraceUnavailable, "the kernel tracer", "events", self._on_event,
+            skip=("on_sys_exit" if denials == "failures" else "on_cap_denied",), sizes={"scratch": self._cpus},
+            load_hint=" (it needs the server to run as root, with CAP_BPF and CAP_PERFMON)", configure=configure)
+        self._lib = self._bpf.lib
+        self._lost_fd = self._bpf.map_fd("lost")
+        self._budgets_fd = self._bpf.map_fd("budgets")
+        self._muted_fd = self._bpf.map_fd("muted")
 
     def _error(self, what: str) -> KernelTraceUnavailable:
         err = ctypes.get_errno()
@@ -264,15 +186,13 @@ class KernelTrace:
         return -1 if self._limit and len(self._got) >= self._limit else 0  # < 0: libbpf stops after this one
 
     def fileno(self) -> int:
-        assert self._ring is not None
-        return self._lib.ring_buffer__epoll_fd(self._ring)
+        return self._bpf.ring_fd()
 
     def read(self, limit: int = 0) -> list[Exec | Denial | Exit]:
         """What the ring holds now, the first `limit` events of it if given (none: an empty list); the
         rest stays in the ring for the next read."""
-        assert self._ring is not None
         self._limit = limit
-        self._lib.ring_buffer__consume(self._ring)
+        self._bpf.consume()
         got, self._got = self._got, []
         return got
 
@@ -302,13 +222,4 @@ class KernelTrace:
             self._lib.bpf_map_delete_elem(self._muted_fd, ctypes.byref(key))
 
     def close(self) -> None:
-        lib = self._lib
-        if self._ring:
-            lib.ring_buffer__free(self._ring)
-            self._ring = None
-        for link in self._links:
-            lib.bpf_link__destroy(link)
-        self._links.clear()
-        if self._obj:
-            lib.bpf_object__close(self._obj)
-            self._obj = None
+        self._bpf.close()
