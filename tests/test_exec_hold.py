@@ -157,7 +157,7 @@ async def test_exec_waits_for_ask_and_goes_on_after(box: ProbeBox) -> None:
 
 
 async def test_not_asked_costs_little(box: ProbeBox) -> None:
-    n = 300
+    n, rounds = 500, 5
     script = f"i=0; while [ $i -lt {n} ]; do /bin/true; i=$((i+1)); done"
 
     async def timed() -> float:
@@ -167,16 +167,18 @@ async def test_not_asked_costs_little(box: ProbeBox) -> None:
         return time.perf_counter() - t0
 
     await timed()  # warm
-    without = min([await timed() for _ in range(3)])
+    without, with_hold = [], []
     asker = Asker(box)
-    async with ExecHold(box.sandbox.host_pid, asker.needs_asking, asker.ask, ask_timeout=30) as hold:
-        with_hold = min([await timed() for _ in range(3)])
-        # every exec was seen (the program, then its loader) and none waited
-        assert hold.stats.events >= 2 * n * 3 and hold.stats.asked == 0 and not asker.asked
-    per_exec_us = (with_hold - without) / n * 1e6
-    print(f"{n} execs: {without * 1000:.0f} ms without the hold, {with_hold * 1000:.0f} ms with it "
-          f"(nothing asked): {per_exec_us:+.0f} µs per exec (2 events each: the program and ld.so); "
-          f"{hold.marked} mounts marked")
+    for _ in range(rounds):  # alternated: the machine's other load weighs on both alike
+        without.append(await timed())
+        async with ExecHold(box.sandbox.host_pid, asker.needs_asking, asker.ask, ask_timeout=30) as hold:
+            with_hold.append(await timed())
+            # every exec was seen (the program, then its loader) and none waited
+            assert hold.stats.events >= 2 * n and hold.stats.asked == 0 and not asker.asked
+    per_exec_us = (min(with_hold) - min(without)) / n * 1e6
+    print(f"{n} execs of /bin/true from sh, best of {rounds}: {min(without) * 1000:.0f} ms without the hold, "
+          f"{min(with_hold) * 1000:.0f} ms with it (nothing asked): {per_exec_us:+.0f} µs per exec (2 events: "
+          f"the program and ld.so); {hold.marked} mounts marked")
     assert per_exec_us < 2000
 
 

@@ -309,7 +309,7 @@ class ExecHold:
         sandbox: an exec from an unmarked mount is not held (BPF refuses it unless allowed)."""
         root = os.open(f"/proc/{self.host_pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
-            for attempt in range(MOUNT_RETRIES):
+            for _attempt in range(MOUNT_RETRIES):
                 missed = self._mark_all(root)
                 if not missed:
                     return self.marked
