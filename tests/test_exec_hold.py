@@ -347,6 +347,27 @@ async def test_refresh_marks_a_new_mount(box: ProbeBox) -> None:
                 "nsenter", f"--mount=/proc/{pid}/ns/mnt", "umount", "/home/user")).wait()
 
 
+async def test_mount_lookup_stays_in_the_sandbox(box: ProbeBox) -> None:
+    """The mounts are opened by their sandbox paths below its root: a symlink the sandbox plants leads
+    to its own files, never the host's, and every mark is checked against the mount's id."""
+    await box.run("sh", "-c", "rm -f /tmp/up /tmp/host && ln -s / /tmp/up && ln -s /proc/1/root /tmp/host")
+    pid = box.sandbox.host_pid
+    listed = {m.point: m.id for m in exec_hold.mounts(pid)}
+    root = os.open(f"/proc/{pid}/root", os.O_PATH | os.O_CLOEXEC)
+    try:
+        fd = exec_hold._open_in_root(root, "/tmp/up/home/user")
+        try:
+            assert exec_hold._mount_id(fd) == listed["/home/user"]
+        finally:
+            os.close(fd)
+        with pytest.raises(OSError):  # a magic link (/proc/<pid>/root) is never followed
+            os.close(exec_hold._open_in_root(root, "/tmp/host/etc"))
+    finally:
+        os.close(root)
+    host = {m.id for m in exec_hold.mounts(os.getpid())}
+    assert not host & set(listed.values())  # the sandbox's mounts are its own copies
+
+
 async def test_vfork_spawner_freezes_fork_does_not(box: ProbeBox) -> None:
     """Why the agent must fork, not posix_spawn (vfork), while execs can be held: posix_spawn blocks the
     spawning thread, GIL held, until the child's exec is through; every other thread of the agent stops."""
