@@ -17,7 +17,8 @@ copies, even of binds of the host's /usr), so a host exec, or another sandbox's,
 a filesystem mark on the host's disk would hold the host's execs too. The mounts are found in
 /proc/<init>/mountinfo and opened with openat2(RESOLVE_IN_ROOT) below /proc/<init>/root (a symlink the
 sandbox planted cannot lead outside it), and each open is checked to be the very mount listed (its
-mount id) before it is marked. Mounts the server adds later (file rules) need `refresh()`.
+mount id) before it is marked. Mounts the server adds later (file rules) are marked when the
+sandbox's mount table changes (its mountinfo polls EPOLLPRI), or at once by `refresh()`.
 
 Bounds: at most `max_pending` execs wait per sandbox (beyond: let on at once, counted, BPF refuses
 them), each at most `ask_timeout` seconds (then let on: unanswered is denied by BPF), and the kernel
@@ -35,6 +36,7 @@ import contextlib
 import ctypes
 import errno
 import os
+import select
 import struct
 import sys
 import time
@@ -279,6 +281,8 @@ class ExecHold:
         self.name = name or f"sandbox pid {host_pid}"
         self.stats = HoldStats()
         self.marked = 0  # mounts marked by the last start/refresh
+        self.refreshes = 0  # refreshes done on the sandbox's mount table changing
+        self._mount_watch: tuple[int, select.epoll] | None = None  # its mountinfo, polled for changes
         self._group = -1
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pending: dict[int, tuple[HeldExec, asyncio.Task[None]]] = {}  # event fd -> ...
@@ -302,6 +306,7 @@ class ExecHold:
             self._group = -1
             raise
         self._loop.add_reader(self._group, self._readable)
+        self._watch_mounts()
 
     def refresh(self) -> int:
         """Mark every mount the sandbox has now (again: marking is idempotent; a mount that went away
@@ -343,6 +348,30 @@ class ExecHold:
         self.marked = marked
         return [m.point for m in missed if not _covered(m, listed)]
 
+    def _watch_mounts(self) -> None:
+        """Refresh on its own when the sandbox's mount table changes (the server mounting a file rule):
+        /proc/<pid>/mountinfo polls EPOLLPRI then. Between the mount and the refresh (one loop turn),
+        an exec from the new mount is not held: BPF refuses it unless allowed. Callers that mount call
+        refresh() themselves right after, which closes that window."""
+        assert self._loop is not None
+        info = os.open(f"/proc/{self.host_pid}/mountinfo", os.O_RDONLY | os.O_CLOEXEC)
+        ep = select.epoll()
+        ep.register(info, select.EPOLLPRI)
+        self._mount_watch = (info, ep)
+        self._loop.add_reader(ep.fileno(), self._mounts_changed)
+
+    def _mounts_changed(self) -> None:
+        if self._mount_watch is None:
+            return
+        # Only a change wakes this epoll up, but the loop's own epoll, polling it, has acknowledged the
+        # change already (the kernel reports a mountinfo change once): what is left is drained, not read.
+        self._mount_watch[1].poll(0)
+        try:
+            self.refresh()
+            self.refreshes += 1
+        except (ExecHoldUnavailable, OSError) as e:
+            _log(f"{self.name}: its mounts changed and could not all be marked again: {e}")
+
     async def close(self) -> None:
         """Let every held exec on (their asks are cancelled) and release the group."""
         if self._closed:
@@ -350,6 +379,12 @@ class ExecHold:
         self._closed = True
         if self._group >= 0 and self._loop is not None:
             self._loop.remove_reader(self._group)
+        if self._mount_watch is not None and self._loop is not None:
+            info, ep = self._mount_watch
+            self._loop.remove_reader(ep.fileno())
+            ep.close()
+            os.close(info)
+            self._mount_watch = None
         tasks = []
         for held, task in list(self._pending.values()):
             held.outcome = "closed"
