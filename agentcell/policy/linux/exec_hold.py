@@ -473,11 +473,17 @@ class ExecHold:
         asking: asyncio.Task[None] | None = None
         try:
             try:
-                await asyncio.wait_for(asyncio.shield(self._loop.run_in_executor(
-                    _describers, self._describe, held)), min(DESCRIBE_S, self.ask_timeout))
+                found = await asyncio.wait_for(asyncio.shield(self._loop.run_in_executor(
+                    _describers, self._describe, held.host_pid)), min(DESCRIBE_S, self.ask_timeout))
+                for name, value in found.items():
+                    setattr(held, name, value)
             except Exception as e:  # asked with what is known
                 if not isinstance(e, (TimeoutError, OSError)):
                     _log(f"{self.name}: describing a held exec failed: {e!r}")
+            if died.done():  # killed (or gone) before it could be asked about
+                held.outcome = "exited"
+                self.stats.exited += 1
+                return
             asking = asyncio.ensure_future(self.ask(held))
             remaining = max(0.0, deadline - self._loop.time())
             done, _ = await asyncio.wait({asking, died}, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
@@ -516,17 +522,19 @@ class ExecHold:
         self._loop.add_reader(pidfd, lambda: died.done() or died.set_result(None))
         return pidfd
 
-    def _describe(self, held: HeldExec) -> None:
-        """Fill in what /proc says (in a thread: reads of another process's memory and status)."""
-        fields = held_process.status(held.host_pid)
+    def _describe(self, tid: int) -> dict[str, Any]:
+        """What /proc says of the exec'ing thread (in a thread: reads of another process's memory and
+        status), as HeldExec's fields; the loop sets them if they come in time."""
+        fields = held_process.status(tid)
         if fields is None:
-            return
-        held.pid = held_process.sandbox_pid(fields, self._depth)
-        held.filename, held.argv = held_process.exec_claim(held.host_pid)
-        tgid = int(fields.get("Tgid", held.host_pid))
-        me = ProcessInfo(tgid, held.pid if tgid == held.host_pid else held_process.sandbox_pid(
+            return {}
+        pid = held_process.sandbox_pid(fields, self._depth)
+        filename, argv = held_process.exec_claim(tid)
+        tgid = int(fields.get("Tgid", tid))
+        me = ProcessInfo(tgid, pid if tgid == tid else held_process.sandbox_pid(
             held_process.status(tgid) or {}, self._depth), fields.get("Name", "").strip(), held_process.cmdline(tgid))
-        held.tree = [me, *held_process.ancestors(tgid, self._depth, self._pidns, ANCESTORS)]
+        tree = [me, *held_process.ancestors(tgid, self._depth, self._pidns, ANCESTORS)]
+        return {"pid": pid, "filename": filename, "argv": argv, "tree": tree}
 
     def _answer(self, held: HeldExec) -> None:
         """Let the exec on (to BPF's verdict) and close its fd: once."""
