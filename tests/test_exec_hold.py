@@ -215,6 +215,21 @@ async def test_execveat_argv(box: ProbeBox) -> None:
     assert held.tree[0].comm.startswith("python")
 
 
+async def test_exec_from_a_thread(box: ProbeBox) -> None:
+    """An exec from a thread other than the main one: the claim is read from that thread's syscall."""
+    asker = Asker(box, HELD)
+    code = (f"import os, threading, time\n"
+            f"threading.Thread(target=os.execv, args=({HELD!r}, ['from-thread', 'y'])).start()\ntime.sleep(30)")
+    async with ExecHold(box.sandbox.host_pid, asker.needs_asking, asker.ask, ask_timeout=30):
+        run = asyncio.create_task(box.run("python3", "-c", code))
+        held = (await until("the exec to be held", lambda: asker.asked))[0]
+        asker.gate.set()
+        assert (await run)[:2] == (0, "y\n")
+    assert held.argv == ["from-thread", "y"] and held.filename == HELD
+    assert held.tree[0].host_pid != held.host_pid  # the thread's id, its process's in the tree
+    assert held.pid is not None and held.tree[0].pid is not None and held.pid != held.tree[0].pid
+
+
 async def test_script_and_loader_do_not_deadlock(box: ProbeBox) -> None:
     """Every exec open asked about, the loader's and a script interpreter's too (each opened during an
     exec already let on): each waits its turn, is described in full, and the command finishes."""
