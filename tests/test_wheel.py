@@ -26,7 +26,7 @@ import pytest
 
 from agentcell import Sandbox
 from agentcell.backends.linux import runtime_store
-from agentcell.policy.linux import exec_guard, exec_lsm
+from agentcell.policy.linux import exec_guard
 from agentcell.record import report
 from agentcell.record.events import event, not_recorded
 from agentcell.record.linux import bpf_build, kernel_trace
@@ -218,12 +218,9 @@ def test_the_wheel_holds_the_compiled_tracer_and_only_the_js_files_that_run(whee
     source = kernel_trace.SOURCE.read_bytes()
     bpf = "agentcell/record/linux/bpf/"
     assert {n for n in names if n.startswith(bpf)} == {bpf + bpf_build.SOURCE_NAME, bpf + bpf_build.object_name(source)}
-    policy = exec_lsm.SOURCE.read_bytes()  # the exec policy's BPF LSM programs, shipped alike
     bpf = "agentcell/policy/linux/bpf/"
-    guard = exec_guard.SOURCE.read_bytes()  # and the exec policy's guard
-    assert {n for n in names if n.startswith(bpf)} == {bpf + exec_lsm.SOURCE.name,
-                                                       bpf + bpf_build.object_name(policy, stem="exec_policy"),
-                                                       bpf + exec_guard.SOURCE.name,
+    guard = exec_guard.SOURCE.read_bytes()  # the exec policy's guard, shipped alike
+    assert {n for n in names if n.startswith(bpf)} == {bpf + exec_guard.SOURCE.name,
                                                        bpf + bpf_build.object_name(guard, stem="exec_guard")}
     modules = "agentcell/runtime/js/node_modules/"
     assert {n[len(modules):] for n in names if n.startswith(modules)} == JS_VENDORED

@@ -72,8 +72,9 @@ class Policy:
 
     @property
     def exec_rules(self) -> bool:
-        """Whether execs are checked at all (anything but "allow everything")."""
-        return self.exec is not None and (self.exec.default != "allow" or bool(self.exec.deny) or bool(self.exec.allow))
+        """Whether execs are checked at all: anything but "allow everything" (an allow list under the
+        default "allow" allows nothing more)."""
+        return self.exec is not None and (self.exec.default != "allow" or bool(self.exec.deny))
 
     @property
     def asks(self) -> bool:

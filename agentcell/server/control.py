@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from agentcell.backends.base import LIMIT_RANGES, Backend, Limits
+from agentcell.backends.base import LIMIT_RANGES, Backend, Limits, check_pids_max
 from agentcell.errors import BackendUnavailableError, InvalidArgumentError, SandboxError, SandboxGoneError
 from agentcell.network.policy import ALL_TRAFFIC, NetworkPolicy, PolicyError
 from agentcell.network.secrets import SecretError, SecretSet, parse_rules
@@ -418,9 +418,11 @@ class ControlPlane:
         naming the part otherwise."""
         try:
             policy = policy_model.parse(value)
-            if policy.processes_max is not None and limits is not None and policy.processes_max > limits.pids:
-                raise policy_model.PolicyError("policy.processes.max", f"{policy.processes_max} is above the sandbox's own limit "
-                                                          f"of {limits.pids} processes")
+            if policy.processes_max is not None and limits is not None:
+                try:
+                    check_pids_max(policy.processes_max, limits.pids)
+                except ValueError as e:
+                    raise policy_model.PolicyError("policy.processes.max", str(e)) from None
             policies.check(backend, policy, previous)
         except policy_model.PolicyError as e:
             raise HTTPError(400, str(e)) from None

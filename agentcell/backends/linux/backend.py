@@ -26,6 +26,7 @@ from typing import Any
 from agentcell import rootless
 from agentcell.backends import disk_archive
 from agentcell.backends.base import (
+    Asker,
     Backend,
     ImageRoot,
     Limits,
@@ -58,6 +59,8 @@ from agentcell.network.policy import NetworkPolicy
 from agentcell.network.router import EgressError
 from agentcell.network.secrets import HeaderRule
 from agentcell.network.service import Egress, EgressSettings
+from agentcell.policy.linux.enforcer import LinuxPolicies
+from agentcell.policy.model import Policy
 from agentcell.record.events import event, not_recorded
 from agentcell.record.linux.process import RecordProcess, RecordProcessError
 from agentcell.record.linux.target import WatchTarget
@@ -237,6 +240,7 @@ class LinuxBackend(CgroupSandboxes, Backend):
         # once a recorder is attached
         self.record_process: RecordProcess | None = None
         self.missing_collectors: list[tuple[str, str]] = []  # (name, why) of those that could not start here
+        self.policies = LinuxPolicies(self)  # sandboxes' policies (issue 28): exec, files, processes, network ask
         self.record_denials = record_denials  # what the kernel tracer sees of refused path syscalls (serve --record-denials)
 
     async def _start_collectors(self) -> None:
@@ -342,6 +346,7 @@ class LinuxBackend(CgroupSandboxes, Backend):
             # the zygote imports the sandboxes' Python runtime (~1.5 s) in its own process meanwhile
             zygote = asyncio.ensure_future(self._zygote("base"))
             await self._start_collectors_and_limits()
+            await self.policies.start()
             await zygote
         except BaseException:
             if zygote is not None and not zygote.done():
@@ -436,6 +441,7 @@ class LinuxBackend(CgroupSandboxes, Backend):
                                                       self.host_budget.pids)
         if self.staging == rootfs.STAGING:
             self.staging = rootless.staging_dir()
+        await self.policies.start()  # (it notes what rootless mode cannot enforce)
         await self._start_zygotes()
 
     def _start_delegated_cgroups(self) -> frozenset[str] | None:
@@ -568,6 +574,7 @@ class LinuxBackend(CgroupSandboxes, Backend):
         self._zygotes.clear()
         if self._unlinking:
             await asyncio.gather(*self._unlinking, return_exceptions=True)
+        self.policies.close()
         if self.egress is not None:
             await self.egress.close()
             self.egress = None
@@ -741,6 +748,7 @@ class LinuxBackend(CgroupSandboxes, Backend):
         async with sandbox.kill_lock:
             if sandbox.killed:
                 return
+            await self.policies.release(sandbox)  # held execs answered, marks and pins gone
             if sandbox.pidfd >= 0:
                 with contextlib.suppress(OSError):  # its teardown yields to sandboxes that serve someone
                     sandbox.cgroups.set_cpu_weight(standby=True)
@@ -793,6 +801,26 @@ class LinuxBackend(CgroupSandboxes, Backend):
                 raise InvalidArgumentError(NO_EGRESS)
             return
         await self.egress.apply(sandbox.slot, policy, rules=rules)
+
+    def check_policy(self, policy: Policy) -> None:
+        self.policies.check(policy)
+
+    async def enforce_policy(self, sandbox: RunningSandbox, policy: Policy, previous: Policy, asker: Asker) -> None:
+        assert isinstance(sandbox, LinuxSandbox)
+        if sandbox.killed:
+            raise SandboxGoneError(f"sandbox {sandbox.sandbox_id} was killed")
+        await self.policies.enforce(sandbox, policy, previous, asker)
+
+    async def release_policy(self, sandbox: RunningSandbox) -> None:
+        assert isinstance(sandbox, LinuxSandbox)
+        await self.policies.release(sandbox)
+
+    def sandbox_of_uid(self, uid: int) -> str | None:
+        """The claimed sandbox whose processes run as host uid `uid` (None: a standby's, or none)."""
+        for sb in self._sandboxes.values():
+            if uid in sb.host_uids:
+                return sb.sandbox_id
+        return None
 
     async def set_pids_max(self, sandbox: RunningSandbox, n: int) -> None:
         """The sandbox's cgroup pids.max (v1 or v2) set to `n`, at most its own pids limit. Rootless

@@ -5,12 +5,12 @@ every mount of the sandbox's mount namespace (FAN_MARK_MOUNT) for FAN_OPEN_EXEC_
 stops each exec's open of its program (and of its loader, ld.so, and a script's interpreter: each is
 opened for exec) until the server answers, and hands the server an fd of the exact file being opened.
 
-The answer is always FAN_ALLOW. The decision is enforced elsewhere, by inode, in the BPF LSM program
-(exec_lsm.py): `needs_asking(fd)` (the caller's) says whether the file is one the policy does not know
-yet; if so `ask(held)` (the caller's) waits for a person and records the decision in BPF, and only then
-is the exec let on, to meet BPF's verdict. So fanotify is only the place where the exec waits: whatever
-goes wrong here (a full queue, a flood, a timeout, a mount not marked) lets the exec on to BPF, which
-refuses what was not allowed; nothing here can make an exec allowed.
+Each event is judged by `needs_asking(fd)` (the caller's; for the exec policy, the verdicts on the
+file's identity: exec_verdicts.py): "allow" and "deny" are answered at once (FAN_DENY: the exec fails
+with EPERM, "Operation not permitted"), "ask" holds the exec while `ask(held)` (the caller's) waits for
+a decision. An allowed file may get an ignore mark (`ignore`): the kernel stops asking about it. What
+cannot be decided (a flood past `max_pending`, the timeout, a failed check, close()) gets `fail`: "deny"
+for the exec policy's gate, where nothing else stands behind this.
 
 Mount marks, not filesystem marks: a sandbox's mounts are its own (its mount namespace has its own
 copies, even of binds of the host's /usr), so a host exec, or another sandbox's, is never seen, while
@@ -20,9 +20,10 @@ sandbox planted cannot lead outside it), and each open is checked to be the very
 mount id) before it is marked. Mounts the server adds later (file rules) are marked when the
 sandbox's mount table changes (its mountinfo polls EPOLLPRI), or at once by `refresh()`.
 
-Bounds: at most `max_pending` execs wait per sandbox (beyond: let on at once, counted, BPF refuses
-them), each at most `ask_timeout` seconds (then let on: unanswered is denied by BPF), and the kernel
-queue is fanotify's default (16,384 events; beyond, the kernel lets the exec on itself). A process
+Bounds: at most `max_pending` execs wait per sandbox (beyond: answered `fail` at once, counted), each
+at most `ask_timeout` seconds (then `fail`), and the kernel's queue is unlimited (FAN_UNLIMITED_QUEUE:
+a bounded one lets through what it cannot queue), bounded by the sandbox's threads, one blocked
+event each. A process
 waiting here stays killable (fanotify's wait is TASK_KILLABLE): its ask is then cancelled. The event
 loop never blocks on a held exec: events are read from a non-blocking fd, the /proc reading that
 describes a held exec runs in a thread with a deadline, and an answer is a write of 8 bytes.
@@ -40,7 +41,7 @@ import select
 import struct
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,13 +60,18 @@ _libc.syscall.restype = ctypes.c_long
 FAN_CLOEXEC, FAN_NONBLOCK, FAN_CLASS_CONTENT, FAN_REPORT_TID = 0x1, 0x2, 0x4, 0x100
 FAN_MARK_ADD, FAN_MARK_MOUNT = 0x1, 0x10
 FAN_OPEN_EXEC_PERM, FAN_Q_OVERFLOW = 0x40000, 0x4000
-FAN_ALLOW = 0x1
+FAN_ALLOW, FAN_DENY = 0x1, 0x2
+FAN_MARK_REMOVE, FAN_MARK_IGNORED_MASK, FAN_MARK_FLUSH = 0x2, 0x20, 0x80
 AT_FDCWD = -100
 METADATA_VERSION = 3
 _META = struct.Struct("=IBBHQii")  # event_len, vers, reserved, metadata_len, mask, fd, pid
 _RESPONSE = struct.Struct("=iI")  # fd, response
 # pid = the exec'ing thread (an exec from a non-main thread is that thread's syscall to read)
-INIT_FLAGS = FAN_CLOEXEC | FAN_NONBLOCK | FAN_CLASS_CONTENT | FAN_REPORT_TID
+# FAN_UNLIMITED_QUEUE: a permission event the kernel cannot queue is let through, so the queue must not
+# have a bound of its own; it holds at most one event per blocked thread, so the sandbox's pids limit
+# bounds it (each event: ~100 bytes of kernel memory)
+FAN_UNLIMITED_QUEUE = 0x10
+INIT_FLAGS = FAN_CLOEXEC | FAN_NONBLOCK | FAN_CLASS_CONTENT | FAN_REPORT_TID | FAN_UNLIMITED_QUEUE
 EVENT_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_LARGEFILE
 MAX_GROUPS = "/proc/sys/fs/fanotify/max_user_groups"
 MAX_MARKS = "/proc/sys/fs/fanotify/max_user_marks"
@@ -245,8 +251,10 @@ class HeldExec:
                 "tree": [p.to_json() for p in self.tree]}
 
 
-NeedsAsking = Callable[[int], bool]
-Ask = Callable[[HeldExec], Awaitable[None]]
+# the verdict on the file being opened for exec: "allow", "deny" or "ask" (True: ask, False: allow)
+NeedsAsking = Callable[[int], "bool | str"]
+# decides a held exec: "allow" or "deny" (None: allow)
+Ask = Callable[[HeldExec], Awaitable["str | None"]]
 
 
 @dataclass
@@ -257,7 +265,8 @@ class HoldStats:
     foreign: int = 0  # ... by a process outside the sandbox's pid namespace: let on at once
     timeouts: int = 0  # asks cut by ask_timeout
     exited: int = 0  # asks cut because the process died (killed)
-    errors: int = 0  # needs_asking or ask raised: let on (BPF decides)
+    errors: int = 0  # needs_asking or ask raised: answered `fail`
+    denied: int = 0  # refused at once by the verdict
     queue_overflows: int = 0  # the kernel's queue overflowed (it let those execs on itself)
 
 
@@ -272,7 +281,11 @@ class ExecHold:
     """
 
     def __init__(self, host_pid: int, needs_asking: NeedsAsking, ask: Ask, *, ask_timeout: float,
-                 max_pending: int = MAX_PENDING, name: str = "") -> None:
+                 max_pending: int = MAX_PENDING, name: str = "", fail: str = "allow") -> None:
+        """`fail`: the answer of an exec that could not be decided (a flood past `max_pending`, the
+        timeout, a failed check or ask, close()): "allow" where something behind enforces anyway, "deny"
+        where this is the gate itself (policy/linux/enforcer.py)."""
+        self.fail = fail
         self.host_pid = host_pid
         self.needs_asking = needs_asking
         self.ask = ask
@@ -389,7 +402,7 @@ class ExecHold:
         for held, task in list(self._pending.values()):
             held.outcome = "closed"
             task.cancel()
-            self._answer(held)
+            self._answer(held, self.fail)
             tasks.append(task)
         for task in tasks:
             with contextlib.suppress(BaseException):
@@ -406,6 +419,24 @@ class ExecHold:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+    # -- what the kernel need not ask about --------------------------------------------------------------
+    def ignore(self, fd: int) -> None:
+        """No more events for the file of `fd` (allowed for good): an ignore mark on its inode, which the
+        kernel drops when the file is modified (the next exec of it is judged again)."""
+        if self._group < 0:
+            return
+        if _libc.fanotify_mark(self._group, FAN_MARK_ADD | FAN_MARK_IGNORED_MASK, FAN_OPEN_EXEC_PERM, fd, None) != 0:
+            err = ctypes.get_errno()
+            _log(f"{self.name}: an ignore mark failed ({os.strerror(err)}): that file is judged at each exec")
+
+    def ignore_only(self, fds: Iterable[int]) -> None:
+        """Exactly these files ignored: every inode mark of the group removed, then these marked."""
+        if self._group < 0:
+            return
+        _libc.fanotify_mark(self._group, FAN_MARK_FLUSH, 0, AT_FDCWD, None)  # inode marks; mounts stay
+        for fd in fds:
+            self.ignore(fd)
 
     @property
     def pending(self) -> list[HeldExec]:
@@ -438,19 +469,24 @@ class ExecHold:
         self.stats.events += 1
         held = HeldExec(fd, tid)
         try:
-            asking = self.needs_asking(fd)
-        except Exception as e:  # a broken check must not hold the sandbox: BPF decides
+            verdict = self.needs_asking(fd)
+            verdict = {True: "ask", False: "allow"}.get(verdict, verdict)  # type: ignore[call-overload]
+        except Exception as e:  # a broken check must not hold the sandbox
             self.stats.errors += 1
-            _log(f"{self.name}: needs_asking failed ({e!r}): exec let on to the BPF verdict")
-            asking = False
-        if not asking or self._closed:
-            self._answer(held)
-        elif len(self._pending) >= self.max_pending:
-            self.stats.overflowed += 1
-            self._answer(held)
+            _log(f"{self.name}: the exec check failed ({e!r}): answered {self.fail}")
+            verdict = self.fail
+        if verdict != "ask":
+            if verdict == "deny":
+                self.stats.denied += 1
+            self._answer(held, "deny" if verdict == "deny" else "allow")
+        elif self._closed:
+            self._answer(held, self.fail)
         elif not self._in_sandbox(tid):
             self.stats.foreign += 1
-            self._answer(held)
+            self._answer(held, "allow")
+        elif len(self._pending) >= self.max_pending:
+            self.stats.overflowed += 1
+            self._answer(held, self.fail)
         else:
             self.stats.asked += 1
             assert self._loop is not None
@@ -470,7 +506,8 @@ class ExecHold:
         deadline = self._loop.time() + self.ask_timeout
         died: asyncio.Future[None] = self._loop.create_future()
         pidfd = self._watch_exit(held.host_pid, died)
-        asking: asyncio.Task[None] | None = None
+        asking: asyncio.Future[str | None] | None = None
+        verdict = self.fail
         try:
             try:
                 found = await asyncio.wait_for(asyncio.shield(self._loop.run_in_executor(
@@ -492,7 +529,9 @@ class ExecHold:
                 held.outcome = "asked" if exc is None else "failed"
                 if exc is not None:
                     self.stats.errors += 1
-                    _log(f"{self.name}: ask failed ({exc!r}): exec let on to the BPF verdict")
+                    _log(f"{self.name}: ask failed ({exc!r}): answered {self.fail}")
+                else:
+                    verdict = "deny" if asking.result() == "deny" else "allow"
             elif died in done:
                 held.outcome = "exited"
                 self.stats.exited += 1
@@ -507,7 +546,7 @@ class ExecHold:
             if pidfd >= 0:
                 self._loop.remove_reader(pidfd)
                 os.close(pidfd)
-            self._answer(held)
+            self._answer(held, verdict)
 
     def _watch_exit(self, tid: int, died: asyncio.Future[None]) -> int:
         """A pidfd of the exec'ing process, readable once it has died (SIGKILL while held); -1 if none."""
@@ -536,8 +575,8 @@ class ExecHold:
         tree = [me, *held_process.ancestors(tgid, self._depth, self._pidns, ANCESTORS)]
         return {"pid": pid, "filename": filename, "argv": argv, "tree": tree}
 
-    def _answer(self, held: HeldExec) -> None:
-        """Let the exec on (to BPF's verdict) and close its fd: once."""
+    def _answer(self, held: HeldExec, verdict: str = "allow") -> None:
+        """Answer the exec (FAN_DENY: it fails with EPERM) and close its fd: once."""
         if held.fd < 0:
             return
         fd, held.fd = held.fd, -1
@@ -546,7 +585,7 @@ class ExecHold:
             held.outcome = "let on"
         try:
             if self._group >= 0:
-                os.write(self._group, _RESPONSE.pack(fd, FAN_ALLOW))
+                os.write(self._group, _RESPONSE.pack(fd, FAN_DENY if verdict == "deny" else FAN_ALLOW))
         except OSError as e:
             if e.errno != errno.ENOENT:  # ENOENT: the kernel dropped the event (its process was killed)
                 _log(f"{self.name}: answering an exec failed: {e!r}")

@@ -1,4 +1,5 @@
-"""The files an exec policy's patterns name inside a sandbox, opened (O_PATH) for exec_lsm.ExecLsm.mark.
+"""The files an exec policy's patterns name inside a sandbox, opened (O_PATH): the files the exec
+gate's verdicts pin (exec_verdicts.py).
 
 Patterns are the policy's `exec.allow` / `exec.deny` entries:
 
@@ -9,7 +10,7 @@ Patterns are the policy's `exec.allow` / `exec.deny` entries:
 Every path is resolved inside the sandbox's root, as its processes would: openat2(RESOLVE_IN_ROOT) on
 an fd of /proc/<its init pid>/root, so a symlink of the sandbox (`/usr/bin/python3 -> python3.11`, or
 one it planted, `-> /etc/shadow` or `-> ../../..`) leads to the sandbox's file, never the host's. What
-is returned is the file the name resolves to now: exec_lsm marks that inode, so a later rename or
+is returned is the file the name resolves to now: its verdict binds that inode, so a later rename or
 symlink swap does not carry the verdict to another file.
 
 A pattern may match at most `max_matches` files (ExecPatternError naming it beyond): a verdict pins
@@ -34,7 +35,7 @@ from agentcell.errors import InvalidArgumentError
 # the default template's PATH (its runtime's venv first: python3, pip) and the usual system dirs
 DEFAULT_PATH = (f"{NEUTRAL_ROOT}/venv/bin", "/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin")
 # ELF program interpreters (PT_INTERP) a root may hold, glibc's and musl's of each architecture: exec'd
-# directly they run any file without an exec of it (exec_lsm.ExecLsm.mark_loader). Exact names: a
+# directly they run any file without an exec of it (exec_guard.py kills that). Exact names: a
 # lookup each, no listing of /lib.
 _ARCHS = ("x86_64", "aarch64", "i386", "armhf", "riscv64", "s390x", "ppc64le")
 LOADERS = ("/lib64/ld-linux-x86-64.so.2", "/lib/ld-linux-aarch64.so.1", "/lib/ld-linux.so.2", "/lib/ld-linux-armhf.so.3",

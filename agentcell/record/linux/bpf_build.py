@@ -1,5 +1,5 @@
 """Compiling agentcell's eBPF programs (SOURCES: the kernel tracer's bpf/kernel_trace.bpf.c, the exec
-policy's policy/linux/bpf/exec_policy.bpf.c) with clang: when a wheel is built (setup.py ships each
+policy's guard, policy/linux/bpf/exec_guard.bpf.c) with clang: when a wheel is built (setup.py ships each
 object next to its source, so hosts need no clang) and, where no shipped object fits, when a server
 first loads it (bpf_objects.compiled, into its cache).
 
@@ -7,7 +7,7 @@ One object fits every kernel of its machine: it is compiled with BTF (-g), and l
 struct offsets against the running kernel's BTF when it loads it (CO-RE). It is not portable across
 machines (the source reads x86_64 syscall registers), so its name carries the machine, and its source's
 hash: a shipped object is used only for the source next to it. Its name starts with the source's stem
-(kernel_trace-..., exec_policy-...).
+(kernel_trace-..., exec_guard-...).
 
 Standard library only: setup.py loads this file by its path, before agentcell's dependencies exist.
 """
@@ -23,10 +23,8 @@ from pathlib import Path
 SOURCE_NAME = "kernel_trace.bpf.c"  # the kernel tracer's
 SUFFIX = ".bpf.c"
 # every source a wheel ships compiled, relative to the project's root
-SOURCES = ("agentcell/record/linux/bpf/kernel_trace.bpf.c", "agentcell/policy/linux/bpf/exec_policy.bpf.c",
-           "agentcell/policy/linux/bpf/exec_guard.bpf.c")
-WHAT = {"kernel_trace": "the kernel tracer", "exec_policy": "the exec policy's BPF LSM programs",
-        "exec_guard": "the exec policy's guard"}  # by stem, for messages
+SOURCES = ("agentcell/record/linux/bpf/kernel_trace.bpf.c", "agentcell/policy/linux/bpf/exec_guard.bpf.c")
+WHAT = {"kernel_trace": "the kernel tracer", "exec_guard": "the exec policy's guard"}  # by stem, for messages
 CLANGS = ("clang", "clang-19", "clang-18", "clang-17", "clang-16", "clang-15", "clang-14")
 _TARGET_ARCH = {"x86_64": "x86", "aarch64": "arm64"}  # uname's machine -> libbpf's __TARGET_ARCH_*
 CLANG_TIMEOUT_S = 120
@@ -41,7 +39,7 @@ def machine() -> str:
 
 
 def stem_of(source_name: str) -> str:
-    """`exec_policy` of `exec_policy.bpf.c`: the start of its objects' names."""
+    """`exec_guard` of `exec_guard.bpf.c`: the start of its objects' names."""
     return source_name.removesuffix(SUFFIX)
 
 

@@ -2,7 +2,7 @@
 prototypes of the functions agentcell calls, declared in one place, and the object for a source
 (bpf_build.py): the one shipped next to it (a wheel's), else the cache's, else compiled now with
 clang into the cache. The kernel tracer (kernel_trace.py) and the exec policy
-(policy/linux/exec_lsm.py) both load through here.
+(policy/linux/exec_guard.py) both load through here.
 """
 
 from __future__ import annotations
