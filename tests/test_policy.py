@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from agentcell import Sandbox
+from agentcell.errors import SandboxException
 from tests.conftest import GVISOR
 from tests.helpers import sh, wait_until
 
@@ -237,9 +238,9 @@ def test_the_readme_example(make) -> None:  # type: ignore[no-untyped-def]
     assert code != 0 and "Read-only" in err
     assert sh(sbx, "echo x > /home/user/repo/out/f && cat /home/user/repo/out/f")[0] != 0  # cat: asked, expires
     assert sh(sbx, "python3 -c 'print(open(\"/home/user/repo/out/f\").read())'")[1] == "x\n\n"
-    with pytest.raises(Exception):  # the files API obeys the same rules
+    with pytest.raises(SandboxException):  # the files API obeys the same rules
         sbx.files.write("/home/user/repo/g", "no")
-    with pytest.raises(Exception):
+    with pytest.raises(SandboxException):
         sbx.files.list("/home/user/.ssh")
     r = sbx.run_code("import socket\ntry:\n    socket.socket(socket.AF_INET, socket.SOCK_DGRAM, socket.IPPROTO_ICMP)\n"
                      "    print('ping socket')\nexcept OSError as e:\n    print(e.errno)")
