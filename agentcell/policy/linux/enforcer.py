@@ -112,9 +112,24 @@ class LinuxPolicies:
                 await self.backend.set_pids_max(sandbox, policy.processes_max or sandbox.limits.pids)
             except NotImplementedError as e:
                 raise PolicyError("policy.processes", str(e)) from None
-        if policy.files != previous.files or (policy.files and state.files is None):
-            await self._files(sandbox, state, policy)
-        await self._exec(sandbox, state, policy)
+        files = policy.files != previous.files or (policy.files and state.files is None)
+        resolving = asyncio.ensure_future(asyncio.to_thread(_verdicts, sandbox.host_pid, policy)) \
+            if policy.exec_rules else None
+        try:
+            if files:  # meanwhile, the exec rules' files are looked up (in another thread)
+                await self._files(sandbox, state, policy)
+        except BaseException:
+            if resolving is not None:
+                with contextlib.suppress(BaseException):
+                    (await resolving)[0].close()
+            raise
+        resolved = await resolving if resolving is not None else None
+        try:
+            await self._exec(sandbox, state, policy, resolved)
+        except BaseException:
+            if resolved is not None and resolved[0] is not state.verdicts:
+                resolved[0].close()
+            raise
         if self.backend.egress is not None and (policy.network_ask or state.network_ask):
             await self.backend.egress.set_ask(sandbox.slot, policy.network_ask, policy.ask_timeout_s + HOLD_GRACE_S)
             state.network_ask = policy.network_ask
@@ -140,7 +155,8 @@ class LinuxPolicies:
             if frozen:
                 await self.backend.resume(sandbox)
 
-    async def _exec(self, sandbox: LinuxSandbox, state: _State, policy: Policy) -> None:
+    async def _exec(self, sandbox: LinuxSandbox, state: _State, policy: Policy,
+                    resolved: tuple[ExecVerdicts, bool] | None) -> None:
         if not policy.exec_rules:
             if state.gate is not None:  # rules lifted: nothing is judged any more
                 await state.gate.close()
@@ -152,8 +168,8 @@ class LinuxPolicies:
                 state.verdicts.close()
                 state.verdicts = None
             return
-        assert policy.exec is not None and self.guard is not None
-        verdicts, loader_allowed = await asyncio.to_thread(_verdicts, sandbox.host_pid, policy)
+        assert policy.exec is not None and self.guard is not None and resolved is not None
+        verdicts, loader_allowed = resolved
         # the backstop first, then the gate: at no instant is a rule without its guard
         self.guard.guard(sandbox.host_uids, exec_guard.ALLOW_LOADER if loader_allowed else 0)
         state.guarded = True
