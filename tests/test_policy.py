@@ -260,3 +260,12 @@ def test_the_policy_is_in_the_record(make, server_url: str) -> None:  # type: ig
     with httpx.Client(base_url=server_url) as http:
         r = http.get(f"/sandboxes/{sbx.sandbox_id}/approvals")
         assert r.status_code == 200
+
+
+def test_sudo_when_allowed(make) -> None:  # type: ignore[no-untyped-def]
+    sbx = make({"exec": {"default": "deny", "allow": ["sudo", "id"]}})
+    assert sh(sbx, "sudo id -u")[1] == "0\n"
+    code, _, err = sh(sbx, "sudo ls /")
+    assert code != 0 and "not permitted" in err
+    sbx2 = make({"exec": {"default": "deny", "allow": ["id"]}})
+    assert sh(sbx2, "sudo id -u")[0] != 0

@@ -36,6 +36,7 @@ log = logging.getLogger("agentcell.policy")
 # what every sandbox's commands run through (E2B's SDKs: /bin/bash -l -c): allowed whatever the rules say,
 # since each program they start is judged on its own
 SHELLS = ("/bin/bash", "/bin/sh", "/usr/bin/bash", "/usr/bin/sh")
+SUDO, SUDO_INTERPRETER = "/usr/bin/sudo", "/opt/agentcell/venv/bin/python3"
 # a held operation waits this much longer than the approval's own timeout, which decides (expired)
 HOLD_GRACE_S = 5.0
 
@@ -265,9 +266,15 @@ def _verdicts(init_pid: int, policy: Policy) -> tuple[ExecVerdicts, bool]:
             for t in exec_targets.resolve_in(root, SHELLS):
                 with _closing(t.fd):
                     verdicts.allow(t.fd)
+            sudo = False
             for t in exec_targets.resolve_in(root, policy.exec.allow):
                 with _closing(t.fd):
                     loader_allowed |= verdicts.allow(t.fd) in loaders
+                    sudo |= t.path == SUDO
+            if sudo:  # the sandbox's sudo is a script of the runtime's Python (runtime/sudo_shim.py)
+                for t in exec_targets.resolve_in(root, (SUDO_INTERPRETER,)):
+                    with _closing(t.fd):
+                        verdicts.allow(t.fd)
             for t in exec_targets.resolve_in(root, policy.exec.deny):
                 with _closing(t.fd):
                     verdicts.deny(t.fd)
