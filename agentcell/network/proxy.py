@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agentcell.network.ca import EgressCA
-from agentcell.network.claims import MAX_PEEK, MORE, Claim, claimed_host
+from agentcell.network.claims import MAX_PEEK, MORE, NONE, Claim, claimed_host
 from agentcell.network.inspection import Connection, serve_inspected
 from agentcell.network.quota import KeyedQuota
 from agentcell.network.secrets import SecretSet, placeholder_in
@@ -85,6 +85,11 @@ def tproxy_statement() -> str:
     return f"meta l4proto tcp th dport {{ {ports} }} tproxy ip to :{PROXY_PORT} meta mark set {FWMARK:#x} accept"
 
 
+def tproxy_any_statement() -> str:
+    """Every TCP port (network ask: a connection the lists do not allow waits here for a decision)."""
+    return f"meta l4proto tcp tproxy ip to :{PROXY_PORT} meta mark set {FWMARK:#x} accept"
+
+
 def routing_commands() -> list[str]:
     """ip(8) commands that deliver marked packets locally (tproxy's other half)."""
     return [f"rule add fwmark {FWMARK} lookup {ROUTE_TABLE}", f"route add local 0.0.0.0/0 dev lo table {ROUTE_TABLE}"]
@@ -120,6 +125,7 @@ class SlotState:
     owner: str
     secrets: SecretSet
     names: bool  # the policy has name rules: what names no host is refused
+    ask_s: float = 0.0  # network ask: how long the server may take to decide (0: the sandbox does not ask)
     connections: TokenBucket = field(default_factory=lambda: TokenBucket(NEW_PER_SECOND, NEW_BURST))
     handshakes: TokenBucket = field(default_factory=lambda: TokenBucket(HANDSHAKES_PER_SECOND, HANDSHAKE_BURST))
     live: set[asyncio.Task[Any]] = field(default_factory=set)
@@ -152,15 +158,15 @@ class Interceptor:
 
     # -- what the server says -------------------------------------------------------------------------
 
-    def set_slot(self, slot: int, owner: str, secrets: SecretSet, names: bool) -> None:
+    def set_slot(self, slot: int, owner: str, secrets: SecretSet, names: bool, ask_s: float = 0.0) -> None:
         state = self.slots.get(slot)
         if state is not None and state.owner != owner:
             self.forget(slot)  # a new tenant: nothing of the old one's goes on
             state = None
         if state is None:
-            self.slots[slot] = SlotState(owner, secrets, names)
+            self.slots[slot] = SlotState(owner, secrets, names, ask_s)
         else:
-            state.secrets, state.names = secrets, names
+            state.secrets, state.names, state.ask_s = secrets, names, ask_s
 
     def forget(self, slot: int) -> None:
         """The slot's sandbox is gone: its connections end now, before the slot serves anyone else."""
@@ -176,7 +182,8 @@ class Interceptor:
         dst, dport = writer.get_extra_info("sockname")[:2]  # the original destination (tproxy)
         slot = self.slot_of(src)
         state = self.slots.get(slot) if slot is not None else None
-        if slot is None or state is None or dport not in INTERCEPTED_PORTS or not self.quota.take(slot):
+        if slot is None or state is None or (dport not in INTERCEPTED_PORTS and not state.ask_s) \
+                or not self.quota.take(slot):
             if state is not None:
                 self._over_budget(state, "connections")
             writer.transport.abort()
@@ -201,7 +208,7 @@ class Interceptor:
     async def _serve(self, slot: int, state: SlotState, dst: str, dport: int, reader: asyncio.StreamReader,
                      writer: asyncio.StreamWriter) -> None:
         first = b""
-        claim: Claim | None = MORE
+        claim: Claim | None = MORE if dport in INTERCEPTED_PORTS else NONE  # (another port: a held one)
         async with asyncio.timeout(CLAIM_TIMEOUT_S):
             while claim is MORE:
                 chunk = await reader.read(MAX_PEEK)
@@ -211,16 +218,23 @@ class Interceptor:
                 claim = claimed_host(first)
         assert claim is not None
         try:
-            async with asyncio.timeout(DECIDE_TIMEOUT_S):
+            async with asyncio.timeout(DECIDE_TIMEOUT_S + state.ask_s):  # a held one waits for its decision
                 allowed, rule, plain_ok = await self.decide(slot, dst, dport, claim)
         except (TimeoutError, ConnectionError):
             allowed, rule, plain_ok = False, "no-decision", False
-        if allowed and claim.kind == "none" and state.names:
+        asked = rule.startswith("ask:")
+        if allowed and claim.kind == "none" and state.names and not asked:
             allowed, rule = False, "unnamed"  # name rules, and the connection names no host
         base = {"time": time.time(), "proto": "tcp", "dst": dst, "dport": dport}
-        if not allowed:
+        if asked:  # held, then decided: rule "ask", and what the decision was
+            self.emit(state.owner, {**base, "kind": "net.connect" if allowed else "net.deny", "domain": claim.host,
+                                    "claim": claim.kind, "verdict": "allowed" if allowed else "denied",
+                                    "rule": "ask", "decision": rule[4:],
+                                    "state": "approved" if allowed else "denied"})
+        elif not allowed:
             self.emit(state.owner, {**base, "kind": "net.deny", "domain": claim.host, "claim": claim.kind,
                                     "verdict": "denied", "rule": rule, "state": "denied"})
+        if not allowed:
             if claim.kind == "http":  # say why; a TLS client just sees the connection end
                 body = f"agentcell: {claim.host} is not allowed from this sandbox ({rule})\n".encode()
                 writer.write(b"HTTP/1.1 403 Forbidden\r\nContent-Type: text/plain\r\nConnection: close\r\n"

@@ -14,7 +14,7 @@ socket). If it dies first, its connections are gone, the server says so in the l
 (RESTARTS a period at most) and tells it every sandbox's state again.
 
 Protocol: a SOCK_SEQPACKET socketpair, one orjson array per packet.
-  server -> child: ["slot", slot, owner, secrets, names], ["forget", slot],
+  server -> child: ["slot", slot, owner, secrets, names, ask_s], ["forget", slot],
                    ["verdict", id, allowed, rule, plain_ok], ["close"]
   child -> server: ["started"], ["decide", id, slot, dst, dport, claim kind, claim host],
                    ["events", [[owner, event] ...]]
@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import itertools
 import os
 import signal
 import socket
 import ssl
 import sys
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
@@ -53,7 +54,7 @@ BATCH_EVENTS, BATCH_DELAY_S = 64, 0.005
 RESTARTS, RESTART_PERIOD_S, RESTART_DELAY_S = 5, 600.0, 0.5
 
 Verdict = tuple[bool, str, bool]  # allowed, the rule that decided, plain HTTP may carry this host's secrets
-DecideFn = Callable[[int, str, int, Claim], Verdict]
+DecideFn = Callable[[int, str, int, Claim], "Verdict | Awaitable[Verdict]"]  # awaitable: a held connection
 EventFn = Callable[[str, dict[str, Any]], None]
 
 
@@ -91,6 +92,7 @@ class ProxyProcess(child_link.ChildProcess):
         self.decide = decide
         self.on_event = on_event
         self._slots: dict[int, list[Any]] = {}  # what the child must know again after a restart
+        self._deciding: dict[int, set[asyncio.Task[None]]] = {}  # slot -> held connections' decisions
 
     async def _respawned(self, why: str) -> None:
         for message in self._slots.values():
@@ -107,13 +109,15 @@ class ProxyProcess(child_link.ChildProcess):
             print(f"agentcell: {e}; ending it", file=sys.stderr, flush=True)
             self._shut(str(e))
 
-    def set_slot(self, slot: int, owner: str, secrets: SecretSet, names: bool) -> None:
-        message = ["slot", slot, owner, secrets_message(secrets), names]
+    def set_slot(self, slot: int, owner: str, secrets: SecretSet, names: bool, ask_s: float = 0.0) -> None:
+        message = ["slot", slot, owner, secrets_message(secrets), names, ask_s]
         self._slots[slot] = message
         self._send(message)
 
     def forget(self, slot: int) -> None:
         self._slots.pop(slot, None)
+        for task in self._deciding.pop(slot, set()):
+            task.cancel()
         self._send(["forget", slot])
 
     # -- from the child ----------------------------------------------------------------------------
@@ -128,13 +132,37 @@ class ProxyProcess(child_link.ChildProcess):
         if op == "decide":
             _, ident, slot, dst, dport, kind, host = message
             try:
-                allowed, rule, plain_ok = self.decide(slot, dst, dport, Claim(kind, host))
+                verdict = self.decide(slot, dst, dport, Claim(kind, host))
             except Exception as e:  # a question it cannot answer is a no
-                allowed, rule, plain_ok = False, f"error: {type(e).__name__}", False
+                verdict = False, f"error: {type(e).__name__}", False
+            if inspect.isawaitable(verdict):  # held until a decision: the loop goes on meanwhile
+                task = asyncio.ensure_future(self._verdict_later(ident, verdict))
+                tasks = self._deciding.setdefault(slot, set())
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+                return
+            allowed, rule, plain_ok = verdict
             self._send(["verdict", ident, allowed, rule, plain_ok])
         elif op == "events":
             for owner, event in message[1]:
                 self.on_event(owner, event)
+
+
+    async def _verdict_later(self, ident: int, pending: Awaitable[Verdict]) -> None:
+        try:
+            allowed, rule, plain_ok = await pending
+        except asyncio.CancelledError:  # the sandbox is gone (its connections are cut anyway)
+            allowed, rule, plain_ok = False, "ask:gone", False
+        except Exception as e:
+            allowed, rule, plain_ok = False, f"error: {type(e).__name__}", False
+        self._send(["verdict", ident, allowed, rule, plain_ok])
+
+    async def close(self) -> None:
+        for tasks in self._deciding.values():
+            for task in tasks:
+                task.cancel()
+        self._deciding.clear()
+        await super().close()
 
 
 # -- the child --------------------------------------------------------------------------------------
@@ -198,8 +226,8 @@ class _Child:
             if fut is not None and not fut.done():
                 fut.set_result((bool(message[2]), str(message[3]), bool(message[4])))
         elif op == "slot":
-            _, slot, owner, secrets, names = message
-            self.interceptor.set_slot(slot, owner, secrets_of(secrets), bool(names))
+            _, slot, owner, secrets, names, ask_s = message
+            self.interceptor.set_slot(slot, owner, secrets_of(secrets), bool(names), float(ask_s))
         elif op == "forget":
             self.interceptor.forget(message[1])
         elif op == "close":

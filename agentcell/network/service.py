@@ -23,7 +23,7 @@ import socket
 import ssl
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -32,6 +32,7 @@ import dns.name
 from agentcell import rootless
 from agentcell.network import netns_files, usermode
 from agentcell.network import uplink as uplinks
+from agentcell.network.ask import DEFAULT_TIMEOUT_S, Answer, Asker, AskGate, Question
 from agentcell.network.ca import EgressCA
 from agentcell.network.claims import Claim
 from agentcell.network.conntrack import ConntrackError, Flusher, netfilter_socket
@@ -121,6 +122,13 @@ class Egress:
         self.ca = EgressCA.load_or_create(ca_dir)
         self.ca_path = os.path.join(ca_dir, "ca.pem")
         self._locks: dict[int, asyncio.Lock] = {}
+        # network ask (ask.py): which slots ask, the decisions under way, what approvals remembered, and
+        # the addresses the resolver answered for names only asked about (not open in the kernel)
+        self.ask = AskGate(self._remember)
+        self._effective: dict[int, NetworkPolicy] = {}  # the policy plus what approvals remembered
+        self._ask_rules: dict[int, DomainRules] = {}  # names a slot in ask mode may resolve (to ask about)
+        self._asked: dict[int, dict[str, _Pinned]] = {}  # slot -> address -> names asked about, answered
+        self._remembered: dict[int, tuple[set[str], set[str]]] = {}  # slot -> (names, addresses) approved
 
     # -- the router ---------------------------------------------------------------------------
 
@@ -179,6 +187,7 @@ class Egress:
             raise
 
     async def close(self) -> None:
+        self.ask.close()
         if self.proxy is not None:
             await self.proxy.close()
             self.proxy = None
@@ -240,7 +249,9 @@ class Egress:
             self._secrets[slot] = secrets
         if rules is not None:  # update_network: E2B's rules replaced, the secrets kept
             self._secrets[slot] = dataclasses.replace(self._secrets.get(slot, NO_SECRETS), rules=rules)
-        names = policy.names_allowed()
+        asking = self.ask.enabled(slot) and policy.internet and policy.restricted
+        effective = self._with_remembered(slot, policy) if asking else policy
+        names = effective.names_allowed()
         rules = DomainRules(*names) if names is not None else None
         now = time.monotonic()
         pins: dict[str, _Pinned] = {}  # what the new policy still allows of the old answers
@@ -251,18 +262,25 @@ class Egress:
                     pins[address] = _Pinned(names, pinned.last if pinned.last in names else min(names), pinned.expires)
         kept = [(a, int(p.expires - now)) for a, p in pins.items()] if policy.restricted else []
         name_rules = bool(policy.allow_domains or policy.deny_domains)
-        intercept = name_rules or bool(self._secrets.get(slot))
+        intercept = name_rules or bool(self._secrets.get(slot)) or asking
         owner = self._owner_now(slot)
         if intercept and owner is not None and self.proxy is not None:
             # before the router sends it anything: the proxy knows the sandbox before its first connection
-            self.proxy.set_slot(slot, owner, self._secrets.get(slot, NO_SECRETS), name_rules)
-        commands = self.router.policy_commands(slot, policy, kept, intercept=intercept)
+            self.proxy.set_slot(slot, owner, self._secrets.get(slot, NO_SECRETS), name_rules,
+                                self.ask.timeout(slot) if asking else 0.0)
+        commands = self.router.policy_commands(slot, effective, kept, intercept=intercept, ask=asking)
         if commands:
             await self._nft(commands)
         self.router.committed(slot)
         self.policies[slot] = policy
+        self._effective[slot] = effective
         self._rules[slot] = rules
         self._pins[slot] = pins
+        if asking:  # every name but a denied one resolves; only approved ones are opened (_pin_locked)
+            self._ask_rules[slot] = DomainRules((), effective.deny_domains)
+        else:
+            self._ask_rules.pop(slot, None)
+            self._asked.pop(slot, None)
 
     async def disconnect(self, slot: int) -> None:
         async with self._lock(slot):
@@ -271,8 +289,13 @@ class Egress:
 
     async def _disconnect(self, slot: int) -> None:
         assert self.router is not None
+        self.ask.forget(slot)  # its held connections are refused, the asker's tasks cancelled
         self.policies.pop(slot, None)
+        self._effective.pop(slot, None)
         self._rules.pop(slot, None)
+        self._ask_rules.pop(slot, None)
+        self._asked.pop(slot, None)
+        self._remembered.pop(slot, None)
         self._secrets.pop(slot, None)
         if self.proxy is not None:  # its intercepted connections end with it, before the slot serves another
             self.proxy.forget(slot)
@@ -354,12 +377,107 @@ class Egress:
 
     # -- the proxy's decision ---------------------------------------------------------------------
 
-    def decide(self, slot: int, address: str, port: int, claim: Claim) -> tuple[bool, str, bool]:
+    def decide(self, slot: int, address: str, port: int,
+               claim: Claim) -> tuple[bool, str, bool] | Awaitable[tuple[bool, str, bool]]:
         """The proxy's question about one connection: may it go on (and the rule that decided), and
         may plain HTTP on it carry the secrets of the host it names (only to a host the operator
-        marked plain-HTTP, at an address the sandbox's resolver answered for that host)."""
+        marked plain-HTTP, at an address the sandbox's resolver answered for that host). For a
+        sandbox in ask mode, a connection the lists do not allow but may be asked about gets an
+        awaitable: the answer once the decision came (ask.py)."""
         allowed, rule = self.check_claim(slot, address, port, claim)
+        if not allowed:
+            asked = self._question(slot, address, port, claim)
+            if asked is not None:
+                return self._asked_verdict(slot, asked)
         return allowed, rule, allowed and claim.kind == "http" and self._plain_ok(slot, address, claim.host)
+
+    async def _asked_verdict(self, slot: int, question: Question) -> tuple[bool, str, bool]:
+        answer: Answer = await self.ask.ask(slot, question)
+        return answer.allowed, answer.rule, False  # an asked host's secrets never go over plain HTTP
+
+    def _question(self, slot: int, address: str, port: int, claim: Claim) -> Question | None:
+        """What to ask about a connection the lists refused, or None when it may not be asked about:
+        the sandbox does not ask, has no internet or no allow list, the address is on the never-list
+        or denied, the name it names is denied or was not answered for this address."""
+        policy, owner = self._effective.get(slot), self._owner_now(slot)
+        if owner is None or policy is None or not self.ask.enabled(slot) or not policy.internet \
+                or not policy.restricted:
+            return None
+        ip = ipaddress.ip_address(address)
+        if ip in self.never or any(ip in net for net in policy.deny_nets):
+            return None
+        host = claim.host
+        if host is not None and _is_address(host):
+            if host != address:
+                return None  # names another address than the one it goes to
+            host = None
+        now = time.monotonic()
+        answered = [p for p in (self._pins.get(slot, {}).get(address), self._asked.get(slot, {}).get(address))
+                    if p is not None and p.expires > now]
+        if host is None:  # no name in the bytes: the name the resolver answered the address for, if any
+            host = answered[-1].last if answered else None
+        elif not any(host in p.names for p in answered):
+            return None  # a name this address was not answered for (only answered addresses are asked about)
+        if host is not None:
+            rules = self._ask_rules.get(slot)
+            if rules is None or not rules.allows(dns.name.from_text(host)):
+                return None  # a denied name
+        return Question(owner, host, address, port)
+
+    async def _remember(self, slot: int, question: Question) -> None:
+        """An approval that says remember: the host (its name, or the address when it has none) joins
+        the slot's allowed set; the name's answered addresses are pinned now, as an allowed name's are."""
+        async with self._lock(slot):
+            if self._owner_now(slot) != question.owner or slot not in self.policies:
+                return  # the sandbox is gone
+            names, addresses = self._remembered.setdefault(slot, (set(), set()))
+            if question.host is None:
+                addresses.add(question.address)
+            else:
+                names.add(question.host)
+                now = time.monotonic()
+                pins = self._pins.setdefault(slot, {})
+                for address, asked in list(self._asked.get(slot, {}).items()):
+                    if question.host in asked.names and asked.expires > now:
+                        pinned = pins.setdefault(address, _Pinned(set(), question.host, 0.0))
+                        pinned.names.add(question.host)
+                        pinned.last, pinned.expires = question.host, max(pinned.expires, asked.expires)
+            await self._apply(slot, self.policies[slot], None, None, None)
+
+    def _with_remembered(self, slot: int, policy: NetworkPolicy) -> NetworkPolicy:
+        names, addresses = self._remembered.get(slot, (set(), set()))
+        if not names and not addresses:
+            return policy
+        return dataclasses.replace(
+            policy, allow_domains=policy.allow_domains + tuple(sorted(names - set(policy.allow_domains))),
+            allow_nets=policy.allow_nets + tuple(ipaddress.ip_network(a) for a in sorted(addresses)))
+
+    async def set_ask(self, slot: int, enabled: bool, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        """Network ask on or off for the sandbox on `slot` (its policy's `network.default == "ask"`), and
+        how long a held connection waits for a decision (then it is refused). Applies to new connections
+        at once. Off: connections held now still get their decision; approvals remembered are kept for
+        the sandbox's life but only open anything while it asks. Call it after the claim's apply (at
+        kill, disconnect turns it off)."""
+        async with self._lock(slot):
+            self.ask.configure(slot, enabled, timeout_s)
+            if slot in self.policies:
+                await self._apply(slot, self.policies[slot], None, None, None)
+
+    def set_asker(self, asker: Asker | None) -> None:
+        """Who decides: `asker(sandbox_id, host, address, port)` -> (allow, remember), awaited on the
+        server's loop; None: every held connection is refused (rule ask:no-asker)."""
+        self.ask.set_asker(asker)
+
+    def slot_serving(self, sandbox_id: str) -> int | None:
+        """The slot whose link the sandbox uses now (None: not connected here)."""
+        for slot, tenancies in self._tenancies.items():
+            if tenancies and tenancies[-1].owner == sandbox_id and tenancies[-1].until is None:
+                return slot
+        return None
+
+    def ask_stats(self) -> dict[str, int]:
+        """Counts of held connections' outcomes (approved, remembered, denied, timeout, flood, ...)."""
+        return dict(self.ask.counts)
 
     def _plain_ok(self, slot: int, address: str, host: str | None) -> bool:
         if not host or not any(host_matches(host, h) for h in self.settings.plain_http_hosts):
@@ -370,7 +488,7 @@ class Egress:
     def check_claim(self, slot: int, address: str, port: int, claim: Claim) -> tuple[bool, str]:
         """Whether an intercepted connection to address:port that names `claim` may go on, and the rule
         that decided. It never crossed the router's forward chain, so the address rules apply here too."""
-        policy, rules = self.policies.get(slot), self._rules.get(slot)
+        policy, rules = self._effective.get(slot), self._rules.get(slot)
         if policy is None or not policy.open:
             return False, "policy"
         ip = ipaddress.ip_address(address)
@@ -436,7 +554,9 @@ class Egress:
 
     def _rules_for(self, source: str) -> DomainRules | None:
         slot = slot_of(source)
-        return None if slot is None else self._rules.get(slot)
+        if slot is None:
+            return None
+        return self._ask_rules.get(slot) or self._rules.get(slot)
 
     async def _pin(self, source: str, pins: list[Pin]) -> None:
         slot = slot_of(source)
@@ -446,8 +566,16 @@ class Egress:
             await self._pin_locked(slot, source, pins)
 
     async def _pin_locked(self, slot: int, source: str, pins: list[Pin]) -> None:
-        policy, rules = self.policies.get(slot), self._rules.get(slot)
-        if policy is None or not policy.open or rules is None:
+        policy, rules, ask_rules = self._effective.get(slot), self._rules.get(slot), self._ask_rules.get(slot)
+        if ask_rules is not None:  # names only asked about: remembered, not opened
+            asked = [p for p in pins if rules is None or not rules.allows(dns.name.from_text(p[2]))]
+            if not all(ask_rules.allows(dns.name.from_text(name)) for _, _, name in asked):
+                raise EgressError(f"{source}'s policy changed while its answer was on its way")
+            self._note_asked(slot, asked)
+            pins = [p for p in pins if p not in asked]
+            if not pins:
+                return
+        if policy is None or not (policy.open or ask_rules is not None) or rules is None:
             raise EgressError(f"{source} has no way out to pin anything for")
         if not all(rules.allows(dns.name.from_text(name)) for _, _, name in pins):
             raise EgressError(f"{source}'s policy changed while its answer was on its way")
@@ -468,6 +596,29 @@ class Egress:
             assert self.router is not None
             await self._nft(Router.pin_commands(slot, fresh))
             self.router.pinned(slot, (a for a, _ in fresh))
+
+
+    def _note_asked(self, slot: int, pins: list[Pin]) -> None:
+        """Addresses answered for names the sandbox may only ask about: what a held connection to one of
+        them is asked as (its name), nothing opened. Bounded as pins are (expired first, then oldest)."""
+        table = self._asked.setdefault(slot, {})
+        now = time.monotonic()
+        for address, seconds, name in pins:
+            if len(table) >= PIN_SET_SIZE and str(address) not in table:
+                for gone in [a for a, p in table.items() if p.expires <= now] or [next(iter(table))]:
+                    del table[gone]
+            entry = table.pop(str(address), None) or _Pinned(set(), name, 0.0)
+            entry.names.add(name.lower())
+            entry.last, entry.expires = name.lower(), max(entry.expires, now + seconds)
+            table[str(address)] = entry  # (last in order: the newest)
+
+
+def _is_address(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 @dataclass
