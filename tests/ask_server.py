@@ -34,7 +34,8 @@ class Harness:
         self.writer: asyncio.StreamWriter | None = None
         self.ids = itertools.count(1)
         self.waiting: dict[int, asyncio.Future[tuple[bool, bool]]] = {}
-        egress.set_asker(self.asker)
+        if hasattr(egress, "set_asker"):  # (without it: the tests run, and fail, against egress that never asks)
+            egress.set_asker(self.asker)
 
     async def asker(self, sandbox_id: str, host: str | None, address: str, port: int) -> tuple[bool, bool]:
         if self.writer is None:
@@ -65,12 +66,13 @@ class Harness:
                     if fut is not None and not fut.done():
                         fut.set_result((bool(message["allow"]), bool(message["remember"])))
                 elif message["op"] == "ask":
-                    slot = self.egress.slot_serving(message["sandbox"])
-                    if slot is not None:
+                    slot = self.egress.slot_serving(message["sandbox"]) if hasattr(self.egress, "set_ask") else -1
+                    if slot is not None and slot >= 0:
                         await self.egress.set_ask(slot, bool(message["enabled"]), float(message["timeout"]))
                     self.send({"op": "done", "slot": slot})
                 elif message["op"] == "stats":
-                    self.send({"op": "stats", "counts": self.egress.ask_stats()})
+                    self.send({"op": "stats", "counts": self.egress.ask_stats() if hasattr(self.egress, "ask_stats")
+                               else {}})
         finally:
             self.writer = None
 
