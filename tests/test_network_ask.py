@@ -25,7 +25,17 @@ import pytest
 
 from agentcell import Sandbox
 from tests.ask_server import SOCKET_ENV
-from tests.egress_internet import DENIED_IP, FORBIDDEN, OTHER, WEB, WILD, ask, internet_server, probed
+from tests.egress_internet import (
+    DENIED_IP,
+    FORBIDDEN,
+    INTERNET_LOG,
+    OTHER,
+    WEB,
+    WILD,
+    ask,
+    internet_server,
+    probed,
+)
 from tests.servers import ServerProcess
 
 ALL_TRAFFIC = "0.0.0.0/0"
@@ -148,30 +158,48 @@ def events(sbx: Sandbox, wanted: Callable[[dict[str, Any]], bool], timeout: floa
         time.sleep(0.2)
 
 
+def log_mark() -> int:
+    return INTERNET_LOG.stat().st_size if INTERNET_LOG.exists() else 0
+
+
+def dns_seen(name: str, since: int) -> bool:
+    """Whether a query for `name` reached the internet's resolver since `since` (a log_mark())."""
+    return INTERNET_LOG.exists() and f"dns {name}.".encode() in INTERNET_LOG.read_bytes()[since:]
+
+
 def test_an_approved_host_gets_the_page(make, approver: Approver) -> None:  # type: ignore[no-untyped-def]
     sbx = make()
-    assert ask(sbx, "names('other.test')") == f"['{OTHER}']"  # resolved (to be asked about), not opened
+    mark = log_mark()
+    stand_in = ask(sbx, "names('other.test')")  # answered with a stand-in: not resolved before it is allowed
+    assert stand_in.startswith("['198.18.") and stand_in == ask(sbx, "names('OTHER.test')"), stand_in
+    assert not dns_seen("other.test", mark)
     approver.decide = lambda q: (True, False)
     code, out = curl(sbx, "http://other.test/")
     assert code == 0 and out.startswith(f"hello from {OTHER} host=other.test") and out.endswith("|200"), out
     q = approver.about(sbx)[-1]
-    assert (q["host"], q["address"], q["port"]) == ("other.test", OTHER, 80)
+    assert (q["host"], q["address"], q["port"]) == ("other.test", None, 80)
+    assert dns_seen("other.test", mark)  # resolved once allowed
     code, out = curl(sbx, "https://other.test/")  # TLS: the upstream verified for other.test, as ever
     assert code == 0 and "Host: other.test" in out and out.endswith("|200"), out  # (its HTTPS echoes)
     assert ask(sbx, "get('http://other.test/')").startswith(f"hello from {OTHER}")  # Python's urllib
-    assert ask(sbx, f"tcp('{OTHER}', 8080, timeout=10)") == "ok"  # any TCP port, asked by its answered name
+    assert ask(sbx, "tcp('other.test', 8080, timeout=10)") == "ok"  # any TCP port
     assert approver.about(sbx)[-1]["port"] == 8080 and approver.about(sbx)[-1]["host"] == "other.test"
-    assert len(approver.about(sbx)) == 4  # approved once each: every new connection asks again
-    assert ask(sbx, "tcp('allowed.test')") == "ok" and len(approver.about(sbx)) == 4  # the allow list: not asked
+    assert ask(sbx, f"tcp('{OTHER}', 8080, timeout=10)") == "ok"  # an address without a name: asked as such
+    assert [approver.about(sbx)[-1][k] for k in ("host", "address", "port")] == [None, OTHER, 8080]
+    assert len(approver.about(sbx)) == 5  # approved once each: every new connection asks again
+    assert ask(sbx, "tcp('allowed.test')") == "ok" and len(approver.about(sbx)) == 5  # the allow list: not asked
     approved = events(sbx, lambda e: e.get("rule") == "ask" and e.get("decision") == "approved")
     assert approved and approved[0]["kind"] == "net.connect" and approved[0]["dst"] == OTHER
+    assert approved[0]["stand_in"].startswith("198.18.") and approved[0]["domain"] == "other.test"
 
 
 def test_a_denied_host_is_refused(make, approver: Approver) -> None:  # type: ignore[no-untyped-def]
     sbx = make()
+    mark = log_mark()
     approver.decide = lambda q: (False, False)
     code, out = curl(sbx, "http://other.test/")
     assert out.endswith("|403") and "ask:denied" in out, out
+    assert not dns_seen("other.test", mark)  # refused: never resolved
     code, out = curl(sbx, "https://other.test/")
     assert code != 0 and not out.endswith("|200"), out
     assert ask(sbx, f"tcp('{OTHER}', 8080, timeout=10)") != "ok"
@@ -200,7 +228,8 @@ def test_remember_opens_the_host_for_later_connections(make, approver: Approver)
     for url in ("http://other.test/", "https://other.test/", "http://other.test:8080/"):
         code, out = curl(sbx, url)
         assert code == 0 and out.endswith("|200"), (url, out)
-    assert ask(sbx, f"tcp('{OTHER}', 8080)") == "ok"  # another port: through the kernel now (pinned)
+    assert ask(sbx, "names('other.test')") == f"['{OTHER}']"  # answered for real now, and pinned
+    assert ask(sbx, f"tcp('{OTHER}', 8080)") == "ok"  # another port: through the kernel now
     assert len(approver.about(sbx)) == 1
     # an address without a name, remembered as an address
     approver.decide = lambda q: (True, True)
@@ -216,7 +245,7 @@ def test_remember_opens_the_host_for_later_connections(make, approver: Approver)
 def test_explicit_denials_and_the_never_list_are_never_asked(make, approver: Approver) -> None:  # type: ignore[no-untyped-def]
     sbx = make()
     approver.decide = lambda q: (True, True)  # were anything asked, it would get through
-    t = time.monotonic()
+    t, mark = time.monotonic(), log_mark()
     assert ask(sbx, "names('denied.test')") == "noname"  # a denied name does not resolve
     assert ask(sbx, f"http_as('{DENIED_IP}', 'denied.test')") == "HTTP/1.1 403 Forbidden"  # nor is asked about
     assert ask(sbx, f"tls_as('{DENIED_IP}', 'denied.test')") == "closed"
@@ -225,11 +254,21 @@ def test_explicit_denials_and_the_never_list_are_never_asked(make, approver: App
     for addr in FORBIDDEN:
         assert ask(sbx, f"tcp('{addr}')") != "ok", addr
         assert ask(sbx, f"tcp('{addr}', 8080)") != "ok", addr
-    assert ask(sbx, "names('rebind.test')") == "noname"  # private answers dropped, as ever
-    assert ask(sbx, f"http_as('{WEB}', 'other.test')") == "HTTP/1.1 403 Forbidden"  # not this address's name
+    assert ask(sbx, f"http_as('{WEB}', 'other.test')") == "HTTP/1.1 403 Forbidden"  # a name at an address of
+    assert ask(sbx, f"tls_as('{WEB}', 'other.test')") == "closed"  # its own: names are asked via their stand-ins
+    stand_in = ask(sbx, "names('other.test')")[2:-2]
+    assert ask(sbx, f"http_as('{stand_in}', 'secret.test')") == "HTTP/1.1 403 Forbidden"  # another name's
+    assert ask(sbx, f"tls_as('{stand_in}', 'secret.test')") == "closed"
+    assert ask(sbx, "tcp('198.18.77.77', 8080)") != "ok"  # a stand-in never answered
     assert ask(sbx, f"udp('{OTHER}', 7)") != "ok"  # UDP is not held: refused
     assert approver.about(sbx) == [], approver.about(sbx)
     assert time.monotonic() - t < 60
+    assert not dns_seen("secret.test", mark) and not dns_seen("denied.test", mark)
+    # a name approved, whose answer is private: refused after the approval (never-list, as ever)
+    assert ask(sbx, "names('rebind.test')").startswith("['198.18.")  # a stand-in, until approved
+    assert ask(sbx, "tcp('rebind.test', 8080, timeout=10)") != "ok"
+    assert [q["host"] for q in approver.about(sbx)] == ["rebind.test"]
+    assert events(sbx, lambda e: e.get("rule") == "ask" and e.get("decision") == "unresolved")
 
 
 def test_a_flood_is_bounded_and_the_others_go_on(make, approver: Approver) -> None:  # type: ignore[no-untyped-def]

@@ -3,10 +3,17 @@
 Where a connection waits: in the egress proxy (proxy.py). For a sandbox in ask mode, the router hands
 every new TCP connection to an address its allow list and pins do not cover (and that is neither on
 the never-list nor denied) to the proxy, which accepts it, reads the host it names (ports 80/443:
-SNI, Host) and asks the server; the server asks its `Asker` (the approvals the lead wires in) and
-answers when the decision comes. So a client sees its TCP connection established, then silence until
-the decision: allowed, the bytes flow; refused, the connection ends (plain HTTP gets a 403 saying
-why). The server's loop and the proxy's never block on a decision: each is a task.
+SNI, Host) and asks the server; the server asks its `Asker` (the approvals the sandbox's owner
+answers) and answers when the decision comes. So a client sees its TCP connection established, then
+silence until the decision: allowed, the bytes flow; refused, the connection ends (plain HTTP gets a
+403 saying why). The server's loop and the proxy's never block on a decision: each is a task.
+
+Names: a name outside the allow list is not resolved before it is approved (a query is itself a
+message to the name's servers). The sandbox's resolver answers it with a *stand-in* address of its
+own (`StandIns`: 198.18.0.0/15, on the never-list, TTL 1 s, one per name and sandbox); a connection
+to a stand-in is held and asked about as that name, and only once it is allowed does the server
+resolve the name (screened as every answer is: never-list, denied addresses) and the proxy connect
+to the real address. A name remembered is allowed from then on: the resolver answers it for real.
 
 This module is the gate: who asks (`set_asker`), which slots ask and for how long (`configure`),
 one decision per (host, address, port) at a time that every connection waiting for it shares, at
@@ -18,31 +25,70 @@ remembered approval opens, is the egress service's (service.py).
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 log = logging.getLogger("agentcell.egress")
 
-# (sandbox id, the host name the connection names or its address was answered for (None: neither),
-#  the address, the port) -> (allow, remember)
-Asker = Callable[[str, str | None, str, int], Awaitable[tuple[bool, bool]]]
+# (sandbox id, the host name (None: an address the connection went to without a name), the address
+#  (None: a name not resolved yet), the port) -> (allow, remember)
+Asker = Callable[[str, str | None, str | None, int], Awaitable[tuple[bool, bool]]]
 MAX_HELD_PER_SANDBOX = 32  # connections of one sandbox waiting for a decision at once; more: refused
 DEFAULT_TIMEOUT_S = 60.0
 MAX_TIMEOUT_S = 3600.0
+STAND_IN_NET = ipaddress.IPv4Network("198.18.0.0/15")  # RFC 2544's benchmarking range: on the never-list
+STAND_IN_TTL = 1  # seconds: once a name is allowed, the next lookup gets the real addresses
+MAX_STAND_INS = 4096  # names per sandbox (the least recently answered goes first)
 
 
 class AskError(ValueError):
     """A bad ask setting (a timeout out of range)."""
 
 
+class StandIns:
+    """One sandbox's stand-in addresses: name <-> address, at most MAX_STAND_INS names."""
+
+    def __init__(self) -> None:
+        self._by_name: OrderedDict[str, str] = OrderedDict()
+        self._by_address: dict[str, str] = {}
+        self._next = 1
+
+    def address_for(self, name: str) -> str:
+        address = self._by_name.get(name)
+        if address is not None:
+            self._by_name.move_to_end(name)
+            return address
+        if len(self._by_name) >= MAX_STAND_INS:
+            _, old = self._by_name.popitem(last=False)
+            del self._by_address[old]
+        while True:  # the next free one (.0 and the broadcast address left out)
+            address = str(STAND_IN_NET[self._next])
+            self._next = self._next % (STAND_IN_NET.num_addresses - 2) + 1
+            if address not in self._by_address:
+                break
+        self._by_name[name], self._by_address[address] = address, name
+        return address
+
+    def name_of(self, address: str) -> str | None:
+        return self._by_address.get(address)
+
+
+def is_stand_in(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address) in STAND_IN_NET
+    except ValueError:
+        return False
+
+
 @dataclass(frozen=True)
 class Question:
     owner: str  # the sandbox id
     host: str | None
-    address: str
+    address: str | None  # None: a name not resolved yet (a stand-in's: resolved once allowed)
     port: int
 
 

@@ -65,7 +65,8 @@ HANDSHAKES_PER_SECOND, HANDSHAKE_BURST = 20.0, 40  # TLS handshakes the proxy do
 HANDSHAKE_WAIT_S = 1.0  # a handshake over budget waits this long for its turn, then the connection ends
 IP_TRANSPARENT = 19
 
-Decide = Callable[[int, str, int, Claim], Awaitable[tuple[bool, str, bool]]]  # -> (allowed, rule, plain ok)
+# -> (allowed, rule, plain ok, the address to connect to instead (network ask's stand-ins) or None)
+Decide = Callable[[int, str, int, Claim], Awaitable[tuple[bool, str, bool, str | None]]]
 Emit = Callable[[str, dict[str, Any]], None]  # (the sandbox id the slot served, event)
 
 
@@ -219,13 +220,16 @@ class Interceptor:
         assert claim is not None
         try:
             async with asyncio.timeout(DECIDE_TIMEOUT_S + state.ask_s):  # a held one waits for its decision
-                allowed, rule, plain_ok = await self.decide(slot, dst, dport, claim)
+                allowed, rule, plain_ok, instead = await self.decide(slot, dst, dport, claim)
         except (TimeoutError, ConnectionError):
-            allowed, rule, plain_ok = False, "no-decision", False
+            allowed, rule, plain_ok, instead = False, "no-decision", False, None
         asked = rule.startswith("ask:")
         if allowed and claim.kind == "none" and state.names and not asked:
             allowed, rule = False, "unnamed"  # name rules, and the connection names no host
         base = {"time": time.time(), "proto": "tcp", "dst": dst, "dport": dport}
+        if instead:  # a stand-in address: the connection goes to what the name resolved to once allowed
+            base = {**base, "dst": instead, "stand_in": dst}
+            dst = instead
         if asked:  # held, then decided: rule "ask", and what the decision was
             self.emit(state.owner, {**base, "kind": "net.connect" if allowed else "net.deny", "domain": claim.host,
                                     "claim": claim.kind, "verdict": "allowed" if allowed else "denied",

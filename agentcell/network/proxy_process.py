@@ -15,7 +15,7 @@ socket). If it dies first, its connections are gone, the server says so in the l
 
 Protocol: a SOCK_SEQPACKET socketpair, one orjson array per packet.
   server -> child: ["slot", slot, owner, secrets, names, ask_s], ["forget", slot],
-                   ["verdict", id, allowed, rule, plain_ok], ["close"]
+                   ["verdict", id, allowed, rule, plain_ok, address instead or null], ["close"]
   child -> server: ["started"], ["decide", id, slot, dst, dport, claim kind, claim host],
                    ["events", [[owner, event] ...]]
 """
@@ -53,7 +53,9 @@ MAX_PACKET = 1 << 20  # 32 secrets of 8 KiB and their hosts fit many times over
 BATCH_EVENTS, BATCH_DELAY_S = 64, 0.005
 RESTARTS, RESTART_PERIOD_S, RESTART_DELAY_S = 5, 600.0, 0.5
 
-Verdict = tuple[bool, str, bool]  # allowed, the rule that decided, plain HTTP may carry this host's secrets
+# allowed, the rule that decided, plain HTTP may carry this host's secrets, the address to connect to
+# instead of the connection's own (None: its own; a network ask stand-in's: the name's real address)
+Verdict = tuple[bool, str, bool, str | None]
 DecideFn = Callable[[int, str, int, Claim], "Verdict | Awaitable[Verdict]"]  # awaitable: a held connection
 EventFn = Callable[[str, dict[str, Any]], None]
 
@@ -134,15 +136,14 @@ class ProxyProcess(child_link.ChildProcess):
             try:
                 verdict = self.decide(slot, dst, dport, Claim(kind, host))
             except Exception as e:  # a question it cannot answer is a no
-                verdict = False, f"error: {type(e).__name__}", False
+                verdict = False, f"error: {type(e).__name__}", False, None
             if inspect.isawaitable(verdict):  # held until a decision: the loop goes on meanwhile
                 task = asyncio.ensure_future(self._verdict_later(ident, verdict))
                 tasks = self._deciding.setdefault(slot, set())
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
                 return
-            allowed, rule, plain_ok = verdict
-            self._send(["verdict", ident, allowed, rule, plain_ok])
+            self._send(["verdict", ident, *verdict])
         elif op == "events":
             for owner, event in message[1]:
                 self.on_event(owner, event)
@@ -150,12 +151,12 @@ class ProxyProcess(child_link.ChildProcess):
 
     async def _verdict_later(self, ident: int, pending: Awaitable[Verdict]) -> None:
         try:
-            allowed, rule, plain_ok = await pending
+            verdict = await pending
         except asyncio.CancelledError:  # the sandbox is gone (its connections are cut anyway)
-            allowed, rule, plain_ok = False, "ask:gone", False
+            verdict = False, "ask:gone", False, None
         except Exception as e:
-            allowed, rule, plain_ok = False, f"error: {type(e).__name__}", False
-        self._send(["verdict", ident, allowed, rule, plain_ok])
+            verdict = False, f"error: {type(e).__name__}", False, None
+        self._send(["verdict", ident, *verdict])
 
     async def close(self) -> None:
         for tasks in self._deciding.values():
@@ -174,7 +175,7 @@ class _Child:
         self.loop = asyncio.get_running_loop()
         self.done = self.loop.create_future()
         self.ids = itertools.count(1)
-        self.waiting: dict[int, asyncio.Future[tuple[bool, str, bool]]] = {}
+        self.waiting: dict[int, asyncio.Future[Verdict]] = {}
         self.batch: list[list[Any]] = []
         self.flush_at: asyncio.TimerHandle | None = None
         self.interceptor: Interceptor | None = None
@@ -183,7 +184,7 @@ class _Child:
         # blocking: a server that does not read holds the proxy up, never grows it
         self.sock.sendall(orjson.dumps(message, default=str, option=orjson.OPT_NON_STR_KEYS))
 
-    async def decide(self, slot: int, dst: str, dport: int, claim: Claim) -> tuple[bool, str, bool]:
+    async def decide(self, slot: int, dst: str, dport: int, claim: Claim) -> Verdict:
         ident = next(self.ids)
         fut = self.waiting[ident] = self.loop.create_future()
         try:
@@ -224,7 +225,8 @@ class _Child:
         if op == "verdict":
             fut = self.waiting.get(message[1])
             if fut is not None and not fut.done():
-                fut.set_result((bool(message[2]), str(message[3]), bool(message[4])))
+                fut.set_result((bool(message[2]), str(message[3]), bool(message[4]),
+                                str(message[5]) if message[5] else None))
         elif op == "slot":
             _, slot, owner, secrets, names, ask_s = message
             self.interceptor.set_slot(slot, owner, secrets_of(secrets), bool(names), float(ask_s))

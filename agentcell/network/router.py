@@ -37,6 +37,7 @@ from typing import Any, TypeVar
 
 from agentcell.backends.linux import syscalls as sc
 from agentcell.network import netns_files
+from agentcell.network.ask import STAND_IN_NET
 from agentcell.network.policy import Network, NetworkPolicy
 from agentcell.network.proxy import FWMARK as PROXY_MARK
 from agentcell.network.proxy import routing_commands as proxy_routing
@@ -58,7 +59,8 @@ NEVER_V6 = (
     "::/127", "::ffff:0:0/96", "64:ff9b::/96", "64:ff9b:1::/48", "100::/64", "2001::/23", "2002::/16",
     "fc00::/7", "fe80::/10", "ff00::/8",
 )
-RESERVED = ("10.77.0.0/16", "100.127.0.0/16")  # the links' own ranges (sandboxes, uplinks): never exempt
+# the links' own ranges (sandboxes, uplinks) and network ask's stand-in addresses: never exempt
+RESERVED = ("10.77.0.0/16", "100.127.0.0/16", str(STAND_IN_NET))
 
 
 class NeverList:
@@ -351,6 +353,7 @@ table inet {TABLE} {{
     iifname @open ip daddr != @never4 {tproxy}
     iifname @asking iifname . ip daddr @allow4 return
     iifname @asking iifname . ip daddr @pins4 return
+    iifname @asking ip daddr {STAND_IN_NET} {held}
     iifname @asking ip daddr != @never4 {held}
   }}
   chain input {{

@@ -27,18 +27,19 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
+import dns.exception
 import dns.name
 
 from agentcell import rootless
 from agentcell.network import netns_files, usermode
 from agentcell.network import uplink as uplinks
-from agentcell.network.ask import DEFAULT_TIMEOUT_S, Answer, Asker, AskGate, Question
+from agentcell.network.ask import DEFAULT_TIMEOUT_S, Answer, Asker, AskGate, Question, StandIns, is_stand_in
 from agentcell.network.ca import EgressCA
 from agentcell.network.claims import Claim
 from agentcell.network.conntrack import ConntrackError, Flusher, netfilter_socket
 from agentcell.network.flow_events import EventCollector
 from agentcell.network.policy import NetworkPolicy
-from agentcell.network.proxy_process import ProxyProcess
+from agentcell.network.proxy_process import ProxyProcess, Verdict
 from agentcell.network.resolver import DomainRules, Pin, PolicyResolver, serve_tcp
 from agentcell.network.router import (
     PIN_SET_SIZE,
@@ -123,11 +124,11 @@ class Egress:
         self.ca_path = os.path.join(ca_dir, "ca.pem")
         self._locks: dict[int, asyncio.Lock] = {}
         # network ask (ask.py): which slots ask, the decisions under way, what approvals remembered, and
-        # the addresses the resolver answered for names only asked about (not open in the kernel)
+        # the stand-in addresses the resolver answered for names to be asked about
         self.ask = AskGate(self._remember)
         self._effective: dict[int, NetworkPolicy] = {}  # the policy plus what approvals remembered
-        self._ask_rules: dict[int, DomainRules] = {}  # names a slot in ask mode may resolve (to ask about)
-        self._asked: dict[int, dict[str, _Pinned]] = {}  # slot -> address -> names asked about, answered
+        self._askable: dict[int, DomainRules] = {}  # slots that ask: the names they may ask about (not denied)
+        self._stand_ins: dict[int, StandIns] = {}
         self._remembered: dict[int, tuple[set[str], set[str]]] = {}  # slot -> (names, addresses) approved
 
     # -- the router ---------------------------------------------------------------------------
@@ -168,7 +169,7 @@ class Egress:
                 log.warning("no upstream DNS server (pass --egress-dns): sandboxes' names will not resolve")
             resolver = self.resolver = PolicyResolver((upstream, 53), self._rules_for, self._pin, self._socket,
                                                       on_refused=self._refused, never_list=self.never,
-                                                      on_answered=self._answered)
+                                                      on_answered=self._answered, stand_in=self._stand_in)
             loop = asyncio.get_running_loop()
             udp = await self._in_router(lambda: _bound(socket.SOCK_DGRAM))
             self._udp, _ = await loop.create_datagram_endpoint(lambda: resolver, sock=udp)
@@ -276,11 +277,10 @@ class Egress:
         self._effective[slot] = effective
         self._rules[slot] = rules
         self._pins[slot] = pins
-        if asking:  # every name but a denied one resolves; only approved ones are opened (_pin_locked)
-            self._ask_rules[slot] = DomainRules((), effective.deny_domains)
+        if asking:  # every name but a denied one may be asked about (the resolver answers a stand-in)
+            self._askable[slot] = DomainRules((), effective.deny_domains)
         else:
-            self._ask_rules.pop(slot, None)
-            self._asked.pop(slot, None)
+            self._askable.pop(slot, None)
 
     async def disconnect(self, slot: int) -> None:
         async with self._lock(slot):
@@ -293,8 +293,8 @@ class Egress:
         self.policies.pop(slot, None)
         self._effective.pop(slot, None)
         self._rules.pop(slot, None)
-        self._ask_rules.pop(slot, None)
-        self._asked.pop(slot, None)
+        self._askable.pop(slot, None)
+        self._stand_ins.pop(slot, None)
         self._remembered.pop(slot, None)
         self._secrets.pop(slot, None)
         if self.proxy is not None:  # its intercepted connections end with it, before the slot serves another
@@ -377,71 +377,90 @@ class Egress:
 
     # -- the proxy's decision ---------------------------------------------------------------------
 
-    def decide(self, slot: int, address: str, port: int,
-               claim: Claim) -> tuple[bool, str, bool] | Awaitable[tuple[bool, str, bool]]:
+    def decide(self, slot: int, address: str, port: int, claim: Claim) -> Verdict | Awaitable[Verdict]:
         """The proxy's question about one connection: may it go on (and the rule that decided), and
         may plain HTTP on it carry the secrets of the host it names (only to a host the operator
         marked plain-HTTP, at an address the sandbox's resolver answered for that host). For a
         sandbox in ask mode, a connection the lists do not allow but may be asked about gets an
         awaitable: the answer once the decision came (ask.py)."""
+        if is_stand_in(address):
+            return self._stand_in_verdict(slot, address, port, claim)
         allowed, rule = self.check_claim(slot, address, port, claim)
         if not allowed:
             asked = self._question(slot, address, port, claim)
             if asked is not None:
                 return self._asked_verdict(slot, asked)
-        return allowed, rule, allowed and claim.kind == "http" and self._plain_ok(slot, address, claim.host)
+        return allowed, rule, allowed and claim.kind == "http" and self._plain_ok(slot, address, claim.host), None
 
-    async def _asked_verdict(self, slot: int, question: Question) -> tuple[bool, str, bool]:
+    async def _asked_verdict(self, slot: int, question: Question) -> Verdict:
         answer: Answer = await self.ask.ask(slot, question)
-        return answer.allowed, answer.rule, False  # an asked host's secrets never go over plain HTTP
+        return answer.allowed, answer.rule, False, None  # an asked host's secrets never go over plain HTTP
 
     def _question(self, slot: int, address: str, port: int, claim: Claim) -> Question | None:
-        """What to ask about a connection the lists refused, or None when it may not be asked about:
-        the sandbox does not ask, has no internet or no allow list, the address is on the never-list
-        or denied, the name it names is denied or was not answered for this address."""
+        """What to ask about a connection to a real address the lists refused, or None when it may not be
+        asked about: the sandbox does not ask, the address is on the never-list or denied, or the
+        connection names a host (a name is asked about through its stand-in, never at an address the
+        sandbox found by itself: an approval must not send a name's bytes where the name never led)."""
         policy, owner = self._effective.get(slot), self._owner_now(slot)
-        if owner is None or policy is None or not self.ask.enabled(slot) or not policy.internet \
-                or not policy.restricted:
+        if owner is None or policy is None or slot not in self._askable:
             return None
         ip = ipaddress.ip_address(address)
         if ip in self.never or any(ip in net for net in policy.deny_nets):
             return None
-        host = claim.host
-        if host is not None and _is_address(host):
-            if host != address:
-                return None  # names another address than the one it goes to
-            host = None
-        now = time.monotonic()
-        answered = [p for p in (self._pins.get(slot, {}).get(address), self._asked.get(slot, {}).get(address))
-                    if p is not None and p.expires > now]
-        if host is None:  # no name in the bytes: the name the resolver answered the address for, if any
-            host = answered[-1].last if answered else None
-        elif not any(host in p.names for p in answered):
-            return None  # a name this address was not answered for (only answered addresses are asked about)
-        if host is not None:
-            rules = self._ask_rules.get(slot)
-            if rules is None or not rules.allows(dns.name.from_text(host)):
-                return None  # a denied name
-        return Question(owner, host, address, port)
+        if claim.host is not None and claim.host != address:
+            return None
+        return Question(owner, None, address, port)
+
+    def _stand_in_verdict(self, slot: int, address: str, port: int, claim: Claim) -> Verdict | Awaitable[Verdict]:
+        """A connection to a stand-in address: to the name it stands for, once allowed (asked about, or
+        allowed already: remembered since, or on the allow list), at an address the name resolves to now."""
+        stand_ins, owner = self._stand_ins.get(slot), self._owner_now(slot)
+        name = stand_ins.name_of(address) if stand_ins is not None else None
+        if name is None or owner is None:
+            return False, "policy", False, None
+        if claim.host is not None and claim.host not in (name, address):
+            return False, "host-mismatch", False, None  # names another host than the one it stands for
+        rules, askable = self._rules.get(slot), self._askable.get(slot)
+        if rules is not None and rules.allows(dns.name.from_text(name)):
+            return self._resolved(slot, name, (True, "domain", False, None))
+        if askable is None or not askable.allows(dns.name.from_text(name)):
+            return False, "domain", False, None  # denied, or the sandbox no longer asks
+        return self._asked_name(slot, Question(owner, name, None, port))
+
+    async def _asked_name(self, slot: int, question: Question) -> Verdict:
+        answer: Answer = await self.ask.ask(slot, question)
+        if not answer.allowed:
+            return False, answer.rule, False, None
+        assert question.host is not None
+        return await self._resolved(slot, question.host, (True, answer.rule, False, None), "ask:unresolved")
+
+    async def _resolved(self, slot: int, name: str, verdict: Verdict, unresolved: str = "unresolved") -> Verdict:
+        """`verdict` with the address `name` resolves to now (never-list and denied addresses left out),
+        or a refusal (rule `unresolved`) when it resolves to none of those."""
+        policy = self._effective.get(slot)
+        try:
+            found = await self.resolver.lookup(name) if self.resolver is not None else []
+        except (dns.exception.DNSException, OSError, TimeoutError) as e:
+            log.info("resolving %s for slot %d failed: %s", name, slot, e)
+            found = []
+        usable = [a for a in found if policy is not None
+                  and not any(ipaddress.ip_address(a) in net for net in policy.deny_nets)]
+        if not usable:
+            return False, unresolved, False, None
+        return verdict[0], verdict[1], verdict[2], usable[0]
 
     async def _remember(self, slot: int, question: Question) -> None:
         """An approval that says remember: the host (its name, or the address when it has none) joins
-        the slot's allowed set; the name's answered addresses are pinned now, as an allowed name's are."""
+        the slot's allowed set: the resolver answers the name for real from now on (and pins its
+        addresses, as an allowed name's), an address is allowed as such."""
         async with self._lock(slot):
             if self._owner_now(slot) != question.owner or slot not in self.policies:
                 return  # the sandbox is gone
             names, addresses = self._remembered.setdefault(slot, (set(), set()))
-            if question.host is None:
-                addresses.add(question.address)
-            else:
+            if question.host is not None:
                 names.add(question.host)
-                now = time.monotonic()
-                pins = self._pins.setdefault(slot, {})
-                for address, asked in list(self._asked.get(slot, {}).items()):
-                    if question.host in asked.names and asked.expires > now:
-                        pinned = pins.setdefault(address, _Pinned(set(), question.host, 0.0))
-                        pinned.names.add(question.host)
-                        pinned.last, pinned.expires = question.host, max(pinned.expires, asked.expires)
+            elif question.address is not None:
+                addresses.add(question.address)
             await self._apply(slot, self.policies[slot], None, None, None)
 
     def _with_remembered(self, slot: int, policy: NetworkPolicy) -> NetworkPolicy:
@@ -556,7 +575,18 @@ class Egress:
         slot = slot_of(source)
         if slot is None:
             return None
-        return self._ask_rules.get(slot) or self._rules.get(slot)
+        return self._rules.get(slot)
+
+    def _stand_in(self, source: str, name: str) -> str | None:
+        """For the resolver, a name the sandbox's rules refuse: a stand-in address when the sandbox asks
+        and the name is not denied (ask.py), else None (refused)."""
+        slot = slot_of(source)
+        askable = self._askable.get(slot) if slot is not None else None
+        if slot is None or askable is None or not askable.allows(dns.name.from_text(name)):
+            return None
+        address = self._stand_ins.setdefault(slot, StandIns()).address_for(name)
+        self._dns_event(source, domain=name, answers=[address], verdict="held", rule="ask", state="stand-in")
+        return address
 
     async def _pin(self, source: str, pins: list[Pin]) -> None:
         slot = slot_of(source)
@@ -566,16 +596,8 @@ class Egress:
             await self._pin_locked(slot, source, pins)
 
     async def _pin_locked(self, slot: int, source: str, pins: list[Pin]) -> None:
-        policy, rules, ask_rules = self._effective.get(slot), self._rules.get(slot), self._ask_rules.get(slot)
-        if ask_rules is not None:  # names only asked about: remembered, not opened
-            asked = [p for p in pins if rules is None or not rules.allows(dns.name.from_text(p[2]))]
-            if not all(ask_rules.allows(dns.name.from_text(name)) for _, _, name in asked):
-                raise EgressError(f"{source}'s policy changed while its answer was on its way")
-            self._note_asked(slot, asked)
-            pins = [p for p in pins if p not in asked]
-            if not pins:
-                return
-        if policy is None or not (policy.open or ask_rules is not None) or rules is None:
+        policy, rules = self._effective.get(slot), self._rules.get(slot)
+        if policy is None or not policy.open or rules is None:
             raise EgressError(f"{source} has no way out to pin anything for")
         if not all(rules.allows(dns.name.from_text(name)) for _, _, name in pins):
             raise EgressError(f"{source}'s policy changed while its answer was on its way")
@@ -596,29 +618,6 @@ class Egress:
             assert self.router is not None
             await self._nft(Router.pin_commands(slot, fresh))
             self.router.pinned(slot, (a for a, _ in fresh))
-
-
-    def _note_asked(self, slot: int, pins: list[Pin]) -> None:
-        """Addresses answered for names the sandbox may only ask about: what a held connection to one of
-        them is asked as (its name), nothing opened. Bounded as pins are (expired first, then oldest)."""
-        table = self._asked.setdefault(slot, {})
-        now = time.monotonic()
-        for address, seconds, name in pins:
-            if len(table) >= PIN_SET_SIZE and str(address) not in table:
-                for gone in [a for a, p in table.items() if p.expires <= now] or [next(iter(table))]:
-                    del table[gone]
-            entry = table.pop(str(address), None) or _Pinned(set(), name, 0.0)
-            entry.names.add(name.lower())
-            entry.last, entry.expires = name.lower(), max(entry.expires, now + seconds)
-            table[str(address)] = entry  # (last in order: the newest)
-
-
-def _is_address(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
 
 
 @dataclass
