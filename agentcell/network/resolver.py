@@ -120,15 +120,16 @@ class PolicyResolver(asyncio.DatagramProtocol):
     of an answer before the answer is sent; `make_socket(family, type)` makes each upstream socket (default:
     a plain one in the caller's namespace, for tests); `on_refused(source ip, name)` hears of each
     name refused, `on_answered(source ip, name, type, addresses, rcode)` of each query answered.
-    `stand_in(source ip, name)`, for a name the rules refuse: an address to answer instead of refusing
-    (network ask: a name to be asked about, not resolved before it is allowed; network/ask.py)."""
+    `stand_in(source ip, name, for_a)`, for a name the rules refuse: an address to answer instead of
+    refusing (network ask: a name to be asked about, not resolved before it is allowed; network/ask.py),
+    "" for a query of another type than A (answered with no records), None to refuse."""
 
     def __init__(self, upstream: tuple[str, int], rules_for: Callable[[str], DomainRules | None],
                  pin: Callable[[str, list[Pin]], Awaitable[None]],
                  make_socket: Callable[[int, int], Awaitable[socket.socket]] | None = None,
                  on_refused: Callable[[str, str], None] | None = None, never_list: NeverList | None = None,
                  on_answered: Callable[[str, str, str, list[str], str], None] | None = None,
-                 stand_in: Callable[[str, str], str | None] | None = None) -> None:
+                 stand_in: Callable[[str, str, bool], str | None] | None = None) -> None:
         self.never = never_list or _DEFAULT_NEVER
         self.stand_in = stand_in
         self.upstream = upstream
@@ -203,7 +204,8 @@ class PolicyResolver(asyncio.DatagramProtocol):
         rules = self.rules_for(source)
         if rules is None or not rules.allows(name):
             text = name.to_text(omit_final_dot=True)
-            stand_in = self.stand_in(source, text.lower()) if self.stand_in is not None else None
+            for_a = query.question[0].rdtype == dns.rdatatype.A and query.question[0].rdclass == dns.rdataclass.IN
+            stand_in = self.stand_in(source, text.lower(), for_a) if self.stand_in is not None else None
             if stand_in is not None:  # never forwarded: answered here, to be asked about at connect
                 return _stand_in_answer(query, stand_in)
             if self.on_refused is not None:
@@ -342,10 +344,10 @@ def _refused(query: dns.message.Message, why: str) -> dns.message.Message:
 
 
 def _stand_in_answer(query: dns.message.Message, address: str) -> dns.message.Message:
-    """`address` for an A query (a short TTL); no records for any other type (NOERROR: the name exists)."""
+    """`address` for an A query (a short TTL); no records for any other type ("": NOERROR, the name exists)."""
     r = dns.message.make_response(query)
     q = query.question[0]
-    if q.rdtype == dns.rdatatype.A and q.rdclass == dns.rdataclass.IN:
+    if address:
         r.answer.append(dns.rrset.from_text(q.name, STAND_IN_TTL, "IN", "A", address))
     return r
 

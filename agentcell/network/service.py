@@ -378,11 +378,12 @@ class Egress:
     # -- the proxy's decision ---------------------------------------------------------------------
 
     def decide(self, slot: int, address: str, port: int, claim: Claim) -> Verdict | Awaitable[Verdict]:
-        """The proxy's question about one connection: may it go on (and the rule that decided), and
-        may plain HTTP on it carry the secrets of the host it names (only to a host the operator
-        marked plain-HTTP, at an address the sandbox's resolver answered for that host). For a
-        sandbox in ask mode, a connection the lists do not allow but may be asked about gets an
-        awaitable: the answer once the decision came (ask.py)."""
+        """The proxy's question about one connection: may it go on (and the rule that decided), may
+        plain HTTP on it carry the secrets of the host it names (only to a host the operator marked
+        plain-HTTP, at an address the sandbox's resolver answered for that host), and the address to
+        connect to instead of its own (a stand-in's: its name's, ask.py). For a sandbox in ask mode, a
+        connection the lists do not allow but that may be asked about gets an awaitable: the answer
+        once the decision came."""
         if is_stand_in(address):
             return self._stand_in_verdict(slot, address, port, claim)
         allowed, rule = self.check_claim(slot, address, port, claim)
@@ -577,13 +578,16 @@ class Egress:
             return None
         return self._rules.get(slot)
 
-    def _stand_in(self, source: str, name: str) -> str | None:
+    def _stand_in(self, source: str, name: str, for_a: bool) -> str | None:
         """For the resolver, a name the sandbox's rules refuse: a stand-in address when the sandbox asks
-        and the name is not denied (ask.py), else None (refused)."""
+        and the name is not denied (ask.py; "": no records, for a query of another type), else None
+        (refused)."""
         slot = slot_of(source)
         askable = self._askable.get(slot) if slot is not None else None
         if slot is None or askable is None or not askable.allows(dns.name.from_text(name)):
             return None
+        if not for_a:
+            return ""
         address = self._stand_ins.setdefault(slot, StandIns()).address_for(name)
         self._dns_event(source, domain=name, answers=[address], verdict="held", rule="ask", state="stand-in")
         return address
