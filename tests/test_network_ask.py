@@ -352,3 +352,74 @@ def once(host, port=80):
     assert ask(sbx, "tcp('other.test', timeout=2)") != "ok"  # E2B's policy alone again: not asked, refused
     assert len(approver.about(sbx)) == n
     assert os.path.exists("/run/netns")
+
+
+def test_nothing_but_what_is_approved(make, approver: Approver) -> None:  # type: ignore[no-untyped-def]
+    """denyOut ALL_TRAFFIC and no allow list: every destination is asked about."""
+    sbx = make(network={"deny_out": [ALL_TRAFFIC]})
+    approver.decide = lambda q: (q["host"] == "allowed.test", False)
+    code, out = curl(sbx, "http://allowed.test/")
+    assert code == 0 and out.endswith("|200"), out
+    code, out = curl(sbx, "http://other.test/")
+    assert out.endswith("|403") and "ask:denied" in out, out
+    assert [q["host"] for q in approver.about(sbx)] == ["allowed.test", "other.test"]
+
+
+async def test_the_gate_alone() -> None:
+    """ask.py without a sandbox: one decision per question however many wait on it, the bound per
+    sandbox, the timeout, remember, a failing asker, forget; stand-ins unique and bounded."""
+    import asyncio
+
+    from agentcell.network import ask as ask_module
+    from agentcell.network.ask import MAX_HELD_PER_SANDBOX, AskGate, Question, StandIns
+
+    remembered: list[Question] = []
+
+    async def on_remember(slot: int, q: Question) -> None:
+        remembered.append(q)
+
+    gate = AskGate(on_remember)
+    asked: list[tuple[Any, ...]] = []
+    release = asyncio.Event()
+
+    async def asker(owner: str, host: str | None, address: str | None, port: int) -> tuple[bool, bool]:
+        asked.append((owner, host, address, port))
+        if host == "boom.test":
+            raise RuntimeError("the approvals store failed")
+        await release.wait()
+        return host != "no.test", host == "keep.test"
+
+    q = Question("sbx", "a.test", None, 443)
+    assert (await gate.ask(1, q)).outcome == "no-asker"
+    gate.set_asker(asker)
+    gate.configure(1, True, 5)
+    waiting = [asyncio.create_task(gate.ask(1, q)) for _ in range(MAX_HELD_PER_SANDBOX)]
+    await asyncio.sleep(0.01)
+    assert (await gate.ask(1, q)).outcome == "flood" and gate.flooded[1] == 1  # at once, counted
+    assert len(asked) == 1 and gate.held(1) == MAX_HELD_PER_SANDBOX
+    release.set()
+    assert {(await w).outcome for w in waiting} == {"approved"} and gate.held(1) == 0
+    assert (await gate.ask(1, Question("sbx", "keep.test", None, 80))).outcome == "remembered"
+    assert [r.host for r in remembered] == ["keep.test"]
+    assert (await gate.ask(1, Question("sbx", "no.test", None, 80))).outcome == "denied"
+    assert (await gate.ask(1, Question("sbx", "boom.test", None, 80))).outcome == "error"
+    release.clear()
+    gate.configure(1, True, 0.2)
+    t = asyncio.get_running_loop().time()
+    assert (await gate.ask(1, Question("sbx", "slow.test", None, 80))).outcome == "timeout"
+    assert 0.15 < asyncio.get_running_loop().time() - t < 2
+    held = asyncio.create_task(gate.ask(1, Question("sbx", "gone.test", None, 80)))
+    await asyncio.sleep(0.01)
+    gate.forget(1)  # its sandbox killed: the decision is cancelled, the setting gone
+    with pytest.raises(asyncio.CancelledError):
+        await held
+    assert not gate.enabled(1) and gate.held(1) == 0
+    with pytest.raises(ask_module.AskError):
+        gate.configure(2, True, 0)
+    stand_ins = StandIns()
+    first = [stand_ins.address_for(f"n{i}.test") for i in range(ask_module.MAX_STAND_INS)]
+    assert len(set(first)) == len(first) and all(a.startswith("198.1") for a in first)
+    assert stand_ins.address_for("n0.test") == first[0]  # the same name, the same address (and fresh again)
+    extra = stand_ins.address_for("new.test")  # past the bound: the least recently answered goes
+    assert stand_ins.name_of(first[1]) is None and stand_ins.name_of(first[0]) == "n0.test"
+    assert stand_ins.name_of(extra) == "new.test" and extra not in first[2:]
