@@ -216,6 +216,24 @@ def test_an_unanswered_question_is_a_refusal(make, approver: Approver) -> None: 
     assert out.endswith("|403") and "ask:timeout" in out, out
     assert 1.4 < took < 6, took
     assert events(sbx, lambda e: e.get("rule") == "ask" and e.get("decision") == "timeout")
+    # what a client sees while held: connected at once, then nothing until the decision (here: none)
+    ex = sbx.run_code("""
+import socket, time
+t = time.monotonic()
+s = socket.create_connection(('other.test', 8080), timeout=5)
+connected = time.monotonic() - t
+s.sendall(b"GET / HTTP/1.0\\r\\n\\r\\n")
+s.settimeout(0.5)
+try:
+    s.recv(10)
+    waited = 'data'
+except TimeoutError:
+    waited = 'waiting'
+s.settimeout(5)
+print(round(connected, 3), waited, s.recv(10) or b'closed')
+""")
+    connected, waited, then = "".join(ex.logs.stdout).split()
+    assert float(connected) < 0.5 and waited == "waiting" and then == "b'closed'", (connected, waited, then)
 
 
 def test_remember_opens_the_host_for_later_connections(make, approver: Approver) -> None:  # type: ignore[no-untyped-def]
