@@ -441,3 +441,26 @@ async def test_the_gate_alone() -> None:
     extra = stand_ins.address_for("new.test")  # past the bound: the least recently answered goes
     assert stand_ins.name_of(first[1]) is None and stand_ins.name_of(first[0]) == "n0.test"
     assert stand_ins.name_of(extra) == "new.test" and extra not in first[2:]
+
+
+def test_a_client_that_leaves_lets_go_of_its_place(make, approver: Approver) -> None:  # type: ignore[no-untyped-def]
+    from agentcell.network.ask import MAX_HELD_PER_SANDBOX
+
+    sbx = make(timeout=30)
+    before = approver.stats().get("flood", 0)
+    approver.decide = lambda q: threading.Timer(3.0, approver.answer, (q["id"], True)).start()  # type: ignore[func-returns-value]
+    ex = sbx.run_code(f"""
+import socket, time
+held = [socket.create_connection(('other.test', 8080), timeout=5) for _ in range({MAX_HELD_PER_SANDBOX})]
+for s in held:
+    s.close()  # given up (a client's own timeout)
+time.sleep(0.5)
+s = socket.create_connection(('other.test', 8080), timeout=5)
+s.sendall(b"GET / HTTP/1.0\\r\\nHost: other.test\\r\\n\\r\\n")
+s.settimeout(15)
+print(s.recv(12))
+""")
+    assert ex.error is None, ex.error
+    assert "".join(ex.logs.stdout).strip() == "b'HTTP/1.1 200'"  # held in a place the others let go of
+    assert approver.stats().get("flood", 0) == before
+    assert len(approver.about(sbx)) == 1  # they all waited on the one question

@@ -220,9 +220,12 @@ class Interceptor:
         assert claim is not None
         try:
             async with asyncio.timeout(DECIDE_TIMEOUT_S + state.ask_s):  # a held one waits for its decision
-                allowed, rule, plain_ok, instead = await self.decide(slot, dst, dport, claim)
+                verdict, first = await self._decision(slot, state, dst, dport, claim, first, reader)
         except (TimeoutError, ConnectionError):
-            allowed, rule, plain_ok, instead = False, "no-decision", False, None
+            verdict = False, "no-decision", False, None
+        if verdict is None:
+            return  # the client left while its connection was held
+        allowed, rule, plain_ok, instead = verdict
         asked = rule.startswith("ask:")
         if allowed and claim.kind == "none" and state.names and not asked:
             allowed, rule = False, "unnamed"  # name rules, and the connection names no host
@@ -261,6 +264,30 @@ class Interceptor:
                           upstream_ssl=self.upstream_ssl if tls else None,
                           on_event=lambda event: self.emit(state.owner, event))
         await serve_inspected(first, reader, writer, conn, server_ctx)
+
+    async def _decision(self, slot: int, state: SlotState, dst: str, dport: int, claim: Claim, first: bytes,
+                        reader: asyncio.StreamReader) -> tuple[tuple[bool, str, bool, str | None] | None, bytes]:
+        """The server's verdict, and the bytes read so far. While a sandbox that asks waits for one, what
+        its client sends is read on (up to MAX_PEEK, kept for later): a client that leaves lets go of its
+        place among the sandbox's held connections at once (None), rather than at the decision."""
+        deciding = asyncio.ensure_future(self.decide(slot, dst, dport, claim))
+        try:
+            while state.ask_s and not deciding.done() and len(first) < MAX_PEEK:
+                reading = asyncio.ensure_future(reader.read(MAX_PEEK - len(first)))
+                await asyncio.wait({deciding, reading}, return_when=asyncio.FIRST_COMPLETED)
+                if not reading.done():
+                    reading.cancel()  # (a StreamReader keeps what it has not handed out) ...
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await reading  # ... and is read from again only once this read is over
+                if reading.cancelled():
+                    break
+                chunk = reading.result()
+                if not chunk:
+                    return None, first
+                first += chunk
+            return await deciding, first
+        finally:
+            deciding.cancel()  # (done already, or the client left: the server is told to let go)
 
     async def _handshake_turn(self, state: SlotState) -> bool:
         """A TLS handshake for this sandbox, within its budget (waiting a moment for its turn)."""

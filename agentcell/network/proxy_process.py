@@ -17,6 +17,7 @@ Protocol: a SOCK_SEQPACKET socketpair, one orjson array per packet.
   server -> child: ["slot", slot, owner, secrets, names, ask_s], ["forget", slot],
                    ["verdict", id, allowed, rule, plain_ok, address instead or null], ["close"]
   child -> server: ["started"], ["decide", id, slot, dst, dport, claim kind, claim host],
+                   ["undecide", id] (its client left while it waited: no verdict wanted),
                    ["events", [[owner, event] ...]]
 """
 
@@ -95,6 +96,7 @@ class ProxyProcess(child_link.ChildProcess):
         self.on_event = on_event
         self._slots: dict[int, list[Any]] = {}  # what the child must know again after a restart
         self._deciding: dict[int, set[asyncio.Task[None]]] = {}  # slot -> held connections' decisions
+        self._held: dict[int, asyncio.Task[None]] = {}  # the same, by the child's question id
 
     async def _respawned(self, why: str) -> None:
         for message in self._slots.values():
@@ -141,9 +143,15 @@ class ProxyProcess(child_link.ChildProcess):
                 task = asyncio.ensure_future(self._verdict_later(ident, verdict))
                 tasks = self._deciding.setdefault(slot, set())
                 tasks.add(task)
+                self._held[ident] = task
                 task.add_done_callback(tasks.discard)
+                task.add_done_callback(lambda _: self._held.pop(ident, None))
                 return
             self._send(["verdict", ident, *verdict])
+        elif op == "undecide":
+            task = self._held.get(message[1])
+            if task is not None:
+                task.cancel()
         elif op == "events":
             for owner, event in message[1]:
                 self.on_event(owner, event)
@@ -190,6 +198,11 @@ class _Child:
         try:
             self.send(["decide", ident, slot, dst, dport, claim.kind, claim.host])
             return await fut
+        except asyncio.CancelledError:
+            if self.waiting.get(ident) is fut and not self.done.done():
+                with contextlib.suppress(OSError):
+                    self.send(["undecide", ident])
+            raise
         finally:
             self.waiting.pop(ident, None)
 
