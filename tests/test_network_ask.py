@@ -191,6 +191,8 @@ def test_an_approved_host_gets_the_page(make, approver: Approver) -> None:  # ty
     approved = events(sbx, lambda e: e.get("rule") == "ask" and e.get("decision") == "approved")
     assert approved and approved[0]["kind"] == "net.connect" and approved[0]["dst"] == OTHER
     assert approved[0]["stand_in"].startswith("198.18.") and approved[0]["domain"] == "other.test"
+    on_8080 = [e for e in approved if e["dport"] == 8080 and e.get("stand_in")]
+    assert on_8080 and on_8080[0]["domain"] == "other.test" and on_8080[0]["claim"] == "none"  # named by its stand-in
 
 
 def test_a_denied_host_is_refused(make, approver: Approver) -> None:  # type: ignore[no-untyped-def]
@@ -206,6 +208,7 @@ def test_a_denied_host_is_refused(make, approver: Approver) -> None:  # type: ig
     assert ask(sbx, f"http_as('{OTHER}', 'other.test', timeout=10)") == "HTTP/1.1 403 Forbidden"
     denied = events(sbx, lambda e: e.get("rule") == "ask" and e.get("decision") == "denied")
     assert denied and denied[0]["kind"] == "net.deny" and denied[0]["verdict"] == "denied"
+    assert {e["domain"] for e in denied if e.get("stand_in")} == {"other.test"}
 
 
 def test_an_unanswered_question_is_a_refusal(make, approver: Approver) -> None:  # type: ignore[no-untyped-def]

@@ -41,6 +41,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from agentcell.network.ask import is_stand_in
 from agentcell.network.ca import EgressCA
 from agentcell.network.claims import MAX_PEEK, MORE, NONE, Claim, claimed_host
 from agentcell.network.inspection import Connection, serve_inspected
@@ -230,9 +231,9 @@ class Interceptor:
         if allowed and claim.kind == "none" and state.names and not asked:
             allowed, rule = False, "unnamed"  # name rules, and the connection names no host
         base = {"time": time.time(), "proto": "tcp", "dst": dst, "dport": dport}
-        if instead:  # a stand-in address: the connection goes to what the name resolved to once allowed
-            base = {**base, "dst": instead, "stand_in": dst}
-            dst = instead
+        if is_stand_in(dst):  # network ask: the connection goes to what the name resolved to once allowed
+            base = {**base, "dst": instead or dst, "stand_in": dst}
+            dst = instead or dst
         if asked:  # held, then decided: rule "ask", and what the decision was
             self.emit(state.owner, {**base, "kind": "net.connect" if allowed else "net.deny", "domain": claim.host,
                                     "claim": claim.kind, "verdict": "allowed" if allowed else "denied",

@@ -540,6 +540,10 @@ class Egress:
     def _proxy_event(self, owner: str, event: dict[str, object]) -> None:
         """An event of the proxy's, for the sandbox the connection's slot served when it began."""
         kind = event.pop("kind", None) or ("net.deny" if event.get("verdict") == "denied" else "net.connect")
+        if event.get("stand_in") and not event.get("domain"):  # a held connection that named no host: the
+            slot = self.slot_serving(owner)                    # name its stand-in stands for
+            stand_ins = self._stand_ins.get(slot) if slot is not None else None
+            event["domain"] = stand_ins.name_of(str(event["stand_in"])) if stand_ins is not None else None
         self.sink(owner, {"kind": kind, "source": "host", "pid": None, "ppid": None, **event})
 
     def _on_event(self, slot: int, event: dict[str, object]) -> None:
