@@ -281,6 +281,8 @@ def test_explicit_denials_and_the_never_list_are_never_asked(make, approver: App
     assert ask(sbx, f"http_as('{stand_in}', 'secret.test')") == "HTTP/1.1 403 Forbidden"  # another name's
     assert ask(sbx, f"tls_as('{stand_in}', 'secret.test')") == "closed"
     assert ask(sbx, "tcp('198.18.77.77', 8080)") != "ok"  # a stand-in never answered
+    assert ask(sbx, "names('*.other.test')") == "noname"  # no stand-in for what is no host name
+    assert ask(sbx, "names('_x.other.test')") == "noname"
     assert ask(sbx, f"udp('{OTHER}', 7)") != "ok"  # UDP is not held: refused
     assert approver.about(sbx) == [], approver.about(sbx)
     assert time.monotonic() - t < 60

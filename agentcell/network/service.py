@@ -38,7 +38,7 @@ from agentcell.network.ca import EgressCA
 from agentcell.network.claims import Claim
 from agentcell.network.conntrack import ConntrackError, Flusher, netfilter_socket
 from agentcell.network.flow_events import EventCollector
-from agentcell.network.policy import NetworkPolicy
+from agentcell.network.policy import NetworkPolicy, PolicyError, split_rules
 from agentcell.network.proxy_process import ProxyProcess, Verdict
 from agentcell.network.resolver import DomainRules, Pin, PolicyResolver, serve_tcp
 from agentcell.network.router import (
@@ -476,8 +476,8 @@ class Egress:
         """Network ask on or off for the sandbox on `slot` (its policy's `network.default == "ask"`), and
         how long a held connection waits for a decision (then it is refused). Applies to new connections
         at once. Off: connections held now still get their decision; approvals remembered are kept for
-        the sandbox's life but only open anything while it asks. Call it after the claim's apply (at
-        kill, disconnect turns it off)."""
+        the sandbox's life but only open anything while it asks. Before or after the claim's apply (a
+        standby's closed policy asks nothing); at kill, disconnect turns it off."""
         async with self._lock(slot):
             self.ask.configure(slot, enabled, timeout_s)
             if slot in self.policies:
@@ -578,9 +578,7 @@ class Egress:
 
     def _rules_for(self, source: str) -> DomainRules | None:
         slot = slot_of(source)
-        if slot is None:
-            return None
-        return self._rules.get(slot)
+        return None if slot is None else self._rules.get(slot)
 
     def _stand_in(self, source: str, name: str, for_a: bool) -> str | None:
         """For the resolver, a name the sandbox's rules refuse: a stand-in address when the sandbox asks
@@ -588,8 +586,8 @@ class Egress:
         (refused)."""
         slot = slot_of(source)
         askable = self._askable.get(slot) if slot is not None else None
-        if slot is None or askable is None or not askable.allows(dns.name.from_text(name)):
-            return None
+        if slot is None or askable is None or not _host_name(name) or not askable.allows(dns.name.from_text(name)):
+            return None  # (a stand-in only for a host name: what an approval may remember as a rule)
         if not for_a:
             return ""
         address = self._stand_ins.setdefault(slot, StandIns()).address_for(name)
@@ -626,6 +624,15 @@ class Egress:
             assert self.router is not None
             await self._nft(Router.pin_commands(slot, fresh))
             self.router.pinned(slot, (a for a, _ in fresh))
+
+
+def _host_name(name: str) -> bool:
+    """Whether `name` is a host name a policy could name (no wildcard, no address, no `_` labels)."""
+    try:
+        nets, domains = split_rules([name], "name")
+    except PolicyError:
+        return False
+    return not nets and not domains[0].startswith("*.")
 
 
 @dataclass
