@@ -469,3 +469,19 @@ print(s.recv(12))
     assert "".join(ex.logs.stdout).strip() == "b'HTTP/1.1 200'"  # held in a place the others let go of
     assert approver.stats().get("flood", 0) == before
     assert len(approver.about(sbx)) == 1  # they all waited on the one question
+
+
+def test_update_network_keeps_asking_and_what_was_remembered(make, approver: Approver) -> None:  # type: ignore[no-untyped-def]
+    sbx = make()
+    approver.decide = lambda q: (True, True)
+    code, out = curl(sbx, "http://other.test/")
+    assert code == 0 and out.endswith("|200"), out
+    sbx.update_network({"allow_out": ["api.wild.test"], "deny_out": [ALL_TRAFFIC, "secret.test"]})
+    approver.decide = lambda q: (False, False)
+    code, out = curl(sbx, "http://other.test/")  # remembered: not asked again
+    assert code == 0 and out.endswith("|200"), out
+    assert ask(sbx, "tcp('api.wild.test')") == "ok"  # the new allow list
+    code, out = curl(sbx, "http://allowed.test/")  # no longer on it: asked (and refused)
+    assert out.endswith("|403") and "ask:denied" in out, out
+    assert ask(sbx, "names('secret.test')") == "noname"  # newly denied: refused, not asked
+    assert [q["host"] for q in approver.about(sbx)] == ["other.test", "allowed.test"]
