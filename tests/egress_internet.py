@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import pytest
@@ -22,7 +22,7 @@ from agentcell import Sandbox
 from agentcell.network.ca import EgressCA
 from tests.egress_world import host_state as _host_state
 from tests.egress_world import netns_service
-from tests.servers import ServerProcess
+from tests.servers import SERVER, ServerProcess
 
 TAG = f"acegress{os.getpid() % 100000}"
 INET = f"{TAG}-inet"
@@ -148,8 +148,11 @@ def _ns(*args: str) -> None:
 
 
 @contextlib.contextmanager
-def internet_server(tmp_path_factory: pytest.TempPathFactory, *server_args: str) -> Iterator[ServerProcess]:
-    """The internet, and a server (two standbys) whose uplink leads into it, with `server_args`."""
+def internet_server(tmp_path_factory: pytest.TempPathFactory, *server_args: str,
+                    command: Sequence[str] = SERVER, env: Mapping[str, str | None] | None = None,
+                    ) -> Iterator[ServerProcess]:
+    """The internet, and a server (two standbys) whose uplink leads into it, with `server_args` (run as
+    `command`, with `env` over this process's environment)."""
     if os.geteuid() != 0:
         pytest.skip("needs root (network namespaces)")
     before = _host_state()
@@ -172,7 +175,8 @@ def internet_server(tmp_path_factory: pytest.TempPathFactory, *server_args: str)
                                 "INET_TLS_ROGUE": f"{ROGUE}={tmp / 'rogue.pem'}", "INET_LOG": str(INTERNET_LOG)}):
             server = ServerProcess(tmp_path_factory.mktemp("egress") / "server.log", "--egress-uplink",
                                    f"netns:/run/netns/{INET}", "--egress-dns", UPSTREAM_DNS, "--standbys", "2",
-                                   "--egress-ca-bundle", str(tmp / "ca.pem"), *server_args)
+                                   "--egress-ca-bundle", str(tmp / "ca.pem"), *server_args, command=command,
+                                   env=env)
             with server:
                 yield server
     finally:

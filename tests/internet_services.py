@@ -47,6 +47,7 @@ def answer(data: bytes) -> bytes | None:
         return None
     name = q.question[0].name.to_text().lower()
     queries.append(name)
+    record(f"dns {name}".encode())  # (which names reached the internet's resolver)
     r = dns.message.make_response(q)
     if name == "flip.test.":  # DNS rebinding over time: public at first, private afterwards
         ZONE[name] = [("A", "203.0.113.13" if queries.count(name) == 1 else "10.1.2.3")]

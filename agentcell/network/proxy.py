@@ -41,8 +41,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from agentcell.network.ask import is_stand_in
 from agentcell.network.ca import EgressCA
-from agentcell.network.claims import MAX_PEEK, MORE, Claim, claimed_host
+from agentcell.network.claims import MAX_PEEK, MORE, NONE, Claim, claimed_host
 from agentcell.network.inspection import Connection, serve_inspected
 from agentcell.network.quota import KeyedQuota
 from agentcell.network.secrets import SecretSet, placeholder_in
@@ -65,7 +66,8 @@ HANDSHAKES_PER_SECOND, HANDSHAKE_BURST = 20.0, 40  # TLS handshakes the proxy do
 HANDSHAKE_WAIT_S = 1.0  # a handshake over budget waits this long for its turn, then the connection ends
 IP_TRANSPARENT = 19
 
-Decide = Callable[[int, str, int, Claim], Awaitable[tuple[bool, str, bool]]]  # -> (allowed, rule, plain ok)
+# -> (allowed, rule, plain ok, the address to connect to instead (network ask's stand-ins) or None)
+Decide = Callable[[int, str, int, Claim], Awaitable[tuple[bool, str, bool, str | None]]]
 Emit = Callable[[str, dict[str, Any]], None]  # (the sandbox id the slot served, event)
 
 
@@ -83,6 +85,11 @@ def listening_socket() -> socket.socket:
 def tproxy_statement() -> str:
     ports = ", ".join(str(p) for p in INTERCEPTED_PORTS)
     return f"meta l4proto tcp th dport {{ {ports} }} tproxy ip to :{PROXY_PORT} meta mark set {FWMARK:#x} accept"
+
+
+def tproxy_any_statement() -> str:
+    """Every TCP port (network ask: a connection the lists do not allow waits here for a decision)."""
+    return f"meta l4proto tcp tproxy ip to :{PROXY_PORT} meta mark set {FWMARK:#x} accept"
 
 
 def routing_commands() -> list[str]:
@@ -120,6 +127,7 @@ class SlotState:
     owner: str
     secrets: SecretSet
     names: bool  # the policy has name rules: what names no host is refused
+    ask_s: float = 0.0  # network ask: how long the server may take to decide (0: the sandbox does not ask)
     connections: TokenBucket = field(default_factory=lambda: TokenBucket(NEW_PER_SECOND, NEW_BURST))
     handshakes: TokenBucket = field(default_factory=lambda: TokenBucket(HANDSHAKES_PER_SECOND, HANDSHAKE_BURST))
     live: set[asyncio.Task[Any]] = field(default_factory=set)
@@ -152,15 +160,15 @@ class Interceptor:
 
     # -- what the server says -------------------------------------------------------------------------
 
-    def set_slot(self, slot: int, owner: str, secrets: SecretSet, names: bool) -> None:
+    def set_slot(self, slot: int, owner: str, secrets: SecretSet, names: bool, ask_s: float = 0.0) -> None:
         state = self.slots.get(slot)
         if state is not None and state.owner != owner:
             self.forget(slot)  # a new tenant: nothing of the old one's goes on
             state = None
         if state is None:
-            self.slots[slot] = SlotState(owner, secrets, names)
+            self.slots[slot] = SlotState(owner, secrets, names, ask_s)
         else:
-            state.secrets, state.names = secrets, names
+            state.secrets, state.names, state.ask_s = secrets, names, ask_s
 
     def forget(self, slot: int) -> None:
         """The slot's sandbox is gone: its connections end now, before the slot serves anyone else."""
@@ -176,7 +184,8 @@ class Interceptor:
         dst, dport = writer.get_extra_info("sockname")[:2]  # the original destination (tproxy)
         slot = self.slot_of(src)
         state = self.slots.get(slot) if slot is not None else None
-        if slot is None or state is None or dport not in INTERCEPTED_PORTS or not self.quota.take(slot):
+        if slot is None or state is None or (dport not in INTERCEPTED_PORTS and not state.ask_s) \
+                or not self.quota.take(slot):
             if state is not None:
                 self._over_budget(state, "connections")
             writer.transport.abort()
@@ -201,7 +210,7 @@ class Interceptor:
     async def _serve(self, slot: int, state: SlotState, dst: str, dport: int, reader: asyncio.StreamReader,
                      writer: asyncio.StreamWriter) -> None:
         first = b""
-        claim: Claim | None = MORE
+        claim: Claim | None = MORE if dport in INTERCEPTED_PORTS else NONE  # (another port: a held one)
         async with asyncio.timeout(CLAIM_TIMEOUT_S):
             while claim is MORE:
                 chunk = await reader.read(MAX_PEEK)
@@ -211,16 +220,29 @@ class Interceptor:
                 claim = claimed_host(first)
         assert claim is not None
         try:
-            async with asyncio.timeout(DECIDE_TIMEOUT_S):
-                allowed, rule, plain_ok = await self.decide(slot, dst, dport, claim)
+            async with asyncio.timeout(DECIDE_TIMEOUT_S + state.ask_s):  # a held one waits for its decision
+                verdict, first = await self._decision(slot, state, dst, dport, claim, first, reader)
         except (TimeoutError, ConnectionError):
-            allowed, rule, plain_ok = False, "no-decision", False
-        if allowed and claim.kind == "none" and state.names:
+            verdict = False, "no-decision", False, None
+        if verdict is None:
+            return  # the client left while its connection was held
+        allowed, rule, plain_ok, instead = verdict
+        asked = rule.startswith("ask:")
+        if allowed and claim.kind == "none" and state.names and not asked:
             allowed, rule = False, "unnamed"  # name rules, and the connection names no host
         base = {"time": time.time(), "proto": "tcp", "dst": dst, "dport": dport}
-        if not allowed:
+        if is_stand_in(dst):  # network ask: the connection goes to what the name resolved to once allowed
+            base = {**base, "dst": instead or dst, "stand_in": dst}
+            dst = instead or dst
+        if asked:  # held, then decided: rule "ask", and what the decision was
+            self.emit(state.owner, {**base, "kind": "net.connect" if allowed else "net.deny", "domain": claim.host,
+                                    "claim": claim.kind, "verdict": "allowed" if allowed else "denied",
+                                    "rule": "ask", "decision": rule[4:],
+                                    "state": "approved" if allowed else "denied"})
+        elif not allowed:
             self.emit(state.owner, {**base, "kind": "net.deny", "domain": claim.host, "claim": claim.kind,
                                     "verdict": "denied", "rule": rule, "state": "denied"})
+        if not allowed:
             if claim.kind == "http":  # say why; a TLS client just sees the connection end
                 body = f"agentcell: {claim.host} is not allowed from this sandbox ({rule})\n".encode()
                 writer.write(b"HTTP/1.1 403 Forbidden\r\nContent-Type: text/plain\r\nConnection: close\r\n"
@@ -243,6 +265,30 @@ class Interceptor:
                           upstream_ssl=self.upstream_ssl if tls else None,
                           on_event=lambda event: self.emit(state.owner, event))
         await serve_inspected(first, reader, writer, conn, server_ctx)
+
+    async def _decision(self, slot: int, state: SlotState, dst: str, dport: int, claim: Claim, first: bytes,
+                        reader: asyncio.StreamReader) -> tuple[tuple[bool, str, bool, str | None] | None, bytes]:
+        """The server's verdict, and the bytes read so far. While a sandbox that asks waits for one, what
+        its client sends is read on (up to MAX_PEEK, kept for later): a client that leaves lets go of its
+        place among the sandbox's held connections at once (None), rather than at the decision."""
+        deciding = asyncio.ensure_future(self.decide(slot, dst, dport, claim))
+        try:
+            while state.ask_s and not deciding.done() and len(first) < MAX_PEEK:
+                reading = asyncio.ensure_future(reader.read(MAX_PEEK - len(first)))
+                await asyncio.wait({deciding, reading}, return_when=asyncio.FIRST_COMPLETED)
+                if not reading.done():
+                    reading.cancel()  # (a StreamReader keeps what it has not handed out) ...
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await reading  # ... and is read from again only once this read is over
+                if reading.cancelled():
+                    break
+                chunk = reading.result()
+                if not chunk:
+                    return None, first
+                first += chunk
+            return await deciding, first
+        finally:
+            deciding.cancel()  # (done already, or the client left: the server is told to let go)
 
     async def _handshake_turn(self, state: SlotState) -> bool:
         """A TLS handshake for this sandbox, within its budget (waiting a moment for its turn)."""

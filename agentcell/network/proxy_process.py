@@ -14,9 +14,10 @@ socket). If it dies first, its connections are gone, the server says so in the l
 (RESTARTS a period at most) and tells it every sandbox's state again.
 
 Protocol: a SOCK_SEQPACKET socketpair, one orjson array per packet.
-  server -> child: ["slot", slot, owner, secrets, names], ["forget", slot],
-                   ["verdict", id, allowed, rule, plain_ok], ["close"]
+  server -> child: ["slot", slot, owner, secrets, names, ask_s], ["forget", slot],
+                   ["verdict", id, allowed, rule, plain_ok, address instead or null], ["close"]
   child -> server: ["started"], ["decide", id, slot, dst, dport, claim kind, claim host],
+                   ["undecide", id] (its client left while it waited: no verdict wanted),
                    ["events", [[owner, event] ...]]
 """
 
@@ -24,13 +25,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import itertools
 import os
 import signal
 import socket
 import ssl
 import sys
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
@@ -52,8 +54,10 @@ MAX_PACKET = 1 << 20  # 32 secrets of 8 KiB and their hosts fit many times over
 BATCH_EVENTS, BATCH_DELAY_S = 64, 0.005
 RESTARTS, RESTART_PERIOD_S, RESTART_DELAY_S = 5, 600.0, 0.5
 
-Verdict = tuple[bool, str, bool]  # allowed, the rule that decided, plain HTTP may carry this host's secrets
-DecideFn = Callable[[int, str, int, Claim], Verdict]
+# allowed, the rule that decided, plain HTTP may carry this host's secrets, the address to connect to
+# instead of the connection's own (None: its own; a network ask stand-in's: the name's real address)
+Verdict = tuple[bool, str, bool, str | None]
+DecideFn = Callable[[int, str, int, Claim], "Verdict | Awaitable[Verdict]"]  # awaitable: a held connection
 EventFn = Callable[[str, dict[str, Any]], None]
 
 
@@ -91,6 +95,8 @@ class ProxyProcess(child_link.ChildProcess):
         self.decide = decide
         self.on_event = on_event
         self._slots: dict[int, list[Any]] = {}  # what the child must know again after a restart
+        self._deciding: dict[int, set[asyncio.Task[None]]] = {}  # slot -> held connections' decisions
+        self._held: dict[int, asyncio.Task[None]] = {}  # the same, by the child's question id
 
     async def _respawned(self, why: str) -> None:
         for message in self._slots.values():
@@ -107,13 +113,15 @@ class ProxyProcess(child_link.ChildProcess):
             print(f"agentcell: {e}; ending it", file=sys.stderr, flush=True)
             self._shut(str(e))
 
-    def set_slot(self, slot: int, owner: str, secrets: SecretSet, names: bool) -> None:
-        message = ["slot", slot, owner, secrets_message(secrets), names]
+    def set_slot(self, slot: int, owner: str, secrets: SecretSet, names: bool, ask_s: float = 0.0) -> None:
+        message = ["slot", slot, owner, secrets_message(secrets), names, ask_s]
         self._slots[slot] = message
         self._send(message)
 
     def forget(self, slot: int) -> None:
         self._slots.pop(slot, None)
+        for task in self._deciding.pop(slot, set()):
+            task.cancel()
         self._send(["forget", slot])
 
     # -- from the child ----------------------------------------------------------------------------
@@ -128,13 +136,42 @@ class ProxyProcess(child_link.ChildProcess):
         if op == "decide":
             _, ident, slot, dst, dport, kind, host = message
             try:
-                allowed, rule, plain_ok = self.decide(slot, dst, dport, Claim(kind, host))
+                verdict = self.decide(slot, dst, dport, Claim(kind, host))
             except Exception as e:  # a question it cannot answer is a no
-                allowed, rule, plain_ok = False, f"error: {type(e).__name__}", False
-            self._send(["verdict", ident, allowed, rule, plain_ok])
+                verdict = False, f"error: {type(e).__name__}", False, None
+            if inspect.isawaitable(verdict):  # held until a decision: the loop goes on meanwhile
+                task = asyncio.ensure_future(self._verdict_later(ident, verdict))
+                tasks = self._deciding.setdefault(slot, set())
+                tasks.add(task)
+                self._held[ident] = task
+                task.add_done_callback(tasks.discard)
+                task.add_done_callback(lambda _: self._held.pop(ident, None))
+                return
+            self._send(["verdict", ident, *verdict])
+        elif op == "undecide":
+            task = self._held.get(message[1])
+            if task is not None:
+                task.cancel()
         elif op == "events":
             for owner, event in message[1]:
                 self.on_event(owner, event)
+
+
+    async def _verdict_later(self, ident: int, pending: Awaitable[Verdict]) -> None:
+        try:
+            verdict = await pending
+        except asyncio.CancelledError:  # the sandbox is gone (its connections are cut anyway)
+            verdict = False, "ask:gone", False, None
+        except Exception as e:
+            verdict = False, f"error: {type(e).__name__}", False, None
+        self._send(["verdict", ident, *verdict])
+
+    async def close(self) -> None:
+        for tasks in self._deciding.values():
+            for task in tasks:
+                task.cancel()
+        self._deciding.clear()
+        await super().close()
 
 
 # -- the child --------------------------------------------------------------------------------------
@@ -146,7 +183,7 @@ class _Child:
         self.loop = asyncio.get_running_loop()
         self.done = self.loop.create_future()
         self.ids = itertools.count(1)
-        self.waiting: dict[int, asyncio.Future[tuple[bool, str, bool]]] = {}
+        self.waiting: dict[int, asyncio.Future[Verdict]] = {}
         self.batch: list[list[Any]] = []
         self.flush_at: asyncio.TimerHandle | None = None
         self.interceptor: Interceptor | None = None
@@ -155,12 +192,17 @@ class _Child:
         # blocking: a server that does not read holds the proxy up, never grows it
         self.sock.sendall(orjson.dumps(message, default=str, option=orjson.OPT_NON_STR_KEYS))
 
-    async def decide(self, slot: int, dst: str, dport: int, claim: Claim) -> tuple[bool, str, bool]:
+    async def decide(self, slot: int, dst: str, dport: int, claim: Claim) -> Verdict:
         ident = next(self.ids)
         fut = self.waiting[ident] = self.loop.create_future()
         try:
             self.send(["decide", ident, slot, dst, dport, claim.kind, claim.host])
             return await fut
+        except asyncio.CancelledError:
+            if self.waiting.get(ident) is fut and not self.done.done():
+                with contextlib.suppress(OSError):
+                    self.send(["undecide", ident])
+            raise
         finally:
             self.waiting.pop(ident, None)
 
@@ -196,10 +238,11 @@ class _Child:
         if op == "verdict":
             fut = self.waiting.get(message[1])
             if fut is not None and not fut.done():
-                fut.set_result((bool(message[2]), str(message[3]), bool(message[4])))
+                fut.set_result((bool(message[2]), str(message[3]), bool(message[4]),
+                                str(message[5]) if message[5] else None))
         elif op == "slot":
-            _, slot, owner, secrets, names = message
-            self.interceptor.set_slot(slot, owner, secrets_of(secrets), bool(names))
+            _, slot, owner, secrets, names, ask_s = message
+            self.interceptor.set_slot(slot, owner, secrets_of(secrets), bool(names), float(ask_s))
         elif op == "forget":
             self.interceptor.forget(message[1])
         elif op == "close":

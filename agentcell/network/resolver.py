@@ -41,9 +41,11 @@ import dns.flags
 import dns.message
 import dns.name
 import dns.rcode
+import dns.rdataclass
 import dns.rdatatype
 import dns.rrset
 
+from agentcell.network.ask import STAND_IN_TTL
 from agentcell.network.quota import KeyedQuota
 from agentcell.network.router import NeverList
 
@@ -117,14 +119,19 @@ class PolicyResolver(asyncio.DatagramProtocol):
     a stranger, or a sandbox without internet); `pin(source ip, pins)` is awaited with the addresses
     of an answer before the answer is sent; `make_socket(family, type)` makes each upstream socket (default:
     a plain one in the caller's namespace, for tests); `on_refused(source ip, name)` hears of each
-    name refused, `on_answered(source ip, name, type, addresses, rcode)` of each query answered."""
+    name refused, `on_answered(source ip, name, type, addresses, rcode)` of each query answered.
+    `stand_in(source ip, name, for_a)`, for a name the rules refuse: an address to answer instead of
+    refusing (network ask: a name to be asked about, not resolved before it is allowed; network/ask.py),
+    "" for a query of another type than A (answered with no records), None to refuse."""
 
     def __init__(self, upstream: tuple[str, int], rules_for: Callable[[str], DomainRules | None],
                  pin: Callable[[str, list[Pin]], Awaitable[None]],
                  make_socket: Callable[[int, int], Awaitable[socket.socket]] | None = None,
                  on_refused: Callable[[str, str], None] | None = None, never_list: NeverList | None = None,
-                 on_answered: Callable[[str, str, str, list[str], str], None] | None = None) -> None:
+                 on_answered: Callable[[str, str, str, list[str], str], None] | None = None,
+                 stand_in: Callable[[str, str, bool], str | None] | None = None) -> None:
         self.never = never_list or _DEFAULT_NEVER
+        self.stand_in = stand_in
         self.upstream = upstream
         self.on_refused = on_refused
         self.on_answered = on_answered
@@ -197,6 +204,10 @@ class PolicyResolver(asyncio.DatagramProtocol):
         rules = self.rules_for(source)
         if rules is None or not rules.allows(name):
             text = name.to_text(omit_final_dot=True)
+            for_a = query.question[0].rdtype == dns.rdatatype.A and query.question[0].rdclass == dns.rdataclass.IN
+            stand_in = self.stand_in(source, text.lower(), for_a) if self.stand_in is not None else None
+            if stand_in is not None:  # never forwarded: answered here, to be asked about at connect
+                return _stand_in_answer(query, stand_in)
             if self.on_refused is not None:
                 self.on_refused(source, text)
             return _refused(query, f"agentcell: {text} is not allowed here")
@@ -222,6 +233,13 @@ class PolicyResolver(asyncio.DatagramProtocol):
                                        if rrset.rdtype in (dns.rdatatype.A, dns.rdatatype.AAAA)],
                        dns.rcode.to_text(reply.rcode()))
         return response
+
+    async def lookup(self, name: str) -> list[str]:
+        """The IPv4 addresses `name` resolves to upstream, minus the never-list (for the egress itself:
+        a name allowed after its sandbox got a stand-in for it)."""
+        reply = await self._forward(dns.message.make_query(name, dns.rdatatype.A))
+        return [rd.address for rrset in reply.answer if rrset.rdtype == dns.rdatatype.A for rd in rrset
+                if ipaddress.ip_address(rd.address) not in self.never]
 
     def _answered(self, source: str, query: dns.message.Message, addresses: list[str], rcode: str) -> None:
         if self.on_answered is not None:
@@ -322,6 +340,15 @@ def _refused(query: dns.message.Message, why: str) -> dns.message.Message:
     r.set_rcode(dns.rcode.REFUSED)
     if query.edns >= 0:
         r.use_edns(0, options=[dns.edns.EDEOption(dns.edns.EDECode.BLOCKED, why[:200])])
+    return r
+
+
+def _stand_in_answer(query: dns.message.Message, address: str) -> dns.message.Message:
+    """`address` for an A query (a short TTL); no records for any other type ("": NOERROR, the name exists)."""
+    r = dns.message.make_response(query)
+    q = query.question[0]
+    if address:
+        r.answer.append(dns.rrset.from_text(q.name, STAND_IN_TTL, "IN", "A", address))
     return r
 
 

@@ -37,10 +37,11 @@ from typing import Any, TypeVar
 
 from agentcell.backends.linux import syscalls as sc
 from agentcell.network import netns_files
+from agentcell.network.ask import STAND_IN_NET
 from agentcell.network.policy import Network, NetworkPolicy
 from agentcell.network.proxy import FWMARK as PROXY_MARK
 from agentcell.network.proxy import routing_commands as proxy_routing
-from agentcell.network.proxy import tproxy_statement
+from agentcell.network.proxy import tproxy_any_statement, tproxy_statement
 
 TABLE = "agentcell"
 UPLINK = "up0"
@@ -58,7 +59,8 @@ NEVER_V6 = (
     "::/127", "::ffff:0:0/96", "64:ff9b::/96", "64:ff9b:1::/48", "100::/64", "2001::/23", "2002::/16",
     "fc00::/7", "fe80::/10", "ff00::/8",
 )
-RESERVED = ("10.77.0.0/16", "100.127.0.0/16")  # the links' own ranges (sandboxes, uplinks): never exempt
+# the links' own ranges (sandboxes, uplinks) and network ask's stand-in addresses: never exempt
+RESERVED = ("10.77.0.0/16", "100.127.0.0/16", str(STAND_IN_NET))
 
 
 class NeverList:
@@ -317,6 +319,7 @@ def base_ruleset(never: NeverList | None = None) -> str:
     keyed by its link's name (`s<slot>`): a claim or an update changes elements only, which costs
     ~0.5 ms, where adding a rule or a chain costs ~12 ms (the kernel's commit waits for RCU)."""
     tproxy = tproxy_statement()
+    held = tproxy_any_statement()
     never = never or NeverList()
     return f"""
 table inet {TABLE} {{
@@ -325,6 +328,7 @@ table inet {TABLE} {{
   set open {{ type ifname; }}                 # internet, no allow list
   set restricted {{ type ifname; }}           # internet, only the allow list and pins
   set intercepted {{ type ifname; }}          # domain rules or secrets: ports 80/443 to the proxy
+  set asking {{ type ifname; }}               # network ask: TCP to what the lists do not allow, held there
   set deny4 {{ type ifname . ipv4_addr; flags interval; }}
   set deny6 {{ type ifname . ipv6_addr; flags interval; }}
   set allow4 {{ type ifname . ipv4_addr; flags interval; }}
@@ -347,6 +351,10 @@ table inet {TABLE} {{
     iifname @restricted iifname . ip daddr @allow4 {tproxy}
     iifname @restricted iifname . ip daddr @pins4 {tproxy}
     iifname @open ip daddr != @never4 {tproxy}
+    iifname @asking iifname . ip daddr @allow4 return
+    iifname @asking iifname . ip daddr @pins4 return
+    iifname @asking ip daddr {STAND_IN_NET} {held}
+    iifname @asking ip daddr != @never4 {held}
   }}
   chain input {{
     type filter hook input priority filter; policy drop;
@@ -516,18 +524,23 @@ class Router:
         ])
 
     def policy_commands(self, slot: int, policy: NetworkPolicy, pins: Iterable[tuple[str, int]] = (),
-                        intercept: bool = False) -> str:
+                        intercept: bool = False, ask: bool = False) -> str:
         """The transaction that replaces slot `slot`'s way out with `policy`, keeping `pins`
         ((address, seconds left) the resolver answered for names the policy still allows); with
-        `intercept`, its new connections to ports 80 and 443 go to the proxy (network/proxy.py).
+        `intercept`, its new connections to ports 80 and 443 go to the proxy (network/proxy.py); with
+        `ask` (a restricted policy only), its new TCP connections to what the lists do not allow go
+        there too, to wait for a decision (network/ask.py).
         Elements only (see base_ruleset). Call `committed(slot, commands)` once it went through."""
         link = f'"s{slot}"'
         cmds = [*self._forget(slot)]
         elements: list[tuple[str, str]] = []
-        if policy.open:
+        ask = ask and policy.internet and policy.restricted
+        if policy.open or ask:
             elements.append(("restricted" if policy.restricted else "open", link))
-            if intercept:
+            if intercept or ask:
                 elements.append(("intercepted", link))
+            if ask:
+                elements.append(("asking", link))
             for kind in (4, 6):
                 for net in _collapsed(policy.deny_nets, kind):
                     elements.append((f"deny{kind}", f"{link} . {net}"))
@@ -538,9 +551,9 @@ class Router:
             cmds.append(f"add element inet {TABLE} {set_name} {{ {key} }}")
         self._pending[slot] = elements
         pins = list(pins)
-        if policy.open and policy.restricted and pins:
+        if (policy.open or ask) and policy.restricted and pins:
             cmds.append(self.pin_commands(slot, pins))
-        self._pending_pins[slot] = {a for a, _ in pins} if policy.open and policy.restricted else set()
+        self._pending_pins[slot] = {a for a, _ in pins} if (policy.open or ask) and policy.restricted else set()
         return "\n".join(c for c in cmds if c)
 
     def committed(self, slot: int) -> None:

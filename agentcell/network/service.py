@@ -23,21 +23,23 @@ import socket
 import ssl
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
+import dns.exception
 import dns.name
 
 from agentcell import rootless
 from agentcell.network import netns_files, usermode
 from agentcell.network import uplink as uplinks
+from agentcell.network.ask import DEFAULT_TIMEOUT_S, Answer, Asker, AskGate, Question, StandIns, is_stand_in
 from agentcell.network.ca import EgressCA
 from agentcell.network.claims import Claim
 from agentcell.network.conntrack import ConntrackError, Flusher, netfilter_socket
 from agentcell.network.flow_events import EventCollector
-from agentcell.network.policy import NetworkPolicy
-from agentcell.network.proxy_process import ProxyProcess
+from agentcell.network.policy import NetworkPolicy, PolicyError, split_rules
+from agentcell.network.proxy_process import ProxyProcess, Verdict
 from agentcell.network.resolver import DomainRules, Pin, PolicyResolver, serve_tcp
 from agentcell.network.router import (
     PIN_SET_SIZE,
@@ -121,6 +123,13 @@ class Egress:
         self.ca = EgressCA.load_or_create(ca_dir)
         self.ca_path = os.path.join(ca_dir, "ca.pem")
         self._locks: dict[int, asyncio.Lock] = {}
+        # network ask (ask.py): which slots ask, the decisions under way, what approvals remembered, and
+        # the stand-in addresses the resolver answered for names to be asked about
+        self.ask = AskGate(self._remember)
+        self._effective: dict[int, NetworkPolicy] = {}  # the policy plus what approvals remembered
+        self._askable: dict[int, DomainRules] = {}  # slots that ask: the names they may ask about (not denied)
+        self._stand_ins: dict[int, StandIns] = {}
+        self._remembered: dict[int, tuple[set[str], set[str]]] = {}  # slot -> (names, addresses) approved
 
     # -- the router ---------------------------------------------------------------------------
 
@@ -160,7 +169,7 @@ class Egress:
                 log.warning("no upstream DNS server (pass --egress-dns): sandboxes' names will not resolve")
             resolver = self.resolver = PolicyResolver((upstream, 53), self._rules_for, self._pin, self._socket,
                                                       on_refused=self._refused, never_list=self.never,
-                                                      on_answered=self._answered)
+                                                      on_answered=self._answered, stand_in=self._stand_in)
             loop = asyncio.get_running_loop()
             udp = await self._in_router(lambda: _bound(socket.SOCK_DGRAM))
             self._udp, _ = await loop.create_datagram_endpoint(lambda: resolver, sock=udp)
@@ -179,6 +188,7 @@ class Egress:
             raise
 
     async def close(self) -> None:
+        self.ask.close()
         if self.proxy is not None:
             await self.proxy.close()
             self.proxy = None
@@ -240,7 +250,9 @@ class Egress:
             self._secrets[slot] = secrets
         if rules is not None:  # update_network: E2B's rules replaced, the secrets kept
             self._secrets[slot] = dataclasses.replace(self._secrets.get(slot, NO_SECRETS), rules=rules)
-        names = policy.names_allowed()
+        asking = self.ask.enabled(slot) and policy.internet and policy.restricted
+        effective = self._with_remembered(slot, policy) if asking else policy
+        names = effective.names_allowed()
         rules = DomainRules(*names) if names is not None else None
         now = time.monotonic()
         pins: dict[str, _Pinned] = {}  # what the new policy still allows of the old answers
@@ -251,18 +263,24 @@ class Egress:
                     pins[address] = _Pinned(names, pinned.last if pinned.last in names else min(names), pinned.expires)
         kept = [(a, int(p.expires - now)) for a, p in pins.items()] if policy.restricted else []
         name_rules = bool(policy.allow_domains or policy.deny_domains)
-        intercept = name_rules or bool(self._secrets.get(slot))
+        intercept = name_rules or bool(self._secrets.get(slot)) or asking
         owner = self._owner_now(slot)
         if intercept and owner is not None and self.proxy is not None:
             # before the router sends it anything: the proxy knows the sandbox before its first connection
-            self.proxy.set_slot(slot, owner, self._secrets.get(slot, NO_SECRETS), name_rules)
-        commands = self.router.policy_commands(slot, policy, kept, intercept=intercept)
+            self.proxy.set_slot(slot, owner, self._secrets.get(slot, NO_SECRETS), name_rules,
+                                self.ask.timeout(slot) if asking else 0.0)
+        commands = self.router.policy_commands(slot, effective, kept, intercept=intercept, ask=asking)
         if commands:
             await self._nft(commands)
         self.router.committed(slot)
         self.policies[slot] = policy
+        self._effective[slot] = effective
         self._rules[slot] = rules
         self._pins[slot] = pins
+        if asking:  # every name but a denied one may be asked about (the resolver answers a stand-in)
+            self._askable[slot] = DomainRules((), effective.deny_domains)
+        else:
+            self._askable.pop(slot, None)
 
     async def disconnect(self, slot: int) -> None:
         async with self._lock(slot):
@@ -271,8 +289,13 @@ class Egress:
 
     async def _disconnect(self, slot: int) -> None:
         assert self.router is not None
+        self.ask.forget(slot)  # its held connections are refused, the asker's tasks cancelled
         self.policies.pop(slot, None)
+        self._effective.pop(slot, None)
         self._rules.pop(slot, None)
+        self._askable.pop(slot, None)
+        self._stand_ins.pop(slot, None)
+        self._remembered.pop(slot, None)
         self._secrets.pop(slot, None)
         if self.proxy is not None:  # its intercepted connections end with it, before the slot serves another
             self.proxy.forget(slot)
@@ -354,12 +377,127 @@ class Egress:
 
     # -- the proxy's decision ---------------------------------------------------------------------
 
-    def decide(self, slot: int, address: str, port: int, claim: Claim) -> tuple[bool, str, bool]:
-        """The proxy's question about one connection: may it go on (and the rule that decided), and
-        may plain HTTP on it carry the secrets of the host it names (only to a host the operator
-        marked plain-HTTP, at an address the sandbox's resolver answered for that host)."""
+    def decide(self, slot: int, address: str, port: int, claim: Claim) -> Verdict | Awaitable[Verdict]:
+        """The proxy's question about one connection: may it go on (and the rule that decided), may
+        plain HTTP on it carry the secrets of the host it names (only to a host the operator marked
+        plain-HTTP, at an address the sandbox's resolver answered for that host), and the address to
+        connect to instead of its own (a stand-in's: its name's, ask.py). For a sandbox in ask mode, a
+        connection the lists do not allow but that may be asked about gets an awaitable: the answer
+        once the decision came."""
+        if is_stand_in(address):
+            return self._stand_in_verdict(slot, address, port, claim)
         allowed, rule = self.check_claim(slot, address, port, claim)
-        return allowed, rule, allowed and claim.kind == "http" and self._plain_ok(slot, address, claim.host)
+        if not allowed:
+            asked = self._question(slot, address, port, claim)
+            if asked is not None:
+                return self._asked_verdict(slot, asked)
+        return allowed, rule, allowed and claim.kind == "http" and self._plain_ok(slot, address, claim.host), None
+
+    async def _asked_verdict(self, slot: int, question: Question) -> Verdict:
+        answer: Answer = await self.ask.ask(slot, question)
+        return answer.allowed, answer.rule, False, None  # an asked host's secrets never go over plain HTTP
+
+    def _question(self, slot: int, address: str, port: int, claim: Claim) -> Question | None:
+        """What to ask about a connection to a real address the lists refused, or None when it may not be
+        asked about: the sandbox does not ask, the address is on the never-list or denied, or the
+        connection names a host (a name is asked about through its stand-in, never at an address the
+        sandbox found by itself: an approval must not send a name's bytes where the name never led)."""
+        policy, owner = self._effective.get(slot), self._owner_now(slot)
+        if owner is None or policy is None or slot not in self._askable:
+            return None
+        ip = ipaddress.ip_address(address)
+        if ip in self.never or any(ip in net for net in policy.deny_nets):
+            return None
+        if claim.host is not None and claim.host != address:
+            return None
+        return Question(owner, None, address, port)
+
+    def _stand_in_verdict(self, slot: int, address: str, port: int, claim: Claim) -> Verdict | Awaitable[Verdict]:
+        """A connection to a stand-in address: to the name it stands for, once allowed (asked about, or
+        allowed already: remembered since, or on the allow list), at an address the name resolves to now."""
+        stand_ins, owner = self._stand_ins.get(slot), self._owner_now(slot)
+        name = stand_ins.name_of(address) if stand_ins is not None else None
+        if name is None or owner is None:
+            return False, "policy", False, None
+        if claim.host is not None and claim.host not in (name, address):
+            return False, "host-mismatch", False, None  # names another host than the one it stands for
+        rules, askable = self._rules.get(slot), self._askable.get(slot)
+        if rules is not None and rules.allows(dns.name.from_text(name)):
+            return self._resolved(slot, name, (True, "domain", False, None))
+        if askable is None or not askable.allows(dns.name.from_text(name)):
+            return False, "domain", False, None  # denied, or the sandbox no longer asks
+        return self._asked_name(slot, Question(owner, name, None, port))
+
+    async def _asked_name(self, slot: int, question: Question) -> Verdict:
+        answer: Answer = await self.ask.ask(slot, question)
+        if not answer.allowed:
+            return False, answer.rule, False, None
+        assert question.host is not None
+        return await self._resolved(slot, question.host, (True, answer.rule, False, None), "ask:unresolved")
+
+    async def _resolved(self, slot: int, name: str, verdict: Verdict, unresolved: str = "unresolved") -> Verdict:
+        """`verdict` with the address `name` resolves to now (never-list and denied addresses left out),
+        or a refusal (rule `unresolved`) when it resolves to none of those."""
+        policy = self._effective.get(slot)
+        try:
+            found = await self.resolver.lookup(name) if self.resolver is not None else []
+        except (dns.exception.DNSException, OSError, TimeoutError) as e:
+            log.info("resolving %s for slot %d failed: %s", name, slot, e)
+            found = []
+        usable = [a for a in found if policy is not None
+                  and not any(ipaddress.ip_address(a) in net for net in policy.deny_nets)]
+        if not usable:
+            return False, unresolved, False, None
+        return verdict[0], verdict[1], verdict[2], usable[0]
+
+    async def _remember(self, slot: int, question: Question) -> None:
+        """An approval that says remember: the host (its name, or the address when it has none) joins
+        the slot's allowed set: the resolver answers the name for real from now on (and pins its
+        addresses, as an allowed name's), an address is allowed as such."""
+        async with self._lock(slot):
+            if self._owner_now(slot) != question.owner or slot not in self.policies:
+                return  # the sandbox is gone
+            names, addresses = self._remembered.setdefault(slot, (set(), set()))
+            if question.host is not None:
+                names.add(question.host)
+            elif question.address is not None:
+                addresses.add(question.address)
+            await self._apply(slot, self.policies[slot], None, None, None)
+
+    def _with_remembered(self, slot: int, policy: NetworkPolicy) -> NetworkPolicy:
+        names, addresses = self._remembered.get(slot, (set(), set()))
+        if not names and not addresses:
+            return policy
+        return dataclasses.replace(
+            policy, allow_domains=policy.allow_domains + tuple(sorted(names - set(policy.allow_domains))),
+            allow_nets=policy.allow_nets + tuple(ipaddress.ip_network(a) for a in sorted(addresses)))
+
+    async def set_ask(self, slot: int, enabled: bool, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        """Network ask on or off for the sandbox on `slot` (its policy's `network.default == "ask"`), and
+        how long a held connection waits for a decision (then it is refused). Applies to new connections
+        at once. Off: connections held now still get their decision; approvals remembered are kept for
+        the sandbox's life but only open anything while it asks. Before or after the claim's apply (a
+        standby's closed policy asks nothing); at kill, disconnect turns it off."""
+        async with self._lock(slot):
+            self.ask.configure(slot, enabled, timeout_s)
+            if slot in self.policies:
+                await self._apply(slot, self.policies[slot], None, None, None)
+
+    def set_asker(self, asker: Asker | None) -> None:
+        """Who decides: `asker(sandbox_id, host, address, port)` -> (allow, remember), awaited on the
+        server's loop; None: every held connection is refused (rule ask:no-asker)."""
+        self.ask.set_asker(asker)
+
+    def slot_serving(self, sandbox_id: str) -> int | None:
+        """The slot whose link the sandbox uses now (None: not connected here)."""
+        for slot, tenancies in self._tenancies.items():
+            if tenancies and tenancies[-1].owner == sandbox_id and tenancies[-1].until is None:
+                return slot
+        return None
+
+    def ask_stats(self) -> dict[str, int]:
+        """Counts of held connections' outcomes (approved, remembered, denied, timeout, flood, ...)."""
+        return dict(self.ask.counts)
 
     def _plain_ok(self, slot: int, address: str, host: str | None) -> bool:
         if not host or not any(host_matches(host, h) for h in self.settings.plain_http_hosts):
@@ -370,7 +508,7 @@ class Egress:
     def check_claim(self, slot: int, address: str, port: int, claim: Claim) -> tuple[bool, str]:
         """Whether an intercepted connection to address:port that names `claim` may go on, and the rule
         that decided. It never crossed the router's forward chain, so the address rules apply here too."""
-        policy, rules = self.policies.get(slot), self._rules.get(slot)
+        policy, rules = self._effective.get(slot), self._rules.get(slot)
         if policy is None or not policy.open:
             return False, "policy"
         ip = ipaddress.ip_address(address)
@@ -402,6 +540,10 @@ class Egress:
     def _proxy_event(self, owner: str, event: dict[str, object]) -> None:
         """An event of the proxy's, for the sandbox the connection's slot served when it began."""
         kind = event.pop("kind", None) or ("net.deny" if event.get("verdict") == "denied" else "net.connect")
+        if event.get("stand_in") and not event.get("domain"):  # a held connection that named no host: the
+            slot = self.slot_serving(owner)                    # name its stand-in stands for
+            stand_ins = self._stand_ins.get(slot) if slot is not None else None
+            event["domain"] = stand_ins.name_of(str(event["stand_in"])) if stand_ins is not None else None
         self.sink(owner, {"kind": kind, "source": "host", "pid": None, "ppid": None, **event})
 
     def _on_event(self, slot: int, event: dict[str, object]) -> None:
@@ -438,6 +580,20 @@ class Egress:
         slot = slot_of(source)
         return None if slot is None else self._rules.get(slot)
 
+    def _stand_in(self, source: str, name: str, for_a: bool) -> str | None:
+        """For the resolver, a name the sandbox's rules refuse: a stand-in address when the sandbox asks
+        and the name is not denied (ask.py; "": no records, for a query of another type), else None
+        (refused)."""
+        slot = slot_of(source)
+        askable = self._askable.get(slot) if slot is not None else None
+        if slot is None or askable is None or not _host_name(name) or not askable.allows(dns.name.from_text(name)):
+            return None  # (a stand-in only for a host name: what an approval may remember as a rule)
+        if not for_a:
+            return ""
+        address = self._stand_ins.setdefault(slot, StandIns()).address_for(name)
+        self._dns_event(source, domain=name, answers=[address], verdict="held", rule="ask", state="stand-in")
+        return address
+
     async def _pin(self, source: str, pins: list[Pin]) -> None:
         slot = slot_of(source)
         if slot is None:
@@ -446,7 +602,7 @@ class Egress:
             await self._pin_locked(slot, source, pins)
 
     async def _pin_locked(self, slot: int, source: str, pins: list[Pin]) -> None:
-        policy, rules = self.policies.get(slot), self._rules.get(slot)
+        policy, rules = self._effective.get(slot), self._rules.get(slot)
         if policy is None or not policy.open or rules is None:
             raise EgressError(f"{source} has no way out to pin anything for")
         if not all(rules.allows(dns.name.from_text(name)) for _, _, name in pins):
@@ -468,6 +624,15 @@ class Egress:
             assert self.router is not None
             await self._nft(Router.pin_commands(slot, fresh))
             self.router.pinned(slot, (a for a, _ in fresh))
+
+
+def _host_name(name: str) -> bool:
+    """Whether `name` is a host name a policy could name (no wildcard, no address, no `_` labels)."""
+    try:
+        nets, domains = split_rules([name], "name")
+    except PolicyError:
+        return False
+    return not nets and not domains[0].startswith("*.")
 
 
 @dataclass
