@@ -347,6 +347,7 @@ class LinuxBackend(CgroupSandboxes, Backend):
             zygote = asyncio.ensure_future(self._zygote("base"))
             await self._start_collectors_and_limits()
             await self.policies.start()
+            self.policies.start_network()
             await zygote
         except BaseException:
             if zygote is not None and not zygote.done():
@@ -442,6 +443,7 @@ class LinuxBackend(CgroupSandboxes, Backend):
         if self.staging == rootfs.STAGING:
             self.staging = rootless.staging_dir()
         await self.policies.start()  # (it notes what rootless mode cannot enforce)
+        self.policies.start_network()
         await self._start_zygotes()
 
     def _start_delegated_cgroups(self) -> frozenset[str] | None:

@@ -39,6 +39,7 @@ SHELLS = ("/bin/bash", "/bin/sh", "/usr/bin/bash", "/usr/bin/sh")
 SUDO, SUDO_INTERPRETER = "/usr/bin/sudo", "/opt/agentcell/venv/bin/python3"
 # a held operation waits this much longer than the approval's own timeout, which decides (expired)
 HOLD_GRACE_S = 5.0
+MAX_HOLD_S = 3600.0  # the egress's own bound on a held connection
 
 
 @dataclass
@@ -78,6 +79,11 @@ class LinuxPolicies:
             return
         self.exec_unavailable = None
         asyncio.get_running_loop().add_reader(self.guard.fileno(), self._guard_events)
+
+    def start_network(self) -> None:
+        """Held connections of sandboxes whose policy asks go to their approvals."""
+        if self.backend.egress is not None:
+            self.backend.egress.set_asker(self.network_asker)
 
     def close(self) -> None:
         if self.guard is not None:
@@ -132,7 +138,8 @@ class LinuxPolicies:
                 resolved[0].close()
             raise
         if self.backend.egress is not None and (policy.network_ask or state.network_ask):
-            await self.backend.egress.set_ask(sandbox.slot, policy.network_ask, policy.ask_timeout_s + HOLD_GRACE_S)
+            await self.backend.egress.set_ask(sandbox.slot, policy.network_ask,
+                                              min(policy.ask_timeout_s + HOLD_GRACE_S, MAX_HOLD_S))
             state.network_ask = policy.network_ask
 
     async def _files(self, sandbox: LinuxSandbox, state: _State, policy: Policy) -> None:
