@@ -1,7 +1,7 @@
 """`python -m tests.ask_server [serve options]`: a real `agentcell serve` whose egress asks a test.
 
-The server's approvals endpoints are the lead's (issue 28); until they call `Egress.set_asker` and
-`Egress.set_ask`, this wraps the real server and wires both to a unix socket a test connects to
+The egress seen alone, without the server's approvals (those: tests/test_policy_network.py): this wraps
+the real server and wires `Egress.set_asker` and `Egress.set_ask` to a unix socket a test connects to
 (AGENTCELL_TEST_ASK_SOCKET), one JSON object a line:
   test -> server: {"op": "ask", "sandbox": id, "enabled": bool, "timeout": s}  -> {"op": "done", "slot": n}
                   {"op": "answer", "id": n, "allow": bool, "remember": bool}
@@ -24,6 +24,7 @@ import orjson
 
 from agentcell.backends.linux.backend import LinuxBackend
 from agentcell.network.service import Egress
+from agentcell.policy.linux.enforcer import LinuxPolicies
 
 SOCKET_ENV = "AGENTCELL_TEST_ASK_SOCKET"
 
@@ -88,6 +89,8 @@ async def _start_egress(self: LinuxBackend) -> None:
 
 
 LinuxBackend._start_egress = _start_egress  # type: ignore[method-assign]
+# the server's own asker (its approvals: tests/test_policy_network.py) gives way to the harness's
+LinuxPolicies.start_network = lambda self: None  # type: ignore[method-assign]
 
 if __name__ == "__main__":
     from agentcell.cli import main
