@@ -9,6 +9,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from agentcell import Sandbox
+from tests.conftest import GVISOR
 from tests.helpers import create_sandbox
 
 
@@ -65,3 +67,37 @@ def test_no_policy_is_the_default_and_approvals_are_empty(http: httpx.Client) ->
     finally:
         http.delete(f"/sandboxes/{sid}")
     assert http.get(f"/sandboxes/{sid}/policy").status_code == 404
+
+
+def test_what_the_backend_enforces_and_what_it_refuses(server_url: str, http: httpx.Client) -> None:
+    """On every backend a strict syscall filter holds; on gvisor the parts it cannot enforce are a 400
+    naming them (the linux backend's enforcement: tests/test_policy.py)."""
+    sbx = Sandbox.create(api_url=server_url, policy={"syscalls": "strict"})
+    try:
+        r = sbx.run_code("import socket\ntry:\n    socket.socket(socket.AF_INET, socket.SOCK_DGRAM, socket.IPPROTO_ICMP)\n"
+                         "    print('ping socket')\nexcept OSError as e:\n    print(e.errno)")
+        assert r.logs.stdout == ["1\n"], r
+        r2 = http.put(f"/sandboxes/{sbx.sandbox_id}/policy", json={"syscalls": "default"})
+        assert r2.status_code == 400 and r2.json()["message"].startswith("policy.syscalls:"), r2.text
+    finally:
+        sbx.kill()
+    for part, policy in (("policy.exec", {"exec": {"default": "deny", "allow": ["python3"]}}),
+                         ("policy.files", {"files": [{"path": "/home/user/x", "access": "read"}]}),
+                         ("policy.processes", {"processes": {"max": 64}})):
+        r = http.post("/v2/sandboxes", json={"templateID": "base", "policy": policy})
+        if GVISOR:
+            assert r.status_code == 400 and r.json()["message"].startswith(part + ":"), r.text
+        else:
+            assert r.status_code == 201, r.text
+            http.delete(f"/sandboxes/{r.json()['sandboxID']}")
+
+
+def test_strict_names_the_contexts_that_keep_the_default(server_url: str, http: httpx.Client) -> None:
+    sbx = Sandbox.create(api_url=server_url)
+    try:
+        ctx = sbx.create_code_context()
+        sbx.run_code("x = 1", context=ctx)  # tenant code ran there: the filter cannot be handed to it
+        r = http.put(f"/sandboxes/{sbx.sandbox_id}/policy", json={"syscalls": "strict"})
+        assert r.status_code == 200 and ctx.id in r.json()["contextsKept"], r.text
+    finally:
+        sbx.kill()

@@ -476,6 +476,13 @@ class ContextManager:
         for ctx in self._contexts.values():
             ctx.close()
 
+    def forget_warm_up(self) -> None:
+        """The code the contexts ran so far was the standby's own warm-up, none of a tenant's: they
+        count as unused (adopt_strict can still hand them a filter)."""
+        for ctx in self._contexts.values():
+            if ctx.kernel is not None:
+                ctx.kernel.ran = False
+
     def adopt_strict(self) -> list[str]:
         """After the agent loaded the strict seccomp filter (policy.py): kernels that never ran code
         take it too (a Python fork loads it itself, another kernel is restarted); the ids of the

@@ -633,14 +633,16 @@ class ControlPlane:
         assert rec.running is not None and rec.channel is not None
         async with rec.lock:
             try:
-                await policies.enforce(rec.backend, rec.running, rec.channel, self.manager.approvals, policy, previous)
+                kept = await policies.enforce(rec.backend, rec.running, rec.channel, self.manager.approvals, policy,
+                                              previous)
             except policy_model.PolicyError as e:
                 raise HTTPError(400, str(e)) from None
             except SandboxError as e:
                 raise HTTPError(404 if isinstance(e, SandboxGoneError) else 500, e.message) from None
             rec.spec = dataclasses.replace(rec.spec, policy=policy)
         self.manager.note(rec.sandbox_id, "policy.set", policy=policy.to_json(), key_id=api_events.caller_id(request.scope))
-        return JSONResponse(policy.to_json())
+        # contexts that ran code before a strict filter keep the default one: named, as the agent says
+        return JSONResponse({**policy.to_json(), **({"contextsKept": list(kept)} if kept else {})})
 
     async def list_approvals(self, request: Request) -> Response:
         rec = self._any_record(request)

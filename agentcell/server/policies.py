@@ -29,13 +29,16 @@ def check(backend: Backend, policy: Policy, previous: Policy | None = None) -> N
 
 
 async def enforce(backend: Backend, running: RunningSandbox, channel: AgentChannel, approvals: Approvals,
-                  policy: Policy, previous: Policy) -> None:
-    """Make `policy` hold in a running sandbox whose policy was `previous` (Policy() when new)."""
+                  policy: Policy, previous: Policy) -> tuple[str, ...]:
+    """Make `policy` hold in a running sandbox whose policy was `previous` (Policy() when new). The
+    code contexts that keep the default syscall filter (they ran code before strict came)."""
     hold_exec = policy.exec is not None and policy.exec.default == "ask"
+    kept: tuple[str, ...] = ()
     if policy.syscalls != previous.syscalls or hold_exec != _holds(previous) or policy.syscalls == "strict":
         # first: the agent starts no process with vfork before an exec can be held
-        await set_agent_policy(channel, policy.syscalls, hold_exec)
+        kept = (await set_agent_policy(channel, policy.syscalls, hold_exec)).contexts_kept
     await backend.enforce_policy(running, policy, previous, asker_for(approvals, running.sandbox_id, policy))
+    return kept
 
 
 def _holds(policy: Policy) -> bool:

@@ -190,6 +190,7 @@ def _register_rename_op() -> None:
         if not isinstance(envs, dict):
             raise ValueError("envs must be an object")
         ag.claim({str(k): str(v) for k, v in envs.items()})
+        ag.contexts.forget_warm_up()  # the code they ran was the warm cell: a policy may still reach them
         return {}
 
 
