@@ -269,3 +269,27 @@ def test_sudo_when_allowed(make) -> None:  # type: ignore[no-untyped-def]
     assert code != 0 and "not permitted" in err
     sbx2 = make({"exec": {"default": "deny", "allow": ["id"]}})
     assert sh(sbx2, "sudo id -u")[0] != 0
+
+
+def test_an_approval_binds_the_file_not_the_path(make) -> None:  # type: ignore[no-untyped-def]
+    sbx = make({"exec": {"default": "ask", "allow": ["cp", "mv"]}, "ask_timeout_s": 3})
+    assert sh(sbx, "cp /bin/true /tmp/tool && cp /bin/ls /tmp/other")[0] == 0
+    job = _run_in_background(sbx, "/tmp/tool")
+    sbx.approvals.allow(_pending(sbx)[0]["id"], remember=True)
+    job["thread"].join(30)
+    assert job["result"][0] == 0 and sh(sbx, "/tmp/tool")[0] == 0  # remembered
+    # the path now names another file: that file is asked about, and denied when nobody answers
+    assert sh(sbx, "mv /tmp/other /tmp/tool")[0] == 0
+    code, out, _ = sh(sbx, "/tmp/tool /", timeout=30)
+    assert code == DENIED and "usr" not in out
+    assert [a["state"] for a in sbx.approvals.list(include_decided=True)][-1] == "expired"
+
+
+def test_the_policy_survives_a_pause(make, server_url: str) -> None:  # type: ignore[no-untyped-def]
+    sbx = make({"exec": {"default": "deny", "allow": ["cat"]},
+                "files": [{"path": "/home/user/ro", "access": "read"}]})
+    sbx.pause()
+    again = Sandbox.connect(sbx.sandbox_id, api_url=server_url)
+    assert refused(*_code_err(sh(again, "ls /")))
+    assert sh(again, "echo x > /home/user/ro/f")[0] != 0
+    assert again.get_policy()["exec"]["default"] == "deny"

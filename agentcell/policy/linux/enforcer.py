@@ -18,7 +18,7 @@ import contextlib
 import logging
 import os
 from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from agentcell import rootless
@@ -53,7 +53,6 @@ class _State:
     guarded: bool = False
     network_ask: bool = False
     timeout_s: float = 60.0
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class LinuxPolicies:
@@ -186,7 +185,12 @@ class LinuxPolicies:
             gate = ExecHold(sandbox.host_pid, self._verdict_of(sandbox.sandbox_id), self._asker_of(sandbox.sandbox_id),
                             ask_timeout=policy.ask_timeout_s + HOLD_GRACE_S, name=f"sandbox {sandbox.sandbox_id}",
                             fail="deny")
-            gate.start()
+            try:
+                gate.start()
+            except exec_hold.ExecHoldUnavailable as e:  # (a fanotify limit of the host's, say)
+                self.guard.unguard(sandbox.host_uids)
+                state.guarded = False
+                raise PolicyError("policy.exec", f"exec rules cannot be enforced now: {e}") from None
             state.gate = gate
         else:
             state.gate.ask_timeout = policy.ask_timeout_s + HOLD_GRACE_S
