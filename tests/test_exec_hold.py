@@ -373,13 +373,13 @@ async def test_mount_lookup_stays_in_the_sandbox(box: ProbeBox) -> None:
     listed = {m.point: m.id for m in exec_hold.mounts(pid)}
     root = os.open(f"/proc/{pid}/root", os.O_PATH | os.O_CLOEXEC)
     try:
-        fd = exec_hold._open_in_root(root, "/tmp/up/home/user")
+        fd = exec_hold.open_in_root(root, "/tmp/up/home/user")
         try:
             assert exec_hold._mount_id(fd) == listed["/home/user"]
         finally:
             os.close(fd)
         with pytest.raises(OSError):  # a magic link (/proc/<pid>/root) is never followed
-            os.close(exec_hold._open_in_root(root, "/tmp/host/etc"))
+            os.close(exec_hold.open_in_root(root, "/tmp/host/etc"))
     finally:
         os.close(root)
     host = {m.id for m in exec_hold.mounts(os.getpid())}

@@ -48,6 +48,7 @@ from typing import Any
 from agentcell.errors import AgentcellError
 from agentcell.policy.linux import held_process
 from agentcell.policy.linux.held_process import ProcessInfo
+from agentcell.policy.linux.mount_api import open_in_root
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.fanotify_init.argtypes = (ctypes.c_uint, ctypes.c_uint)
@@ -76,9 +77,6 @@ EVENT_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_LARGEFILE
 MAX_GROUPS = "/proc/sys/fs/fanotify/max_user_groups"
 MAX_MARKS = "/proc/sys/fs/fanotify/max_user_marks"
 
-# openat2(2): every arch's number; RESOLVE_IN_ROOT keeps a walk (and its symlinks) inside the root
-_NR_OPENAT2 = 437
-RESOLVE_NO_MAGICLINKS, RESOLVE_IN_ROOT = 0x02, 0x10
 
 MAX_PENDING = 16  # execs waiting for a decision per sandbox
 ANCESTORS = 4  # processes of the tree shown above the exec'ing one
@@ -96,20 +94,6 @@ _describers = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_p
 class ExecHoldUnavailable(AgentcellError):
     """An exec cannot be held for a decision here: no fanotify permission events, not root, or a
     fanotify limit reached. The message says which and what to change."""
-
-
-class _OpenHow(ctypes.Structure):
-    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
-
-
-def _open_in_root(root_fd: int, path: str) -> int:
-    how = _OpenHow(os.O_PATH | os.O_CLOEXEC, 0, RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS)
-    fd = _libc.syscall(ctypes.c_long(_NR_OPENAT2), ctypes.c_int(root_fd), path.encode(errors="surrogateescape"),
-                       ctypes.byref(how), ctypes.c_size_t(ctypes.sizeof(how)))
-    if fd < 0:
-        e = ctypes.get_errno()
-        raise OSError(e, f"openat2({path!r}, RESOLVE_IN_ROOT): {os.strerror(e)}")
-    return int(fd)
 
 
 def _mount_id(fd: int) -> int:
@@ -346,7 +330,7 @@ class ExecHold:
             if top[m.point] != m.id or m.noexec:
                 continue
             try:
-                fd = _open_in_root(root, m.point)
+                fd = open_in_root(root, m.point)
             except OSError:
                 missed.append(m)  # moved, or covered by a mount above one of its parents
                 continue

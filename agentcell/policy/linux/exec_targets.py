@@ -20,7 +20,6 @@ each file it marks.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import fnmatch
 import os
@@ -31,6 +30,7 @@ from dataclasses import dataclass
 
 from agentcell.backends.linux.runtime_store import NEUTRAL_ROOT
 from agentcell.errors import InvalidArgumentError
+from agentcell.policy.linux.mount_api import open_in_root
 
 # the default template's PATH (its runtime's venv first: python3, pip) and the usual system dirs
 DEFAULT_PATH = (f"{NEUTRAL_ROOT}/venv/bin", "/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin")
@@ -45,17 +45,6 @@ LOADERS = ("/lib64/ld-linux-x86-64.so.2", "/lib/ld-linux-aarch64.so.1", "/lib/ld
 MAX_MATCHES = 256
 _MAGIC = frozenset("*?[")
 
-_SYS_OPENAT2 = 437  # x86_64 and aarch64 alike
-RESOLVE_NO_MAGICLINKS = 0x02
-RESOLVE_IN_ROOT = 0x10
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.syscall.restype = ctypes.c_long
-
-
-class _OpenHow(ctypes.Structure):
-    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
-
-
 class ExecPatternError(InvalidArgumentError):
     """A pattern matches more files than an exec policy may mark."""
 
@@ -69,18 +58,6 @@ class Target:
     pattern: str
     path: str  # in the sandbox, as matched (before its symlinks)
     fd: int  # O_PATH|O_CLOEXEC of the file it resolves to in the sandbox's root: the caller closes it
-
-
-def open_in_root(root_fd: int, path: str, flags: int = os.O_PATH) -> int:
-    """openat2(root_fd, path, RESOLVE_IN_ROOT): `path` resolved with root_fd as "/" (absolute symlinks
-    and ".." stay inside), no magic links (/proc/self/fd/N)."""
-    how = _OpenHow(flags | os.O_CLOEXEC, 0, RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS)
-    fd = _libc.syscall(ctypes.c_long(_SYS_OPENAT2), ctypes.c_int(root_fd), path.lstrip("/").encode() or b".",
-                       ctypes.byref(how), ctypes.c_size_t(ctypes.sizeof(how)))
-    if fd < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"openat2({path!r}, RESOLVE_IN_ROOT): {os.strerror(err)}")
-    return fd
 
 
 @contextlib.contextmanager

@@ -26,7 +26,7 @@ MOVE_MOUNT_T_EMPTY_PATH = 0x40
 MOVE_MOUNT_BENEATH = 0x200
 MOUNT_ATTR_RDONLY, MOUNT_ATTR_NOSUID, MOUNT_ATTR_NODEV, MOUNT_ATTR_NOEXEC = 0x1, 0x2, 0x4, 0x8
 FSCONFIG_SET_STRING, FSCONFIG_CMD_CREATE = 1, 6
-RESOLVE_NO_MAGICLINKS, RESOLVE_NO_SYMLINKS = 0x02, 0x04
+RESOLVE_NO_MAGICLINKS, RESOLVE_NO_SYMLINKS, RESOLVE_IN_ROOT = 0x02, 0x04, 0x10
 MNT_DETACH = 2
 UMOUNT_NOFOLLOW = 8
 
@@ -57,6 +57,15 @@ def open_exact(dir_fd: int, rel: str, flags: int = os.O_PATH) -> int:
     how = _OpenHow(flags | os.O_CLOEXEC | os.O_NOFOLLOW, 0, RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS)
     return _check(_sys(_OPENAT2, ctypes.c_int(dir_fd), (rel or ".").encode(), ctypes.byref(how),
                        ctypes.c_size_t(ctypes.sizeof(how))), f"openat2({rel!r})")
+
+
+def open_in_root(root_fd: int, path: str, flags: int = os.O_PATH) -> int:
+    """openat2(root_fd, path, RESOLVE_IN_ROOT): `path` resolved with root_fd as "/" (absolute symlinks
+    and ".." stay inside: a sandbox's symlink never leads to a host file), no magic links
+    (/proc/self/fd/N)."""
+    how = _OpenHow(flags | os.O_CLOEXEC, 0, RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS)
+    return _check(_sys(_OPENAT2, ctypes.c_int(root_fd), path.lstrip("/").encode(errors="surrogateescape") or b".",
+                       ctypes.byref(how), ctypes.c_size_t(ctypes.sizeof(how))), f"openat2({path!r}, RESOLVE_IN_ROOT)")
 
 
 def clone_tree(fd: int, rel: str = "", recursive: bool = True) -> int:
