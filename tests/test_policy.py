@@ -293,3 +293,31 @@ def test_the_policy_survives_a_pause(make, server_url: str) -> None:  # type: ig
     assert refused(*_code_err(sh(again, "ls /")))
     assert sh(again, "echo x > /home/user/ro/f")[0] != 0
     assert again.get_policy()["exec"]["default"] == "deny"
+
+
+def test_the_async_sdk(server_url: str) -> None:
+    import asyncio
+
+    from agentcell import AsyncSandbox
+
+    async def main() -> None:
+        sbx = await AsyncSandbox.create(api_url=server_url, policy={"exec": {"default": "ask", "allow": ["python3"]}})
+        try:
+            decided: list[str] = []
+
+            async def decide(req: dict) -> bool:  # type: ignore[type-arg]
+                decided.append(req["path"])
+                return req["path"].endswith("/uname")
+
+            watcher = sbx.approvals.on_approval(decide, remember=True)
+            r = await sbx.commands.run("uname")
+            assert r.exit_code == 0 and decided and decided[-1].endswith("/uname")
+            assert (await sbx.get_policy())["exec"]["default"] == "ask"
+            got = await sbx.set_policy({"exec": {"default": "deny", "allow": ["python3"]}})
+            assert got["exec"]["default"] == "deny"
+            assert [a["state"] for a in await sbx.approvals.list(include_decided=True)] == ["allowed"]
+            watcher.cancel()
+        finally:
+            await sbx.kill()
+
+    asyncio.run(main())
