@@ -111,6 +111,21 @@ def test_create_prints_the_id_and_applies_its_options(server: ServerProcess) -> 
     assert sandbox_id not in ok(server.url, "ls", "--all", "-q")
 
 
+def test_create_with_a_policy(server: ServerProcess, tmp_path: Path) -> None:
+    policy = tmp_path / "policy.json"
+    policy.write_text(json.dumps({"exec": {"default": "deny", "allow": ["cat"]}}))
+    sandbox_id = ok(server.url, "create", "--timeout", "60", "--policy", f"@{policy}").strip()
+    try:
+        r = cli(server.url, "exec", sandbox_id, "--", "ls", "/")
+        assert r.returncode != 0 and "not permitted" in r.stderr.decode(), r
+        assert ok(server.url, "exec", sandbox_id, "--", "cat", "/etc/hostname").strip()
+    finally:
+        ok(server.url, "kill", sandbox_id)
+    line = one_line_error(cli(server.url, "create", "--policy", '{"exce": {}}'))
+    assert "policy.exce" in line
+    assert "not JSON" in one_line_error(cli(server.url, "create", "--policy", "{nope"))
+
+
 def test_text_outputs_escape_what_a_client_chose(server: ServerProcess) -> None:
     sandbox_id = ok(server.url, "create", "--timeout", "60", "--metadata", "note=\x1b]0;owned\x07\x1b[2J").strip()
     try:

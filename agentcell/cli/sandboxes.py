@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import click
 
 from agentcell.cli import main
@@ -10,6 +12,26 @@ from agentcell.cli.output import fields, json_option, metadata_text, print_json,
 from agentcell.cli.params import key_values, limits
 from agentcell.cli.target import Target, about, complete_sandbox_ids, server_options
 from agentcell.text_escape import escape
+
+
+def json_arg(text: str | None, option: str) -> dict | None:  # type: ignore[type-arg]
+    """An option's JSON object, given inline or as @FILE."""
+    if text is None:
+        return None
+    if text.startswith("@"):
+        try:
+            with open(text[1:]) as f:
+                text = f.read()
+        except OSError as e:
+            raise CliError(f"{option}: cannot read {text[1:]}: {e.strerror}") from None
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise CliError(f"{option}: not JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise CliError(f"{option}: must be a JSON object")
+    return value
+
 
 sandbox_id_arg = click.argument("sandbox_id", metavar="ID", shell_complete=complete_sandbox_ids)
 
@@ -26,10 +48,14 @@ sandbox_id_arg = click.argument("sandbox_id", metavar="ID", shell_complete=compl
               help="A resource limit: memory=1G, disk=2G, cpus=0.5, pids=256, open-files=1024 (repeatable).")
 @click.option("--internet/--no-internet", default=None,
               help="Whether the sandbox may reach the internet (default: the server's --internet-default).")
+@click.option("--policy", "policy_text", metavar="JSON|@FILE", default=None,
+              help='What its code may run, touch and reach (docs/policy.md), as JSON or @a file of it: '
+                   '\'{"exec": {"default": "deny", "allow": ["python3", "git"]}}\'.')
 @json_option
 @server_options
 def create(template: str, timeout: int, envs: tuple[str, ...], metadata: tuple[str, ...],
-           limit_pairs: tuple[str, ...], internet: bool | None, as_json: bool, target: Target) -> None:
+           limit_pairs: tuple[str, ...], internet: bool | None, policy_text: str | None, as_json: bool,
+           target: Target) -> None:
     """Create a sandbox on the server and print its id. It lives --timeout seconds, this command's
     exit does not end it: `agentcell kill ID` does."""
     from agentcell import Sandbox
@@ -38,7 +64,7 @@ def create(template: str, timeout: int, envs: tuple[str, ...], metadata: tuple[s
     env_map, meta_map = key_values(envs, "--env"), key_values(metadata, "--metadata")
     target.require_server("create")
     sbx = Sandbox.create(template, timeout=timeout, metadata=meta_map, envs=env_map, limits=body_limits or None,
-                         allow_internet_access=internet, **target.sdk)
+                         allow_internet_access=internet, policy=json_arg(policy_text, "--policy"), **target.sdk)
     if as_json:
         print_json(Sandbox.get_info(sbx.sandbox_id, **target.sdk))
     else:
