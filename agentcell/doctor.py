@@ -253,6 +253,18 @@ def check_bpf() -> Check:
     return Check("libbpf + BTF", "ok", detail)
 
 
+def check_exec_rules() -> Check:
+    """What a sandbox policy's exec rules need (docs/policy.md): fanotify permission events, and the exec
+    guard's BPF program (loaded here to be sure: ~ms)."""
+    from agentcell.policy.linux import exec_guard, exec_hold
+
+    needed = "a sandbox policy's exec rules (otherwise refused with the reason)"
+    why = exec_hold.available() or exec_guard.available()
+    if why is not None:
+        return Check("exec rules", "warn", why, "run the server as root on a kernel with fanotify and BPF", needed)
+    return Check("exec rules", "ok", "fanotify permission events and the exec guard load here")
+
+
 def check_audit() -> Check:
     if os.geteuid() != 0:
         return Check("kernel audit", "warn", "needs root", "rootless: no Landlock/seccomp denials in the record",
@@ -351,7 +363,7 @@ def diagnose() -> Report:
     probes: list[Callable[[], Check]] = [
         check_privilege, check_userns, check_subids, check_cgroups, check_seccomp, check_landlock, check_nftables,
         check_usermode_net,
-        check_bpf, check_audit, check_node, check_runsc, check_kvm, lambda: check_state_dir(mode),
+        check_bpf, check_exec_rules, check_audit, check_node, check_runsc, check_kvm, lambda: check_state_dir(mode),
         lambda: check_disk(mode)]
     checks = []
     for probe in probes:
