@@ -25,7 +25,8 @@ def check(backend: Backend, policy: Policy, previous: Policy | None = None) -> N
     change no backend can make to a running sandbox."""
     if previous is not None:
         model.check_change(previous, policy)
-    backend.check_policy(policy)
+    if not policy.empty:  # (no policy: nothing for the backend to enforce)
+        backend.check_policy(policy)
 
 
 async def enforce(backend: Backend, running: RunningSandbox, channel: AgentChannel, approvals: Approvals,
