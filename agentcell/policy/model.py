@@ -17,7 +17,7 @@ What a backend can enforce is its own question (backends/base.py Backend.check_p
 from __future__ import annotations
 
 import posixpath
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 EXEC_DEFAULTS = ("allow", "deny", "ask")
@@ -68,7 +68,6 @@ class Policy:
     processes_max: int | None = None
     network_ask: bool = False
     ask_timeout_s: float = ASK_TIMEOUT_S
-    given: frozenset[str] = field(default=frozenset(), compare=False)  # the top-level keys the client wrote
 
     @property
     def exec_rules(self) -> bool:
@@ -77,8 +76,9 @@ class Policy:
         return self.exec is not None and (self.exec.default != "allow" or bool(self.exec.deny))
 
     @property
-    def asks(self) -> bool:
-        return (self.exec is not None and self.exec.default == "ask") or self.network_ask
+    def exec_asks(self) -> bool:
+        """Whether an exec may be held for a decision (the agent must then start processes without vfork)."""
+        return self.exec is not None and self.exec.default == "ask"
 
     @property
     def empty(self) -> bool:
@@ -203,7 +203,6 @@ def parse(value: Any) -> Policy:
         processes_max=_processes(obj["processes"]) if obj.get("processes") is not None else None,
         network_ask=_network(obj["network"]) if obj.get("network") is not None else False,
         ask_timeout_s=_timeout(obj["ask_timeout_s"]) if obj.get("ask_timeout_s") is not None else ASK_TIMEOUT_S,
-        given=frozenset(k for k, v in obj.items() if v is not None),
     )
 
 

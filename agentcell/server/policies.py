@@ -33,14 +33,10 @@ async def enforce(backend: Backend, running: RunningSandbox, channel: AgentChann
                   policy: Policy, previous: Policy) -> tuple[str, ...]:
     """Make `policy` hold in a running sandbox whose policy was `previous` (Policy() when new). The
     code contexts that keep the default syscall filter (they ran code before strict came)."""
-    hold_exec = policy.exec is not None and policy.exec.default == "ask"
     kept: tuple[str, ...] = ()
-    if policy.syscalls != previous.syscalls or hold_exec != _holds(previous) or policy.syscalls == "strict":
+    if policy.syscalls != previous.syscalls or policy.exec_asks != previous.exec_asks or policy.syscalls == "strict":
         # first: the agent starts no process with vfork before an exec can be held
-        kept = (await set_agent_policy(channel, policy.syscalls, hold_exec)).contexts_kept
+        kept = (await set_agent_policy(channel, policy.syscalls, policy.exec_asks)).contexts_kept
     await backend.enforce_policy(running, policy, previous, asker_for(approvals, running.sandbox_id, policy))
     return kept
 
-
-def _holds(policy: Policy) -> bool:
-    return policy.exec is not None and policy.exec.default == "ask"

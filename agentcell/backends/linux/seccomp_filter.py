@@ -249,8 +249,7 @@ def build() -> Filter:
 def _refusing(names: Sequence[str], err: int, f: seccomp.SyscallFilter | None = None) -> seccomp.SyscallFilter:
     """`f` (a new default-allow filter if None) with `err` for each of `names` this architecture has."""
     if f is None:
-        f = seccomp.SyscallFilter(seccomp.ALLOW)
-        f.set_attr(seccomp.Attr.ACT_BADARCH, seccomp.KILL_PROCESS)
+        f = _default_allow()
     arch = seccomp.system_arch()
     for name in names:
         try:
@@ -261,17 +260,22 @@ def _refusing(names: Sequence[str], err: int, f: seccomp.SyscallFilter | None = 
     return f
 
 
-def rules(not_implemented: bool = True) -> seccomp.SyscallFilter:
-    """The filter in libseccomp's terms (`rules().export_pfc(sys.stdout)` shows it); without the
-    NOT_IMPLEMENTED calls if not `not_implemented` (build() gives them a filter of their own)."""
+def _default_allow() -> seccomp.SyscallFilter:
+    """A default-allow filter: an i386/x32 syscall (a foreign architecture) kills the whole process, and
+    the syscall number is found by binary search rather than a chain of compares (libseccomp >= 2.5)."""
     f = seccomp.SyscallFilter(seccomp.ALLOW)
-    # an i386/x32 syscall is refused as a foreign architecture; make the verdict the whole process
     f.set_attr(seccomp.Attr.ACT_BADARCH, seccomp.KILL_PROCESS)
-    # a binary search on the syscall number instead of a chain of compares (libseccomp >= 2.5)
     try:
         f.set_attr(seccomp.Attr.CTL_OPTIMIZE, 2)
     except (OSError, RuntimeError, ValueError):
         pass
+    return f
+
+
+def rules(not_implemented: bool = True) -> seccomp.SyscallFilter:
+    """The filter in libseccomp's terms (`rules().export_pfc(sys.stdout)` shows it); without the
+    NOT_IMPLEMENTED calls if not `not_implemented` (build() gives them a filter of their own)."""
+    f = _default_allow()
     _refusing(DENIED, errno.EPERM, f)
     if not_implemented:
         _refusing(NOT_IMPLEMENTED, errno.ENOSYS, f)
@@ -321,12 +325,7 @@ _S_IFMT = 0o170000  # the file type bits of a mode
 def strict_rules() -> seccomp.SyscallFilter:
     """The strict filter in libseccomp's terms: a default-allow filter loaded on top of the default pair
     (whose refusals still hold: a family the default refuses never gets here allowed)."""
-    f = seccomp.SyscallFilter(seccomp.ALLOW)
-    f.set_attr(seccomp.Attr.ACT_BADARCH, seccomp.KILL_PROCESS)
-    try:
-        f.set_attr(seccomp.Attr.CTL_OPTIMIZE, 2)
-    except (OSError, RuntimeError, ValueError):
-        pass
+    f = _default_allow()
     eperm = seccomp.ERRNO(errno.EPERM)
     _refusing(STRICT_DENIED, errno.EPERM, f)
     for family, types in STRICT_SOCKET_TYPES.items():
