@@ -39,6 +39,7 @@ const index = `<!doctype html>
 <meta name="viewport" content="width=device-width, initial-scale=1">
 <meta name="referrer" content="no-referrer">
 <title>agentcell console</title>
+<link rel="icon" href="data:,">
 <link rel="stylesheet" href="/ui/assets/${style}">
 <script type="module" src="/ui/assets/${script}"></script>
 </head>

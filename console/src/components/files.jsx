@@ -81,14 +81,14 @@ export function FileBrowser({ id }) {
         <thead><tr><th>Name</th><th>Size</th><th>Modified</th><th><span class="sr-only">Download</span></th></tr></thead>
         <tbody>
           {path !== "/" && (
-            <tr><td colSpan={4}><button type="button" class="link" onClick={() => go(parentOf(path))}>⬑ ..</button></td></tr>
+            <tr><td colSpan={4}><button type="button" class="link" onClick={() => go(parentOf(path))}>.. (up)</button></td></tr>
           )}
           {entries.map((entry) => (
             <tr key={entry.path} data-file={entry.name}>
               <td>
                 {entry.type === "dir"
-                  ? <button type="button" class="link" onClick={() => go(entry.path)}>📁 {entry.name}/</button>
-                  : <span>{entry.type === "symlink" ? "🔗" : "📄"} {entry.name}</span>}
+                  ? <button type="button" class="link" onClick={() => go(entry.path)}>{entry.name}/</button>
+                  : <span>{entry.name}{entry.type === "symlink" && <span class="muted small"> (link)</span>}</span>}
               </td>
               <td class="num">{entry.type === "dir" ? "" : bytes(entry.size)}</td>
               <td>{entry.modified ? when(entry.modified) : ""}</td>

@@ -12,7 +12,7 @@ export function ReportPage({ id }) {
         <h1 id="report-title">Behaviour report</h1>
         <span class="grow" />
         <a class="button quiet" href={`${base}?format=html`} download={`agentcell-report-${id}.html`}>Download HTML</a>
-        <a class="button quiet" href={`${base}?format=json`} download={`agentcell-report-${id}.json`}>Download JSON</a>
+        <a class="button quiet" href={base} download={`agentcell-report-${id}.json`}>Download JSON</a>
       </div>
       <iframe class="report" sandbox="" src={`${base}?format=html`} title={`Behaviour report of ${id}`} />
     </section>
