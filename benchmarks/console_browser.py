@@ -26,7 +26,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.console_browser import ADMIN_KEY, chromium, console_server, missing, sign_in  # noqa: E402
+from tests.console_browser import ADMIN_KEY, chromium, console_server, missing, sign_in, wait_until  # noqa: E402
 
 
 def pcts(samples: list[float]) -> str:
@@ -117,18 +117,18 @@ def bench_echo(browser, url: str, keys: int) -> None:  # noqa: ANN001
         page.get_by_text("Terminal: connected").wait_for(timeout=20_000)
         page.locator(".xterm").click()
         page.keyboard.type("echo warm\n")
-        page.wait_for_function("document.querySelector('.xterm-rows').textContent.includes('warm')")
+        wait_until(page, "() => document.querySelector('.xterm-rows').textContent.includes('warm')")
         page.evaluate(ECHO_SETUP)
         typed = "#lat-"
         page.keyboard.type(typed)
-        page.wait_for_function("(t) => document.querySelector('.xterm-rows').textContent.includes(t)", arg=typed)
+        wait_until(page, "(t) => document.querySelector('.xterm-rows').textContent.includes(t)", typed)
         alphabet = string.ascii_lowercase + string.digits
         for i in range(keys):
             ch = alphabet[i % len(alphabet)]
             typed += ch
             page.evaluate("(t) => { window.__echo.expect = t; }", typed)
             page.keyboard.press(ch)
-            page.wait_for_function("(n) => window.__echo.samples.length >= n", arg=i + 1, timeout=10_000)
+            wait_until(page, "(n) => window.__echo.samples.length >= n", i + 1)
         samples = page.evaluate("() => window.__echo.samples")
         page.keyboard.press("Control+C")
         context.close()

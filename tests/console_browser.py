@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -65,6 +66,22 @@ def sign_in(page, base_url: str, key: str = ADMIN_KEY) -> None:  # noqa: ANN001 
     page.get_by_label("API key").fill(key)
     page.get_by_role("button", name="Sign in").click()
     page.get_by_role("heading", name="Sandboxes").wait_for()
+
+
+def wait_until(page, function: str, arg: object = None, timeout: float = 10) -> object:  # noqa: ANN001
+    """Polls `function` (JS source of a function) in the page until it returns something truthy.
+
+    Not Playwright's wait_for_function: that one evals its predicate in the page, which the console's
+    CSP (no 'unsafe-eval') refuses, as it should; page.evaluate calls a function without an eval.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        value = page.evaluate(function, arg)
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not true within {timeout:g} s in the page: {function}")
+        time.sleep(0.05)
 
 
 def terminal_text(page) -> str:  # noqa: ANN001

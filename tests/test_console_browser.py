@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from playwright.sync_api import expect
 
 from agentcell import Sandbox
 from tests.console_browser import (
@@ -93,7 +94,7 @@ def test_a_sandbox_the_sdk_creates_appears_in_the_list(page, server: ServerProce
         row.wait_for(timeout=10_000)  # the list polls every 2 s
         assert "running" in row.inner_text()
         page.get_by_label("Filter sandboxes").fill("who=appears")
-        page.wait_for_function("document.querySelectorAll('tbody tr[data-sandbox-id]').length === 1")
+        expect(page.locator("tbody tr[data-sandbox-id]")).to_have_count(1)
         row.get_by_role("link", name=sbx.sandbox_id).click()
         page.get_by_role("heading", name=sbx.sandbox_id).wait_for()
         assert page.get_by_role("tab", name="Terminal").count() == 1
@@ -115,7 +116,7 @@ def test_the_terminal_echoes_what_is_typed(page, server: ServerProcess, sandbox:
     page.keyboard.type("echo hi-$((6*7))")
     page.keyboard.press("Enter")
     # the typed line says hi-$((6*7)): only the shell's arithmetic prints hi-42
-    page.wait_for_function("document.querySelector('.xterm-rows').innerText.includes('hi-42')", timeout=10_000)
+    expect(page.locator(".xterm-rows")).to_contain_text("hi-42", timeout=10_000)
     assert "hi-$((6*7))" in terminal_text(page)
 
 
