@@ -35,6 +35,11 @@ def pcts(samples: list[float]) -> str:
     return f"p50 {statistics.median(s):.1f} ms, p90 {q(0.9):.1f} ms, min {s[0]:.1f}, max {s[-1]:.1f} (n={len(s)})"
 
 
+def available_mib() -> int:
+    line = next(x for x in Path("/proc/meminfo").read_text().splitlines() if x.startswith("MemAvailable:"))
+    return int(line.split()[1]) // 1024
+
+
 def create_many(url: str, n: int) -> tuple[list[str], str]:
     """n sandboxes created 8 at a time through the API; their ids, and why fewer if so."""
     ids: list[str] = []
@@ -150,9 +155,8 @@ def main() -> None:
         bench_echo(browser, srv.url, args.keys)
         t = time.perf_counter()
         ids, why = create_many(srv.url, args.sandboxes)
-        free = int(Path("/proc/meminfo").read_text().split()[4]) // 1024
         print(f"created {len(ids)} sandboxes in {time.perf_counter() - t:.1f} s{f' (then: {why})' if why else ''}; "
-              f"free memory then {free} MiB")
+              f"memory available then {available_mib()} MiB")
         try:
             time.sleep(3)  # the server's metrics sampler has a round of them for the sparklines
             bench_list(browser, srv.url, len(ids), args.runs)
