@@ -165,6 +165,10 @@ def _tls(opts: dict[str, Any]) -> None:
 @click.option("--max-snapshots", default=1000, show_default=True, type=click.IntRange(0), help="Snapshots kept at once.")
 @click.option("--max-fork", default=16, show_default=True, type=click.IntRange(1, 256),
               help="Most sandboxes one fork may make.")
+@click.option("--console/--no-console", default=True, show_default=True,
+              help="Serve the web console at /ui (sign-in with the API key): docs/console.md.")
+@click.option("--console-viewer-key", default=None, envvar="AGENTCELL_CONSOLE_VIEWER_KEY",
+              help="A second key that signs in to the console read-only (viewer role).")
 @click.option("--record/--no-record", default=True, show_default=True,
               help="Keep every sandbox's behaviour record (processes, files, network, denials, limits, API calls).")
 @click.option("--record-collectors", default=",".join(COLLECTOR_NAMES), show_default=True, metavar="LIST",
@@ -362,6 +366,10 @@ def serve(ctx: click.Context, **opts: Any) -> None:
 @click.option("--max-body-memory-mb", default=64, show_default=True, type=click.IntRange(8, 1 << 20),
               help="Create bodies held in memory at once (the only bodies the gateway holds; others stream); "
                    "more creates wait.")
+@click.option("--console/--no-console", default=True, show_default=True,
+              help="Serve the web console at /ui, across the cells (sign-in with --api-key): docs/console.md.")
+@click.option("--console-viewer-key", default=None, envvar="AGENTCELL_CONSOLE_VIEWER_KEY",
+              help="A second key that signs in to the console read-only (viewer role).")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 @_LOG_FORMAT
@@ -396,7 +404,7 @@ def gateway(ctx: click.Context, **opts: Any) -> None:
     listen = Listen(opts["host"], opts["port"], opts["tls_cert"] is not None, opts["discovery"])  # the banner's
     app = GatewayApp(discovery, opts["api_key"], opts["cell_api_key"], opts["poll_interval"],
                      body_timeout=opts["body_timeout"], max_body_memory=opts["max_body_memory_mb"] << 20,
-                     listen=listen)
+                     listen=listen, console=opts["console"], console_viewer_key=opts["console_viewer_key"])
     run_gateway(app, opts["host"], opts["port"], opts["log_level"], header_timeout=opts["header_timeout"],
                 max_connections=opts["max_connections"], tls=(opts["tls_cert"], opts["tls_key"]),
                 log_format=opts["log_format"])

@@ -52,6 +52,15 @@ class MetricsHistory:
         self._data[i:i + _FIELDS] = array("d", row)
         self._head = (self._head + 1) % self._capacity
 
+    def last(self, n: int) -> list[tuple[float, ...]]:
+        """The newest `n` samples, oldest first (the console's sparklines: no scan of the whole ring)."""
+        count = len(self)
+        out = []
+        for k in range(max(0, count - n), count):
+            i = ((self._head + k) % self._capacity) * _FIELDS
+            out.append(tuple(self._data[i:i + _FIELDS]))
+        return out
+
     def between(self, start: float, end: float) -> list[tuple[float, ...]]:
         n, out = len(self), []
         for k in range(n):
