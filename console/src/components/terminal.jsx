@@ -82,7 +82,9 @@ export function TerminalPanel({ id }) {
           <button type="button" class="quiet" onClick={() => { setStatus("connecting"); setGeneration((g) => g + 1); }}>Reconnect</button>
         )}
       </div>
-      <div class="terminal" ref={box} role="region" aria-label="Terminal" />
+      <div class="terminal-frame">
+        <div class="terminal" ref={box} role="region" aria-label="Terminal" />
+      </div>
     </div>
   );
 }

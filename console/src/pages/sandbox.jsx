@@ -36,7 +36,7 @@ function Overview({ id, detail }) {
           <section aria-labelledby="limits-title"><h2 id="limits-title">Limits</h2>
             <KeyValues object={detail.limits} label="Limits" /></section>
           <section aria-labelledby="policy-title" class="wide"><h2 id="policy-title">Policy</h2>
-            {detail.policy ? <pre class="json">{JSON.stringify(detail.policy, null, 2)}</pre> : <p class="muted small">No policy.</p>}</section>
+            <KeyValues object={detail.policy} label="Policy" empty="No policy." /></section>
         </div>
       )}
     </div>
