@@ -92,11 +92,14 @@ def test_sign_in_refuses_a_wrong_key_and_takes_the_right_one(page, server: Serve
 
 def test_a_sandbox_the_sdk_creates_appears_in_the_list(page, server: ServerProcess) -> None:  # noqa: ANN001
     sign_in(page, server.url)
-    sbx = Sandbox.create(api_url=server.url, api_key=ADMIN_KEY, timeout=300, metadata={"who": "appears"})
+    markup = '<img src=x onerror="document.title=1"><b>bold</b>'
+    sbx = Sandbox.create(api_url=server.url, api_key=ADMIN_KEY, timeout=300, metadata={"who": "appears", "note": markup})
     try:
         row = page.locator(f'tr[data-sandbox-id="{sbx.sandbox_id}"]')
         row.wait_for(timeout=10_000)  # the list polls every 2 s
         assert "running" in row.inner_text()
+        # data is text, never markup
+        assert markup in row.inner_text() and row.locator("b, img").count() == 0
         page.get_by_label("Filter sandboxes").fill("who=appears")
         expect(page.locator("tbody tr[data-sandbox-id]")).to_have_count(1)
         row.get_by_role("link", name=sbx.sandbox_id).click()
@@ -157,6 +160,16 @@ def test_a_cell_that_draws_a_chart_shows_its_png(page, server: ServerProcess, sa
     assert base64.b64decode(src.split(",", 1)[1])[:8] == b"\x89PNG\r\n\x1a\n"
     assert page.evaluate("(img) => img.naturalWidth", image.element_handle()) > 100
     assert page.get_by_text("drawn 42").count() >= 1
+    # HTML results go into a sandboxed frame: shown, but its script does not run
+    page.get_by_role("textbox", name="Code").fill(
+        "from IPython.display import HTML\n"
+        "HTML('<b id=\"bold\">rich</b><script>parent.document.title = \"pwned\"</script>')")
+    page.get_by_role("button", name="Run").click()
+    frame = page.locator("iframe.result-html").last
+    frame.wait_for(timeout=30_000)
+    assert frame.get_attribute("sandbox") == ""
+    assert page.frame_locator("iframe.result-html").last.locator("#bold").inner_text() == "rich"
+    assert page.title() != "pwned"
     # state carries to the next cell; a reload shows the cells run before
     page.get_by_role("textbox", name="Code").fill("x = 6 * 7\nx")
     page.get_by_role("button", name="Run").click()
