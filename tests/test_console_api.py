@@ -358,6 +358,45 @@ def test_terminal_closes_1011_when_the_sandbox_goes(url: str, admin: httpx.Clien
     assert asyncio.run(run()) == 1011
 
 
+def _rss_mib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) // 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def test_a_terminal_that_is_not_read_does_not_grow_the_server(server: ServerProcess, admin: httpx.Client,
+                                                              sbx: Sandbox) -> None:
+    """A shell printing as fast as it can (~10 MB/s read through the console here) to a client that
+    reads nothing for 8 s: the server's memory stays put (the PTY's reading pauses), then the output
+    flows again once the client reads."""
+
+    async def run() -> tuple[int, int, int]:
+        ws = await connect(_ws_url(server.url, sbx.sandbox_id), additional_headers={
+            "Cookie": _cookie_header(admin)}, origin=server.url, max_queue=2)  # type: ignore[arg-type]
+        await ws.send("cat /dev/urandom | base64\r")
+        await asyncio.sleep(1)
+        before = _rss_mib(server.pid)
+        await asyncio.sleep(8)
+        after = _rss_mib(server.pid)
+        got, started = 0, time.monotonic()
+        while time.monotonic() - started < 2:
+            got += len(await asyncio.wait_for(ws.recv(), 10))
+        await ws.send("\x03")
+        await ws.close()
+        return before, after, got
+
+    before, after, got = asyncio.run(run())
+    assert after - before < 40, (before, after)  # unbounded, it would have taken ~80 MB in 8 s
+    assert got > 1_000_000  # and it was producing all along
+
+
+def test_no_console_leaves_ui_to_the_api(tmp_path: Path) -> None:
+    with ServerProcess(tmp_path / "server.log", "--api-key", KEY, "--no-console", "--standbys", "0",
+                       env={"AGENTCELL_EGRESS_UPLINK": "none"}) as srv:
+        r = httpx.post(srv.url + "/ui/api/session", json={"apiKey": KEY})
+        assert r.status_code == 401 and "set-cookie" not in r.headers  # the control plane's key check
+        assert httpx.get(srv.url + "/ui", headers={"X-API-KEY": KEY}).status_code == 404
+
+
 # --- the gateway ---------------------------------------------------------------------------------
 
 
@@ -370,7 +409,8 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[GatewayP
         for c in cells:
             c.wait_ready(timeout=300)
         with GatewayProcess(logs / "gw.log", [c.url for c in cells], "--api-key", KEY) as gw:
-            wait_until("both cells up", lambda: len(gw.cells()) == 2, timeout=30) if False else None
+            wait_until("both cells up at the gateway", lambda: sum(c["up"] for c in httpx.get(
+                gw.url + "/v1/cells", headers={"X-API-KEY": KEY}).json()) == 2, timeout=30)
             yield gw, cells
     finally:
         for c in cells:

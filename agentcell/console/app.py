@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+import orjson
 from starlette.requests import cookie_parser
 from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, Response
 
@@ -251,8 +252,9 @@ class ConsoleApp:
         if path.startswith(PASS_PREFIX + "/"):
             await passthrough(self.upstream, session, scope, receive, send)
             return
-        if path == "/ui/api/overview" and method in _SAFE:
-            await JSONResponse(await self.view.overview(scope))(scope, receive, send)
+        if path == "/ui/api/overview" and method in _SAFE:  # (orjson: 1,000 sandboxes' sparklines, ~370 KiB)
+            body = orjson.dumps(await self.view.overview(scope))
+            await Response(body, media_type="application/json")(scope, receive, send)
             return
         if path == "/ui/api/health" and method in _SAFE:
             await JSONResponse(await self.view.health(scope))(scope, receive, send)
