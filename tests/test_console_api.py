@@ -181,6 +181,17 @@ def test_a_viewer_reads_but_cannot_act(url: str, viewer: httpx.Client, sbx: Sand
     assert refused_ws.value.response.status_code == 403
 
 
+def test_the_report_may_be_framed_by_the_console_only(admin: httpx.Client, sbx: Sandbox) -> None:
+    for fmt in ({}, {"format": "html"}):
+        r = admin.get(f"/ui/api/v/sandboxes/{sbx.sandbox_id}/report", params=fmt)
+        assert r.status_code in (200, 400), r.text  # (400: a server without the HTML report yet)
+        csp = r.headers["content-security-policy"]
+        ancestors = [d.strip() for d in csp.split(";") if d.strip().startswith("frame-ancestors")]
+        assert ancestors == ["frame-ancestors 'self'"], csp
+        assert "x-frame-options" not in r.headers and r.headers["cache-control"] == "no-store"
+    assert "frame-ancestors 'none'" in admin.get("/ui/api/overview").headers["content-security-policy"]
+
+
 # --- the control plane ---------------------------------------------------------------------------
 
 
