@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import ssl
 import subprocess
 import time
 from collections.abc import Iterator
@@ -26,8 +27,10 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from agentcell import Sandbox
+from agentcell.console.sessions import SessionStore
 from tests.helpers import wait_until
 from tests.servers import GatewayProcess, ServerProcess
+from tests.test_operations import _self_signed
 
 KEY = "console-test-key-" + os.urandom(6).hex()
 VIEWER_KEY = "console-viewer-key-" + os.urandom(6).hex()
@@ -403,6 +406,29 @@ def test_a_terminal_that_is_not_read_does_not_grow_the_server(server: ServerProc
     before, after, got = asyncio.run(run())
     assert after - before < 40, (before, after)  # unbounded, it would have taken ~80 MB in 8 s
     assert got > 1_000_000  # and it was producing all along
+
+
+def test_over_tls_the_cookie_is_secure(tmp_path: Path) -> None:
+    cert, key = _self_signed(tmp_path)
+    trust = ssl.create_default_context(cafile=str(cert))
+    with ServerProcess(tmp_path / "server.log", "--api-key", KEY, "--standbys", "0", "--tls-cert", str(cert),
+                       "--tls-key", str(key), tls=trust, env={"AGENTCELL_EGRESS_UPLINK": "none"}) as srv:
+        r = httpx.post(srv.url + "/ui/api/session", json={"apiKey": KEY}, verify=trust)
+        assert r.status_code == 200
+        assert "secure" in [p.strip().lower() for p in r.headers["set-cookie"].split(";")]
+
+
+def test_the_session_store_is_bounded_and_expires() -> None:
+    store = SessionStore(max_sessions=3, idle_s=0.2)
+    ids = [store.create("admin")[0] for _ in range(4)]
+    assert len(store) == 3 and store.get(ids[0]) is None and store.get(ids[3]) is not None
+    assert store.get(ids[1]) is not None  # used: now the most recent
+    store.create("viewer")
+    assert store.get(ids[2]) is None and store.get(ids[1]) is not None  # the least recently used went
+    time.sleep(0.3)
+    assert store.get(ids[1]) is None and len(store) <= 2  # idle past idle_s
+    store.forget(ids[3])
+    assert store.get(ids[3]) is None
 
 
 def test_no_console_leaves_ui_to_the_api(tmp_path: Path) -> None:
