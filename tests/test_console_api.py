@@ -35,6 +35,7 @@ from tests.test_operations import _self_signed
 KEY = "console-test-key-" + os.urandom(6).hex()
 VIEWER_KEY = "console-viewer-key-" + os.urandom(6).hex()
 SECRET_VALUE = "s3cret-" + os.urandom(8).hex()
+RULE_VALUE = "rule-" + os.urandom(8).hex()
 TRUSTED_APP = "http://app.example"  # an origin the server's API trusts (--allowed-origin); not the console's
 NOWHERE = f"acconsole{os.getpid() % 100000}"
 
@@ -238,7 +239,8 @@ def test_overview_has_sparklines_from_kept_samples(admin: httpx.Client, sbx: San
 def test_detail_redacts_secrets(url: str, admin: httpx.Client) -> None:
     created = httpx.post(url + "/sandboxes", headers={"X-API-KEY": KEY}, timeout=60, json={
         "templateID": "base", "timeout": 120, "envVars": {"PLAIN": "visible-value"},
-        "secrets": {"MY_TOKEN": {"value": SECRET_VALUE, "hosts": ["api.example.com"]}}})
+        "secrets": {"MY_TOKEN": {"value": SECRET_VALUE, "hosts": ["api.example.com"]}},
+        "network": {"rules": {"rules.example.com": [{"transform": {"headers": {"X-Rule-Token": RULE_VALUE}}}]}}})
     assert created.status_code == 201, created.text
     sid = created.json()["sandboxID"]
     try:
@@ -248,7 +250,9 @@ def test_detail_redacts_secrets(url: str, admin: httpx.Client) -> None:
         assert d["envVars"]["PLAIN"] == "visible-value" and d["envVars"]["MY_TOKEN"] == "•••"
         assert d["network"]["secrets"] == {"MY_TOKEN": {"hosts": ["api.example.com"]}} or "MY_TOKEN" in d["network"]["secrets"]
         assert d["sandbox"]["sandboxID"] == sid and d["limits"]["memoryMB"] > 0
-        assert SECRET_VALUE not in r.text and created.json()["envdAccessToken"] not in r.text
+        assert "rules.example.com" in json.dumps(d["network"]["rules"]) and "X-Rule-Token" in r.text
+        assert SECRET_VALUE not in r.text and RULE_VALUE not in r.text
+        assert created.json()["envdAccessToken"] not in r.text
         assert admin.get("/ui/api/sandboxes/nosuchsandbox/detail").status_code == 404
     finally:
         httpx.delete(f"{url}/sandboxes/{sid}", headers={"X-API-KEY": KEY})
