@@ -15,6 +15,7 @@ import json
 import os
 import ssl
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -433,6 +434,14 @@ def test_the_session_store_is_bounded_and_expires() -> None:
     assert store.get(ids[1]) is None and len(store) <= 2  # idle past idle_s
     store.forget(ids[3])
     assert store.get(ids[3]) is None
+
+
+def test_a_viewer_key_that_is_the_api_key_is_refused() -> None:
+    for command in ("serve", "gateway"):
+        extra = ("--cell", "http://127.0.0.1:9") if command == "gateway" else ()
+        done = subprocess.run([sys.executable, "-m", "agentcell", command, *extra, "--api-key", "same-key-1",
+                               "--console-viewer-key", "same-key-1"], capture_output=True, text=True, timeout=60)
+        assert done.returncode != 0 and "a viewer key must differ from it" in done.stderr, done.stderr
 
 
 def test_no_console_leaves_ui_to_the_api(tmp_path: Path) -> None:
