@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import ssl
 import subprocess
@@ -28,7 +29,9 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from agentcell import Sandbox
+from agentcell.backends.base import SandboxStats
 from agentcell.console.sessions import SessionStore
+from agentcell.server.metrics import MetricsHistory
 from tests.helpers import wait_until
 from tests.servers import GatewayProcess, ServerProcess
 from tests.test_operations import _self_signed
@@ -235,6 +238,19 @@ def test_overview_has_sparklines_from_kept_samples(admin: httpx.Client, sbx: San
     assert item is not None and item["state"] == "running" and item["templateID"]
     assert len(item["cpu"]) == len(item["mem"]) <= 30 and all(m > 0 for m in item["mem"])
     assert admin.get("/ui/api/overview").json()["truncated"] is False
+
+
+def test_the_sparklines_are_the_newest_kept_samples() -> None:
+    """MetricsHistory.last (the overview's read of a sandbox's ring) against its full scan, before and
+    after the ring wraps."""
+    for total in (5, 30, 719, 720, 725, 1500):
+        history = MetricsHistory(0.0)
+        for i in range(total):
+            history.add(float(i + 1), SandboxStats(memory_bytes=i, memory_limit_bytes=1, cpu_seconds=i / 2, pids=1), 1)
+        every = history.between(0, math.inf)
+        for n in (1, 30, 800):
+            flat = history.last(n)
+            assert [tuple(flat[j:j + 5]) for j in range(0, len(flat), 5)] == every[-n:], (total, n)
 
 
 def test_detail_redacts_secrets(url: str, admin: httpx.Client) -> None:
