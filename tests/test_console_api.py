@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
+import ssl
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,12 +29,18 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from agentcell import Sandbox
+from agentcell.backends.base import SandboxStats
+from agentcell.console.sessions import SessionStore
+from agentcell.server.metrics import MetricsHistory
 from tests.helpers import wait_until
 from tests.servers import GatewayProcess, ServerProcess
+from tests.test_operations import _self_signed
 
 KEY = "console-test-key-" + os.urandom(6).hex()
 VIEWER_KEY = "console-viewer-key-" + os.urandom(6).hex()
 SECRET_VALUE = "s3cret-" + os.urandom(8).hex()
+RULE_VALUE = "rule-" + os.urandom(8).hex()
+TRUSTED_APP = "http://app.example"  # an origin the server's API trusts (--allowed-origin); not the console's
 NOWHERE = f"acconsole{os.getpid() % 100000}"
 
 
@@ -46,6 +55,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     try:
         subprocess.run(["ip", "-n", NOWHERE, "link", "set", "lo", "up"], check=True)
         with ServerProcess(log, "--api-key", KEY, "--console-viewer-key", VIEWER_KEY, "--standbys", "1",
+                           "--allowed-origin", TRUSTED_APP,
                            "--egress-uplink", f"netns:/run/netns/{NOWHERE}", "--egress-dns", "198.51.100.53") as srv:
             yield srv
     finally:
@@ -145,15 +155,17 @@ def test_unsafe_calls_need_the_csrf_token_and_our_origin(url: str, admin: httpx.
                    headers={k: v for k, v in bare.items() if k.lower() not in ("content-length", "host")},
                    cookies=admin.cookies)
     assert r.status_code == 403
-    r = admin.post(f"/ui/api/v/sandboxes/{sbx.sandbox_id}/timeout", json={"timeout": 600},
-                   headers={"Origin": "http://evil.example"})
-    assert r.status_code == 403
+    for origin in ("http://evil.example", TRUSTED_APP):  # refused by the Host/Origin rules; by the console
+        r = admin.post(f"/ui/api/v/sandboxes/{sbx.sandbox_id}/timeout", json={"timeout": 600},
+                       headers={"Origin": origin})
+        assert r.status_code == 403, origin
     r = admin.post(f"/ui/api/v/sandboxes/{sbx.sandbox_id}/timeout", json={"timeout": 600},
                    headers={"Origin": url})
     assert r.status_code == 204, r.text
     # sign-in from another site's page: refused too
-    r = httpx.post(url + "/ui/api/session", json={"apiKey": KEY}, headers={"Origin": "http://evil.example"})
-    assert r.status_code == 403
+    for origin in ("http://evil.example", TRUSTED_APP):
+        r = httpx.post(url + "/ui/api/session", json={"apiKey": KEY}, headers={"Origin": origin})
+        assert r.status_code == 403 and "set-cookie" not in r.headers, origin
 
 
 def test_a_viewer_reads_but_cannot_act(url: str, viewer: httpx.Client, sbx: Sandbox) -> None:
@@ -175,6 +187,17 @@ def test_a_viewer_reads_but_cannot_act(url: str, viewer: httpx.Client, sbx: Sand
     with pytest.raises(InvalidStatus) as refused_ws:
         asyncio.run(_open(url, sbx.sandbox_id, viewer))
     assert refused_ws.value.response.status_code == 403
+
+
+def test_the_report_may_be_framed_by_the_console_only(admin: httpx.Client, sbx: Sandbox) -> None:
+    for fmt in ({}, {"format": "html"}):
+        r = admin.get(f"/ui/api/v/sandboxes/{sbx.sandbox_id}/report", params=fmt)
+        assert r.status_code in (200, 400), r.text  # (400: a server without the HTML report yet)
+        csp = r.headers["content-security-policy"]
+        ancestors = [d.strip() for d in csp.split(";") if d.strip().startswith("frame-ancestors")]
+        assert ancestors == ["frame-ancestors 'self'"], csp
+        assert "x-frame-options" not in r.headers and r.headers["cache-control"] == "no-store"
+    assert "frame-ancestors 'none'" in admin.get("/ui/api/overview").headers["content-security-policy"]
 
 
 # --- the control plane ---------------------------------------------------------------------------
@@ -209,7 +232,7 @@ def test_overview_has_sparklines_from_kept_samples(admin: httpx.Client, sbx: San
         assert r.status_code == 200
         return next((s for s in r.json()["sandboxes"] if s["sandboxID"] == sbx.sandbox_id), None)
 
-    wait_until("three metrics samples of the sandbox", lambda: (m := mine()) is not None and len(m["cpu"]) >= 3,
+    wait_until("two metrics samples of the sandbox", lambda: (m := mine()) is not None and len(m["cpu"]) >= 2,
                timeout=30)
     item = mine()
     assert item is not None and item["state"] == "running" and item["templateID"]
@@ -217,10 +240,24 @@ def test_overview_has_sparklines_from_kept_samples(admin: httpx.Client, sbx: San
     assert admin.get("/ui/api/overview").json()["truncated"] is False
 
 
+def test_the_sparklines_are_the_newest_kept_samples() -> None:
+    """MetricsHistory.last (the overview's read of a sandbox's ring) against its full scan, before and
+    after the ring wraps."""
+    for total in (5, 30, 719, 720, 725, 1500):
+        history = MetricsHistory(0.0)
+        for i in range(total):
+            history.add(float(i + 1), SandboxStats(memory_bytes=i, memory_limit_bytes=1, cpu_seconds=i / 2, pids=1), 1)
+        every = history.between(0, math.inf)
+        for n in (1, 30, 800):
+            flat = history.last(n)
+            assert [tuple(flat[j:j + 5]) for j in range(0, len(flat), 5)] == every[-n:], (total, n)
+
+
 def test_detail_redacts_secrets(url: str, admin: httpx.Client) -> None:
     created = httpx.post(url + "/sandboxes", headers={"X-API-KEY": KEY}, timeout=60, json={
         "templateID": "base", "timeout": 120, "envVars": {"PLAIN": "visible-value"},
-        "secrets": {"MY_TOKEN": {"value": SECRET_VALUE, "hosts": ["api.example.com"]}}})
+        "secrets": {"MY_TOKEN": {"value": SECRET_VALUE, "hosts": ["api.example.com"]}},
+        "network": {"rules": {"rules.example.com": [{"transform": {"headers": {"X-Rule-Token": RULE_VALUE}}}]}}})
     assert created.status_code == 201, created.text
     sid = created.json()["sandboxID"]
     try:
@@ -230,7 +267,9 @@ def test_detail_redacts_secrets(url: str, admin: httpx.Client) -> None:
         assert d["envVars"]["PLAIN"] == "visible-value" and d["envVars"]["MY_TOKEN"] == "•••"
         assert d["network"]["secrets"] == {"MY_TOKEN": {"hosts": ["api.example.com"]}} or "MY_TOKEN" in d["network"]["secrets"]
         assert d["sandbox"]["sandboxID"] == sid and d["limits"]["memoryMB"] > 0
-        assert SECRET_VALUE not in r.text and created.json()["envdAccessToken"] not in r.text
+        assert "rules.example.com" in json.dumps(d["network"]["rules"]) and "X-Rule-Token" in r.text
+        assert SECRET_VALUE not in r.text and RULE_VALUE not in r.text
+        assert created.json()["envdAccessToken"] not in r.text
         assert admin.get("/ui/api/sandboxes/nosuchsandbox/detail").status_code == 404
     finally:
         httpx.delete(f"{url}/sandboxes/{sid}", headers={"X-API-KEY": KEY})
@@ -332,7 +371,8 @@ def test_terminal_echo_resize_and_exit(url: str, admin: httpx.Client, sbx: Sandb
 
 
 def test_terminal_refusals(url: str, admin: httpx.Client, sbx: Sandbox) -> None:
-    for client, origin, status in ((admin, "http://evil.example", 403), (admin, None, 403), (None, "same", 401)):
+    for client, origin, status in ((admin, "http://evil.example", 403), (admin, TRUSTED_APP, 403), (admin, None, 403),
+                                   (None, "same", 401)):
         with pytest.raises(InvalidStatus) as refused:
             asyncio.run(_open(url, sbx.sandbox_id, client, origin))
         assert refused.value.response.status_code == status
@@ -358,6 +398,76 @@ def test_terminal_closes_1011_when_the_sandbox_goes(url: str, admin: httpx.Clien
     assert asyncio.run(run()) == 1011
 
 
+def _rss_mib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) // 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def test_a_terminal_that_is_not_read_does_not_grow_the_server(server: ServerProcess, admin: httpx.Client,
+                                                              sbx: Sandbox) -> None:
+    """A shell printing as fast as it can (~10 MB/s read through the console here) to a client that
+    reads nothing for 8 s: the server's memory stays put (the PTY's reading pauses), then the output
+    flows again once the client reads."""
+
+    async def run() -> tuple[int, int, int]:
+        ws = await connect(_ws_url(server.url, sbx.sandbox_id), additional_headers={
+            "Cookie": _cookie_header(admin)}, origin=server.url, max_queue=2, close_timeout=1)  # type: ignore[arg-type]
+        await ws.send("cat /dev/urandom | base64\r")
+        await asyncio.sleep(1)
+        before = _rss_mib(server.pid)
+        await asyncio.sleep(8)
+        after = _rss_mib(server.pid)
+        got, started = 0, time.monotonic()
+        while time.monotonic() - started < 2:
+            got += len(await asyncio.wait_for(ws.recv(), 10))
+        await ws.send("\x03")
+        await ws.close()
+        return before, after, got
+
+    before, after, got = asyncio.run(run())
+    assert after - before < 40, (before, after)  # unbounded, it would have taken ~80 MB in 8 s
+    assert got > 1_000_000  # and it was producing all along
+
+
+def test_over_tls_the_cookie_is_secure(tmp_path: Path) -> None:
+    cert, key = _self_signed(tmp_path)
+    trust = ssl.create_default_context(cafile=str(cert))
+    with ServerProcess(tmp_path / "server.log", "--api-key", KEY, "--standbys", "0", "--tls-cert", str(cert),
+                       "--tls-key", str(key), tls=trust, env={"AGENTCELL_EGRESS_UPLINK": "none"}) as srv:
+        r = httpx.post(srv.url + "/ui/api/session", json={"apiKey": KEY}, verify=trust)
+        assert r.status_code == 200
+        assert "secure" in [p.strip().lower() for p in r.headers["set-cookie"].split(";")]
+
+
+def test_the_session_store_is_bounded_and_expires() -> None:
+    store = SessionStore(max_sessions=3, idle_s=0.2)
+    ids = [store.create("admin")[0] for _ in range(4)]
+    assert len(store) == 3 and store.get(ids[0]) is None and store.get(ids[3]) is not None
+    assert store.get(ids[1]) is not None  # used: now the most recent
+    store.create("viewer")
+    assert store.get(ids[2]) is None and store.get(ids[1]) is not None  # the least recently used went
+    time.sleep(0.3)
+    assert store.get(ids[1]) is None and len(store) <= 2  # idle past idle_s
+    store.forget(ids[3])
+    assert store.get(ids[3]) is None
+
+
+def test_a_viewer_key_that_is_the_api_key_is_refused() -> None:
+    for command in ("serve", "gateway"):
+        extra = ("--cell", "http://127.0.0.1:9") if command == "gateway" else ()
+        done = subprocess.run([sys.executable, "-m", "agentcell", command, *extra, "--api-key", "same-key-1",
+                               "--console-viewer-key", "same-key-1"], capture_output=True, text=True, timeout=60)
+        assert done.returncode != 0 and "a viewer key must differ from it" in done.stderr, done.stderr
+
+
+def test_no_console_leaves_ui_to_the_api(tmp_path: Path) -> None:
+    with ServerProcess(tmp_path / "server.log", "--api-key", KEY, "--no-console", "--standbys", "0",
+                       env={"AGENTCELL_EGRESS_UPLINK": "none"}) as srv:
+        r = httpx.post(srv.url + "/ui/api/session", json={"apiKey": KEY})
+        assert r.status_code == 401 and "set-cookie" not in r.headers  # the control plane's key check
+        assert httpx.get(srv.url + "/ui", headers={"X-API-KEY": KEY}).status_code == 404
+
+
 # --- the gateway ---------------------------------------------------------------------------------
 
 
@@ -370,7 +480,8 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[GatewayP
         for c in cells:
             c.wait_ready(timeout=300)
         with GatewayProcess(logs / "gw.log", [c.url for c in cells], "--api-key", KEY) as gw:
-            wait_until("both cells up", lambda: len(gw.cells()) == 2, timeout=30) if False else None
+            wait_until("both cells up at the gateway", lambda: sum(c["up"] for c in httpx.get(
+                gw.url + "/v1/cells", headers={"X-API-KEY": KEY}).json()) == 2, timeout=30)
             yield gw, cells
     finally:
         for c in cells:

@@ -169,6 +169,7 @@ def _tls(opts: dict[str, Any]) -> None:
               help="Serve the web console at /ui (sign-in with the API key): docs/console.md.")
 @click.option("--console-viewer-key", default=None, envvar="AGENTCELL_CONSOLE_VIEWER_KEY",
               help="A second key that signs in to the console read-only (viewer role).")
+@key_file_option("console_viewer_key", "AGENTCELL_CONSOLE_VIEWER_KEY_FILE", "the console's viewer key")
 @click.option("--record/--no-record", default=True, show_default=True,
               help="Keep every sandbox's behaviour record (processes, files, network, denials, limits, API calls).")
 @click.option("--record-collectors", default=",".join(COLLECTOR_NAMES), show_default=True, metavar="LIST",
@@ -271,8 +272,10 @@ def serve(ctx: click.Context, **opts: Any) -> None:
     from agentcell.server.hosts import HostPolicy, check_exposure
 
     resolve_key(ctx, opts, "api_key")
+    if resolve_key(ctx, opts, "console_viewer_key") is not None and opts["console_viewer_key"] == opts["api_key"]:
+        raise click.BadParameter("is the API key: a viewer key must differ from it", param_hint="--console-viewer-key")
     _tls(opts)
-    warn_exposed_keys(ctx, ("api_key",))
+    warn_exposed_keys(ctx, ("api_key", "console_viewer_key"))
     ceilings = {name: opts.pop(f"max_{flag}") for name, flag in (
         ("memory_mb", "memory_mb"), ("pids", "pids"), ("cpu_count", "cpus"), ("disk_mb", "disk_mb"),
         ("open_files", "open_files"))}
@@ -370,6 +373,7 @@ def serve(ctx: click.Context, **opts: Any) -> None:
               help="Serve the web console at /ui, across the cells (sign-in with --api-key): docs/console.md.")
 @click.option("--console-viewer-key", default=None, envvar="AGENTCELL_CONSOLE_VIEWER_KEY",
               help="A second key that signs in to the console read-only (viewer role).")
+@key_file_option("console_viewer_key", "AGENTCELL_CONSOLE_VIEWER_KEY_FILE", "the console's viewer key")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 @_LOG_FORMAT
@@ -385,9 +389,11 @@ def gateway(ctx: click.Context, **opts: Any) -> None:
 
     resolve_key(ctx, opts, "api_key")
     resolve_key(ctx, opts, "cell_api_key")
+    if resolve_key(ctx, opts, "console_viewer_key") is not None and opts["console_viewer_key"] == opts["api_key"]:
+        raise click.BadParameter("is the API key: a viewer key must differ from it", param_hint="--console-viewer-key")
     _tls(opts)
     logs.configure(opts["log_level"], opts["log_format"])
-    warn_exposed_keys(ctx, ("api_key", "cell_api_key"))
+    warn_exposed_keys(ctx, ("api_key", "cell_api_key", "console_viewer_key"))
     if not is_loopback(opts["host"]) and opts["api_key"] is None and not opts["insecure_no_auth"]:
         raise click.ClickException(f"refusing to listen on {opts['host']!r} without an API key: pass --api-key KEY, "
                                    "listen on 127.0.0.1, or pass --insecure-no-auth")

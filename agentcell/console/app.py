@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+import orjson
 from starlette.requests import cookie_parser
 from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, Response
 
@@ -23,7 +24,7 @@ from agentcell.console import detail, files, health, overview
 from agentcell.console.code_cell import CodeCells, parse_cell
 from agentcell.console.passthrough import PREFIX as PASS_PREFIX
 from agentcell.console.passthrough import passthrough
-from agentcell.console.responses import PAGE_CSP, PASSED_CSP, error, with_headers
+from agentcell.console.responses import PAGE_CSP, error, framable, with_headers
 from agentcell.console.sessions import COOKIE, Session, SessionStore, csrf_ok, role_of
 from agentcell.console.terminal import MAX_COLS, MAX_ROWS, Terminal, size_param
 from agentcell.console.upstream import Upstream, UpstreamError
@@ -128,7 +129,7 @@ class ConsoleApp:
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         path = scope["path"]
         if path.startswith(PASS_PREFIX + "/"):
-            send = with_headers(send, PASSED_CSP)
+            send = framable(send)
         elif (m := _ASSET.match(path)) is not None:
             await self._asset(m.group(1), scope, receive, with_headers(send, PAGE_CSP, cache=True))
             return
@@ -251,8 +252,9 @@ class ConsoleApp:
         if path.startswith(PASS_PREFIX + "/"):
             await passthrough(self.upstream, session, scope, receive, send)
             return
-        if path == "/ui/api/overview" and method in _SAFE:
-            await JSONResponse(await self.view.overview(scope))(scope, receive, send)
+        if path == "/ui/api/overview" and method in _SAFE:  # (orjson: 1,000 sandboxes' sparklines, ~370 KiB)
+            body = orjson.dumps(await self.view.overview(scope))
+            await Response(body, media_type="application/json")(scope, receive, send)
             return
         if path == "/ui/api/health" and method in _SAFE:
             await JSONResponse(await self.view.health(scope))(scope, receive, send)

@@ -66,8 +66,7 @@ async def upload(upstream: Upstream, outer: dict[str, Any], sandbox_id: str, pat
                  receive: Any, send: Any) -> None:
     headers = [(b"content-type", b"application/octet-stream"), *_AS_USER]
     length = next((v for k, v in outer.get("headers", []) if k.lower() == b"content-length"), None)
-    if length is not None:
-        headers.append((b"content-length", length))
+    headers.append((b"content-length", length) if length is not None else (b"transfer-encoding", b"chunked"))
     scope = await upstream.sandbox_scope(outer, sandbox_id, ENVD, "POST", "/files",
                                          _query(path=path, username="user"), headers)
     size = 0

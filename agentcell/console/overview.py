@@ -20,12 +20,12 @@ MAX_LISTED = 5000
 
 
 def _item(manager: SandboxManager, rec: SandboxRecord) -> dict[str, Any]:
-    rows = rec.metrics.last(SPARK)
+    flat = rec.metrics.last(SPARK)  # time, cpu %, memory, cache, disk: one row after another
     return {
         "sandboxID": rec.sandbox_id, "templateID": rec.template_id, "alias": rec.alias,
         "state": rec.state.api_state, "startedAt": rfc3339(rec.started_at), "endAt": rfc3339(manager.shown_end(rec)),
         "cpuCount": rec.limits.cpu_count, "memoryMB": rec.limits.memory_mb, "metadata": rec.metadata,
-        "cpu": [r[1] for r in rows], "mem": [int(r[2]) for r in rows],
+        "cpu": flat[1::5].tolist(), "mem": [int(m) for m in flat[2::5]],
     }
 
 

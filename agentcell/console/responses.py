@@ -32,5 +32,26 @@ def with_headers(send: Any, csp: str, cache: bool = False) -> Any:
     return wrapped
 
 
+def framable(send: Any) -> Any:
+    """`send` for an answer passed through from the API: the server's own CSP kept (the HTML report's
+    keeps its content inert), but with `frame-ancestors 'self'` so the console's <iframe sandbox> may
+    show it, and no X-Frame-Options; not cached."""
+
+    async def wrapped(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            drop = {b"content-security-policy", b"x-frame-options", b"x-content-type-options", b"referrer-policy",
+                    b"cache-control"}
+            theirs = [v.decode("latin-1") for k, v in message.get("headers", []) if k.lower() == b"content-security-policy"]
+            directives = [d.strip() for policy in theirs for d in policy.split(";")
+                          if d.strip() and not d.strip().lower().startswith("frame-ancestors")]
+            csp = "; ".join([*directives, "frame-ancestors 'self'"]) if directives else PASSED_CSP
+            headers = [(k, v) for k, v in message.get("headers", []) if k.lower() not in drop]
+            headers += [(b"content-security-policy", csp.encode()), *_COMMON]
+            message = {**message, "headers": headers}
+        await send(message)
+
+    return wrapped
+
+
 def error(status: int, message: str, **extra: Any) -> JSONResponse:
     return JSONResponse({"message": message, **extra}, status_code=status)

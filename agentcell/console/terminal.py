@@ -77,6 +77,21 @@ class _Envelopes:
         return out
 
 
+def _pid(items: list[tuple[int, dict[str, Any]]]) -> int | None:
+    for flags, msg in items:
+        start = (msg.get("event") or {}).get("start") if not flags & 0x02 else None
+        if start is not None and start.get("pid") is not None:
+            return int(start["pid"])
+    return None
+
+
+def _stream_error(items: list[tuple[int, dict[str, Any]]]) -> str:
+    for flags, msg in items:
+        if flags & 0x02 and isinstance(msg.get("error"), dict):
+            return str(msg["error"].get("message") or msg["error"].get("code"))
+    return "the stream ended before the shell started"
+
+
 class Terminal:
     def __init__(self, upstream: Upstream, outer: dict[str, Any], sandbox_id: str, token: str) -> None:
         self.upstream = upstream
@@ -214,6 +229,10 @@ class Terminal:
                 first += decoder.feed(chunk)
                 if first:
                     break
+            self.pid = _pid(first)
+            if self.pid is None:  # no shell (the sandbox's PTY limit, ...): still an HTTP answer
+                await error(502, f"the terminal did not start: {_stream_error(first)}")(self.outer, receive, send)
+                return
             self.raw = raw.take_over()
             self.raw.write(self.ws.send(AcceptConnection()))
             out = asyncio.get_running_loop().create_task(self._to_client(stream, decoder, first))

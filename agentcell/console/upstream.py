@@ -32,6 +32,7 @@ _DROPPED = frozenset({b"cookie", b"x-csrf-token", b"x-api-key", b"authorization"
                       b"upgrade", b"connection", b"host", b"sec-websocket-key", b"sec-websocket-version",
                       b"sec-websocket-extensions", b"sec-websocket-protocol", b"proxy-authorization"})
 _KEPT_FOR_CALLS = frozenset({b"host", b"user-agent"})
+CLOSE_GRACE = 2.0  # seconds a call has to end once the console closes it
 BUFFER_LIMIT = 8 << 20  # bytes of one buffered answer (a JSON listing, a sandbox's details)
 
 
@@ -163,17 +164,20 @@ class Stream:
         return bytes(out)
 
     async def close(self) -> None:
+        """End the call: the app's receive() says the client left, its sends are refused, and what it
+        had queued is dropped until it returns (cancelled after CLOSE_GRACE seconds)."""
         self._gone.set()
-        with contextlib.suppress(asyncio.QueueEmpty):
-            while True:
-                self._messages.get_nowait()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + CLOSE_GRACE
+        while not self._task.done() and loop.time() < deadline:
+            with contextlib.suppress(asyncio.QueueEmpty):
+                while True:
+                    self._messages.get_nowait()
+            await asyncio.wait({self._task}, timeout=0.05)
         if not self._task.done():
-            try:
-                await asyncio.wait_for(asyncio.shield(self._task), 2.0)
-            except (TimeoutError, Exception):
-                self._task.cancel()
-                with contextlib.suppress(BaseException):
-                    await self._task
+            self._task.cancel()
+        with contextlib.suppress(BaseException):
+            await self._task
 
 
 class Upstream:
