@@ -35,7 +35,8 @@ pytestmark = pytest.mark.skipif(missing() is not None and not os.environ.get("CI
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[ServerProcess]:
+def keyed() -> Iterator[ServerProcess]:
+    """This module's server: an API key and a viewer key (conftest's `server` has neither)."""
     # routed: the known-bad script's connection to the metadata address reaches the egress router, which
     # records it (and refuses it); the uplink routes nowhere
     with console_server(routed=True) as srv:
@@ -49,7 +50,7 @@ def browser() -> Iterator[object]:
 
 
 @pytest.fixture
-def page(browser, server: ServerProcess) -> Iterator[object]:  # noqa: ANN001
+def page(browser, keyed: ServerProcess) -> Iterator[object]:  # noqa: ANN001
     context = browser.new_context(viewport={"width": 1280, "height": 860})
     pg = context.new_page()
     errors: list[str] = []
@@ -60,22 +61,22 @@ def page(browser, server: ServerProcess) -> Iterator[object]:  # noqa: ANN001
 
 
 @pytest.fixture(scope="module")
-def sandbox(server: ServerProcess) -> Iterator[Sandbox]:
-    sbx = Sandbox.create(api_url=server.url, api_key=ADMIN_KEY, timeout=600, metadata={"suite": "console-browser"})
+def sandbox(keyed: ServerProcess) -> Iterator[Sandbox]:
+    sbx = Sandbox.create(api_url=keyed.url, api_key=ADMIN_KEY, timeout=600, metadata={"suite": "console-browser"})
     yield sbx
     sbx.kill()
 
 
-def open_sandbox(page, server: ServerProcess, sbx: Sandbox, tab: str | None = None) -> None:  # noqa: ANN001
-    sign_in(page, server.url)
-    page.goto(f"{server.url}/ui/#/sandboxes/{sbx.sandbox_id}")
+def open_sandbox(page, keyed: ServerProcess, sbx: Sandbox, tab: str | None = None) -> None:  # noqa: ANN001
+    sign_in(page, keyed.url)
+    page.goto(f"{keyed.url}/ui/#/sandboxes/{sbx.sandbox_id}")
     page.get_by_role("heading", name=sbx.sandbox_id).wait_for()
     if tab:
         page.get_by_role("tab", name=tab).click()
 
 
-def test_sign_in_refuses_a_wrong_key_and_takes_the_right_one(page, server: ServerProcess) -> None:  # noqa: ANN001
-    page.goto(server.url + "/ui/")
+def test_sign_in_refuses_a_wrong_key_and_takes_the_right_one(page, keyed: ServerProcess) -> None:  # noqa: ANN001
+    page.goto(keyed.url + "/ui/")
     page.get_by_label("API key").wait_for()  # not signed in: the sign-in page, whatever the hash
     assert page.get_by_text("this server has no API key", exact=False).count() == 0
     page.get_by_label("API key").fill("not-" + ADMIN_KEY)
@@ -90,10 +91,24 @@ def test_sign_in_refuses_a_wrong_key_and_takes_the_right_one(page, server: Serve
     assert cookie["httpOnly"] and cookie["sameSite"] == "Strict"
 
 
-def test_a_sandbox_the_sdk_creates_appears_in_the_list(page, server: ServerProcess) -> None:  # noqa: ANN001
-    sign_in(page, server.url)
+def test_a_server_without_a_key_says_so_and_takes_any(browser, server_url: str) -> None:  # noqa: ANN001
+    """The session's server (tests/conftest.py) has no API key."""
+    context = browser.new_context()
+    try:
+        page = context.new_page()
+        page.goto(server_url + "/ui/#/signin")
+        expect(page.get_by_role("status")).to_contain_text("This server has no API key")
+        page.get_by_role("button", name="Sign in").click()  # the key left empty
+        page.get_by_role("heading", name="Sandboxes").wait_for()
+        assert page.locator(".role").inner_text() == "admin"
+    finally:
+        context.close()
+
+
+def test_a_sandbox_the_sdk_creates_appears_in_the_list(page, keyed: ServerProcess) -> None:  # noqa: ANN001
+    sign_in(page, keyed.url)
     markup = '<img src=x onerror="document.title=1"><b>bold</b>'
-    sbx = Sandbox.create(api_url=server.url, api_key=ADMIN_KEY, timeout=300, metadata={"who": "appears", "note": markup})
+    sbx = Sandbox.create(api_url=keyed.url, api_key=ADMIN_KEY, timeout=300, metadata={"who": "appears", "note": markup})
     try:
         row = page.locator(f'tr[data-sandbox-id="{sbx.sandbox_id}"]')
         row.wait_for(timeout=10_000)  # the list polls every 2 s
@@ -116,8 +131,8 @@ def test_a_sandbox_the_sdk_creates_appears_in_the_list(page, server: ServerProce
         sbx.kill()
 
 
-def test_the_terminal_echoes_what_is_typed(page, server: ServerProcess, sandbox: Sandbox) -> None:  # noqa: ANN001
-    open_sandbox(page, server, sandbox, "Terminal")
+def test_the_terminal_echoes_what_is_typed(page, keyed: ServerProcess, sandbox: Sandbox) -> None:  # noqa: ANN001
+    open_sandbox(page, keyed, sandbox, "Terminal")
     page.get_by_text("Terminal: connected").wait_for(timeout=15_000)
     page.locator(".xterm").click()
     page.keyboard.type("echo hi-$((6*7))")
@@ -127,12 +142,12 @@ def test_the_terminal_echoes_what_is_typed(page, server: ServerProcess, sandbox:
     assert "hi-$((6*7))" in terminal_text(page)
 
 
-def test_upload_lists_the_file_and_download_gives_the_same_bytes(page, server: ServerProcess, sandbox: Sandbox,
+def test_upload_lists_the_file_and_download_gives_the_same_bytes(page, keyed: ServerProcess, sandbox: Sandbox,
                                                                  tmp_path) -> None:  # noqa: ANN001
     payload = os.urandom(150_000) + b"\x00end"
     local = tmp_path / "payload.bin"
     local.write_bytes(payload)
-    open_sandbox(page, server, sandbox, "Files")
+    open_sandbox(page, keyed, sandbox, "Files")
     page.get_by_role("table", name="Files").wait_for()
     page.get_by_label("Upload a file").set_input_files(str(local))
     row = page.locator('tr[data-file="payload.bin"]')
@@ -145,8 +160,8 @@ def test_upload_lists_the_file_and_download_gives_the_same_bytes(page, server: S
     assert saved.read_bytes() == payload
 
 
-def test_a_cell_that_draws_a_chart_shows_its_png(page, server: ServerProcess, sandbox: Sandbox) -> None:  # noqa: ANN001
-    open_sandbox(page, server, sandbox, "Code")
+def test_a_cell_that_draws_a_chart_shows_its_png(page, keyed: ServerProcess, sandbox: Sandbox) -> None:  # noqa: ANN001
+    open_sandbox(page, keyed, sandbox, "Code")
     code = ("import matplotlib.pyplot as plt\n"
             "plt.plot([1, 3, 2, 5]); plt.title('console chart')\n"
             "print('drawn', 6 * 7)\n"
@@ -189,17 +204,17 @@ echo done
 SIGNATURES = {"cloud-metadata": "Cloud metadata access", "crypto-mining": "Crypto mining", "persistence": "Persistence"}
 
 
-def test_the_report_of_a_known_bad_script_lists_its_signatures(page, server: ServerProcess) -> None:  # noqa: ANN001
-    sbx = Sandbox.create(api_url=server.url, api_key=ADMIN_KEY, timeout=300)
+def test_the_report_of_a_known_bad_script_lists_its_signatures(page, keyed: ServerProcess) -> None:  # noqa: ANN001
+    sbx = Sandbox.create(api_url=keyed.url, api_key=ADMIN_KEY, timeout=300)
     try:
         sbx.files.write("/home/user/bad.sh", BAD_SCRIPT)  # from a file: no argv holds the whole script
         assert sbx.commands.run("bash /home/user/bad.sh", timeout=60).stdout.strip().endswith("done")
-        sign_in(page, server.url)
-        report_url = f"{server.url}/ui/api/v/sandboxes/{sbx.sandbox_id}/report"
+        sign_in(page, keyed.url)
+        report_url = f"{keyed.url}/ui/api/v/sandboxes/{sbx.sandbox_id}/report"
         # the HTML report comes with the signatures' titles (record/report_html.py); a server without it
         # answers ?format=html with the JSON report, whose flags carry the same names
         html = page.request.get(report_url + "?format=html").headers.get("content-type", "").startswith("text/html")
-        page.goto(f"{server.url}/ui/#/sandboxes/{sbx.sandbox_id}/report")
+        page.goto(f"{keyed.url}/ui/#/sandboxes/{sbx.sandbox_id}/report")
         page.get_by_role("heading", name="Behaviour report").wait_for()
         text = ""
         deadline = time.monotonic() + 20
@@ -228,8 +243,8 @@ def test_the_report_of_a_known_bad_script_lists_its_signatures(page, server: Ser
         sbx.kill()
 
 
-def test_a_viewer_sees_no_kill_button_and_no_terminal(page, server: ServerProcess, sandbox: Sandbox) -> None:  # noqa: ANN001
-    sign_in(page, server.url, VIEWER_KEY)
+def test_a_viewer_sees_no_kill_button_and_no_terminal(page, keyed: ServerProcess, sandbox: Sandbox) -> None:  # noqa: ANN001
+    sign_in(page, keyed.url, VIEWER_KEY)
     assert page.locator(".role").inner_text() == "viewer"
     row = page.locator(f'tr[data-sandbox-id="{sandbox.sandbox_id}"]')
     row.wait_for(timeout=10_000)

@@ -14,6 +14,31 @@ function Stat({ label, value, note }) {
   );
 }
 
+// a gateway's cells: each one's own health, summed above
+function Cells({ cells }) {
+  return (
+    <section aria-labelledby="cells-title" class="cells-health">
+      <h2 id="cells-title">Cells</h2>
+      <table class="list compact" aria-label="Cells">
+        <thead><tr><th>Cell</th><th>URL</th><th>Up</th><th>Running</th><th>Paused</th><th>Pool</th><th>Record drops</th></tr></thead>
+        <tbody>
+          {cells.map((c) => (
+            <tr key={c.url}>
+              <td class="mono">{c.cell || "–"}</td>
+              <td class="mono">{c.url}</td>
+              <td><span class={`state state-${c.up ? "running" : "error"}`}>{c.up ? "up" : "down"}</span></td>
+              <td class="num">{c.health?.sandboxes?.running ?? "–"}</td>
+              <td class="num">{c.health?.sandboxes?.paused ?? "–"}</td>
+              <td class="num">{c.health?.pool ? `${c.health.pool.standbys}/${c.health.pool.target}` : "–"}</td>
+              <td class="num">{c.health?.record?.dropped ?? "–"}</td>
+            </tr>
+          ))}
+        </tbody>
+      </table>
+    </section>
+  );
+}
+
 export function HealthPage() {
   const { data: h, error } = usePoll(() => getJSON("/health"), 5000);
   return (
@@ -28,10 +53,12 @@ export function HealthPage() {
           <div class="stats">
             {h.sandboxes && <Stat label="Running sandboxes" value={h.sandboxes.running} note={h.sandboxes.max != null ? `of at most ${h.sandboxes.max}` : null} />}
             {h.sandboxes && <Stat label="Paused sandboxes" value={h.sandboxes.paused} />}
+            {h.sandboxes?.starting != null && <Stat label="Starting" value={h.sandboxes.starting} />}
             {h.pool && <Stat label="Warm pool" value={h.pool.standbys} note={h.pool.target != null ? `target ${h.pool.target}` : null} />}
             {h.record && <Stat label="Record events" value={h.record.events} note={h.record.bytes != null ? bytes(h.record.bytes) : null} />}
             {h.record && <Stat label="Record drops" value={h.record.dropped} />}
           </div>
+          {Array.isArray(h.cells) && <Cells cells={h.cells} />}
           <div class="grid2">
             {h.admission && <section aria-labelledby="admission-title"><h2 id="admission-title">Admission</h2><KeyValues object={h.admission} label="Admission" /></section>}
             {h.egress && <section aria-labelledby="egress-title"><h2 id="egress-title">Egress</h2><KeyValues object={h.egress} label="Egress" /></section>}

@@ -54,6 +54,9 @@ export function SandboxesPage() {
           value={filter} onInput={(e) => setFilter(e.currentTarget.value)} />
       </div>
       {error && <p class="error" role="alert">Could not load the sandboxes: {error.message}</p>}
+      {data?.unreachable?.length > 0 && (
+        <p class="notice" role="status">Not listed: the sandboxes of {data.unreachable.join(", ")} (the cell did not answer).</p>
+      )}
       {data && all.length === 0 && <p class="empty">No sandboxes are running. Create one with the SDK or `agentcell` CLI.</p>}
       {data && all.length > 0 && (
         <table class="list" aria-label="Sandboxes">
