@@ -137,10 +137,11 @@ class FlagSet:
         line = line.lower()
         if _MINER_RE.search(line):
             self.raise_flag("crypto-mining", seq)
-        if rules.reverse_shell(line):
-            self.raise_flag("reverse-shell", seq)
-        if rules.credential_path(line):
-            self.raise_flag("credential-read", seq)
+        if rules.worth_a_look(line):
+            if rules.reverse_shell(line):
+                self.raise_flag("reverse-shell", seq)
+            if rules.credential_path(line):
+                self.raise_flag("credential-read", seq)
         if rules.escalation_command(e.get("path"), argv):
             self.raise_flag("privilege-escalation", seq)
         pid, at = e.get("pid"), e.get("time")

@@ -75,12 +75,12 @@ _REVERSE_RE = re.compile("|".join((
     r"\b(?:python[0-9.]*|perl|ruby|php[0-9.]*)\b.*(?:socket|fsockopen|tcpsocket|io::socket)"
     r".*(?:dup2|pty\.spawn|/bin/(?:ba)?sh\b|\bexec\b|proc_open|popen|spawn)",
 )), re.DOTALL)
-_REVERSE_HINTS = ("/dev/", "nc", "socat", "mkfifo", "sock")
+_REVERSE_HINTS = re.compile(r"/dev/|nc|socat|mkfifo|sock")  # what every pattern above needs
 
 
 def reverse_shell(line: str) -> bool:
     """A command line (argv joined, lowered) that wires a shell to a network socket."""
-    return any(h in line for h in _REVERSE_HINTS) and _REVERSE_RE.search(line) is not None
+    return _REVERSE_HINTS.search(line) is not None and _REVERSE_RE.search(line) is not None
 
 
 # -- credential files -----------------------------------------------------------------------------------
@@ -89,12 +89,21 @@ _CREDENTIAL_RE = re.compile(
     r"/etc/g?shadow\b|\.ssh/(?:id_|identity)|\.aws/credentials|\.netrc\b|\.git-credentials"
     r"|\.docker/config\.json|/proc/[^/\s]+/environ|\.kube/config|\.config/gcloud/"
     r"(?:credentials|application_default_credentials|access_tokens|legacy_credentials)|\.pgpass\b")
-_CREDENTIAL_HINTS = ("shadow", ".ssh/", ".aws/", "netrc", "credentials", "config", "environ", "pgpass")
+_CREDENTIAL_HINTS = re.compile(r"shadow|\.ssh/|\.aws/|netrc|credentials|config|environ|pgpass")
 
 
 def credential_path(text: str) -> bool:
     """A path, or a command line, naming a credential file."""
-    return any(h in text for h in _CREDENTIAL_HINTS) and _CREDENTIAL_RE.search(text) is not None
+    return _CREDENTIAL_HINTS.search(text) is not None and _CREDENTIAL_RE.search(text) is not None
+
+
+_LINE_HINTS = re.compile(f"{_REVERSE_HINTS.pattern}|{_CREDENTIAL_HINTS.pattern}")
+
+
+def worth_a_look(line: str) -> bool:
+    """Whether a command line may match `reverse_shell` or `credential_path` (one search for both: the
+    store runs this on every exec, and most match neither)."""
+    return _LINE_HINTS.search(line) is not None
 
 
 # -- privilege escalation -------------------------------------------------------------------------------
@@ -113,13 +122,15 @@ def privileged_file(path: Any) -> bool:
 
 def escalation_command(path: Any, argv: Any) -> bool:
     """An exec of sudo, su, pkexec or doas, or a shell's `-c` command line that runs one."""
-    if isinstance(path, str) and path[path.rfind("/") + 1:] in ESCALATION_PROGRAMS:
+    if isinstance(path, str) and path.rpartition("/")[2] in ESCALATION_PROGRAMS:
         return True
-    if not isinstance(argv, list) or not argv or not isinstance(argv[0], str):
+    first = argv[0] if isinstance(argv, list) and argv else None
+    if not isinstance(first, str):
         return False
-    if argv[0][argv[0].rfind("/") + 1:] in ESCALATION_PROGRAMS:
+    name = first.rpartition("/")[2]
+    if name in ESCALATION_PROGRAMS:
         return True
-    if argv[0][argv[0].rfind("/") + 1:].lstrip("-") in _SHELLS:
+    if name.lstrip("-") in _SHELLS:
         return any(isinstance(a, str) and _ESCALATION_RE.search(a.strip()) for a in argv[1:])
     return False
 
