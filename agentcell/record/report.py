@@ -56,9 +56,9 @@ def build(events: Iterable[dict[str, Any]], summary: dict[str, Any] | None = Non
         flags.see(e, seq if isinstance(seq, int) else None)
         total += 1
         if total <= MAX_TIMELINE:
-            timeline.append(_brief(e))
+            timeline.append(_row(e))
         elif flags.dirty and len(flagging) < MAX_FLAGGING:
-            flagging.append(_brief(e))
+            flagging.append(_row(e))
         kind = str(e.get("kind"))
         kinds[kind] += 1
         t = e.get("time")
@@ -217,6 +217,11 @@ def _nest(tree: list[dict[str, Any]], parents: list[int | None]) -> list[dict[st
             depth[i] = depth[parent] + 1
             nodes[parent]["children"].append(n)
     return roots
+
+
+def _row(e: dict[str, Any]) -> dict[str, Any]:
+    """An event as the timeline shows it: all but its sandbox_id (the report's own)."""
+    return {k: v for k, v in e.items() if k != "sandbox_id" and v is not None}
 
 
 def _brief(e: dict[str, Any]) -> dict[str, Any]:

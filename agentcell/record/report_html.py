@@ -24,7 +24,7 @@ from string import Template
 from typing import Any
 
 from agentcell.record import report as report_module
-from agentcell.text_escape import escape
+from agentcell.text_escape import escape, escape_text
 
 CSP = "default-src 'none'; style-src 'unsafe-inline'; img-src data:"
 HEADERS = {"Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer"}
@@ -222,17 +222,23 @@ _BRIEF_SKIP = _COMMON | {"ppid", "cwd", "comm", "host_pid", "nr"}
 
 
 def _details(e: dict[str, Any], skip: frozenset[str] | tuple[str, ...] = _COMMON, limit: int = MAX_ROW) -> str:
+    """An event's fields as `key=value` text, escaped (a string as the text report does; anything else as
+    JSON, whose own escapes are kept as they are), cut at `limit` characters."""
     parts = []
     used = 0
     for k, v in e.items():
         if k in skip or v is None:
             continue
-        text = f"{k}={v if isinstance(v, str) else json.dumps(v, default=str, ensure_ascii=False)}"
+        shown = escape(v) if isinstance(v, str) else escape_text(json.dumps(v, default=str, ensure_ascii=False))
+        text = f"{escape(k)}={shown}"
         parts.append(text)
         used += len(text)
         if used > limit:
             break
-    return _e("  ".join(parts), limit)
+    text = "  ".join(parts)
+    if len(text) > limit:
+        text = text[:limit] + f"… ({len(text) - limit} more)"
+    return html.escape(text, quote=True)
 
 
 def _timeline(rep: dict[str, Any]) -> str:
@@ -254,9 +260,10 @@ def _timeline(rep: dict[str, Any]) -> str:
 def _event_row(e: dict[str, Any]) -> str:
     seq = e.get("seq")
     anchor = f' id="e{seq}"' if isinstance(seq, int) and not isinstance(seq, bool) else ""
-    return (f"<tr{anchor}><td>{_e(seq)}</td><td class=\"m\">{_time(e.get('time'), date=False)}</td>"
-            f"<td>{_e(e.get('kind'))}</td><td>{_e(e.get('source'))}</td>"
-            f"<td>{_e(e.get('pid') if e.get('pid') is not None else '')}</td><td class=\"m\">{_details(e)}</td></tr>")
+    return (f"<tr{anchor}><td class=\"n\">{_e(seq)}</td><td class=\"m n\">{_time(e.get('time'), date=False)}</td>"
+            f"<td class=\"n\">{_e(e.get('kind'))}</td><td class=\"n\">{_e(e.get('source') or '')}</td>"
+            f"<td class=\"n\">{_e(e.get('pid') if e.get('pid') is not None else '')}</td>"
+            f"<td class=\"m\">{_details(e)}</td></tr>")
 
 
 SECTIONS = (_header, _signatures, _processes, _files, _network, _refusals, _limits, _api, _timeline)
