@@ -112,12 +112,17 @@ def test_a_deep_chain_and_a_huge_record_stay_bounded() -> None:
         node, depth = node["children"][0], depth + 1
     assert depth < report.MAX_DEPTH and sum(1 for r in rep["process_tree"] if r.get("deeper")) > 1
     report_html.render(rep)
-    many = _events(*({"kind": "file.write", "path": f"/tmp/f{i}", "count": 1} for i in range(20000)),
-                   {"kind": "process.exec", "pid": 9, "ppid": 1, "argv": ["xmrig"]})
+    writes = [{"kind": "file.write", "path": f"/tmp/f{i}", "count": 1} for i in range(20000)]
+    writes[10000] = {"kind": "process.exec", "pid": 8, "ppid": 1, "argv": ["sleep", "1000"]}  # left running
+    many = _events(*writes, {"kind": "process.exec", "pid": 9, "ppid": 1, "argv": ["xmrig"]})
     page = _page(many)
     assert page.count('<tr id="e') == report.MAX_TIMELINE + 1  # the first 5,000 and the miner past them
     assert f"{20001 - report.MAX_TIMELINE} later events not shown" in page and 'id="e20001"' in page
     assert 'href="#e20001"' in page
+    tags = page_tags(page)
+    ids = {v for _, attrs in tags for k, v in attrs if k == "id"}
+    assert {v[1:] for _, attrs in tags for k, v in attrs if k == "href" and v} <= ids  # no link goes nowhere
+    assert "Left running" in page and "#10001" in page and 'href="#e10001"' not in page  # cited, not in the page
 
 
 def test_a_name_that_is_not_utf8_still_encodes() -> None:

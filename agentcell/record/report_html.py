@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import html
 import json
+from contextvars import ContextVar
 from datetime import UTC, datetime
 from importlib import resources
 from string import Template
@@ -52,8 +53,14 @@ def _time(t: Any, date: bool = True) -> str:
     return stamp.strftime("%Y-%m-%d %H:%M:%S UTC" if date else "%H:%M:%S.%f")[: None if date else -3]
 
 
+# the seqs with a row in this page's timeline (set by `render`): a link to any other would go nowhere
+_rows: ContextVar[frozenset[Any]] = ContextVar("rows", default=frozenset())
+
+
 def _seq_link(seq: Any) -> str:
-    return f'<a href="#e{seq}">#{seq}</a>' if isinstance(seq, int) and not isinstance(seq, bool) else ""
+    if not isinstance(seq, int) or isinstance(seq, bool):
+        return ""
+    return f'<a href="#e{seq}">#{seq}</a>' if seq in _rows.get() else f"#{seq}"
 
 
 def _section(anchor: str, title: str, count: int | None, body: str, not_recorded: str | None = None) -> str:
@@ -271,7 +278,11 @@ SECTIONS = (_header, _signatures, _processes, _files, _network, _refusals, _limi
 
 def render(rep: dict[str, Any]) -> str:
     """The report (report.build's dict, or its JSON from a server) as one self-contained HTML page."""
-    body = "\n".join(section(rep) for section in SECTIONS)
+    token = _rows.set(frozenset(e.get("seq") for e in (*(rep.get("timeline") or ()), *(rep.get("timeline_flagged") or ()))))
+    try:
+        body = "\n".join(section(rep) for section in SECTIONS)
+    finally:
+        _rows.reset(token)
     body += (f'<footer><p class="muted">agentcell behaviour report; timeline bounded at '
              f"{report_module.MAX_TIMELINE} events. Every value from the record is shown escaped.</p></footer>")
     return _template().substitute(title=_e(rep.get("sandbox_id")), body=body)
