@@ -13,6 +13,8 @@ A flag cites the `seq` of up to MAX_CITED stored events it rests on and counts e
 raised it (`count`), and how many of those are not in the record (`not_stored`). `record-incomplete`
 says events were lost: refused by the store's bounds or lost by a collector (its `count` is the
 number of events known lost). Everything here is bounded per record, whatever the sandbox does.
+The report shows each flag as a signature, with a severity and a title (record/signatures.py, which
+also holds the matchers the newer rules call: reverse shells, credential files, privilege escalation).
 """
 
 from __future__ import annotations
