@@ -173,6 +173,11 @@ async def test_http_sessions_see_only_their_own_sandboxes(keyed: ServerProcess) 
         # b's session ended (its client deleted it): its sandbox is gone, a's are not
         wait_until("session b's sandbox is killed", lambda: not alive(keyed, own))
         assert alive(keyed, sid)
+        # one of the session's sandboxes killed behind its back: the server's message, not a crash
+        doomed = await create(a)
+        Sandbox.kill(doomed, api_url=keyed.url, api_key=KEY)
+        gone = await a.call_tool("run_code", {"sandbox_id": doomed, "code": "1"})
+        assert gone.is_error and doomed in texts(gone), texts(gone)
         await call(a, "snapshot_sandbox", sandbox_id=sid, name="mcp-snap")
         assert '"killed": true' in texts(await call(a, "kill_sandbox", sandbox_id=sid))
         assert not alive(keyed, sid)
@@ -200,10 +205,17 @@ def test_http_endpoint_auth_and_protocol(keyed: ServerProcess) -> None:
     assert r.status_code == 403
 
 
-def test_no_mcp_option(tmp_path: Path) -> None:
-    with ServerProcess(tmp_path / "server.log", "--no-mcp", "--egress-uplink", "none") as srv:
-        r = httpx.post(srv.url + "/mcp", json={}, headers={"X-API-KEY": "k"}, timeout=10)
+def test_no_mcp_and_unix_socket_servers(tmp_path: Path) -> None:
+    # both start at once (each constructor launches its process; entering waits until it answers)
+    off = ServerProcess(tmp_path / "off.log", "--no-mcp", "--egress-uplink", "none")
+    uds = ServerProcess(tmp_path / "uds.log", "--egress-uplink", "none", uds=str(tmp_path / "agentcell.sock"))
+    with off, uds:
+        r = httpx.post(off.url + "/mcp", json=INIT, headers={**ACCEPT, "X-API-KEY": "k"}, timeout=10)
         assert r.status_code == 404
+        # a server that has no TCP listener to call itself back on says so, and what to run instead
+        with uds.http_client() as http:
+            r = http.post("/mcp", json=INIT, headers=ACCEPT)
+        assert r.status_code == 501 and "agentcell mcp --http" in r.json()["message"]
 
 
 async def test_standalone_http_bounds(keyed: ServerProcess, tmp_path: Path) -> None:
