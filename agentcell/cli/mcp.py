@@ -43,13 +43,22 @@ def mcp(use_http: bool, host: str, port: int, max_sandboxes: int, max_sessions: 
     bounds = Bounds(max_sandboxes=max_sandboxes, max_sessions=max_sessions,
                     session_idle_timeout=session_idle_timeout, max_text=max_output)
     if use_http:
+        import os
+
+        from agentcell.cli.errors import CliError
         from agentcell.mcp import standalone
+
+        if target.api_key:
+            raise CliError("--api-key is for stdio: over --http each client sends its own key",
+                           "give the MCP clients the agentcell server's key (X-API-KEY or Authorization: Bearer)")
+        # no key of its own: a client that sends none must not get this environment's (the SDK would use it)
+        for name in ("AGENTCELL_API_KEY", "E2B_API_KEY"):
+            os.environ.pop(name, None)
         from agentcell.server.hosts import is_loopback
 
         if not is_loopback(host):
             click.echo(f"agentcell mcp: listening on {host}: any client that reaches it can use it with a key of "
                        "the agentcell server (it holds none of its own)", err=True)
-        # no key of its own: each HTTP client's goes with its calls
         standalone.serve(Upstream(target.api_url, None, target.request_timeout), bounds, host, port)
         return
     from agentcell.mcp import stdio

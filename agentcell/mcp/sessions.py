@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +45,7 @@ class SessionSandboxes:
     bounds: Bounds
     sandboxes: dict[str, AsyncSandbox] = field(default_factory=dict)
     kept: set[str] = field(default_factory=set)  # created with keep=true: not killed at the end
+    creating: int = 0  # creates in flight: they count against the bound already
     closed: bool = False
 
     @property
@@ -55,14 +58,25 @@ class SessionSandboxes:
             raise NotInSession(sandbox_id)
         return sbx
 
-    def check_room(self) -> None:
+    @asynccontextmanager
+    async def creating_one(self) -> AsyncIterator[None]:
+        """A slot for one create, within the bound (concurrent creates cannot pass it together)."""
         if self.closed:
             raise ToolError("this MCP session has ended")
-        if len(self.sandboxes) >= self.bounds.max_sandboxes:
-            raise ToolError(f"this MCP session holds {len(self.sandboxes)} sandboxes, the most it may "
+        held = len(self.sandboxes) + self.creating
+        if held >= self.bounds.max_sandboxes:
+            raise ToolError(f"this MCP session holds {held} sandboxes, the most it may "
                             f"(--max-sandboxes {self.bounds.max_sandboxes}); kill_sandbox one it no longer needs")
+        self.creating += 1
+        try:
+            yield
+        finally:
+            self.creating -= 1
 
-    def add(self, sbx: AsyncSandbox, keep: bool) -> None:
+    async def add(self, sbx: AsyncSandbox, keep: bool) -> None:
+        if self.closed:  # the session ended while the sandbox was being created: nobody would own it
+            await sbx.kill(request_timeout=self.bounds.cleanup_timeout)
+            raise ToolError("this MCP session has ended")
         self.sandboxes[sbx.sandbox_id] = sbx
         if keep:
             self.kept.add(sbx.sandbox_id)

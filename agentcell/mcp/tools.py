@@ -50,12 +50,13 @@ def register(server: MCPServer, sessions: Sessions) -> None:
         keep: Annotated[bool, Field(description="Leave it running when this session ends.")] = False,
     ) -> CallToolResult:
         mine = sessions.of(ctx)
-        mine.check_room()
         network = {k: v for k, v in (("allow_out", allow_out), ("deny_out", deny_out)) if v is not None}
-        with sdk_errors("create_sandbox"):
-            sbx = await AsyncSandbox.create(template, timeout, metadata, envs, allow_internet_access=allow_internet_access,
-                                            network=network or None, **mine.sdk)
-        mine.add(sbx, keep)
+        async with mine.creating_one():
+            with sdk_errors("create_sandbox"):
+                sbx = await AsyncSandbox.create(template, timeout, metadata, envs,
+                                                allow_internet_access=allow_internet_access, network=network or None,
+                                                **mine.sdk)
+            await mine.add(sbx, keep)
         return _json({"sandbox_id": sbx.sandbox_id, "template": template, "timeout": timeout, "keep": keep})
 
     @tool(description="Run code in a sandbox's stateful interpreter (variables persist between calls). Returns "
@@ -91,12 +92,16 @@ def register(server: MCPServer, sessions: Sessions) -> None:
     async def run_command(
         ctx: Context, sandbox_id: SandboxId,
         command: Annotated[str, Field(description="The command line (run by bash -l -c).")],
-        timeout: Annotated[float, Field(description="Seconds it may run (0: no limit).", ge=0)] = 60,
+        timeout: Annotated[float | None, Field(
+            description="Seconds it may run, then it is killed (default 60; in the background none; 0: none).",
+            ge=0)] = None,
         background: Annotated[bool, Field(description="Start it and return its pid without waiting.")] = False,
         cwd: Annotated[str | None, Field(description="Its working directory.")] = None,
         envs: Annotated[dict[str, str] | None, Field(description="Extra environment variables.")] = None,
     ) -> CallToolResult:
         sbx = sessions.of(ctx).get(sandbox_id)
+        if timeout is None:
+            timeout = 0 if background else 60  # a server started in the background runs until it is killed
         with sdk_errors("run_command"):
             if background:
                 handle = await sbx.commands.run(command, background=True, envs=envs, cwd=cwd, timeout=timeout)
