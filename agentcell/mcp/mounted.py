@@ -109,6 +109,9 @@ class MountedMcp:
         """At server shutdown: end the sessions (their sandboxes are killed with the server's anyway)."""
         if self._task is None:
             return
+        ready = self._ready
+        if ready is not None and ready.done() and not ready.cancelled() and ready.exception() is None:
+            ready.result().sessions.release_all()  # the server's own shutdown ends their sandboxes
         self._stop.set()
         try:
             await asyncio.wait_for(self._task, _STOP_TIMEOUT_S)

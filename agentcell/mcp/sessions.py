@@ -122,6 +122,14 @@ class Sessions:
         self.upstream = upstream
         self.bounds = bounds
         self.only = SessionSandboxes(upstream, upstream.api_key, bounds) if single else None
+        self.open: dict[int, SessionSandboxes] = {}  # HTTP sessions that own sandboxes, by id()
+
+    def release_all(self) -> None:
+        """The server these sessions call is stopping and ends every sandbox itself: their ends need not
+        (and could not: it no longer answers) kill them."""
+        for mine in self.open.values():
+            mine.closed = True
+        self.open.clear()
 
     def of(self, ctx: Context) -> SessionSandboxes:
         if self.only is not None:
@@ -138,5 +146,7 @@ class Sessions:
             if connection.session_id is None:  # a stateless, per-request connection: nothing could own a sandbox
                 raise ToolError("this MCP endpoint needs a session (the initialize handshake) to own sandboxes")
             mine = connection.state[_STATE_KEY] = SessionSandboxes(self.upstream, key, self.bounds)
+            self.open[id(mine)] = mine
+            connection.exit_stack.callback(self.open.pop, id(mine), None)
             connection.exit_stack.push_async_callback(mine.close)
         return mine
