@@ -7,7 +7,7 @@ agentcell's SDK. Every Python process of a run refuses, and writes down, any con
 loopback (tests/integrations/netguard): no framework may reach a model API, a hub or its telemetry.
 
 Without the venvs the module is skipped, unless AGENTCELL_REQUIRE_INTEGRATIONS is set (scripts/test), when
-it fails instead. The MCP tests need `agentcell mcp` (and `/mcp` on `agentcell serve`).
+it fails instead.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from agentcell import Sandbox
@@ -33,8 +32,6 @@ NETGUARD = REPO / "tests" / "integrations" / "netguard"
 EXAMPLES = REPO / "examples" / "integrations"
 AGENTS_PYTHON = REPO / ".venv-integrations" / "agents" / "bin" / "python"
 E2B_MCP_PYTHON = REPO / ".venv-integrations" / "e2b-mcp-server" / "bin" / "python"
-# The `agentcell` of this venv: the one the OpenAI Agents snippet starts as `agentcell mcp`.
-AGENTCELL_BIN = Path(sys.executable).parent
 API_KEY = "e2b_integrations_key"
 
 
@@ -52,11 +49,17 @@ Run = Callable[..., dict[str, Any]]
 
 
 @pytest.fixture(scope="module")
-def run(server_url: str) -> Iterator[Run]:
+def run(request: pytest.FixtureRequest) -> Iterator[Run]:
     """run(snippet, *args, guarded=[]) -> what it printed; fails on any refused connection unless its
     host is in `guarded` (then it must be refused: the guard's own check)."""
-    _venvs()
+    _venvs()  # before the server starts
+    server_url: str = request.getfixturevalue("server_url")
     workdir = Path(tempfile.mkdtemp(prefix="agentcell-integrations-"))
+    # `agentcell` on the PATH, as the MCP snippet starts it: this checkout's, with this Python
+    bin_dir = workdir / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "agentcell").write_text(f'#!/bin/sh\nPYTHONPATH={REPO} exec {sys.executable} -m agentcell "$@"\n')
+    (bin_dir / "agentcell").chmod(0o755)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("E2B_", "AGENTCELL_", "OPENAI_", "LANGCHAIN_", "LANGSMITH_",
                                                                      "HF_", "VIRTUAL_ENV", "PYTHON"))}
     env.update({
@@ -67,7 +70,7 @@ def run(server_url: str) -> Iterator[Run]:
         "OPENAI_API_KEY": "dummy", "OPENAI_BASE_URL": "http://127.0.0.1:9/v1", "OPENAI_AGENTS_DISABLE_TRACING": "1",
         "LANGSMITH_TRACING": "false", "LANGCHAIN_TRACING_V2": "false", "HF_HUB_OFFLINE": "1",
         "HF_HUB_DISABLE_TELEMETRY": "1", "DO_NOT_TRACK": "1", "ANTHROPIC_API_KEY": "dummy",
-        "PYTHONPATH": str(NETGUARD), "PATH": f"{AGENTCELL_BIN}{os.pathsep}{env.get('PATH', '')}",
+        "PYTHONPATH": str(NETGUARD), "PATH": f"{bin_dir}{os.pathsep}{env.get('PATH', '')}",
     })
 
     def run_snippet(*args: str, guarded: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -140,17 +143,8 @@ def test_openai_agents_function_tool_runs_python_in_the_sandbox(run: Run, server
     assert _sandbox(server_url, out["sandbox_id"]).files.read("/home/user/openai_agents.txt") == "42"
 
 
-def _agentcell_mcp() -> None:
-    has = subprocess.run([str(AGENTCELL_BIN / "agentcell"), "mcp", "--help"], capture_output=True).returncode == 0
-    if not has:
-        pytest.skip("this checkout's `agentcell` has no `mcp` command (issue 29's MCP server)")
-
-
 @pytest.mark.parametrize("transport", ["stdio", "http"])
 def test_openai_agents_with_agentcell_mcp(run: Run, server_url: str, transport: str) -> None:
-    _agentcell_mcp()
-    if transport == "http" and httpx.post(f"{server_url}/mcp", headers={"X-API-KEY": API_KEY}).status_code == 404:
-        pytest.skip("this server answers no /mcp")
     out = run("openai_agents_mcp", transport)
     sid = out["sandbox_id"]
     created, wrote, computed, listed = out["tool_results"]
