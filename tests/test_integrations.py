@@ -115,6 +115,19 @@ def test_langchain_agent_runs_python_in_the_sandbox(run: Run, server_url: str, s
     assert _sandbox(server_url, out["sandbox_id"]).files.read("/home/user/langchain.txt") == "42"
 
 
+def test_langchain_e2b_backend_operations(run: Run, server_url: str, sandboxes: list[str]) -> None:
+    out = run("langchain_e2b_backend")
+    sandboxes.append(out["sandbox_id"])
+    todo = "/home/user/notes/todo.txt"
+    assert out["execute"] == {"output": "42\n", "exit_code": 0, "truncated": False}
+    assert out["read"]["error"] is None and out["read"]["file_data"]["content"].startswith("buy oat milk\nwrite tests")
+    assert out["ls"] == {"error": None, "entries": [{"path": todo, "is_dir": False}]}
+    assert out["grep"] == {"error": None, "matches": [{"path": todo, "line": 1, "text": "buy oat milk"}]}
+    assert [m["path"] for m in out["glob"]["matches"]] == ["todo.txt"]
+    # written, then edited in place: the sandbox has the edit
+    assert _sandbox(server_url, out["sandbox_id"]).files.read(todo) == "buy oat milk\nwrite tests\n"
+
+
 def test_deep_agent_writes_and_runs_a_file_in_the_sandbox(run: Run, server_url: str, sandboxes: list[str]) -> None:
     out = run("deepagents_e2b")
     sid = out["sandbox_id"]

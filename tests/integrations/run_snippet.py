@@ -3,7 +3,8 @@ fake model where one is needed, against the agentcell server the environment nam
 of what happened (the tool's results, the agent's answer, the sandbox), which tests/test_integrations.py
 checks against the sandbox itself. Sandboxes the snippet leaves alive are the test's to check and kill.
 
-    python run_snippet.py langchain_agent | deepagents_e2b | smolagents_e2b | openai_agents_tool
+    python run_snippet.py langchain_agent | langchain_e2b_backend | deepagents_e2b | smolagents_e2b
+    python run_snippet.py openai_agents_tool
     python run_snippet.py openai_agents_mcp stdio|http
     python run_snippet.py e2b_mcp_server PYTHON_OF_ITS_VENV [shim|unshimmed]
 """
@@ -11,6 +12,7 @@ checks against the sandbox itself. Sandboxes the snippet leaves alive are the te
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib.util
 import json
 import re
@@ -95,6 +97,15 @@ def run_deepagents_e2b() -> dict[str, Any]:
     result = snippet("deepagents_e2b").build_agent(model, sandbox).invoke({"messages": [{"role": "user", "content": task}]})
     tools = [m.content for m in result["messages"] if isinstance(m, ToolMessage)]
     return {"sandbox_id": sandbox.sandbox_id, "tool_results": tools, "answer": result["messages"][-1].content}
+
+
+def run_langchain_e2b_backend() -> dict[str, Any]:
+    from e2b import Sandbox
+    from langchain_e2b import E2BSandbox
+
+    sandbox = Sandbox.create()
+    results = snippet("langchain_e2b_backend").tour(E2BSandbox(sandbox=sandbox))
+    return {"sandbox_id": sandbox.sandbox_id, **{k: dataclasses.asdict(v) for k, v in results.items()}}
 
 
 def run_smolagents_e2b() -> dict[str, Any]:
@@ -218,7 +229,8 @@ def run_e2b_mcp_server(server_python: str, shim: str = "shim") -> dict[str, Any]
 
 def main() -> None:
     name, *rest = sys.argv[1:]
-    runs = {"langchain_agent": run_langchain_agent, "deepagents_e2b": run_deepagents_e2b,
+    runs = {"langchain_agent": run_langchain_agent, "langchain_e2b_backend": run_langchain_e2b_backend,
+            "deepagents_e2b": run_deepagents_e2b,
             "smolagents_e2b": run_smolagents_e2b, "openai_agents_tool": run_openai_agents_tool,
             "openai_agents_mcp": lambda: run_openai_agents_mcp(*rest),
             "e2b_mcp_server": lambda: run_e2b_mcp_server(*rest)}
