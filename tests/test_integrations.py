@@ -1,6 +1,6 @@
 """docs/integrations.md's snippets, run: LangChain, Deep Agents (langchain-e2b), smolagents, the OpenAI Agents
-SDK (a function tool, and agentcell's MCP server) and E2B's `e2b-mcp-server`, each against the real server,
-with a fake model where one is needed, in the frameworks' own venvs (scripts/integrations-venv makes them;
+SDK (a function tool, and agentcell's MCP server) and E2B's `e2b-mcp-server`, each against a real server
+under an API key, with a fake model where one is needed, in the frameworks' own venvs (scripts/integrations-venv makes them;
 the frameworks pin e2b, mcp and openai versions of their own). A snippet runs as a subprocess
 (tests/integrations/run_snippet.py) and says what its agent did; the test then looks in the sandbox with
 agentcell's SDK. Every Python process of a run refuses, and writes down, any connection or name lookup off
@@ -24,7 +24,9 @@ from typing import Any
 import pytest
 
 from agentcell import Sandbox
+from tests.conftest import BACKEND_ARGS
 from tests.helpers import wait_until
+from tests.servers import ServerProcess
 
 REPO = Path(__file__).resolve().parent.parent
 HARNESS = REPO / "tests" / "integrations" / "run_snippet.py"
@@ -32,7 +34,8 @@ NETGUARD = REPO / "tests" / "integrations" / "netguard"
 EXAMPLES = REPO / "examples" / "integrations"
 AGENTS_PYTHON = REPO / ".venv-integrations" / "agents" / "bin" / "python"
 E2B_MCP_PYTHON = REPO / ".venv-integrations" / "e2b-mcp-server" / "bin" / "python"
-API_KEY = "e2b_integrations_key"
+# The server's key, as an operator would set it: every framework must carry it (E2B's SDKs check its shape).
+API_KEY = "e2b_" + "5eed" * 10
 
 
 def _venvs() -> None:
@@ -49,11 +52,18 @@ Run = Callable[..., dict[str, Any]]
 
 
 @pytest.fixture(scope="module")
-def run(request: pytest.FixtureRequest) -> Iterator[Run]:
+def server_url() -> Iterator[str]:
+    """This module's own server, under an API key (the session's takes any), no uplink (conftest.py)."""
+    _venvs()
+    log = Path(tempfile.mkdtemp(prefix="agentcell-integrations-")) / "server.log"
+    with ServerProcess(log, *BACKEND_ARGS, "--egress-uplink", "none", "--api-key", API_KEY) as srv:
+        yield srv.url
+
+
+@pytest.fixture(scope="module")
+def run(server_url: str) -> Iterator[Run]:
     """run(snippet, *args, guarded=[]) -> what it printed; fails on any refused connection unless its
     host is in `guarded` (then it must be refused: the guard's own check)."""
-    _venvs()  # before the server starts
-    server_url: str = request.getfixturevalue("server_url")
     workdir = Path(tempfile.mkdtemp(prefix="agentcell-integrations-"))
     # `agentcell` on the PATH, as the MCP snippet starts it: this checkout's, with this Python
     bin_dir = workdir / "bin"
