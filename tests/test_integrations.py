@@ -206,4 +206,5 @@ def test_the_docs_show_the_snippets_as_they_are_tested() -> None:
     blocks = [b.split("\n", 1)[1] for b in doc.split("```python")[1:]]
     blocks = [b.split("```", 1)[0] for b in blocks]
     for path in sorted(EXAMPLES.glob("*.py")):
-        assert path.read_text() in blocks, f"docs/integrations.md does not show {path.name} as it is"
+        assert path.read_text() in blocks, (f"docs/integrations.md does not show {path.name} as it is: "
+                                            "paste the file whole into its ```python block")
