@@ -35,6 +35,10 @@ function Overview({ id, detail }) {
             <KeyValues object={detail.network} label="Network settings" empty="Default network settings." /></section>
           <section aria-labelledby="limits-title"><h2 id="limits-title">Limits</h2>
             <KeyValues object={detail.limits} label="Limits" /></section>
+          {detail.lifecycle && (
+            <section aria-labelledby="lifecycle-title"><h2 id="lifecycle-title">Lifecycle</h2>
+              <KeyValues object={detail.lifecycle} label="Lifecycle" /></section>
+          )}
           <section aria-labelledby="policy-title" class="wide"><h2 id="policy-title">Policy</h2>
             <KeyValues object={detail.policy} label="Policy" empty="No policy." /></section>
         </div>
