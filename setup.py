@@ -9,9 +9,11 @@ a host would otherwise need build tools for at run time.
   refuse exec policies).
 * The JS/TS contexts' parser and transpiler: of agentcell/runtime/js/node_modules (`npm ci`, run here
   if it is missing), only the files runner.js and transform.js load, their package.json and licenses.
+* The web console's pages (console/), built by scripts/build-console (npm ci + esbuild) into
+  agentcell/console/static/: the wheel ships the built files, so a host needs no Node.js for /ui.
 
-An editable install (`pip install -e`, scripts/setup) gets neither: a checkout compiles the tracer at a
-server's start and has its node_modules from scripts/setup.
+An editable install (`pip install -e`, scripts/setup) gets none of them here: a checkout compiles the tracer at a
+server's start and has its node_modules and the console's built pages from scripts/setup.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ JS_FILES = {
     "typescript": ("package.json", "LICENSE.txt", "ThirdPartyNoticeText.txt", "lib/typescript.js"),
 }
 WITHOUT_TRACER = "AGENTCELL_WHEEL_WITHOUT_TRACER"
+CONSOLE_STATIC = Path("agentcell/console/static")
 
 
 class WheelBuildError(RuntimeError):
@@ -96,6 +99,26 @@ def vendor_js(build_lib: Path) -> None:
             shutil.copy2(modules / pkg / f, target / pkg / f)
 
 
+def build_console(build_lib: Path) -> None:
+    """The console's pages built from console/ (its package-lock.json pins them) and copied into the wheel.
+    Without Node.js here, the pages the tree has built already (scripts/build-console) go in, as they are."""
+    built = ROOT / CONSOLE_STATIC / "index.html"
+    has_node = shutil.which("npm") is not None and shutil.which("node") is not None and shutil.which("bash") is not None
+    if (ROOT / "console" / "package.json").is_file() and has_node:  # a checkout (an sdist may ship them built)
+        _say("building the web console (scripts/build-console: npm ci + esbuild in console/)")
+        done = subprocess.run(["bash", str(ROOT / "scripts" / "build-console")], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise WheelBuildError(f"scripts/build-console failed: {(done.stderr or done.stdout).strip()[-2000:]}")
+    elif built.is_file():
+        _say(f"no Node.js here: the web console as built before in {CONSOLE_STATIC} goes into the wheel")
+    if not built.is_file():
+        raise WheelBuildError(f"{CONSOLE_STATIC} has no built console and there is no Node.js to build it: install "
+                              "nodejs and npm (apt install nodejs npm), or run `bash scripts/build-console` first")
+    target = build_lib / CONSOLE_STATIC
+    shutil.rmtree(target, ignore_errors=True)  # an earlier build's, with other hashed names
+    shutil.copytree(ROOT / CONSOLE_STATIC, target)
+
+
 class BuildPy(build_py):
     def run(self) -> None:
         super().run()
@@ -103,6 +126,7 @@ class BuildPy(build_py):
             return
         build_lib = Path(self.build_lib)
         vendor_js(build_lib)
+        build_console(build_lib)
         compile_bpf(build_lib)
 
 

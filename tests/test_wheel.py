@@ -226,6 +226,10 @@ def test_the_wheel_holds_the_compiled_tracer_and_only_the_js_files_that_run(whee
     assert {n[len(modules):] for n in names if n.startswith(modules)} == JS_VENDORED
     assert not re.search(r"\.d\.ts|diagnosticMessages|\.bin/|tsserver|/bin/|\.map\b", listing)
     assert {"agentcell/runtime/js/runner.js", "agentcell/runtime/js/transform.js"} <= names
+    # the web console's pages, built (scripts/build-console): the index and the assets it names
+    index = zipfile.ZipFile(wheel).read("agentcell/console/static/index.html").decode()
+    assets = re.findall(r'"/ui/assets/([^"]+)"', index)
+    assert len(assets) == 2 and {f"agentcell/console/static/assets/{a}" for a in assets} <= names
     size = wheel.stat().st_size
     print(f"\nwheel: {wheel.name} {size / 1e6:.2f} MB, {len(names)} files")
     assert size < 4_000_000  # (typescript.js is 9 MB of it unpacked, ~2 MB compressed)

@@ -165,6 +165,11 @@ def _tls(opts: dict[str, Any]) -> None:
 @click.option("--max-snapshots", default=1000, show_default=True, type=click.IntRange(0), help="Snapshots kept at once.")
 @click.option("--max-fork", default=16, show_default=True, type=click.IntRange(1, 256),
               help="Most sandboxes one fork may make.")
+@click.option("--console/--no-console", default=True, show_default=True,
+              help="Serve the web console at /ui (sign-in with the API key): docs/console.md.")
+@click.option("--console-viewer-key", default=None, envvar="AGENTCELL_CONSOLE_VIEWER_KEY",
+              help="A second key that signs in to the console read-only (viewer role).")
+@key_file_option("console_viewer_key", "AGENTCELL_CONSOLE_VIEWER_KEY_FILE", "the console's viewer key")
 @click.option("--record/--no-record", default=True, show_default=True,
               help="Keep every sandbox's behaviour record (processes, files, network, denials, limits, API calls).")
 @click.option("--record-collectors", default=",".join(COLLECTOR_NAMES), show_default=True, metavar="LIST",
@@ -269,8 +274,10 @@ def serve(ctx: click.Context, **opts: Any) -> None:
     from agentcell.server.hosts import HostPolicy, check_exposure
 
     resolve_key(ctx, opts, "api_key")
+    if resolve_key(ctx, opts, "console_viewer_key") is not None and opts["console_viewer_key"] == opts["api_key"]:
+        raise click.BadParameter("is the API key: a viewer key must differ from it", param_hint="--console-viewer-key")
     _tls(opts)
-    warn_exposed_keys(ctx, ("api_key",))
+    warn_exposed_keys(ctx, ("api_key", "console_viewer_key"))
     ceilings = {name: opts.pop(f"max_{flag}") for name, flag in (
         ("memory_mb", "memory_mb"), ("pids", "pids"), ("cpu_count", "cpus"), ("disk_mb", "disk_mb"),
         ("open_files", "open_files"))}
@@ -364,6 +371,11 @@ def serve(ctx: click.Context, **opts: Any) -> None:
 @click.option("--max-body-memory-mb", default=64, show_default=True, type=click.IntRange(8, 1 << 20),
               help="Create bodies held in memory at once (the only bodies the gateway holds; others stream); "
                    "more creates wait.")
+@click.option("--console/--no-console", default=True, show_default=True,
+              help="Serve the web console at /ui, across the cells (sign-in with --api-key): docs/console.md.")
+@click.option("--console-viewer-key", default=None, envvar="AGENTCELL_CONSOLE_VIEWER_KEY",
+              help="A second key that signs in to the console read-only (viewer role).")
+@key_file_option("console_viewer_key", "AGENTCELL_CONSOLE_VIEWER_KEY_FILE", "the console's viewer key")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 @_LOG_FORMAT
@@ -379,9 +391,11 @@ def gateway(ctx: click.Context, **opts: Any) -> None:
 
     resolve_key(ctx, opts, "api_key")
     resolve_key(ctx, opts, "cell_api_key")
+    if resolve_key(ctx, opts, "console_viewer_key") is not None and opts["console_viewer_key"] == opts["api_key"]:
+        raise click.BadParameter("is the API key: a viewer key must differ from it", param_hint="--console-viewer-key")
     _tls(opts)
     logs.configure(opts["log_level"], opts["log_format"])
-    warn_exposed_keys(ctx, ("api_key", "cell_api_key"))
+    warn_exposed_keys(ctx, ("api_key", "cell_api_key", "console_viewer_key"))
     if not is_loopback(opts["host"]) and opts["api_key"] is None and not opts["insecure_no_auth"]:
         raise click.ClickException(f"refusing to listen on {opts['host']!r} without an API key: pass --api-key KEY, "
                                    "listen on 127.0.0.1, or pass --insecure-no-auth")
@@ -398,7 +412,7 @@ def gateway(ctx: click.Context, **opts: Any) -> None:
     listen = Listen(opts["host"], opts["port"], opts["tls_cert"] is not None, opts["discovery"])  # the banner's
     app = GatewayApp(discovery, opts["api_key"], opts["cell_api_key"], opts["poll_interval"],
                      body_timeout=opts["body_timeout"], max_body_memory=opts["max_body_memory_mb"] << 20,
-                     listen=listen)
+                     listen=listen, console=opts["console"], console_viewer_key=opts["console_viewer_key"])
     run_gateway(app, opts["host"], opts["port"], opts["log_level"], header_timeout=opts["header_timeout"],
                 max_connections=opts["max_connections"], tls=(opts["tls_cert"], opts["tls_key"]),
                 log_format=opts["log_format"])

@@ -40,6 +40,7 @@ from urllib.parse import parse_qsl
 import httpx
 from starlette.responses import JSONResponse, Response
 
+from agentcell.console import mount as console_mount
 from agentcell.gateway import banner, listing, signed, snapshots
 from agentcell.gateway.bodies import read_held
 from agentcell.gateway.cells import CellState, CellTable
@@ -160,8 +161,10 @@ class _Capture:
 class GatewayApp:
     def __init__(self, discovery: Discovery, api_key: str | None, cell_api_key: str | None,
                  poll_interval: float = 1.0, body_timeout: float = 30.0, max_body_memory: int = 64 << 20,
-                 listen: banner.Listen | None = None) -> None:
-        """`listen`: how it is exposed, for the startup banner (none without)."""
+                 listen: banner.Listen | None = None, console: bool = True,
+                 console_viewer_key: str | None = None) -> None:
+        """`listen`: how it is exposed, for the startup banner (none without); `console`: serve the web
+        console at /ui, across the cells (docs/console.md)."""
         self.discovery = discovery
         self.api_key = api_key
         self.cell_api_key = cell_api_key if cell_api_key is not None else api_key
@@ -173,6 +176,7 @@ class GatewayApp:
         self.cells.on_poll_failed = lambda: self.metrics.failed("cell_poll_failed")
         self._metrics_endpoint = prometheus.endpoint(self.metrics, api_key)  # as the server's: key or Bearer
         self.edge = AccessLog(BodyDeadline(self.route, body_timeout), self.metrics)
+        self.console = console_mount.for_gateway(self, console_viewer_key) if console else None
 
     # --- lifespan --------------------------------------------------------------------------------
 
@@ -231,6 +235,10 @@ class GatewayApp:
         except routing.RoutingError as e:  # the cell would refuse it too: it never gets it
             note(route="invalid")
             await json_error(400, str(e))(scope, receive, send)
+            return
+        if where is None and self.console is not None and console_mount.mounted(scope["path"]):
+            note(route="console")
+            await self.console(scope, receive, send)  # its own sign-in; its calls come back through here
             return
         route = classify(scope, where)
         note(route=route)

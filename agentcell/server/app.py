@@ -24,6 +24,7 @@ from starlette.routing import Route
 from agentcell import logs
 from agentcell.backends import get_backend
 from agentcell.backends.base import Backend, set_sandbox_id_prefix
+from agentcell.console import mount as console_mount
 from agentcell.mcp.mounted import PATH as MCP_PATH
 from agentcell.mcp.mounted import MountedMcp
 from agentcell.network.service import EgressSettings
@@ -170,6 +171,7 @@ class AgentcellApp:
         # /mcp: agentcell's MCP server (agentcell/mcp/mounted.py); --no-mcp: none
         self.mcp = MountedMcp(config, lambda scope: self.tenancy.peer_credential(scope) is not None) \
             if config.mcp else None
+        self.console = console_mount.for_server(self) if config.console else None  # /ui: docs/console.md
 
     async def _lifespan(self, receive: Any, send: Any) -> None:
         while True:
@@ -235,6 +237,9 @@ class AgentcellApp:
             target = _route_target(scope)
         except routing.RoutingError as e:
             await json_error(400, str(e))(scope, receive, send)
+            return
+        if target is None and self.console is not None and console_mount.mounted(scope["path"]):
+            await self.console(scope, receive, send)  # its own sign-in; its calls come back through here
             return
         if target is None and scope["path"] == "/files" and scope["method"] in ("GET", "POST"):
             await self._signed_files(scope, receive, send)

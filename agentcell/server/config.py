@@ -25,6 +25,8 @@ class ServerConfig:
     port: int = 3000
     uds: str | None = None  # serve on this unix socket instead of host:port
     api_key: str | None = None  # None = accept any X-API-KEY (the SDK always sends one)
+    console: bool = True  # the web console at /ui (--no-console: off; docs/console.md)
+    console_viewer_key: str | None = None  # a key that signs in to the console read-only
     max_sandboxes: int = 1000
     standbys: int = 4  # sandboxes kept prepared ahead of creates (with the default limits)
     limits: Limits = field(default_factory=Limits)  # default limits of a new sandbox

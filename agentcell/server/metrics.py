@@ -52,6 +52,19 @@ class MetricsHistory:
         self._data[i:i + _FIELDS] = array("d", row)
         self._head = (self._head + 1) % self._capacity
 
+    def last(self, n: int) -> array:
+        """The newest `n` samples as one flat array (_FIELDS doubles each), oldest first: the console's
+        sparklines take columns of it by slicing (`flat[1::5]`: CPU %), with no scan of the ring."""
+        count = len(self)
+        k = min(n, count)
+        if count < self._capacity:  # not yet wrapped: the samples are in order
+            return self._data[(count - k) * _FIELDS:count * _FIELDS]
+        start = (self._head + count - k) % self._capacity
+        end = start + k
+        if end <= self._capacity:
+            return self._data[start * _FIELDS:end * _FIELDS]
+        return self._data[start * _FIELDS:] + self._data[:(end - self._capacity) * _FIELDS]
+
     def between(self, start: float, end: float) -> list[tuple[float, ...]]:
         n, out = len(self), []
         for k in range(n):
