@@ -372,6 +372,14 @@ def test_secrets_never_enter_the_sandbox(make, egress_server: ServerProcess) -> 
     events = list(sbx.events())
     assert any(e.get("rule") == "secret" and e.get("secrets") == ["API_KEY"] for e in events)
     assert any(e.get("rule") == "secret-elsewhere" and e.get("secret") == "API_KEY" for e in events)
+    # the report's signatures: the secret used (named, info) and sent where it may not go
+    sigs = {s["signature"]: s for s in sbx.report()["signatures"]}
+    cited = {e["seq"]: e for e in events}
+    assert sigs["secrets-used"]["severity"] == "info" and sigs["secrets-used"]["why"].endswith(": API_KEY")
+    assert all(cited[q]["secrets"] == ["API_KEY"] for q in sigs["secrets-used"]["events"])
+    assert sigs["secret-misuse"]["severity"] == "high" and "denied-egress" in sigs
+    page = sbx.report(format="html")
+    assert "Secrets used" in page and "API_KEY" in page and value not in page
     # no API response carries the value
     info = httpx.get(f"{egress_server.url}/sandboxes/{sbx.sandbox_id}", headers={"X-API-KEY": "x"}).text
     assert value not in info and "secret.test" in info

@@ -47,7 +47,8 @@ def test_each_flag_cites_its_events() -> None:
     )
     flags = _flags(events)
     assert flags == {"cloud-metadata": [1], "host-or-lan": [2], "privilege-syscalls": [3], "persistence": [5],
-                     "sensitive-paths": [7], "crypto-mining": [8], "cpu-bound": [9]}
+                     "sensitive-paths": [7], "crypto-mining": [8], "cpu-bound": [9],
+                     "denied-egress": [1, 2], "credential-read": [7]}
 
 
 def test_scans_and_processes_left_behind() -> None:

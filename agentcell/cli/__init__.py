@@ -1,8 +1,9 @@
 """The `agentcell` command (docs/cli.md). Each group of subcommands has a module of its own: serve.py
 (the server and the gateway), sandboxes.py (create, ls, info, pause, resume, kill), exec.py (exec,
-run), shell.py, files.py (cp), snapshots.py, record.py (events, logs, report), completion.py, and
-client.py (demo). target.py says which server a command talks to, errors.py how a command fails
-(one line and a hint, no traceback), output.py how it prints (text or --json).
+run), shell.py, files.py (cp), snapshots.py, record.py (events, logs, report), mcp.py (the MCP
+server), completion.py, and client.py (demo). target.py says which server a command talks to,
+errors.py how a command fails (one line and a hint, no traceback), output.py how it prints (text or
+--json).
 
 Text outputs pass every value a tenant or a client chose (ids, templates, metadata, a report's argv
 and paths) through text_escape, so none can write to the operator's terminal; JSON outputs are JSON
@@ -33,6 +34,7 @@ from agentcell.cli import (  # noqa: E402,F401
     doctor,
     exec,
     files,
+    mcp,
     record,
     sandboxes,
     serve,

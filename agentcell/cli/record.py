@@ -68,14 +68,28 @@ def _value(v: Any) -> str:
 @main.command()
 @sandbox_id_arg
 @json_option
+@click.option("--html", "as_html", is_flag=True, help="One self-contained HTML page (to stdout, or to -o FILE).")
+@click.option("-o", "--output", type=click.Path(dir_okay=False, writable=True), default=None,
+              help="Write the report to FILE instead of printing it.")
 @server_options
-def report(sandbox_id: str, as_json: bool, target: Target) -> None:
-    """A sandbox's behaviour report: processes, files, hosts, denials, limits and flags."""
+def report(sandbox_id: str, as_json: bool, as_html: bool, output: str | None, target: Target) -> None:
+    """A sandbox's behaviour report: processes, files, hosts, denials, limits and signatures."""
     from agentcell import Sandbox
 
+    if as_json and as_html:
+        raise click.UsageError("--json and --html: choose one")
     target.require_server("report")
-    got = Sandbox.report(about(sandbox_id), format="json" if as_json else "text", **target.sdk)
-    if as_json:
+    fmt = "html" if as_html else "json" if as_json else "text"
+    got = Sandbox.report(about(sandbox_id), format=fmt, **target.sdk)
+    if output is not None or as_html:
+        data = json.dumps(got, indent=2) + "\n" if as_json else str(got)
+        if output is None:  # (a server's HTML has no control character; escape_text keeps it so on a terminal)
+            click.echo(escape_text(data), nl=False)
+        else:
+            with open(output, "w", encoding="utf-8", errors="backslashreplace") as f:
+                f.write(data)
+            click.echo(f"wrote {escape(output)}", err=True)
+    elif as_json:
         print_json(got)
     else:
         # the server's text escapes every value already; escape_text leaves that as it is and covers a

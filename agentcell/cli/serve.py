@@ -190,6 +190,8 @@ def _tls(opts: dict[str, Any]) -> None:
                    "a reserved share; more are counted as dropped.")
 @click.option("--events-max-mb", default=1024, show_default=True, type=click.IntRange(16),
               help="Disk the behaviour records of all sandboxes may take (the oldest ended ones go first).")
+@click.option("--mcp/--no-mcp", "mcp", default=True, show_default=True,
+              help="Serve agentcell's MCP server at /mcp, under the API key (docs/mcp.md).")
 @click.option("--audit-log", default=None, metavar="PATH|-",
               help="Also write every event of every sandbox as a JSON line to this file ('-': stdout), for a SIEM.")
 @click.option("--system", is_flag=True,

@@ -13,6 +13,8 @@ A flag cites the `seq` of up to MAX_CITED stored events it rests on and counts e
 raised it (`count`), and how many of those are not in the record (`not_stored`). `record-incomplete`
 says events were lost: refused by the store's bounds or lost by a collector (its `count` is the
 number of events known lost). Everything here is bounded per record, whatever the sandbox does.
+The report shows each flag as a signature, with a severity and a title (record/signatures.py, which
+also holds the matchers the newer rules call: reverse shells, credential files, privilege escalation).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import ipaddress
 import re
 from collections.abc import Callable, Iterable
 from typing import Any
+
+from agentcell.record import signatures as rules
 
 METADATA_ADDRESSES = frozenset({"169.254.169.254", "169.254.170.2", "100.100.100.200", "fd00:ec2::254",
                                 "169.254.169.123", "metadata.google.internal"})
@@ -60,20 +64,29 @@ WHY = {
     "scanning": f"tried {SCAN_HOSTS} addresses or more, or {SCAN_PORTS} ports or more on one",
     "record-incomplete": "events were lost before they could be kept: the record misses some of what happened",
     "secret-misuse": "tried to send a secret (or a rule's header) where it may not go: another host, or plaintext",
+    "reverse-shell": "a command line that wires a shell to a network socket (a reverse shell)",
+    "credential-read": "named or reached for credential files (shadow, ssh keys, cloud or registry credentials)",
+    "privilege-escalation": "reached for root: sudo/su/pkexec/doas, a setuid or setgid bit, or the account files",
+    "denied-egress": "tried hosts or addresses the network policy denies",
+    "secrets-used": "the egress proxy put secrets in its requests",
 }
+# net.deny rules that are no decision about the host (an upstream that failed, a malformed request)
+NOT_A_HOST_DECISION = frozenset({"upstream", "tls-handshake", "unparsed", "body-too-large", "proxy-budget"})
+MAX_SECRET_NAMES = 32  # names a secrets-used flag lists (a sandbox has at most 32 secrets)
 INCOMPLETE = "record-incomplete"
 
 
 class FlagSet:
     """The flags of one record, raised as its events are seen (`see`), in order."""
 
-    __slots__ = ("_flags", "_live", "_ports", "_lost", "dirty")
+    __slots__ = ("_flags", "_live", "_ports", "_lost", "_secrets", "dirty")
 
     def __init__(self) -> None:
         self._flags: dict[str, list[Any]] = {}  # name -> [cited seqs, count, not stored, why]
         self._live: dict[int, tuple[float, int | None]] = {}  # pid -> (exec time, seq): processes running
         self._ports: dict[str, set[int]] | None = {}  # address -> ports tried; None once scanning is flagged
         self._lost: dict[str, int] = {}  # reason -> events lost
+        self._secrets: set[str] = set()  # names of the secrets the proxy put in requests
         self.dirty = False  # changed since the store last kept it
 
     # -- seeing events -------------------------------------------------------------------------------
@@ -123,8 +136,16 @@ class FlagSet:
                 line = " ".join(map(str, argv))
         else:
             line = str(e.get("path") or "")
-        if _MINER_RE.search(line.lower()):
+        line = line.lower()
+        if _MINER_RE.search(line):
             self.raise_flag("crypto-mining", seq)
+        if rules.worth_a_look(line):
+            if rules.reverse_shell(line):
+                self.raise_flag("reverse-shell", seq)
+            if rules.credential_path(line):
+                self.raise_flag("credential-read", seq)
+        if rules.escalation_command(e.get("path"), argv):
+            self.raise_flag("privilege-escalation", seq)
         pid, at = e.get("pid"), e.get("time")
         if isinstance(pid, int) and pid != 1 and isinstance(at, int | float) \
                 and (pid in self._live or len(self._live) < MAX_LIVE):
@@ -137,8 +158,12 @@ class FlagSet:
 
     def _file(self, e: dict[str, Any], seq: int | None) -> None:
         to = e.get("to")  # a rename's; (deleting one is not persisting: no rule for file.delete)
-        if _persistence(e.get("path")) or (to is not None and _persistence(to)):
+        path = e.get("path")
+        if _persistence(path) or (to is not None and _persistence(to)):
             self.raise_flag("persistence", seq)
+        if rules.privileged_file(path) or rules.privileged_file(to) \
+                or (e.get("kind") == "file.chmod" and rules.setuid_mode(e.get("mode"))):
+            self.raise_flag("privilege-escalation", seq)
 
     def _network(self, e: dict[str, Any], seq: int | None) -> None:
         dst = e.get("dst")
@@ -146,6 +171,13 @@ class FlagSet:
             if isinstance(dst, str) and dst else None
         if where:
             self.raise_flag(where, seq)
+        kind = e.get("kind")
+        if (kind == "net.deny" and e.get("rule") not in NOT_A_HOST_DECISION) \
+                or (kind == "dns.query" and e.get("verdict") == "denied"):
+            self.raise_flag("denied-egress", seq)
+        used = e.get("secrets")
+        if used and isinstance(used, list):
+            self._secrets_used(used, seq)
         port = e.get("dport")
         ports = self._ports
         if ports is not None and isinstance(port, int) and dst:
@@ -175,9 +207,24 @@ class FlagSet:
                 self.raise_flag("privilege-syscalls", seq)
         else:
             self.raise_flag("sensitive-paths", seq)
+            path = e.get("path")
+            if isinstance(path, str) and rules.credential_path(path):
+                self.raise_flag("credential-read", seq)
+            if kind == "deny.write" and rules.privileged_file(path):
+                self.raise_flag("privilege-escalation", seq)
 
     def _secret(self, e: dict[str, Any], seq: int | None) -> None:
         self.raise_flag("secret-misuse", seq)
+        self.raise_flag("denied-egress", seq)
+
+    def _secrets_used(self, names: list[Any], seq: int | None) -> None:
+        """A request the proxy put secrets in (net.connect's `secrets`): named in the flag's why, never
+        a value (the record holds none)."""
+        new = {str(n)[:128] for n in names} - self._secrets
+        if new and len(self._secrets) < MAX_SECRET_NAMES:
+            self._secrets |= set(sorted(new)[:MAX_SECRET_NAMES - len(self._secrets)])
+        self.raise_flag("secrets-used", seq)
+        self._flags["secrets-used"][3] = f"{WHY['secrets-used']}: {', '.join(sorted(self._secrets))}"
 
     def _cpu(self, e: dict[str, Any], seq: int | None) -> None:
         self.raise_flag("cpu-bound", seq)
@@ -229,6 +276,9 @@ class FlagSet:
         fs._lost = {str(k): int(v) for k, v in (kept.get("lost") or {}).items()}
         if "scanning" in fs._flags:
             fs._ports = None
+        used = fs._flags.get("secrets-used")
+        if used is not None and ": " in used[3]:  # the names it listed, going on from them
+            fs._secrets = set(used[3].split(": ", 1)[1].split(", "))
         return fs
 
 

@@ -1,6 +1,9 @@
 """A sandbox's behaviour record, summed up for a security reviewer (issue 10): the process tree, the
 files touched, the hosts contacted, what was refused, the limits hit, and flags for behaviour worth a
-look, each citing the events (their `seq`) it rests on.
+look, each citing the events (their `seq`) it rests on; the flags again as `signatures`, with a
+severity and a title (record/signatures.py), the most severe first; and what the HTML report
+(record/report_html.py) shows besides: the process tree nested, the connections and DNS names, the
+timeline (its first MAX_TIMELINE events, and every event a signature cites).
 
 Built from the stored events (record/store.py), so it works as well after the sandbox is gone; its
 flags (record/flags.py) are those of a pass over the stored events merged with those the store raised
@@ -15,16 +18,28 @@ from collections.abc import Iterable
 from typing import Any
 
 from agentcell.record import flags as flag_rules
+from agentcell.record import signatures
 from agentcell.text_escape import escape
 
 MAX_LISTED = 50  # entries per list in the report
 MAX_TRACKED = 5000  # files, hosts and live processes a report keeps track of (its memory stays bounded)
+MAX_TREE = 10 * MAX_LISTED  # processes in the tree
+MAX_TIMELINE = 5000  # events in the timeline (the first ones), ...
+MAX_FLAGGING = 1000  # ... and those past it that raised a signature
+MAX_DEPTH = 48  # the tree's depth: a deeper process is shown at the top, marked (a chain of execs stays readable)
 
 
 def build(events: Iterable[dict[str, Any]], summary: dict[str, Any] | None = None) -> dict[str, Any]:
     """The report of one sandbox from its events (oldest first)."""
     procs: dict[int, dict[str, Any]] = {}  # pid -> its latest exec (pids are reused: latest wins)
     tree: list[dict[str, Any]] = []
+    parents: list[int | None] = []  # tree[i]'s parent: an index in tree (its parent's latest exec then)
+    index: dict[int, int] = {}  # id(node) -> its index in tree
+    timeline: list[dict[str, Any]] = []
+    flagging: list[dict[str, Any]] = []  # events past the timeline that raised a flag
+    conns: dict[tuple[str, Any, Any], dict[str, Any]] = {}
+    dns: dict[str, dict[str, Any]] = {}
+    total = 0
     files: dict[str, dict[str, Any]] = {}
     hosts: dict[str, dict[str, Any]] = {}
     denials: list[dict[str, Any]] = []
@@ -37,7 +52,13 @@ def build(events: Iterable[dict[str, Any]], summary: dict[str, Any] | None = Non
 
     for e in events:
         seq = e.get("seq")
+        flags.dirty = False
         flags.see(e, seq if isinstance(seq, int) else None)
+        total += 1
+        if total <= MAX_TIMELINE:
+            timeline.append(_row(e))
+        elif flags.dirty and len(flagging) < MAX_FLAGGING:
+            flagging.append(_row(e))
         kind = str(e.get("kind"))
         kinds[kind] += 1
         t = e.get("time")
@@ -46,18 +67,23 @@ def build(events: Iterable[dict[str, Any]], summary: dict[str, Any] | None = Non
         if kind == "process.exec":
             node = {"pid": e.get("pid"), "ppid": e.get("ppid"), "path": e.get("path"), "argv": e.get("argv"),
                     "uid": e.get("uid"), "start": t, "end": None, "exit": None, "seq": e.get("seq")}
+            before = procs.get(e["pid"]) if isinstance(e.get("pid"), int) else None
+            parent = before if before is not None else procs.get(e["ppid"]) if isinstance(e.get("ppid"), int) else None
             if isinstance(e.get("pid"), int) and (e["pid"] in procs or len(procs) < MAX_TRACKED):
-                before = procs.get(e["pid"])
                 if before is not None:  # the same process ran a new program (exec without fork)
                     before["end"], before["exit"] = t, "exec"
                 procs[e["pid"]] = node
-            if len(tree) < 10 * MAX_LISTED:
+            if len(tree) < MAX_TREE:
+                index[id(node)] = len(tree)
+                parents.append(index.get(id(parent)) if parent is not None else None)
                 tree.append(node)
         elif kind == "process.exit":
             node = procs.pop(e.get("pid"), None) if isinstance(e.get("pid"), int) else None
             if node is not None:
                 node["end"] = t
                 node["exit"] = e.get("signal") or e.get("code")
+                if isinstance(e.get("duration_s"), int | float):
+                    node["duration_s"] = e["duration_s"]
         elif kind.startswith("file."):
             path = str(e.get("path"))
             if path not in files and len(files) >= MAX_TRACKED:
@@ -82,6 +108,10 @@ def build(events: Iterable[dict[str, Any]], summary: dict[str, Any] | None = Non
             h["bytes_in"] += int(e.get("bytes_in") or 0)
             if denied and len(denials) < MAX_LISTED * 2:
                 denials.append(_brief(e))
+            if kind == "dns.query":
+                _dns(dns, e)
+            else:
+                _connection(conns, e, kind, denied)
         elif kind.startswith("deny."):
             if len(denials) < MAX_LISTED * 2:
                 denials.append(_brief(e))
@@ -95,12 +125,22 @@ def build(events: Iterable[dict[str, Any]], summary: dict[str, Any] | None = Non
     summary = dict(summary or {})
     seen = summary.pop("flags_seen", None) or []  # the store's, raised on every event (stored or not)
     end = summary.get("ended") or last
+    merged = flag_rules.merge(seen, flags.snapshot(end))
     return {
         **summary,
         "first_event": first, "last_event": last,
+        "template": next((e.get("template") for e in timeline[:5] if e.get("kind") == "sandbox.created"), None),
         "counts": dict(sorted(kinds.items())),
-        "flags": flag_rules.merge(seen, flags.snapshot(end)),
+        "signatures": signatures.from_flags(merged),
+        "flags": merged,
         "processes": tree[:MAX_LISTED * 4],
+        "process_tree": _nest(tree, parents),
+        "processes_total": kinds["process.exec"],
+        "connections": list(conns.values())[:MAX_LISTED * 4],
+        "dns": list(dns.values())[:MAX_LISTED * 4],
+        "timeline": timeline,
+        "timeline_flagged": flagging,
+        "timeline_total": total,
         "files": [{"path": f["path"], "ops": dict(f["ops"]), "size": f["size"]}
                   for f in list(files.values())[:MAX_LISTED * 4]],
         "hosts": [{**h, "addresses": sorted(h["addresses"])[:10], "ports": sorted(h["ports"])[:20]}
@@ -110,6 +150,78 @@ def build(events: Iterable[dict[str, Any]], summary: dict[str, Any] | None = Non
         "api_calls": dict(api),
         "not_recorded": not_recorded,
     }
+
+
+def _connection(conns: dict[tuple[str, Any, Any], dict[str, Any]], e: dict[str, Any], kind: str,
+                denied: bool) -> None:
+    """A connection's events summed per (address, port, protocol): the policy's verdicts and rules."""
+    key = (str(e.get("dst") or e.get("domain") or ""), e.get("dport"), e.get("proto"))
+    c = conns.get(key)
+    if c is None:
+        if len(conns) >= MAX_TRACKED:
+            return
+        c = conns[key] = {"dst": key[0], "dport": key[1], "proto": key[2], "domain": e.get("domain"),
+                          "allowed": 0, "denied": 0, "rules": [], "secrets": [], "bytes_out": 0, "bytes_in": 0,
+                          "seq": e.get("seq")}
+    c["denied" if denied else "allowed"] += 1
+    c["domain"] = c["domain"] or e.get("domain")
+    rule = e.get("rule")
+    if rule and rule not in c["rules"] and len(c["rules"]) < 8:
+        c["rules"].append(str(rule))
+    if kind == "secret.refused" or isinstance(e.get("secrets"), list):
+        for name in ([e.get("secret")] if kind == "secret.refused" else e["secrets"]):
+            if name and name not in c["secrets"] and len(c["secrets"]) < 8:
+                c["secrets"].append(str(name))
+    c["bytes_out"] += int(e.get("bytes_out") or 0)
+    c["bytes_in"] += int(e.get("bytes_in") or 0)
+
+
+def _dns(dns: dict[str, dict[str, Any]], e: dict[str, Any]) -> None:
+    """DNS queries summed per name: the types asked, the answers, the resolver's verdicts."""
+    name = str(e.get("domain") or "")
+    d = dns.get(name)
+    if d is None:
+        if len(dns) >= MAX_TRACKED:
+            return
+        d = dns[name] = {"domain": name, "types": [], "answers": [], "verdicts": {}, "count": 0, "seq": e.get("seq")}
+    d["count"] += 1
+    if e.get("type") and e["type"] not in d["types"] and len(d["types"]) < 8:
+        d["types"].append(str(e["type"]))
+    for a in e.get("answers") or () if isinstance(e.get("answers"), list) else ():
+        if a not in d["answers"] and len(d["answers"]) < 10:
+            d["answers"].append(str(a))
+    verdict = str(e.get("verdict") or e.get("rcode") or "?")
+    if verdict in d["verdicts"] or len(d["verdicts"]) < 8:
+        d["verdicts"][verdict] = d["verdicts"].get(verdict, 0) + 1
+
+
+def _nest(tree: list[dict[str, Any]], parents: list[int | None]) -> list[dict[str, Any]]:
+    """The processes as a tree: each with its `children` (a program exec'd without a fork is a child of
+    the one it replaced), the roots in order; `duration_s` from its exit, else from the times seen."""
+    nodes = []
+    for p in tree:
+        n = {**p, "children": []}
+        if n.get("duration_s") is None and isinstance(p.get("end"), int | float) and isinstance(p.get("start"), int | float):
+            n["duration_s"] = round(p["end"] - p["start"], 3)
+        nodes.append(n)
+    roots = []
+    depth = [0] * len(nodes)
+    for i, n in enumerate(nodes):
+        parent = parents[i]  # (always an earlier node)
+        if parent is not None and depth[parent] + 1 >= MAX_DEPTH:
+            n["deeper"] = True  # its parent is in the tree, too deep to nest under
+            parent = None
+        if parent is None:
+            roots.append(n)
+        else:
+            depth[i] = depth[parent] + 1
+            nodes[parent]["children"].append(n)
+    return roots
+
+
+def _row(e: dict[str, Any]) -> dict[str, Any]:
+    """An event as the timeline shows it: all but its sandbox_id (the report's own)."""
+    return {k: v for k, v in e.items() if k != "sandbox_id" and v is not None}
 
 
 def _brief(e: dict[str, Any]) -> dict[str, Any]:
@@ -123,11 +235,12 @@ def render(report: dict[str, Any]) -> str:
            f" ({escape(report.get('dropped') or 0)} dropped)"]
     if report["flags"]:
         out.append("\nFLAGS")
-        for f in report["flags"]:
+        for f in report.get("signatures") or report["flags"]:  # the most severe first
             cited = ", ".join(escape(s) for s in f["events"][:8])
             unstored = f"; {f['not_stored']} not stored" if f.get("not_stored") and f["flag"] != "record-incomplete" \
                 else ""
-            out.append(f"  ! {escape(f['flag'])}: {escape(f['why'])} (events {cited or '-'}{unstored})")
+            sev = f" [{escape(f['severity'])}]" if f.get("severity") else ""
+            out.append(f"  !{sev} {escape(f['flag'])}: {escape(f['why'])} (events {cited or '-'}{unstored})")
     else:
         out.append("\nno flags")
     missing = report.get("not_recorded") or {}

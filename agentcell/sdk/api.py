@@ -287,6 +287,6 @@ def events_query(kinds: str | list[str] | None, since: float | datetime | None, 
 
 
 def report_query(format: str) -> dict[str, str]:
-    if format not in ("json", "text"):
-        raise InvalidArgumentException(f"format must be 'json' or 'text', got {format!r}")
+    if format not in ("json", "text", "html"):
+        raise InvalidArgumentException(f"format must be 'json', 'text' or 'html', got {format!r}")
     return {"format": format}

@@ -428,4 +428,4 @@ async def _report(config: ConnectionConfig, sandbox_id: str, format: str,
                   request_timeout: float | None) -> dict[str, Any] | str:
     r = await api.acall(config, "GET", f"/sandboxes/{sandbox_id}/report", params=api.report_query(format),
                         sandbox_id=sandbox_id, request_timeout=request_timeout)
-    return r.text if format == "text" else r.json()
+    return r.json() if format == "json" else r.text

@@ -219,7 +219,8 @@ class Sandbox(ConnectedSandbox):
     @hybrid("_cls_report")
     def report(self, format: str = "json", request_timeout: float | None = None) -> dict[str, Any] | str:
         """agentcell extension: the behaviour record summed up for a reviewer (processes, files,
-        hosts, denials, limits, flags citing events); `format="text"` for the text a person reads.
+        hosts, denials, limits, signatures citing events); `format="text"` for the text a person
+        reads, `format="html"` for one self-contained HTML page (a string).
         Also ``Sandbox.report(sandbox_id)``, after the sandbox is gone too."""
         return _report(self._conn.config, self.sandbox_id, format, request_timeout)
 
@@ -420,4 +421,4 @@ def _events(config: ConnectionConfig, sandbox_id: str, kinds: str | list[str] | 
 def _report(config: ConnectionConfig, sandbox_id: str, format: str, request_timeout: float | None) -> dict[str, Any] | str:
     r = api.call(config, "GET", f"/sandboxes/{sandbox_id}/report", params=api.report_query(format),
                  sandbox_id=sandbox_id, request_timeout=request_timeout)
-    return r.text if format == "text" else r.json()
+    return r.json() if format == "json" else r.text

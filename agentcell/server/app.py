@@ -25,6 +25,8 @@ from agentcell import logs
 from agentcell.backends import get_backend
 from agentcell.backends.base import Backend, set_sandbox_id_prefix
 from agentcell.console import mount as console_mount
+from agentcell.mcp.mounted import PATH as MCP_PATH
+from agentcell.mcp.mounted import MountedMcp
 from agentcell.network.service import EgressSettings
 from agentcell.record import quiet
 from agentcell.record.store import ROW_BYTES, EventStore
@@ -166,6 +168,9 @@ class AgentcellApp:
                               self.metrics)
         self.state_lock: state_lock.StateDirLock | None = None  # held from startup to shutdown
         self.tenancy = Tenancy.from_config(config)  # --system: a unix-socket peer reaches only its own sandboxes
+        # /mcp: agentcell's MCP server (agentcell/mcp/mounted.py); --no-mcp: none
+        self.mcp = MountedMcp(config, lambda scope: self.tenancy.peer_credential(scope) is not None) \
+            if config.mcp else None
         self.console = console_mount.for_server(self) if config.console else None  # /ui: docs/console.md
 
     async def _lifespan(self, receive: Any, send: Any) -> None:
@@ -195,6 +200,8 @@ class AgentcellApp:
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
                 try:
+                    if self.mcp is not None:  # its sessions first: they kill their sandboxes through this server
+                        await self.mcp.stop()
                     await self.manager.close()
                     for b in (self.backend, *self.others.values()):
                         await b.close()
@@ -242,6 +249,9 @@ class AgentcellApp:
             return
         if target is None and scope["path"] == prometheus.PATH:  # the API key, also as a Bearer token
             await self._metrics_endpoint(scope, receive, send)
+            return
+        if target is None and scope["path"] == MCP_PATH and self.mcp is not None:  # checks the API key itself,
+            await self.mcp(scope, receive, send)  # also as a Bearer token (what MCP clients' configs send)
             return
         if target is None:
             try:

@@ -101,6 +101,7 @@ class ServerConfig:
     system: bool = False  # a group-shared unix socket; each sandbox belongs to the uid that made it
     socket_group: str = "agentcell"  # the group that may connect to the system socket
     system_tcp: bool = False  # the system service also listens on host:port (needs api_key)
+    mcp: bool = True  # serve agentcell's MCP server at /mcp (agentcell/mcp/mounted.py; --no-mcp: not)
     max_sandboxes_per_user: int | None = None  # with system: sandboxes one user may hold at once
     max_memory_mb_per_user: int | None = None  # with system: the memory their limits may add up to
     # --- templates from OCI images (agentcell/templates/; POST /templates/imports) ---

@@ -26,7 +26,7 @@ from agentcell.network.secrets import SecretError, SecretSet, parse_rules
 from agentcell.policy import model as policy_model
 from agentcell.policy.approvals import ApprovalDecided, ApprovalNotFound
 from agentcell.policy.model import Policy
-from agentcell.record import report
+from agentcell.record import report, report_html
 from agentcell.record.events import KIND_SET, KINDS
 from agentcell.record.store import EventStore
 from agentcell.server import api_events, policies, validate
@@ -719,11 +719,18 @@ class ControlPlane:
 
     async def report(self, request: Request) -> Response:
         """agentcell extension: the record summed up for a reviewer (record/report.py); JSON, or
-        ?format=text."""
+        ?format=text, or ?format=html (one self-contained page, record/report_html.py, under a CSP
+        that lets it load nothing)."""
         store, sandbox_id = self._recorded(request)
+        fmt = request.query_params.get("format") or "json"
+        if fmt not in ("json", "text", "html"):
+            raise HTTPError(400, f"format must be json, text or html, not {fmt[:20]!r}")
         async with self._reports:  # a report pages through up to 100,000 events: a few at a time
             built = await asyncio.to_thread(report.build, store.iterate(sandbox_id), store.summary(sandbox_id))
-        if request.query_params.get("format") == "text":
+            if fmt == "html":
+                page = await asyncio.to_thread(lambda: report_html.encode(report_html.render(built)))
+                return Response(page, media_type="text/html; charset=utf-8", headers=report_html.HEADERS)
+        if fmt == "text":
             return Response(report.render(built), media_type="text/plain; charset=utf-8")
         return JSONResponse(json.loads(json.dumps(built, default=_jsonable)))
 
