@@ -69,3 +69,19 @@ def test_startup_benchmark_runs_once() -> None:
     assert "runtime store: building /opt/agentcell/venv" in proc.stdout  # the first start's progress, shown
     for target in ("≤ 10 s", "≤ 2 s"):  # the targets, printed next to the figures
         assert target in proc.stdout, (target, proc.stdout)
+
+
+def test_report_benchmark_runs_with_tiny_counts() -> None:
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "report.py"), "--events", "2000", "--rounds", "1"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for row in ("build (JSON report)", "text render", "HTML render", "reverse-shell (critical)"):
+        assert row in proc.stdout, (row, proc.stdout)
+
+
+def test_mcp_benchmark_runs_with_tiny_counts() -> None:
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "mcp.py"), "--runs", "3"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for row in ("SDK run_code (TCP)", "MCP stdio", "MCP HTTP (/mcp of serve)", "MCP HTTP (agentcell mcp --http)"):
+        assert row in proc.stdout, (row, proc.stdout)
