@@ -444,10 +444,13 @@ def test_the_session_store_is_bounded_and_expires() -> None:
     ids = [store.create("admin")[0] for _ in range(4)]
     assert len(store) == 3 and store.get(ids[0]) is None and store.get(ids[3]) is not None
     assert store.get(ids[1]) is not None  # used: now the most recent
-    store.create("viewer")
+    store.create("admin")
     assert store.get(ids[2]) is None and store.get(ids[1]) is not None  # the least recently used went
+    viewers = [store.create("viewer")[0] for _ in range(5)]  # a viewer signing in again and again ...
+    assert all(store.get(i) is not None for i in (ids[1], ids[3]))  # ... pushes out no admin
+    assert len(store) == 6 and store.get(viewers[0]) is None and store.get(viewers[4]) is not None
     time.sleep(0.3)
-    assert store.get(ids[1]) is None and len(store) <= 2  # idle past idle_s
+    assert store.get(ids[1]) is None and len(store) <= 5  # idle past idle_s
     store.forget(ids[3])
     assert store.get(ids[3]) is None
 

@@ -2,8 +2,9 @@
 
 The page never holds the API key: signing in trades it for an opaque session id in an HttpOnly,
 SameSite=Strict cookie; the store maps the id (by its SHA-256) to a role and a CSRF token. Keys are
-compared in constant time. At most MAX_SESSIONS live at once (the least recently used goes first);
-one idle for IDLE_S expires. A restart signs everyone out.
+compared in constant time. At most MAX_SESSIONS of each role live at once (the least recently used of
+that role goes first: a viewer signing in again and again pushes out only viewers); one idle for IDLE_S
+expires. A restart signs everyone out.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 COOKIE = "agentcell_console"
-MAX_SESSIONS = 1000
+MAX_SESSIONS = 1000  # per role
 IDLE_S = 12 * 3600.0
 ADMIN, VIEWER = "admin", "viewer"
 
@@ -62,8 +63,9 @@ class SessionStore:
     def create(self, role: str) -> tuple[str, Session]:
         """A new session: (the cookie's value, the session)."""
         self._expire()
-        while len(self._by_digest) >= self.max_sessions:
-            self._by_digest.popitem(last=False)  # the least recently used
+        same_role = [d for d, s in self._by_digest.items() if s.role == role]  # least recently used first
+        for d in same_role[:max(0, len(same_role) - self.max_sessions + 1)]:
+            del self._by_digest[d]
         session_id = secrets.token_urlsafe(32)
         session = Session(role)
         self._by_digest[_digest(session_id)] = session
