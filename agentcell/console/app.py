@@ -10,6 +10,7 @@ server's own (the terminal's WebSocket must send it). A viewer session reads onl
 from __future__ import annotations
 
 import json
+import math
 import mimetypes
 import re
 from pathlib import Path
@@ -25,7 +26,7 @@ from agentcell.console.code_cell import CodeCells, parse_cell
 from agentcell.console.passthrough import PREFIX as PASS_PREFIX
 from agentcell.console.passthrough import passthrough
 from agentcell.console.responses import PAGE_CSP, error, framable, with_headers
-from agentcell.console.sessions import COOKIE, Session, SessionStore, csrf_ok, role_of
+from agentcell.console.sessions import COOKIE, Session, SessionStore, SignInThrottle, csrf_ok, role_of
 from agentcell.console.terminal import MAX_COLS, MAX_ROWS, Terminal, size_param
 from agentcell.console.upstream import Upstream, UpstreamError
 from agentcell.sdk.models import PtySize
@@ -124,6 +125,7 @@ class ConsoleApp:
         self.viewer_key = viewer_key
         self.static_dir = static_dir
         self.sessions = SessionStore()
+        self.throttle = SignInThrottle()  # wrong keys per client address
         self.cells = CodeCells(upstream)
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -208,11 +210,18 @@ class ConsoleApp:
             if not isinstance(key, str):
                 await error(400, 'send {"apiKey": "..."}')(scope, receive, send)
                 return
+            address = (scope.get("client") or ("?",))[0]
+            if (wait := self.throttle.wait_s(address)) > 0:
+                await error(429, f"too many wrong keys from {address}: try again in {math.ceil(wait)} s")(
+                    scope, receive, send)
+                return
             role = role_of(key, self.api_key, self.viewer_key)
             if role is None:
+                self.throttle.failed(address)
                 await error(401, "wrong key: sign in with the server's API key (or the console's viewer key)")(
                     scope, receive, send)
                 return
+            self.throttle.succeeded(address)
             self.sessions.forget(self._cookie(scope))  # a new id at each sign-in (no session fixation)
             session_id, session = self.sessions.create(role)
             response = JSONResponse(self._session_body(session))

@@ -101,3 +101,37 @@ class SessionStore:
 
 def csrf_ok(session: Session, token: str | None) -> bool:
     return token is not None and _equal(token, session.csrf)
+
+
+class SignInThrottle:
+    """Wrong keys are counted per client address: after FAILURES of them within WINDOW_S, that address's
+    sign-ins are refused (429) until the window passes, so a key cannot be guessed at the page's pace.
+    At most MAX_ADDRESSES are tracked (the least recently failed forgotten first); a right key clears
+    its address."""
+
+    FAILURES = 10
+    WINDOW_S = 60.0
+    MAX_ADDRESSES = 4096
+
+    def __init__(self) -> None:
+        self._failed: OrderedDict[str, list[float]] = OrderedDict()
+
+    def wait_s(self, address: str) -> float:
+        """Seconds before this address may try again (0: now)."""
+        times = self._recent(address)
+        return 0.0 if len(times) < self.FAILURES else times[0] + self.WINDOW_S - time.monotonic()
+
+    def failed(self, address: str) -> None:
+        times = self._recent(address)
+        times.append(time.monotonic())
+        self._failed[address] = times[-self.FAILURES:]
+        self._failed.move_to_end(address)
+        while len(self._failed) > self.MAX_ADDRESSES:
+            self._failed.popitem(last=False)
+
+    def succeeded(self, address: str) -> None:
+        self._failed.pop(address, None)
+
+    def _recent(self, address: str) -> list[float]:
+        cutoff = time.monotonic() - self.WINDOW_S
+        return [t for t in self._failed.get(address, ()) if t > cutoff]
