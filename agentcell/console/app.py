@@ -221,7 +221,6 @@ class ConsoleApp:
                 await error(401, "wrong key: sign in with the server's API key (or the console's viewer key)")(
                     scope, receive, send)
                 return
-            self.throttle.succeeded(address)
             self.sessions.forget(self._cookie(scope))  # a new id at each sign-in (no session fixation)
             session_id, session = self.sessions.create(role)
             response = JSONResponse(self._session_body(session))

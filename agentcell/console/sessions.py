@@ -106,8 +106,8 @@ def csrf_ok(session: Session, token: str | None) -> bool:
 class SignInThrottle:
     """Wrong keys are counted per client address: after FAILURES of them within WINDOW_S, that address's
     sign-ins are refused (429) until the window passes, so a key cannot be guessed at the page's pace.
-    At most MAX_ADDRESSES are tracked (the least recently failed forgotten first); a right key clears
-    its address."""
+    At most MAX_ADDRESSES are tracked (the least recently failed forgotten first). A right key does not
+    clear the count: a viewer key's holder could otherwise guess at the admin key without end."""
 
     FAILURES = 10
     WINDOW_S = 60.0
@@ -128,9 +128,6 @@ class SignInThrottle:
         self._failed.move_to_end(address)
         while len(self._failed) > self.MAX_ADDRESSES:
             self._failed.popitem(last=False)
-
-    def succeeded(self, address: str) -> None:
-        self._failed.pop(address, None)
 
     def _recent(self, address: str) -> list[float]:
         cutoff = time.monotonic() - self.WINDOW_S
