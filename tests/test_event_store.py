@@ -317,3 +317,22 @@ def test_a_database_from_before_the_flags_is_migrated(tmp_path: Path) -> None:
             await again.close()
 
     asyncio.run(main())
+
+
+def test_an_event_orjson_cannot_hold_is_stored_and_read_back(tmp_path: Path) -> None:
+    """A self-report with an integer past 64 bits: written by json, read back exactly (orjson would read it as a float)."""
+    async def main() -> None:
+        store = EventStore(tmp_path / "e.db")
+        await store.start()
+        try:
+            store.begin("a")
+            store.add("a", event("self.report", what="big", data={"n": (1 << 70) + 1}))
+            store.add("a", event("process.exec", pid=1, path="/bin/true"))
+            await _settle(store)
+            got = list(store.iterate("a"))
+            assert [e["kind"] for e in got] == ["self.report", "process.exec"]
+            assert got[0]["data"]["n"] == (1 << 70) + 1  # exactly: orjson would read it as a float
+        finally:
+            await store.close()
+
+    asyncio.run(main())
