@@ -279,6 +279,13 @@ def test_health(admin: httpx.Client, sbx: Sandbox) -> None:
     h = admin.get("/ui/api/health").json()
     assert h["kind"] == "server" and h["sandboxes"]["running"] >= 1 and h["sandboxes"]["max"] >= 1
     assert "record" in h and h["record"]["events"] > 0 and h["version"]
+    assert h["egress"]["uplink"].startswith("netns:"), h["egress"]
+    before = h["egress"]["refused"]
+    sbx.commands.run("python3 -c \"import socket; s = socket.socket(); s.settimeout(2); s.connect_ex(('169.254.169.254', 80))\"")
+    deadline = time.monotonic() + 15
+    while admin.get("/ui/api/health").json()["egress"]["refused"] <= before:  # the metadata address: refused
+        assert time.monotonic() < deadline, "the refused connection never reached the health page"
+        time.sleep(0.3)
 
 
 # --- files and code ------------------------------------------------------------------------------

@@ -47,12 +47,26 @@ async def server_health(app: Any) -> dict[str, Any]:
         }
     egress = getattr(app.backend, "egress", None)
     if egress is not None:
-        out["egress"] = {"uplink": config.egress_uplink, **egress.event_stats()}
+        out["egress"] = {"uplink": config.egress_uplink, **_egress_counts(app.metrics), **egress.event_stats()}
+    elif app.backend.name == "linux":  # --egress-uplink none: the sandboxes have no internet at all
+        out["egress"] = {"uplink": config.egress_uplink, "internet": "none (no uplink)"}
     if app.events is not None:
         stats = app.events.stats
         out["record"] = {"events": stats.get("stored", 0), "dropped": stats.get("dropped", 0)}
         out["record"].update({k: v for k, v in stats.items() if k in ("bytes", "evicted_sandboxes")})
     return out
+
+
+def _egress_counts(metrics: Any) -> dict[str, int]:
+    """Since the server started: connections opened, refusals (connections, names, secrets), bytes each
+    way; the same counters GET /metrics shows."""
+    def total(name: str, **labels: str) -> int:
+        return int(sum(s.value for m in metrics.registry.collect() if m.name == name for s in m.samples
+                       if s.name == name + "_total" and all(s.labels.get(k) == v for k, v in labels.items())))
+
+    return {"connections": total("agentcell_egress_connections"), "refused": total("agentcell_egress_refusals"),
+            "bytes_out": total("agentcell_egress_bytes", direction="out"),
+            "bytes_in": total("agentcell_egress_bytes", direction="in")}
 
 
 async def gateway_health(gateway: Any) -> dict[str, Any]:
