@@ -15,7 +15,7 @@ import mimetypes
 import re
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qs
 
 import orjson
 from starlette.requests import cookie_parser
@@ -30,6 +30,7 @@ from agentcell.console.sessions import COOKIE, Session, SessionStore, SignInThro
 from agentcell.console.terminal import MAX_COLS, MAX_ROWS, Terminal, size_param
 from agentcell.console.upstream import Upstream, UpstreamError
 from agentcell.sdk.models import PtySize
+from agentcell.server import hosts
 from agentcell.server.asgi import header
 from agentcell.server.banner import version
 from agentcell.server.http_protocol import UPGRADE_EXTENSION
@@ -50,21 +51,7 @@ def mounted(path: str) -> bool:
 
 def same_origin(scope: dict[str, Any], origin: str) -> bool:
     """Whether an Origin header names the scheme, host and port this request came to."""
-    host = (header(scope, b"host") or "").strip().lower()
-    try:
-        parts = urlsplit(origin.strip().lower())
-        port = parts.port
-    except ValueError:
-        return False
-    scheme = scope.get("scheme", "http")
-    scheme = "https" if scheme in ("https", "wss") else "http"
-    if parts.scheme != scheme or not parts.hostname or not host:
-        return False
-    default = 443 if scheme == "https" else 80
-    name = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
-    netloc = name if port in (None, default) else f"{name}:{port}"
-    host_default = host[:-len(f":{default}")] if host.endswith(f":{default}") else host
-    return netloc == host_default
+    return hosts.same_origin(origin, header(scope, b"host") or "", scope.get("scheme", "http"))
 
 
 async def _body(receive: Any, limit: int) -> bytes:

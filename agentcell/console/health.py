@@ -59,14 +59,15 @@ async def server_health(app: Any) -> dict[str, Any]:
 
 def _egress_counts(metrics: Any) -> dict[str, int]:
     """Since the server started: connections opened, refusals (connections, names, secrets), bytes each
-    way; the same counters GET /metrics shows."""
-    def total(name: str, **labels: str) -> int:
-        return int(sum(s.value for m in metrics.registry.collect() if m.name == name for s in m.samples
-                       if s.name == name + "_total" and all(s.labels.get(k) == v for k, v in labels.items())))
+    way; the counters GET /metrics shows, each read alone (never the whole registry: its collectors
+    read every backend and /proc)."""
+    def total(counter: Any, **labels: str) -> int:
+        return int(sum(s.value for m in counter.collect() for s in m.samples if s.name.endswith("_total")
+                       and all(s.labels.get(k) == v for k, v in labels.items())))
 
-    return {"connections": total("agentcell_egress_connections"), "refused": total("agentcell_egress_refusals"),
-            "bytes_out": total("agentcell_egress_bytes", direction="out"),
-            "bytes_in": total("agentcell_egress_bytes", direction="in")}
+    return {"connections": total(metrics.egress_connections), "refused": total(metrics.egress_refusals),
+            "bytes_out": total(metrics.egress_bytes, direction="out"),
+            "bytes_in": total(metrics.egress_bytes, direction="in")}
 
 
 async def gateway_health(gateway: Any) -> dict[str, Any]:

@@ -18,11 +18,11 @@ from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 from starlette.responses import JSONResponse
 
 from agentcell.mcp.bounds import Bounds
-from agentcell.mcp.keys import matches, presented_key
 from agentcell.mcp.server import build
 from agentcell.mcp.sessions import Sessions
 from agentcell.mcp.upstream import Upstream, as_user
 from agentcell.server.asgi import header
+from agentcell.server.auth import key_presented, presented_keys
 
 PATH = "/mcp"
 MISSING_KEY = "Invalid or missing API key: send it as X-API-KEY or 'Authorization: Bearer KEY'"
@@ -84,9 +84,9 @@ class McpHttp:
         if header(scope, b"mcp-protocol-version") in MODERN_PROTOCOL_VERSIONS:
             await jsonrpc_error(400, _NEEDS_SESSION)(scope, receive, send)
             return
-        key = presented_key(scope)
-        if self.api_key is not None and not matches(key, self.api_key):
+        if self.api_key is not None and not key_presented(scope, self.api_key):
             await jsonrpc_error(401, MISSING_KEY)(scope, receive, send)
             return
+        key = self.api_key if self.api_key is not None else next(iter(presented_keys(scope)), None)
         scope["user"] = as_user(key)  # the session is bound to this key; the tools forward it
         await self.manager.handle_request(scope, receive, send)

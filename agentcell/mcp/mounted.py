@@ -18,7 +18,7 @@ import importlib
 import logging
 from typing import TYPE_CHECKING, Any
 
-from agentcell.mcp.keys import matches, presented_key
+from agentcell.server.auth import key_presented
 from agentcell.server.config import ServerConfig
 from agentcell.server.errors import json_error
 
@@ -68,7 +68,7 @@ class MountedMcp:
         if (refusal := self.refusal(scope)) is not None:
             await json_error(501, refusal)(scope, receive, send)
             return
-        if self.config.api_key is not None and not matches(presented_key(scope), self.config.api_key):
+        if self.config.api_key is not None and not key_presented(scope, self.config.api_key):
             await json_error(401, "Invalid or missing API key: send it as X-API-KEY or "
                                   "'Authorization: Bearer KEY'")(scope, receive, send)
             return

@@ -80,6 +80,22 @@ def _equal(given: str | None, expected: str) -> bool:
     return given is not None and hmac.compare_digest(given.encode("latin-1"), expected.encode())
 
 
+def presented_keys(scope: dict[str, Any]) -> list[str]:
+    """The API keys a request presents: its X-API-KEY, then an `Authorization: Bearer` token (what
+    Prometheus's scrape config and MCP clients' configurations send)."""
+    keys = [given] if (given := header(scope, b"x-api-key")) else []
+    scheme, _, token = (header(scope, b"authorization") or "").partition(" ")
+    if scheme.lower() == "bearer" and token.strip():
+        keys.append(token.strip())
+    return keys
+
+
+def key_presented(scope: dict[str, Any], api_key: str) -> bool:
+    """Whether the request presents `api_key` in either form (/metrics, /mcp); each compared in constant
+    time, every one of them."""
+    return any([_equal(k, api_key) for k in presented_keys(scope)])
+
+
 def control_credential(scope: dict[str, Any], api_key: str | None) -> Credential:
     """The control plane's check: the server's API key when it has one (Refused otherwise)."""
     if api_key is None:

@@ -94,6 +94,18 @@ def _same_netloc(origin: str, host: str, scheme: str) -> bool:
     return netloc in (_netloc("http", name, port), _netloc("https", name, port), _netloc(scheme, name, port))
 
 
+def same_origin(origin: str, host: str, scheme: str) -> bool:
+    """Whether an Origin names exactly the scheme, host and port a request came to (stricter than the
+    edge's check, which lets either scheme pass: the console's sign-in, unsafe calls and terminal)."""
+    parsed = _origin(origin.lower())
+    m = _HOST_RE.match(host.strip().lower())
+    if parsed is None or m is None:
+        return False
+    scheme = "https" if scheme in ("https", "wss") else "http"
+    port = int(m.group("port")) if m.group("port") else None
+    return parsed[0] == f"{scheme}://{_netloc(scheme, m.group('v6') or m.group('name'), port)}"
+
+
 def _target_sandbox(scope: dict[str, Any]) -> str | None:
     """The id of the sandbox a request is routed to (routing.py), else None (also when its routing is
     malformed: the router refuses it then)."""

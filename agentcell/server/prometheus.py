@@ -17,7 +17,6 @@ user's sandboxes.
 
 from __future__ import annotations
 
-import hmac
 import re
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol
@@ -28,8 +27,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
 from agentcell.server import routing
-from agentcell.server.asgi import header
-from agentcell.server.auth import MISSING_API_KEY
+from agentcell.server.auth import MISSING_API_KEY, key_presented
 from agentcell.server.errors import json_error
 from agentcell.server.tenancy import ADMIN
 
@@ -208,14 +206,7 @@ class _StateCollector(Collector):
 
 
 def _authorized(scope: dict[str, Any], api_key: str | None) -> bool:
-    if api_key is None:
-        return True
-    expected = api_key.encode()
-    given = header(scope, b"x-api-key")
-    if given is not None and hmac.compare_digest(given.encode("latin-1"), expected):
-        return True
-    scheme, _, token = (header(scope, b"authorization") or "").partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode("latin-1"), expected)
+    return api_key is None or key_presented(scope, api_key)
 
 
 ROOT_ONLY = ("/metrics counts every user's sandboxes: on the system socket only root may read it "
