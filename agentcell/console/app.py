@@ -27,9 +27,7 @@ from agentcell.console.passthrough import PREFIX as PASS_PREFIX
 from agentcell.console.passthrough import passthrough
 from agentcell.console.responses import PAGE_CSP, error, framable, with_headers
 from agentcell.console.sessions import COOKIE, Session, SessionStore, SignInThrottle, csrf_ok, role_of
-from agentcell.console.terminal import MAX_COLS, MAX_ROWS, Terminal, size_param
 from agentcell.console.upstream import Upstream, UpstreamError
-from agentcell.sdk.models import PtySize
 from agentcell.server import hosts
 from agentcell.server.asgi import header
 from agentcell.server.banner import version
@@ -287,6 +285,10 @@ class ConsoleApp:
             if UPGRADE_EXTENSION not in (scope.get("extensions") or {}):
                 await error(400, "the terminal is a WebSocket: connect with an Upgrade request")(scope, receive, send)
                 return
+            # imported at the first terminal: it brings the SDK's PTY messages and wsproto (~55 ms a server start)
+            from agentcell.console.terminal import MAX_COLS, MAX_ROWS, Terminal, size_param
+            from agentcell.sdk.models import PtySize
+
             size = PtySize(rows=size_param(q.get("rows"), 24, MAX_ROWS), cols=size_param(q.get("cols"), 80, MAX_COLS))
             token = await self.upstream.access_token(scope, sandbox_id)
             await Terminal(self.upstream, scope, sandbox_id, token).serve(receive, send, size)
