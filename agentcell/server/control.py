@@ -9,6 +9,7 @@ import asyncio
 import dataclasses
 import json
 import math
+import os
 import re
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
@@ -49,6 +50,8 @@ from agentcell.server.sandbox_state import SandboxState
 from agentcell.server.snapshots import Snapshot, SnapshotError, SnapshotStore, tree_size
 from agentcell.server.template_imports import template_root
 from agentcell.server.tenancy import QuotaError, Tenancy, recorded_owner
+from agentcell.vault.api import VaultApi
+from agentcell.vault.store import Vault
 
 ENVD_VERSION = "0.6.13"
 BUILTIN_TEMPLATE = "code-interpreter-v1"
@@ -311,8 +314,6 @@ UNSERVED = (
     ("/v2/templates", "v2 template builds (the SDKs use /v3/templates)"),
     ("/v2/templates/{template_id}", "template updates"), ("/templates/{template_id}/{rest:path}", "template builds"),
     ("/v2/templates/{template_id}/{rest:path}", "template builds"),
-    ("/secrets", "stored secrets (pass them in the create body: secrets=)"),
-    ("/secrets/{secret_id}", "stored secrets (pass them in the create body: secrets=)"),
     ("/volumes", "volumes"), ("/volumes/{volume_id}", "volumes"),
 )
 
@@ -328,6 +329,7 @@ class ControlPlane:
         self._idempotent = IdempotentCreates()
         self._reports = asyncio.Semaphore(4)
         self.tenancy = Tenancy.from_config(cfg)  # who sees what (server/tenancy.py); off but for --system
+        self.vault = VaultApi(Vault(os.path.join(cfg.state_dir, "vault")), self.tenancy)  # E2B's Secret API
         self.built_templates: Any = None  # server/template_builds.py: names of E2B-built templates -> the store's
 
     def _visible(self, request: Request, rec: _Owned) -> _Owned:
@@ -462,6 +464,7 @@ class ControlPlane:
         return JSONResponse(answer, status_code=201)
 
     async def _create(self, request: Request, body: dict[str, Any]) -> dict[str, Any]:
+        body = await self.vault.resolved_body(request, body)  # vault secrets' references: their values
         template = body.get("templateID", "base")
         if not isinstance(template, str):
             raise HTTPError(400, "'templateID' must be a string")
@@ -600,6 +603,7 @@ class ControlPlane:
         so an update meant to narrow the lists never opens a sandbox created without internet."""
         body = await json_body(request)
         rec = self._record(request)
+        body = (await self.vault.resolved_body(request, {"network": body}))["network"]
         policy = self._policy(body, body, rec.backend, internet_default=rec.internet_at_create)
         try:
             rules = parse_rules(body.get("rules"))
@@ -965,6 +969,7 @@ class ControlPlane:
             Route("/health", self.health, methods=["GET"]),
             # before /sandboxes/{sandbox_id}, which would take /sandboxes/metrics for a sandbox id
             Route("/templates/aliases/{alias}", self.template_alias, methods=["GET"]),
+            *self.vault.routes(),
             *(Route(path, self._not_served(what), methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
               for path, what in UNSERVED),
             Route("/sandboxes", self.create, methods=["POST"]),
