@@ -19,6 +19,8 @@ from agentcell.errors import (
     SandboxException,
     SandboxNotFoundException,
     SandboxNotRunningException,
+    SecretException,
+    SecretNotFoundException,
     ServerUnreachableException,
     TimeoutException,
 )
@@ -27,6 +29,8 @@ if TYPE_CHECKING:
     from agentcell.sdk import (
         AsyncCommandHandle,
         AsyncSandbox,
+        AsyncSecret,
+        AsyncSecretPaginator,
         CommandHandle,
         CommandResult,
         Context,
@@ -41,6 +45,9 @@ if TYPE_CHECKING:
         Sandbox,
         SandboxInfo,
         SandboxQuery,
+        Secret,
+        SecretInfo,
+        SecretPaginator,
         WriteInfo,
     )
 
@@ -62,6 +69,8 @@ def __getattr__(name: str) -> object:
 __all__ = [
     "AsyncCommandHandle",
     "AsyncSandbox",
+    "AsyncSecret",
+    "AsyncSecretPaginator",
     "AuthenticationException",
     "CommandExitException",
     "CommandHandle",
@@ -87,6 +96,11 @@ __all__ = [
     "SandboxNotFoundException",
     "SandboxNotRunningException",
     "SandboxQuery",
+    "Secret",
+    "SecretException",
+    "SecretInfo",
+    "SecretNotFoundException",
+    "SecretPaginator",
     "ServerUnreachableException",
     "TimeoutException",
     "WriteInfo",

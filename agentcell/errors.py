@@ -146,3 +146,11 @@ class EmbeddedServerError(SandboxException):
 class NoLocalServerError(EmbeddedServerError):
     """No api_url / AGENTCELL_URL, no system service this user can reach, and no embedded server possible
     (it needs root): the message names the fix (docs/system-service.md)."""
+
+
+class SecretException(SandboxException):
+    """A call of the secrets vault (Secret.create/update/...) failed; the message says why."""
+
+
+class SecretNotFoundException(SecretException, NotFoundException):
+    """No secret of that id or name in the caller's vault."""

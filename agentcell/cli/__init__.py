@@ -42,4 +42,5 @@ from agentcell.cli import (  # noqa: E402,F401
     snapshots,
     system,
     templates,
+    vault,
 )

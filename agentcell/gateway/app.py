@@ -42,6 +42,7 @@ from starlette.responses import JSONResponse, Response
 
 from agentcell.console import mount as console_mount
 from agentcell.gateway import banner, listing, signed, snapshots
+from agentcell.gateway import vault as gateway_vault
 from agentcell.gateway.bodies import read_held
 from agentcell.gateway.cells import CellState, CellTable
 from agentcell.gateway.discovery import Discovery
@@ -107,6 +108,8 @@ def classify(scope: dict[str, Any], where: SandboxTarget | None) -> str:
         return "template_files"
     if path == "/templates" or path.startswith(_TEMPLATE_PATHS):
         return "templates"
+    if gateway_vault.is_vault_path(path):
+        return "secrets"
     return "other"
 
 
@@ -275,7 +278,7 @@ class GatewayApp:
             await self._list(scope, receive, send)
         elif route == "template_delete":
             await self._delete_snapshot(path[len("/templates/"):], scope, receive, send)
-        elif route == "templates":
+        elif route in ("templates", "secrets"):  # the vault lives on the template cell (gateway/vault.py)
             await self._to_template_cell(scope, receive, send, self._cell_key(scope))
         else:
             await self._anywhere(scope, receive, send)
@@ -372,6 +375,9 @@ class GatewayApp:
     async def _place(self, body: bytes, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if (ref := snapshots.create_template(body)) is not None and await self._create_from_snapshot(ref, body, scope, send):
             return
+        if gateway_vault.refers_to_vault(body):
+            await self._create_on_vault_cell(body, scope, receive, send)
+            return
         # a built-in template, or one no cell holds a snapshot of: a template of the cells' shared store
         # (imported or built, docs/gateway.md), placed like any create; a cell answers 404 if none has it
         tried: set[str] = set()
@@ -403,6 +409,28 @@ class GatewayApp:
         self.metrics.failed("no_cell")
         await json_error(503, "no cell can take a new sandbox now (every cell is full, draining or down); "
                               "retry shortly")(scope, receive, send)
+
+    async def _create_on_vault_cell(self, body: bytes, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        """A create that refers to vault secrets: on the cell that holds the vault, and nowhere else."""
+        cells = sorted(self.cells.routable(), key=lambda c: c.cell_id or "")
+        if not cells:
+            self.metrics.failed("no_cell")
+            await json_error(503, "no cell is reachable; retry shortly")(scope, receive, send)
+            return
+        capture = _Capture(send)
+        try:
+            await self._try_create(cells[0], scope, body, capture)
+        except CellUnreachable:
+            await json_error(503, f"the cell that holds the secrets vault ({cells[0].cell_id}) is unreachable; "
+                                  "retry shortly")(scope, receive, send)
+            return
+        except CellFailed as e:
+            await _failed_create(cells[0], e)(scope, receive, send)
+            return
+        if capture.passing:
+            note(capture.created_id())
+        else:  # its refusal (a full cell, a missing secret) is the answer: no other cell has the vault
+            await capture.release()
 
     async def _try_create(self, cell: CellState, scope: dict[str, Any], body: bytes, capture: _Capture) -> int:
         """One create on `cell` (its answer held in `capture` unless it passes); counted in the cell's

@@ -21,9 +21,10 @@ from agentcell.sdk.models import (
 )
 from agentcell.sdk.sandbox_async import AsyncSandbox
 from agentcell.sdk.sandbox_sync import Sandbox
+from agentcell.sdk.secret import AsyncSecret, AsyncSecretPaginator, Secret, SecretInfo, SecretPaginator
 
 __all__ = [
     "AsyncCommandHandle", "AsyncSandbox", "CommandHandle", "CommandResult", "Context", "EntryInfo", "Execution",
     "ExecutionError", "FilesystemEvent", "FilesystemEventType", "FileType", "Logs", "OutputMessage", "ProcessInfo", "Result", "Sandbox", "SandboxInfo",
-    "SandboxQuery", "WriteInfo",
+    "SandboxQuery", "WriteInfo", "Secret", "AsyncSecret", "SecretInfo", "SecretPaginator", "AsyncSecretPaginator",
 ]
