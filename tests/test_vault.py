@@ -63,7 +63,8 @@ def _restart(world: dict[str, ServerProcess]) -> ServerProcess:
     old = world["server"]
     argv = list(old.proc.args)
     old.stop()
-    new = ServerProcess(old.log_path.with_name("restarted.log"), *argv[len(SERVER):], address_args=False)
+    new = ServerProcess(old.log_path.with_name("restarted.log"), *argv[len(SERVER):], port=old.port,
+                        address_args=False)
     new.started()
     world["server"] = new
     return new
@@ -198,7 +199,7 @@ def test_a_rule_header_carries_the_value_host_side_and_the_version_current_at_cr
             assert e2b.Secret.destroy("rule-key")  # a running sandbox keeps it; a new create is refused
             first.commands.run("curl -sS --max-time 10 -o /dev/null https://secret.test/after-destroy")
             assert _head_of("/after-destroy", v1)
-            with pytest.raises(e2b.InvalidArgumentException, match="secret 'rule-key' not found"):
+            with pytest.raises(e2b.SandboxException, match="secret 'rule-key' not found"):
                 e2b.Sandbox.create(network={"rules": rules})
         finally:
             second.kill()
@@ -230,12 +231,12 @@ def test_references_the_server_cannot_honour_are_refused_at_create(url: str) -> 
 
     e2b.Secret.create("placed", _value("placed"))
     try:
-        with pytest.raises(e2b.InvalidArgumentException, match="not found"):
+        with pytest.raises(e2b.SandboxException, match="not found"):
             e2b.Sandbox.create(network={"rules": {"secret.test": [{"transform": {"headers": {
                 "X-Key": e2b.Secret.fill("never-made")}}}]}})
-        with pytest.raises(e2b.InvalidArgumentException, match="envVars"):  # the sandbox would see the placeholder
+        with pytest.raises(e2b.SandboxException, match="envVars"):  # the sandbox would see the placeholder
             e2b.Sandbox.create(envs={"KEY": e2b.Secret.fill("placed")})
-        with pytest.raises(e2b.InvalidArgumentException, match="metadata"):
+        with pytest.raises(e2b.SandboxException, match="metadata"):
             e2b.Sandbox.create(metadata={"k": e2b.Secret.fill("placed")})
         r = httpx.post(f"{url}/sandboxes", json={"templateID": "base", "network": {"rules": {"secret.test": [
             {"transform": {"headers": {"X-Key": "${e2b.secrets.placed"}}}]}}}, headers={"X-API-KEY": "k"})

@@ -13,6 +13,7 @@ only a create's JSON is held, within a gateway-wide budget (bodies.py).
 | `POST /sandboxes`, `POST /v2/sandboxes` of a built-in template | the less loaded of two random ready cells; on 429/503 or a refused connection, another |
 | `POST /sandboxes`, `POST /v2/sandboxes` from a snapshot | only the cell that holds it: named by its template id's prefix, else found by asking the cells (snapshots.py) |
 | `DELETE /templates/{id}` | the cell named by the id's prefix; a name: every cell (204 if one deleted it) |
+| `/secrets…`, and `POST /sandboxes`, `/v2/sandboxes` whose body refers to a vault secret | the template cell only, which holds the secrets vault (vault.py) |
 | `GET /sandboxes`, `GET /v2/sandboxes`, `GET /snapshots` | every reachable cell, merged (listing.py, snapshots.py) |
 | `/files` without a sandbox (a signed URL) | the cell whose sandbox signed it, found by asking every cell (signed.py) |
 | `GET /health` | the gateway itself (no key): 200 while a cell is routable, else 503; `GET /v1/cells`: its view of the cells (key) |
