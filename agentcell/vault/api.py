@@ -99,14 +99,14 @@ class VaultApi:
             return body
         try:
             refs = references.referenced(body)
-        except references.ReferenceError_ as e:
+        except references.MisplacedReference as e:
             raise HTTPError(400, str(e)) from None
         try:
             found = await _run("reading secrets for a sandbox", self.vault.resolve, tenant_of(self.tenancy, request),
                                refs)
         except HTTPError as e:
             if e.status == 404:
-                raise HTTPError(400, f"{e.message}: the sandbox refers to it ({references._MARK}...}}); create it "
+                raise HTTPError(400, f"{e.message}: the sandbox refers to it ({references.MARK}...}}); create it "
                                      "first (Secret.create) or fix the name") from None
             raise
         return references.resolved(body, lambda ref: found[ref].value)

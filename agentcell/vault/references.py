@@ -23,10 +23,10 @@ from collections.abc import Callable
 from typing import Any
 
 PLACEHOLDER = re.compile(r"\$\{e2b\.secrets\.([^{}\x00-\x1f\x7f-\x9f]+)\}")
-_MARK = "${e2b.secrets."
+MARK = "${e2b.secrets."
 
 
-class ReferenceError_(ValueError):
+class MisplacedReference(ValueError):
     """A reference the create cannot use (400); the message names it, never a value."""
 
 
@@ -60,15 +60,15 @@ def _usable_places(body: dict[str, Any]) -> list[tuple[dict[str, Any], str]]:
 
 
 def referenced(body: dict[str, Any]) -> set[str]:
-    """The secrets (names or ids) a body refers to where it may; ReferenceError_ for one anywhere else."""
+    """The secrets (names or ids) a body refers to where it may; MisplacedReference for one anywhere else."""
     rest = copy.deepcopy(body)
     for container, key in _usable_places(rest):
         container[key] = ""
     for path, text in _strings(rest, "body"):
-        if _MARK in text:
+        if MARK in text:
             where = path.removeprefix("body.").split(".")[0]
-            raise ReferenceError_(
-                f"a vault secret's placeholder ({_MARK}...}}) in '{where}' is not resolved there: the sandbox would "
+            raise MisplacedReference(
+                f"a vault secret's placeholder ({MARK}...}}) in '{where}' is not resolved there: the sandbox would "
                 "see it as it is. Put it in a header of network.rules ({host: [{\"transform\": {\"headers\": "
                 "{...}}}]}) or in an agentcell secret ({\"NAME\": {\"value\": Secret.fill(name), \"hosts\": [...]}}), "
                 "where the egress proxy puts the value in for the named hosts only")
@@ -76,8 +76,8 @@ def referenced(body: dict[str, Any]) -> set[str]:
     for container, key in _usable_places(body):
         text = container[key]
         found = PLACEHOLDER.findall(text)
-        if _MARK in PLACEHOLDER.sub("", text):
-            raise ReferenceError_(f"an unfinished or malformed {_MARK}<name>}} placeholder in {key!r}")
+        if MARK in PLACEHOLDER.sub("", text):
+            raise MisplacedReference(f"an unfinished or malformed {MARK}<name>}} placeholder in {key!r}")
         refs.update(found)
     return refs
 
@@ -92,4 +92,4 @@ def resolved(body: dict[str, Any], values: Callable[[str], str]) -> dict[str, An
 
 def mentions(body: Any) -> bool:
     """Whether a body holds a reference at all (a cheap test before the vault is opened)."""
-    return _MARK in json.dumps(body) if not isinstance(body, str) else _MARK in body
+    return MARK in json.dumps(body) if not isinstance(body, str) else MARK in body
