@@ -334,6 +334,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         transport: _CoalescingTransport = self.transport  # type: ignore[assignment]
         self._cancel_header_timer()
         self._lingering = Lingering(self.loop, transport._transport, transport.close_now)
+        self.waiting[self] = time.monotonic()  # at the connection cap, a newcomer may take its place
         return True
 
     def _drop_body(self, data: bytes) -> None:
@@ -397,6 +398,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def _stop_waiting(self) -> None:
         """Close a connection that did not send its request headers in time (or was evicted)."""
+        if self._lingering is not None:  # evicted while dropping a refused body
+            self._lingering.done()
+            return
         if self._header_timer is None or self.transport.is_closing():
             return  # the headers came in the meantime
         self._cancel_header_timer()
