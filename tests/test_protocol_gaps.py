@@ -261,15 +261,14 @@ def test_linux_fork_copies_the_disk_and_restarts_processes(e2b_env: str, server_
             s.kill()
 
 
-@pytest.mark.skipif(GVISOR, reason="gvisor forks carry memory and processes (test_snapshots.py)")
-def test_linux_fork_response_says_filesystem(server_url: str) -> None:
+def test_fork_response_says_which_fork(server_url: str) -> None:
     with httpx.Client(base_url=server_url, timeout=60) as http:
         sbx = create_sandbox(http)
         try:
             r = http.post(f"/sandboxes/{sbx['sandboxID']}/fork", json={"count": 1})
             assert r.status_code == 201, r.text
             [answer] = r.json()
-            assert answer["sandbox"]["forkMode"] == "filesystem"
+            assert answer["sandbox"]["forkMode"] == ("memory" if GVISOR else "filesystem")
             http.delete(f"/sandboxes/{answer['sandbox']['sandboxID']}")
         finally:
             http.delete(f"/sandboxes/{sbx['sandboxID']}")
