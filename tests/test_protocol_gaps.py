@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 import uuid
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
@@ -24,6 +26,7 @@ from e2b.exceptions import NotFoundException
 
 from tests.conftest import GVISOR
 from tests.helpers import create_sandbox, wait_until
+from tests.servers import ServerProcess
 from tests.test_ports import SERVER_SCRIPT, _wait_port
 
 # --- set_timeout(0): expire now ----------------------------------------------------------------------
@@ -275,3 +278,33 @@ def test_fork_response_says_which_fork(server_url: str) -> None:
         r = http.post(f"/sandboxes/{sbx['sandboxID']}/fork", json={})
         assert r.status_code == 404  # a killed sandbox: E2B's SandboxNotFound
 
+
+
+def test_connections_dropping_refused_bodies_do_not_lock_out_clients(tmp_path: Path) -> None:
+    """Each of `cap` connections gets an early 413, then stalls its body: the server lingers on all of
+    them, yet a newcomer takes the longest-lingering one's place instead of a 503, and a stop is prompt."""
+    cap = 20
+    srv = ServerProcess(tmp_path / "linger.log", "--max-connections", str(cap))
+    socks: list[socket.socket] = []
+    try:
+        srv.wait_ready()
+        time.sleep(0.5)  # the readiness probe's connection is gone
+        head = (f"POST /v2/sandboxes HTTP/1.1\r\nHost: 127.0.0.1:{srv.port}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {4 << 20}\r\n\r\n").encode()
+        for _ in range(cap):
+            s = socket.create_connection(("127.0.0.1", srv.port))
+            s.sendall(head + b'{"templateID": "')
+            socks.append(s)
+        for s in socks:  # each one's answer came (and the server lingers: the body is not all in)
+            s.settimeout(10)
+            assert s.recv(1 << 16).startswith(b"HTTP/1.1 413 ")
+        time.sleep(0.3)  # (http_protocol.EVICT_AFTER: only a connection that waited that long gives way)
+        assert httpx.get(f"{srv.url}/health", timeout=5).status_code == 200
+        # and a stopping server does not wait for them (uvicorn's graceful shutdown would wait 5 s)
+        started = time.monotonic()
+        srv.stop()
+        assert time.monotonic() - started < 4
+    finally:
+        for s in socks:
+            s.close()
+        srv.stop()

@@ -337,6 +337,12 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self.waiting[self] = time.monotonic()  # at the connection cap, a newcomer may take its place
         return True
 
+    def shutdown(self) -> None:
+        if self._lingering is not None:  # a stopping server does not wait for refused bodies
+            self._lingering.done()
+            return
+        super().shutdown()
+
     def _drop_body(self, data: bytes) -> None:
         """The parser finds the body's end; uvicorn drops body bytes once the response is complete."""
         if not self._lingering.received(data):  # type: ignore[union-attr]
