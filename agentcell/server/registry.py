@@ -778,19 +778,27 @@ class SandboxManager:
         image.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         memory = rec.backend.memory_snapshots
         files = image.with_suffix(".tar")
+
+        async def one() -> SandboxRecord:
+            new = await self.create(
+                template_id=rec.template_id, alias=rec.alias, timeout=timeout, metadata=rec.metadata,
+                envs=rec.spec.envs, limits=rec.limits, network=rec.network, secrets=rec.spec.secrets,
+                lifecycle=rec.lifecycle, image=image if memory else None, files=None if memory else files,
+                root=None if memory else rec.spec.image_root, policy=None if memory else rec.spec.policy,
+                backend=rec.backend, origin=f"fork of {rec.sandbox_id}", owner=rec.owner)
+            # who may reach its ports, as for the original: set before anything else runs (no await
+            # since create put it in the registry)
+            new.public_traffic, new.mask_request_host = rec.public_traffic, rec.mask_request_host
+            new.rules_info, new.internet_at_create = rec.rules_info, rec.internet_at_create
+            new.fork_mode = "memory" if memory else "filesystem"
+            return new
+
         try:
             if memory:
                 await self.checkpoint(rec, image)
             else:
                 await self.snapshot_files(rec, files, (rec.limits.disk_limit_mb << 20) * 2 + (64 << 20))
-            results = await asyncio.gather(*(
-                self.create(template_id=rec.template_id, alias=rec.alias, timeout=timeout, metadata=rec.metadata,
-                            envs=rec.spec.envs, limits=rec.limits, network=rec.network, secrets=rec.spec.secrets,
-                            lifecycle=rec.lifecycle, image=image if memory else None,
-                            files=None if memory else files, root=None if memory else rec.spec.image_root,
-                            policy=None if memory else rec.spec.policy, backend=rec.backend,
-                            origin=f"fork of {rec.sandbox_id}", owner=rec.owner)
-                for _ in range(count)), return_exceptions=True)
+            results = await asyncio.gather(*(one() for _ in range(count)), return_exceptions=True)
         finally:
             await asyncio.to_thread(shutil.rmtree, image, True)
             with contextlib.suppress(OSError):
@@ -798,10 +806,6 @@ class SandboxManager:
         for r in results:
             if isinstance(r, BaseException) and not isinstance(r, Exception):
                 raise r  # a cancellation
-            if isinstance(r, SandboxRecord):  # who may reach its ports, as for the original
-                r.public_traffic, r.mask_request_host = rec.public_traffic, rec.mask_request_host
-                r.rules_info, r.internet_at_create = rec.rules_info, rec.internet_at_create
-                r.fork_mode = "memory" if memory else "filesystem"
         return list(results)
 
     async def resume_on_traffic(self, rec: SandboxRecord) -> SandboxRecord | None:
