@@ -309,14 +309,14 @@ def test_private_ports_need_the_traffic_token(server_url: str, e2b_env: str) -> 
             assert time.monotonic() < deadline
             time.sleep(0.1)
         r = httpx.get(url, headers={"Host": host})
-        assert r.status_code == 401 and "Traffic-Access-Token" in r.json()["message"]
+        assert r.status_code == 403 and "traffic-access-token" in r.json()["message"]  # E2B's status and body
         # the envd token is not the traffic token (as on E2B)
-        assert httpx.get(url, headers={"Host": host, "X-Access-Token": sbx._envd_access_token}).status_code == 401
+        assert httpx.get(url, headers={"Host": host, "X-Access-Token": sbx._envd_access_token}).status_code == 403
         r = httpx.get(url, headers={"Host": host, "E2B-Traffic-Access-Token": token})
         assert r.status_code == 200
         assert "e2b-traffic-access-token" not in dict(r.json()["headers"])
         # a closed port stays hidden behind the token too
-        assert httpx.get(server_url + "/", headers={"Host": sbx.get_host(8999)}).status_code == 401
+        assert httpx.get(server_url + "/", headers={"Host": sbx.get_host(8999)}).status_code == 403
     finally:
         sbx.kill()
 
@@ -329,7 +329,7 @@ def test_snake_case_network_field_and_public_default(server_url: str) -> None:
         try:
             assert bad.status_code == 400
             port = urlsplit(server_url).port
-            for sbx, status in ((private, 401), (public, 502)):
+            for sbx, status in ((private, 403), (public, 502)):
                 r = http.get("/", headers={"Host": f"8000-{sbx['sandboxID']}.localhost:{port}"})
                 assert r.status_code == status, r.text
         finally:
@@ -353,7 +353,7 @@ def test_one_sandbox_cannot_reach_anothers_port(server_url: str, e2b_env: str) -
             time.sleep(0.1)
         # another sandbox's token does not open it
         r = httpx.get(server_url + "/echo", headers={"Host": host, "E2B-Traffic-Access-Token": other.traffic_access_token})
-        assert r.status_code == 401
+        assert r.status_code == 403
         # and from inside the other sandbox there is no path: its loopback is its own, the server is not on it
         server_port = urlsplit(server_url).port
         other.files.write("/tmp/probe.py", f"import socket\nfor port in (8000, {server_port}):\n"
@@ -460,7 +460,7 @@ def test_websocket_needs_the_token_on_private_sandboxes(server_url: str) -> None
             host = f"8000-{sbx['sandboxID']}.localhost:{urlsplit(server_url).port}"
             r = http.get("/ws", headers={"Host": host, "Upgrade": "websocket", "Connection": "Upgrade",
                                          "Sec-WebSocket-Key": "x", "Sec-WebSocket-Version": "13"})
-            assert r.status_code == 401 and r.headers.get("connection") == "close"
+            assert r.status_code == 403 and r.headers.get("connection") == "close"
         finally:
             http.delete(f"/sandboxes/{sbx['sandboxID']}")
 

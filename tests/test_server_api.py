@@ -199,8 +199,8 @@ def test_timeout_and_connect(http: httpx.Client) -> None:
 def test_lifecycle_status_codes(http: httpx.Client, sbx: dict[str, Any]) -> None:
     sid = sbx["sandboxID"]
     assert_error(http.post(f"/sandboxes/{sid}/resume", json={}), 409, "already running")
-    # what the linux backend cannot do is a 400 naming the backend that can, never a silent copy
-    assert_error(http.post(f"/sandboxes/{sid}/fork", json={}), 400, "gvisor")
+    # what the linux backend cannot do is a 400 naming the backend that can, never a silent copy (a
+    # fork there is a filesystem fork, and says so: test_protocol_gaps.py)
     assert_error(http.post(f"/sandboxes/{sid}/snapshots", json={"memory": True}), 400, "gvisor")
     assert_error(http.post(f"/sandboxes/{sid}/fork", json={"count": 0}), 400, "count")
     assert_error(http.post(f"/sandboxes/{sid}/pause", json={"memory": "yes"}), 400, "memory")

@@ -368,8 +368,9 @@ class AsyncSandbox(ConnectedSandbox):
     @hybrid("_cls_fork")
     async def fork(self, timeout: int | None = None, count: int | None = None,
              request_timeout: float | None = None) -> list[AsyncSandbox | Exception]:
-        """`count` (default 1) new sandboxes, each an independent copy of this one's memory, processes and
-        files (the gvisor backend); an entry is the exception when that one could not start."""
+        """`count` (default 1) new sandboxes, each an independent copy of this one: its memory, processes and
+        files on the gvisor backend; its files alone, processes started afresh, on the linux backend (the
+        server's info says which: forkMode). An entry is the exception when that one could not start."""
         config = self._conn.config
         r = await api.acall(config, "POST", f"/sandboxes/{self.sandbox_id}/fork", json=api.fork_body(timeout, count),
                      ok=(201, 200), sandbox_id=self.sandbox_id, request_timeout=request_timeout)

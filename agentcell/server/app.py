@@ -37,6 +37,7 @@ from agentcell.server import (
     banner,
     cell,
     files,
+    ingress,
     interpreter,
     ports,
     prometheus,
@@ -44,7 +45,7 @@ from agentcell.server import (
     state_lock,
 )
 from agentcell.server.access_log import AccessLog, note
-from agentcell.server.asgi import declared_length, has_body, is_connect_rpc
+from agentcell.server.asgi import declared_length, has_body, header, is_connect_rpc
 from agentcell.server.auth import ENVD_PORT, INTERPRETER_PORT
 from agentcell.server.bodies import BUDGET_KEY, BodyBudget, json_content_type_refusal
 from agentcell.server.build_sandboxes import ManagerBuildSandboxes
@@ -354,8 +355,9 @@ class AgentcellApp:
         allowPublicTraffic false, then E2B's traffic token is needed (auth.py)."""
         try:
             scope[auth.CREDENTIAL] = auth.user_port_credential(scope, rec.access_token, rec.public_traffic)
-        except auth.Refused as e:
-            await json_error(401, e.message)(scope, receive, send)
+        except auth.Refused:  # E2B's 403, its body naming the header
+            given = header(scope, b"e2b-traffic-access-token") is not None
+            await ingress.traffic_token_refused(rec.sandbox_id, given)(scope, receive, send)
             return
         sandbox_id = rec.sandbox_id
         if (rec := await self._awake(rec)) is None:  # type: ignore[assignment]

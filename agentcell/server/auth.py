@@ -254,7 +254,7 @@ def data_plane_credential(scope: dict[str, Any], access_token: str, port: int) -
 
 def user_port_credential(scope: dict[str, Any], access_token: str, public: bool) -> Credential:
     """What lets a request to a port served out of a sandbox through (the traffic token, or the
-    port being public); Refused (401) if nothing does."""
+    port being public); Refused if nothing does (the router answers E2B's 403: ingress.py)."""
     traffic = traffic_token(access_token)
     if _equal(header(scope, b"e2b-traffic-access-token"), traffic):
         return _named("traffic", traffic)

@@ -30,7 +30,7 @@ from agentcell.policy.model import Policy
 from agentcell.record import report, report_html
 from agentcell.record.events import KIND_SET, KINDS
 from agentcell.record.store import EventStore
-from agentcell.server import api_events, policies, validate
+from agentcell.server import api_events, ingress, policies, validate
 from agentcell.server.access_log import note
 from agentcell.server.auth import traffic_token
 from agentcell.server.bodies import JSON_LIMIT, read_json
@@ -109,14 +109,16 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _timeout(cfg: ServerConfig, body: dict[str, Any], default: int) -> int:
+def _timeout(cfg: ServerConfig, body: dict[str, Any], default: int, *, zero: bool = False) -> int:
+    """`zero`: 0 is allowed (set_timeout's "expire now")."""
     value = body.get("timeout")
     if value is None:
         return default
     if not _is_int(value):
         raise HTTPError(400, "'timeout' must be an integer number of seconds")
-    if not 0 < value <= cfg.max_timeout:
-        raise HTTPError(400, f"'timeout' must be between 1 and {cfg.max_timeout} seconds, got {value}")
+    least = 0 if zero else 1
+    if not least <= value <= cfg.max_timeout:
+        raise HTTPError(400, f"'timeout' must be between {least} and {cfg.max_timeout} seconds, got {value}")
     return value
 
 
@@ -387,10 +389,12 @@ class ControlPlane:
             "envdAccessToken": rec.access_token,
             "domain": self._domain(request),
             "allowInternetAccess": rec.network.internet,
-            "network": {**rec.network.info(), "allowPublicTraffic": rec.public_traffic, "rules": rec.rules_info},
+            "network": {**rec.network.info(), "allowPublicTraffic": rec.public_traffic, "rules": rec.rules_info,
+                        **({"maskRequestHost": rec.mask_request_host} if rec.mask_request_host else {})},
             "secrets": rec.secret_hosts,  # agentcell extension: names and hosts only
             "lifecycle": {"autoResume": rec.lifecycle.auto_resume, "onTimeout": rec.lifecycle.on_timeout},
             **({"pauseMode": rec.pause_mode} if rec.pause_mode is not None else {}),
+            **({"forkMode": rec.fork_mode} if rec.fork_mode is not None else {}),  # agentcell extension
             "limits": {
                 "memoryMB": rec.limits.memory_mb,
                 "pids": rec.limits.pids,
@@ -501,6 +505,7 @@ class ControlPlane:
         lifecycle = _lifecycle(body)
         public_traffic = _public_traffic(body)
         network = _network_object(body)
+        mask_host = ingress.mask_request_host(network)
         policy = self._policy(body, network, backend)
         try:
             secrets = dataclasses.replace(SecretSet.parse(body.get("secrets")), rules=parse_rules(network.get("rules")))
@@ -538,6 +543,7 @@ class ControlPlane:
             # Backend errors name zygotes, cgroups, uids and paths: they go to the log only.
             raise internal_error("creating a sandbox", e, "the sandbox could not be started") from None
         rec.public_traffic = public_traffic  # the tenant has not got the id yet: nothing it serves is up
+        rec.mask_request_host = mask_host
         rec.rules_info = secrets.rules_info()
         # what update_network falls back to: the create's allow_internet_access (explicit, or the
         # server's default), not its lists, which an update replaces (E2B: an empty update clears them)
@@ -750,7 +756,7 @@ class ControlPlane:
         body = await json_body(request)
         if "timeout" not in body:
             raise HTTPError(400, "'timeout' is required")
-        timeout = _timeout(self.cfg, body, self.cfg.default_timeout)
+        timeout = _timeout(self.cfg, body, self.cfg.default_timeout, zero=True)
         self.manager.set_timeout(self._any_record(request), timeout)
         return Response(status_code=204)
 
@@ -900,15 +906,16 @@ class ControlPlane:
         return Response(status_code=204)
 
     async def fork(self, request: Request) -> Response:
-        """E2B's POST /sandboxes/{id}/fork {"timeout"?, "count"?}: `count` new sandboxes restored from
-        one checkpoint of this one (memory, processes, files), each its own id, hostname and limits."""
+        """E2B's POST /sandboxes/{id}/fork {"timeout"?, "count"?}: `count` new sandboxes from one copy of
+        this one, each its own id, hostname and limits: on gvisor a checkpoint (memory, processes, files);
+        on a backend without memory snapshots (linux) its files alone, processes started afresh. Each
+        answer's sandbox says which ("forkMode": "memory" | "filesystem", an agentcell extension)."""
         body = await json_body(request, required=False)
         timeout = _timeout(self.cfg, body, self.cfg.default_timeout)
         count = body.get("count", 1)
         if not _is_int(count) or not 1 <= count <= self.cfg.max_fork:
             raise HTTPError(400, f"'count' must be an integer between 1 and {self.cfg.max_fork}")
         rec = self._any_record(request)
-        self._memory_snapshots(rec.backend, "fork")
         try:
             with self.tenancy.reserve(rec.owner, self._held(), rec.limits.memory_mb, count):  # forks are its owner's
                 results = await self.manager.fork(rec, count, timeout)
@@ -917,7 +924,7 @@ class ControlPlane:
         answers: list[dict[str, Any]] = []
         for r in results:
             if isinstance(r, SandboxRecord):
-                answers.append({"sandbox": self.sandbox_json(r, request)})
+                answers.append({"sandbox": {**self.sandbox_json(r, request), "forkMode": r.fork_mode}})
             else:
                 status = 429 if isinstance(r, CapacityError) else 500
                 answers.append({"error": {"code": status, "message": f"the fork could not be started: {r}"}})

@@ -8,7 +8,9 @@ uses the pacing alone: BodyDeadline).
   connection is dropped if a response already started. Once the body is complete, receive() is not
   timed: a streaming response waits there for the client to go away.
 - A response that starts before the request body was fully read carries `Connection: close`, so
-  uvicorn closes the connection instead of reading and discarding the rest (a 1 GB body to a 401).
+  uvicorn does not read and discard the rest to reuse the connection (a 1 GB body to a 401); the
+  protocol drops a bounded part of it before it closes, so that the client can read the answer
+  (linger.py).
 """
 
 from __future__ import annotations

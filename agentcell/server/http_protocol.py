@@ -25,6 +25,9 @@ cost a trivial run_code about 0.3 ms of the server's CPU with h11.
 - Writes made in one turn of the event loop go out in one send (_CoalescingTransport): uvicorn writes
   a response's head, each body chunk and the chunked end apart, so a whole short response (a
   run_code's lines and end) took three sends and up to three wakeups of the client.
+- Lingering close (linger.py): a connection closing after a response that went out before the
+  request's body was read drops the rest of that body (bounded) before it closes, so that the client
+  reads the response instead of a reset.
 - Upgrade requests (WebSocket, or any other protocol) reach the app as plain HTTP requests that carry
   a RawConnection in `scope["extensions"]["agentcell.upgrade"]`. The router checks routing and
   credentials as for any request; for a port served out of a sandbox, ports.py forwards the request
@@ -43,11 +46,13 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from agentcell.server.linger import Lingering
 from agentcell.server.peer import PEER_EXTENSION, PeerCredentials, peer_credentials
 
 log = logging.getLogger("agentcell.server")
@@ -94,11 +99,14 @@ class _CoalescingTransport:
     """A transport whose writes within one turn of the event loop reach the socket as one write, at
     the end of that turn (at once when COALESCE_MAX bytes are pending, or before a close)."""
 
-    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop,
+                 linger: Callable[[], bool] | None = None) -> None:
         self._transport = transport
         self._loop = loop
         self._pending: list[bytes] = []
         self._size = 0
+        self._linger = linger  # asked at close(): True if the protocol lingers instead (linger.py)
+        self.lingering = False
 
     def write(self, data: bytes) -> None:
         if not data:
@@ -129,7 +137,20 @@ class _CoalescingTransport:
 
     def close(self) -> None:
         self._flush()
+        if self.lingering:
+            return
+        if self._linger is not None and self._linger():
+            self.lingering = True
+            return
         self._transport.close()
+
+    def close_now(self) -> None:
+        """Close, without lingering."""
+        self._flush()
+        self._transport.close()
+
+    def is_closing(self) -> bool:
+        return self.lingering or self._transport.is_closing()
 
     def abort(self) -> None:
         self._pending, self._size = [], 0
@@ -229,6 +250,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._idle = False  # the timer waits for a kept-alive connection's next request
         self._upgrade: RawConnection | None = None  # after a request head that asks to upgrade
         self._peer: PeerCredentials | None = None  # a unix socket's peer (peer.py), read once per connection
+        self._lingering: Lingering | None = None  # closing after an early answer (linger.py)
 
     # --- connection lifecycle ---
 
@@ -245,17 +267,22 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._peer = peer_credentials(transport.get_extra_info("socket"))
         if hasattr(transport, "max_size"):
             transport.max_size = READ_SIZE  # type: ignore[attr-defined]  # asyncio's default: 256 KiB
-        super().connection_made(_CoalescingTransport(transport, self.loop))  # type: ignore[arg-type]
+        super().connection_made(_CoalescingTransport(transport, self.loop, self._linger))  # type: ignore[arg-type]
         self._arm_header_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_header_timer()
+        if self._lingering is not None:
+            self._lingering.done()
         if self._upgrade is not None:
             self._upgrade.connection_lost()
         if not self._refused:
             super().connection_lost(exc)
 
     def eof_received(self) -> bool | None:
+        if self._lingering is not None:
+            self._lingering.done()
+            return False
         if self._upgrade is not None:
             self._upgrade.feed_eof()
             return True  # half-closed: the relay may still write to the client
@@ -263,6 +290,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def data_received(self, data: bytes) -> None:
         if self._refused:
+            return
+        if self._lingering is not None:
+            self._drop_body(data)
             return
         if self._upgrade is not None:  # past an upgrade request's head: no longer HTTP
             self._upgrade.feed(data)
@@ -292,6 +322,40 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         except httptools.HttpParserUpgrade as e:
             if self._upgrade is not None:
                 self._upgrade.feed(data[e.args[0]:])
+
+    # --- lingering close (linger.py) ---
+
+    def _linger(self) -> bool:
+        """At a close: linger if a complete response went out before the request's body was read."""
+        cycle = self.cycle
+        if (cycle is None or not cycle.response_complete or not cycle.more_body or cycle.disconnected
+                or self._upgrade is not None or self.transport.is_closing()):
+            return False
+        transport: _CoalescingTransport = self.transport  # type: ignore[assignment]
+        self._cancel_header_timer()
+        self._lingering = Lingering(self.loop, transport._transport, transport.close_now)
+        self.waiting[self] = time.monotonic()  # at the connection cap, a newcomer may take its place
+        return True
+
+    def shutdown(self) -> None:
+        if self._lingering is not None:  # a stopping server does not wait for refused bodies
+            self._lingering.done()
+            return
+        super().shutdown()
+
+    def _drop_body(self, data: bytes) -> None:
+        """The parser finds the body's end; uvicorn drops body bytes once the response is complete."""
+        if not self._lingering.received(data):  # type: ignore[union-attr]
+            return
+        try:
+            self.parser.feed_data(data)
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade):
+            self._lingering.done()  # type: ignore[union-attr]
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        if self._lingering is not None:
+            self._lingering.done()  # the whole body is in: nothing unread is left to cause a reset
 
     def on_headers_complete(self) -> None:
         self._cancel_header_timer()  # the request line and headers are in
@@ -340,6 +404,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def _stop_waiting(self) -> None:
         """Close a connection that did not send its request headers in time (or was evicted)."""
+        if self._lingering is not None:  # evicted while dropping a refused body
+            self._lingering.done()
+            return
         if self._header_timer is None or self.transport.is_closing():
             return  # the headers came in the meantime
         self._cancel_header_timer()

@@ -35,6 +35,7 @@ from agentcell.runtime.tunnel import NOT_OPEN
 from agentcell.server.asgi import has_body, header, named_by_connection
 from agentcell.server.errors import json_error, sandbox_not_found
 from agentcell.server.http_protocol import UPGRADE_EXTENSION  # set on requests that ask to upgrade
+from agentcell.server.ingress import masked_host
 from agentcell.server.registry import SandboxRecord
 
 HEAD_TIMEOUT = 60.0  # seconds the sandbox's server has to send a response head
@@ -55,8 +56,9 @@ def port_not_open(sandbox_id: str, port: int) -> JSONResponse:
     return JSONResponse(body, status_code=502)
 
 
-def request_head(scope: dict[str, Any], upgrade: bytes | None, chunked: bool) -> bytes:
-    """The request line and headers sent to the sandbox's server."""
+def request_head(scope: dict[str, Any], upgrade: bytes | None, chunked: bool, host: bytes | None = None) -> bytes:
+    """The request line and headers sent to the sandbox's server; `host`, if given, in place of the
+    client's Host (E2B's maskRequestHost)."""
     target = scope.get("raw_path") or scope["path"].encode()
     if scope.get("query_string"):
         target += b"?" + scope["query_string"]
@@ -68,10 +70,14 @@ def request_head(scope: dict[str, Any], upgrade: bytes | None, chunked: bool) ->
         lower = name.lower()
         if lower in HOP_BY_HOP or lower in CREDENTIALS or lower in named:
             continue
-        has_host = has_host or lower == b"host"
+        if lower == b"host":
+            if has_host:
+                continue
+            has_host = True
+            value = host if host is not None else value
         lines.append(name + b": " + value)
     if not has_host:  # an HTTP/1.0 client routed by the E2B headers
-        lines.append(b"host: localhost")
+        lines.append(b"host: " + (host if host is not None else b"localhost"))
     if upgrade is not None:
         lines += [b"connection: upgrade", b"upgrade: " + upgrade]
     else:
@@ -171,7 +177,7 @@ async def serve_port(rec: SandboxRecord, port: int, scope: dict[str, Any], recei
     loop = asyncio.get_running_loop()
     gone: asyncio.Future[None] = loop.create_future()  # the client went away
     duplex = rec.channel.duplex("net.connect", port=port)
-    head = request_head(scope, upgrade, chunked)
+    head = request_head(scope, upgrade, chunked, masked_host(rec.mask_request_host, port))
     try:
         # the head goes with the request when it fits in one frame (most do: 64 KiB of headers at most)
         batches = await duplex.open(gone, head if len(head) <= CHUNK else b"")

@@ -110,6 +110,8 @@ class SandboxRecord:
     client_id: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
     access_token: str = field(default_factory=lambda: secrets.token_urlsafe(24))
     public_traffic: bool = True  # its served-out ports need no traffic token (E2B's allowPublicTraffic)
+    mask_request_host: str | None = None  # the Host its served ports present to it (E2B's maskRequestHost)
+    fork_mode: str | None = None  # a fork's: "memory" (processes carried) | "filesystem" (files only)
     network: NetworkPolicy = field(default_factory=NetworkPolicy)  # its way out, as last set
     internet_at_create: bool = False  # update_network's default for allow_internet_access
     secret_hosts: dict[str, dict[str, list[str]]] = field(default_factory=dict)  # names and hosts, no values
@@ -237,6 +239,7 @@ class SandboxManager:
             "metadata": rec.metadata, "envs": rec.envs, "limits": asdict(rec.limits),
             "started_at": rec.started_at.isoformat(), "timeout_s": rec.timeout_s, "client_id": rec.client_id,
             "access_token": rec.access_token, "public_traffic": rec.public_traffic,
+            "mask_request_host": rec.mask_request_host,
             "network": [rec.network.internet, list(rec.network.allow_out), list(rec.network.deny_out)],
             "internet_at_create": rec.internet_at_create, "lifecycle": asdict(rec.lifecycle),
             "pause_mode": rec.pause_mode, "paused_at": rec.paused_at.isoformat() if rec.paused_at else None,
@@ -275,6 +278,7 @@ class SandboxManager:
                     envs=d["envs"], limits=spec.limits, started_at=datetime.fromisoformat(d["started_at"]),
                     end_at=_now(), running=None, channel=None, backend=backend, client_id=d["client_id"],
                     access_token=d["access_token"], public_traffic=d["public_traffic"], network=spec.network,
+                    mask_request_host=d.get("mask_request_host"),
                     internet_at_create=d["internet_at_create"], spec=spec, lifecycle=Lifecycle(**d["lifecycle"]),
                     timeout_s=d["timeout_s"], pause_mode=d["pause_mode"],
                     paused_at=datetime.fromisoformat(d["paused_at"]),
@@ -765,20 +769,40 @@ class SandboxManager:
                     await rec.backend.pause(rec.running)  # type: ignore[arg-type]
 
     async def fork(self, rec: SandboxRecord, count: int, timeout: int) -> list[SandboxRecord | BaseException]:
-        """`count` new sandboxes restored from one checkpoint of `rec`, each with its own id, hostname
-        and cgroup (the backend's restore), its template, metadata, envs, limits, network and lifecycle."""
+        """`count` new sandboxes from one copy of `rec`, each with its own id, hostname and cgroup, its
+        template, metadata, envs, limits, network, ingress options and lifecycle. On a backend that saves
+        memory (gvisor): restored from one checkpoint (memory, processes, files). Otherwise a
+        filesystem fork (`fork_mode`): one consistent copy of its files (its disk), and its processes
+        started afresh, as a sandbox resumed from a filesystem pause is."""
         image = self.state_dir / "forks" / uuid.uuid4().hex
         image.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        memory = rec.backend.memory_snapshots
+        files = image.with_suffix(".tar")
+
+        async def one() -> SandboxRecord:
+            new = await self.create(
+                template_id=rec.template_id, alias=rec.alias, timeout=timeout, metadata=rec.metadata,
+                envs=rec.spec.envs, limits=rec.limits, network=rec.network, secrets=rec.spec.secrets,
+                lifecycle=rec.lifecycle, image=image if memory else None, files=None if memory else files,
+                root=None if memory else rec.spec.image_root, policy=None if memory else rec.spec.policy,
+                backend=rec.backend, origin=f"fork of {rec.sandbox_id}", owner=rec.owner)
+            # who may reach its ports, as for the original: set before anything else runs (no await
+            # since create put it in the registry)
+            new.public_traffic, new.mask_request_host = rec.public_traffic, rec.mask_request_host
+            new.rules_info, new.internet_at_create = rec.rules_info, rec.internet_at_create
+            new.fork_mode = "memory" if memory else "filesystem"
+            return new
+
         try:
-            await self.checkpoint(rec, image)
-            results = await asyncio.gather(*(
-                self.create(template_id=rec.template_id, alias=rec.alias, timeout=timeout, metadata=rec.metadata,
-                            envs=rec.spec.envs, limits=rec.limits, network=rec.network, secrets=rec.spec.secrets,
-                            lifecycle=rec.lifecycle, image=image, backend=rec.backend,
-                            origin=f"fork of {rec.sandbox_id}", owner=rec.owner)
-                for _ in range(count)), return_exceptions=True)
+            if memory:
+                await self.checkpoint(rec, image)
+            else:
+                await self.snapshot_files(rec, files, (rec.limits.disk_limit_mb << 20) * 2 + (64 << 20))
+            results = await asyncio.gather(*(one() for _ in range(count)), return_exceptions=True)
         finally:
             await asyncio.to_thread(shutil.rmtree, image, True)
+            with contextlib.suppress(OSError):
+                files.unlink()
         for r in results:
             if isinstance(r, BaseException) and not isinstance(r, Exception):
                 raise r  # a cancellation
@@ -799,9 +823,18 @@ class SandboxManager:
         return self.get(rec.sandbox_id)
 
     def set_timeout(self, rec: SandboxRecord, timeout: int) -> None:
-        """endAt = now + timeout; of a paused sandbox, the timeout it gets when it is resumed."""
+        """endAt = now + timeout; of a paused sandbox, the timeout it gets when it is resumed.
+        0 is E2B's "expire now": a running sandbox reaches its end of life (killed, or pausing
+        under on_timeout "pause") before this returns; the last nonzero timeout is what a
+        resume gives it, and a paused sandbox stays as it is."""
+        now = _now()
+        if timeout == 0:
+            if rec.state is SandboxState.RUNNING:
+                rec.end_at = now
+                self._advance(rec, now)
+            return
         rec.timeout_s = timeout
-        rec.end_at = _now() + timedelta(seconds=timeout)
+        rec.end_at = now + timedelta(seconds=timeout)
         self._wake.set()
 
     def extend_timeout(self, rec: SandboxRecord, timeout: int) -> None:
