@@ -32,6 +32,7 @@ OPEN_PROXY = f"{PROXY}:1080"  # no credentials
 AUTH_PROXY = f"{PROXY}:1081"  # tenant / AUTH_PASSWORD
 TLS_PROXY = f"{PROXY}:1443"  # TLS with a certificate for proxy.test from the test CA, no credentials
 NAMED_PROXY = "allowed.test:1080"  # a name (allowed.test is WEB in the internet's zone)
+RANGE_PROXY = "10.1.2.3"  # a private address (FORBIDDEN), in the range the operator opened for proxies
 AUTH_PASSWORD = "pw-correct-horse-battery"
 SOCKS_LOG = Path(f"/tmp/agentcell-test-socks-{os.getpid()}.log")
 
@@ -53,7 +54,8 @@ def fetch(host, port, path="/", timeout=4.0):
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, object]]:
-    with internet_server(tmp_path_factory) as server:
+    # 10.1.2.0/24 (FORBIDDEN's 10.1.2.3): where the operator lets proxies be, and only proxies
+    with internet_server(tmp_path_factory, "--egress-proxy-range", RANGE_PROXY.rsplit(".", 1)[0] + ".0/24") as server:
         tmp = tmp_path_factory.mktemp("socks")
         ca = EgressCA.load_or_create(str(tmp / "ca"))
         (tmp / "proxy.pem").write_bytes(ca.issue("proxy.test"))
@@ -62,11 +64,12 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, object
             subprocess.run(["ip", "-n", INET, "addr", "add", f"{address}/32", "dev", "lo"], check=True)
         # the target answers the proxies' addresses only: whatever reaches it came through one
         firewall = (f"table inet socks_test {{\n chain input {{\n type filter hook input priority 0; policy accept;\n"
-                    f"ip daddr {TARGET} ip saddr != {{ {PROXY}, {WEB} }} drop\n }}\n}}\n")
+                    f"ip daddr {TARGET} ip saddr != {{ {PROXY}, {WEB}, {RANGE_PROXY} }} drop\n }}\n}}\n")
         subprocess.run(["ip", "netns", "exec", INET, "nft", "-f", "-"], input=firewall, text=True, check=True)
         SOCKS_LOG.unlink(missing_ok=True)
         config = {"proxies": [{"listen": OPEN_PROXY}, {"listen": AUTH_PROXY, "auth": ["tenant", AUTH_PASSWORD]},
-                              {"listen": TLS_PROXY, "tls": str(tmp / "proxy.pem")}, {"listen": f"{WEB}:1080"}],
+                              {"listen": TLS_PROXY, "tls": str(tmp / "proxy.pem")}, {"listen": f"{WEB}:1080"},
+                              {"listen": f"{RANGE_PROXY}:1080"}],
                   "target": TARGET, "log": str(SOCKS_LOG)}
         with netns_service(INET, HERE / "socks_services.py", json.dumps(config)):
             yield {"server": server, "ca": ca.cert_pem.decode(), "other_ca": other_ca.cert_pem.decode()}
@@ -243,8 +246,8 @@ def test_where_a_proxy_may_be(server: ServerProcess) -> None:
     from e2b.exceptions import SandboxException
 
     with e2b_pointed_at(server.url):
-        for address in ("10.1.2.3:1080", "127.0.0.1:1080", "169.254.169.254:80", "192.168.7.7:1080",
-                        "rebind.test:1080", "meta.test:1080", "nowhere.test:1080"):
+        for address in ("10.1.3.3:1080", "127.0.0.1:1080", "169.254.169.254:80", "192.168.7.7:1080",
+                        "meta.test:1080", "nowhere.test:1080"):  # (rebind.test is 10.1.2.3: opened here)
             with pytest.raises(SandboxException, match="egressProxy"):
                 e2b.Sandbox.create(network={"egress_proxy": {"address": address}}, timeout=60)
         sbx = e2b.Sandbox.create(network={"egress_proxy": {"address": NAMED_PROXY}}, timeout=120)
@@ -254,9 +257,21 @@ def test_where_a_proxy_may_be(server: ServerProcess) -> None:
             assert ask(sbx, f"fetch('{TARGET}', 9000)") == f"target saw {WEB} port=9000 path=/"  # type: ignore[arg-type]
             assert f"connect {WEB}:1080 {TARGET}:9000" in log_since(mark)
             with pytest.raises(SandboxException, match="egressProxy"):
-                sbx.update_network({"egress_proxy": {"address": "10.1.2.3:1080"}})
+                sbx.update_network({"egress_proxy": {"address": "10.1.3.3:1080"}})
         finally:
             sbx.kill()
+
+
+def test_the_operator_opens_a_private_range_for_proxies_only(make) -> None:  # type: ignore[no-untyped-def]
+    """`--egress-proxy-range 10.1.2.0/24`: a proxy there works; sandboxes still cannot reach it directly."""
+    sbx = make(network={"egress_proxy": {"address": f"{RANGE_PROXY}:1080"}})
+    mark = log_mark()
+    assert ask(sbx, f"fetch('{TARGET}', 9000)") == f"target saw {RANGE_PROXY} port=9000 path=/"
+    assert f"connect {RANGE_PROXY}:1080 {TARGET}:9000" in log_since(mark)
+    plain = make()
+    assert ask(plain, f"fetch('{RANGE_PROXY}', 1080)") in ("TimeoutError", "timeout")
+    # and a tunneled sandbox cannot reach it by tunneling to it either: the never-list comes first
+    assert ask(sbx, f"fetch('{RANGE_PROXY}', 80)") in ("TimeoutError", "timeout")
 
 
 def test_malformed_proxies_are_refused(server: ServerProcess) -> None:

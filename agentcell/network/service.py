@@ -166,7 +166,9 @@ class Egress:
             if self.settings.uplink == "usermode":
                 self.uplink = await asyncio.to_thread(usermode.SlirpUplink, router)
             elif self.settings.uplink == "host":
-                self.uplink = await asyncio.to_thread(uplinks.attach_host, router, self.instance, self.never)
+                # (the host's table lets the router reach the proxies' ranges too: the router's own forward
+                # chain keeps sandboxes out of them, tunnel.py)
+                self.uplink = await asyncio.to_thread(uplinks.attach_host, router, self.instance, self.proxy_never)
             else:
                 self.uplink = await asyncio.to_thread(uplinks.attach_netns, router, self.settings.uplink[6:],
                                                       self.instance)
