@@ -77,16 +77,16 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, object
 
 
 @pytest.fixture
-def server(world: dict[str, object]) -> ServerProcess:
+def inet_server(world: dict[str, object]) -> ServerProcess:
     return world["server"]  # type: ignore[return-value]
 
 
 @pytest.fixture
-def make(server: ServerProcess) -> Iterator:
+def make(inet_server: ServerProcess) -> Iterator:
     made: list[Sandbox] = []
 
     def create(**kwargs: object) -> Sandbox:
-        sbx = Sandbox.create(api_url=server.url, timeout=300, **kwargs)  # type: ignore[arg-type]
+        sbx = Sandbox.create(api_url=inet_server.url, timeout=300, **kwargs)  # type: ignore[arg-type]
         made.append(sbx)
         probed(sbx)
         assert sbx.run_code(GET).error is None
@@ -107,13 +107,13 @@ def log_since(mark: int) -> list[str]:
         return f.read().decode().splitlines()
 
 
-def test_every_tcp_connection_goes_through_the_proxy(server: ServerProcess) -> None:
+def test_every_tcp_connection_goes_through_the_proxy(inet_server: ServerProcess) -> None:
     """Through the official e2b SDK: the target, which only the proxy may reach, answers, and says it
     saw the proxy's address; plain HTTP to a public host goes through the proxy too; names still
     resolve (DNS is not tunneled); without a proxy the target is out of reach."""
     import e2b_code_interpreter as e2b
 
-    with e2b_pointed_at(server.url):
+    with e2b_pointed_at(inet_server.url):
         sbx = e2b.Sandbox.create(network={"egress_proxy": {"address": OPEN_PROXY}}, timeout=120)
         plain = e2b.Sandbox.create(timeout=120)
         try:
@@ -133,15 +133,15 @@ def test_every_tcp_connection_goes_through_the_proxy(server: ServerProcess) -> N
             plain.kill()
 
 
-def test_credentials_work_wrong_ones_fail_closed_and_the_password_is_never_shown(make, server: ServerProcess) -> None:  # type: ignore[no-untyped-def]
+def test_credentials_work_wrong_ones_fail_closed_and_the_password_is_never_shown(make, inet_server: ServerProcess) -> None:  # type: ignore[no-untyped-def]
     sbx = make(network={"egress_proxy": {"address": AUTH_PROXY, "username": "tenant", "password": AUTH_PASSWORD}})
     mark = log_mark()
     assert ask(sbx, f"fetch('{TARGET}', 9001)") == f"target saw {PROXY} port=9001 path=/"
     assert f"auth-ok {AUTH_PROXY} tenant" in log_since(mark)
-    raw = httpx.get(f"{server.url}/sandboxes/{sbx.sandbox_id}", headers={"X-API-KEY": "e2b_test_key"}).text
+    raw = httpx.get(f"{inet_server.url}/sandboxes/{sbx.sandbox_id}", headers={"X-API-KEY": "e2b_test_key"}).text
     assert AUTH_PASSWORD not in raw
     assert json.loads(raw)["network"]["egressProxy"] == {"address": AUTH_PROXY, "username": "tenant"}
-    assert AUTH_PASSWORD not in subprocess.run(["cat", str(server.log_path)], capture_output=True, text=True).stdout
+    assert AUTH_PASSWORD not in subprocess.run(["cat", str(inet_server.log_path)], capture_output=True, text=True).stdout
 
     wrong = make(network={"egress_proxy": {"address": AUTH_PROXY, "username": "tenant", "password": "not-it"}})
     mark = log_mark()
@@ -183,10 +183,10 @@ def test_deny_rules_refuse_before_the_proxy(make) -> None:  # type: ignore[no-un
     assert not any(OTHER in line or TARGET in line for line in seen)
 
 
-def test_update_network_sets_replaces_and_removes_the_proxy(server: ServerProcess) -> None:
+def test_update_network_sets_replaces_and_removes_the_proxy(inet_server: ServerProcess) -> None:
     import e2b_code_interpreter as e2b
 
-    with e2b_pointed_at(server.url):
+    with e2b_pointed_at(inet_server.url):
         sbx = e2b.Sandbox.create(timeout=120)
         try:
             assert sbx.run_code(GET).error is None
@@ -239,13 +239,13 @@ def test_tls_to_the_proxy(make, world: dict[str, object]) -> None:  # type: igno
         assert not any(line.startswith("connect") for line in log_since(mark))
 
 
-def test_where_a_proxy_may_be(server: ServerProcess) -> None:
+def test_where_a_proxy_may_be(inet_server: ServerProcess) -> None:
     """The operator's ceiling: never the never-list (private, loopback, link-local, metadata), by
     address or by name; a name resolved at create and again at each dial."""
     import e2b_code_interpreter as e2b
     from e2b.exceptions import SandboxException
 
-    with e2b_pointed_at(server.url):
+    with e2b_pointed_at(inet_server.url):
         for address in ("10.1.3.3:1080", "127.0.0.1:1080", "169.254.169.254:80", "192.168.7.7:1080",
                         "meta.test:1080", "nowhere.test:1080"):  # (rebind.test is 10.1.2.3: opened here)
             with pytest.raises(SandboxException, match="egressProxy"):
@@ -274,15 +274,30 @@ def test_the_operator_opens_a_private_range_for_proxies_only(make) -> None:  # t
     assert ask(sbx, f"fetch('{RANGE_PROXY}', 80)") in ("TimeoutError", "timeout")
 
 
-def test_malformed_proxies_are_refused(server: ServerProcess) -> None:
+def test_malformed_proxies_are_refused(inet_server: ServerProcess) -> None:
     for proxy, why in (({"address": "no-port"}, "host:port"), ({"address": "[2001:db8::1]:1080"}, "IPv6"),
                        ({"address": OPEN_PROXY, "password": "x"}, "username"),
                        ({"address": OPEN_PROXY, "tls": {"caCert": "not a certificate"}}, "caCert"),
                        ({"address": OPEN_PROXY, "protocol": "socks5"}, "unknown field"),
                        ("proxy:1080", "object")):
-        r = httpx.post(f"{server.url}/sandboxes", json={"templateID": "base", "network": {"egressProxy": proxy}},
+        r = httpx.post(f"{inet_server.url}/sandboxes", json={"templateID": "base", "network": {"egressProxy": proxy}},
                        headers={"X-API-KEY": "e2b_test_key"})
         assert r.status_code == 400 and why in r.json()["message"], (proxy, r.text)
+
+
+def test_a_server_without_egress_refuses_a_proxy(server_url: str) -> None:
+    """The session's server (no uplink; AGENTCELL_TEST_BACKEND=gvisor: the gvisor backend, which has no
+    egress): nothing to tunnel, a 400 that says so, at create and at update."""
+    r = httpx.post(f"{server_url}/sandboxes", json={"templateID": "base", "network": {"egressProxy": {
+        "address": OPEN_PROXY}}}, headers={"X-API-KEY": "e2b_test_key"})
+    assert r.status_code == 400 and "egressProxy" in r.json()["message"] and "no internet" in r.json()["message"]
+    sbx = Sandbox.create(api_url=server_url, timeout=60)
+    try:
+        r = httpx.put(f"{server_url}/sandboxes/{sbx.sandbox_id}/network", json={"egressProxy": {"address": OPEN_PROXY}},
+                      headers={"X-API-KEY": "e2b_test_key"})
+        assert r.status_code == 400 and "egressProxy" in r.json()["message"]
+    finally:
+        sbx.kill()
 
 
 def test_added_latency(make) -> None:  # type: ignore[no-untyped-def]
