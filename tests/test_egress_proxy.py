@@ -317,3 +317,15 @@ def test_added_latency(make) -> None:  # type: ignore[no-untyped-def]
         times[name] = float(ms)
     print(f"\nper connection (connect + GET + close): {times}")
     assert times["tunneled"] < times["direct"] + 50
+    bulk = ("import socket, time\nt = time.perf_counter()\n"
+            "s = socket.create_connection(('allowed.test', 80), timeout=30)\n"
+            "s.sendall(b'GET /big/50000000 HTTP/1.1\\r\\nHost: allowed.test\\r\\nConnection: close\\r\\n\\r\\n')\n"
+            "n = 0\nwhile chunk := s.recv(1 << 20): n += len(chunk)\n"
+            "print(round(n / (time.perf_counter() - t) / 1e6, 1))")
+    rates = {}
+    for name, sbx in (("direct", direct), ("tunneled", tunneled)):
+        ex = sbx.run_code(bulk)
+        assert ex.error is None, ex.error
+        rates[name] = float("".join(ex.logs.stdout))
+    print(f"50 MB over one connection, MB/s: {rates}")
+    assert rates["tunneled"] > 1
