@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -160,7 +161,14 @@ def test_a_dead_proxy_or_one_that_is_not_socks5_fails_closed(make) -> None:  # t
         marker = uuid.uuid4().hex
         assert ask(sbx, f"fetch('{OTHER}', 80, '/{marker}')") in ("closed", "ConnectionResetError"), address
         # nothing went out directly
-        assert marker not in INTERNET_LOG.read_text(errors="replace"), address
+        assert not INTERNET_LOG.exists() or marker not in INTERNET_LOG.read_text(errors="replace"), address
+        # and the sandbox's record says why
+        deadline = time.monotonic() + 5
+        while not (refused := [e for e in sbx.events("net.deny") if e.get("rule") == "egress-proxy"]) \
+                and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert refused and refused[-1]["dst"] == OTHER and refused[-1]["via"] == address, address
+        assert ("could not be reached" if address.startswith(DEAD) else "does not speak SOCKS5") in refused[-1]["error"]
 
 
 def test_deny_rules_refuse_before_the_proxy(make) -> None:  # type: ignore[no-untyped-def]
@@ -231,6 +239,15 @@ def test_tls_to_the_proxy(make, world: dict[str, object]) -> None:  # type: igno
     assert f"connect {TLS_PROXY} {TARGET}:9000" in log_since(mark)
     assert sbx.get_info().network["egressProxy"] == {  # type: ignore[union-attr]
         "address": TLS_PROXY, "tls": {"enabled": True, "serverName": "proxy.test"}}  # never the CA
+    # TLS in TLS: HTTPS to a host, read by the egress proxy (a secret for it), inside the TLS tunnel
+    value = "sk-live-" + os.urandom(12).hex()
+    inner = make(secrets={"API_KEY": {"value": value, "hosts": ["secret.test"]}},
+                 network={"egress_proxy": {"address": TLS_PROXY, "tls": tls}})
+    mark = log_mark()
+    got = ask(inner, "get_with('https://secret.test/tls-in-tls', __import__('os').environ['API_KEY'])")
+    assert got.split("|", 1)[1].startswith("GET /tls-in-tls HTTP/1.1"), got
+    assert f"connect {TLS_PROXY} {WEB}:443" in log_since(mark)
+    assert value.encode() in INTERNET_LOG.read_bytes()
     # a certificate the given CA did not sign, or a name it is not for: fail closed
     for bad in ({"server_name": "proxy.test", "ca_cert": world["other_ca"]}, {"server_name": "other.test", "ca_cert": world["ca"]}):
         wrong = make(network={"egress_proxy": {"address": TLS_PROXY, "tls": bad}})
