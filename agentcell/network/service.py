@@ -152,7 +152,10 @@ class Egress:
         # where a sandbox's network.egressProxy may be (tunnel.py): the never-list's ceiling, with what the
         # operator opened for everyone and for proxies only
         self.proxy_ranges = (*self.settings.allow_ranges, *self.settings.proxy_ranges)
-        self.proxy_never = NeverList(self.proxy_ranges)
+        try:
+            self.proxy_never = NeverList(self.proxy_ranges)
+        except EgressError as e:  # (NeverList names only the first flag)
+            raise EgressError(str(e).replace("--egress-allow-range", "--egress-proxy-range", 1)) from None
         if self.settings.uplink == "usermode":  # a rootless server: its namespace where host root's are not
             netns_dir = statedir.private_dir(rootless.netns_dir())
             stale = netns_files.remove_stale(netns_dir, NETNS_PREFIX)  # files of this user's servers that died
