@@ -105,6 +105,18 @@ def test_a_policy_change_holds_for_the_next_connection(net: Router) -> None:
     assert reach(SBX2, WEB) != "ok"
 
 
+def test_a_tunneled_link_never_forwards_tcp_even_with_no_proxy_listening(net: Router) -> None:
+    """network.egressProxy fails closed at the router: its TCP goes to the proxy's socket or nowhere
+    (no proxy process runs in this world: tproxy finds no socket, and the forward chain drops it)."""
+    for policy in (Policy(internet=True), Policy(internet=True, allow=[WEB])):
+        net.set_policy(1, policy)
+        assert reach(SBX1, WEB) == "ok"
+        net.set_policy(1, policy, tunnel=True)
+        assert reach(SBX1, WEB) == "TimeoutError", policy
+    net.set_policy(1, Policy(internet=True))
+    assert reach(SBX1, WEB) == "ok"  # the tunnel gone: direct again
+
+
 def test_deny_all_with_an_allow_list_is_e2bs_idiom(net: Router) -> None:
     net.set_policy(1, Policy(internet=True, allow=[OTHER_WEB], deny=["0.0.0.0/0"]))
     assert reach(SBX1, OTHER_WEB) == "ok"

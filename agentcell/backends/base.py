@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from agentcell.network.policy import NetworkPolicy
 from agentcell.network.secrets import HeaderRule, SecretSet
+from agentcell.network.tunnel import EgressTunnel
 from agentcell.policy.model import Policy, PolicyError
 from agentcell.record.events import Recorder
 
@@ -229,8 +230,9 @@ class Backend(abc.ABC):
         return False
 
     async def set_network(self, sandbox: RunningSandbox, policy: NetworkPolicy,
-                          rules: tuple[HeaderRule, ...] = ()) -> None:
-        """Replace a running sandbox's way out and E2B's header rules (new connections follow at once)."""
+                          rules: tuple[HeaderRule, ...] = (), tunnel: EgressTunnel | None = None) -> None:
+        """Replace a running sandbox's way out, E2B's header rules and its SOCKS5 proxy (`tunnel`, None:
+        none; network/tunnel.py). New connections follow at once."""
         raise NotImplementedError(f"the {self.name} backend has no egress")
 
     # -- the sandbox's policy (issue 28; agentcell/policy/) ------------------------------------------

@@ -145,6 +145,10 @@ def _tls(opts: dict[str, Any]) -> None:
 @click.option("--egress-allow-range", "egress_allow_ranges", multiple=True, metavar="CIDR",
               help="A private (or link-local, CGNAT ...) range sandboxes with internet may reach after all, "
                    "e.g. an internal package mirror. Default: none of them.")
+@click.option("--egress-proxy-range", "egress_proxy_ranges", multiple=True, metavar="CIDR",
+              help="A private (or link-local, CGNAT ...) range a sandbox's network.egressProxy (its SOCKS5 proxy) "
+                   "may be in, e.g. a corporate proxy at 10.0.0.5. Sandboxes still cannot reach it directly. "
+                   "Default: none; proxies must be at public addresses.")
 @click.option("--egress-plain-http-host", "egress_plain_http_hosts", multiple=True, metavar="HOST",
               help="A host (or *.domain) whose secrets and network.rules headers may be sent over plain HTTP, only "
                    "to addresses the sandbox's resolver answered for it. Default: none; secrets go over verified "
@@ -308,6 +312,7 @@ def serve(ctx: click.Context, **opts: Any) -> None:
     opts["insecure_registries"] = tuple(opts["insecure_registries"])
     opts["registry_mirrors"] = tuple(_mirror(m) for m in opts["registry_mirrors"])
     opts["egress_allow_ranges"] = tuple(opts["egress_allow_ranges"])
+    opts["egress_proxy_ranges"] = tuple(opts["egress_proxy_ranges"])
     opts["egress_plain_http_hosts"] = tuple(h.strip().lower().rstrip(".") for h in opts["egress_plain_http_hosts"])
     opts["internet_default"] = None if opts["internet_default"] is None else opts["internet_default"] == "on"
     if not opts["system"]:  # quotas are per user, and only the system service knows its users

@@ -76,6 +76,8 @@ class Connection:
     upstream_socket: Callable[[], Awaitable[socket.socket]]
     upstream_ssl: ssl.SSLContext | None
     on_event: Event
+    # network.egressProxy: the stream to dst:dport through the sandbox's SOCKS5 proxy (tunnel.py)
+    dial: Callable[[], Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter]]] | None = None
 
     def event(self, **fields: Any) -> dict[str, Any]:
         return {"time": time.time(), "proto": "tcp", "dst": self.dst, "dport": self.dport, "domain": self.host,
@@ -383,6 +385,8 @@ class HttpRelay:
 
     async def _connect(self) -> bool:
         conn = self.conn
+        if conn.dial is not None:
+            return await self._connect_tunneled(conn, conn.dial)
         sock = await conn.upstream_socket()
         sock.setblocking(False)
         try:
@@ -397,6 +401,29 @@ class HttpRelay:
                                      error=str(e)[:200] or type(e).__name__, state="denied"))
             await self._answer(502, f"{conn.host}:{conn.dport} could not be reached"
                                     + (" with a certificate valid for it" if isinstance(e, ssl.SSLError) else ""))
+            return False
+        self.up = _Upstream(reader, writer)
+        return True
+
+    async def _connect_tunneled(self, conn: Connection,
+                                dial: Callable[[], Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter]]]) -> bool:
+        """_connect through the sandbox's SOCKS5 proxy, TLS to the host inside the tunnel. Fails closed."""
+        writer = None
+        try:
+            async with asyncio.timeout(CONNECT_TIMEOUT_S):
+                reader, writer = await dial()
+                if conn.tls:
+                    assert conn.upstream_ssl is not None
+                    await writer.start_tls(conn.upstream_ssl, server_hostname=conn.host)
+        except (OSError, ssl.SSLError, TimeoutError) as e:
+            if writer is not None:
+                writer.transport.abort()
+            rule = "egress-proxy" if not isinstance(e, ssl.SSLError) else "upstream"
+            conn.on_event(conn.event(kind="net.deny", verdict="denied", rule=rule,
+                                     error=str(e)[:200] or type(e).__name__, state="denied"))
+            await self._answer(502, f"{conn.host}:{conn.dport} could not be reached"
+                                    + (" with a certificate valid for it" if isinstance(e, ssl.SSLError)
+                                       else " through the sandbox's egress proxy"))
             return False
         self.up = _Upstream(reader, writer)
         return True

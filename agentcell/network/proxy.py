@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import socket
 import ssl
@@ -47,6 +48,8 @@ from agentcell.network.claims import MAX_PEEK, MORE, NONE, Claim, claimed_host
 from agentcell.network.inspection import Connection, serve_inspected
 from agentcell.network.quota import KeyedQuota
 from agentcell.network.secrets import SecretSet, placeholder_in
+from agentcell.network.tunnel import EgressTunnel, Resolve
+from agentcell.network.tunnel import dial as tunnel_dial
 
 log = logging.getLogger("agentcell.egress")
 
@@ -128,23 +131,34 @@ class SlotState:
     secrets: SecretSet
     names: bool  # the policy has name rules: what names no host is refused
     ask_s: float = 0.0  # network ask: how long the server may take to decide (0: the sandbox does not ask)
+    tunnel: EgressTunnel | None = None  # network.egressProxy: every connection dialed through it (tunnel.py)
     connections: TokenBucket = field(default_factory=lambda: TokenBucket(NEW_PER_SECOND, NEW_BURST))
     handshakes: TokenBucket = field(default_factory=lambda: TokenBucket(HANDSHAKES_PER_SECOND, HANDSHAKE_BURST))
     live: set[asyncio.Task[Any]] = field(default_factory=set)
     over_budget: int = 0  # connections ended by a budget since the last note
     noted_at: float = 0.0
 
+    @property
+    def reads_requests(self) -> bool:
+        """Whether connections to ports 80/443 are held until they name a host. A tunneled sandbox with
+        nothing to check or put in requests is relayed as it is (its TLS never terminated here)."""
+        return self.tunnel is None or self.names or self.secrets.inspects or bool(self.ask_s)
+
 
 class Interceptor:
     def __init__(self, slot_of: Callable[[str], int | None], decide: Decide, emit: Emit, ca: EgressCA,
                  upstream_ssl: ssl.SSLContext,
-                 upstream_socket: Callable[[], Awaitable[socket.socket]] | None = None) -> None:
+                 upstream_socket: Callable[[], Awaitable[socket.socket]] | None = None,
+                 resolve: Resolve | None = None,
+                 proxy_forbidden: Callable[[ipaddress.IPv4Address], bool] | None = None) -> None:
         self.slot_of = slot_of
         self.decide = decide
         self.emit = emit
         self.ca = ca
         self.upstream_ssl = upstream_ssl
         self.upstream_socket = upstream_socket or _plain_socket
+        self.resolve = resolve or _no_names  # the tunnels' proxy names (tunnel.py)
+        self.proxy_forbidden = proxy_forbidden or (lambda address: True)  # where no proxy may be
         self.slots: dict[int, SlotState] = {}
         self.quota = KeyedQuota(MAX_CONNECTIONS, MAX_PER_SANDBOX, RESERVE)
         self.server: asyncio.Server | None = None
@@ -160,15 +174,16 @@ class Interceptor:
 
     # -- what the server says -------------------------------------------------------------------------
 
-    def set_slot(self, slot: int, owner: str, secrets: SecretSet, names: bool, ask_s: float = 0.0) -> None:
+    def set_slot(self, slot: int, owner: str, secrets: SecretSet, names: bool, ask_s: float = 0.0,
+                 tunnel: EgressTunnel | None = None) -> None:
         state = self.slots.get(slot)
         if state is not None and state.owner != owner:
             self.forget(slot)  # a new tenant: nothing of the old one's goes on
             state = None
         if state is None:
-            self.slots[slot] = SlotState(owner, secrets, names, ask_s)
-        else:
-            state.secrets, state.names, state.ask_s = secrets, names, ask_s
+            self.slots[slot] = SlotState(owner, secrets, names, ask_s, tunnel)
+        else:  # (connections already open keep the way they were dialed)
+            state.secrets, state.names, state.ask_s, state.tunnel = secrets, names, ask_s, tunnel
 
     def forget(self, slot: int) -> None:
         """The slot's sandbox is gone: its connections end now, before the slot serves anyone else."""
@@ -184,7 +199,7 @@ class Interceptor:
         dst, dport = writer.get_extra_info("sockname")[:2]  # the original destination (tproxy)
         slot = self.slot_of(src)
         state = self.slots.get(slot) if slot is not None else None
-        if slot is None or state is None or (dport not in INTERCEPTED_PORTS and not state.ask_s) \
+        if slot is None or state is None or (dport not in INTERCEPTED_PORTS and not state.ask_s and not state.tunnel) \
                 or not self.quota.take(slot):
             if state is not None:
                 self._over_budget(state, "connections")
@@ -210,7 +225,8 @@ class Interceptor:
     async def _serve(self, slot: int, state: SlotState, dst: str, dport: int, reader: asyncio.StreamReader,
                      writer: asyncio.StreamWriter) -> None:
         first = b""
-        claim: Claim | None = MORE if dport in INTERCEPTED_PORTS else NONE  # (another port: a held one)
+        # another port: a held one (network ask) or a tunneled one, named by its address alone
+        claim: Claim | None = MORE if dport in INTERCEPTED_PORTS and state.reads_requests else NONE
         async with asyncio.timeout(CLAIM_TIMEOUT_S):
             while claim is MORE:
                 chunk = await reader.read(MAX_PEEK)
@@ -228,9 +244,12 @@ class Interceptor:
             return  # the client left while its connection was held
         allowed, rule, plain_ok, instead = verdict
         asked = rule.startswith("ask:")
-        if allowed and claim.kind == "none" and state.names and not asked:
+        if allowed and claim.kind == "none" and state.names and not asked and dport in INTERCEPTED_PORTS:
             allowed, rule = False, "unnamed"  # name rules, and the connection names no host
         base = {"time": time.time(), "proto": "tcp", "dst": dst, "dport": dport}
+        tunnel = state.tunnel
+        if tunnel is not None:
+            base["via"] = tunnel.address  # (the event says which proxy it went through)
         if is_stand_in(dst):  # network ask: the connection goes to what the name resolved to once allowed
             base = {**base, "dst": instead or dst, "stand_in": dst}
             dst = instead or dst
@@ -263,7 +282,8 @@ class Interceptor:
         conn = Connection(host=claim.host, dst=dst, dport=dport, tls=tls, secrets=state.secrets,
                           may_send_secrets=tls or plain_ok, upstream_socket=self.upstream_socket,
                           upstream_ssl=self.upstream_ssl if tls else None,
-                          on_event=lambda event: self.emit(state.owner, event))
+                          on_event=lambda event: self.emit(state.owner, event),
+                          dial=self._tunnel_dial(tunnel, dst, dport) if tunnel is not None else None)
         await serve_inspected(first, reader, writer, conn, server_ctx)
 
     async def _decision(self, slot: int, state: SlotState, dst: str, dport: int, claim: Claim, first: bytes,
@@ -321,15 +341,23 @@ class Interceptor:
             self.emit(state.owner, {**base, "kind": "secret.refused", "verdict": "denied", "rule": "secret-elsewhere",
                                     "secret": found.name, "state": "denied"})
             return
-        sock = await self.upstream_socket()
-        sock.setblocking(False)
-        try:
-            async with asyncio.timeout(CONNECT_TIMEOUT_S):
-                await asyncio.get_running_loop().sock_connect(sock, (base["dst"], base["dport"]))
-        except BaseException:
-            sock.close()
-            raise
-        up_reader, up_writer = await asyncio.open_connection(sock=sock, limit=CHUNK)
+        if state.tunnel is not None:
+            try:
+                up_reader, up_writer = await self._tunnel_dial(state.tunnel, base["dst"], base["dport"])()
+            except ConnectionError as e:  # fail closed: the connection ends, nothing goes out directly
+                self.emit(state.owner, {**base, "kind": "net.deny", "verdict": "denied", "rule": "egress-proxy",
+                                        "error": str(e)[:200], "state": "denied"})
+                raise
+        else:
+            sock = await self.upstream_socket()
+            sock.setblocking(False)
+            try:
+                async with asyncio.timeout(CONNECT_TIMEOUT_S):
+                    await asyncio.get_running_loop().sock_connect(sock, (base["dst"], base["dport"]))
+            except BaseException:
+                sock.close()
+                raise
+            up_reader, up_writer = await asyncio.open_connection(sock=sock, limit=CHUNK)
         keep = max((len(s.placeholder) for s in placeholders), default=1) - 1
 
         async def outbound() -> None:
@@ -351,6 +379,18 @@ class Interceptor:
             await asyncio.gather(outbound(), _pipe(up_reader, writer))
         finally:
             up_writer.transport.abort()
+
+
+    def _tunnel_dial(self, tunnel: EgressTunnel, dst: str, dport: int,
+                     ) -> Callable[[], Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter]]]:
+        async def dial() -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+            return await tunnel_dial(tunnel, dst, dport, self.resolve, self.proxy_forbidden, CHUNK,
+                                     self.upstream_socket)
+        return dial
+
+
+async def _no_names(name: str) -> list[str]:
+    raise ConnectionError(f"no resolver for the egress proxy's name {name}")
 
 
 async def _plain_socket() -> socket.socket:

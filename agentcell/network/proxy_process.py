@@ -14,7 +14,7 @@ socket). If it dies first, its connections are gone, the server says so in the l
 (RESTARTS a period at most) and tells it every sandbox's state again.
 
 Protocol: a SOCK_SEQPACKET socketpair, one orjson array per packet.
-  server -> child: ["slot", slot, owner, secrets, names, ask_s], ["forget", slot],
+  server -> child: ["slot", slot, owner, secrets, names, ask_s, tunnel or null], ["forget", slot],
                    ["verdict", id, allowed, rule, plain_ok, address instead or null], ["close"]
   child -> server: ["started"], ["decide", id, slot, dst, dport, claim kind, claim host],
                    ["undecide", id] (its client left while it waited: no verdict wanted),
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import inspect
 import itertools
 import os
@@ -42,8 +43,9 @@ from agentcell.backends.linux import syscalls as sc
 from agentcell.network.ca import EgressCA
 from agentcell.network.claims import Claim
 from agentcell.network.proxy import Interceptor, listening_socket
-from agentcell.network.router import EgressError, slot_of
+from agentcell.network.router import EgressError, NeverList, slot_of
 from agentcell.network.secrets import HeaderRule, Secret, SecretSet
+from agentcell.network.tunnel import EgressTunnel, forbidden_by, tunnel_resolver
 
 MODULE = "agentcell.network.proxy_process"  # the child runs `python -m MODULE`
 NICE = 10
@@ -114,7 +116,8 @@ class ProxyProcess(child_link.ChildProcess):
             self._shut(str(e))
 
     def set_slot(self, slot: int, owner: str, secrets: SecretSet, names: bool, ask_s: float = 0.0) -> None:
-        message = ["slot", slot, owner, secrets_message(secrets), names, ask_s]
+        tunnel = secrets.tunnel.to_message() if secrets.tunnel is not None else None
+        message = ["slot", slot, owner, secrets_message(secrets), names, ask_s, tunnel]
         self._slots[slot] = message
         self._send(message)
 
@@ -241,8 +244,10 @@ class _Child:
                 fut.set_result((bool(message[2]), str(message[3]), bool(message[4]),
                                 str(message[5]) if message[5] else None))
         elif op == "slot":
-            _, slot, owner, secrets, names, ask_s = message
-            self.interceptor.set_slot(slot, owner, secrets_of(secrets), bool(names), float(ask_s))
+            _, slot, owner, secrets, names, ask_s, tunnel = message
+            tunnel = EgressTunnel.from_message(tunnel)
+            self.interceptor.set_slot(slot, owner, dataclasses.replace(secrets_of(secrets), tunnel=tunnel), bool(names),
+                                      float(ask_s), tunnel)
         elif op == "forget":
             self.interceptor.forget(message[1])
         elif op == "close":
@@ -257,7 +262,10 @@ class _Child:
         upstream_ssl = ssl.create_default_context()
         if config.get("ca_bundle"):
             upstream_ssl.load_verify_locations(config["ca_bundle"])
-        self.interceptor = Interceptor(slot_of, self.decide, self.emit, ca, upstream_ssl)
+        proxies = config.get("tunnel") or {}  # network.egressProxy: its names' resolver, where a proxy may be
+        self.interceptor = Interceptor(slot_of, self.decide, self.emit, ca, upstream_ssl,
+                                       resolve=tunnel_resolver(proxies.get("dns") or ""),
+                                       proxy_forbidden=forbidden_by(NeverList(proxies.get("ranges") or ())))
         await self.interceptor.start(listening_socket())
         self.send(["started"])
         self.loop.add_reader(self.sock.fileno(), self.readable)

@@ -241,6 +241,12 @@ class PolicyResolver(asyncio.DatagramProtocol):
         return [rd.address for rrset in reply.answer if rrset.rdtype == dns.rdatatype.A for rd in rrset
                 if ipaddress.ip_address(rd.address) not in self.never]
 
+    async def answers(self, name: str) -> list[str]:
+        """The IPv4 addresses `name` resolves to upstream, as they are (the egress proxy's address check,
+        tunnel.py, refuses a name with any forbidden one)."""
+        reply = await self._forward(dns.message.make_query(name, dns.rdatatype.A))
+        return [rd.address for rrset in reply.answer if rrset.rdtype == dns.rdatatype.A for rd in rrset]
+
     def _answered(self, source: str, query: dns.message.Message, addresses: list[str], rcode: str) -> None:
         if self.on_answered is not None:
             q = query.question[0]

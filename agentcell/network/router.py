@@ -329,6 +329,7 @@ table inet {TABLE} {{
   set restricted {{ type ifname; }}           # internet, only the allow list and pins
   set intercepted {{ type ifname; }}          # domain rules or secrets: ports 80/443 to the proxy
   set asking {{ type ifname; }}               # network ask: TCP to what the lists do not allow, held there
+  set tunneled {{ type ifname; }}             # network.egressProxy: every TCP connection to the proxy (tunnel.py)
   set deny4 {{ type ifname . ipv4_addr; flags interval; }}
   set deny6 {{ type ifname . ipv6_addr; flags interval; }}
   set allow4 {{ type ifname . ipv4_addr; flags interval; }}
@@ -348,6 +349,9 @@ table inet {TABLE} {{
     {_logged(f"meta mark {OVER_MARK:#x}", "too-many-connections", "over")}
     iifname != @intercepted return
     iifname . ip daddr @deny4 return
+    iifname @tunneled iifname @restricted iifname . ip daddr @allow4 {held}
+    iifname @tunneled iifname @restricted iifname . ip daddr @pins4 {held}
+    iifname @tunneled iifname @open ip daddr != @never4 {held}
     iifname @restricted iifname . ip daddr @allow4 {tproxy}
     iifname @restricted iifname . ip daddr @pins4 {tproxy}
     iifname @open ip daddr != @never4 {tproxy}
@@ -375,6 +379,9 @@ table inet {TABLE} {{
     {_logged("iifname . ip daddr @deny4", "deny", "deny4")}
     {_logged("iifname . ip6 daddr @deny6", "deny", "deny6")}
     {_logged("iifname @open meta l4proto udp", "udp", "openudp")}
+    {_logged("iifname @tunneled iifname @open meta l4proto tcp", "tunnel-only", "tunopen")}
+    {_logged("iifname @tunneled meta l4proto tcp iifname . ip daddr @allow4", "tunnel-only", "tunallow")}
+    {_logged("iifname @tunneled meta l4proto tcp iifname . ip daddr @pins4", "tunnel-only", "tunpins")}
     iifname @open accept
     iifname @restricted iifname . ip daddr @allow4 accept
     iifname @restricted iifname . ip6 daddr @allow6 accept
@@ -524,12 +531,14 @@ class Router:
         ])
 
     def policy_commands(self, slot: int, policy: NetworkPolicy, pins: Iterable[tuple[str, int]] = (),
-                        intercept: bool = False, ask: bool = False) -> str:
+                        intercept: bool = False, ask: bool = False, tunnel: bool = False) -> str:
         """The transaction that replaces slot `slot`'s way out with `policy`, keeping `pins`
         ((address, seconds left) the resolver answered for names the policy still allows); with
         `intercept`, its new connections to ports 80 and 443 go to the proxy (network/proxy.py); with
         `ask` (a restricted policy only), its new TCP connections to what the lists do not allow go
-        there too, to wait for a decision (network/ask.py).
+        there too, to wait for a decision (network/ask.py); with `tunnel`, every TCP connection the lists
+        allow goes there (to be tunneled through the sandbox's SOCKS5 proxy, network/tunnel.py) and no TCP
+        of its is ever forwarded.
         Elements only (see base_ruleset). Call `committed(slot, commands)` once it went through."""
         link = f'"s{slot}"'
         cmds = [*self._forget(slot)]
@@ -537,8 +546,10 @@ class Router:
         ask = ask and policy.internet and policy.restricted
         if policy.open or ask:
             elements.append(("restricted" if policy.restricted else "open", link))
-            if intercept or ask:
+            if intercept or ask or tunnel:
                 elements.append(("intercepted", link))
+            if tunnel:
+                elements.append(("tunneled", link))
             if ask:
                 elements.append(("asking", link))
             for kind in (4, 6):
@@ -578,10 +589,10 @@ class Router:
         return cmds
 
     def set_policy(self, slot: int, policy: NetworkPolicy, pins: Iterable[tuple[str, int]] = (),
-                   intercept: bool = False) -> None:
+                   intercept: bool = False, tunnel: bool = False) -> None:
         """Replace the sandbox's way out in one transaction: new connections follow it at once;
         connections already established keep going."""
-        self.nft(self.policy_commands(slot, policy, pins, intercept))
+        self.nft(self.policy_commands(slot, policy, pins, intercept, tunnel=tunnel))
         self.committed(slot)
 
     @staticmethod

@@ -17,6 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from agentcell.network.tunnel import EgressTunnel
+
 MAX_SECRETS = 32
 MAX_VALUE = 8 << 10
 MIN_VALUE = 8
@@ -109,6 +111,7 @@ def parse_rules(raw: Any) -> tuple[HeaderRule, ...]:
 class SecretSet:
     secrets: tuple[Secret, ...] = ()
     rules: tuple[HeaderRule, ...] = ()  # E2B's network.rules
+    tunnel: EgressTunnel | None = field(default=None, repr=False)  # E2B's network.egressProxy (tunnel.py)
 
     @classmethod
     def parse(cls, raw: Any) -> SecretSet:
@@ -144,6 +147,12 @@ class SecretSet:
         return cls(tuple(out))
 
     def __bool__(self) -> bool:
+        """Whether the sandbox has anything host-side that must stay out of records, disks and logs."""
+        return bool(self.secrets or self.rules or self.tunnel)
+
+    @property
+    def inspects(self) -> bool:
+        """Whether the egress proxy must read its requests (secrets to put in, header rules to apply)."""
         return bool(self.secrets or self.rules)
 
     def headers_for(self, host: str | None) -> list[tuple[str, str]]:

@@ -51,6 +51,7 @@ from agentcell.network.router import (
     slot_of,
 )
 from agentcell.network.secrets import HeaderRule, SecretSet, host_matches
+from agentcell.network.tunnel import EgressTunnel, check_address, forbidden_by
 from agentcell.runtime import statedir
 
 log = logging.getLogger("agentcell.egress")
@@ -75,6 +76,7 @@ class EgressSettings:
     allow_ranges: tuple[str, ...] = ()  # never-list ranges the operator opens (an internal mirror ...)
     state_dir: str | None = None  # the server's --state-dir: its egress CA lives there (None: the user's default)
     plain_http_hosts: tuple[str, ...] = ()  # hosts whose secrets may go over plain HTTP (to answered addresses)
+    proxy_ranges: tuple[str, ...] = ()  # never-list ranges a sandbox's SOCKS5 proxy may be in (tunnel.py)
 
     @property
     def enabled(self) -> bool:
@@ -147,6 +149,13 @@ class Egress:
 
     async def start(self) -> None:
         self.never = NeverList(self.settings.allow_ranges)
+        # where a sandbox's network.egressProxy may be (tunnel.py): the never-list's ceiling, with what the
+        # operator opened for everyone and for proxies only
+        self.proxy_ranges = (*self.settings.allow_ranges, *self.settings.proxy_ranges)
+        try:
+            self.proxy_never = NeverList(self.proxy_ranges)
+        except EgressError as e:  # (NeverList names only the first flag)
+            raise EgressError(str(e).replace("--egress-allow-range", "--egress-proxy-range", 1)) from None
         if self.settings.uplink == "usermode":  # a rootless server: its namespace where host root's are not
             netns_dir = statedir.private_dir(rootless.netns_dir())
             stale = netns_files.remove_stale(netns_dir, NETNS_PREFIX)  # files of this user's servers that died
@@ -160,7 +169,9 @@ class Egress:
             if self.settings.uplink == "usermode":
                 self.uplink = await asyncio.to_thread(usermode.SlirpUplink, router)
             elif self.settings.uplink == "host":
-                self.uplink = await asyncio.to_thread(uplinks.attach_host, router, self.instance, self.never)
+                # (the host's table lets the router reach the proxies' ranges too: the router's own forward
+                # chain keeps sandboxes out of them, tunnel.py)
+                self.uplink = await asyncio.to_thread(uplinks.attach_host, router, self.instance, self.proxy_never)
             else:
                 self.uplink = await asyncio.to_thread(uplinks.attach_netns, router, self.settings.uplink[6:],
                                                       self.instance)
@@ -181,7 +192,9 @@ class Egress:
             if self.settings.ca_bundle:  # said now, not by a child that cannot start
                 ssl.create_default_context().load_verify_locations(self.settings.ca_bundle)
             self.proxy = ProxyProcess({"router": router.path, "ca_dir": os.path.dirname(self.ca_path),
-                                       "ca_bundle": self.settings.ca_bundle}, self.decide, self._proxy_event)
+                                       "ca_bundle": self.settings.ca_bundle,
+                                       "tunnel": {"dns": upstream, "ranges": list(self.proxy_ranges)}},
+                                      self.decide, self._proxy_event)
             await self.proxy.start()
         except BaseException:
             await self.close()
@@ -235,21 +248,34 @@ class Egress:
         return self._locks.setdefault(slot, asyncio.Lock())
 
     async def apply(self, slot: int, policy: NetworkPolicy, sandbox_id: str | None = None,
-                    secrets: SecretSet | None = None, rules: tuple[HeaderRule, ...] | None = None) -> None:
+                    secrets: SecretSet | None = None, rules: tuple[HeaderRule, ...] | None = None,
+                    tunnel: EgressTunnel | None = None) -> None:
         """Replace the sandbox's way out; pins of names the new policy still allows stay. A claim
-        names the sandbox the slot now serves (its events are kept under that id) and its secrets."""
+        names the sandbox the slot now serves (its events are kept under that id) and its secrets
+        (and its SOCKS5 proxy, `secrets.tunnel`); an update (`rules` given) replaces the rules and the
+        proxy (`tunnel`, None: none)."""
         async with self._lock(slot):
-            await self._apply(slot, policy, sandbox_id, secrets, rules)
+            await self._apply(slot, policy, sandbox_id, secrets, rules, tunnel)
+
+    async def check_tunnel(self, tunnel: EgressTunnel) -> None:
+        """TunnelConfigError unless the proxy's address is within the operator's ceiling (tunnel.py)."""
+        await check_address(tunnel, self._proxy_answers, forbidden_by(self.proxy_never))
+
+    async def _proxy_answers(self, name: str) -> list[str]:
+        if self.resolver is None:
+            raise EgressError("the egress is not started")
+        return await self.resolver.answers(name)
 
     async def _apply(self, slot: int, policy: NetworkPolicy, sandbox_id: str | None,
-                     secrets: SecretSet | None, rules: tuple[HeaderRule, ...] | None) -> None:
+                     secrets: SecretSet | None, rules: tuple[HeaderRule, ...] | None,
+                     tunnel: EgressTunnel | None = None) -> None:
         assert self.router is not None
         if sandbox_id is not None:
             self._claimed(slot, sandbox_id)
         if secrets is not None:
             self._secrets[slot] = secrets
-        if rules is not None:  # update_network: E2B's rules replaced, the secrets kept
-            self._secrets[slot] = dataclasses.replace(self._secrets.get(slot, NO_SECRETS), rules=rules)
+        if rules is not None:  # update_network: E2B's rules and proxy replaced, the secrets kept
+            self._secrets[slot] = dataclasses.replace(self._secrets.get(slot, NO_SECRETS), rules=rules, tunnel=tunnel)
         asking = self.ask.enabled(slot) and policy.internet and policy.restricted
         effective = self._with_remembered(slot, policy) if asking else policy
         names = effective.names_allowed()
@@ -263,13 +289,14 @@ class Egress:
                     pins[address] = _Pinned(names, pinned.last if pinned.last in names else min(names), pinned.expires)
         kept = [(a, int(p.expires - now)) for a, p in pins.items()] if policy.restricted else []
         name_rules = bool(policy.allow_domains or policy.deny_domains)
-        intercept = name_rules or bool(self._secrets.get(slot)) or asking
+        tunneled = self._secrets.get(slot, NO_SECRETS).tunnel is not None
+        intercept = name_rules or self._secrets.get(slot, NO_SECRETS).inspects or asking or tunneled
         owner = self._owner_now(slot)
         if intercept and owner is not None and self.proxy is not None:
             # before the router sends it anything: the proxy knows the sandbox before its first connection
             self.proxy.set_slot(slot, owner, self._secrets.get(slot, NO_SECRETS), name_rules,
                                 self.ask.timeout(slot) if asking else 0.0)
-        commands = self.router.policy_commands(slot, effective, kept, intercept=intercept, ask=asking)
+        commands = self.router.policy_commands(slot, effective, kept, intercept=intercept, ask=asking, tunnel=tunneled)
         if commands:
             await self._nft(commands)
         self.router.committed(slot)
@@ -386,7 +413,10 @@ class Egress:
         once the decision came."""
         if is_stand_in(address):
             return self._stand_in_verdict(slot, address, port, claim)
-        allowed, rule = self.check_claim(slot, address, port, claim)
+        if claim.kind == "none" and self._secrets.get(slot, NO_SECRETS).tunnel is not None:
+            allowed, rule = self._check_tunneled(slot, address)  # (what the router forwards, were it not tunneled)
+        else:
+            allowed, rule = self.check_claim(slot, address, port, claim)
         if not allowed:
             asked = self._question(slot, address, port, claim)
             if asked is not None:
@@ -504,6 +534,24 @@ class Egress:
             return False
         pinned = self._pins.get(slot, {}).get(address)
         return pinned is not None and host in pinned.names and pinned.expires > time.monotonic()
+
+    def _check_tunneled(self, slot: int, address: str) -> tuple[bool, str]:
+        """A tunneled connection that names no host: allowed as the router's forward chain would allow it
+        (the never-list, the deny list, and under an allow list an allowed or answered address)."""
+        policy = self._effective.get(slot)
+        if policy is None or not policy.open:
+            return False, "policy"
+        ip = ipaddress.ip_address(address)
+        if ip in self.never:
+            return False, "never4"
+        if any(ip in net for net in policy.deny_nets):
+            return False, "deny"
+        if not policy.restricted or any(ip in net for net in policy.allow_nets):
+            return True, "policy"
+        pinned = self._pins.get(slot, {}).get(address)
+        if pinned is not None and pinned.expires > time.monotonic():
+            return True, "domain"
+        return False, "policy"
 
     def check_claim(self, slot: int, address: str, port: int, claim: Claim) -> tuple[bool, str]:
         """Whether an intercepted connection to address:port that names `claim` may go on, and the rule

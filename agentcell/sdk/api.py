@@ -52,8 +52,33 @@ def network_body(network: Mapping[str, Any]) -> dict[str, Any]:
             value = value(NetworkSelectorContext(rules=network.get("rules") or {}))
         if key in ("allow_out", "deny_out", "dns_servers", "https_ports") and value is not None:
             value = list(value)
+        if key == "egress_proxy" and value is not None:
+            value = egress_proxy_body(value)
         if value is not None:
             body[_NETWORK_KEYS[key]] = value
+    return body
+
+
+def egress_proxy_body(proxy: Any) -> dict[str, Any]:
+    """e2b's SandboxEgressProxyOpts (``address``, ``username``, ``password``, ``tls``: bool or
+    ``{server_name, ca_cert}``) as the API's JSON, known fields only; None credentials left out."""
+    if not isinstance(proxy, Mapping) or not isinstance(proxy.get("address"), str):
+        raise InvalidArgumentException("network egress_proxy must be a dict with a string 'address' "
+                                       "(e.g. 'proxy.example.com:1080').")
+    body: dict[str, Any] = {"address": proxy["address"]}
+    for key in ("username", "password"):
+        if proxy.get(key) is not None:
+            body[key] = proxy[key]
+    tls = proxy.get("tls")
+    if isinstance(tls, bool):
+        if tls:
+            body["tls"] = {"enabled": True}
+    elif isinstance(tls, Mapping):
+        body["tls"] = {"enabled": True, **{camel: tls[snake] for snake, camel in
+                                           (("server_name", "serverName"), ("ca_cert", "caCert"))
+                                           if tls.get(snake) is not None}}
+    elif tls is not None:
+        raise InvalidArgumentException("network egress_proxy tls must be a bool or a dict.")
     return body
 
 

@@ -416,7 +416,8 @@ def _build_backend(name: str, config: ServerConfig) -> Backend:
     # every backend takes the linux one's options; only linux has an egress (gvisor: no network yet)
     egress = EgressSettings(config.egress_uplink, config.egress_dns, config.egress_ca_bundle,
                             config.egress_allow_ranges, state_dir=config.state_dir,
-                            plain_http_hosts=config.egress_plain_http_hosts) if name == "linux" else None
+                            plain_http_hosts=config.egress_plain_http_hosts,
+                            proxy_ranges=config.egress_proxy_ranges) if name == "linux" else None
     return get_backend(name, uid_base=config.uid_base, max_sandboxes=config.max_sandboxes,
                        tune_sysctls=config.tune_sysctls, ptys_per_sandbox=config.ptys_per_sandbox,
                        standbys=config.standbys, standby_limits=config.limits, egress=egress,

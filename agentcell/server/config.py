@@ -95,6 +95,7 @@ class ServerConfig:
     egress_ca_bundle: str | None = None  # extra CAs (PEM) for the real certificates of secrets' hosts
     egress_allow_ranges: tuple[str, ...] = ()  # never-list ranges sandboxes may reach after all
     egress_plain_http_hosts: tuple[str, ...] = ()  # secrets may go over plain HTTP to these (answered addresses)
+    egress_proxy_ranges: tuple[str, ...] = ()  # never-list ranges a sandbox's network.egressProxy may be in
     # whether a create that says nothing about it gets internet; None: on when there is an uplink
     internet_default: bool | None = None
     # --- the system service (docs/system-service.md; server/system_listen.py, server/tenancy.py) ---

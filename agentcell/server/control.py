@@ -35,6 +35,7 @@ from agentcell.server.access_log import note
 from agentcell.server.auth import traffic_token
 from agentcell.server.bodies import JSON_LIMIT, read_json
 from agentcell.server.config import ServerConfig
+from agentcell.server.egress_proxy import egress_proxy, egress_proxy_info
 from agentcell.server.errors import HTTPError, internal_error
 from agentcell.server.hosts import local_domain
 from agentcell.server.idempotency import IdempotentCreates, parse_key
@@ -64,7 +65,6 @@ _LIMIT_FIELDS = {
     "openFiles": ("open_files", int),
 }
 _UNSUPPORTED_NETWORK = {
-    "egressProxy": "network.egressProxy (a SOCKS5 proxy of your own) is not supported by agentcell yet",
     "dnsServers": "network.dnsServers: agentcell sandboxes resolve names only through agentcell's policy "
                   "resolver, which answers exactly the names allowOut allows",
 }
@@ -390,7 +390,8 @@ class ControlPlane:
             "domain": self._domain(request),
             "allowInternetAccess": rec.network.internet,
             "network": {**rec.network.info(), "allowPublicTraffic": rec.public_traffic, "rules": rec.rules_info,
-                        **({"maskRequestHost": rec.mask_request_host} if rec.mask_request_host else {})},
+                        **({"maskRequestHost": rec.mask_request_host} if rec.mask_request_host else {}),
+                        **egress_proxy_info(rec.spec.secrets.tunnel)},
             "secrets": rec.secret_hosts,  # agentcell extension: names and hosts only
             "lifecycle": {"autoResume": rec.lifecycle.auto_resume, "onTimeout": rec.lifecycle.on_timeout},
             **({"pauseMode": rec.pause_mode} if rec.pause_mode is not None else {}),
@@ -508,7 +509,8 @@ class ControlPlane:
         mask_host = ingress.mask_request_host(network)
         policy = self._policy(body, network, backend)
         try:
-            secrets = dataclasses.replace(SecretSet.parse(body.get("secrets")), rules=parse_rules(network.get("rules")))
+            secrets = dataclasses.replace(SecretSet.parse(body.get("secrets")), rules=parse_rules(network.get("rules")),
+                                          tunnel=egress_proxy(network, backend))
         except SecretError as e:
             raise HTTPError(400, str(e)) from None
         if secrets and not backend.has_egress:
@@ -615,8 +617,9 @@ class ControlPlane:
             rules = parse_rules(body.get("rules"))
         except SecretError as e:
             raise HTTPError(400, str(e)) from None
+        tunnel = egress_proxy(body, rec.backend)  # left out: no proxy any more (E2B: the update replaces all)
         try:
-            await rec.backend.set_network(rec.running, policy, rules)
+            await rec.backend.set_network(rec.running, policy, rules, tunnel)
         except InvalidArgumentError as e:
             raise HTTPError(400, e.message) from None
         except SandboxError as e:
@@ -624,7 +627,8 @@ class ControlPlane:
         rec.network = policy
         rec.rules_info = SecretSet(rules=rules).rules_info()
         # what a cold resume starts it with
-        rec.spec = dataclasses.replace(rec.spec, network=policy, secrets=dataclasses.replace(rec.spec.secrets, rules=rules))
+        rec.spec = dataclasses.replace(rec.spec, network=policy,
+                                       secrets=dataclasses.replace(rec.spec.secrets, rules=rules, tunnel=tunnel))
         self.manager.redact_secrets(rec)  # new header values are kept out of its record too
         return Response(status_code=204)
 

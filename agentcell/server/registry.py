@@ -163,7 +163,8 @@ class SandboxRecord:
 def _secret_pairs(secrets: SecretSet) -> list[tuple[str, str]]:
     """(value, placeholder) of a sandbox's secrets and header rules: what its record must not hold."""
     return [(v.decode(), p.decode()) for v, p in secrets.values()] + [
-        (value, f"[{name} header for {rule.host}]") for rule in secrets.rules for name, value in rule.headers]
+        (value, f"[{name} header for {rule.host}]") for rule in secrets.rules for name, value in rule.headers] + (
+        [(secrets.tunnel.password, "[egress proxy password]")] if secrets.tunnel and len(secrets.tunnel.password or "") >= 8 else [])
 
 
 def _now() -> datetime:

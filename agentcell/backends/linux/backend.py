@@ -59,6 +59,7 @@ from agentcell.network.policy import NetworkPolicy
 from agentcell.network.router import EgressError
 from agentcell.network.secrets import HeaderRule
 from agentcell.network.service import Egress, EgressSettings
+from agentcell.network.tunnel import EgressTunnel, TunnelConfigError
 from agentcell.policy.linux.enforcer import LinuxPolicies
 from agentcell.policy.model import Policy
 from agentcell.record.events import event, not_recorded
@@ -625,6 +626,7 @@ class LinuxBackend(CgroupSandboxes, Backend):
             raise SandboxError("too many sandboxes on this host", "resource_exhausted")
         if (spec.network.internet or spec.secrets) and self.egress is None:
             raise InvalidArgumentError(NO_EGRESS)
+        await self._check_tunnel(spec.secrets.tunnel)  # before a standby is taken for it
         sandbox = None
         # a sandbox that starts from a disk archive is prepared for it: a standby's disk is mounted already
         template = self._template_key(spec)
@@ -794,15 +796,24 @@ class LinuxBackend(CgroupSandboxes, Backend):
         return self.egress is not None
 
     async def set_network(self, sandbox: RunningSandbox, policy: NetworkPolicy,
-                          rules: tuple[HeaderRule, ...] = ()) -> None:
+                          rules: tuple[HeaderRule, ...] = (), tunnel: EgressTunnel | None = None) -> None:
         assert isinstance(sandbox, LinuxSandbox)
         if sandbox.killed:
             raise SandboxGoneError(f"sandbox {sandbox.sandbox_id} was killed")
         if self.egress is None:
-            if policy.internet or rules:
+            if policy.internet or rules or tunnel:
                 raise InvalidArgumentError(NO_EGRESS)
             return
-        await self.egress.apply(sandbox.slot, policy, rules=rules)
+        await self._check_tunnel(tunnel)
+        await self.egress.apply(sandbox.slot, policy, rules=rules, tunnel=tunnel)
+
+    async def _check_tunnel(self, tunnel: EgressTunnel | None) -> None:
+        """network.egressProxy within the operator's ceiling (network/tunnel.py), before anything changes."""
+        if tunnel is not None and self.egress is not None:
+            try:
+                await self.egress.check_tunnel(tunnel)
+            except TunnelConfigError as e:
+                raise InvalidArgumentError(str(e)) from None
 
     def check_policy(self, policy: Policy) -> None:
         self.policies.check(policy)
