@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from agentcell.sdk import (
         AsyncCommandHandle,
         AsyncSandbox,
+        AsyncVolume,
         CommandHandle,
         CommandResult,
         Context,
@@ -41,6 +42,13 @@ if TYPE_CHECKING:
         Sandbox,
         SandboxInfo,
         SandboxQuery,
+        Volume,
+        VolumeAndToken,
+        VolumeEntryStat,
+        VolumeException,
+        VolumeInfo,
+        VolumeNotFoundException,
+        VolumePathNotFoundException,
         WriteInfo,
     )
 
@@ -62,6 +70,7 @@ def __getattr__(name: str) -> object:
 __all__ = [
     "AsyncCommandHandle",
     "AsyncSandbox",
+    "AsyncVolume",
     "AuthenticationException",
     "CommandExitException",
     "CommandHandle",
@@ -89,5 +98,12 @@ __all__ = [
     "SandboxQuery",
     "ServerUnreachableException",
     "TimeoutException",
+    "Volume",
+    "VolumeAndToken",
+    "VolumeEntryStat",
+    "VolumeException",
+    "VolumeInfo",
+    "VolumeNotFoundException",
+    "VolumePathNotFoundException",
     "WriteInfo",
 ]

@@ -49,6 +49,8 @@ from agentcell.server.sandbox_state import SandboxState
 from agentcell.server.snapshots import Snapshot, SnapshotError, SnapshotStore, tree_size
 from agentcell.server.template_imports import template_root
 from agentcell.server.tenancy import QuotaError, Tenancy, recorded_owner
+from agentcell.volumes import mounts as volume_mounts
+from agentcell.volumes.store import VolumeError, VolumeStore
 
 ENVD_VERSION = "0.6.13"
 BUILTIN_TEMPLATE = "code-interpreter-v1"
@@ -219,11 +221,6 @@ def _lifecycle(body: dict[str, Any]) -> Lifecycle:
     return Lifecycle("pause" if auto_pause else "kill", auto_resume, memory is not False)
 
 
-def _reject_unsupported(body: dict[str, Any]) -> None:
-    if body.get("volumeMounts"):
-        raise HTTPError(400, "volume mounts are not supported by agentcell yet")
-
-
 def _public_traffic(body: dict[str, Any]) -> bool:
     """E2B's network.allowPublicTraffic (the SDK sends camelCase; snake_case accepted too): whether the
     sandbox's served-out ports need no traffic token. Default true, as on E2B."""
@@ -313,7 +310,6 @@ UNSERVED = (
     ("/v2/templates/{template_id}/{rest:path}", "template builds"),
     ("/secrets", "stored secrets (pass them in the create body: secrets=)"),
     ("/secrets/{secret_id}", "stored secrets (pass them in the create body: secrets=)"),
-    ("/volumes", "volumes"), ("/volumes/{volume_id}", "volumes"),
 )
 
 
@@ -329,6 +325,7 @@ class ControlPlane:
         self._reports = asyncio.Semaphore(4)
         self.tenancy = Tenancy.from_config(cfg)  # who sees what (server/tenancy.py); off but for --system
         self.built_templates: Any = None  # server/template_builds.py: names of E2B-built templates -> the store's
+        self.volumes: VolumeStore | None = None  # agentcell/volumes/: what volumeMounts name
 
     def _visible(self, request: Request, rec: _Owned) -> _Owned:
         """`rec` if the caller may see it (its own, or no tenancy), else None: another tenant's is "not found"."""
@@ -376,7 +373,7 @@ class ControlPlane:
             "state": rec.state.api_state,  # on its way to or from a pause: "paused"
             "envdVersion": ENVD_VERSION,
             "metadata": rec.metadata,
-            "volumeMounts": [],
+            "volumeMounts": [{"name": m.name, "path": m.path} for m in rec.spec.volumes],
         }
 
     def detail_json(self, rec: SandboxRecord, request: Request) -> dict[str, Any]:
@@ -494,7 +491,6 @@ class ControlPlane:
         limits = _limits(self.cfg, body)
         if snapshot is not None and body.get("limits") is None and (kept := snapshot.source_limits()) is not None:
             limits = kept  # the snapshot's own, as E2B's snapshot templates keep their resources
-        _reject_unsupported(body)
         lifecycle = _lifecycle(body)
         public_traffic = _public_traffic(body)
         network = _network_object(body)
@@ -512,6 +508,10 @@ class ControlPlane:
             raise HTTPError(400, f"{clash[0]} is both an envVar and a secret; give it once")
         owner = self.tenancy.caller(request.scope)
         try:
+            volumes = volume_mounts.resolve(body.get("volumeMounts"), self.volumes, owner, self.tenancy.sees)
+        except VolumeError as e:
+            raise HTTPError(e.status, e.message) from None
+        try:
             with self.tenancy.reserve(owner, self._held(), limits.memory_mb):
                 rec = await self.manager.create(
                     template_id=template, alias=template, timeout=timeout, metadata=metadata, envs=envs, limits=limits,
@@ -519,7 +519,7 @@ class ControlPlane:
                     files=self.snapshots.content(snapshot) if snapshot and snapshot.mode == "filesystem" else None,
                     image=self.snapshots.content(snapshot) if snapshot and snapshot.mode == "full" else None,
                     caller=api_events.caller_id(request.scope), origin=f"snapshot {template}" if snapshot else None,
-                    owner=owner, root=root, policy=policy_rules,
+                    owner=owner, root=root, policy=policy_rules, volumes=volumes,
                 )
         except QuotaError as e:
             raise HTTPError(429, str(e)) from None
