@@ -478,3 +478,40 @@ def test_rootless_refuses_clearly(tmp_path: Path) -> None:
             "print(VolumeStore.unavailable())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert "root" in out.stdout and "rootless" in out.stdout, out
+
+
+# --- the gvisor backend -------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(__import__("shutil").which("runsc") is None, reason="the gvisor backend needs runsc")
+def test_gvisor_sandboxes_share_a_volume() -> None:
+    s = VolumeServer("--backend", "gvisor", "--standbys", "0") if not GVISOR else VolumeServer("--standbys", "0")
+    s.start()
+    try:
+        with e2b_pointed_at(s.url):
+            os.environ["E2B_API_KEY"] = KEY
+            vol = E2BVolume.create(unique("gv"))
+            vol.write_file("/seed.txt", "seed")
+            a = E2BSandbox.create(volume_mounts={"/mnt/data": vol})
+            r = s.api().post("/sandboxes", json={"templateID": "base", "volumeMounts": [
+                {"name": vol.name, "path": "/mnt/ro", "readOnly": True}]})
+            assert r.status_code == 201, r.text
+            b = E2BSandbox.connect(r.json()["sandboxID"])
+            try:
+                assert a.commands.run("cat /mnt/data/seed.txt; echo a > /mnt/data/a.txt").stdout == "seed"
+                assert b.commands.run("cat /mnt/ro/a.txt").stdout == "a\n"
+                assert vol.get_info("/a.txt").uid == 1000
+                for cmd in ("touch /mnt/ro/x", "sudo touch /mnt/ro/x"):
+                    assert "Read-only" in b.commands.run(cmd + " 2>&1; true").stdout
+                bad = s.api().post("/sandboxes", json={"templateID": "base", "volumeMounts": [
+                    {"name": vol.name, "path": "/home/user/v"}]})
+                assert bad.status_code == 400 and "/mnt" in bad.json()["message"]
+                # a checkpoint cannot carry a host mount: refused, clearly
+                paused = s.api().post(f"/sandboxes/{a.sandbox_id}/pause")
+                assert paused.status_code == 400 and "volumes" in paused.json()["message"]
+            finally:
+                a.kill()
+                b.kill()
+            assert E2BVolume.destroy(vol.volume_id)
+    finally:
+        s.stop()

@@ -791,6 +791,8 @@ class ControlPlane:
         memory = _optional_bool(body, "memory")
         _optional_bool(body, "requireHealthyGuest")  # the agent is asked nothing to pause: always healthy
         rec = self._any_record(request)
+        if refusal := volume_mounts.checkpoint_refusal(rec, "pause"):
+            raise HTTPError(400, refusal)
         try:
             await self.manager.pause(rec, memory is not False)
         except AlreadyPausedError as e:
@@ -842,6 +844,8 @@ class ControlPlane:
             raise HTTPError(400, "'name' must be a string")
         memory = _optional_bool(body, "memory")
         rec = self._any_record(request)
+        if refusal := volume_mounts.checkpoint_refusal(rec, "snapshot"):
+            raise HTTPError(400, refusal)
         if memory is True:
             self._memory_snapshots(rec.backend, 'a snapshot with mode="full" (memory)')
         full = memory is not False and rec.backend.memory_snapshots and rec.pause_mode != "filesystem"
@@ -904,6 +908,8 @@ class ControlPlane:
         if not _is_int(count) or not 1 <= count <= self.cfg.max_fork:
             raise HTTPError(400, f"'count' must be an integer between 1 and {self.cfg.max_fork}")
         rec = self._any_record(request)
+        if refusal := volume_mounts.checkpoint_refusal(rec, "fork"):
+            raise HTTPError(400, refusal)
         self._memory_snapshots(rec.backend, "fork")
         try:
             with self.tenancy.reserve(rec.owner, self._held(), rec.limits.memory_mb, count):  # forks are its owner's

@@ -61,3 +61,12 @@ def resolve(raw: Any, store: VolumeStore | None, caller: str | None,
                 raise VolumeError(400, f"volume mounts at {other.path} and {path} overlap")
         out.append(VolumeMount(volume.volume_id, volume.name, str(store.mount_dir(volume)), path, read_only))
     return tuple(out)
+
+
+def checkpoint_refusal(rec: Any, what: str) -> str | None:
+    """Why `what` (a pause, snapshot or fork that checkpoints memory) cannot be done to this sandbox:
+    a gvisor checkpoint would hold the volume's host mount, which its restore cannot have back."""
+    if rec.spec.volumes and rec.backend.name == "gvisor":
+        return (f"{what}: this gvisor sandbox mounts volumes ({', '.join(m.name for m in rec.spec.volumes)}), and "
+                "its checkpoint cannot carry them; kill it (the volumes keep their files) and create a new one")
+    return None
