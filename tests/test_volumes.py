@@ -515,3 +515,49 @@ def test_gvisor_sandboxes_share_a_volume() -> None:
             assert E2BVolume.destroy(vol.volume_id)
     finally:
         s.stop()
+
+
+# --- through the gateway --------------------------------------------------------------------------------
+
+
+def test_volumes_through_the_gateway(tmp_path: Path) -> None:
+    from servers import GatewayProcess
+
+    ids = ("volcella", "volcellb")
+    cells = [ServerProcess(tmp_path / f"{c}.log", "--cell-id", c, "--standbys", "0", "--egress-uplink", "none",
+                           *BACKEND_ARGS) for c in ids]
+    gw: GatewayProcess | None = None
+    try:
+        for c in cells:
+            c.started()
+        gw = GatewayProcess(tmp_path / "gw.log", [c.url for c in cells])
+        gw.started()
+        a = httpx.post(f"{cells[0].url}/volumes", json={"name": "on-a"}).json()
+        b = httpx.post(f"{cells[1].url}/volumes", json={"name": "on-b"}).json()
+        assert a["volumeID"].startswith(ids[0]) and b["volumeID"].startswith(ids[1])
+        assert {v["name"] for v in httpx.get(f"{gw.url}/volumes").json()} >= {"on-a", "on-b"}
+        placed = httpx.post(f"{gw.url}/volumes", json={"name": "placed"})
+        assert placed.status_code == 201 and placed.json()["volumeID"][:8] in ids
+        with e2b_pointed_at(gw.url):
+            vol_a, vol_b = E2BVolume.connect(a["volumeID"]), E2BVolume.connect(b["volumeID"])
+            vol_a.write_file("/a.txt", "on cell a")  # /volumecontent through the gateway, to its cell
+            vol_b.write_file("/b.txt", "on cell b")
+            for vol, cell, name in ((vol_a, ids[0], "a.txt"), (vol_b, ids[1], "b.txt")):
+                sbx = E2BSandbox.create(volume_mounts={"/mnt/v": vol})  # lands on the volume's cell
+                try:
+                    assert sbx.sandbox_id.startswith(cell)
+                    assert sbx.commands.run(f"cat /mnt/v/{name}").stdout == f"on cell {cell[-1]}"
+                finally:
+                    sbx.kill()
+            both = httpx.post(f"{gw.url}/sandboxes", json={"templateID": "base", "volumeMounts": [
+                {"name": "on-a", "path": "/mnt/a"}, {"name": "on-b", "path": "/mnt/b"}]})
+            assert both.status_code == 400, both.text
+            assert ids[0] in both.json()["message"] and ids[1] in both.json()["message"]
+            assert httpx.get(f"{gw.url}/volumes/{b['volumeID']}").json()["name"] == "on-b"
+            assert E2BVolume.destroy(a["volumeID"]) and E2BVolume.destroy(b["volumeID"])
+            assert httpx.get(f"{gw.url}/volumes/{a['volumeID']}").status_code == 404
+    finally:
+        if gw is not None:
+            gw.stop()
+        for c in cells:
+            c.stop()
