@@ -22,7 +22,7 @@ from agentcell.volumes.store import Volume, VolumeError, VolumeStore
 
 CHUNK = 1 << 20
 _DRAIN_MAX = 16 << 20  # of a refused upload's body, read so that every client sees the answer
-_QUEUED_CHUNKS = 8  # an upload's chunks between the socket and the disk thread (at most ~8 x 64 KiB)
+_QUEUED_CHUNKS = 4  # an upload's batches between the socket and the disk thread (at most 4 x 1 MiB)
 
 
 def _int(query: Any, name: str, low: int = 0, high: int = (1 << 32) - 2) -> int | None:
@@ -179,6 +179,15 @@ class VolumeApi:
 
         writer = asyncio.ensure_future(asyncio.to_thread(files.write, path, pulled(), uid, gid, mode, force))
         drained = 0
+        batch = bytearray()  # the socket's small chunks, handed to the disk thread a MiB at a time
+
+        async def hand_over() -> None:
+            put = asyncio.ensure_future(queue.put(bytes(batch)))
+            batch.clear()
+            await asyncio.wait([put, writer], return_when=asyncio.FIRST_COMPLETED)
+            if not put.done():
+                put.cancel()
+
         try:
             async for chunk in request.stream():
                 if writer.done():  # refused (exists, full volume ...): read on (bounded) so the client sees it
@@ -186,11 +195,11 @@ class VolumeApi:
                     if drained > _DRAIN_MAX:
                         break
                     continue
-                if chunk:
-                    put = asyncio.ensure_future(queue.put(chunk))
-                    await asyncio.wait([put, writer], return_when=asyncio.FIRST_COMPLETED)
-                    if not put.done():
-                        put.cancel()
+                batch += chunk
+                if len(batch) >= CHUNK:
+                    await hand_over()
+            if batch and not writer.done():
+                await hand_over()
             if not writer.done():
                 await queue.put(None)
         except BaseException as e:
