@@ -377,7 +377,9 @@ def test_data_survives_a_server_restart() -> None:
             vol = E2BVolume.create(unique("persist"))
             sbx = E2BSandbox.create(volume_mounts={"/mnt/d": vol})
             sbx.commands.run("echo kept > /mnt/d/kept.txt")
-            s.stop()  # the sandbox dies with the server; the volume's image stays, unmounted
+            paused = E2BSandbox.create(volume_mounts={"/mnt/p": vol})
+            assert s.api().post(f"/sandboxes/{paused.sandbox_id}/pause", json={"memory": False}).status_code == 204
+            s.stop()  # the running sandbox dies with the server; the volume's image stays, unmounted
             assert not os.path.ismount(s.state / "volumes" / vol.volume_id / "mnt")
             s.start()
             assert E2BVolume.get_info(vol.volume_id).token == vol.token
@@ -385,10 +387,27 @@ def test_data_survives_a_server_restart() -> None:
             again = E2BSandbox.create(volume_mounts={"/mnt/d": vol})
             assert again.commands.run("cat /mnt/d/kept.txt").stdout == "kept\n"
             again.kill()
+            # the paused one, kept across the restart, mounts it again when it resumes
+            with pytest.raises(VolumeException, match="mounted by sandbox"):
+                E2BVolume.destroy(vol.volume_id)
+            resumed = E2BSandbox.connect(paused.sandbox_id)
+            assert resumed.commands.run("cat /mnt/p/kept.txt").stdout == "kept\n"
+            resumed.kill()
             assert E2BVolume.destroy(vol.volume_id)
             assert not (s.state / "volumes" / vol.volume_id).exists()
     finally:
         s.stop()
+
+
+def test_a_volume_is_no_way_around_the_exec_policy(srv: VolumeServer) -> None:
+    vol = Volume.create(unique("policy"), api_url=srv.url, api_key=KEY)
+    try:
+        with Sandbox.create(api_url=srv.url, api_key=KEY, volume_mounts={"/mnt/v": vol},
+                            policy={"exec": {"default": "deny", "allow": ["bash", "sh", "cp"]}}) as sbx:
+            out = sbx.commands.run("cp /usr/bin/id /mnt/v/id && /mnt/v/id 2>&1; echo rc=$?").stdout
+            assert "Operation not permitted" in out and "rc=126" in out, out
+    finally:
+        Volume.destroy(vol.volume_id, api_url=srv.url, api_key=KEY)
 
 
 # --- tenants ---------------------------------------------------------------------------------------
