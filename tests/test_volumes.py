@@ -214,6 +214,7 @@ def test_bad_mounts_are_refused_clearly(srv: VolumeServer) -> None:
             "relative": ([{"name": vol.name, "path": "mnt/x"}], 400),
             "dotdot": ([{"name": vol.name, "path": "/mnt/../etc"}], 400),
             "system dir": ([{"name": vol.name, "path": "/etc/x"}], 400),
+            "the template's root": ([{"name": vol.name, "path": "/data"}], 400),
             "the root": ([{"name": vol.name, "path": "/"}], 400),
             "overlap": ([{"name": vol.name, "path": "/mnt/a"}, {"name": vol.name, "path": "/mnt/a/b"}], 400),
             "not a list": ({"name": vol.name}, 400),

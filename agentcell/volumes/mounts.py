@@ -13,7 +13,7 @@ from agentcell.volumes.store import VolumeError, VolumeStore
 MAX_MOUNTS = 16
 # Where a volume may be mounted: directories of the sandbox's own writable layers, where the mount
 # point can be made without touching the template (rootfs.OVERLAYS and the disk's directories)
-MOUNT_ROOTS = ("/mnt", "/home/user", "/srv", "/opt", "/tmp", "/root", "/data")
+MOUNT_ROOTS = ("/mnt", "/home/user", "/srv", "/opt", "/tmp", "/root")
 
 
 def _path(raw: Any) -> str:
@@ -22,9 +22,9 @@ def _path(raw: Any) -> str:
     path = posixpath.normpath(raw)
     if path != raw.rstrip("/") or ".." in path.split("/"):
         raise VolumeError(400, f"a volume mount's 'path' must be normalised (no '.', '..' or '//'): {raw[:80]!r}")
-    if not any(path.startswith(root + "/") for root in MOUNT_ROOTS) and path != "/data":
-        raise VolumeError(400, f"a volume can be mounted at /data or below one of {', '.join(MOUNT_ROOTS)} "
-                               f"(e.g. /mnt/data), not {path!r}")
+    if not any(path.startswith(root + "/") for root in MOUNT_ROOTS):
+        raise VolumeError(400, f"a volume can be mounted below one of {', '.join(MOUNT_ROOTS)} (e.g. /mnt/data), "
+                               f"not {path!r}")
     return path
 
 
