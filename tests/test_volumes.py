@@ -314,6 +314,8 @@ def test_quota_filled_from_two_mounts(srv: VolumeServer) -> None:
     r = srv.api().post("/volumes", json={"name": unique("quota"), "sizeMB": 16})
     assert r.status_code == 201, r.text
     vol = E2BVolume.connect(r.json()["volumeID"])
+    image = srv.state / "volumes" / vol.volume_id / "image.ext4"
+    assert image.stat().st_blocks * 512 >= 16 << 20  # its disk is reserved: quotas never overcommit the host's
     a = E2BSandbox.create(volume_mounts={"/mnt/q": vol})
     b = E2BSandbox.create(volume_mounts={"/mnt/q": vol})
     try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -62,6 +63,25 @@ def _run(argv: list[str]) -> None:
     done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     if done.returncode != 0:
         raise OSError(f"{' '.join(argv)}: {done.stderr.strip() or done.returncode}")
+
+
+def _reserve(fd: int, size: int) -> None:
+    """The image's whole size taken on the state directory's disk now (fallocate), so that the volumes'
+    quotas together never promise more disk than there is: a volume is then full at its own size,
+    never because the host's disk filled up. A filesystem without fallocate gets a sparse file, if it
+    has that much free space now."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+        return
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise VolumeError(507, f"the server's disk has no room for a {size >> 20} MiB volume: ask for a "
+                                   "smaller one (sizeMB), or destroy volumes") from None
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+    if shutil.disk_usage(f"/proc/self/fd/{fd}").free < size:
+        raise VolumeError(507, f"the server's disk has no room for a {size >> 20} MiB volume")
+    os.ftruncate(fd, size)
 
 
 class VolumeStore:
@@ -174,9 +194,12 @@ class VolumeStore:
                             datetime.now(UTC).isoformat())
             try:
                 await asyncio.to_thread(self._make, volume)
-            except OSError as e:
+            except (OSError, VolumeError) as e:
                 await asyncio.to_thread(self._remove_files, volume)
-                raise VolumeError(500, f"the volume could not be made: {e}") from None
+                if isinstance(e, VolumeError):
+                    raise
+                log.error("volume %s could not be made: %s", volume.volume_id, e)
+                raise VolumeError(500, "the volume could not be made (the server log has the details)") from None
             self._volumes[volume.volume_id] = volume
         return volume
 
@@ -185,10 +208,14 @@ class VolumeStore:
         home = self.dir / volume.volume_id
         home.mkdir(mode=0o700)
         image = self._image(volume.volume_id)
-        with open(image, "wb") as f:  # sparse: the disk is taken as files are written
-            f.truncate(volume.size_mb << 20)
+        fd = os.open(image, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            _reserve(fd, volume.size_mb << 20)
+        finally:
+            os.close(fd)
         # -m 0: no blocks reserved for root (every writer meets ENOSPC at the same point)
-        _run(["mkfs.ext4", "-q", "-F", "-m", "0", "-E", f"root_owner={ROOT_IDS[0]}:{ROOT_IDS[1]}",
+        # nodiscard: mkfs would punch the reserved blocks out of the image again
+        _run(["mkfs.ext4", "-q", "-F", "-m", "0", "-E", f"root_owner={ROOT_IDS[0]}:{ROOT_IDS[1]},nodiscard",
               "-L", "agentcell-vol", str(image)])
         self._mount(volume)
         with contextlib.suppress(OSError):
