@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -53,8 +54,10 @@ class VolumeServer:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> VolumeServer:
+        # 64 MiB volumes unless a test asks: each one's size is reserved on this machine's disk
         self.proc = ServerProcess(self.state.parent / f"{self.state.name}.log", "--api-key", KEY, "--state-dir",
-                                  str(self.state), "--egress-uplink", "none", *BACKEND_ARGS, *self.extra,
+                                  str(self.state), "--egress-uplink", "none", "--volume-size-mb", "64",
+                                  *BACKEND_ARGS, *self.extra,
                                   port=self.port, command=(sys.executable, "-m", "agentcell", "serve"))
         self.proc.started()
         return self
@@ -63,6 +66,11 @@ class VolumeServer:
         if self.proc is not None:
             self.proc.stop()
             self.proc = None
+
+    def remove(self) -> None:
+        """Stopped, and its state directory gone (the server unmounted its volumes when it stopped)."""
+        self.stop()
+        shutil.rmtree(self.state, ignore_errors=True)
 
     def api(self) -> httpx.Client:
         return httpx.Client(base_url=self.url, headers={"X-API-KEY": KEY}, timeout=60)
@@ -74,7 +82,7 @@ def srv() -> Iterator[VolumeServer]:
     with e2b_pointed_at(s.url):
         os.environ["E2B_API_KEY"] = KEY
         yield s
-    s.stop()
+    s.remove()
 
 
 def unique(prefix: str) -> str:
@@ -399,7 +407,7 @@ def test_data_survives_a_server_restart() -> None:
             assert E2BVolume.destroy(vol.volume_id)
             assert not (s.state / "volumes" / vol.volume_id).exists()
     finally:
-        s.stop()
+        s.remove()
 
 
 def test_a_volume_is_no_way_around_the_exec_policy(srv: VolumeServer) -> None:
@@ -457,7 +465,7 @@ def test_another_tenant_cannot_see_mount_or_read_it() -> None:
     port = free_port()
     argv = [sys.executable, "-m", "agentcell", "serve", "--system", "--socket-group", "nogroup", "--uds", sock,
             "--system-tcp", "--host", "127.0.0.1", "--port", str(port), "--api-key", KEY, "--state-dir", str(state),
-            "--egress-uplink", "none", "--standbys", "0", *BACKEND_ARGS]
+            "--egress-uplink", "none", "--standbys", "0", "--volume-size-mb", "64", *BACKEND_ARGS]
     srv = ServerProcess(state.parent / f"{state.name}.log", command=argv, uds=sock, address_args=False,
                         own_state_dir=False, ready_status=200)
     srv.started()
@@ -492,6 +500,8 @@ def test_another_tenant_cannot_see_mount_or_read_it() -> None:
     finally:
         tcp.close()
         srv.stop()
+        shutil.rmtree(state, ignore_errors=True)
+        shutil.rmtree(sock_dir, ignore_errors=True)
 
 
 def test_rootless_refuses_clearly(tmp_path: Path) -> None:
@@ -505,7 +515,7 @@ def test_rootless_refuses_clearly(tmp_path: Path) -> None:
 # --- the gvisor backend -------------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(__import__("shutil").which("runsc") is None, reason="the gvisor backend needs runsc")
+@pytest.mark.skipif(shutil.which("runsc") is None, reason="the gvisor backend needs runsc")
 def test_gvisor_sandboxes_share_a_volume() -> None:
     s = VolumeServer("--backend", "gvisor", "--standbys", "0") if not GVISOR else VolumeServer("--standbys", "0")
     s.start()
@@ -536,7 +546,7 @@ def test_gvisor_sandboxes_share_a_volume() -> None:
                 b.kill()
             assert E2BVolume.destroy(vol.volume_id)
     finally:
-        s.stop()
+        s.remove()
 
 
 # --- through the gateway --------------------------------------------------------------------------------
@@ -547,7 +557,8 @@ def test_volumes_through_the_gateway(tmp_path: Path) -> None:
 
     ids = ("volcella", "volcellb")
     cells = [ServerProcess(tmp_path / f"{c}.log", "--cell-id", c, "--standbys", "0", "--egress-uplink", "none",
-                           *BACKEND_ARGS) for c in ids]
+                           "--volume-size-mb", "64", "--state-dir", str(tmp_path / f"{c}-state"), *BACKEND_ARGS)
+             for c in ids]
     gw: GatewayProcess | None = None
     try:
         for c in cells:
