@@ -49,7 +49,8 @@ def wait_for_events(read: Callable[[], Iterable[dict[str, Any]]], done: Callable
 @contextlib.contextmanager
 def e2b_pointed_at(url: str) -> Iterator[str]:
     """The official e2b SDKs' environment pointed at an agentcell server (both planes), restored after."""
-    values = {"E2B_API_URL": url, "E2B_SANDBOX_URL": url, "E2B_API_KEY": "e2b_test_key"}
+    # E2B_VOLUME_API_URL: the volume content API (the SDKs' default is https://api.<domain>)
+    values = {"E2B_API_URL": url, "E2B_SANDBOX_URL": url, "E2B_API_KEY": "e2b_test_key", "E2B_VOLUME_API_URL": url}
     saved = {k: os.environ.get(k) for k in (*values, "E2B_DEBUG")}
     os.environ.update(values)
     os.environ.pop("E2B_DEBUG", None)

@@ -577,7 +577,7 @@ def test_e2b_paths_agentcell_does_not_serve_say_so(http: httpx.Client) -> None:
     # (template builds are served: tests/test_template_builds.py; the old v2 build API and updates are not;
     # secrets: tests/test_vault.py)
     for method, path in (("GET", "/sandboxes/metrics"), ("POST", "/v2/templates"), ("GET", "/default-templates"),
-                         ("PATCH", "/templates/abc"), ("GET", "/volumes"),
+                         ("PATCH", "/templates/abc"),
                          ("GET", "/sandboxes/abc/logs"), ("GET", "/v2/sandboxes/abc/logs")):
         r = http.request(method, path, json={} if method == "POST" else None)
         assert r.status_code == 501 and "not supported" in r.json()["message"], (method, path, r.text)

@@ -155,6 +155,19 @@ class SandboxSpec:
     image_root: ImageRoot | None = None  # a template made from an image; None: the backend's own root
     pooled: bool = True  # False: prepared for this create alone, never through (or making) a standby pool
     policy: Policy = field(default_factory=Policy)  # what its code may run, touch and reach (issue 28)
+    volumes: tuple[VolumeMount, ...] = ()  # volumes mounted into it at create (agentcell/volumes/)
+
+
+@dataclass(frozen=True)
+class VolumeMount:
+    """A volume in a sandbox: `source`, the host directory where the server has it mounted; `path`,
+    where the sandbox sees it (absolute, normalised); read-only or not."""
+
+    volume_id: str
+    name: str
+    source: str
+    path: str
+    read_only: bool = False
 
 
 @dataclass(slots=True)

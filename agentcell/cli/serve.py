@@ -167,6 +167,12 @@ def _tls(opts: dict[str, Any]) -> None:
 @click.option("--snapshot-quota-mb", default=10240, show_default=True, type=click.IntRange(1),
               help="Disk all snapshots together may take.")
 @click.option("--max-snapshots", default=1000, show_default=True, type=click.IntRange(0), help="Snapshots kept at once.")
+@click.option("--volume-size-mb", default=1024, show_default=True, type=click.IntRange(16),
+              help="A new volume's size (its quota) when the create names none (docs/volumes.md).")
+@click.option("--max-volume-size-mb", default=10240, show_default=True, type=click.IntRange(16),
+              help="The largest volume a create may ask for (sizeMB).")
+@click.option("--max-volumes", default=100, show_default=True, type=click.IntRange(0),
+              help="Volumes kept at once (each is an ext4 image, loop-mounted while the server runs).")
 @click.option("--max-fork", default=16, show_default=True, type=click.IntRange(1, 256),
               help="Most sandboxes one fork may make.")
 @click.option("--console/--no-console", default=True, show_default=True,

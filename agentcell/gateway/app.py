@@ -42,7 +42,7 @@ import httpx
 from starlette.responses import JSONResponse, Response
 
 from agentcell.console import mount as console_mount
-from agentcell.gateway import banner, listing, signed, snapshots
+from agentcell.gateway import banner, listing, signed, snapshots, volumes
 from agentcell.gateway import vault as gateway_vault
 from agentcell.gateway.bodies import read_held
 from agentcell.gateway.cells import CellState, CellTable
@@ -245,7 +245,12 @@ class GatewayApp:
             await self.console(scope, receive, send)  # its own sign-in; its calls come back through here
             return
         route = classify(scope, where)
+        if where is None:
+            route = volumes.classify(scope["path"], scope["method"]) or route
         note(route=route)
+        if route == "volume_content":  # no key here, none sent on: the volume's token is for its cell
+            await self._to_volume(volumes.volume_id(scope["path"]), scope, receive, send, None)
+            return
         if where is not None:  # data plane: no key here, none sent on; the cell checks the sandbox's token
             await self._to_sandbox(where.sandbox_id, scope, receive, send, None, where)
             return
@@ -275,6 +280,10 @@ class GatewayApp:
             await self._to_sandbox(m.group(1), scope, receive, send, self._cell_key(scope))
         elif route == "create":
             await self._create(scope, receive, send)
+        elif route == "volume":
+            await self._to_volume(volumes.volume_id(path), scope, receive, send, self._cell_key(scope))
+        elif route == "volumes_list":
+            await self._list_volumes(scope, receive, send)
         elif route == "list":
             await self._list(scope, receive, send)
         elif route == "template_delete":
@@ -376,6 +385,8 @@ class GatewayApp:
     async def _place(self, body: bytes, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if (ref := snapshots.create_template(body)) is not None and await self._create_from_snapshot(ref, body, scope, send):
             return
+        if (names := volumes.mounted_names(body)) and await self._create_with_volumes(names, body, scope, send):
+            return  # on the volumes' cell (a vault reference there resolves only if it is the vault's cell too)
         if gateway_vault.refers_to_vault(body):
             await self._create_on_vault_cell(body, scope, receive, send)
             return
@@ -488,6 +499,54 @@ class GatewayApp:
             return True
         await capture.release()
         return True
+
+    async def _create_with_volumes(self, names: list[str], body: bytes, scope: dict[str, Any], send: Any) -> bool:
+        """A create that mounts volumes goes to their cell (volumes.py); False (nothing sent) when no
+        cell holds them: placed as any create, its cell answers 404."""
+        assert self.client is not None
+        try:
+            cell = await volumes.cell_of_mounts(self.client, self.cells.by_id, self.cells.routable(), names,
+                                                self.cells.headers())
+        except volumes.VolumeRouteError as e:
+            await json_error(e.status, e.message)(scope, _replay(b""), send)
+            return True
+        if cell is None:
+            return False
+        capture = _Capture(send)
+        try:
+            await self._try_create(cell, scope, body, capture)
+        except (CellUnreachable, CellFailed) as e:
+            await json_error(503, f"the volumes' cell {cell.cell_id} failed to answer ({e}); a volume is only on its "
+                                  "own cell: retry shortly")(scope, _replay(b""), send)
+            return True
+        if capture.passing:
+            note(capture.created_id())
+        else:
+            await capture.release()  # the cell's own refusal (full, draining ...): no other cell has the volumes
+        return True
+
+    async def _to_volume(self, volume_id: str, scope: dict[str, Any], receive: Any, send: Any,
+                         api_key: str | None) -> None:
+        """A volume's own calls: to the cell its id names (404 as for an unknown volume otherwise)."""
+        cell = self.cells.route(volume_id)
+        if cell is None:
+            await json_error(404, f"volume '{volume_id}' not found (or its cell is unreachable now)")(scope, receive, send)
+            return
+        try:
+            await self._forward(cell, scope, receive, send, api_key)
+        except (CellUnreachable, CellFailed) as e:
+            await json_error(502, f"cell {cell.cell_id} failed to answer ({e}); retry shortly")(scope, receive, send)
+        except ClientLeft:
+            pass
+
+    async def _list_volumes(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        assert self.client is not None
+        try:
+            listed = await volumes.list_all(self.client, self.cells.routable(), self.cells.headers())
+        except volumes.VolumeRouteError as e:
+            await json_error(e.status, e.message)(scope, receive, send)
+            return
+        await JSONResponse([{k: v for k, v in item.items() if k != "_cell"} for item in listed])(scope, receive, send)
 
     async def _delete_snapshot(self, ref: str, scope: dict[str, Any], receive: Any, send: Any) -> None:
         """DELETE /templates/{ref}: to the cell its template id names; a name to every cell."""

@@ -22,9 +22,21 @@ from agentcell.sdk.models import (
 from agentcell.sdk.sandbox_async import AsyncSandbox
 from agentcell.sdk.sandbox_sync import Sandbox
 from agentcell.sdk.secret import AsyncSecret, AsyncSecretPaginator, Secret, SecretInfo, SecretPaginator
+from agentcell.sdk.volume import (
+    AsyncVolume,
+    Volume,
+    VolumeAndToken,
+    VolumeEntryStat,
+    VolumeException,
+    VolumeInfo,
+    VolumeNotFoundException,
+    VolumePathNotFoundException,
+)
 
 __all__ = [
     "AsyncCommandHandle", "AsyncSandbox", "CommandHandle", "CommandResult", "Context", "EntryInfo", "Execution",
     "ExecutionError", "FilesystemEvent", "FilesystemEventType", "FileType", "Logs", "OutputMessage", "ProcessInfo", "Result", "Sandbox", "SandboxInfo",
     "SandboxQuery", "WriteInfo", "Secret", "AsyncSecret", "SecretInfo", "SecretPaginator", "AsyncSecretPaginator",
+    "AsyncVolume", "Volume", "VolumeAndToken", "VolumeEntryStat", "VolumeException",
+    "VolumeInfo", "VolumeNotFoundException", "VolumePathNotFoundException",
 ]

@@ -20,6 +20,7 @@ from agentcell.sdk.models import Context, Execution, SandboxInfo, SandboxMetrics
 from agentcell.sdk.pty import AsyncPty
 from agentcell.sdk.sandbox_base import ConnectedSandbox
 from agentcell.sdk.transport import error_from_http
+from agentcell.sdk.volume import mounts_body
 
 
 class AsyncSandboxPaginator:
@@ -117,7 +118,8 @@ class AsyncSandbox(ConnectedSandbox):
                allow_internet_access: bool | None = None, network: Mapping[str, Any] | None = None,
                secrets: Mapping[str, Mapping[str, Any]] | None = None, secure: bool | None = None,
                idempotency_key: str | None = None, lifecycle: Mapping[str, Any] | None = None,
-               policy: Mapping[str, Any] | None = None) -> AsyncSandbox:
+               policy: Mapping[str, Any] | None = None,
+               volume_mounts: Mapping[str, Any] | None = None) -> AsyncSandbox:
         """Create a sandbox living `timeout` seconds (extend with set_timeout). Without api_url or
         AGENTCELL_URL an embedded local server is started for this process.
 
@@ -133,6 +135,8 @@ class AsyncSandbox(ConnectedSandbox):
         body.update(api.lifecycle_body(lifecycle))  # e2b's lifecycle: on_timeout "pause", auto_resume
         if policy is not None:
             body["policy"] = dict(policy)
+        if volume_mounts:  # {path: AsyncVolume or name}; agentcell: {"volume": ..., "read_only": True}
+            body["volumeMounts"] = mounts_body(volume_mounts)
         r = await api.acall(config, "POST", "/v2/sandboxes", json=body, ok=(201, 200),
                      headers=api.create_headers(idempotency_key))
         sandbox_id, token = api.sandbox_fields(r.json())

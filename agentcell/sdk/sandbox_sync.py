@@ -22,6 +22,7 @@ from agentcell.sdk.models import Context, Execution, SandboxInfo, SandboxMetrics
 from agentcell.sdk.pty import Pty
 from agentcell.sdk.sandbox_base import ConnectedSandbox
 from agentcell.sdk.transport import error_from_http, error_from_transport, sync_client, timeout
+from agentcell.sdk.volume import mounts_body
 
 
 class SandboxPaginator:
@@ -111,7 +112,8 @@ class Sandbox(ConnectedSandbox):
                allow_internet_access: bool | None = None, network: Mapping[str, Any] | None = None,
                secrets: Mapping[str, Mapping[str, Any]] | None = None, secure: bool | None = None,
                idempotency_key: str | None = None, lifecycle: Mapping[str, Any] | None = None,
-               policy: Mapping[str, Any] | None = None) -> Sandbox:
+               policy: Mapping[str, Any] | None = None,
+               volume_mounts: Mapping[str, Any] | None = None) -> Sandbox:
         """Create a sandbox living `timeout` seconds (extend with set_timeout). Without api_url or
         AGENTCELL_URL an embedded local server is started for this process.
 
@@ -129,6 +131,8 @@ class Sandbox(ConnectedSandbox):
         body.update(api.lifecycle_body(lifecycle))  # e2b's lifecycle: on_timeout "pause", auto_resume
         if policy is not None:
             body["policy"] = dict(policy)
+        if volume_mounts:  # {path: Volume or name}; agentcell: {"volume": ..., "read_only": True}
+            body["volumeMounts"] = mounts_body(volume_mounts)
         r = api.call(config, "POST", "/v2/sandboxes", json=body, ok=(201, 200),
                      headers=api.create_headers(idempotency_key))
         sandbox_id, token = api.sandbox_fields(r.json())

@@ -66,6 +66,7 @@ from agentcell.server.template_builds import TemplateBuilds
 from agentcell.server.template_imports import TemplateImports
 from agentcell.server.tenancy import Tenancy
 from agentcell.templates import uploads as template_uploads
+from agentcell.volumes import wiring as volume_wiring
 
 log = logging.getLogger("agentcell.server")
 
@@ -150,7 +151,11 @@ class AgentcellApp:
         steps = ManagerBuildSandboxes(self.manager) if hasattr(self.backend, "export_layer") else None
         self.template_builds = TemplateBuilds(config, imports, control_plane, steps)
         control_plane.built_templates = self.template_builds  # Sandbox.create("alias:tag") of a built template
-        self.control = Starlette(routes=[*imports.routes(), *self.template_builds.routes(), *control_plane.routes()],
+        self.volumes = volume_wiring.store(config, self.manager)  # E2B's volumes: agentcell/volumes/
+        control_plane.volumes = self.volumes
+        self.volume_api = volume_wiring.api(config, self.volumes)
+        self.control = Starlette(routes=[*imports.routes(), *self.template_builds.routes(), *self.volume_api.routes(),
+                                         *control_plane.routes()],
                                  exception_handlers=_HANDLERS)
         self.envd_http = Starlette(
             routes=[
@@ -186,6 +191,7 @@ class AgentcellApp:
                     for b in (self.backend, *self.others.values()):
                         await b.start()
                     self.snapshots.load()
+                    await self.volumes.start()  # before the kept paused sandboxes that mount them
                     await self.manager.start()
                 except state_lock.StateDirError as e:
                     log.error("%s", e)
@@ -206,6 +212,7 @@ class AgentcellApp:
                     await self.manager.close()
                     for b in (self.backend, *self.others.values()):
                         await b.close()
+                    await self.volumes.close()
                     if self.events is not None:
                         await self.events.close()
                 except Exception:
@@ -244,6 +251,9 @@ class AgentcellApp:
             return
         if target is None and scope["path"] == "/files" and scope["method"] in ("GET", "POST"):
             await self._signed_files(scope, receive, send)
+            return
+        if target is None and scope["path"].startswith(volume_wiring.CONTENT_PREFIX):  # the volume's token
+            await self.volume_api.content(scope, receive, send)
             return
         if target is None and scope["path"].startswith(template_uploads.PATH_PREFIX):  # its token is its key
             await self.template_builds.upload(scope, receive, send)

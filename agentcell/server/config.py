@@ -47,6 +47,9 @@ class ServerConfig:
     hibernate_after: int | None = 600  # seconds paused before a sandbox's memory goes to disk (gvisor); None: never
     snapshot_quota_mb: int = 10240  # disk all snapshots together may take
     max_snapshots: int = 1000
+    volume_size_mb: int = 1024  # a new volume's quota (agentcell/volumes/)
+    max_volume_size_mb: int = 10240
+    max_volumes: int = 100  # each holds a loop device while the server runs
     max_fork: int = 16  # most sandboxes one fork makes
     # --- the behaviour record (issue 10; record/store.py) ---
     record: bool = True  # False: no record, no collectors (--no-record)

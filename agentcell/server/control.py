@@ -53,6 +53,8 @@ from agentcell.server.template_imports import template_root
 from agentcell.server.tenancy import QuotaError, Tenancy, recorded_owner
 from agentcell.vault.api import VaultApi
 from agentcell.vault.store import Vault
+from agentcell.volumes import mounts as volume_mounts
+from agentcell.volumes.store import VolumeError, VolumeStore
 
 ENVD_VERSION = "0.6.13"
 BUILTIN_TEMPLATE = "code-interpreter-v1"
@@ -224,11 +226,6 @@ def _lifecycle(body: dict[str, Any]) -> Lifecycle:
     return Lifecycle("pause" if auto_pause else "kill", auto_resume, memory is not False)
 
 
-def _reject_unsupported(body: dict[str, Any]) -> None:
-    if body.get("volumeMounts"):
-        raise HTTPError(400, "volume mounts are not supported by agentcell yet")
-
-
 def _public_traffic(body: dict[str, Any]) -> bool:
     """E2B's network.allowPublicTraffic (the SDK sends camelCase; snake_case accepted too): whether the
     sandbox's served-out ports need no traffic token. Default true, as on E2B."""
@@ -316,7 +313,6 @@ UNSERVED = (
     ("/v2/templates", "v2 template builds (the SDKs use /v3/templates)"),
     ("/v2/templates/{template_id}", "template updates"), ("/templates/{template_id}/{rest:path}", "template builds"),
     ("/v2/templates/{template_id}/{rest:path}", "template builds"),
-    ("/volumes", "volumes"), ("/volumes/{volume_id}", "volumes"),
 )
 
 
@@ -333,6 +329,7 @@ class ControlPlane:
         self.tenancy = Tenancy.from_config(cfg)  # who sees what (server/tenancy.py); off but for --system
         self.vault = VaultApi(Vault(os.path.join(cfg.state_dir, "vault")), self.tenancy)  # E2B's Secret API
         self.built_templates: Any = None  # server/template_builds.py: names of E2B-built templates -> the store's
+        self.volumes: VolumeStore | None = None  # agentcell/volumes/: what volumeMounts name
 
     def _visible(self, request: Request, rec: _Owned) -> _Owned:
         """`rec` if the caller may see it (its own, or no tenancy), else None: another tenant's is "not found"."""
@@ -380,7 +377,7 @@ class ControlPlane:
             "state": rec.state.api_state,  # on its way to or from a pause: "paused"
             "envdVersion": ENVD_VERSION,
             "metadata": rec.metadata,
-            "volumeMounts": [],
+            "volumeMounts": [{"name": m.name, "path": m.path} for m in rec.spec.volumes],
         }
 
     def detail_json(self, rec: SandboxRecord, request: Request) -> dict[str, Any]:
@@ -502,7 +499,6 @@ class ControlPlane:
         limits = _limits(self.cfg, body)
         if snapshot is not None and body.get("limits") is None and (kept := snapshot.source_limits()) is not None:
             limits = kept  # the snapshot's own, as E2B's snapshot templates keep their resources
-        _reject_unsupported(body)
         lifecycle = _lifecycle(body)
         public_traffic = _public_traffic(body)
         network = _network_object(body)
@@ -522,6 +518,10 @@ class ControlPlane:
             raise HTTPError(400, f"{clash[0]} is both an envVar and a secret; give it once")
         owner = self.tenancy.caller(request.scope)
         try:
+            volumes = volume_mounts.resolve(body.get("volumeMounts"), self.volumes, owner, self.tenancy.sees)
+        except VolumeError as e:
+            raise HTTPError(e.status, e.message) from None
+        try:
             with self.tenancy.reserve(owner, self._held(), limits.memory_mb):
                 rec = await self.manager.create(
                     template_id=template, alias=template, timeout=timeout, metadata=metadata, envs=envs, limits=limits,
@@ -529,7 +529,7 @@ class ControlPlane:
                     files=self.snapshots.content(snapshot) if snapshot and snapshot.mode == "filesystem" else None,
                     image=self.snapshots.content(snapshot) if snapshot and snapshot.mode == "full" else None,
                     caller=api_events.caller_id(request.scope), origin=f"snapshot {template}" if snapshot else None,
-                    owner=owner, root=root, policy=policy_rules,
+                    owner=owner, root=root, policy=policy_rules, volumes=volumes,
                 )
         except QuotaError as e:
             raise HTTPError(429, str(e)) from None
@@ -805,6 +805,8 @@ class ControlPlane:
         memory = _optional_bool(body, "memory")
         _optional_bool(body, "requireHealthyGuest")  # the agent is asked nothing to pause: always healthy
         rec = self._any_record(request)
+        if refusal := volume_mounts.checkpoint_refusal(rec, "pause"):
+            raise HTTPError(400, refusal)
         try:
             await self.manager.pause(rec, memory is not False)
         except AlreadyPausedError as e:
@@ -856,6 +858,8 @@ class ControlPlane:
             raise HTTPError(400, "'name' must be a string")
         memory = _optional_bool(body, "memory")
         rec = self._any_record(request)
+        if refusal := volume_mounts.checkpoint_refusal(rec, "snapshot"):
+            raise HTTPError(400, refusal)
         if memory is True:
             self._memory_snapshots(rec.backend, 'a snapshot with mode="full" (memory)')
         full = memory is not False and rec.backend.memory_snapshots and rec.pause_mode != "filesystem"
@@ -920,6 +924,8 @@ class ControlPlane:
         if not _is_int(count) or not 1 <= count <= self.cfg.max_fork:
             raise HTTPError(400, f"'count' must be an integer between 1 and {self.cfg.max_fork}")
         rec = self._any_record(request)
+        if refusal := volume_mounts.checkpoint_refusal(rec, "fork"):
+            raise HTTPError(400, refusal)
         try:
             with self.tenancy.reserve(rec.owner, self._held(), rec.limits.memory_mb, count):  # forks are its owner's
                 results = await self.manager.fork(rec, count, timeout)

@@ -30,7 +30,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from agentcell.backends.base import Backend, ImageRoot, Limits, RunningSandbox, SandboxSpec
+from agentcell.backends.base import Backend, ImageRoot, Limits, RunningSandbox, SandboxSpec, VolumeMount
 from agentcell.errors import SandboxGoneError
 from agentcell.network.policy import NetworkPolicy
 from agentcell.network.secrets import SecretSet
@@ -249,6 +249,7 @@ class SandboxManager:
             # an image template's root (its layers' paths in the template store), to resume on it
             "image_root": asdict(rec.spec.image_root) if rec.spec.image_root else None,
             "policy": rec.spec.policy.to_json() if not rec.spec.policy.empty else None,
+            "volumes": [asdict(m) for m in rec.spec.volumes],  # mounted again at its resume
         }
         path = self._record_path(rec.sandbox_id)
         tmp = path.with_suffix(".tmp")
@@ -273,7 +274,8 @@ class SandboxManager:
                 spec = SandboxSpec(sandbox_id=d["sandbox_id"], limits=Limits(**d["limits"]), envs=d["envs"],
                                    network=NetworkPolicy.parse(internet, allow, deny),
                                    template=d["template_id"] if root else "base", image_root=_image_root(root),
-                                   policy=policy_model.parse(d.get("policy")))
+                                   policy=policy_model.parse(d.get("policy")),
+                                   volumes=tuple(VolumeMount(**m) for m in d.get("volumes", [])))
                 rec = SandboxRecord(
                     sandbox_id=d["sandbox_id"], template_id=d["template_id"], alias=d["alias"], metadata=d["metadata"],
                     envs=d["envs"], limits=spec.limits, started_at=datetime.fromisoformat(d["started_at"]),
@@ -455,6 +457,7 @@ class SandboxManager:
         root: ImageRoot | None = None,
         pooled: bool = True,
         policy: Policy | None = None,
+        volumes: tuple[VolumeMount, ...] = (),
     ) -> SandboxRecord:
         """A new sandbox; with `files`, it starts with that disk archive's files; with `image`, it is
         restored from that checkpoint (memory and files)."""
@@ -463,7 +466,7 @@ class SandboxManager:
         spec = SandboxSpec(sandbox_id="", template=template_id if root else "base", limits=limits, envs=dict(envs),
                            network=network or NetworkPolicy(), secrets=secrets or SecretSet(),
                            files=str(files) if files else None, image_root=root, pooled=pooled,
-                           policy=policy or Policy())
+                           policy=policy or Policy(), volumes=volumes)
         backend = backend or self.backend
         started = time.monotonic()
         try:

@@ -38,11 +38,12 @@ from agentcell.backends.base import (
     Limits,
     RunningSandbox,
     SandboxSpec,
+    VolumeMount,
     new_cell_sandbox_id,
     policy_parts,
 )
 from agentcell.backends.cgroup_backend import CgroupSandboxes
-from agentcell.backends.gvisor import reap, rootfs, seccomp_extra, spec, standby
+from agentcell.backends.gvisor import reap, rootfs, seccomp_extra, spec, standby, volume_points
 from agentcell.backends.gvisor.runsc import Runsc, private_null
 from agentcell.backends.linux import cgroups, host, runtime_store
 from agentcell.backends.linux import syscalls as sc
@@ -102,6 +103,7 @@ class GvisorSandbox(RunningSandbox):
         self.pidfd = -1
         self.killed = False
         self.kill_lock = asyncio.Lock()
+        self.volumes: tuple[VolumeMount, ...] = ()  # mounted at its boot (their mount points: volume_points.py)
 
     @property
     def runsc_root(self) -> str:
@@ -145,6 +147,7 @@ class GvisorBackend(CgroupSandboxes, Backend):
         self.state_base = state_base
         self.state = os.path.join(state_base, self.instance)
         self.root = os.path.join(self.state, "root")
+        self.mount_points = volume_points.MountPoints(self.root)
         self.host_tuning = host_tuning or host.HostTuning(**host_options)
         self.host_budget: host.HostBudget | None = None
         self.runsc: Runsc | None = None
@@ -239,6 +242,7 @@ class GvisorBackend(CgroupSandboxes, Backend):
             raise InvalidArgumentError(str(e)) from None
         if spec_.network.internet or spec_.secrets:
             raise InvalidArgumentError(NO_NETWORK)
+        volume_points.check(spec_.volumes)
         if len(self.claimed) >= self.max_sandboxes:
             raise SandboxError("too many sandboxes on this host", "resource_exhausted")
 
@@ -248,12 +252,14 @@ class GvisorBackend(CgroupSandboxes, Backend):
             sandbox_id = new_cell_sandbox_id()
         return sandbox_id
 
-    def _make_sandbox(self, sandbox_id: str, limits: Limits, sock: socket.socket) -> GvisorSandbox:
+    def _make_sandbox(self, sandbox_id: str, limits: Limits, sock: socket.socket,
+                      volumes: tuple[VolumeMount, ...] = ()) -> GvisorSandbox:
         directory = os.path.join(self.state, "sandboxes", sandbox_id)
         os.makedirs(directory, mode=0o700)
         cgroup = f"/{self.cgroup_parent}/{sandbox_id}"
         assert self._runtime is not None, "start() first"
         config = spec.build(sandbox_id, self.root, cgroup, limits, self._runtime.layout)
+        config["mounts"] += spec.volume_mounts(volumes)
         with open(os.path.join(directory, "config.json"), "w") as f:
             json.dump(config, f)
         sb = GvisorSandbox(sandbox_id, sock, directory, cgroup, limits)
@@ -272,7 +278,9 @@ class GvisorBackend(CgroupSandboxes, Backend):
         t0 = time.perf_counter()
         self._check(spec_)
         sb: GvisorSandbox | None = None
-        if not spec_.sandbox_id and self._pool is not None and _claimable(self.standby_limits, spec_.limits):
+        # a sandbox with volumes is booted with them (a standby's mounts were fixed at its checkpoint)
+        if (not spec_.sandbox_id and not spec_.volumes and self._pool is not None
+                and _claimable(self.standby_limits, spec_.limits)):
             sb = await self._pool.take()
             try:  # thawed first: the sentry wakes while the cgroup is retuned
                 await asyncio.to_thread(_thaw_and_retune, sb.cgroups, sb.limits, spec_.limits)
@@ -281,7 +289,7 @@ class GvisorBackend(CgroupSandboxes, Backend):
                 sb = None
         warm = sb is not None  # a standby: named, reseeded and warmed already (standby.py)
         if sb is None:
-            sb = await self._boot(spec_.sandbox_id or self._new_id(), spec_.limits)
+            sb = await self._boot(spec_.sandbox_id or self._new_id(), spec_.limits, spec_.volumes)
         try:
             sb.limits = spec_.limits
             if spec_.files:  # before the claim: the tenant's code finds its files in place
@@ -299,11 +307,13 @@ class GvisorBackend(CgroupSandboxes, Backend):
         self.last_create_ms = (time.perf_counter() - t0) * 1000
         return sb
 
-    async def _boot(self, sandbox_id: str, limits: Limits) -> GvisorSandbox:
+    async def _boot(self, sandbox_id: str, limits: Limits, volumes: tuple[VolumeMount, ...] = ()) -> GvisorSandbox:
         """`runsc run` a sandbox up to its agent's "ready" (it then waits for its claim)."""
         assert self.runsc is not None, "start() first"
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        sb = self._make_sandbox(sandbox_id, limits, ours)
+        sb = self._make_sandbox(sandbox_id, limits, ours, volumes)
+        self.mount_points.take(volumes)
+        sb.volumes = volumes
         try:
             try:
                 await self.runsc.call(sb.runsc_root, "run", "--detach", f"--bundle={sb.dir}",
@@ -398,6 +408,7 @@ class GvisorBackend(CgroupSandboxes, Backend):
                 sb.pidfd = -1
             reap.reap()
             await asyncio.to_thread(shutil.rmtree, sb.dir, True)
+            self.mount_points.give_back(sb.volumes)
             if self._sandboxes.get(sb.sandbox_id) is sb:
                 del self._sandboxes[sb.sandbox_id]
                 self.claimed.discard(sb.sandbox_id)

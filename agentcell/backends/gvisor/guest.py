@@ -71,8 +71,9 @@ def _set_rlimits(limits: Limits) -> None:
 
 def _bind(path: str, flags: int, source: str | None = None) -> None:
     """A bind of `source` (`path` itself) on `path` with exactly `flags` (the sentry copies the
-    source mount's read-only flag into a bind: the remount sets them all)."""
-    sc.mount(source or path, path, None, sc.MS_BIND)
+    source mount's read-only flag into a bind: the remount sets them all). /mnt's is recursive: the
+    volumes mounted below it (volume_points.py) stay in sight, each with its own flags."""
+    sc.mount(source or path, path, None, sc.MS_BIND | (sc.MS_REC if path == "/mnt" else 0))
     sc.mount(None, path, None, sc.MS_REMOUNT | sc.MS_BIND | flags)
 
 

@@ -70,6 +70,8 @@ def build(root: str, store: runtime_store.Store, sandbox_uid: int = linux_rootfs
         if os.path.isdir(linux_rootfs.DPKG_DB):  # so `apt-get install` as root knows what /usr holds
             os.mkdir(f"{root}{linux_rootfs.DPKG_DB}", 0o755)
             _bind_ro(linux_rootfs.DPKG_DB, f"{root}{linux_rootfs.DPKG_DB}")
+        # the one writable part: volumes' mount points, made by the backend (volume_points.py)
+        sc.mount("tmpfs", f"{root}/mnt", "tmpfs", _BASE | sc.MS_NOEXEC, "size=64k,nr_inodes=4096,mode=0755")
         sc.mount(None, root, None, sc.MS_REMOUNT | _BASE | sc.MS_RDONLY)
     except BaseException:
         remove(root)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from agentcell.backends.base import Limits
+from agentcell.backends.base import Limits, VolumeMount
 from agentcell.backends.linux import rootfs as linux_rootfs
 from agentcell.backends.linux import runtime_store, sandbox_init
 
@@ -78,3 +78,10 @@ def build(sandbox_id: str, root: str, cgroup: str, limits: Limits, layout: runti
             "namespaces": [{"type": t} for t in ("pid", "ipc", "uts", "mount", "network")],
         },
     }
+
+
+def volume_mounts(volumes: tuple[VolumeMount, ...]) -> list[dict[str, Any]]:
+    """Volumes (agentcell/volumes/) as bind mounts of the server's mounts of them: the gofer (host root)
+    serves their files, owned by the ids the sandbox uses (0, 1000), as every sandbox sees them."""
+    return [{"destination": m.path, "type": "bind", "source": m.source,
+             "options": ["rbind", "nosuid", "nodev", "ro" if m.read_only else "rw"]} for m in volumes]

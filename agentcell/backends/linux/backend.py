@@ -32,6 +32,7 @@ from agentcell.backends.base import (
     Limits,
     RunningSandbox,
     SandboxSpec,
+    VolumeMount,
     check_pids_max,
     new_cell_sandbox_id,
 )
@@ -45,6 +46,7 @@ from agentcell.backends.linux import (
     runtime_prefetch,
     runtime_store,
     uids,
+    volume_mounts,
 )
 from agentcell.backends.linux.zygote_process import DEFAULT_ENTRY, ZygoteProcess
 from agentcell.backends.pool import StandbyPool
@@ -630,7 +632,9 @@ class LinuxBackend(CgroupSandboxes, Backend):
         sandbox = None
         # a sandbox that starts from a disk archive is prepared for it: a standby's disk is mounted already
         template = self._template_key(spec)
-        if (not spec.sandbox_id and not spec.files and spec.pooled and self.standbys
+        if spec.volumes and rootless.active():
+            raise InvalidArgumentError("volumes need a server run as root (a rootless server cannot mount them)")
+        if (not spec.sandbox_id and not spec.files and not spec.volumes and spec.pooled and self.standbys
                 and _claimable(self.standby_limits, spec.limits)):
             sandbox = await self._pool(template).take()
             try:
@@ -639,7 +643,8 @@ class LinuxBackend(CgroupSandboxes, Backend):
                 await self.kill(sandbox)
                 sandbox = None
         if sandbox is None:
-            sandbox = await self._prepare(template, spec.limits, spec.sandbox_id or self._new_id(), spec.files)
+            sandbox = await self._prepare(template, spec.limits, spec.sandbox_id or self._new_id(), spec.files,
+                                          spec.volumes)
         try:
             sandbox.limits = spec.limits
             sandbox.cgroups.set_cpu_weight(standby=False)
@@ -659,20 +664,21 @@ class LinuxBackend(CgroupSandboxes, Backend):
         self.last_create_ms = (time.perf_counter() - t0) * 1000
         return sandbox
 
-    async def _prepare(self, template: str, limits: Limits, sandbox_id: str, files: str | None = None) -> LinuxSandbox:
+    async def _prepare(self, template: str, limits: Limits, sandbox_id: str, files: str | None = None,
+                       volumes: tuple[VolumeMount, ...] = ()) -> LinuxSandbox:
         """Fork and prepare a sandbox up to its agent's "ready"; it waits for its claim. `files`: a disk
         archive its disk starts with (extracted by the child, see rootfs.finish)."""
         t0_ns = time.perf_counter_ns()
         files_fd = _open_archive(files) if files else -1
         timeout = self.ready_timeout + (os.fstat(files_fd).st_size / EXTRACT_BYTES_PER_S if files else 0)
         try:
-            return await self._prepare_with(template, limits, sandbox_id, files_fd, timeout, t0_ns)
+            return await self._prepare_with(template, limits, sandbox_id, files_fd, timeout, t0_ns, volumes)
         finally:
             if files_fd >= 0:
                 os.close(files_fd)
 
     async def _prepare_with(self, template: str, limits: Limits, sandbox_id: str, files_fd: int, timeout: float,
-                            t0_ns: int) -> LinuxSandbox:
+                            t0_ns: int, volumes: tuple[VolumeMount, ...] = ()) -> LinuxSandbox:
         slot = self._alloc_slot()
         host_id = self.uid_base + slot
         root_id = self.uid_base + self._slot_count + slot  # the sandbox's root: a host id of its own too
@@ -689,6 +695,8 @@ class LinuxBackend(CgroupSandboxes, Backend):
         if image is not None:  # its layers follow the frame (and the archive)
             request["image"] = {"layers": len(image.layers), "env": dict(image.env), "workdir": image.workdir,
                                 "python": image.python, "start_cmd": image.start_cmd, "ready_cmd": image.ready_cmd}
+        if volumes:  # their mounts follow the frame (and the archive, and the layers)
+            request["volumes"] = volume_mounts.request_part(volumes)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         sandbox: LinuxSandbox | None = None
         try:
@@ -702,6 +710,8 @@ class LinuxBackend(CgroupSandboxes, Backend):
                     socket.send_fds(ours, [b"F"], [files_fd])
                 if image is not None:
                     _send_layers(ours, image.layers)
+                if volumes:
+                    volume_mounts.send(ours, volumes)
                 first = await _read_frame(loop, ours)
                 if first is None or first.get("event") != "spawned":
                     raise _setup_failure(sandbox_id, first)

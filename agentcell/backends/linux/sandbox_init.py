@@ -41,7 +41,7 @@ from typing import Any, NoReturn
 
 from agentcell import rootless
 from agentcell.backends.base import Limits
-from agentcell.backends.linux import image_root, landlock, ns_limits, rootfs
+from agentcell.backends.linux import image_root, landlock, ns_limits, rootfs, volume_mounts
 from agentcell.backends.linux import syscalls as sc
 from agentcell.backends.linux.cgroups import Cgroups
 from agentcell.errors import SandboxError
@@ -259,6 +259,8 @@ def _run_sandbox(fd: int, req: dict[str, Any], cg: Cgroups, cg_fds: list[int], e
         files_fd = _recv_archive(fd) if req.get("files") else -1  # never for a standby of the pool
         image = req.get("image")  # a template made from an image: its layers follow (image_root.py)
         layer_fds = image_root.receive_layers(fd, int(image["layers"])) if image else []
+        volumes = req.get("volumes") or []  # then the volumes' mounts (volume_mounts.py)
+        volume_fds = volume_mounts.receive(fd, len(volumes))
         step = "cgroup limits"
         cg.set_limits(limits)
         by_cgroup = cg.controllers()  # (rootless: maybe none or some; the rlimits stand in for the others)
@@ -281,6 +283,9 @@ def _run_sandbox(fd: int, req: dict[str, Any], cg: Cgroups, cg_fds: list[int], e
         else:
             disk_fd = rootfs.finish(sandbox_id, limits.disk_limit_mb, uid, gid, overlays_userns, files_fd,
                                     (root_uid, root_gid))
+        if volumes:
+            step = "volumes"
+            volume_mounts.attach(volumes, volume_fds, userns)
         step = "disk handle"
         _send_disk(fd, disk_fd)
         step = "enter the user namespace"
