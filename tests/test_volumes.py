@@ -594,3 +594,25 @@ def test_volumes_through_the_gateway(tmp_path: Path) -> None:
             gw.stop()
         for c in cells:
             c.stop()
+
+
+@pytest.mark.skipif(GVISOR, reason="gvisor refuses checkpoints of sandboxes with volumes (test_gvisor_sandboxes_share_a_volume)")
+def test_a_linux_fork_mounts_the_same_volume(srv: VolumeServer) -> None:
+    """A filesystem fork (linux) copies the sandbox's own disk; its volumes are mounted again, shared, not
+    copied: what the fork writes there the original reads, and destroying waits for both to end."""
+    vol = E2BVolume.create(unique("fork"))
+    a = E2BSandbox.create(volume_mounts={"/mnt/data": vol})
+    forks: list[E2BSandbox] = []
+    try:
+        a.commands.run("echo own > /home/user/own.txt && echo shared > /mnt/data/s.txt")
+        forks = a.fork()  # type: ignore[assignment]
+        forks = forks if isinstance(forks, list) else [forks]
+        f = forks[0]
+        assert f.commands.run("cat /home/user/own.txt /mnt/data/s.txt").stdout == "own\nshared\n"
+        f.commands.run("echo from-fork > /mnt/data/f.txt")
+        assert a.commands.run("cat /mnt/data/f.txt").stdout == "from-fork\n"
+        assert "/mnt/data" in f.commands.run("grep ' /mnt/data ' /proc/self/mountinfo").stdout
+    finally:
+        for s in (a, *forks):
+            s.kill()
+    assert E2BVolume.destroy(vol.volume_id) is True

@@ -789,6 +789,7 @@ class SandboxManager:
                 envs=rec.spec.envs, limits=rec.limits, network=rec.network, secrets=rec.spec.secrets,
                 lifecycle=rec.lifecycle, image=image if memory else None, files=None if memory else files,
                 root=None if memory else rec.spec.image_root, policy=None if memory else rec.spec.policy,
+                volumes=() if memory else rec.spec.volumes,  # the same volumes, shared (gvisor refuses those)
                 backend=rec.backend, origin=f"fork of {rec.sandbox_id}", owner=rec.owner)
             # who may reach its ports, as for the original: set before anything else runs (no await
             # since create put it in the registry)
