@@ -535,18 +535,26 @@ class Egress:
         pinned = self._pins.get(slot, {}).get(address)
         return pinned is not None and host in pinned.names and pinned.expires > time.monotonic()
 
+    def _address_refusal(self, policy: NetworkPolicy | None, address: str) -> str | None:
+        """The rule that refuses `address` before any name is looked at (as the router's forward chain
+        would: a closed policy, the never-list, the deny list), or None."""
+        if policy is None or not policy.open:
+            return "policy"
+        ip = ipaddress.ip_address(address)
+        if ip in self.never:
+            return "never4"
+        if any(ip in net for net in policy.deny_nets):
+            return "deny"
+        return None
+
     def _check_tunneled(self, slot: int, address: str) -> tuple[bool, str]:
         """A tunneled connection that names no host: allowed as the router's forward chain would allow it
         (the never-list, the deny list, and under an allow list an allowed or answered address)."""
         policy = self._effective.get(slot)
-        if policy is None or not policy.open:
-            return False, "policy"
-        ip = ipaddress.ip_address(address)
-        if ip in self.never:
-            return False, "never4"
-        if any(ip in net for net in policy.deny_nets):
-            return False, "deny"
-        if not policy.restricted or any(ip in net for net in policy.allow_nets):
+        if (refusal := self._address_refusal(policy, address)) is not None:
+            return False, refusal
+        assert policy is not None
+        if not policy.restricted or any(ipaddress.ip_address(address) in net for net in policy.allow_nets):
             return True, "policy"
         pinned = self._pins.get(slot, {}).get(address)
         if pinned is not None and pinned.expires > time.monotonic():
@@ -557,13 +565,10 @@ class Egress:
         """Whether an intercepted connection to address:port that names `claim` may go on, and the rule
         that decided. It never crossed the router's forward chain, so the address rules apply here too."""
         policy, rules = self._effective.get(slot), self._rules.get(slot)
-        if policy is None or not policy.open:
-            return False, "policy"
+        if (refusal := self._address_refusal(policy, address)) is not None:
+            return False, refusal
+        assert policy is not None
         ip = ipaddress.ip_address(address)
-        if ip in self.never:
-            return False, "never4"
-        if any(ip in net for net in policy.deny_nets):
-            return False, "deny"
         name = dns.name.from_text(claim.host) if claim.host else None
         if name is not None and rules is not None and any(r.matches(name) for r in rules.deny):
             return False, "domain"  # a denied name, wherever it is

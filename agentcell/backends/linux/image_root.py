@@ -71,12 +71,17 @@ def open_layers(paths: tuple[str, ...]) -> list[int]:
 
 def receive_layers(sock_fd: int, count: int) -> list[int]:
     """Child side: the layer fds the server sent right after the request frame (and archive)."""
+    return receive_fds(sock_fd, count, "image layers")
+
+
+def receive_fds(sock_fd: int, count: int, what: str) -> list[int]:
+    """Child side: `count` fds the server sent on the sandbox socket in one message (SCM_RIGHTS)."""
     with socket.socket(fileno=os.dup(sock_fd)) as sock:
         _, fds, _, _ = socket.recv_fds(sock, 1, count)
     if len(fds) != count:
         for fd in fds:
             os.close(fd)
-        raise RuntimeError(f"the server announced {count} image layers but sent {len(fds)}")
+        raise RuntimeError(f"the server announced {count} {what} but sent {len(fds)}")
     return fds
 
 

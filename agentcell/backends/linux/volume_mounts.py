@@ -15,6 +15,7 @@ import stat
 from typing import Any
 
 from agentcell.backends.base import VolumeMount
+from agentcell.backends.linux import image_root
 from agentcell.backends.linux import syscalls as sc
 
 
@@ -37,15 +38,7 @@ def send(sock: socket.socket, volumes: tuple[VolumeMount, ...]) -> None:
 
 def receive(sock_fd: int, count: int) -> list[int]:
     """Child side: the volume fds the server sent after the request frame (and archive, and layers)."""
-    if count == 0:
-        return []
-    with socket.socket(fileno=os.dup(sock_fd)) as sock:
-        _, fds, _, _ = socket.recv_fds(sock, 1, count)
-    if len(fds) != count:
-        for fd in fds:
-            os.close(fd)
-        raise RuntimeError(f"the server announced {count} volumes but sent {len(fds)}")
-    return fds
+    return image_root.receive_fds(sock_fd, count, "volumes") if count else []
 
 
 def _mount_point(path: str) -> None:
