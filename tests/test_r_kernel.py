@@ -17,7 +17,6 @@ import pytest
 from e2b_code_interpreter import Sandbox as CodeSandbox
 
 from agentcell import Sandbox
-from agentcell.runtime import kernel_r
 
 pytestmark = pytest.mark.skipif(shutil.which("Rscript") is None,
                                 reason="the host has no R (scripts/setup installs r-base-core)")
@@ -195,6 +194,8 @@ def test_r_fork_bomb_and_memory_hog_stay_in_their_context(server_url: str) -> No
 
 
 def test_missing_r_names_the_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    from agentcell.runtime import kernel_r  # (here: a checkout without R contexts fails this test, not the module)
+
     monkeypatch.setenv("PATH", "/nonexistent")
     message = kernel_r.R.missing()
     assert message is not None and "apt install r-base-core" in message
