@@ -194,7 +194,8 @@ def test_r_fork_bomb_and_memory_hog_stay_in_their_context(server_url: str) -> No
 
 
 def test_missing_r_names_the_package(monkeypatch: pytest.MonkeyPatch) -> None:
-    from agentcell.runtime import kernel_r  # (here: a checkout without R contexts fails this test, not the module)
+    # imported here: a checkout without R contexts fails this test, not the module's collection
+    from agentcell.runtime import kernel_r
 
     monkeypatch.setenv("PATH", "/nonexistent")
     message = kernel_r.R.missing()

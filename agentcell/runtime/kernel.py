@@ -65,7 +65,7 @@ MAX_LINE = 32 << 20  # the largest single output line (a result, e.g. a PNG or H
 _OUTPUT_READ = 64 * 1024
 _DRAIN_MAX = 2 * _OUTPUT_READ  # output taken ahead of a result frame, to keep print/result order
 _EXIT_GRACE = 0.2  # seconds the socket of a kernel whose process ended is read before it is cut
-PARTIAL_LINE_S = 0.01  # how long a whole_lines kernel's unfinished line waits for its end
+PARTIAL_LINE_S = 0.05  # how long a whole_lines kernel's unfinished line waits for its end (R may be descheduled mid-line)
 _PR_SET_DUMPABLE = 4
 
 
