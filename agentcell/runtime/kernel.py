@@ -287,8 +287,6 @@ class _Kernel:
             taken = 0
             while fd in self._decoders and taken < _DRAIN_MAX and self._read_output(fd):
                 taken += _OUTPUT_READ
-        if self._partial:
-            self.flush_partial()
 
     def interrupt(self) -> None:
         with contextlib.suppress(ProcessLookupError):
@@ -394,6 +392,9 @@ class Context:
                         frame = None  # the socket broke, or user code wrote junk to it
                     await sink.wait_line_slot()
                     kernel.drain()
+                    if frame is None or frame.done:
+                        # (an unfinished line is held over other frames: the kernel may be writing it now)
+                        kernel.flush_partial()
                     if frame is None:
                         await self._report_death(kernel, sink)
                         break
@@ -419,6 +420,7 @@ class Context:
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(asyncio.shield(kernel.exited), 1.0)
         kernel.drain()
+        kernel.flush_partial()
         how = describe_status(kernel.status)[2] if kernel.status is not None else "it closed its socket"
         if kernel.status is not None and os.WIFSIGNALED(kernel.status) and os.WTERMSIG(kernel.status) == 9:
             how += ", perhaps by the out-of-memory killer"
