@@ -287,6 +287,13 @@ def check_node() -> Check:
     return Check("node", "ok", node)
 
 
+def check_r() -> Check:
+    rscript = shutil.which("Rscript")
+    if rscript is None:
+        return Check("R", "missing", "Rscript not found", "apt-get install r-base-core (as root)", "R contexts (optional)")
+    return Check("R", "ok", rscript)
+
+
 def check_runsc() -> Check:
     runsc = shutil.which("runsc")
     if runsc is None:
@@ -363,7 +370,7 @@ def diagnose() -> Report:
     probes: list[Callable[[], Check]] = [
         check_privilege, check_userns, check_subids, check_cgroups, check_seccomp, check_landlock, check_nftables,
         check_usermode_net,
-        check_bpf, check_exec_rules, check_audit, check_node, check_runsc, check_kvm, lambda: check_state_dir(mode),
+        check_bpf, check_exec_rules, check_audit, check_node, check_r, check_runsc, check_kvm, lambda: check_state_dir(mode),
         lambda: check_disk(mode)]
     checks = []
     for probe in probes:

@@ -13,7 +13,7 @@ import pytest
 from e2b_code_interpreter import Sandbox as CodeSandbox
 
 from agentcell import Sandbox
-from agentcell.runtime import kernel_java
+from agentcell.runtime import kernel_java, kernel_r
 
 pytestmark = pytest.mark.skipif(shutil.which("node") is None, reason="the host has no node (scripts/setup installs it)")
 
@@ -253,7 +253,8 @@ def test_unknown_and_missing_languages_are_400(sbx: Sandbox, server_url: str) ->
         assert r.status_code == 400 and "cobol" in r.text and "javascript" in r.text
         r = http.post("/contexts", json={"language": "cobol"})
         assert r.status_code == 400
-        missing = [("r", "Rscript")] + ([("java", "JDK")] if kernel_java._missing() else [])
+        missing = ([("r", "r-base-core")] if kernel_r.R.missing() else []) + \
+            ([("java", "JDK")] if kernel_java._missing() else [])
         for lang, needs in missing:
             r = http.post("/execute", json={"code": "1", "language": lang})
             assert r.status_code == 400 and needs in r.text, r.text

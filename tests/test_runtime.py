@@ -396,7 +396,7 @@ async def test_code_contexts(agent: Agent) -> None:
     with pytest.raises(NotFoundError):
         await agent.ch.call("code.context_delete", context_id=ctx["id"])
     with pytest.raises(InvalidArgumentError, match="not supported"):
-        await agent.ch.call("code.context_create", language="r", cwd=None)
+        await agent.ch.call("code.context_create", language="cobol", cwd=None)
     with pytest.raises(InvalidArgumentError, match="not supported"):
         await agent.run("1", language="cobol")
 

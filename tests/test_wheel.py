@@ -50,7 +50,7 @@ FALLBACK = "instead of the kernel tracer"  # audit_events' line when the tracer 
 # Run by the venv's python, outside the tree: the wheel's SDK against the wheel's server (argv[1]: its
 # URL; empty: the embedded server). Prints what it saw as JSON.
 SMOKE = r"""
-import base64, json, sys, time
+import base64, json, shutil, sys, time
 import agentcell
 from agentcell import Sandbox
 
@@ -63,8 +63,9 @@ try:
     out["chart_error"] = ex.error and ex.error.value
     out["charts"] = [{"png": base64.b64decode(r.png)[:8].hex() if r.png else None,
                       "chart": (r.chart or {}).get("type") if isinstance(r.chart, dict) else None} for r in ex.results]
+    r_context = (("r", "sum(1:3)"),) if shutil.which("Rscript") else ()  # a host with R: its runner is in the wheel
     for language, code in (("javascript", "const a = [1, 2, 3]; a.map((v) => v * 2)"),
-                           ("typescript", "const n: number = 40; n + 2")):
+                           ("typescript", "const n: number = 40; n + 2"), *r_context):
         ex = sbx.run_code(code, context=sbx.create_code_context(language=language))
         out[language] = [ex.text, ex.error and f"{ex.error.name}: {ex.error.value}"]
     run = sbx.commands.run("ls /")
@@ -207,6 +208,7 @@ def _check_smoke(out: dict, bin_dir: Path) -> None:
     assert {"png": "89504e470d0a1a0a", "chart": "line"} in out["charts"]  # a PNG, and E2B's chart of it
     assert out["javascript"] == ["[ 2, 4, 6 ]", None]
     assert out["typescript"] == ["42", None]
+    assert out.get("r", ["[1] 6", None]) == ["[1] 6", None]
     assert out["ls"][0] == 0 and "usr" in out["ls"][1]
     assert ["ls", "/"] in out["execs"], out["execs"]
     assert "ls /" in out["report"] and "not recorded" not in out["report"]

@@ -24,7 +24,7 @@ from agentcell.cli.target import Target, about, complete_sandbox_ids, connect_ru
 from agentcell.errors import CommandExitException, SandboxNotRunningException, TimeoutException
 from agentcell.text_escape import escape_text
 
-LANGUAGES = ["python", "javascript", "typescript", "bash", "java"]
+LANGUAGES = ["python", "javascript", "typescript", "bash", "java", "r"]
 # a command a signal ended exits 128 + the signal's number, as in a shell
 _SIGNALS = {"hangup": 1, "interrupt": 2, "quit": 3, "aborted": 6, "killed": 9, "segmentation fault": 11,
             "broken pipe": 13, "terminated": 15}

@@ -10,8 +10,8 @@ The kernel's fds 1 and 2 are pipes the agent reads itself, so ``print`` and outp
 subprocesses both stream as stdout/stderr lines. Before the kernel sends a frame it flushes its stdio,
 and the agent drains the pipes before it forwards the frame, so lines keep their order.
 
-The other languages' kernels (JavaScript, TypeScript, bash) are programs started the same way and
-spoken to on the same socket and pipes (kernel_exec.KernelSpec: kernel_node.py, kernel_bash.py), so
+The other languages' kernels (JavaScript, TypeScript, bash, Java, R) are programs started the same way and
+spoken to on the same socket and pipes (kernel_exec.KernelSpec: kernel_node.py, kernel_bash.py, kernel_r.py), so
 flow control, interrupts, deadlines and restarts below serve every language. So is Python's in a
 template whose image has its own interpreter (``python=``: kernel_image_python.py).
 """
@@ -41,6 +41,7 @@ from agentcell.runtime import (
     kernel_image_python,
     kernel_java,
     kernel_node,
+    kernel_r,
     policy,
     rootcaps,
     stdio,
@@ -59,14 +60,12 @@ LANGUAGES = {
 }
 # Languages E2B's template lists a default context of even before it is used (its server starts them).
 LISTED_DEFAULTS = ("python", "javascript")
-# E2B's code interpreter has kernels for these; agentcell says what it would need instead of a bare "unknown".
-_UNSUPPORTED = {
-    "r": "r contexts are not supported by agentcell: it would need R (Rscript) and an R kernel",
-}
 INTERRUPT_GRACE = 2.0  # seconds a run gets to stop after SIGINT before its kernel is killed
 MAX_LINE = 32 << 20  # the largest single output line (a result, e.g. a PNG or HTML) a run may produce
 _OUTPUT_READ = 64 * 1024
 _DRAIN_MAX = 2 * _OUTPUT_READ  # output taken ahead of a result frame, to keep print/result order
+_EXIT_GRACE = 0.2  # seconds the socket of a kernel whose process ended is read before it is cut
+PARTIAL_LINE_S = 0.05  # how long a whole_lines kernel's unfinished line waits for its end (R may be descheduled mid-line)
 _PR_SET_DUMPABLE = 4
 
 
@@ -99,14 +98,12 @@ def normalize_language(language: str | None) -> str:
     lang = (language or "python").strip().lower()
     if lang not in LANGUAGES:
         raise InvalidArgumentError(f"language {language!r} is not supported; agentcell contexts run "
-                                   "python, javascript (js), typescript (ts), bash and java")  # fmt: skip
+                                   "python, javascript (js), typescript (ts), bash, java and r")  # fmt: skip
     return LANGUAGES[lang]
 
 
 def kernel_spec(language: str, kernels: dict[str, KernelSpec] | None = None) -> KernelSpec:
     """The kernel of a normalized language; InvalidArgumentError (a 400) naming what the host lacks."""
-    if language in _UNSUPPORTED:
-        raise InvalidArgumentError(_UNSUPPORTED[language])
     spec = (kernels or _KERNELS)[language]
     missing = spec.missing()
     if missing:
@@ -162,6 +159,9 @@ class _Kernel:
         os.close(err_w)
         self.sock = ours
         self._decoders: dict[int, tuple[str, Any]] = {}
+        self._partial: dict[int, str] = {}  # fd -> the unfinished line held (spec.whole_lines)
+        self._partial_timer: asyncio.TimerHandle | None = None
+        self._stderr_fd = err_r
         for fd, kind in ((out_r, "stdout"), (err_r, "stderr")):
             os.set_blocking(fd, False)
             self._decoders[fd] = (kind, codecs.getincrementaldecoder("utf-8")("replace"))
@@ -175,6 +175,14 @@ class _Kernel:
         self.status = status
         if not self.exited.done():
             self.exited.set_result(status)
+        # A process the kernel started may hold its socket open (R's `cat`s, a command left running in
+        # the background): what the kernel sent is read in the grace time, then the socket is cut, so
+        # a run waiting on it ends (_report_death) instead of waiting for that process.
+        self._loop.call_later(_EXIT_GRACE, self._cut_socket)
+
+    def _cut_socket(self) -> None:
+        if self.writer is not None:
+            self.writer.transport.abort()
 
     async def connect(self) -> None:
         """Open the streams; the kernel's first frame says its warm-up is done (_serve_kernel)."""
@@ -226,11 +234,35 @@ class _Kernel:
             self._loop.remove_reader(fd)
             del self._decoders[fd]
             os.close(fd)
+            self.flush_partial()
             return False
         text = decoder.decode(data)
+        if text and self.spec.whole_lines:
+            text = self._hold_partial(fd, self._partial.pop(fd, "") + text)
         if text and sink is not None:
             sink.emit_line(encode_line({"type": kind, "text": text, "timestamp": timestamp()}))
         return True
+
+    def _hold_partial(self, fd: int, text: str) -> str:
+        """The finished lines of `text`; the rest is held until its line ends or PARTIAL_LINE_S pass."""
+        cut = text.rfind("\n") + 1
+        if cut < len(text):
+            self._partial[fd] = text[cut:]
+            if self._partial_timer is None:
+                self._partial_timer = self._loop.call_later(PARTIAL_LINE_S, self.flush_partial)
+        return text[:cut]
+
+    def flush_partial(self) -> None:
+        """Forward the unfinished lines held (a prompt, a progress bar: output without a newline)."""
+        if self._partial_timer is not None:
+            self._partial_timer.cancel()
+            self._partial_timer = None
+        held, self._partial = self._partial, {}
+        sink = self.sink
+        for fd, text in held.items():
+            if sink is not None and not sink.cancelled:
+                kind = "stderr" if fd == self._stderr_fd else "stdout"
+                sink.emit_line(encode_line({"type": kind, "text": text, "timestamp": timestamp()}))
 
     def _pause(self, sink: LineSink) -> None:
         """Stop reading the output pipes (the kernel then blocks writing) until the call has room."""
@@ -273,6 +305,8 @@ class _Kernel:
 
     def close(self) -> None:
         self.kill()
+        if self._partial_timer is not None:
+            self._partial_timer.cancel()
         for fd in list(self._decoders):
             self._loop.remove_reader(fd)
             os.close(fd)
@@ -358,6 +392,9 @@ class Context:
                         frame = None  # the socket broke, or user code wrote junk to it
                     await sink.wait_line_slot()
                     kernel.drain()
+                    if frame is None or frame.done:
+                        # (an unfinished line is held over other frames: the kernel may be writing it now)
+                        kernel.flush_partial()
                     if frame is None:
                         await self._report_death(kernel, sink)
                         break
@@ -383,6 +420,7 @@ class Context:
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(asyncio.shield(kernel.exited), 1.0)
         kernel.drain()
+        kernel.flush_partial()
         how = describe_status(kernel.status)[2] if kernel.status is not None else "it closed its socket"
         if kernel.status is not None and os.WIFSIGNALED(kernel.status) and os.WTERMSIG(kernel.status) == 9:
             how += ", perhaps by the out-of-memory killer"
@@ -747,4 +785,5 @@ _KERNELS: dict[str, KernelSpec] = {
     "typescript": kernel_node.TYPESCRIPT,
     "bash": kernel_bash.BASH,
     "java": kernel_java.JAVA,
+    "r": kernel_r.R,
 }

@@ -42,6 +42,9 @@ class KernelSpec:
     encode_run: Callable[[str, dict[str, str]], bytes] = framed_run
     encode_env: Callable[[dict[str, str]], bytes] = framed_env
     interrupt_group: bool = False  # SIGINT to the kernel's whole process group (its commands too)
+    # the agent joins the pieces of a line (held up to kernel.PARTIAL_LINE_S) into one stdout/stderr
+    # message: for a kernel whose program writes a line in pieces, each flushed (R's console)
+    whole_lines: bool = False
 
 
 def find_program(names: tuple[str, ...], env: dict[str, str] | None = None) -> str | None:

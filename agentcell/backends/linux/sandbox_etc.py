@@ -31,9 +31,12 @@ COPIED = (
     "magic", "magic.mime",  # libmagic's local rules (file)
     "locale.alias",  # locale names (setlocale)
     "shells",  # valid login shells (chsh, some tools check it)
+    "R",  # Debian's R conf (/usr/lib/R/etc links here: Renviron, ldpaths ...): R contexts
 )
 COPIED_PATTERNS = ("java-*-openjdk",)  # Debian's JDK conf (java.security ...): Java contexts, any JVM
-_NEVER = ("ssl/private",)  # the host's TLS private keys
+# the host's TLS private keys; the operator's R site files (Debian's only name a CRAN mirror, runner.R
+# sets the same; an operator's may hold tokens, as pip.conf does)
+_NEVER = ("ssl/private", "R/Renviron.site", "R/Rprofile.site")
 
 # Generated: the sandbox's own users and name service, and shell start-up files that keep the PATH
 # the sandbox was given (Debian's /etc/profile resets it, which would hide the template's Python from
