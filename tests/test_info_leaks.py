@@ -265,6 +265,7 @@ ETC_ALLOWED = {
     "alternatives", "ca-certificates", "debian_version", "fonts", "gai.conf", "host.conf", "inputrc",
     "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "locale.alias", "localtime", "magic", "magic.mime",
     "mime.types", "os-release", "protocols", "services", "shells", "ssl", "terminfo", "timezone",
+    "R",  # Debian's R conf for R contexts, without the operator's Renviron.site / Rprofile.site
     # generated
     "bash.bashrc", "group", "hostname", "hosts", "mtab", "nsswitch.conf", "passwd", "profile", "resolv.conf",
 }
@@ -276,6 +277,7 @@ def test_etc_holds_only_what_programs_need(sbx: Sandbox) -> None:
     assert names - jdk_conf <= ETC_ALLOWED, names - jdk_conf - ETC_ALLOWED
     assert "passwd" in names and "ssl" in names and "ld.so.cache" in names
     assert sh(sbx, "test -e /etc/ssl/private")[0] != 0  # the host's private keys: not even the directory
+    assert sh(sbx, "ls -A /etc/R 2>/dev/null | grep -c -e Renviron.site -e Rprofile.site")[1].strip() in ("", "0")
     nss = sh(sbx, "cat /etc/nsswitch.conf")[1]
     assert "passwd:" in nss and "systemd" not in nss and "sss" not in nss and "ldap" not in nss
     # and everything still works: TLS roots, users, time zone, the shell's start-up files
