@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import time
 import uuid
@@ -184,3 +185,13 @@ class ProbeBox:
     async def run(self, *argv: str, timeout: float = 60) -> tuple[int, str, str]:
         h = (await self.channel.call("exec", argv=list(argv), timeout=timeout)).header
         return h["exit_code"], h["stdout"], h["stderr"]
+
+
+def execute_raw(sbx: Sandbox, server_url: str, **body: object) -> list[dict]:
+    """POST /execute as it is, its NDJSON lines parsed (a run's own deadline: `timeout`, seconds)."""
+    headers = {"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "49999",
+               "X-Access-Token": sbx._conn.access_token or ""}
+    with httpx.Client(base_url=server_url, headers=headers, timeout=60) as http:
+        r = http.post("/execute", json=body)
+    assert r.status_code == 200, r.text
+    return [json.loads(line) for line in r.text.splitlines() if line.strip()]

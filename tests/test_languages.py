@@ -3,7 +3,6 @@ kernel_bash.py), through agentcell's SDK and the unchanged e2b_code_interpreter 
 
 from __future__ import annotations
 
-import json
 import shutil
 import time
 from collections.abc import Iterator
@@ -14,6 +13,7 @@ from e2b_code_interpreter import Sandbox as CodeSandbox
 
 from agentcell import Sandbox
 from agentcell.runtime import kernel_java, kernel_r
+from tests.helpers import execute_raw
 
 pytestmark = pytest.mark.skipif(shutil.which("node") is None, reason="the host has no node (scripts/setup installs it)")
 
@@ -28,15 +28,6 @@ def sbx(server_url: str) -> Iterator[Sandbox]:
 def _stdout(execution) -> str:  # noqa: ANN001
     return "".join(execution.logs.stdout)
 
-
-def _execute(sbx: Sandbox, server_url: str, **body: object) -> list[dict]:
-    """POST /execute as it is, its NDJSON lines parsed (a run's own deadline: `timeout`, seconds)."""
-    headers = {"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "49999",
-               "X-Access-Token": sbx._conn.access_token or ""}
-    with httpx.Client(base_url=server_url, headers=headers, timeout=60) as http:
-        r = http.post("/execute", json=body)
-    assert r.status_code == 200, r.text
-    return [json.loads(line) for line in r.text.splitlines() if line.strip()]
 
 
 def _error(lines: list[dict]) -> dict:
@@ -109,12 +100,12 @@ def test_js_runaway_loop_is_interrupted_by_the_timeout(sbx: Sandbox, server_url:
     ctx = sbx.create_code_context(language="javascript")
     sbx.run_code("kept = 'yes'", context=ctx)
     t0 = time.monotonic()
-    lines = _execute(sbx, server_url, code="while (true) {}", context_id=ctx.id, timeout=1)
+    lines = execute_raw(sbx, server_url, code="while (true) {}", context_id=ctx.id, timeout=1)
     assert time.monotonic() - t0 < 3
     assert _error(lines)["name"] == "KeyboardInterrupt" and lines[-1]["type"] == "end_of_execution"
     # the same process, its state intact
     assert sbx.run_code("kept", context=ctx).text == "yes"
-    lines = _execute(sbx, server_url, code="await new Promise(() => {})", context_id=ctx.id, timeout=1)
+    lines = execute_raw(sbx, server_url, code="await new Promise(() => {})", context_id=ctx.id, timeout=1)
     assert _error(lines)["name"] == "KeyboardInterrupt"
     assert sbx.run_code("kept", context=ctx).text == "yes"
 
@@ -122,7 +113,7 @@ def test_js_runaway_loop_is_interrupted_by_the_timeout(sbx: Sandbox, server_url:
 def test_js_busy_loop_after_await_is_killed_and_restarted(sbx: Sandbox, server_url: str) -> None:
     ctx = sbx.create_code_context(language="javascript")
     sbx.run_code("kept = 1", context=ctx)
-    lines = _execute(sbx, server_url, code="await null; while (true) {}", context_id=ctx.id, timeout=1)
+    lines = execute_raw(sbx, server_url, code="await null; while (true) {}", context_id=ctx.id, timeout=1)
     assert _error(lines)["name"] == "UnexpectedEndOfExecution"
     r = sbx.run_code("typeof kept", context=ctx)  # a fresh process
     assert r.error is None and r.text == "undefined"
@@ -176,11 +167,11 @@ def test_bash_interrupt_keeps_the_shell(sbx: Sandbox, server_url: str) -> None:
     ctx = sbx.create_code_context(language="bash")
     sbx.run_code("kept=yes", context=ctx)
     t0 = time.monotonic()
-    lines = _execute(sbx, server_url, code="while true; do :; done; echo after", context_id=ctx.id, timeout=1)
+    lines = execute_raw(sbx, server_url, code="while true; do :; done; echo after", context_id=ctx.id, timeout=1)
     assert time.monotonic() - t0 < 3
     assert not [line for line in lines if line["type"] == "stdout"]
     assert (_error(lines)["name"], _error(lines)["value"]) == ("ExitCode", "130")
-    lines = _execute(sbx, server_url, code="sleep 30; echo after", context_id=ctx.id, timeout=1)
+    lines = execute_raw(sbx, server_url, code="sleep 30; echo after", context_id=ctx.id, timeout=1)
     assert _error(lines)["value"] == "130" and not [line for line in lines if line["type"] == "stdout"]
     assert _stdout(sbx.run_code("echo $kept", context=ctx)) == "yes\n"
     r = sbx.run_code("exit 3", context=ctx)  # the shell ends: reported, and a new one starts

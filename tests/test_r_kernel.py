@@ -5,19 +5,18 @@ env vars and cwd, interrupts and deadlines, limits."""
 from __future__ import annotations
 
 import base64
-import json
 import shutil
 import struct
 import subprocess
 import time
 from collections.abc import Iterator
 
-import httpx
 import pytest
 from e2b_code_interpreter import Sandbox as CodeSandbox
 
 from agentcell import Sandbox
 from tests.conftest import GVISOR
+from tests.helpers import execute_raw
 
 pytestmark = pytest.mark.skipif(shutil.which("Rscript") is None,
                                 reason="the host has no R (scripts/setup installs r-base-core)")
@@ -35,15 +34,6 @@ def sbx(server_url: str) -> Iterator[Sandbox]:
     yield s
     s.kill()
 
-
-def _execute(sbx: Sandbox, server_url: str, **body: object) -> list[dict]:
-    """POST /execute as it is, its NDJSON lines parsed (`timeout`: the run's own deadline, seconds)."""
-    headers = {"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "49999",
-               "X-Access-Token": sbx._conn.access_token or ""}
-    with httpx.Client(base_url=server_url, headers=headers, timeout=60) as http:
-        r = http.post("/execute", json=body)
-    assert r.status_code == 200, r.text
-    return [json.loads(line) for line in r.text.splitlines() if line.strip()]
 
 
 def _png_size(data: bytes) -> tuple[int, int]:
@@ -135,7 +125,7 @@ def test_r_deadline_and_interrupt_keep_the_context(sbx: Sandbox, server_url: str
     # returns its status, as in R's console)
     for code, interrupted in (("Sys.sleep(30)", True), ("while (TRUE) {}", True), ("system('sleep 30')", False)):
         start = time.monotonic()
-        lines = _execute(sbx, server_url, code=code, context_id=ctx.id, timeout=1)
+        lines = execute_raw(sbx, server_url, code=code, context_id=ctx.id, timeout=1)
         took = time.monotonic() - start
         assert took < 5, (code, took)
         errors = [line for line in lines if line["type"] == "error"]
