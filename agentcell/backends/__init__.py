@@ -17,7 +17,11 @@ def get_backend(name: str = "linux", **options: Any) -> Backend:
         from agentcell.backends.gvisor.backend import GvisorBackend
 
         return GvisorBackend(**options)
-    raise ValueError(f"unknown backend {name!r}; available: linux, gvisor")
+    if name == "microvm":
+        from agentcell.backends.microvm.backend import MicrovmBackend
+
+        return MicrovmBackend(**options)
+    raise ValueError(f"unknown backend {name!r}; available: linux, gvisor, microvm")
 
 
 __all__ = ["Backend", "Limits", "RunningSandbox", "SandboxSpec", "SandboxStats", "get_backend"]

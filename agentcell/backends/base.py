@@ -238,6 +238,12 @@ class Backend(abc.ABC):
         """Kill every sandbox and stop helper processes."""
 
     @property
+    def isolation(self) -> str:
+        """How its sandboxes are isolated, as /health and each sandbox's info say it (microvm under TCG:
+        "emulated — no hardware isolation claim")."""
+        return self.name
+
+    @property
     def has_egress(self) -> bool:
         """Whether a sandbox can be given a way out at all (an uplink is configured)."""
         return False

@@ -108,8 +108,13 @@ def _tls(opts: dict[str, Any]) -> None:
                    "stopping. Default: --max-timeout with --cell-id, else 0 (stop at once).")
 @click.option("--uid-base", default=None, type=click.IntRange(1000, (1 << 31) - 1),
               help="First host uid of this server's sandboxes (default: a free range, disjoint from other servers').")
-@click.option("--backend", default="linux", show_default=True, type=click.Choice(["linux", "gvisor"]),
-              help="Isolation backend (gvisor: runsc sandboxes, no network; AGENTCELL_GVISOR_PLATFORM=ptrace).")
+@click.option("--backend", default="linux", show_default=True, type=click.Choice(["linux", "gvisor", "microvm"]),
+              help="Isolation backend (gvisor: runsc sandboxes, no network; AGENTCELL_GVISOR_PLATFORM=ptrace; "
+                   "microvm: a QEMU VM per sandbox, its own kernel, no network yet).")
+@click.option("--accel", default="auto", show_default=True, type=click.Choice(["auto", "kvm", "tcg"]),
+              envvar="AGENTCELL_MICROVM_ACCEL",
+              help="The microvm backend's accelerator. auto: KVM if a probe VM boots under it, else refuse to "
+                   "start; tcg: QEMU's emulator (slow; labelled 'emulated — no hardware isolation claim').")
 @click.option("--template-backend", "template_backends", multiple=True, metavar="TEMPLATE=BACKEND",
               help="Run this template's sandboxes on another backend, e.g. code-interpreter-v1=gvisor (repeatable).")
 @click.option("--create-backends", "create_backends", multiple=True, metavar="BACKEND",
@@ -304,8 +309,8 @@ def serve(ctx: click.Context, **opts: Any) -> None:
     opts["hibernate_after"] = opts["hibernate_after"] or None
     if "linux" not in {opts["backend"], *(b for _, b in opts["template_backends"]), *opts["create_backends"]} \
             and opts["egress_uplink"] != "none":
-        # runsc's sandboxes cannot have a network here (google/gvisor#10704): no uplink to set up
-        click.echo("agentcell: the gvisor backend gives sandboxes no network: --egress-uplink none", err=True)
+        # runsc's sandboxes cannot have a network here (google/gvisor#10704), microvm's have none yet
+        click.echo(f"agentcell: the {opts['backend']} backend gives sandboxes no network: --egress-uplink none", err=True)
         opts["egress_uplink"] = "none"
     opts["tune_sysctls"] = opts.pop("host_sysctls")
     collectors = tuple(c for c in opts["record_collectors"].split(",") if c)

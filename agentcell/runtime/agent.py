@@ -164,12 +164,14 @@ async def _warm_agent() -> None:
         writer.close()
 
 
-def serve(sock: socket.socket, config: dict[str, Any]) -> NoReturn:
-    """Serve the agent protocol on `sock` until it closes, then exit the process."""
+def serve(sock: socket.socket | None, config: dict[str, Any]) -> NoReturn:
+    """Serve the agent protocol on `sock` until it closes, then exit the process. `sock` None: on the
+    character device whose fd is config["channel_fd"] (a microVM's virtio-serial port)."""
     code = 0
     try:
         _harden()
-        sock.set_inheritable(False)
+        if sock is not None:
+            sock.set_inheritable(False)
         asyncio.run(_serve(sock, config))
     except BaseException:
         traceback.print_exc()
@@ -200,7 +202,20 @@ def _harden() -> None:
                     os.set_inheritable(int(name), False)
 
 
-async def _serve(sock: socket.socket, config: dict[str, Any]) -> None:
+async def _open_channel(sock: socket.socket | None, config: dict[str, Any]) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """The server's channel: a socket, or a character device (asyncio's pipe transports take those)."""
+    if sock is not None:
+        return await asyncio.open_unix_connection(sock=sock, limit=protocol.MAX_HEADER)
+    loop = asyncio.get_running_loop()
+    fd = int(config["channel_fd"])
+    reader = asyncio.StreamReader(limit=protocol.MAX_HEADER)
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(fd, "rb", buffering=0))
+    transport, proto = await loop.connect_write_pipe(
+        lambda: asyncio.StreamReaderProtocol(asyncio.StreamReader()), os.fdopen(os.dup(fd), "wb", buffering=0))
+    return reader, asyncio.StreamWriter(transport, proto, None, loop)
+
+
+async def _serve(sock: socket.socket | None, config: dict[str, Any]) -> None:
     policy.configure(config.get("strict_seccomp"))  # before any fork: contexts inherit it (kernel.py)
     home = os.path.abspath(config.get("home") or "/home/user")
     envs = {str(k): str(v) for k, v in (config.get("envs") or {}).items()}
@@ -216,7 +231,7 @@ async def _serve(sock: socket.socket, config: dict[str, Any]) -> None:
         loop.add_reader(server_pidfd, os._exit, 1)
     the_reaper = Reaper()
     the_reaper.install(loop)
-    reader, writer = await asyncio.open_unix_connection(sock=sock, limit=protocol.MAX_HEADER)
+    reader, writer = await _open_channel(sock, config)
     # The backend knows whether the agent got its low OOM score; children take what it says.
     oom = int(config.get("child_oom_score_adj", processes.CHILD_OOM_SCORE_ADJ))
     # an image template's WorkingDir is where commands and code start (E2B's template workdir)

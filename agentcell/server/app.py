@@ -428,7 +428,8 @@ def _build_backend(name: str, config: ServerConfig) -> Backend:
                             config.egress_allow_ranges, state_dir=config.state_dir,
                             plain_http_hosts=config.egress_plain_http_hosts,
                             proxy_ranges=config.egress_proxy_ranges) if name == "linux" else None
-    return get_backend(name, uid_base=config.uid_base, max_sandboxes=config.max_sandboxes,
+    extra: dict[str, Any] = {"accel": config.accel} if name == "microvm" else {}
+    return get_backend(name, **extra, uid_base=config.uid_base, max_sandboxes=config.max_sandboxes,
                        tune_sysctls=config.tune_sysctls, ptys_per_sandbox=config.ptys_per_sandbox,
                        standbys=config.standbys, standby_limits=config.limits, egress=egress,
                        record_denials=config.record_denials,

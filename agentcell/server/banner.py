@@ -47,6 +47,8 @@ def facts(config: ServerConfig) -> dict[str, Any]:
         "tls": "on" if config.tls_cert else "off",
         "auth": _auth(config),
         "backends": backend_names(config),
+        "microvm": ("KVM" if config.accel != "tcg" else "TCG: emulated — no hardware isolation claim")
+        if "microvm" in backend_names(config) else None,
         "egress_uplink": config.egress_uplink,
         "internet_default": "on" if config.internet_by_default else "off",
         "state_dir": config.state_dir,

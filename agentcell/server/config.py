@@ -38,6 +38,7 @@ class ServerConfig:
     memory_overcommit: float = 32.0
     pids_overcommit: float = 4.0
     backend: str = "linux"  # the default backend
+    accel: str = "auto"  # the microvm backend's accelerator: kvm, tcg, or auto (KVM if a probe VM boots)
     template_backends: tuple[tuple[str, str], ...] = ()  # (template, backend): the template's sandboxes run there
     create_backends: tuple[str, ...] = ()  # backends a create may ask for by name ("backend": agentcell extension)
     # --- lifecycle (docs/architecture.md, "Pause, resume, snapshots") ---

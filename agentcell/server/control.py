@@ -393,6 +393,7 @@ class ControlPlane:
             "lifecycle": {"autoResume": rec.lifecycle.auto_resume, "onTimeout": rec.lifecycle.on_timeout},
             **({"pauseMode": rec.pause_mode} if rec.pause_mode is not None else {}),
             **({"forkMode": rec.fork_mode} if rec.fork_mode is not None else {}),  # agentcell extension
+            "isolation": rec.backend.isolation,  # agentcell extension: e.g. "microvm (TCG, emulated — ...)"
             "limits": {
                 "memoryMB": rec.limits.memory_mb,
                 "pids": rec.limits.pids,
@@ -978,7 +979,9 @@ class ControlPlane:
     async def health(self, request: Request) -> Response:
         """Liveness for embedded mode and operators; needs no API key and reveals only a count."""
         caller = self.tenancy.caller(request.scope)  # with tenancy: only the caller's own are counted
-        return JSONResponse({"status": "ok", "sandboxes": len(self.tenancy.visible(caller, self.manager.list()))})
+        return JSONResponse({"status": "ok", "sandboxes": len(self.tenancy.visible(caller, self.manager.list())),
+                             # how each backend isolates (agentcell extension; microvm under TCG says it is emulated)
+                             "isolation": {name: b.isolation for name, b in self.manager.backends.items()}})
 
     def routes(self) -> list[Route]:
         sid = "/sandboxes/{sandbox_id}"

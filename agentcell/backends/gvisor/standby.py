@@ -99,12 +99,14 @@ async def _warm(sock: socket.socket, sandbox_id: str) -> None:
         await loop.sock_sendall(sock, encode_frame({"id": 0, "op": "credit", "bytes": spent}))
 
 
-async def claim(sock: socket.socket, sandbox_id: str, envs: dict[str, str], timeout: float) -> None:
-    """The tenant's env vars to a warm standby (thawed), and its answer: one round trip."""
+async def claim(sock: socket.socket, sandbox_id: str, envs: dict[str, str], timeout: float,
+                op: str = "gvisor.claim") -> None:
+    """The tenant's env vars to a warm standby (thawed), and its answer: one round trip. `op`: the
+    backend's claim call (gvisor.claim, microvm.claim: the same in their guests)."""
     loop = asyncio.get_running_loop()
     try:
         async with asyncio.timeout(timeout):
-            await loop.sock_sendall(sock, encode_frame({"id": CLAIM_CALL, "op": "gvisor.claim", "envs": envs}))
+            await loop.sock_sendall(sock, encode_frame({"id": CLAIM_CALL, "op": op, "envs": envs}))
             header, _, _ = await _read(loop, sock)
     except TimeoutError:
         raise SandboxError(f"standby {sandbox_id} did not answer its claim within {timeout:g} s") from None

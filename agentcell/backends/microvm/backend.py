@@ -1,0 +1,853 @@
+"""MicrovmBackend: every sandbox is a virtual machine with its own guest kernel (QEMU, jailed).
+
+A sandbox is a jailed QEMU (vmm.py) booting Debian's cloud kernel (kernel.py) with agentcell's
+initramfs (initramfs.py) over a read-only root image (image.py); its pid 1 (guest.py) serves the
+host's control port and starts the agent, which speaks the usual protocol over a virtio-serial port.
+The host end of that port is one end of a socketpair the server keeps (RunningSandbox.sock), exactly
+as with the other backends.
+
+Creation is by restore, not boot: at start the backend boots one VM whose agent is ready, stops it and
+saves its device state (~64 KiB) while its RAM stays in a file. Each standby is a new QEMU that maps
+that file copy-on-write (share=off), loads the device state and runs on; it then takes an identity of
+its own (host name, a reseeded RNG, the host's clock) and runs the warm cell (gvisor/standby.py) for no
+tenant, and waits stopped. A create continues a standby, steps its clock and hands it the tenant's env
+vars. Limits no standby has (another memory size or vCPU count) boot a VM for the create (seconds).
+
+Accelerators: "kvm" on hosts with hardware virtualization; "tcg" (QEMU's emulator) anywhere else, much
+slower, and not a hardware isolation boundary: such a server says so in /health, its banner and every
+sandbox's info. "auto" boots a probe VM under KVM and refuses to start if that does not work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import json
+import math
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from agentcell.backends.base import (
+    Asker,
+    Backend,
+    Limits,
+    RunningSandbox,
+    SandboxSpec,
+    new_cell_sandbox_id,
+    policy_parts,
+)
+from agentcell.backends.cgroup_backend import CgroupSandboxes
+from agentcell.backends.gvisor import seccomp_extra, standby
+from agentcell.backends.gvisor.backend import GVISOR_POLICY, _du
+from agentcell.backends.linux import cgroups, host, runtime_store, uids
+from agentcell.backends.linux import syscalls as sc
+from agentcell.backends.linux.backend import _read_frame
+from agentcell.backends.microvm import image, initramfs, kernel, vmm
+from agentcell.backends.microvm.qmp import Qmp, QmpError
+from agentcell.backends.pool import StandbyPool
+from agentcell.errors import (
+    BackendUnavailableError,
+    InvalidArgumentError,
+    ResourceExhaustedError,
+    SandboxError,
+    SandboxGoneError,
+)
+from agentcell.policy.model import Policy, PolicyError
+from agentcell.runtime.protocol import MAX_HEADER, PREFIX, encode_frame
+from agentcell.server import progress
+
+STATE_BASE = "/dev/shm/agentcell-microvm"  # template RAM files: memory-backed, never written to a disk
+READY_TIMEOUT = 120.0  # a cold boot under TCG is seconds; a busy host may take many
+PREPARE_PARALLEL = 2
+STANDBYS = 4
+PROBE_TIMEOUT = 20.0
+EMULATED = "emulated — no hardware isolation claim"
+_ID_RE = re.compile(r"^[a-z0-9]{1,63}$")
+_RENAME_CALL = (1 << 31) - 1
+_MAX_CONTROL_PAYLOAD = 4 << 20
+VMM_PIDS = 512  # QEMU's threads: vCPUs, I/O workers, RCU, the main loop
+CMDLINE = ("console=ttyS0 quiet loglevel=1 panic=-1 8250.nr_uarts=1 random.trust_cpu=off "
+           "transparent_hugepage=never")
+
+NO_NETWORK = ("the microvm backend gives sandboxes no network yet (the VMM has no network device); create the "
+              "sandbox with allow_internet_access=False and no secrets, or use the linux backend")
+MICROVM_POLICY = {**GVISOR_POLICY,
+                  "policy.exec": "the microvm backend cannot enforce exec rules: the guest's execs happen in its own "
+                                 "kernel, out of the host's sight; use the linux backend for exec rules",
+                  "policy.files": "the microvm backend cannot enforce file rules (the guest's files are its own "
+                                  "kernel's); use the linux backend for file rules",
+                  "policy.processes": "the microvm backend cannot change a running sandbox's process limit yet; "
+                                      "create the sandbox with the pids limit it needs",
+                  "policy.network": "microvm sandboxes get no internet on this server, so there is no connection to ask about"}
+
+
+@dataclass
+class _Files:
+    """What every VM of the backend is made from, opened once, read-only, passed to each VMM by fd."""
+
+    kernel: int
+    initrd: int
+    image: int
+
+
+class MicrovmSandbox(RunningSandbox):
+    def __init__(self, sandbox_id: str, sock: socket.socket, directory: str, cgroup: str, limits: Limits,
+                 uid: int) -> None:
+        self.sandbox_id = sandbox_id
+        self.sock = sock
+        self.dir = directory
+        self.cgroups = cgroups.Cgroups.at(cgroup.lstrip("/"))
+        self.limits = limits
+        self.uid = uid
+        self.host_pid = -1
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.qmp: Qmp | None = None
+        self.control: socket.socket | None = None
+        self.control_lock = asyncio.Lock()
+        self.killed = False
+        self.kill_lock = asyncio.Lock()
+        self.stopped = False  # QMP stop (a standby waiting, a paused sandbox)
+
+    def alive(self) -> bool:
+        return not self.killed and self.proc is not None and self.proc.poll() is None
+
+
+class MicrovmBackend(CgroupSandboxes, Backend):
+    name = "microvm"
+    memory_snapshots = True
+
+    def __init__(self, max_sandboxes: int = 1000, accel: str = "auto", ready_timeout: float = READY_TIMEOUT,
+                 state_base: str = STATE_BASE, host_tuning: host.HostTuning | None = None, standbys: int = STANDBYS,
+                 standby_limits: Limits | None = None, egress: Any = None, uid_base: int | None = None,
+                 state_dir: str | None = None, record_denials: str = "failures", kernel_dir: str | None = None,
+                 machine: str = "microvm", **host_options: Any) -> None:
+        if max_sandboxes < 1:
+            raise ValueError("max_sandboxes must be at least 1")
+        if accel not in ("auto", "kvm", "tcg"):
+            raise ValueError(f"accel must be auto, kvm or tcg, got {accel!r}")
+        if egress is not None and getattr(egress, "enabled", False):
+            raise BackendUnavailableError("the microvm backend gives sandboxes no network yet: start the server with "
+                                          "--egress-uplink none")
+        self.accel_wanted = accel
+        self.accel = accel if accel != "auto" else ""
+        self.machine = machine
+        self.kernel_dir = kernel_dir
+        self.max_sandboxes = max_sandboxes
+        self.standbys = standbys
+        self.standby_limits = standby_limits or Limits()
+        self.ready_timeout = ready_timeout
+        self.uid_base = uid_base
+        self.instance = cgroups.new_instance_id()
+        self.cgroup_parent = f"{cgroups.GROUP}/{self.instance}"
+        self.state = os.path.join(state_base, self.instance)
+        self.template_dir = os.path.join(self.state, "template")
+        self.host_tuning = host_tuning or host.HostTuning(**host_options)
+        self.host_budget: host.HostBudget | None = None
+        self._uids: uids.UidRange | None = None
+        self._free_uids: list[int] = []
+        self._files: _Files | None = None
+        self._image: image.Image | None = None
+        self._runtime: runtime_store.Store | None = None
+        self._sandboxes: dict[str, MicrovmSandbox] = {}
+        self.claimed: set[str] = set()
+        self._pool: StandbyPool[MicrovmSandbox] | None = None
+        self._template_limits: Limits | None = None
+        self._seccomp = ""
+        self._seccomp_strict = ""
+        self.last_create_ms = 0.0
+
+    # -- what the server says about this backend -------------------------------------------------
+
+    @property
+    def isolation(self) -> str:
+        """How sandboxes are isolated, as /health and each sandbox's info say it."""
+        if self.accel == "kvm":
+            return "microvm (KVM)"
+        return f"microvm (TCG, {EMULATED})"
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if os.geteuid() != 0:
+            raise BackendUnavailableError("the microvm backend must run as root (the VMM jail, cgroups, uids)")
+        if self._files is not None:
+            return
+        for tool, package in ((vmm.QEMU, "qemu-system-x86 (bookworm-backports: QEMU 10)"), ("bwrap", "bubblewrap"),
+                              ("setpriv", "util-linux"), ("mksquashfs", "squashfs-tools")):
+            if shutil.which(tool) is None:
+                raise BackendUnavailableError(f"the microvm backend needs {tool}: apt-get install {package}")
+        if not os.path.exists(initramfs.BUSYBOX):
+            raise BackendUnavailableError("the microvm backend needs a static busybox: apt-get install busybox-static")
+        try:
+            guest_kernel = kernel.find(self.kernel_dir)
+        except kernel.KernelMissingError as e:
+            raise BackendUnavailableError(str(e)) from None
+        try:
+            stale = await asyncio.to_thread(cgroups.remove_stale_instances)
+            if stale:
+                print(f"agentcell: removed the cgroups of {len(stale)} dead server(s): {', '.join(stale)}",
+                      file=sys.stderr)
+            _remove_stale_states(os.path.dirname(self.state))
+            cgroups.prepare_instance(self.instance)
+        except cgroups.CgroupError as e:
+            raise BackendUnavailableError(str(e)) from e
+        try:
+            self.host_budget = await asyncio.to_thread(host.prepare, self.cgroup_parent, self.max_sandboxes,
+                                                       self.host_tuning)
+        except OSError as e:
+            raise BackendUnavailableError(f"cannot limit what sandboxes take from the host: {e}") from e
+        size = self.max_sandboxes + self.standbys + 4  # the template, the probe, spares for restarts
+        try:
+            self._uids = uids.reserve(size, self.uid_base)
+        except uids.UidRangeError as e:
+            raise BackendUnavailableError(str(e)) from None
+        self._free_uids = list(range(self._uids.base + size - 1, self._uids.base - 1, -1))
+        os.makedirs(os.path.join(self.state, "vms"), mode=0o711, exist_ok=True)
+        os.chmod(self.state, 0o711)  # VMMs reach nothing here by path; their fds suffice
+        self._runtime = await asyncio.to_thread(runtime_store.ensure)
+        with progress.step("microvm: the guest's root image"):
+            self._image = await asyncio.to_thread(image.ensure, self._runtime)
+        initrd = os.path.join(self.state, "initrd.gz")
+        await asyncio.to_thread(initramfs.build, guest_kernel.modules, self._runtime.layout.executable, initrd)
+        self._files = _Files(_open_ro(guest_kernel.vmlinuz), _open_ro(initrd), _open_ro(self._image.path))
+        self._seccomp = _b64(seccomp_extra.build())
+        self._seccomp_strict = _b64(seccomp_extra.build_strict())
+        if not self.accel:
+            with progress.step("microvm: probing KVM (a probe VM must boot under it)"):
+                await self._probe_kvm()
+        if self.standbys:
+            with progress.step("microvm: booting and saving the template the standbys are restored from"):
+                await self._build_template()
+            self._pool = StandbyPool(self._prepare_standby, self.kill, MicrovmSandbox.alive, self.standbys,
+                                     PREPARE_PARALLEL)
+            self._pool.fill()
+
+    async def _probe_kvm(self) -> None:
+        """--accel auto: KVM only if a VM really boots under it (a software hypervisor such as PVM exposes
+        /dev/kvm but cannot run a stock guest kernel); otherwise refuse, naming --accel tcg."""
+        why = ""
+        if not os.path.exists("/dev/kvm"):
+            why = "there is no /dev/kvm"
+        else:
+            self.accel = "kvm"
+            try:
+                sb = await self._boot(self._new_id(), Limits(), timeout=PROBE_TIMEOUT)
+                await self.kill(sb)
+                return
+            except (SandboxError, OSError, QmpError) as e:
+                why = f"a probe VM did not boot under KVM within {PROBE_TIMEOUT:g} s ({str(e)[:200]})"
+            self.accel = ""
+        raise BackendUnavailableError(
+            f"the microvm backend found no usable hardware virtualization: {why}. Start the server with "
+            "--accel tcg to run VMs under QEMU's emulator (slow, and no hardware isolation claim), or use "
+            "another backend")
+
+    def standby_pools(self) -> dict[str, StandbyPool[MicrovmSandbox]]:
+        return {"base": self._pool} if self._pool is not None else {}
+
+    async def close(self) -> None:
+        if self._pool is not None:
+            await self._pool.close()
+            self._pool = None
+        for sb in list(self._sandboxes.values()):
+            with contextlib.suppress(Exception):
+                await self.kill(sb)
+        if self._files is not None:
+            for fd in (self._files.kernel, self._files.initrd, self._files.image):
+                os.close(fd)
+            self._files = None
+        if self._image is not None:
+            self._image.close()
+            self._image = None
+        shutil.rmtree(self.state, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            await asyncio.to_thread(cgroups.remove_tree, self.cgroup_parent)
+        await asyncio.to_thread(host.release, self.cgroup_parent)
+        if self._uids is not None:
+            self._uids.release()
+            self._uids = None
+        if self._runtime is not None:
+            self._runtime.close()
+            self._runtime = None
+
+    # -- VMs -------------------------------------------------------------------------------------
+
+    def _check(self, spec_: SandboxSpec) -> None:
+        if spec_.sandbox_id and not _ID_RE.match(spec_.sandbox_id):
+            raise InvalidArgumentError(f"sandbox id must match {_ID_RE.pattern}, got {spec_.sandbox_id!r}")
+        if spec_.sandbox_id in self._sandboxes:
+            raise SandboxError(f"sandbox {spec_.sandbox_id} already exists", "already_exists")
+        try:
+            spec_.limits.validate()
+            host.check_limits(spec_.limits, self.host_budget)
+        except ValueError as e:
+            raise InvalidArgumentError(str(e)) from None
+        if spec_.network.internet or spec_.secrets:
+            raise InvalidArgumentError(NO_NETWORK)
+        if spec_.volumes:
+            raise InvalidArgumentError("the microvm backend cannot mount volumes yet; use the linux backend")
+        if len(self.claimed) >= self.max_sandboxes:
+            raise SandboxError("too many sandboxes on this host", "resource_exhausted")
+
+    def _new_id(self) -> str:
+        sandbox_id = new_cell_sandbox_id()
+        while sandbox_id in self._sandboxes:
+            sandbox_id = new_cell_sandbox_id()
+        return sandbox_id
+
+    def _machine(self, limits: Limits, fds: dict[str, int]) -> vmm.Machine:
+        return vmm.Machine(memory_mb=limits.memory_mb, vcpus=_vcpus(limits), accel=self.accel or "tcg",
+                           cmdline=CMDLINE, machine=self.machine, fds=fds)
+
+    async def _spawn(self, sandbox_id: str, limits: Limits, ram: str = "anon", ram_fd: int = -1,
+                     ram_shared: bool = False, incoming: bool = False) -> MicrovmSandbox:
+        """A jailed QEMU for `sandbox_id` in its own cgroup, its QMP connected. Not yet booted or loaded."""
+        assert self._files is not None, "start() first"
+        if not self._free_uids:
+            raise SandboxError("no VMM uid left in this server's range", "resource_exhausted")
+        uid = self._free_uids.pop()
+        directory = os.path.join(self.state, "vms", sandbox_id)
+        os.makedirs(directory, mode=0o700)
+        cgroup = f"/{self.cgroup_parent}/{sandbox_id}"
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        qmp_ours, qmp_theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        ctl_ours, ctl_theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        sb = MicrovmSandbox(sandbox_id, ours, directory, cgroup, limits, uid)
+        sb.control = ctl_ours
+        self._sandboxes[sandbox_id] = sb
+        try:
+            fds = {"kernel": self._files.kernel, "initrd": self._files.initrd, "image": self._files.image,
+                   "qmp": qmp_theirs.fileno(), "agent": theirs.fileno(), "control": ctl_theirs.fileno()}
+            machine = self._machine(limits, fds)
+            if ram_fd >= 0:
+                ram = f"/dev/fd/{ram_fd}"
+            argv = vmm.jail_argv(vmm.qemu_argv(machine, ram, ram_shared, incoming), uid, machine.accel)
+            host_limits = Limits(memory_mb=limits.memory_mb + vmm.VMM_OVERHEAD_MB, pids=VMM_PIDS,
+                                 cpu_count=limits.cpu_count)
+            cg = sb.cgroups
+            await asyncio.to_thread(_make_cgroup, cg, host_limits)
+            log = os.open(os.path.join(directory, "vmm.log"), os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                pass_fds = [fd for fd in fds.values()] + ([ram_fd] if ram_fd >= 0 else [])
+                sb.proc = await asyncio.to_thread(
+                    subprocess.Popen, argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, pass_fds=pass_fds,
+                    preexec_fn=lambda: _join(cg), cwd="/")
+            finally:
+                os.close(log)
+            sb.host_pid = sb.proc.pid
+        except BaseException:
+            for s in (theirs, qmp_theirs, ctl_theirs, qmp_ours):
+                s.close()
+            await self.kill(sb)
+            raise
+        finally:
+            for s in (theirs, qmp_theirs, ctl_theirs):
+                with contextlib.suppress(OSError):
+                    s.close()
+        sb.qmp = Qmp(qmp_ours)
+        try:
+            await sb.qmp.connect(timeout=30)
+        except BaseException as e:
+            if sb.proc is not None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    await asyncio.to_thread(sb.proc.wait, 1)
+            tail = self._log_tail(sb)
+            await self.kill(sb)
+            if isinstance(e, (QmpError, TimeoutError)):
+                raise SandboxError(f"the VMM of sandbox {sandbox_id} did not start: {tail}") from None
+            raise
+        return sb
+
+    async def _boot(self, sandbox_id: str, limits: Limits, ram_fd: int = -1, timeout: float | None = None) -> MicrovmSandbox:
+        """A VM booted from the kernel up to its agent's "ready" (it then waits for its claim)."""
+        sb = await self._spawn(sandbox_id, limits, ram_fd=ram_fd, ram_shared=ram_fd >= 0)
+        try:
+            async with asyncio.timeout(timeout or self.ready_timeout):
+                await self._control(sb, {"sandbox_id": sandbox_id, "limits": asdict(limits), "preload": True,
+                                         "seccomp": self._seccomp, "seccomp_strict": self._seccomp_strict},
+                                    expect="started")
+                sb.sock.setblocking(False)
+                ready = await _read_frame(asyncio.get_running_loop(), sb.sock)
+            if ready is None or ready.get("event") != "ready":
+                raise SandboxError(f"sandbox {sandbox_id} ended during its boot: {await self._console(sb)}")
+        except BaseException as e:
+            console = await self._console(sb) if isinstance(e, TimeoutError) else ""
+            await self.kill(sb)
+            if isinstance(e, TimeoutError):
+                raise SandboxError(f"sandbox {sandbox_id} did not boot within {timeout or self.ready_timeout:g} s: "
+                                   f"{console}") from None
+            raise
+        return sb
+
+    async def _control(self, sb: MicrovmSandbox, request: dict[str, Any], payload: bytes = b"",
+                       expect: str = "ok") -> dict[str, Any]:
+        """One request to the guest's pid 1 and its answer (guest-reported: checked, never trusted)."""
+        assert sb.control is not None
+        async with sb.control_lock:
+            loop = asyncio.get_running_loop()
+            sb.control.setblocking(False)
+            await loop.sock_sendall(sb.control, encode_frame(request, payload))
+            header, _ = await _read_control(loop, sb.control)
+        if header.get("event") != expect:
+            raise SandboxError(f"sandbox {sb.sandbox_id}'s guest refused {request.get('op', 'its preparation')}: "
+                               f"{str(header.get('error') or header)[:500]}")
+        return header
+
+    async def _identity(self, sb: MicrovmSandbox, limits: Limits | None = None, name: str | None = None) -> None:
+        """The clone's own name and randomness, the host's time now, its disk size and process limit."""
+        request: dict[str, Any] = {"op": "identity", "time_ns": time.time_ns()}
+        if name:
+            request["hostname"] = name
+        if limits is not None:
+            request["disk_mb"] = limits.disk_limit_mb
+            request["pids"] = limits.pids
+        await self._control(sb, request, os.urandom(64) if name else b"")
+
+    # -- the template and its standbys -------------------------------------------------------------
+
+    async def _build_template(self) -> None:
+        """Boot one VM with its RAM in a file (shared), stop it once its agent is ready, save its device
+        state. Every standby maps that file privately and loads that state."""
+        t0 = time.perf_counter()
+        limits = self.standby_limits
+        os.makedirs(self.template_dir, mode=0o711, exist_ok=True)
+        ram_path = os.path.join(self.template_dir, "ram")
+        state_path = os.path.join(self.template_dir, "state")
+        uid_hint = self._free_uids[-1]
+        ram_fd = os.open(ram_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            os.fchown(ram_fd, uid_hint, uid_hint)  # the template's VMM maps it shared, read-write
+            sb = await self._boot(self._new_id(), limits, ram_fd=ram_fd)
+        finally:
+            os.close(ram_fd)
+        try:
+            assert sb.qmp is not None
+            await sb.qmp.call("stop")
+            await sb.qmp.call("migrate-set-capabilities",
+                              capabilities=[{"capability": "x-ignore-shared", "state": True}])
+            out = os.open(state_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            try:
+                await sb.qmp.send_fd("state", out)
+            finally:
+                os.close(out)
+            await sb.qmp.call("migrate", uri="fd:state")
+            await sb.qmp.wait_migration()
+        finally:
+            await self.kill(sb)
+        # from now on no VMM may write it: root's, read-only to all (clones map it private)
+        os.chown(ram_path, 0, 0)
+        os.chmod(ram_path, 0o444)
+        self._template_limits = limits
+        print(f"agentcell: microvm template saved in {time.perf_counter() - t0:.1f} s "
+              f"({_du(self.template_dir) >> 20} MiB of RAM file used, device state "
+              f"{os.path.getsize(state_path) >> 10} KiB)", file=sys.stderr)
+
+    async def _restore_template(self, sandbox_id: str) -> MicrovmSandbox:
+        """A new VM from the template: its RAM the template's file, private; its devices the saved state."""
+        assert self._template_limits is not None
+        ram_fd = os.open(os.path.join(self.template_dir, "ram"), os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            sb = await self._spawn(sandbox_id, self._template_limits, ram_fd=ram_fd, incoming=True)
+        finally:
+            os.close(ram_fd)
+        try:
+            await self._load(sb, os.path.join(self.template_dir, "state"), ignore_shared=True)
+        except BaseException:
+            await self.kill(sb)
+            raise
+        return sb
+
+    async def _load(self, sb: MicrovmSandbox, state_path: str, ignore_shared: bool) -> None:
+        """Load a saved state into a VMM started with -incoming defer, and run it."""
+        assert sb.qmp is not None
+        if ignore_shared:
+            await sb.qmp.call("migrate-set-capabilities",
+                              capabilities=[{"capability": "x-ignore-shared", "state": True}])
+        fd = os.open(state_path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            await sb.qmp.send_fd("state", fd)
+        finally:
+            os.close(fd)
+        await sb.qmp.call("migrate-incoming", uri="fd:state")
+        await sb.qmp.wait_migration(timeout=self.ready_timeout)
+        await sb.qmp.call("cont")
+
+    async def _prepare_standby(self) -> MicrovmSandbox:
+        sandbox_id = self._new_id()
+        sb = await self._restore_template(sandbox_id)
+        try:
+            async with asyncio.timeout(self.ready_timeout):
+                await self._identity(sb, self._template_limits, name=sandbox_id)
+            sb.sock.setblocking(False)
+            await standby.warm(sb.sock, sandbox_id, self.ready_timeout)
+            assert sb.qmp is not None
+            await sb.qmp.call("stop")  # waits with no vCPU running
+            sb.stopped = True
+        except BaseException:
+            await self.kill(sb)
+            raise
+        return sb
+
+    # -- sandboxes -------------------------------------------------------------------------------
+
+    def _claimable(self, wanted: Limits) -> bool:
+        """A standby's RAM size, vCPUs and rlimits are the template's; its disk and pids are set at the claim."""
+        t = self._template_limits
+        if t is None:
+            return False
+        return (wanted.memory_mb == t.memory_mb and _vcpus(wanted) == _vcpus(t)
+                and replace(wanted, disk_mb=None, pids=t.pids, cpu_count=t.cpu_count) == replace(t, disk_mb=None))
+
+    async def create(self, spec_: SandboxSpec) -> RunningSandbox:
+        t0 = time.perf_counter()
+        self._check(spec_)
+        sb: MicrovmSandbox | None = None
+        if not spec_.sandbox_id and self._pool is not None and self._claimable(spec_.limits):
+            sb = await self._pool.take()
+        warm = sb is not None
+        if sb is None:
+            sb = await self._boot(spec_.sandbox_id or self._new_id(), spec_.limits)
+        try:
+            sb.limits = spec_.limits
+            if warm:
+                assert sb.qmp is not None
+                await sb.qmp.call("cont")
+                sb.stopped = False
+                await asyncio.to_thread(_retune_cpu, sb.cgroups, spec_.limits)
+                async with asyncio.timeout(self.ready_timeout):
+                    await self._identity(sb, spec_.limits)  # the clock: it waited stopped
+            if spec_.files:
+                await self._untar(sb, spec_.files)
+            if warm:
+                await standby.claim(sb.sock, sb.sandbox_id, dict(spec_.envs), self.ready_timeout, op="microvm.claim")
+            else:
+                await asyncio.get_running_loop().sock_sendall(sb.sock, encode_frame(
+                    {"id": 0, "op": "claim", "envs": dict(spec_.envs), "hostname": sb.sandbox_id}))
+        except BaseException:
+            await self.kill(sb)
+            raise
+        sb.sock.setblocking(True)
+        self.claimed.add(sb.sandbox_id)
+        self.last_create_ms = (time.perf_counter() - t0) * 1000
+        return sb
+
+    async def kill(self, sandbox: RunningSandbox) -> None:
+        assert isinstance(sandbox, MicrovmSandbox)
+        sb = sandbox
+        async with sb.kill_lock:
+            if sb.killed:
+                return
+            sb.killed = True
+            for s in (sb.sock, sb.control):
+                if s is not None:
+                    with contextlib.suppress(OSError):
+                        s.close()
+            if sb.qmp is not None:
+                sb.qmp.close()
+            await asyncio.to_thread(_kill_cgroup, sb.cgroups, sb.proc)
+            await asyncio.to_thread(shutil.rmtree, sb.dir, True)
+            self._free_uids.append(sb.uid)
+            if self._sandboxes.get(sb.sandbox_id) is sb:
+                del self._sandboxes[sb.sandbox_id]
+                self.claimed.discard(sb.sandbox_id)
+
+    def _log_tail(self, sb: MicrovmSandbox) -> str:
+        try:
+            with open(os.path.join(sb.dir, "vmm.log"), errors="replace") as f:
+                return f.read()[-1500:].strip() or "no output"
+        except OSError:
+            return "no output"
+
+    async def _console(self, sb: MicrovmSandbox) -> str:
+        """The last of the guest's console (a ring buffer inside the VMM: bounded) and the VMM's log."""
+        text = ""
+        if sb.qmp is not None and sb.alive():
+            with contextlib.suppress(Exception):
+                text = str(await sb.qmp.call("ringbuf-read", timeout=2, device="console", size=4096, format="utf8"))
+        return (text[-1500:].strip() + " " + self._log_tail(sb)).strip()
+
+    # -- pause, resume, files --------------------------------------------------------------------
+
+    async def pause(self, sandbox: RunningSandbox) -> None:
+        """The VM's vCPUs stopped (QMP stop): its guest clock stops with them."""
+        sb = self._live(sandbox)
+        async with sb.kill_lock:
+            if sb.killed:
+                raise SandboxGoneError(f"sandbox {sb.sandbox_id} was killed")
+            if not sb.stopped:
+                assert sb.qmp is not None
+                await sb.qmp.call("stop")
+                sb.stopped = True
+
+    async def resume(self, sandbox: RunningSandbox) -> None:
+        sb = self._live(sandbox)
+        async with sb.kill_lock:
+            if sb.killed:
+                raise SandboxGoneError(f"sandbox {sb.sandbox_id} was killed")
+            if sb.stopped:
+                assert sb.qmp is not None
+                await sb.qmp.call("cont")
+                sb.stopped = False
+        async with asyncio.timeout(self.ready_timeout):
+            await self._identity(sb)  # the wall clock jumps to now
+
+    def _live(self, sandbox: RunningSandbox) -> MicrovmSandbox:
+        assert isinstance(sandbox, MicrovmSandbox)
+        if sandbox.killed:
+            raise SandboxGoneError(f"sandbox {sandbox.sandbox_id} was killed")
+        return sandbox
+
+    async def export_files(self, sandbox: RunningSandbox, dest: str, max_bytes: int) -> int:
+        """/home/user and /tmp as a pax tar (disk_archive.py's names), made by tar as the guest's root and
+        streamed over the control port; cut off past `max_bytes`. A stopped VM runs for it."""
+        sb = self._live(sandbox)
+        stopped = sb.stopped
+        assert sb.qmp is not None and sb.control is not None
+        if stopped:
+            await sb.qmp.call("cont")
+        written = 0
+        fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            async with sb.control_lock:
+                loop = asyncio.get_running_loop()
+                sb.control.setblocking(False)
+                await loop.sock_sendall(sb.control, encode_frame({"op": "export"}))
+                while True:
+                    header, payload = await _read_control(loop, sb.control)
+                    if header.get("event") == "data":
+                        written += len(payload)
+                        if written > max_bytes:
+                            # the rest of the stream would desynchronise the port: the sandbox cannot go on
+                            await self.kill(sb)
+                            raise ResourceExhaustedError(
+                                f"the files of sandbox {sb.sandbox_id} are over {max_bytes} bytes")
+                        await asyncio.to_thread(_write_all, fd, payload)
+                        continue
+                    if header.get("event") == "done" and header.get("code") in (0, 1):
+                        break
+                    raise SandboxError(f"tar in sandbox {sb.sandbox_id} failed: {str(header.get('error'))[:500]}")
+        except BaseException:
+            os.close(fd)
+            fd = -1
+            with contextlib.suppress(OSError):
+                os.unlink(dest)
+            raise
+        finally:
+            if fd >= 0:
+                os.close(fd)
+            if stopped and not sb.killed:
+                await sb.qmp.call("stop")
+        return written
+
+    async def _untar(self, sb: MicrovmSandbox, archive: str) -> None:
+        """A disk archive's home/ and tmp/ into the guest (tar as its root), in chunks over the control port."""
+        assert sb.control is not None
+        async with sb.control_lock:
+            loop = asyncio.get_running_loop()
+            sb.control.setblocking(False)
+            with open(archive, "rb") as f:
+                while chunk := await asyncio.to_thread(f.read, 1 << 20):
+                    await loop.sock_sendall(sb.control, encode_frame({"op": "import-chunk"}, chunk))
+            await loop.sock_sendall(sb.control, encode_frame({"op": "import"}))
+            header, _ = await _read_control(loop, sb.control)
+        if header.get("event") != "done" or header.get("code") != 0:
+            error = str(header.get("error") or header)[:500]
+            if "No space left" in error:
+                raise ResourceExhaustedError(f"the archive's files do not fit in sandbox {sb.sandbox_id}'s disk")
+            raise InvalidArgumentError(f"the disk archive could not be extracted in sandbox {sb.sandbox_id}: {error}")
+
+    # -- policy ----------------------------------------------------------------------------------
+
+    def check_policy(self, policy: Policy) -> None:
+        for part, used in policy_parts(policy):
+            if used and part != "policy.syscalls":
+                raise PolicyError(part, MICROVM_POLICY[part])
+
+    async def enforce_policy(self, sandbox: RunningSandbox, policy: Policy, previous: Policy, asker: Asker) -> None:
+        self.check_policy(policy)  # syscalls: the agent loads the strict filter in the guest itself
+
+    # -- memory snapshots: migration to a file -----------------------------------------------------
+
+    async def checkpoint(self, sandbox: RunningSandbox, image_dir: str, leave_running: bool) -> int:
+        """The whole VM (RAM, devices: its processes and its disk, which lives in its RAM) to
+        `image_dir`/memory, written by the VMM to a file the server opened for it."""
+        sb = self._live(sandbox)
+        assert sb.qmp is not None
+        if os.path.exists(image_dir):
+            raise InvalidArgumentError(f"{image_dir} exists already")
+        os.makedirs(image_dir, mode=0o700)
+        async with sb.kill_lock:
+            if sb.killed:
+                raise SandboxGoneError(f"sandbox {sb.sandbox_id} was killed")
+            was_stopped = sb.stopped
+            if not was_stopped:
+                await sb.qmp.call("stop")
+            try:
+                await sb.qmp.call("migrate-set-capabilities",
+                                  capabilities=[{"capability": "x-ignore-shared", "state": False}])
+                out = os.open(os.path.join(image_dir, "memory"), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
+                              0o600)
+                try:
+                    await sb.qmp.send_fd("snapshot", out)
+                finally:
+                    os.close(out)
+                await sb.qmp.call("migrate", uri="fd:snapshot")
+                await sb.qmp.wait_migration(timeout=300)
+                assert self._image is not None
+                with open(os.path.join(image_dir, "agentcell.json"), "w") as f:
+                    json.dump({"backend": "microvm", "sandbox_id": sb.sandbox_id, "limits": asdict(sb.limits),
+                               "image": os.path.basename(self._image.path), "machine": self.machine}, f)
+            finally:
+                if leave_running and not was_stopped and not sb.killed:
+                    await sb.qmp.call("cont")
+        if not leave_running:
+            await self.kill(sb)
+        elif not was_stopped:
+            async with asyncio.timeout(self.ready_timeout):
+                await self._identity(sb)
+        return _du(image_dir)
+
+    async def restore(self, image_dir: str, spec_: SandboxSpec) -> RunningSandbox:
+        """A new VM from a checkpoint: its RAM and devices; `spec_`'s id; the image's limits (RAM size and
+        vCPUs are the saved machine's). It takes its own name and randomness before this returns."""
+        self._check(spec_)
+        try:
+            with open(os.path.join(image_dir, "agentcell.json")) as f:
+                meta = json.load(f)
+            limits = Limits(**meta["limits"])
+        except (OSError, ValueError, TypeError, KeyError) as e:
+            raise InvalidArgumentError(f"{image_dir} is not a microvm memory snapshot: {e}") from None
+        assert self._image is not None
+        if meta.get("image") != os.path.basename(self._image.path):
+            raise SandboxError("this memory snapshot was taken over another root image (agentcell or the host's "
+                               "packages changed since): it cannot be restored; restore its files instead",
+                               "invalid_argument")
+        sandbox_id = spec_.sandbox_id or self._new_id()
+        sb = await self._spawn(sandbox_id, limits, incoming=True)
+        try:
+            await self._load(sb, os.path.join(image_dir, "memory"), ignore_shared=False)
+            async with asyncio.timeout(self.ready_timeout):
+                await self._identity(sb, name=sandbox_id)
+                sb.sock.setblocking(False)
+                loop = asyncio.get_running_loop()
+                await loop.sock_sendall(sb.sock, encode_frame({"id": _RENAME_CALL, "op": "microvm.rename",
+                                                               "hostname": sandbox_id}))
+                answer = await _read_frame(loop, sb.sock)
+            if answer is None or answer.get("id") != _RENAME_CALL or answer.get("error"):
+                raise SandboxError(f"sandbox {sandbox_id} restored from {image_dir} did not take its name: {answer}")
+        except BaseException:
+            await self.kill(sb)
+            raise
+        sb.sock.setblocking(True)
+        self.claimed.add(sandbox_id)
+        return sb
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+
+def _b64(data: bytes) -> str:
+    import base64
+
+    return base64.b64encode(data).decode()
+
+
+def _open_ro(path: str) -> int:
+    fd = os.open(path, os.O_RDONLY)  # inherited by each VMM (pass_fds): not close-on-exec there
+    os.set_inheritable(fd, False)
+    return fd
+
+
+def _vcpus(limits: Limits) -> int:
+    return max(1, min(os.cpu_count() or 1, math.ceil(limits.cpu_count)))
+
+
+def _make_cgroup(cg: cgroups.Cgroups, limits: Limits) -> None:
+    for d in dict.fromkeys(cg.dirs.values()):
+        os.makedirs(d, exist_ok=True)
+    cg.set_limits(limits)
+
+
+def _join(cg: cgroups.Cgroups) -> None:
+    """In the VMM's process before exec: into its cgroup, so that every page it takes is charged there."""
+    pid = str(os.getpid())
+    for d in dict.fromkeys(cg.dirs.values()):
+        with open(f"{d}/cgroup.procs", "w") as f:
+            f.write(pid)
+
+
+def _retune_cpu(cg: cgroups.Cgroups, limits: Limits) -> None:
+    quota = str(max(1000, int(limits.cpu_count * 100_000)))
+    if cg.v2:
+        sc.write_file(f"{cg.dirs['unified']}/cpu.max", f"{quota} 100000")
+    else:
+        sc.write_file(f"{cg.dirs['cpu']}/cpu.cfs_quota_us", quota)
+
+
+def _kill_cgroup(cg: cgroups.Cgroups, proc: subprocess.Popen[bytes] | None) -> None:
+    deadline = time.monotonic() + 10
+    delay = 0.002
+    while True:
+        with contextlib.suppress(OSError):
+            cg.kill_all()
+        if proc is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=0.2)
+        try:
+            if cg.remove():
+                return
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            if e.errno not in (errno.EBUSY, errno.ENOTEMPTY):
+                raise
+        if time.monotonic() > deadline:
+            raise SandboxError(f"the cgroups of sandbox {cg.sandbox_id} stay busy; remove them by hand")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+async def _read_control(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> tuple[dict[str, Any], bytes]:
+    """One frame from the guest's control port: bounded, parsed as data."""
+    head_len, payload_len = PREFIX.unpack(await _exact(loop, sock, PREFIX.size))
+    if head_len > MAX_HEADER or payload_len > _MAX_CONTROL_PAYLOAD:
+        raise SandboxError(f"a guest sent a control frame too large ({head_len}+{payload_len} bytes)")
+    try:
+        header = json.loads(await _exact(loop, sock, head_len))
+    except ValueError:
+        raise SandboxError("a guest sent a malformed control frame") from None
+    if not isinstance(header, dict):
+        raise SandboxError("a guest sent a malformed control frame")
+    payload = await _exact(loop, sock, payload_len) if payload_len else b""
+    return header, payload
+
+
+async def _exact(loop: asyncio.AbstractEventLoop, sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = await loop.sock_recv(sock, n - len(buf))
+        if not chunk:
+            raise SandboxError("the guest closed its control port (the VM ended)")
+        buf += chunk
+    return bytes(buf)
+
+
+def _remove_stale_states(base: str) -> None:
+    """Template RAM files and VM directories of servers that are gone (their cgroups were removed)."""
+    with contextlib.suppress(FileNotFoundError):
+        for name in os.listdir(base):
+            if not cgroups.instance_alive(name):
+                shutil.rmtree(os.path.join(base, name), ignore_errors=True)

@@ -1,0 +1,331 @@
+"""The sandbox's init inside the microVM: pid 1 of the guest kernel, after the initramfs (initramfs.py).
+
+It stays the guest's root for the VM's whole life and does two things:
+  * it serves the host's *control* port (virtio-serial "control", guest root only): the preparation at a
+    cold boot, and after every restore the clone's identity (host name, RNG reseed, clock step, disk
+    size), the disk's export and import as tar. Everything it says is guest-reported: the host treats
+    it as tenant data (backend.py).
+  * it starts the agent as a child, with the "agentcell" port as its channel, in a guest cgroup whose
+    pids.max is the sandbox's pids limit, dropped to what the linux backend's agent is (uid 1000, the
+    root capability set permitted only, no_new_privs, the same seccomp filter). When the agent ends, the
+    guest powers off: the host sees the VMM exit.
+
+The guest kernel is the boundary here (the host never runs the tenant's code in its own kernel); the
+agent's drop of privileges keeps the sandbox's behaviour the same as on the other backends (sudo to the
+guest's root).
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import ctypes
+import fcntl
+import os
+import select
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import time
+from typing import Any
+
+from agentcell.backends.base import Limits
+from agentcell.backends.linux import rootfs, sandbox_init
+from agentcell.backends.linux import syscalls as sc
+from agentcell.runtime import rootcaps
+from agentcell.runtime.protocol import encode_frame
+
+PORTS = "/sys/class/virtio-ports"
+DISK = "/run/agentcell-disk"  # the initramfs moved the overlay's tmpfs here: the sandbox's disk
+CGROUP = "/sys/fs/cgroup/agent"
+RNDADDENTROPY = 0x40085203
+RNDRESEEDCRNG = 0x5207
+RB_POWER_OFF = 0x4321FEDC
+_MAX_CONTROL = 1 << 16
+
+
+def _port(name: str) -> str:
+    """The /dev node of the virtio-serial port `name` (no udev here to make /dev/virtio-ports/)."""
+    for entry in os.listdir(PORTS):
+        with open(os.path.join(PORTS, entry, "name")) as f:
+            if f.read().strip() == name:
+                return f"/dev/{entry}"
+    raise RuntimeError(f"no virtio-serial port named {name}")
+
+
+def _mounts() -> None:
+    rw = sc.MS_NOSUID | sc.MS_NODEV
+    sc.mount("proc", "/proc", "proc", rw | sc.MS_NOEXEC, None)
+    sc.mount("sysfs", "/sys", "sysfs", rw | sc.MS_NOEXEC | sc.MS_RDONLY, None)
+    sc.mount("cgroup2", "/sys/fs/cgroup", "cgroup2", rw | sc.MS_NOEXEC, None)
+    os.makedirs("/dev/pts", exist_ok=True)
+    sc.mount("devpts", "/dev/pts", "devpts", sc.MS_NOSUID | sc.MS_NOEXEC, "newinstance,ptmxmode=0666,mode=0620,gid=5")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink("/dev/ptmx")
+    os.symlink("pts/ptmx", "/dev/ptmx")
+    os.makedirs("/dev/shm", exist_ok=True)
+    # /dev/shm and /tmp live on the disk (the overlay's tmpfs), as on the other backends
+    os.chmod("/tmp", 0o1777)
+    os.makedirs(f"{DISK}/shm", mode=0o1777, exist_ok=True)
+    os.chmod(f"{DISK}/shm", 0o1777)
+    sc.mount(f"{DISK}/shm", "/dev/shm", None, sc.MS_BIND, None)
+    # the guest's loopback: code that serves on 127.0.0.1 reaches itself
+    subprocess.run(["/usr/sbin/ip", "link", "set", "lo", "up"], check=False, stderr=subprocess.DEVNULL)
+
+
+class Control:
+    """Frames (runtime/protocol.py's encoding) on the control port, read with a plain fd."""
+
+    def __init__(self, path: str) -> None:
+        self.fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        self.buf = b""
+
+    def _fill(self) -> bool:
+        chunk = os.read(self.fd, 1 << 16)
+        if not chunk:
+            time.sleep(0.01)  # the host end not connected (yet): the port reads EOF until it is
+            return False
+        self.buf += chunk
+        return True
+
+    def recv(self) -> tuple[dict[str, Any], bytes]:
+        import json
+
+        while len(self.buf) < 8:
+            self._fill()
+        hlen, plen = struct.unpack(">II", self.buf[:8])
+        if hlen > _MAX_CONTROL or plen > (64 << 20):
+            raise ValueError("control frame too large")
+        while len(self.buf) < 8 + hlen + plen:
+            self._fill()
+        header = json.loads(self.buf[8:8 + hlen])
+        payload = self.buf[8 + hlen:8 + hlen + plen]
+        self.buf = self.buf[8 + hlen + plen:]
+        return header, payload
+
+    def send(self, header: dict[str, Any], payload: bytes = b"") -> None:
+        data = memoryview(encode_frame(header, payload))
+        while data:
+            data = data[os.write(self.fd, data):]
+
+
+def _frame_layout_matches() -> None:
+    """encode_frame's layout is what Control.recv reads: two big-endian lengths, header, payload."""
+    probe = encode_frame({"a": 1}, b"xy")
+    hlen, plen = struct.unpack(">II", probe[:8])
+    assert plen == 2 and len(probe) == 8 + hlen + plen, "runtime/protocol.py's framing changed"
+
+
+def _identity(req: dict[str, Any], entropy: bytes) -> None:
+    """This guest is the sandbox `req["hostname"]` now: name, /etc files, fresh randomness, the host's
+    time, the disk's size."""
+    name = str(req.get("hostname") or "")
+    if name:
+        sc.sethostname(name)
+        rootfs.write_file("/etc/hostname", name + "\n")
+        rootfs.write_file("/etc/hosts", rootfs.etc_hosts(name))
+    if entropy:  # credited, then the CRNG rekeyed at once: a clone draws nothing its template drew
+        buf = struct.pack("ii", len(entropy) * 8, len(entropy)) + entropy
+        with open("/dev/random", "wb", buffering=0) as f:
+            fcntl.ioctl(f, RNDADDENTROPY, buf)
+            fcntl.ioctl(f, RNDRESEEDCRNG)
+    if "time_ns" in req:
+        _settime(int(req["time_ns"]))
+    if req.get("disk_mb"):
+        sc.mount(None, DISK, None, sc.MS_REMOUNT | sc.MS_NOSUID | sc.MS_NODEV, f"size={int(req['disk_mb'])}m")
+    if req.get("pids") and os.path.isdir(CGROUP):
+        with open(f"{CGROUP}/pids.max", "w") as f:
+            f.write(str(int(req["pids"])))
+
+
+def _settime(ns: int) -> None:
+    class Timespec(ctypes.Structure):
+        _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    ts = Timespec(ns // 1_000_000_000, ns % 1_000_000_000)
+    if libc.clock_settime(0, ctypes.byref(ts)) != 0:  # CLOCK_REALTIME
+        raise OSError(ctypes.get_errno(), "clock_settime")
+
+
+def _agent_cgroup(limits: Limits) -> None:
+    """The agent and all it starts in one guest cgroup: pids.max is the sandbox's pids limit."""
+    with contextlib.suppress(OSError):
+        with open("/sys/fs/cgroup/cgroup.subtree_control", "w") as f:
+            f.write("+pids +memory")
+    os.makedirs(CGROUP, exist_ok=True)
+    with open(f"{CGROUP}/pids.max", "w") as f:
+        f.write(str(limits.pids))
+
+
+def _start_agent(channel: str, sandbox_id: str, limits: Limits, req: dict[str, Any]) -> int:
+    """Fork the agent: in the guest cgroup, dropped to the linux agent's identity, serving `channel`."""
+    pid = os.fork()
+    if pid:
+        return pid
+    try:
+        with open(f"{CGROUP}/cgroup.procs", "w") as f:
+            f.write("0")
+        os.setsid()
+        fd = os.open(channel, os.O_RDWR | os.O_CLOEXEC)
+        from agentcell.backends.gvisor import guest as gvisor_guest
+
+        gvisor_guest._set_rlimits(limits)
+        bpf = base64.b64decode(req["seccomp"])
+        keep = sandbox_init.ROOT_CAPS
+        gvisor_guest._bound_capabilities(keep)
+        sc.prctl(sc.PR_SET_KEEPCAPS, 1)
+        os.setgroups([])
+        os.setresgid(rootfs.SANDBOX_UID, rootfs.SANDBOX_UID, rootfs.SANDBOX_UID)
+        os.setresuid(rootfs.SANDBOX_UID, rootfs.SANDBOX_UID, rootfs.SANDBOX_UID)
+        sc.prctl(sc.PR_SET_KEEPCAPS, 0)
+        sc.prctl(sc.PR_SET_NO_NEW_PRIVS, 1)
+        sc.capset(sandbox_init.ROOT_CAPS_MASK, 0)
+        sc.prctl(sc.PR_SET_DUMPABLE, 1)
+        gvisor_guest._load_seccomp(bpf)
+        rootcaps.GUEST_KERNEL = True  # uid 0 here is the guest kernel's root, never the host's
+        envs = sandbox_init.default_envs(sandbox_id)
+        os.environ.clear()
+        os.environ.update(envs)
+        os.chdir(rootfs.HOME)
+        from agentcell.backends.linux import seccomp_filter
+        from agentcell.runtime import agent
+
+        _register_ops()
+        config: dict[str, Any] = {"sandbox_id": sandbox_id, "envs": envs, "home": rootfs.HOME,
+                                  "child_oom_score_adj": 0, "channel_fd": fd}
+        if req.get("seccomp_strict"):
+            config["strict_seccomp"] = seccomp_filter.Filter.of_program(base64.b64decode(req["seccomp_strict"]))
+        if req.get("preload"):
+            agent.preload()
+        devnull = os.open("/dev/null", os.O_RDWR)
+        for i in (0, 1, 2):
+            os.dup2(devnull, i)
+        os.close(devnull)
+        agent.serve(None, config)
+    except BaseException:  # noqa: BLE001 - a child of pid 1: say why on the console, then end
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        os._exit(1)
+
+
+def _register_ops() -> None:
+    """``microvm.rename``: a sandbox restored from a memory image under another id (a fork, a resume):
+    pid 1 renamed the guest over the control port; the contexts get the new HOSTNAME and redraw their
+    generators."""
+    from agentcell.runtime import agent, forkstate
+
+    @agent.op("microvm.claim")
+    async def _claim(ag: Any, call: Any, frame: Any) -> dict[str, Any]:
+        """A warm standby's claim (gvisor/standby.py's): its tenant's env vars."""
+        envs = frame.header.get("envs") or {}
+        if not isinstance(envs, dict):
+            raise ValueError("envs must be an object")
+        ag.claim({str(k): str(v) for k, v in envs.items()})
+        ag.contexts.forget_warm_up()
+        return {}
+
+    @agent.op("microvm.rename")
+    async def _rename(ag: Any, call: Any, frame: Any) -> dict[str, Any]:
+        name = str(frame.header.get("hostname") or "")
+        forkstate.refresh()
+        if name:
+            ag.claim({"HOSTNAME": name})
+        return {}
+
+
+def _export(ctl: Control) -> None:
+    """tar as the guest's root: its output goes to the host in "data" frames, then "done"."""
+    proc = subprocess.Popen(EXPORT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd="/")
+    assert proc.stdout is not None and proc.stderr is not None
+    while chunk := proc.stdout.read(1 << 20):
+        ctl.send({"event": "data"}, chunk)
+    err = proc.stderr.read()
+    ctl.send({"event": "done", "code": proc.wait(), "error": err.decode(errors="replace")[-1000:]})
+
+
+EXPORT = ["/usr/bin/tar", "--format=pax", "--numeric-owner", "--sparse", "-C", "/",
+          "--transform=s,^home/user,home,", "-cf", "-", "home/user", "tmp"]
+IMPORT = ["/usr/bin/tar", "-x", "--numeric-owner", "--same-permissions", "-C", "/", "--anchored",
+          "--exclude=root", "--transform=s,^home,home/user,", "-f", "-"]
+
+
+def _serve_control(ctl: Control, agent_pid: int) -> None:
+    """The host's requests, one at a time, until the agent ends; then power off."""
+    pidfd = os.pidfd_open(agent_pid)
+    poller = select.poll()
+    poller.register(pidfd, select.POLLIN)
+    poller.register(ctl.fd, select.POLLIN)
+    importing: subprocess.Popen[bytes] | None = None
+    while True:
+        ready = dict(poller.poll())
+        if pidfd in ready:
+            return
+        if ctl.fd not in ready:
+            continue
+        if not ctl.buf and not ctl._fill():
+            continue
+        try:
+            header, payload = ctl.recv()
+            op = header.get("op")
+            if op == "identity":
+                _identity(header, payload)
+                ctl.send({"event": "ok"})
+            elif op == "export":
+                _export(ctl)
+            elif op == "import-chunk":  # the archive comes in chunks into tar's stdin; "import" ends it
+                if importing is None:
+                    importing = subprocess.Popen(IMPORT, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                                 stderr=subprocess.PIPE, cwd="/")
+                assert importing.stdin is not None
+                with contextlib.suppress(BrokenPipeError):
+                    importing.stdin.write(payload)
+            elif op == "import":
+                if importing is None:
+                    importing = subprocess.Popen(IMPORT, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                                 stderr=subprocess.PIPE, cwd="/")
+                _, err = importing.communicate()
+                ctl.send({"event": "done", "code": importing.returncode,
+                          "error": err.decode(errors="replace")[-1000:]})
+                importing = None
+            else:
+                ctl.send({"event": "error", "error": f"unknown op {op!r}"})
+        except Exception as e:  # noqa: BLE001 - one bad request must not end the guest
+            ctl.send({"event": "error", "error": f"{type(e).__name__}: {e}"})
+
+
+def main() -> None:
+    _frame_layout_matches()
+    _mounts()
+    ctl = Control(_port("control"))
+    req, _ = ctl.recv()  # the preparation: sandbox id, limits, filters
+    sandbox_id = str(req["sandbox_id"])
+    limits = Limits(**req["limits"])
+    _identity({"hostname": sandbox_id, "disk_mb": limits.disk_limit_mb}, b"")
+    rootfs.write_file(rootfs.SUDO_PATH, rootfs.SUDO_SHIM, 0o755)
+    shutil.chown(rootfs.HOME, rootfs.SANDBOX_UID, rootfs.SANDBOX_UID)
+    _agent_cgroup(limits)
+    pid = _start_agent(_port("agentcell"), sandbox_id, limits, req)
+    ctl.send({"event": "started"})
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    _serve_control(ctl, pid)
+    os.sync()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.reboot(RB_POWER_OFF)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except BaseException as e:  # noqa: BLE001 - pid 1: say why on the console, then power off
+        import traceback
+
+        traceback.print_exception(e, file=sys.stderr)
+        sys.stderr.flush()
+        with contextlib.suppress(Exception):
+            ctypes.CDLL(None).reboot(RB_POWER_OFF)
+        os._exit(1)
