@@ -29,6 +29,11 @@ SERVER_ENV_CANARY = "canary-" + os.urandom(8).hex()
 TEST_BACKEND = os.environ.get("AGENTCELL_TEST_BACKEND", "linux")
 BACKEND_ARGS = ("--backend", TEST_BACKEND) if TEST_BACKEND != "linux" else ()
 GVISOR = TEST_BACKEND == "gvisor"
+# AGENTCELL_TEST_BACKEND=microvm: QEMU VMs, under TCG on hosts without usable KVM (this project's CI)
+MICROVM = TEST_BACKEND == "microvm"
+if MICROVM:
+    BACKEND_ARGS += ("--accel", os.environ.get("AGENTCELL_MICROVM_ACCEL", "tcg"))
+GUEST_KERNEL = GVISOR or MICROVM  # the sandbox runs on a kernel of its own, not the host's
 
 
 @pytest.fixture(scope="session")
@@ -44,7 +49,9 @@ def server(server_log: Path) -> Iterator[ServerProcess | None]:
         return
     # The canary stands for the secrets an operator's server environment holds (API keys, cloud
     # credentials); tests check that no sandbox can find it.
-    with ServerProcess(server_log, *BACKEND_ARGS, env={"AGENTCELL_TEST_CANARY": SERVER_ENV_CANARY}) as srv:
+    # a microvm server boots and saves its template VM first (minutes under TCG on a loaded host)
+    with ServerProcess(server_log, *BACKEND_ARGS, env={"AGENTCELL_TEST_CANARY": SERVER_ENV_CANARY},
+                       start_timeout=900 if MICROVM else 90) as srv:
         yield srv
 
 

@@ -65,7 +65,8 @@ from agentcell.runtime.protocol import MAX_HEADER, PREFIX, encode_frame
 from agentcell.server import progress
 
 STATE_BASE = "/dev/shm/agentcell-microvm"  # template RAM files: memory-backed, never written to a disk
-READY_TIMEOUT = 120.0  # a cold boot under TCG is seconds; a busy host may take many
+READY_TIMEOUT = 120.0  # a restore's steps, a claim
+BOOT_TIMEOUT = 600.0  # a cold boot imports the whole runtime: ~30 s under TCG, minutes on a loaded host
 PREPARE_PARALLEL = 2
 STANDBYS = 4
 PROBE_TIMEOUT = 20.0
@@ -144,6 +145,7 @@ class MicrovmBackend(CgroupSandboxes, Backend):
         self.standbys = standbys
         self.standby_limits = standby_limits or Limits()
         self.ready_timeout = ready_timeout
+        self.boot_timeout = max(ready_timeout, BOOT_TIMEOUT)
         self.uid_base = uid_base
         self.instance = cgroups.new_instance_id()
         self.cgroup_parent = f"{cgroups.GROUP}/{self.instance}"
@@ -370,7 +372,7 @@ class MicrovmBackend(CgroupSandboxes, Backend):
         """A VM booted from the kernel up to its agent's "ready" (it then waits for its claim)."""
         sb = await self._spawn(sandbox_id, limits, ram_fd=ram_fd, ram_shared=ram_fd >= 0)
         try:
-            async with asyncio.timeout(timeout or self.ready_timeout):
+            async with asyncio.timeout(timeout or self.boot_timeout):
                 await self._control(sb, {"sandbox_id": sandbox_id, "limits": asdict(limits), "preload": True,
                                          "seccomp": self._seccomp, "seccomp_strict": self._seccomp_strict},
                                     expect="started")
@@ -382,7 +384,7 @@ class MicrovmBackend(CgroupSandboxes, Backend):
             console = await self._console(sb) if isinstance(e, TimeoutError) else ""
             await self.kill(sb)
             if isinstance(e, TimeoutError):
-                raise SandboxError(f"sandbox {sandbox_id} did not boot within {timeout or self.ready_timeout:g} s: "
+                raise SandboxError(f"sandbox {sandbox_id} did not boot within {timeout or self.boot_timeout:g} s: "
                                    f"{console}") from None
             raise
         return sb

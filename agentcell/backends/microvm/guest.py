@@ -29,6 +29,7 @@ import struct
 import subprocess
 import sys
 import time
+import uuid
 from typing import Any
 
 from agentcell.backends.base import Limits
@@ -40,6 +41,7 @@ from agentcell.runtime.protocol import encode_frame
 PORTS = "/sys/class/virtio-ports"
 DISK = "/run/agentcell-disk"  # the initramfs moved the overlay's tmpfs here: the sandbox's disk
 CGROUP = "/sys/fs/cgroup/agent"
+BOOT_ID = "/run/agentcell-boot-id"
 RNDADDENTROPY = 0x40085203
 RNDRESEEDCRNG = 0x5207
 RB_POWER_OFF = 0x4321FEDC
@@ -122,15 +124,16 @@ def _identity(req: dict[str, Any], entropy: bytes) -> None:
     """This guest is the sandbox `req["hostname"]` now: name, /etc files, fresh randomness, the host's
     time, the disk's size."""
     name = str(req.get("hostname") or "")
-    if name:
-        sc.sethostname(name)
-        rootfs.write_file("/etc/hostname", name + "\n")
-        rootfs.write_file("/etc/hosts", rootfs.etc_hosts(name))
     if entropy:  # credited, then the CRNG rekeyed at once: a clone draws nothing its template drew
         buf = struct.pack("ii", len(entropy) * 8, len(entropy)) + entropy
         with open("/dev/random", "wb", buffering=0) as f:
             fcntl.ioctl(f, RNDADDENTROPY, buf)
             fcntl.ioctl(f, RNDRESEEDCRNG)
+    if name:
+        sc.sethostname(name)
+        rootfs.write_file("/etc/hostname", name + "\n")
+        rootfs.write_file("/etc/hosts", rootfs.etc_hosts(name))
+        _new_machine_ids()
     if "time_ns" in req:
         _settime(int(req["time_ns"]))
     if req.get("disk_mb"):
@@ -138,6 +141,19 @@ def _identity(req: dict[str, Any], entropy: bytes) -> None:
     if req.get("pids") and os.path.isdir(CGROUP):
         with open(f"{CGROUP}/pids.max", "w") as f:
             f.write(str(int(req["pids"])))
+
+
+def _new_machine_ids() -> None:
+    """A machine id and a boot id of its own: the kernel's boot_id was drawn once, at the template's boot,
+    so every clone would share it; a file bound over it (its first time) holds the clone's."""
+    rootfs.write_file("/etc/machine-id", os.urandom(16).hex() + "\n", 0o444)
+    rootfs.write_file(BOOT_ID, str(uuid.UUID(bytes=os.urandom(16), version=4)) + "\n", 0o444)
+    with open("/proc/self/mountinfo") as f:
+        bound = " /proc/sys/kernel/random/boot_id " in f.read()
+    if not bound:
+        sc.mount(BOOT_ID, "/proc/sys/kernel/random/boot_id", None, sc.MS_BIND, None)
+        sc.mount(None, "/proc/sys/kernel/random/boot_id", None,
+                 sc.MS_REMOUNT | sc.MS_BIND | sc.MS_RDONLY | sc.MS_NOSUID | sc.MS_NODEV | sc.MS_NOEXEC, None)
 
 
 def _settime(ns: int) -> None:
