@@ -305,6 +305,28 @@ def check_runsc() -> Check:
     return Check("runsc (gvisor)", "ok", runsc)
 
 
+def check_microvm() -> Check:
+    """What `serve --backend microvm` needs: QEMU 10 (bookworm-backports), bubblewrap, squashfs-tools, a
+    static busybox and the unpacked guest kernel. Whether KVM works is known only by booting: the server's
+    --accel auto probe does that."""
+    from agentcell.backends.microvm import initramfs, kernel
+
+    what = "the microvm backend (optional)"
+    missing = [tool for tool in ("qemu-system-x86_64", "bwrap", "setpriv", "mksquashfs") if shutil.which(tool) is None]
+    if not os.path.exists(initramfs.BUSYBOX):
+        missing.append("busybox-static")
+    if missing:
+        return Check("microvm", "missing", f"not found: {', '.join(missing)}",
+                     "bash scripts/setup (qemu-system-x86 from bookworm-backports, bubblewrap, squashfs-tools, "
+                     "busybox-static)", what)
+    try:
+        guest = kernel.find()
+    except kernel.KernelMissingError as e:
+        return Check("microvm", "missing", str(e), "python -m agentcell.backends.microvm.kernel install", what)
+    return Check("microvm", "ok", f"QEMU, guest kernel {guest.version}; --accel auto boots a probe VM to decide "
+                                  "on KVM (else --accel tcg: emulated)")
+
+
 def check_kvm() -> Check:
     if not os.path.exists("/dev/kvm"):
         return Check("/dev/kvm", "warn", "absent: gvisor uses its systrap/ptrace platform",
@@ -370,7 +392,7 @@ def diagnose() -> Report:
     probes: list[Callable[[], Check]] = [
         check_privilege, check_userns, check_subids, check_cgroups, check_seccomp, check_landlock, check_nftables,
         check_usermode_net,
-        check_bpf, check_exec_rules, check_audit, check_node, check_r, check_runsc, check_kvm, lambda: check_state_dir(mode),
+        check_bpf, check_exec_rules, check_audit, check_node, check_r, check_runsc, check_microvm, check_kvm, lambda: check_state_dir(mode),
         lambda: check_disk(mode)]
     checks = []
     for probe in probes:

@@ -129,7 +129,7 @@ class MicrovmBackend(CgroupSandboxes, Backend):
                  state_base: str = STATE_BASE, host_tuning: host.HostTuning | None = None, standbys: int = STANDBYS,
                  standby_limits: Limits | None = None, egress: Any = None, uid_base: int | None = None,
                  state_dir: str | None = None, record_denials: str = "failures", kernel_dir: str | None = None,
-                 machine: str = "microvm", **host_options: Any) -> None:
+                 machine: str | None = None, **host_options: Any) -> None:
         if max_sandboxes < 1:
             raise ValueError("max_sandboxes must be at least 1")
         if accel not in ("auto", "kvm", "tcg"):
@@ -137,6 +137,10 @@ class MicrovmBackend(CgroupSandboxes, Backend):
         if egress is not None and getattr(egress, "enabled", False):
             raise BackendUnavailableError("the microvm backend gives sandboxes no network yet: start the server with "
                                           "--egress-uplink none")
+        # q35 where -M microvm is unusable (QEMU 7.2 under TCG hangs in it): AGENTCELL_MICROVM_MACHINE=q35
+        machine = machine or os.environ.get("AGENTCELL_MICROVM_MACHINE") or "microvm"
+        if machine not in ("microvm", "q35"):
+            raise ValueError(f"the microvm backend's machine is microvm or q35, got {machine!r}")
         self.accel_wanted = accel
         self.accel = accel if accel != "auto" else ""
         self.machine = machine

@@ -20,6 +20,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import ctypes
+import dataclasses
 import fcntl
 import os
 import select
@@ -32,7 +33,7 @@ import time
 import uuid
 from typing import Any
 
-from agentcell.backends.base import Limits
+from agentcell.backends.base import LIMIT_RANGES, Limits
 from agentcell.backends.linux import rootfs, sandbox_init
 from agentcell.backends.linux import syscalls as sc
 from agentcell.runtime import rootcaps
@@ -188,7 +189,9 @@ def _start_agent(channel: str, sandbox_id: str, limits: Limits, req: dict[str, A
         fd = os.open(channel, os.O_RDWR | os.O_CLOEXEC)
         from agentcell.backends.gvisor import guest as gvisor_guest
 
-        gvisor_guest._set_rlimits(limits)
+        # the guest cgroup's pids.max is the process bound (set again at each claim); an RLIMIT_NPROC,
+        # fixed at the template's boot, could not follow a claim's pids limit
+        gvisor_guest._set_rlimits(dataclasses.replace(limits, pids=int(LIMIT_RANGES["pids"][1])))
         bpf = base64.b64decode(req["seccomp"])
         keep = sandbox_init.ROOT_CAPS
         gvisor_guest._bound_capabilities(keep)
