@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
 import json
 import math
 import os
@@ -64,7 +65,10 @@ from agentcell.policy.model import Policy, PolicyError
 from agentcell.runtime.protocol import MAX_HEADER, PREFIX, encode_frame
 from agentcell.server import progress
 
-STATE_BASE = "/dev/shm/agentcell-microvm"  # template RAM files: memory-backed, never written to a disk
+# The template's RAM file lives here (<state dir>/microvm/<instance>), on a disk, not in a tmpfs: a clone's
+# first touch of a page the template never used reads a hole, which a tmpfs fills with a new unreclaimable
+# page and a disk's page cache with a clean, reclaimable one.
+STATE_SUBDIR = "microvm"
 READY_TIMEOUT = 120.0  # a restore's steps, a claim
 BOOT_TIMEOUT = 600.0  # a cold boot imports the whole runtime: ~30 s under TCG, minutes on a loaded host
 PREPARE_PARALLEL = 2
@@ -126,7 +130,7 @@ class MicrovmBackend(CgroupSandboxes, Backend):
     memory_snapshots = True
 
     def __init__(self, max_sandboxes: int = 1000, accel: str = "auto", ready_timeout: float = READY_TIMEOUT,
-                 state_base: str = STATE_BASE, host_tuning: host.HostTuning | None = None, standbys: int = STANDBYS,
+                 state_base: str | None = None, host_tuning: host.HostTuning | None = None, standbys: int = STANDBYS,
                  standby_limits: Limits | None = None, egress: Any = None, uid_base: int | None = None,
                  state_dir: str | None = None, record_denials: str = "failures", kernel_dir: str | None = None,
                  machine: str | None = None, **host_options: Any) -> None:
@@ -153,6 +157,7 @@ class MicrovmBackend(CgroupSandboxes, Backend):
         self.uid_base = uid_base
         self.instance = cgroups.new_instance_id()
         self.cgroup_parent = f"{cgroups.GROUP}/{self.instance}"
+        state_base = state_base or os.path.join(state_dir or "/var/lib/agentcell", STATE_SUBDIR)
         self.state = os.path.join(state_base, self.instance)
         self.template_dir = os.path.join(self.state, "template")
         self.host_tuning = host_tuning or host.HostTuning(**host_options)
@@ -182,6 +187,13 @@ class MicrovmBackend(CgroupSandboxes, Backend):
     # -- lifecycle -------------------------------------------------------------------------------
 
     async def start(self) -> None:
+        try:
+            await self._start()
+        except BaseException:
+            await self.close()  # a half-started backend leaves nothing: cgroups, uids, the RAM file
+            raise
+
+    async def _start(self) -> None:
         if os.geteuid() != 0:
             raise BackendUnavailableError("the microvm backend must run as root (the VMM jail, cgroups, uids)")
         if self._files is not None:
@@ -310,8 +322,14 @@ class MicrovmBackend(CgroupSandboxes, Backend):
         return sandbox_id
 
     def _machine(self, limits: Limits, fds: dict[str, int]) -> vmm.Machine:
-        return vmm.Machine(memory_mb=limits.memory_mb, vcpus=_vcpus(limits), accel=self.accel or "tcg",
-                           cmdline=CMDLINE, machine=self.machine, fds=fds)
+        accel = self.accel or "tcg"
+        cmdline = CMDLINE
+        if accel == "tcg":
+            # TCG's guest TSC is the host's: told its rate, the guest kernel skips calibrating it against the
+            # PIT, which under TCG on a busy host fails and leaves the boot hanging with no clocksource
+            cmdline += f" tsc_early_khz={_host_tsc_khz()}"
+        return vmm.Machine(memory_mb=limits.memory_mb, vcpus=_vcpus(limits), accel=accel,
+                           cmdline=cmdline, machine=self.machine, fds=fds)
 
     async def _spawn(self, sandbox_id: str, limits: Limits, ram: str = "anon", ram_fd: int = -1,
                      ram_shared: bool = False, incoming: bool = False) -> MicrovmSandbox:
@@ -335,7 +353,8 @@ class MicrovmBackend(CgroupSandboxes, Backend):
             machine = self._machine(limits, fds)
             if ram_fd >= 0:
                 ram = f"/dev/fd/{ram_fd}"
-            argv = vmm.jail_argv(vmm.qemu_argv(machine, ram, ram_shared, incoming), uid, machine.accel)
+            kvm = _kvm_node(directory, uid) if machine.accel == "kvm" else None
+            argv = vmm.jail_argv(vmm.qemu_argv(machine, ram, ram_shared, incoming), uid, machine.accel, kvm)
             host_limits = Limits(memory_mb=limits.memory_mb + vmm.VMM_OVERHEAD_MB, pids=VMM_PIDS,
                                  cpu_count=limits.cpu_count)
             cg = sb.cgroups
@@ -769,6 +788,27 @@ def _open_ro(path: str) -> int:
     fd = os.open(path, os.O_RDONLY)  # inherited by each VMM (pass_fds): not close-on-exec there
     os.set_inheritable(fd, False)
     return fd
+
+
+def _kvm_node(directory: str, uid: int) -> str:
+    """A /dev/kvm of this VMM's own: a device node owned by its uid alone (0600), bound into its jail. The
+    host's /dev/kvm (root's, or group kvm's) is left as it is, and no other uid gains KVM."""
+    st = os.stat("/dev/kvm")
+    path = os.path.join(directory, "kvm")
+    os.mknod(path, 0o600 | (st.st_mode & 0o170000), st.st_rdev)
+    os.chown(path, uid, uid)
+    return path
+
+
+@functools.cache
+def _host_tsc_khz() -> int:
+    """The host's TSC rate (TCG reads the host's TSC for the guest's): the kernel's detected rate, as
+    /proc/cpuinfo's "cpu MHz" reports it on hosts with a constant TSC."""
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("cpu MHz"):
+                return round(float(line.split(":")[1]) * 1000)
+    return 2_000_000
 
 
 def _vcpus(limits: Limits) -> int:

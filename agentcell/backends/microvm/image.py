@@ -79,8 +79,11 @@ def _build(path: str) -> None:
 
     root = tempfile.mkdtemp(prefix="agentcell-vmroot-")
     try:  # the tree's mounts exist only in this child's private mount namespace, gone with it
+        # the child imports this very agentcell (the image's key names its code), not another install's
+        package_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+        env = {**os.environ, "PYTHONPATH": package_parent}
         subprocess.run(["unshare", "--mount", "--propagation", "private", sys.executable, "-s", "-P", "-m",
-                        "agentcell.backends.microvm.image", "build", root, tmp], check=True)
+                        "agentcell.backends.microvm.image", "build", root, tmp], check=True, env=env)
     finally:
         os.rmdir(root)
     os.chmod(tmp, 0o644)

@@ -86,8 +86,9 @@ def qemu_argv(m: Machine, ram: str, ram_shared: bool, incoming: bool) -> list[st
     return argv
 
 
-def jail_argv(qemu: list[str], uid: int, accel: str) -> list[str]:
-    """`qemu` run inside the jail (bubblewrap, then setpriv to `uid`)."""
+def jail_argv(qemu: list[str], uid: int, accel: str, kvm: str | None = None) -> list[str]:
+    """`qemu` run inside the jail (bubblewrap, then setpriv to `uid`). `kvm`: the VMM's own device node
+    for /dev/kvm (backend._kvm_node), bound there with --accel kvm."""
     binary = qemu_path() or f"/usr/bin/{QEMU}"
     argv = ["bwrap", "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
             "--die-with-parent", "--new-session", "--hostname", "vmm",
@@ -100,7 +101,7 @@ def jail_argv(qemu: list[str], uid: int, accel: str) -> list[str]:
             argv += ["--ro-bind", target, target]
     argv += ["--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp", "--chdir", "/tmp"]
     if accel == "kvm":
-        argv += ["--dev-bind", "/dev/kvm", "/dev/kvm"]
+        argv += ["--dev-bind", kvm or "/dev/kvm", "/dev/kvm"]
     argv += ["--", "/usr/bin/setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
              "--inh-caps=-all", "--ambient-caps=-all", "--bounding-set=-all", "--no-new-privs", "--",
              binary, *qemu[1:]]
