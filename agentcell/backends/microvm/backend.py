@@ -110,7 +110,8 @@ class MicrovmSandbox(RunningSandbox):
         self.sock = sock
         self.dir = directory
         self.cgroups = cgroups.Cgroups.at(cgroup.lstrip("/"))
-        self.limits = limits
+        self.limits = limits  # the claim's (the guest cgroup holds the tenant to them)
+        self.machine_limits = limits  # what the VM was made with: its RAM and vCPUs (a standby's: the template's)
         self.uid = uid
         self.host_pid = -1
         self.proc: subprocess.Popen[bytes] | None = None
@@ -434,6 +435,7 @@ class MicrovmBackend(CgroupSandboxes, Backend):
         if limits is not None:
             request["disk_mb"] = limits.disk_limit_mb
             request["pids"] = limits.pids
+            request["memory_mb"] = limits.memory_mb
         await self._control(sb, request, os.urandom(64) if name else b"")
 
     # -- the template and its standbys -------------------------------------------------------------
@@ -524,12 +526,15 @@ class MicrovmBackend(CgroupSandboxes, Backend):
     # -- sandboxes -------------------------------------------------------------------------------
 
     def _claimable(self, wanted: Limits) -> bool:
-        """A standby's RAM size, vCPUs and rlimits are the template's; its disk and pids are set at the claim."""
+        """A standby's vCPUs and rlimits are the template's, and its RAM (which a claim's memory limit may
+        be below: the guest cgroup holds the tenant to it); its disk, pids and memory limit are set at the
+        claim."""
         t = self._template_limits
         if t is None:
             return False
-        return (wanted.memory_mb == t.memory_mb and _vcpus(wanted) == _vcpus(t)
-                and replace(wanted, disk_mb=None, pids=t.pids, cpu_count=t.cpu_count) == replace(t, disk_mb=None))
+        return (wanted.memory_mb <= t.memory_mb and _vcpus(wanted) == _vcpus(t)
+                and replace(wanted, disk_mb=None, pids=t.pids, cpu_count=t.cpu_count, memory_mb=t.memory_mb)
+                == replace(t, disk_mb=None))
 
     async def create(self, spec_: SandboxSpec) -> RunningSandbox:
         t0 = time.perf_counter()
@@ -546,7 +551,7 @@ class MicrovmBackend(CgroupSandboxes, Backend):
                 assert sb.qmp is not None
                 await sb.qmp.call("cont")
                 sb.stopped = False
-                await asyncio.to_thread(_retune_cpu, sb.cgroups, spec_.limits)
+                await asyncio.to_thread(_retune, sb.cgroups, spec_.limits)
                 async with asyncio.timeout(self.ready_timeout):
                     await self._identity(sb, spec_.limits)  # the clock: it waited stopped
             if spec_.files:
@@ -729,6 +734,7 @@ class MicrovmBackend(CgroupSandboxes, Backend):
                 assert self._image is not None
                 with open(os.path.join(image_dir, "agentcell.json"), "w") as f:
                     json.dump({"backend": "microvm", "sandbox_id": sb.sandbox_id, "limits": asdict(sb.limits),
+                               "machine_limits": asdict(sb.machine_limits),
                                "image": os.path.basename(self._image.path), "machine": self.machine}, f)
             finally:
                 if leave_running and not was_stopped and not sb.killed:
@@ -748,6 +754,7 @@ class MicrovmBackend(CgroupSandboxes, Backend):
             with open(os.path.join(image_dir, "agentcell.json")) as f:
                 meta = json.load(f)
             limits = Limits(**meta["limits"])
+            machine_limits = Limits(**meta.get("machine_limits", meta["limits"]))
         except (OSError, ValueError, TypeError, KeyError) as e:
             raise InvalidArgumentError(f"{image_dir} is not a microvm memory snapshot: {e}") from None
         assert self._image is not None
@@ -756,11 +763,13 @@ class MicrovmBackend(CgroupSandboxes, Backend):
                                "packages changed since): it cannot be restored; restore its files instead",
                                "invalid_argument")
         sandbox_id = spec_.sandbox_id or self._new_id()
-        sb = await self._spawn(sandbox_id, limits, incoming=True)
+        # the saved machine (RAM, vCPUs); its host cgroup keeps room for all its RAM, which is its own now
+        sb = await self._spawn(sandbox_id, machine_limits, incoming=True)
+        sb.limits = limits
         try:
             await self._load(sb, os.path.join(image_dir, "memory"), ignore_shared=False)
             async with asyncio.timeout(self.ready_timeout):
-                await self._identity(sb, name=sandbox_id)
+                await self._identity(sb, limits, name=sandbox_id)
                 sb.sock.setblocking(False)
                 loop = asyncio.get_running_loop()
                 await loop.sock_sendall(sb.sock, encode_frame({"id": _RENAME_CALL, "op": "microvm.rename",
@@ -829,12 +838,16 @@ def _join(cg: cgroups.Cgroups) -> None:
             f.write(pid)
 
 
-def _retune_cpu(cg: cgroups.Cgroups, limits: Limits) -> None:
+def _retune(cg: cgroups.Cgroups, limits: Limits) -> None:
+    """A claimed standby's host cgroup: the claim's CPU quota and memory (+ the VMM's own)."""
     quota = str(max(1000, int(limits.cpu_count * 100_000)))
+    memory = str((limits.memory_mb + vmm.VMM_OVERHEAD_MB) << 20)
     if cg.v2:
         sc.write_file(f"{cg.dirs['unified']}/cpu.max", f"{quota} 100000")
+        sc.write_file(f"{cg.dirs['unified']}/memory.max", memory)
     else:
         sc.write_file(f"{cg.dirs['cpu']}/cpu.cfs_quota_us", quota)
+        sc.write_file(f"{cg.dirs['memory']}/memory.limit_in_bytes", memory)
 
 
 def _kill_cgroup(cg: cgroups.Cgroups, proc: subprocess.Popen[bytes] | None) -> None:

@@ -142,6 +142,9 @@ def _identity(req: dict[str, Any], entropy: bytes) -> None:
     if req.get("pids") and os.path.isdir(CGROUP):
         with open(f"{CGROUP}/pids.max", "w") as f:
             f.write(str(int(req["pids"])))
+    if req.get("memory_mb") and os.path.isdir(CGROUP):  # what the tenant's processes and files may hold
+        with open(f"{CGROUP}/memory.max", "w") as f:
+            f.write(str(int(req["memory_mb"]) << 20))
 
 
 def _new_machine_ids() -> None:
@@ -168,13 +171,16 @@ def _settime(ns: int) -> None:
 
 
 def _agent_cgroup(limits: Limits) -> None:
-    """The agent and all it starts in one guest cgroup: pids.max is the sandbox's pids limit."""
+    """The agent and all it starts in one guest cgroup: pids.max is the sandbox's pids limit, memory.max
+    its memory limit (the VM's RAM may be more: a standby's is the template's, whatever the claim's)."""
     with contextlib.suppress(OSError):
         with open("/sys/fs/cgroup/cgroup.subtree_control", "w") as f:
             f.write("+pids +memory")
     os.makedirs(CGROUP, exist_ok=True)
     with open(f"{CGROUP}/pids.max", "w") as f:
         f.write(str(limits.pids))
+    with open(f"{CGROUP}/memory.max", "w") as f:
+        f.write(str(limits.memory_mb << 20))
 
 
 def _start_agent(channel: str, sandbox_id: str, limits: Limits, req: dict[str, Any]) -> int:
@@ -186,6 +192,9 @@ def _start_agent(channel: str, sandbox_id: str, limits: Limits, req: dict[str, A
         with open(f"{CGROUP}/cgroup.procs", "w") as f:
             f.write("0")
         os.setsid()
+        # the guest's OOM killer takes the tenant's processes before the agent (its children set 0)
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write("-900")
         fd = os.open(channel, os.O_RDWR | os.O_CLOEXEC)
         from agentcell.backends.gvisor import guest as gvisor_guest
 
