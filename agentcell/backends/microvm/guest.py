@@ -142,9 +142,9 @@ def _identity(req: dict[str, Any], entropy: bytes) -> None:
     if req.get("pids") and os.path.isdir(CGROUP):
         with open(f"{CGROUP}/pids.max", "w") as f:
             f.write(str(int(req["pids"])))
-    if req.get("memory_mb") and os.path.isdir(CGROUP):  # what the tenant's processes and files may hold
+    if req.get("memory_max") and os.path.isdir(CGROUP):  # the tenant's processes and files, and the agent
         with open(f"{CGROUP}/memory.max", "w") as f:
-            f.write(str(int(req["memory_mb"]) << 20))
+            f.write(str(int(req["memory_max"])))
 
 
 def _new_machine_ids() -> None:
@@ -179,8 +179,6 @@ def _agent_cgroup(limits: Limits) -> None:
     os.makedirs(CGROUP, exist_ok=True)
     with open(f"{CGROUP}/pids.max", "w") as f:
         f.write(str(limits.pids))
-    with open(f"{CGROUP}/memory.max", "w") as f:
-        f.write(str(limits.memory_mb << 20))
 
 
 def _start_agent(channel: str, sandbox_id: str, limits: Limits, req: dict[str, Any]) -> int:
@@ -337,6 +335,7 @@ def main() -> None:
     rootfs.write_file(rootfs.SUDO_PATH, rootfs.SUDO_SHIM, 0o755)
     shutil.chown(rootfs.HOME, rootfs.SANDBOX_UID, rootfs.SANDBOX_UID)
     _agent_cgroup(limits)
+    _identity({"memory_max": req.get("memory_max")}, b"")
     pid = _start_agent(_port("agentcell"), sandbox_id, limits, req)
     ctl.send({"event": "started"})
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
