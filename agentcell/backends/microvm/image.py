@@ -78,9 +78,14 @@ def _build(path: str) -> None:
     import tempfile
 
     root = tempfile.mkdtemp(prefix="agentcell-vmroot-")
+    import agentcell
+
+    # the child packs the agentcell this process runs (-P: not the cwd's; an editable install's finder
+    # would otherwise give it another checkout's, whose store parts the image's key does not name)
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(agentcell.__file__)))}
     try:  # the tree's mounts exist only in this child's private mount namespace, gone with it
         subprocess.run(["unshare", "--mount", "--propagation", "private", sys.executable, "-s", "-P", "-m",
-                        "agentcell.backends.microvm.image", "build", root, tmp], check=True)
+                        "agentcell.backends.microvm.image", "build", root, tmp], check=True, env=env)
     finally:
         os.rmdir(root)
     os.chmod(tmp, 0o644)
