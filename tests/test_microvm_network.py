@@ -57,8 +57,11 @@ def test_internet_on_and_off(make) -> None:  # type: ignore[no-untyped-def]
     off = make(allow_internet_access=False)
     assert ask(off, f"tcp('{WEB}')") != "ok"
     t = time.monotonic()
-    assert ask(off, "names('allowed.test')") == "noname"  # refused at once, not a timeout
-    assert time.monotonic() - t < 1.5
+    ask(off, "1")
+    round_trip = time.monotonic() - t  # a run_code under TCG on a busy host: seconds, sometimes
+    t = time.monotonic()
+    assert ask(off, "names('allowed.test')") == "noname"  # refused at once, not a timeout (>= 4 s here)
+    assert time.monotonic() - t < round_trip + 2.0
     assert off.get_info().allow_internet_access is False
 
 
@@ -156,3 +159,17 @@ def test_secrets_are_substituted_by_the_host_and_never_reach_the_guest(make) -> 
     assert value not in other
     found = sbx.commands.run(f"grep -rl {value} /etc /tmp /home /run 2>/dev/null; true").stdout
     assert found.strip() == ""
+
+
+def test_a_fork_takes_its_own_link_and_keeps_its_policy(make) -> None:  # type: ignore[no-untyped-def]
+    parent = make(network={"deny_out": [f"{OTHER}/32"]})
+    forks = parent.fork(count=1, request_timeout=600)
+    child = forks[0]
+    assert isinstance(child, Sandbox), child
+    try:
+        assert ask(child, "my_address()") != ask(parent, "my_address()")  # a clone of its memory, its own address
+        assert ask(child, f"tcp('{WEB}')") == "ok"
+        assert ask(child, f"tcp('{OTHER}')") != "ok"  # its parent's policy, on its own link
+        assert ask(parent, f"tcp('{WEB}')") == "ok"
+    finally:
+        child.kill()
