@@ -110,7 +110,7 @@ def _tls(opts: dict[str, Any]) -> None:
               help="First host uid of this server's sandboxes (default: a free range, disjoint from other servers').")
 @click.option("--backend", default="linux", show_default=True, type=click.Choice(["linux", "gvisor", "microvm"]),
               help="Isolation backend (gvisor: runsc sandboxes, no network; AGENTCELL_GVISOR_PLATFORM=ptrace; "
-                   "microvm: a QEMU VM per sandbox, its own kernel, no network yet).")
+                   "microvm: a QEMU VM per sandbox, its own kernel; network through the egress router, no secrets yet).")
 @click.option("--accel", default="auto", show_default=True, type=click.Choice(["auto", "kvm", "tcg"]),
               envvar="AGENTCELL_MICROVM_ACCEL",
               help="The microvm backend's accelerator. auto: KVM if a probe VM boots under it, else refuse to "
@@ -307,9 +307,9 @@ def serve(ctx: click.Context, **opts: Any) -> None:
     opts["template_backends"] = tuple((t, b) for t, _, b in pairs)
     opts["create_backends"] = tuple(opts["create_backends"])
     opts["hibernate_after"] = opts["hibernate_after"] or None
-    if "linux" not in {opts["backend"], *(b for _, b in opts["template_backends"]), *opts["create_backends"]} \
+    if not {"linux", "microvm"} & {opts["backend"], *(b for _, b in opts["template_backends"]), *opts["create_backends"]} \
             and opts["egress_uplink"] != "none":
-        # runsc's sandboxes cannot have a network here (google/gvisor#10704), microvm's have none yet
+        # runsc's sandboxes cannot have a network here (google/gvisor#10704)
         click.echo(f"agentcell: the {opts['backend']} backend gives sandboxes no network: --egress-uplink none", err=True)
         opts["egress_uplink"] = "none"
     opts["tune_sysctls"] = opts.pop("host_sysctls")

@@ -530,6 +530,24 @@ class Router:
             f"route add default via {ours} dev eth0",
         ])
 
+    def connect_tap(self, slot: int) -> int:
+        """A VM's link (the microvm backend): a TAP device `s<slot>` made here, in the router namespace,
+        with the router's side of the slot's /30; the returned fd is its only other end (QEMU's NIC; the
+        guest takes the sandbox side, guest.py). It goes away when the last fd to it closes, as a veth
+        goes with its sandbox's namespace. A link of that name left over (the slot's previous VM, or one
+        it made persistent: TUNSETPERSIST needs no capability) is deleted first."""
+        ours, _ = link_addresses(slot)
+        ifname = f"s{slot}"
+        if _link_exists(self.path, ifname):
+            ip_in(self.path, [f"link del {ifname}"])
+        fd = self.worker.call(lambda: _open_tap(ifname))
+        try:
+            ip_in(self.path, [f"addr add {ours}/30 dev {ifname}", f"link set {ifname} up"])
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
     def policy_commands(self, slot: int, policy: NetworkPolicy, pins: Iterable[tuple[str, int]] = (),
                         intercept: bool = False, ask: bool = False, tunnel: bool = False) -> str:
         """The transaction that replaces slot `slot`'s way out with `policy`, keeping `pins`
@@ -618,6 +636,31 @@ class Router:
             self.nft(commands)
         self.committed(slot)
 
+
+
+TUNSETIFF = 0x400454CA
+IFF_TAP, IFF_NO_PI = 0x0002, 0x1000
+
+
+def _open_tap(ifname: str) -> int:
+    """A TAP device named `ifname` in the calling thread's network namespace; its fd (close-on-exec,
+    handed to a VMM by pass_fds)."""
+    import fcntl
+    import struct
+
+    fd = os.open("/dev/net/tun", os.O_RDWR | os.O_CLOEXEC)
+    try:
+        fcntl.ioctl(fd, TUNSETIFF, struct.pack("16sH22x", ifname.encode(), IFF_TAP | IFF_NO_PI))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _link_exists(netns_path: str, ifname: str) -> bool:
+    r = subprocess.run(["nsenter", f"--net={netns_path}", "ip", "link", "show", "dev", ifname],
+                       capture_output=True, check=False)
+    return r.returncode == 0
 
 
 def _ns_arg(netns_path: str) -> str:

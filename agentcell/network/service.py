@@ -242,6 +242,17 @@ class Egress:
         await asyncio.to_thread(self.router.connect, slot, f"/proc/{pid}/ns/net")
         await self.apply(slot, CLOSED)
 
+    async def connect_tap(self, slot: int) -> int:
+        """A VM's link (Router.connect_tap), closed until its claim: the fd of its TAP device."""
+        assert self.router is not None
+        fd = await asyncio.to_thread(self.router.connect_tap, slot)
+        try:
+            await self.apply(slot, CLOSED)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
     def _lock(self, slot: int) -> asyncio.Lock:
         """One change at a time per slot: a policy and the pins of an answer found under the one before
         must not cross (the answer's name is checked again, under the lock, against the policy in force)."""

@@ -423,11 +423,11 @@ def _audit_log(target: str | None) -> IO[str] | None:
 
 
 def _build_backend(name: str, config: ServerConfig) -> Backend:
-    # every backend takes the linux one's options; only linux has an egress (gvisor: no network yet)
+    # every backend takes the linux one's options; linux and microvm have an egress (gvisor: no network yet)
     egress = EgressSettings(config.egress_uplink, config.egress_dns, config.egress_ca_bundle,
                             config.egress_allow_ranges, state_dir=config.state_dir,
                             plain_http_hosts=config.egress_plain_http_hosts,
-                            proxy_ranges=config.egress_proxy_ranges) if name == "linux" else None
+                            proxy_ranges=config.egress_proxy_ranges) if name in ("linux", "microvm") else None
     extra: dict[str, Any] = {"accel": config.accel} if name == "microvm" else {}
     return get_backend(name, **extra, uid_base=config.uid_base, max_sandboxes=config.max_sandboxes,
                        tune_sysctls=config.tune_sysctls, ptys_per_sandbox=config.ptys_per_sandbox,

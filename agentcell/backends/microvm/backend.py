@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import functools
 import json
 import math
 import os
@@ -61,6 +60,11 @@ from agentcell.errors import (
     SandboxError,
     SandboxGoneError,
 )
+from agentcell.network.policy import NetworkPolicy
+from agentcell.network.router import MAX_SLOTS, RESOLVER, EgressError, link_addresses
+from agentcell.network.secrets import HeaderRule
+from agentcell.network.service import Egress, EgressSettings
+from agentcell.network.tunnel import EgressTunnel, TunnelConfigError
 from agentcell.policy.model import Policy, PolicyError
 from agentcell.runtime.protocol import MAX_HEADER, PREFIX, encode_frame
 from agentcell.server import progress
@@ -86,8 +90,9 @@ VMM_PIDS = 512  # QEMU's threads: vCPUs, I/O workers, RCU, the main loop
 CMDLINE = ("console=ttyS0 quiet loglevel=1 panic=-1 8250.nr_uarts=1 random.trust_cpu=off "
            "transparent_hugepage=never")
 
-NO_NETWORK = ("the microvm backend gives sandboxes no network yet (the VMM has no network device); create the "
-              "sandbox with allow_internet_access=False and no secrets, or use the linux backend")
+NO_EGRESS = ("this server gives sandboxes no internet (its operator started it with --egress-uplink none); "
+             "create the sandbox with allow_internet_access=False")
+
 MICROVM_POLICY = {**GVISOR_POLICY,
                   "policy.exec": "the microvm backend cannot enforce exec rules: the guest's execs happen in its own "
                                  "kernel, out of the host's sight; use the linux backend for exec rules",
@@ -95,7 +100,8 @@ MICROVM_POLICY = {**GVISOR_POLICY,
                                   "kernel's); use the linux backend for file rules",
                   "policy.processes": "the microvm backend cannot change a running sandbox's process limit yet; "
                                       "create the sandbox with the pids limit it needs",
-                  "policy.network": "microvm sandboxes get no internet on this server, so there is no connection to ask about"}
+                  "policy.network": "the microvm backend cannot ask about connections yet; use the linux backend "
+                                    "for network ask"}
 
 
 @dataclass
@@ -125,6 +131,8 @@ class MicrovmSandbox(RunningSandbox):
         self.killed = False
         self.kill_lock = asyncio.Lock()
         self.stopped = False  # QMP stop (a standby waiting, a paused sandbox)
+        self.slot = -1  # its link on the egress router (a TAP there, its fd the VMM's NIC), if any
+        self.linked = False  # rules on the router to remove at kill
 
     def alive(self) -> bool:
         return not self.killed and self.proc is not None and self.proc.poll() is None
@@ -143,13 +151,16 @@ class MicrovmBackend(CgroupSandboxes, Backend):
             raise ValueError("max_sandboxes must be at least 1")
         if accel not in ("auto", "kvm", "tcg"):
             raise ValueError(f"accel must be auto, kvm or tcg, got {accel!r}")
-        if egress is not None and getattr(egress, "enabled", False):
-            raise BackendUnavailableError("the microvm backend gives sandboxes no network yet: start the server with "
-                                          "--egress-uplink none")
         # q35 where -M microvm is unusable (QEMU 7.2 under TCG hangs in it): AGENTCELL_MICROVM_MACHINE=q35
         machine = machine or os.environ.get("AGENTCELL_MICROVM_MACHINE") or "microvm"
         if machine not in ("microvm", "q35"):
             raise ValueError(f"the microvm backend's machine is microvm or q35, got {machine!r}")
+        self.egress_settings: EgressSettings | None = egress if egress is not None and egress.enabled else None
+        if self.egress_settings is not None:
+            self.egress_settings.check()
+        self.egress: Egress | None = None  # the router, once start() made it
+        self._slots: set[int] = set()
+        self._unlinking: set[asyncio.Task[None]] = set()  # killed sandboxes' slots on their way back
         self.accel_wanted = accel
         self.accel = accel if accel != "auto" else ""
         self.machine = machine
@@ -222,6 +233,7 @@ class MicrovmBackend(CgroupSandboxes, Backend):
             cgroups.prepare_instance(self.instance)
         except cgroups.CgroupError as e:
             raise BackendUnavailableError(str(e)) from e
+        await self._start_egress()
         try:
             self.host_budget = await asyncio.to_thread(host.prepare, self.cgroup_parent, self.max_sandboxes,
                                                        self.host_tuning)
@@ -253,6 +265,25 @@ class MicrovmBackend(CgroupSandboxes, Backend):
                                      PREPARE_PARALLEL)
             self._pool.fill()
 
+    async def _start_egress(self) -> None:
+        """The linux backend's egress router, unchanged: each VM's link is a TAP device on it."""
+        if self.egress_settings is None or self.egress is not None:
+            return
+        gone = await asyncio.to_thread(Egress.remove_stale, cgroups.instance_alive)
+        if gone:
+            print(f"agentcell: removed the egress routers of dead server(s): {', '.join(gone)}", file=sys.stderr)
+        egress = Egress(self.egress_settings, self.instance)
+        try:
+            with progress.step("starting the sandboxes' egress router"):
+                await egress.start()
+        except (EgressError, OSError) as e:
+            raise BackendUnavailableError(
+                f"cannot set up the sandboxes' egress router: {e} (start with --egress-uplink none to run "
+                "without internet for sandboxes)") from e
+        self.egress = egress
+        if self.recorder is not None:
+            egress.sink = self.recorder.add  # connection and DNS events join the behaviour record
+
     async def _probe_kvm(self) -> None:
         """--accel auto: KVM only if a VM really boots under it (a software hypervisor such as PVM exposes
         /dev/kvm but cannot run a stock guest kernel); otherwise refuse, naming --accel tcg."""
@@ -262,7 +293,7 @@ class MicrovmBackend(CgroupSandboxes, Backend):
         else:
             self.accel = "kvm"
             try:
-                sb = await self._boot(self._new_id(), Limits(), timeout=PROBE_TIMEOUT)
+                sb = await self._boot(self._new_id(), Limits(), timeout=PROBE_TIMEOUT, linked=False)
                 await self.kill(sb)
                 return
             except (SandboxError, OSError, QmpError) as e:
@@ -283,6 +314,11 @@ class MicrovmBackend(CgroupSandboxes, Backend):
         for sb in list(self._sandboxes.values()):
             with contextlib.suppress(Exception):
                 await self.kill(sb)
+        if self._unlinking:
+            await asyncio.gather(*self._unlinking, return_exceptions=True)
+        if self.egress is not None:
+            await self.egress.close()
+            self.egress = None
         if self._files is not None:
             for fd in (self._files.kernel, self._files.initrd, self._files.image):
                 os.close(fd)
@@ -313,8 +349,8 @@ class MicrovmBackend(CgroupSandboxes, Backend):
             host.check_limits(spec_.limits, self.host_budget)
         except ValueError as e:
             raise InvalidArgumentError(str(e)) from None
-        if spec_.network.internet or spec_.secrets:
-            raise InvalidArgumentError(NO_NETWORK)
+        if (spec_.network.internet or spec_.secrets) and self.egress is None:
+            raise InvalidArgumentError(NO_EGRESS)
         if spec_.volumes:
             raise InvalidArgumentError("the microvm backend cannot mount volumes yet; use the linux backend")
         if len(self.claimed) >= self.max_sandboxes:
@@ -328,17 +364,14 @@ class MicrovmBackend(CgroupSandboxes, Backend):
 
     def _machine(self, limits: Limits, fds: dict[str, int]) -> vmm.Machine:
         accel = self.accel or "tcg"
-        cmdline = CMDLINE
-        if accel == "tcg":
-            # TCG's guest TSC is the host's: told its rate, the guest kernel skips calibrating it against the
-            # PIT, which under TCG on a busy host fails and leaves the boot hanging with no clocksource
-            cmdline += f" tsc_early_khz={_host_tsc_khz()}"
+        cmdline = CMDLINE + (_tsc_hint() if accel == "tcg" else "")
         return vmm.Machine(memory_mb=_ram_mb(limits), vcpus=_vcpus(limits), accel=accel,
                            cmdline=cmdline, machine=self.machine, fds=fds)
 
     async def _spawn(self, sandbox_id: str, limits: Limits, ram: str = "anon", ram_fd: int = -1,
-                     ram_shared: bool = False, incoming: bool = False) -> MicrovmSandbox:
-        """A jailed QEMU for `sandbox_id` in its own cgroup, its QMP connected. Not yet booted or loaded."""
+                     ram_shared: bool = False, incoming: bool = False, linked: bool = True) -> MicrovmSandbox:
+        """A jailed QEMU for `sandbox_id` in its own cgroup, its QMP connected. Not yet booted or loaded.
+        `linked` (and an egress router): its NIC is a new link on the router, closed (_link)."""
         assert self._files is not None, "start() first"
         if not self._free_uids:
             raise SandboxError("no VMM uid left in this server's range", "resource_exhausted")
@@ -352,9 +385,12 @@ class MicrovmBackend(CgroupSandboxes, Backend):
         sb = MicrovmSandbox(sandbox_id, ours, directory, cgroup, limits, uid)
         sb.control = ctl_ours
         self._sandboxes[sandbox_id] = sb
+        tap = -1
         try:
             fds = {"kernel": self._files.kernel, "initrd": self._files.initrd, "image": self._files.image,
                    "qmp": qmp_theirs.fileno(), "agent": theirs.fileno(), "control": ctl_theirs.fileno()}
+            if linked and self.egress is not None:
+                tap = fds["tap"] = await self._link(sb)
             machine = self._machine(limits, fds)
             if ram_fd >= 0:
                 ram = f"/dev/fd/{ram_fd}"
@@ -382,6 +418,8 @@ class MicrovmBackend(CgroupSandboxes, Backend):
             for s in (theirs, qmp_theirs, ctl_theirs):
                 with contextlib.suppress(OSError):
                     s.close()
+            if tap >= 0:  # the VMM's copy is the link's only end now: the link goes when the VMM does
+                os.close(tap)
         sb.qmp = Qmp(qmp_ours)
         try:
             await sb.qmp.connect(timeout=30)
@@ -396,14 +434,16 @@ class MicrovmBackend(CgroupSandboxes, Backend):
             raise
         return sb
 
-    async def _boot(self, sandbox_id: str, limits: Limits, ram_fd: int = -1, timeout: float | None = None) -> MicrovmSandbox:
+    async def _boot(self, sandbox_id: str, limits: Limits, ram_fd: int = -1, timeout: float | None = None,
+                    linked: bool = True) -> MicrovmSandbox:
         """A VM booted from the kernel up to its agent's "ready" (it then waits for its claim)."""
-        sb = await self._spawn(sandbox_id, limits, ram_fd=ram_fd, ram_shared=ram_fd >= 0)
+        sb = await self._spawn(sandbox_id, limits, ram_fd=ram_fd, ram_shared=ram_fd >= 0, linked=linked)
         try:
             async with asyncio.timeout(timeout or self.boot_timeout):
                 await self._control(sb, {"sandbox_id": sandbox_id, "limits": asdict(limits), "preload": True,
                                          "memory_max": (limits.memory_mb + AGENT_BASELINE_MB) << 20,
-                                         "seccomp": self._seccomp, "seccomp_strict": self._seccomp_strict},
+                                         "seccomp": self._seccomp, "seccomp_strict": self._seccomp_strict,
+                                         "net": self._net(sb), "ca": self._egress_ca()},
                                     expect="started")
                 sb.sock.setblocking(False)
                 ready = await _read_frame(asyncio.get_running_loop(), sb.sock)
@@ -433,15 +473,82 @@ class MicrovmBackend(CgroupSandboxes, Backend):
         return header
 
     async def _identity(self, sb: MicrovmSandbox, limits: Limits | None = None, name: str | None = None) -> None:
-        """The clone's own name and randomness, the host's time now, its disk size and process limit."""
+        """The clone's own name and randomness, the host's time now, its disk size and process limit;
+        with a new name (a clone of a template or a snapshot), its own link's addresses too."""
         request: dict[str, Any] = {"op": "identity", "time_ns": time.time_ns()}
         if name:
             request["hostname"] = name
+            request["net"] = self._net(sb)
         if limits is not None:
             request["disk_mb"] = limits.disk_limit_mb
             request["pids"] = limits.pids
             request["memory_max"] = (limits.memory_mb + AGENT_BASELINE_MB) << 20
         await self._control(sb, request, os.urandom(64) if name else b"")
+
+    # -- the network: a TAP on the linux backend's egress router per VM ---------------------------
+
+    async def _link(self, sb: MicrovmSandbox) -> int:
+        """A slot and its link on the router for `sb`, closed until its claim: the TAP's fd."""
+        assert self.egress is not None
+        slot = next((i for i in range(MAX_SLOTS) if i not in self._slots), None)
+        if slot is None:
+            raise SandboxError("no egress link left on this server's router", "resource_exhausted")
+        self._slots.add(slot)
+        try:
+            fd = await self.egress.connect_tap(slot)
+        except BaseException:
+            self._slots.discard(slot)
+            raise
+        sb.slot, sb.linked = slot, True
+        return fd
+
+    @staticmethod
+    def _net(sb: MicrovmSandbox) -> dict[str, str] | None:
+        """What the guest puts on eth0 (guest.py): the sandbox side of its link, or nothing."""
+        if sb.slot < 0:
+            return None
+        ours, theirs = link_addresses(sb.slot)
+        octets = [int(o) for o in theirs.split(".")]
+        mac = "02:ac:" + ":".join(f"{o:02x}" for o in octets)  # locally administered, one per link
+        return {"address": f"{theirs}/30", "gateway": ours, "mac": mac, "resolver": RESOLVER}
+
+    def _egress_ca(self) -> str | None:
+        """The egress proxy's CA (it terminates TLS where a secret or header rule applies): every guest
+        booted here trusts it, so the template's clones do too (network/ca.py; the CA lives in the server's
+        state dir: snapshots restored after a restart trust the same one)."""
+        if self.egress is None:
+            return None
+        with open(self.egress.ca_path) as f:
+            return f.read()
+
+    async def _unlink(self, slot: int) -> None:
+        try:
+            if self.egress is not None:
+                await self.egress.disconnect(slot)
+        finally:
+            self._slots.discard(slot)
+
+    @property
+    def has_egress(self) -> bool:
+        return self.egress is not None
+
+    async def set_network(self, sandbox: RunningSandbox, policy: NetworkPolicy,
+                          rules: tuple[HeaderRule, ...] = (), tunnel: EgressTunnel | None = None) -> None:
+        sb = self._live(sandbox)
+        if self.egress is None or sb.slot < 0:
+            if policy.internet or rules or tunnel:
+                raise InvalidArgumentError(NO_EGRESS)
+            return
+        await self._check_tunnel(tunnel)
+        await self.egress.apply(sb.slot, policy, rules=rules, tunnel=tunnel)
+
+    async def _check_tunnel(self, tunnel: EgressTunnel | None) -> None:
+        """network.egressProxy within the operator's ceiling (network/tunnel.py), before anything changes."""
+        if tunnel is not None and self.egress is not None:
+            try:
+                await self.egress.check_tunnel(tunnel)
+            except TunnelConfigError as e:
+                raise InvalidArgumentError(str(e)) from None
 
     # -- the template and its standbys -------------------------------------------------------------
 
@@ -457,7 +564,7 @@ class MicrovmBackend(CgroupSandboxes, Backend):
         ram_fd = os.open(ram_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         try:
             os.fchown(ram_fd, uid_hint, uid_hint)  # the template's VMM maps it shared, read-write
-            sb = await self._boot(self._new_id(), limits, ram_fd=ram_fd)
+            sb = await self._boot(self._new_id(), limits, ram_fd=ram_fd, linked=False)  # never on a network
         finally:
             os.close(ram_fd)
         try:
@@ -544,6 +651,7 @@ class MicrovmBackend(CgroupSandboxes, Backend):
     async def create(self, spec_: SandboxSpec) -> RunningSandbox:
         t0 = time.perf_counter()
         self._check(spec_)
+        await self._check_tunnel(spec_.secrets.tunnel)  # before a standby is taken for it
         sb: MicrovmSandbox | None = None
         if not spec_.sandbox_id and self._pool is not None and self._claimable(spec_.limits):
             sb = await self._pool.take()
@@ -561,11 +669,15 @@ class MicrovmBackend(CgroupSandboxes, Backend):
                     await self._identity(sb, spec_.limits)  # the clock: it waited stopped
             if spec_.files:
                 await self._untar(sb, spec_.files)
+            if self.egress is not None and sb.slot >= 0:  # before the claim: the tenant's first code meets it
+                await self.egress.apply(sb.slot, spec_.network, sb.sandbox_id, spec_.secrets)
+            # secrets: their placeholders only; the values stay here, with the egress proxy
+            envs = {**spec_.envs, **spec_.secrets.envs()}
             if warm:
-                await standby.claim(sb.sock, sb.sandbox_id, dict(spec_.envs), self.ready_timeout, op="microvm.claim")
+                await standby.claim(sb.sock, sb.sandbox_id, envs, self.ready_timeout, op="microvm.claim")
             else:
                 await asyncio.get_running_loop().sock_sendall(sb.sock, encode_frame(
-                    {"id": 0, "op": "claim", "envs": dict(spec_.envs), "hostname": sb.sandbox_id}))
+                    {"id": 0, "op": "claim", "envs": envs, "hostname": sb.sandbox_id}))
         except BaseException:
             await self.kill(sb)
             raise
@@ -588,6 +700,14 @@ class MicrovmBackend(CgroupSandboxes, Backend):
             if sb.qmp is not None:
                 sb.qmp.close()
             await asyncio.to_thread(_kill_cgroup, sb.cgroups, sb.proc)
+            if sb.linked and self.egress is not None:
+                # its link went with its VMM (the TAP's last fd); its rules go after the kill returns
+                task = asyncio.get_running_loop().create_task(self._unlink(sb.slot))
+                self._unlinking.add(task)
+                task.add_done_callback(self._unlinking.discard)
+                sb.linked = False
+            elif sb.slot >= 0:
+                self._slots.discard(sb.slot)
             await asyncio.to_thread(shutil.rmtree, sb.dir, True)
             self._free_uids.append(sb.uid)
             if self._sandboxes.get(sb.sandbox_id) is sb:
@@ -782,6 +902,8 @@ class MicrovmBackend(CgroupSandboxes, Backend):
                 answer = await _read_frame(loop, sb.sock)
             if answer is None or answer.get("id") != _RENAME_CALL or answer.get("error"):
                 raise SandboxError(f"sandbox {sandbox_id} restored from {image_dir} did not take its name: {answer}")
+            if self.egress is not None and sb.slot >= 0:  # its new link (its old address is gone): its policy
+                await self.egress.apply(sb.slot, spec_.network, sandbox_id, spec_.secrets)
         except BaseException:
             await self.kill(sb)
             raise
@@ -814,21 +936,22 @@ def _kvm_node(directory: str, uid: int) -> str:
     return path
 
 
-@functools.cache
-def _host_tsc_khz() -> int:
-    """The host's TSC rate (TCG reads the host's TSC for the guest's): the kernel's detected rate, as
-    /proc/cpuinfo's "cpu MHz" reports it on hosts with a constant TSC."""
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("cpu MHz"):
-                return round(float(line.split(":")[1]) * 1000)
-    return 2_000_000
-
-
 def _ram_mb(limits: Limits) -> int:
     """The VM's RAM: the tenant's memory limit and the guest's own (its kernel, the agent and its warm
     default context, which the other backends share with a zygote and do not count)."""
     return limits.memory_mb + GUEST_OVERHEAD_MB
+
+
+def _tsc_hint() -> str:
+    """Under TCG the guest's TSC is the host's, but the guest kernel calibrates it against the emulated
+    PIT: on a loaded host that fails ("Unable to calibrate against PIT", no HPET on microvm) and the
+    boot hangs there. The host's TSC rate, given on the command line, skips the calibration."""
+    with contextlib.suppress(OSError, ValueError):
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("cpu MHz"):
+                    return f" tsc_early_khz={int(float(line.split(':')[1]) * 1000)}"
+    return ""
 
 
 def _vcpus(limits: Limits) -> int:

@@ -34,7 +34,7 @@ import uuid
 from typing import Any
 
 from agentcell.backends.base import LIMIT_RANGES, Limits
-from agentcell.backends.linux import rootfs, sandbox_init
+from agentcell.backends.linux import rootfs, runtime_store, sandbox_etc, sandbox_init
 from agentcell.backends.linux import syscalls as sc
 from agentcell.runtime import rootcaps
 from agentcell.runtime.protocol import encode_frame
@@ -139,6 +139,8 @@ def _identity(req: dict[str, Any], entropy: bytes) -> None:
         _settime(int(req["time_ns"]))
     if req.get("disk_mb"):
         sc.mount(None, DISK, None, sc.MS_REMOUNT | sc.MS_NOSUID | sc.MS_NODEV, f"size={int(req['disk_mb'])}m")
+    if "net" in req:
+        _network(req["net"])
     if req.get("pids") and os.path.isdir(CGROUP):
         with open(f"{CGROUP}/pids.max", "w") as f:
             f.write(str(int(req["pids"])))
@@ -158,6 +160,41 @@ def _new_machine_ids() -> None:
         sc.mount(BOOT_ID, "/proc/sys/kernel/random/boot_id", None, sc.MS_BIND, None)
         sc.mount(None, "/proc/sys/kernel/random/boot_id", None,
                  sc.MS_REMOUNT | sc.MS_BIND | sc.MS_RDONLY | sc.MS_NOSUID | sc.MS_NODEV | sc.MS_NOEXEC, None)
+
+
+def _network(net: dict[str, str] | None) -> None:
+    """eth0 as the host says: the sandbox side of its link on the egress router (address, gateway, MAC,
+    the router's resolver), or down with no address (no link). A clone restored from a template or a
+    snapshot drops whatever its original had. The guest's root could change all this: the router only
+    forwards what carries the link's own address (network/router.py)."""
+    def ip(*args: str) -> None:
+        subprocess.run(["/usr/sbin/ip", *args], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+    with contextlib.suppress(OSError):  # the router has no IPv6 for anyone
+        with open("/proc/sys/net/ipv6/conf/eth0/disable_ipv6", "w") as f:
+            f.write("1")
+    ip("link", "set", "eth0", "down")
+    ip("addr", "flush", "dev", "eth0")
+    if not net:
+        rootfs.write_file("/etc/resolv.conf", "")
+        return
+    ip("link", "set", "eth0", "address", net["mac"])
+    ip("addr", "add", net["address"], "dev", "eth0")
+    ip("link", "set", "eth0", "up")
+    ip("route", "replace", "default", "via", net["gateway"], "dev", "eth0")
+    rootfs.write_file("/etc/resolv.conf", f"nameserver {net['resolver']}\noptions timeout:2 attempts:2 edns0\n")
+
+
+def _trust(pem: str) -> None:
+    """The egress proxy's CA in the guest's trust store, as the linux backend's sandboxes have it: the
+    system bundle, its own file, and certifi's bundle (requests, httpx and pip read that one)."""
+    import glob
+
+    path = "/run/agentcell-egress-ca.pem"
+    rootfs.write_file(path, pem)
+    sandbox_etc.trust("/etc", path)
+    for bundle in glob.glob(f"{runtime_store.NEUTRAL_ROOT}/venv/lib/python*/site-packages/certifi/cacert.pem"):
+        shutil.copyfile(f"/etc/{sandbox_etc.SYSTEM_BUNDLE}", bundle)
 
 
 def _settime(ns: int) -> None:
@@ -331,7 +368,10 @@ def main() -> None:
     req, _ = ctl.recv()  # the preparation: sandbox id, limits, filters
     sandbox_id = str(req["sandbox_id"])
     limits = Limits(**req["limits"])
-    _identity({"hostname": sandbox_id, "disk_mb": limits.disk_limit_mb}, b"")
+    _identity({"hostname": sandbox_id, "disk_mb": limits.disk_limit_mb,
+               **({"net": req["net"]} if "net" in req else {})}, b"")
+    if req.get("ca"):
+        _trust(str(req["ca"]))
     rootfs.write_file(rootfs.SUDO_PATH, rootfs.SUDO_SHIM, 0o755)
     shutil.chown(rootfs.HOME, rootfs.SANDBOX_UID, rootfs.SANDBOX_UID)
     _agent_cgroup(limits)

@@ -77,11 +77,13 @@ def _build(path: str) -> None:
         os.unlink(tmp)
     import tempfile
 
+    import agentcell
+
     root = tempfile.mkdtemp(prefix="agentcell-vmroot-")
+    # the child packs the agentcell this process runs (-P: not the cwd's; an editable install's finder
+    # would otherwise give it another checkout's, whose store parts the image's key does not name)
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(agentcell.__file__)))}
     try:  # the tree's mounts exist only in this child's private mount namespace, gone with it
-        # the child imports this very agentcell (the image's key names its code), not another install's
-        package_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-        env = {**os.environ, "PYTHONPATH": package_parent}
         subprocess.run(["unshare", "--mount", "--propagation", "private", sys.executable, "-s", "-P", "-m",
                         "agentcell.backends.microvm.image", "build", root, tmp], check=True, env=env)
     finally:

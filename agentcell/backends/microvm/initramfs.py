@@ -19,6 +19,9 @@ MODULES = (
     "kernel/drivers/virtio/virtio_ring.ko",
     "kernel/drivers/virtio/virtio.ko",
     "kernel/drivers/virtio/virtio_mmio.ko",
+    "kernel/net/core/failover.ko",  # virtio_net needs net_failover, which needs failover
+    "kernel/drivers/net/net_failover.ko",
+    "kernel/drivers/net/virtio_net.ko",
     "kernel/drivers/block/virtio_blk.ko",
     "kernel/drivers/char/virtio_console.ko",
     "kernel/drivers/char/hw_random/virtio-rng.ko",

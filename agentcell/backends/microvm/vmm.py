@@ -5,7 +5,8 @@ The jail (bubblewrap, as the host's root, no user namespace):
     /dev (null, zero, random, urandom; /dev/kvm with --accel kvm), its own /proc and a small /tmp. No
     host file of the sandbox's is a path in there: the kernel, initramfs, root image and template RAM
     come as inherited file descriptors opened read-only by the server (/dev/fd/N), migration streams
-    as fds over QMP;
+    as fds over QMP. Its network namespace is empty: the guest's NIC is a TAP device's fd, the device
+    itself in the egress router's namespace (the sandbox's link, where its policy is enforced);
   * then setpriv: its own host uid and gid (one per sandbox, from the server's reserved range), no
     supplementary groups, every capability dropped from all sets and the bounding set, no_new_privs;
   * QEMU's own seccomp filter (-sandbox: no obsolete calls, no privilege changes, no spawning, no
@@ -26,6 +27,8 @@ TCG_CACHE_MB = 64
 # what QEMU takes besides the guest's RAM (TCG's cache, its own heap, device buffers), counted in the
 # VMM's host memory limit (measured: ~40-90 MiB RSS beyond the guest's pages under TCG)
 VMM_OVERHEAD_MB = 160
+# the NIC's address at boot; a networked guest takes one of its link's at its identity (guest.py)
+GUEST_MAC = "02:ac:00:00:00:02"
 SECCOMP = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
 
 
@@ -71,6 +74,16 @@ def qemu_argv(m: Machine, ram: str, ram_shared: bool, incoming: bool) -> list[st
         "-chardev", f"socket,id=agent,fd={fd['agent']}", "-chardev", f"socket,id=control,fd={fd['control']}",
         "-chardev", "ringbuf,id=console,size=65536",
     ]
+    # every VM has its NIC (a template's clones must have its devices); its backend is the sandbox's
+    # TAP on the egress router when it has one (network/router.py: connect_tap), else none (frames
+    # dropped). No vnet header either way (the TAP is opened without IFF_VNET_HDR): a clone's features
+    # must be its template's
+    nic = f"mac={GUEST_MAC}"
+    if "tap" in fd:
+        argv += ["-netdev", f"tap,id=net0,fd={fd['tap']}"]
+        nic += ",netdev=net0"
+    bus = "device" if m.machine == "microvm" else "pci"
+    argv += ["-device", f"virtio-net-{bus},{nic}"]
     if m.machine == "microvm":
         argv += ["-device", "virtio-blk-device,drive=root", "-device", "virtio-serial-device,max_ports=4",
                  "-device", "virtio-rng-device", "-device", "virtio-balloon-device,free-page-reporting=on",
