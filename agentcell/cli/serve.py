@@ -110,7 +110,7 @@ def _tls(opts: dict[str, Any]) -> None:
               help="First host uid of this server's sandboxes (default: a free range, disjoint from other servers').")
 @click.option("--backend", default="linux", show_default=True, type=click.Choice(["linux", "gvisor", "microvm"]),
               help="Isolation backend (gvisor: runsc sandboxes, no network; AGENTCELL_GVISOR_PLATFORM=ptrace; "
-                   "microvm: a QEMU VM per sandbox, its own kernel; network through the egress router, no secrets yet).")
+                   "microvm: a QEMU VM per sandbox, its own kernel, the network through the egress router).")
 @click.option("--accel", default="auto", show_default=True, type=click.Choice(["auto", "kvm", "tcg"]),
               envvar="AGENTCELL_MICROVM_ACCEL",
               help="The microvm backend's accelerator. auto: KVM if a probe VM boots under it, else refuse to "
