@@ -28,6 +28,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -50,7 +51,7 @@ from agentcell.backends.gvisor.backend import GVISOR_POLICY, _du
 from agentcell.backends.linux import cgroups, host, runtime_store, uids
 from agentcell.backends.linux import syscalls as sc
 from agentcell.backends.linux.backend import _read_frame
-from agentcell.backends.microvm import image, initramfs, kernel, vmm
+from agentcell.backends.microvm import image, initramfs, kernel, vmm, vmm_seccomp
 from agentcell.backends.microvm.qmp import Qmp, QmpError
 from agentcell.backends.pool import StandbyPool
 from agentcell.errors import (
@@ -162,6 +163,7 @@ class MicrovmBackend(CgroupSandboxes, Backend):
         self._template_limits: Limits | None = None
         self._seccomp = ""
         self._seccomp_strict = ""
+        self._vmm_seccomp = b""  # the VMM's allow-list as a BPF program (vmm_seccomp.py), built at start
         self.last_create_ms = 0.0
 
     # -- what the server says about this backend -------------------------------------------------
@@ -220,6 +222,7 @@ class MicrovmBackend(CgroupSandboxes, Backend):
         self._files = _Files(_open_ro(guest_kernel.vmlinuz), _open_ro(initrd), _open_ro(self._image.path))
         self._seccomp = _b64(seccomp_extra.build())
         self._seccomp_strict = _b64(seccomp_extra.build_strict())
+        self._vmm_seccomp = vmm_seccomp.build()
         if not self.accel:
             with progress.step("microvm: probing KVM (a probe VM must boot under it)"):
                 await self._probe_kvm()
@@ -323,20 +326,22 @@ class MicrovmBackend(CgroupSandboxes, Backend):
         sb = MicrovmSandbox(sandbox_id, ours, directory, cgroup, limits, uid)
         sb.control = ctl_ours
         self._sandboxes[sandbox_id] = sb
+        program = -1
         try:
             fds = {"kernel": self._files.kernel, "initrd": self._files.initrd, "image": self._files.image,
                    "qmp": qmp_theirs.fileno(), "agent": theirs.fileno(), "control": ctl_theirs.fileno()}
             machine = self._machine(limits, fds)
             if ram_fd >= 0:
                 ram = f"/dev/fd/{ram_fd}"
-            argv = vmm.jail_argv(vmm.qemu_argv(machine, ram, ram_shared, incoming), uid, machine.accel)
+            program = vmm_seccomp.program_fd(self._vmm_seccomp)  # read by bwrap, closed here after the spawn
+            argv = vmm.jail_argv(vmm.qemu_argv(machine, ram, ram_shared, incoming), uid, machine.accel, program)
             host_limits = Limits(memory_mb=limits.memory_mb + vmm.VMM_OVERHEAD_MB, pids=VMM_PIDS,
                                  cpu_count=limits.cpu_count)
             cg = sb.cgroups
             await asyncio.to_thread(_make_cgroup, cg, host_limits)
             log = os.open(os.path.join(directory, "vmm.log"), os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
             try:
-                pass_fds = [fd for fd in fds.values()] + ([ram_fd] if ram_fd >= 0 else [])
+                pass_fds = [*fds.values(), program] + ([ram_fd] if ram_fd >= 0 else [])
                 sb.proc = await asyncio.to_thread(
                     subprocess.Popen, argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, pass_fds=pass_fds,
                     preexec_fn=lambda: _join(cg), cwd="/")
@@ -352,6 +357,8 @@ class MicrovmBackend(CgroupSandboxes, Backend):
             for s in (theirs, qmp_theirs, ctl_theirs):
                 with contextlib.suppress(OSError):
                     s.close()
+            if program >= 0:
+                os.close(program)
         sb.qmp = Qmp(qmp_ours)
         try:
             await sb.qmp.connect(timeout=30)
@@ -560,11 +567,15 @@ class MicrovmBackend(CgroupSandboxes, Backend):
                 self.claimed.discard(sb.sandbox_id)
 
     def _log_tail(self, sb: MicrovmSandbox) -> str:
+        killed = ""
+        if sb.proc is not None and sb.proc.poll() == 128 + signal.SIGSYS:  # bwrap: its command's signal
+            killed = ("the VMM made a syscall outside its seccomp allow-list (vmm_seccomp.py) and was killed: the "
+                      "kernel log's seccomp record (audit type=1326) names it. ")
         try:
             with open(os.path.join(sb.dir, "vmm.log"), errors="replace") as f:
-                return f.read()[-1500:].strip() or "no output"
+                return killed + (f.read()[-1500:].strip() or "no output")
         except OSError:
-            return "no output"
+            return killed + "no output"
 
     async def _console(self, sb: MicrovmSandbox) -> str:
         """The last of the guest's console (a ring buffer inside the VMM: bounded) and the VMM's log."""
