@@ -4,6 +4,7 @@ filter stacked on it). Real VMs under QEMU TCG, a real jail."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import signal
@@ -15,7 +16,10 @@ from pathlib import Path
 import pytest
 
 from agentcell import Sandbox
+from agentcell.backends.base import Limits
 from agentcell.backends.microvm import vmm, vmm_seccomp
+from agentcell.backends.microvm.backend import MicrovmBackend, MicrovmSandbox
+from tests.helpers import started
 from tests.servers import SERVE, ServerProcess
 
 pytestmark = pytest.mark.skipif(
@@ -67,6 +71,15 @@ def _seccomp_status(pid: int) -> tuple[int, int]:
     return int(fields["Seccomp"]), int(fields["Seccomp_filters"])
 
 
+def _assert_filtered(qemus: list[int]) -> None:
+    """Each QEMU and each of its threads: seccomp mode 2, ours (loaded by bwrap) and QEMU's -sandbox."""
+    assert qemus, "no QEMU found"
+    for pid in qemus:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            mode, filters = _seccomp_status(int(tid))
+            assert mode == 2 and filters >= 2, (pid, tid, mode, filters)
+
+
 def test_a_whole_vm_life_under_the_allow_list(microvm: ServerProcess) -> None:
     url = microvm.url
     sbx = Sandbox.create(api_url=url, timeout=600, request_timeout=300)
@@ -94,6 +107,74 @@ def test_a_whole_vm_life_under_the_allow_list(microvm: ServerProcess) -> None:
     assert "outside its seccomp allow-list" not in microvm.log()
 
 
+async def _save(sb: MicrovmSandbox, path: str, ignore_shared: bool) -> None:
+    """The VM (stopped) migrated to a file the test opened: QMP's getfd, then migrate fd:."""
+    assert sb.qmp is not None
+    await sb.qmp.call("stop")
+    await sb.qmp.call("migrate-set-capabilities", capabilities=[{"capability": "x-ignore-shared",
+                                                                 "state": ignore_shared}])
+    out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        await sb.qmp.send_fd("out", out)
+    finally:
+        os.close(out)
+    await sb.qmp.call("migrate", uri="fd:out")
+    await sb.qmp.wait_migration(timeout=300)
+
+
+async def _quit(sb: MicrovmSandbox) -> int | None:
+    assert sb.qmp is not None and sb.proc is not None
+    await sb.qmp.call("quit")
+    return await asyncio.to_thread(sb.proc.wait, 60)
+
+
+async def test_a_migrations_under_the_allow_list(tmp_path: Path) -> None:
+    """The VMM side of a template, a standby and a snapshot, whatever the guest is doing (it need not be
+    ready): RAM in a shared file migrated out (x-ignore-shared), a clone mapping it private restored
+    with -incoming defer + migrate-incoming from an fd (this found msync), stop/cont, a full migration
+    to an fd and its restore into anonymous RAM, ringbuf-read, quit, SIGKILL. None may die of SIGSYS."""
+    b = MicrovmBackend(accel="tcg", standbys=0, max_sandboxes=4, ready_timeout=600)
+    async with started(b):
+        limits = Limits()
+        ram = os.path.join(b.state, "ram")
+        fd = os.open(ram, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        os.fchown(fd, b._free_uids[-1], b._free_uids[-1])
+        try:
+            tpl = await b._spawn("tpl", limits, ram_fd=fd, ram_shared=True)
+        finally:
+            os.close(fd)
+        await asyncio.sleep(10)  # the guest runs (TCG), wherever its boot gets to
+        assert tpl.qmp is not None and tpl.proc is not None
+        _assert_filtered(_qemus_of(tpl.proc.pid))
+        await tpl.qmp.call("ringbuf-read", device="console", size=4096, format="utf8")
+        await _save(tpl, str(tmp_path / "state"), ignore_shared=True)
+        assert await _quit(tpl) == 0
+        await b.kill(tpl)
+        os.chmod(ram, 0o444)
+        fd = os.open(ram, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            clone = await b._spawn("clone", limits, ram_fd=fd, incoming=True)
+        finally:
+            os.close(fd)
+        await b._load(clone, str(tmp_path / "state"), ignore_shared=True)
+        assert clone.qmp is not None
+        await asyncio.sleep(5)
+        await clone.qmp.call("stop")
+        await clone.qmp.call("cont")
+        await _save(clone, str(tmp_path / "memory"), ignore_shared=False)
+        await clone.qmp.call("cont")
+        restored = await b._spawn("restored", limits, incoming=True)
+        await b._load(restored, str(tmp_path / "memory"), ignore_shared=False)
+        await asyncio.sleep(5)
+        assert restored.qmp is not None
+        await restored.qmp.call("ringbuf-read", device="console", size=4096, format="utf8")
+        assert await _quit(restored) == 0
+        await b.kill(restored)
+        assert clone.alive(), f"the clone died: {b._log_tail(clone)}"
+        await b.kill(clone)
+        assert clone.proc is not None and clone.proc.returncode not in (SIGSYS_EXIT, -signal.SIGSYS)
+
+
 def test_c_every_vmm_carries_the_allow_list_and_qemus_filter(microvm: ServerProcess) -> None:
     sbx = Sandbox.create(api_url=microvm.url, timeout=300, request_timeout=300)
     try:
@@ -101,13 +182,7 @@ def test_c_every_vmm_carries_the_allow_list_and_qemus_filter(microvm: ServerProc
         deadline = time.monotonic() + 30
         while not (qemus := _qemus_of(microvm.pid)) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert qemus, "no QEMU under the server"
-        for pid in qemus:
-            mode, filters = _seccomp_status(pid)
-            # ours (loaded by bwrap) and QEMU's -sandbox one, each thread of it too
-            assert mode == 2 and filters >= 2, (pid, mode, filters)
-            for tid in os.listdir(f"/proc/{pid}/task"):
-                assert _seccomp_status(int(tid))[1] >= 2
+        _assert_filtered(qemus)
     finally:
         sbx.kill()
 

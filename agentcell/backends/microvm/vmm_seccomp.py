@@ -11,12 +11,14 @@ stacked on this one before it reads a byte from a guest, refuses privilege chang
 The alternative, a loader between setpriv and QEMU, would add an exec (a Python one costs ~30 ms per
 VMM) to close a window in which no guest runs yet.
 
-How the list was found: every path of vmm.qemu_argv's VMs (TCG: a template boot with its RAM in a
-shared file, migrate to an fd, standbys restored with -incoming defer + migrate-incoming from an fd,
-cont/stop, code runs, commands, the files API both ways, pause/resume, snapshots to an fd and their
-restore, ringbuf-read, quit, a cold boot with anonymous RAM; KVM: a boot with vCPUs in KVM_RUN) under
-`strace -f`, the calls after bwrap's load unioned; then the margin below for paths that did not come
-up (error exits, abort, signals, the I/O thread pool's growth, the balloon).
+How the list was found: QEMU under `strace -f` in its jail (bwrap's pid 1, setpriv and QEMU from
+setpriv's exec on: startup, QMP, a TCG boot) and outside it under KVM (vCPUs in KVM_RUN), unioned; then
+VMMs under this filter itself (a kill names its syscall in the kernel's audit record, type=1326)
+through the VMM side of every path: RAM in a shared file migrated to an fd (a template), a clone of
+it restored with -incoming defer + migrate-incoming from an fd, stop/cont, a full migration to an fd
+and its restore into anonymous RAM, ringbuf-read, quit (tests/test_vmm_seccomp.py). That found msync
+and fadvise64, which no trace of a boot shows. Then a margin for paths that did not come up (abort,
+errors written before an exit, signal waits, the I/O thread pool's growth, the balloon's discards).
 
 Arguments checked where it costs nothing and breaks nothing:
   * clone: threads only (CLONE_THREAD set), and no CLONE_NEW* flag. QEMU never forks here (spawn=deny);
@@ -44,7 +46,9 @@ import pyseccomp as seccomp
 
 from agentcell.backends.linux import syscalls as sc
 
-# seen under strace (module doc), by who needs them
+# seen in the traces and runs (module doc), by who needs them, with siblings on the same code paths
+# that did not come up: readv/pwritev next to writev/pread64, epoll next to ppoll (QEMU's fd monitor
+# without io_uring switches to epoll past a number of fds), pipe2/dup/timerfd of its event loop
 SEEN = (
     # memory: the guest's RAM, TCG's code buffer (PROT_EXEC), the balloon's discards (madvise)
     "brk", "mmap", "munmap", "mremap", "mprotect", "madvise", "get_mempolicy", "set_mempolicy", "memfd_create",
@@ -52,6 +56,12 @@ SEEN = (
     "openat", "close", "read", "write", "readv", "writev", "pread64", "pwrite64", "preadv", "pwritev", "lseek",
     "newfstatat", "fstat", "statfs", "fstatfs", "access", "readlink", "fcntl", "getdents64", "fchdir", "ioctl",
     "fallocate", "ftruncate", "fdatasync", "fsync",
+    # a restore into file-backed RAM writes it back when the load ends (qemu_ram_block_writeback): this
+    # one killed the first clones restored under the filter
+    "msync",
+    # and its block layer drops the image's page cache when an incoming migration hands it the VM
+    # (posix_fadvise DONTNEED at cont): that one killed the next
+    "fadvise64",
     # the main loop and its threads
     "ppoll", "poll", "futex", "eventfd2", "signalfd4", "pipe2", "dup", "dup3", "epoll_create1", "epoll_ctl",
     "epoll_wait", "epoll_pwait", "timerfd_create", "timerfd_settime",
@@ -74,7 +84,7 @@ SEEN = (
 # not seen, allowed for the paths that did not come up: abort() (its tkill/kill of itself), errors written
 # out before an exit, signal delivery interrupted (rt_sigsuspend), a thread's deadline wait
 MARGIN = ("tkill", "kill", "rt_sigsuspend", "pselect6", "select", "sched_getparam", "sched_getscheduler",
-          "sched_setaffinity", "mlock", "munlock", "membarrier", "getcwd", "getppid", "splice")
+          "sched_setaffinity", "mlock", "munlock", "membarrier", "getcwd", "getppid", "splice", "statx", "getcpu")
 SOCKET_FAMILIES = (1,)  # AF_UNIX
 # prctl options: setpriv's (KEEPCAPS, CAPBSET_READ/DROP, CAP_AMBIENT, NO_NEW_PRIVS, SECUREBITS),
 # QEMU's (SET_NAME/GET_NAME for its threads, MCE_KILL, TIMERSLACK), reads of them
