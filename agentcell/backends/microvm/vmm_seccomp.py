@@ -19,7 +19,7 @@ it restored with -incoming defer + migrate-incoming from an fd, stop/cont, a ful
 and its restore into anonymous RAM, ringbuf-read, quit (tests/test_vmm_seccomp.py). That found msync
 and fadvise64, which no trace of a boot shows. Then a whole life under it, killed by nothing: a
 template booted and saved, a standby restored from it, a create, code and commands run, 200 MiB
-touched and freed (the balloon's free page reports), pause/resume, the files API out and in, a
+touched and freed (the balloon's free page reports), pause/resume, the files API out (export), a
 checkpoint with the VM running on and its restore, a cold boot. Then a margin for paths that did not come up (abort,
 errors written before an exit, signal waits, the I/O thread pool's growth, the balloon's discards).
 
