@@ -28,6 +28,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -50,7 +51,7 @@ from agentcell.backends.gvisor.backend import GVISOR_POLICY, _du
 from agentcell.backends.linux import cgroups, host, runtime_store, uids
 from agentcell.backends.linux import syscalls as sc
 from agentcell.backends.linux.backend import _read_frame
-from agentcell.backends.microvm import image, initramfs, kernel, vmm
+from agentcell.backends.microvm import image, initramfs, kernel, vmm, vmm_seccomp
 from agentcell.backends.microvm.qmp import Qmp, QmpError
 from agentcell.backends.pool import StandbyPool
 from agentcell.errors import (
@@ -86,7 +87,8 @@ _MAX_CONTROL_PAYLOAD = 4 << 20
 # (~230 MiB charged in the guest cgroup at a claim under TCG, of which ~175 MiB reclaimable page cache)
 GUEST_OVERHEAD_MB = 256
 AGENT_BASELINE_MB = 128  # what the guest cgroup holds beyond memory_mb: the agent and its warm context
-VMM_PIDS = 512  # QEMU's threads: vCPUs, I/O workers, RCU, the main loop
+VMM_PIDS = 512
+VMM_LOG_BYTES = 16 << 10  # QEMU's threads: vCPUs, I/O workers, RCU, the main loop
 CMDLINE = ("console=ttyS0 quiet loglevel=1 panic=-1 8250.nr_uarts=1 random.trust_cpu=off "
            "transparent_hugepage=never")
 
@@ -131,6 +133,8 @@ class MicrovmSandbox(RunningSandbox):
         self.killed = False
         self.kill_lock = asyncio.Lock()
         self.stopped = False  # QMP stop (a standby waiting, a paused sandbox)
+        self.log = b""  # the last VMM_LOG_BYTES of QEMU's output
+        self.log_fd = -1
         self.slot = -1  # its link on the egress router (a TAP there, its fd the VMM's NIC), if any
         self.linked = False  # rules on the router to remove at kill
 
@@ -189,6 +193,7 @@ class MicrovmBackend(CgroupSandboxes, Backend):
         self._template_limits: Limits | None = None
         self._seccomp = ""
         self._seccomp_strict = ""
+        self._vmm_seccomp = b""  # the VMM's allow-list as a BPF program (vmm_seccomp.py), built at start
         self.last_create_ms = 0.0
 
     # -- what the server says about this backend -------------------------------------------------
@@ -255,6 +260,7 @@ class MicrovmBackend(CgroupSandboxes, Backend):
         self._files = _Files(_open_ro(guest_kernel.vmlinuz), _open_ro(initrd), _open_ro(self._image.path))
         self._seccomp = _b64(seccomp_extra.build())
         self._seccomp_strict = _b64(seccomp_extra.build_strict())
+        self._vmm_seccomp = vmm_seccomp.build()
         if not self.accel:
             with progress.step("microvm: probing KVM (a probe VM must boot under it)"):
                 await self._probe_kvm()
@@ -386,6 +392,7 @@ class MicrovmBackend(CgroupSandboxes, Backend):
         sb.control = ctl_ours
         self._sandboxes[sandbox_id] = sb
         tap = -1
+        program = -1
         try:
             fds = {"kernel": self._files.kernel, "initrd": self._files.initrd, "image": self._files.image,
                    "qmp": qmp_theirs.fileno(), "agent": theirs.fileno(), "control": ctl_theirs.fileno()}
@@ -395,19 +402,29 @@ class MicrovmBackend(CgroupSandboxes, Backend):
             if ram_fd >= 0:
                 ram = f"/dev/fd/{ram_fd}"
             kvm = _kvm_node(directory, uid) if machine.accel == "kvm" else None
-            argv = vmm.jail_argv(vmm.qemu_argv(machine, ram, ram_shared, incoming), uid, machine.accel, kvm)
+            program = vmm_seccomp.program_fd(self._vmm_seccomp)  # read by bwrap, closed here after the spawn
+            argv = vmm.jail_argv(vmm.qemu_argv(machine, ram, ram_shared, incoming), uid, machine.accel, program,
+                                 kvm)
             host_limits = Limits(memory_mb=_ram_mb(limits) + vmm.VMM_OVERHEAD_MB, pids=VMM_PIDS,
                                  cpu_count=limits.cpu_count)
             cg = sb.cgroups
             await asyncio.to_thread(_make_cgroup, cg, host_limits)
-            log = os.open(os.path.join(directory, "vmm.log"), os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            # QEMU's output into a pipe whose last VMM_LOG_BYTES the server keeps: whatever the guest makes
+            # QEMU print, it costs neither disk nor more memory than that
+            log_r, log_w = os.pipe2(os.O_CLOEXEC)
             try:
-                pass_fds = [fd for fd in fds.values()] + ([ram_fd] if ram_fd >= 0 else [])
+                pass_fds = [*fds.values(), program] + ([ram_fd] if ram_fd >= 0 else [])
                 sb.proc = await asyncio.to_thread(
-                    subprocess.Popen, argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, pass_fds=pass_fds,
+                    subprocess.Popen, argv, stdin=subprocess.DEVNULL, stdout=log_w, stderr=log_w, pass_fds=pass_fds,
                     preexec_fn=lambda: _join(cg), cwd="/")
+            except BaseException:
+                os.close(log_r)
+                raise
             finally:
-                os.close(log)
+                os.close(log_w)
+            sb.log_fd = log_r
+            os.set_blocking(log_r, False)
+            asyncio.get_running_loop().add_reader(log_r, _read_log, sb)
             sb.host_pid = sb.proc.pid
         except BaseException:
             for s in (theirs, qmp_theirs, ctl_theirs, qmp_ours):
@@ -420,6 +437,8 @@ class MicrovmBackend(CgroupSandboxes, Backend):
                     s.close()
             if tap >= 0:  # the VMM's copy is the link's only end now: the link goes when the VMM does
                 os.close(tap)
+            if program >= 0:
+                os.close(program)
         sb.qmp = Qmp(qmp_ours)
         try:
             await sb.qmp.connect(timeout=30)
@@ -700,6 +719,7 @@ class MicrovmBackend(CgroupSandboxes, Backend):
             if sb.qmp is not None:
                 sb.qmp.close()
             await asyncio.to_thread(_kill_cgroup, sb.cgroups, sb.proc)
+            _close_log(sb)
             if sb.linked and self.egress is not None:
                 # its link went with its VMM (the TAP's last fd); its rules go after the kill returns
                 task = asyncio.get_running_loop().create_task(self._unlink(sb.slot))
@@ -715,11 +735,14 @@ class MicrovmBackend(CgroupSandboxes, Backend):
                 self.claimed.discard(sb.sandbox_id)
 
     def _log_tail(self, sb: MicrovmSandbox) -> str:
-        try:
-            with open(os.path.join(sb.dir, "vmm.log"), errors="replace") as f:
-                return f.read()[-1500:].strip() or "no output"
-        except OSError:
-            return "no output"
+        killed = ""
+        if sb.proc is not None and sb.proc.poll() == 128 + signal.SIGSYS:  # bwrap: its command's signal
+            killed = ("the VMM made a syscall outside its seccomp allow-list (vmm_seccomp.py) and was killed: the "
+                      "kernel log's seccomp record (audit type=1326) names it. ")
+        if sb.log_fd >= 0:
+            with contextlib.suppress(OSError):
+                _read_log(sb)  # what is in the pipe still
+        return killed + (sb.log[-1500:].decode(errors="replace").strip() or "no output")
 
     async def _console(self, sb: MicrovmSandbox) -> str:
         """The last of the guest's console (a ring buffer inside the VMM: bounded) and the VMM's log."""
@@ -1005,6 +1028,25 @@ def _kill_cgroup(cg: cgroups.Cgroups, proc: subprocess.Popen[bytes] | None) -> N
             raise SandboxError(f"the cgroups of sandbox {cg.sandbox_id} stay busy; remove them by hand")
         time.sleep(delay)
         delay = min(delay * 2, 0.05)
+
+
+def _read_log(sb: MicrovmSandbox) -> None:
+    try:
+        data = os.read(sb.log_fd, 1 << 16)
+    except BlockingIOError:
+        return
+    if data:
+        sb.log = (sb.log + data)[-VMM_LOG_BYTES:]
+        return
+    _close_log(sb)
+
+
+def _close_log(sb: MicrovmSandbox) -> None:
+    if sb.log_fd >= 0:
+        with contextlib.suppress(Exception):
+            asyncio.get_running_loop().remove_reader(sb.log_fd)
+        os.close(sb.log_fd)
+        sb.log_fd = -1
 
 
 def _write_all(fd: int, data: bytes) -> None:

@@ -9,9 +9,11 @@ The jail (bubblewrap, as the host's root, no user namespace):
     itself in the egress router's namespace (the sandbox's link, where its policy is enforced);
   * then setpriv: its own host uid and gid (one per sandbox, from the server's reserved range), no
     supplementary groups, every capability dropped from all sets and the bounding set, no_new_privs;
-  * QEMU's own seccomp filter (-sandbox: no obsolete calls, no privilege changes, no spawning, no
-    resource-limit changes), in addition to the host cgroup the server puts it in before it starts
-    (memory, CPU, pids of the whole VMM: guest RAM and QEMU's own).
+  * a seccomp allow-list (vmm_seccomp.py, loaded by bubblewrap before it execs setpriv): any other
+    syscall kills the VMM; and on top of it QEMU's own filter (-sandbox: no obsolete calls, no
+    privilege changes, no spawning, no resource-limit changes);
+  * the host cgroup the server puts it in before it starts (memory, CPU, pids of the whole VMM: guest
+    RAM and QEMU's own).
 A VMM escape lands in that: an unprivileged uid of its own, with nothing of the host's to write.
 """
 
@@ -99,9 +101,10 @@ def qemu_argv(m: Machine, ram: str, ram_shared: bool, incoming: bool) -> list[st
     return argv
 
 
-def jail_argv(qemu: list[str], uid: int, accel: str, kvm: str | None = None) -> list[str]:
-    """`qemu` run inside the jail (bubblewrap, then setpriv to `uid`). `kvm`: the VMM's own device node
-    for /dev/kvm (backend._kvm_node), bound there with --accel kvm."""
+def jail_argv(qemu: list[str], uid: int, accel: str, seccomp_fd: int = -1, kvm: str | None = None) -> list[str]:
+    """`qemu` run inside the jail (bubblewrap, then setpriv to `uid`); under the seccomp program that
+    bwrap reads from the inherited `seccomp_fd` (vmm_seccomp.program_fd), if one is given. `kvm`: the
+    VMM's own device node for /dev/kvm (backend._kvm_node), bound there with --accel kvm."""
     binary = qemu_path() or f"/usr/bin/{QEMU}"
     argv = ["bwrap", "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
             "--die-with-parent", "--new-session", "--hostname", "vmm",
@@ -115,6 +118,8 @@ def jail_argv(qemu: list[str], uid: int, accel: str, kvm: str | None = None) -> 
     argv += ["--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp", "--chdir", "/tmp"]
     if accel == "kvm":
         argv += ["--dev-bind", kvm or "/dev/kvm", "/dev/kvm"]
+    if seccomp_fd >= 0:
+        argv += ["--seccomp", str(seccomp_fd)]
     argv += ["--", "/usr/bin/setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
              "--inh-caps=-all", "--ambient-caps=-all", "--bounding-set=-all", "--no-new-privs", "--",
              binary, *qemu[1:]]
