@@ -71,7 +71,7 @@ def neighbour(server: ServerProcess) -> Iterator[Sandbox]:
 
 
 def assert_neighbour_intact(sbx: Sandbox) -> None:
-    assert sbx.run_code("kept", request_timeout=120).text == "'neighbour-state'"
+    assert sbx.run_code("kept == 'neighbour-state'", request_timeout=120).text == "True"
     assert sbx.files.read("/tmp/kept", request_timeout=120) == "neighbour-file"
 
 
