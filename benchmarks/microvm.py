@@ -1,7 +1,12 @@
 """The microvm backend's figures on this machine (QEMU under TCG by default), beside their baselines.
 
     .venv/bin/python benchmarks/microvm.py [--runs 30] [--burst 20] [--idle 10,50] [--standbys 4]
-        [--accel tcg] [--port PORT] [--quick] [--json out.json]
+        [--accel tcg] [--port PORT] [--quick] [--json out.json] [--ready-timeout 600] [--start-attempts 3]
+
+--quick: 5 restores, a burst of 4, idle at 2 and 4, one of each lifecycle figure (a smoke run, ~15 min
+on a loaded host). On a host busy with other VMs a TCG boot can stall (the guest spins, its RAM file
+stops growing): the server is then started again (--start-attempts) and a failed cold boot is listed
+under the table; --ready-timeout raises the backend's 120 s boot timeout for such a host.
 
 Starts its own `agentcell serve --backend microvm --accel tcg --egress-uplink none` (a state dir of its
 own, removed afterwards) and measures through the agentcell SDK over TCP:
