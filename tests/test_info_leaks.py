@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import GVISOR, REPO
+from conftest import GUEST_KERNEL, GVISOR, MICROVM, REPO
 from helpers import memory_scan_code, sh
 
 from agentcell import Sandbox
@@ -194,7 +194,7 @@ def test_proc_hides_kernel_and_host_details(sbx: Sandbox) -> None:
     for path in MASKED:
         if os.path.exists(path):
             code, out, _ = sh(sbx, f"cat {path} | head -c 200")
-            if GVISOR:  # the sentry's own /proc: what it has there is made up, never the host's
+            if GUEST_KERNEL:  # the sentry's or the VM's own kernel's /proc: never the host's
                 host = Path(path).read_bytes()[:200].decode(errors="replace") if path != "/proc/kallsyms" else ""
                 assert not host.strip() or host not in out, (path, out)
             else:
@@ -202,7 +202,7 @@ def test_proc_hides_kernel_and_host_details(sbx: Sandbox) -> None:
     listed = sh(sbx, "ls /proc/acpi /proc/bus /proc/scsi /proc/irq /proc/fs 2>/dev/null")[1].split()
     if GVISOR:  # the sentry's: absent, or empty directories
         assert all(word.endswith(":") for word in listed), listed
-    else:
+    elif not GUEST_KERNEL:
         assert listed == [p + ":" for p in ("/proc/acpi", "/proc/bus", "/proc/fs", "/proc/irq", "/proc/scsi")
                           if os.path.exists(p)]
     # What programs need stays: their own process, the machine's load and memory, their own network.
@@ -216,7 +216,8 @@ def test_proc_hides_kernel_and_host_details(sbx: Sandbox) -> None:
     for cmd in ("umount /proc/cmdline", "umount -l /proc/cmdline", "umount -l /proc",
                 "mount --bind /proc/version /proc/cmdline", "mount -t proc proc /tmp"):
         assert sh(sbx, cmd)[0] != 0, cmd
-    assert GVISOR or sh(sbx, "cat /proc/cmdline")[1] == ""
+    # a VM's is its own kernel's command line, which the host wrote and which holds nothing of it
+    assert GUEST_KERNEL or sh(sbx, "cat /proc/cmdline")[1] == ""
 
 
 def test_proc_masks_resist_the_sandbox_namespace_root() -> None:
@@ -274,7 +275,9 @@ ETC_ALLOWED = {
 def test_etc_holds_only_what_programs_need(sbx: Sandbox) -> None:
     names = set(sh(sbx, "ls -A /etc")[1].split())
     jdk_conf = {n for n in names if re.fullmatch(r"java-\d+-openjdk", n)}  # a host JDK's conf (Java contexts)
-    assert names - jdk_conf <= ETC_ALLOWED, names - jdk_conf - ETC_ALLOWED
+    # a VM's own machine id (drawn at each clone's identity, as a VM's is): nothing of the host's
+    own = {"machine-id"} if MICROVM else set()
+    assert names - jdk_conf - own <= ETC_ALLOWED, names - jdk_conf - own - ETC_ALLOWED
     assert "passwd" in names and "ssl" in names and "ld.so.cache" in names
     assert sh(sbx, "test -e /etc/ssl/private")[0] != 0  # the host's private keys: not even the directory
     assert sh(sbx, "ls -A /etc/R 2>/dev/null | grep -c -e Renviron.site -e Rprofile.site")[1].strip() in ("", "0")
@@ -286,8 +289,8 @@ def test_etc_holds_only_what_programs_need(sbx: Sandbox) -> None:
     assert code == 0 and "user" in out, err
 
 
-@pytest.mark.skipif(GVISOR, reason="the linux backend's zygote state dir on the host: a gvisor sandbox's caches "
-                    "are made in its own guest kernel")
+@pytest.mark.skipif(GUEST_KERNEL, reason="the linux backend's zygote state dir on the host: a gvisor or microvm "
+                    "sandbox's caches are made in its own guest kernel")
 def test_zygote_state_dir_is_private(server_url: str) -> None:
     with Sandbox.create(api_url=server_url) as s:
         r = s.run_code("import matplotlib; (matplotlib.get_cachedir(), get_ipython().ipython_dir)")

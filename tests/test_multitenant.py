@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import GVISOR, REPO, ServerProcess
+from conftest import GUEST_KERNEL, REPO, ServerProcess
 from helpers import secret_scan_code
 
 from agentcell import InvalidArgumentException, Sandbox, SandboxException, TimeoutException
@@ -73,8 +73,8 @@ def test_rejected_create_keeps_live_sandboxes(server_url: str, neighbour: Sandbo
     assert_neighbour_and_server_fine(neighbour, server_url)
 
 
-@pytest.mark.skipif(GVISOR, reason="the linux backend's zygote: gvisor sandboxes are restored from a checkpoint, "
-                    "no process of the server's forks them")
+@pytest.mark.skipif(GUEST_KERNEL, reason="the linux backend's zygote: gvisor and microvm sandboxes are restored "
+                    "from a checkpoint or a template VM, no process of the server's forks them")
 def test_sandboxes_survive_their_zygotes_death(server: ServerProcess, server_url: str, neighbour: Sandbox) -> None:
     own = Sandbox.create(api_url=server_url)
     own.run_code("mine = 17")
@@ -103,8 +103,8 @@ def host_uid(sbx: Sandbox) -> int:
     return int(user[0][1])
 
 
-@pytest.mark.skipif(GVISOR, reason="the linux backend's host uid ranges: a gvisor sandbox's ids are its guest "
-                    "kernel's, and its host processes run as runsc's")
+@pytest.mark.skipif(GUEST_KERNEL, reason="the linux backend's host uid ranges: a gvisor or microvm sandbox's ids "
+                    "are its guest kernel's (runsc's processes, or a VMM's own uid: tests/test_microvm.py)")
 def test_two_servers_get_disjoint_uid_ranges(server_url: str, tmp_path: Path) -> None:
     other = ServerProcess(tmp_path / "second.log", "--max-sandboxes", "50")
     try:

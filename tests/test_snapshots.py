@@ -15,12 +15,15 @@ import pytest
 
 from agentcell import Sandbox
 from agentcell.errors import SandboxException
+from tests.conftest import BACKEND_ARGS as _SESSION_BACKEND_ARGS
 from tests.conftest import ServerProcess
 from tests.helpers import sh
 
-GVISOR = os.environ.get("AGENTCELL_TEST_BACKEND", "linux") == "gvisor"
-BACKEND_ARGS = ("--backend", "gvisor") if GVISOR else ()
-memory_only = pytest.mark.skipif(not GVISOR, reason="memory snapshots need the gvisor backend")
+_BACKEND = os.environ.get("AGENTCELL_TEST_BACKEND", "linux")
+GVISOR = _BACKEND == "gvisor"
+MEMORY = _BACKEND in ("gvisor", "microvm")  # backends whose snapshots keep memory
+BACKEND_ARGS = _SESSION_BACKEND_ARGS
+memory_only = pytest.mark.skipif(not MEMORY, reason="memory snapshots need the gvisor or microvm backend")
 
 
 def test_snapshot_then_create_from_it(server_url: str) -> None:
@@ -39,7 +42,7 @@ def test_snapshot_then_create_from_it(server_url: str) -> None:
         assert snap.snapshot_id in [s.snapshot_id for s in listed]
         mine = src.list_snapshots().next_items()
         assert [s.snapshot_id for s in mine] == [snap.snapshot_id]
-        assert mine[0].mode == ("full" if GVISOR else "filesystem")  # the most the backend keeps
+        assert mine[0].mode == ("full" if MEMORY else "filesystem")  # the most the backend keeps
         assert [s.snapshot_id for s in Sandbox.list_snapshots(name=snap.names[0], api_url=server_url).next_items()] \
             == [snap.snapshot_id]
         assert Sandbox.list_snapshots(name="no-such-name", api_url=server_url).next_items() == []
@@ -52,8 +55,8 @@ def test_snapshot_then_create_from_it(server_url: str) -> None:
                 assert child.files.read("/tmp/scratch.txt") == "tmp too"
                 assert sh(child, "/usr/local/bin/mytool >/dev/null; cat /usr/local/bin/mytool")[1] == "tool\n"
                 assert sh(child, "test -e /etc/motd; echo $?")[1] == "1\n"
-                # linux: files only, a cold start; gvisor: its memory too
-                assert ("live" in child.run_code("dir()").text) is GVISOR
+                # linux: files only, a cold start; gvisor, microvm: its memory too
+                assert ("live" in child.run_code("dir()").text) is MEMORY
                 assert sh(child, "stat -c %U /home/user/notes/a.txt /usr/local/bin/mytool")[1] == "user\nroot\n"
             a.files.write("/home/user/notes/a.txt", "changed in a")
             assert b.files.read("/home/user/notes/a.txt") == "from the source"

@@ -219,7 +219,9 @@ def _agent_cgroup(limits: Limits) -> None:
 
 
 def _start_agent(channel: str, sandbox_id: str, limits: Limits, req: dict[str, Any]) -> int:
-    """Fork the agent: in the guest cgroup, dropped to the linux agent's identity, serving `channel`."""
+    """Fork the agent: in the guest cgroup, pid 1 of a pid namespace of its own (as on the linux backend:
+    nothing it starts can signal it, `kill -9 -1` included), dropped to the linux agent's identity,
+    serving `channel`. The pid returned is a small parent that waits for it and ends with it."""
     pid = os.fork()
     if pid:
         return pid
@@ -227,6 +229,14 @@ def _start_agent(channel: str, sandbox_id: str, limits: Limits, req: dict[str, A
         with open(f"{CGROUP}/cgroup.procs", "w") as f:
             f.write("0")
         os.setsid()
+        sc.unshare(sc.CLONE_NEWPID | sc.CLONE_NEWNS)
+        agent_pid = os.fork()
+        if agent_pid:
+            _, status = os.waitpid(agent_pid, 0)
+            os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
+        # pid 1 now: a /proc of this namespace, in a mount namespace of its own
+        sc.mount(None, "/", None, sc.MS_REC | sc.MS_PRIVATE, None)
+        sc.mount("proc", "/proc", "proc", sc.MS_NOSUID | sc.MS_NODEV | sc.MS_NOEXEC, None)
         # the guest's OOM killer takes the tenant's processes before the agent (its children set 0)
         with open("/proc/self/oom_score_adj", "w") as f:
             f.write("-900")
