@@ -29,6 +29,7 @@ import httpx
 import pytest
 
 from agentcell import CommandExitException, Sandbox
+from agentcell.backends.microvm import backend as microvm_backend
 from agentcell.backends.microvm import kernel, vmm
 from agentcell.errors import SandboxException
 from tests.helpers import wait_until
@@ -227,7 +228,7 @@ def test_a_memory_hog_is_killed_by_the_guest_oom_killer(server: ServerProcess, n
             assert int(events.split("oom_kill ")[1].split()[0]) >= 1, events
             assert victim.run_code("1 + 1", request_timeout=SLOW).text == "2"
             peak, limit = host_memory(victim.sandbox_id)
-            assert peak <= limit == (512 + vmm.VMM_OVERHEAD_MB) << 20, (peak, limit)
+            assert peak <= limit == (512 + microvm_backend.GUEST_OVERHEAD_MB + vmm.VMM_OVERHEAD_MB) << 20, (peak, limit)
         assert_neighbour_intact(neighbour)
     finally:
         victim.kill()
@@ -362,10 +363,15 @@ def test_limits_are_the_guests(server: ServerProcess, neighbour: Sandbox) -> Non
     memory_mb, cpus, disk_mb = 768, 1.5, 64  # not the standbys': this one boots (tens of seconds here)
     sbx = create(server, limits={"memoryMB": memory_mb, "cpuCount": cpus, "diskMB": disk_mb})
     try:
+        # the VM's RAM: the memory limit and the guest's own; the tenant is held to the limit (+ the agent's
+        # baseline) by the guest cgroup
+        ram_mb = memory_mb + microvm_backend.GUEST_OVERHEAD_MB
         total_kib = int(sbx.commands.run("grep MemTotal /proc/meminfo").stdout.split()[1])
-        assert 0.85 * memory_mb * 1024 <= total_kib <= memory_mb * 1024, total_kib
+        assert 0.85 * ram_mb * 1024 <= total_kib <= ram_mb * 1024, total_kib
+        held = int(sbx.commands.run("cat /sys/fs/cgroup/agent/memory.max").stdout)
+        assert held == (memory_mb + microvm_backend.AGENT_BASELINE_MB) << 20, held
         assert sbx.commands.run("nproc").stdout.strip() == str(math.ceil(cpus))
-        assert host_memory(sbx.sandbox_id)[1] == (memory_mb + vmm.VMM_OVERHEAD_MB) << 20  # the guest's RAM + QEMU's
+        assert host_memory(sbx.sandbox_id)[1] == (ram_mb + vmm.VMM_OVERHEAD_MB) << 20  # the guest's RAM + QEMU's
         with pytest.raises(CommandExitException) as full:
             sbx.commands.run(f"dd if=/dev/zero of=/tmp/fill bs=1M count={2 * disk_mb}", request_timeout=SLOW)
         assert "No space left on device" in full.value.stderr, full.value.stderr
