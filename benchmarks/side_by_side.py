@@ -393,6 +393,20 @@ class Memory:
                 self.private_dirty_kib += int(line.split()[1])
 
 
+def settled_descendants(root: int, timeout: float = 10.0) -> list[int]:
+    """descendants(root) once the set is the same twice 0.3 s apart: a baseline taken while the children of
+    an earlier figure (a burst's bwrap sandboxes) still exit would make the next figure's delta negative."""
+    deadline = time.monotonic() + timeout
+    last = sorted(descendants(root))
+    while time.monotonic() < deadline:
+        time.sleep(0.3)
+        now = sorted(descendants(root))
+        if now == last:
+            return now
+        last = now
+    return last
+
+
 def descendants(root: int) -> list[int]:
     """Every process below `root` (not root itself), from /proc/*/stat's ppid field."""
     children: dict[int, list[int]] = {}
@@ -680,7 +694,7 @@ class BaselineContender(Contender):
 
     async def idle_memory(self, n: int) -> IdleMemory:
         root = self.zygote.pid
-        before = memory_of(descendants(root))
+        before = memory_of(settled_descendants(root))
         socks = []
         try:
             for _ in range(n):
