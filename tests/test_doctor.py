@@ -16,7 +16,7 @@ from tests.ordinary_user import OrdinaryUser, ordinary_user, user_venv, user_wit
 
 STATUSES = {"ok", "warn", "missing"}
 NAMES = {"privilege", "user namespaces", "newuidmap + subordinate ids", "cgroups", "seccomp", "Landlock", "nftables",
-         "user-mode networking", "libbpf + BTF", "exec rules", "kernel audit", "node", "R", "runsc (gvisor)", "/dev/kvm", "state dir", "disk for the runtime store"}
+         "user-mode networking", "libbpf + BTF", "exec rules", "kernel audit", "node", "R", "runsc (gvisor)", "microvm", "/dev/kvm", "state dir", "disk for the runtime store"}
 LINE = re.compile(r"^\[(ok  |warn|MISS)\] (?P<name>[^:]+): (?P<detail>.*?)(?: -> fix: (?P<fix>.+))?$")
 
 
