@@ -279,7 +279,9 @@ def _fork_child(mode: str, fd: int, seq: int, pidns: int, ctl: socket.socket) ->
 def _spawn_bwrap(fd: int) -> None:
     bwrap = shutil.which("bwrap")
     assert bwrap, "bwrap is not installed"
-    argv = [bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp",
+    # the interpreter's environment stays in sight when it lives under /tmp (a checkout's venv there)
+    keep = ["--ro-bind", sys.prefix, sys.prefix] if sys.prefix.startswith("/tmp/") else []
+    argv = [bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp", *keep,
             "--unshare-all", "--die-with-parent", "--new-session", "--", sys.executable, "-c", CHILD_SOURCE]
     os.posix_spawn(bwrap, argv, os.environ,
                    file_actions=[(os.POSIX_SPAWN_DUP2, fd, 0), (os.POSIX_SPAWN_DUP2, fd, 1)])
