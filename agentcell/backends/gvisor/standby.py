@@ -114,12 +114,17 @@ async def claim(sock: socket.socket, sandbox_id: str, envs: dict[str, str], time
         raise SandboxError(f"standby {sandbox_id} did not take its claim: {header}")
 
 
-async def _read(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> tuple[dict[str, Any], bytes, int]:
-    """One frame, and never a byte past it (the rest of the stream is the server's)."""
+async def _read(loop: asyncio.AbstractEventLoop, sock: socket.socket,
+                max_payload: int = _MAX_WARM_PAYLOAD) -> tuple[dict[str, Any], bytes, int]:
+    """One frame, and never a byte past it (the rest of the stream is the server's); the microvm
+    backend reads its guests' control port with it too (a larger `max_payload`: tar's chunks)."""
     head_len, payload_len = PREFIX.unpack(await _exact(loop, sock, PREFIX.size))
-    if head_len > MAX_HEADER or payload_len > _MAX_WARM_PAYLOAD:
+    if head_len > MAX_HEADER or payload_len > max_payload:
         raise SandboxError(f"a standby sent a frame too large ({head_len}+{payload_len} bytes)")
-    header = json.loads(await _exact(loop, sock, head_len))
+    try:
+        header = json.loads(await _exact(loop, sock, head_len))
+    except ValueError:
+        header = None
     if not isinstance(header, dict):
         raise SandboxError("a standby sent a malformed frame")
     payload = await _exact(loop, sock, payload_len) if payload_len else b""

@@ -67,7 +67,7 @@ from agentcell.network.secrets import HeaderRule
 from agentcell.network.service import Egress, EgressSettings
 from agentcell.network.tunnel import EgressTunnel, TunnelConfigError
 from agentcell.policy.model import Policy, PolicyError
-from agentcell.runtime.protocol import MAX_HEADER, PREFIX, encode_frame
+from agentcell.runtime.protocol import encode_frame
 from agentcell.server import progress
 
 # The template's RAM file lives here (<state dir>/microvm/<instance>), on a disk, not in a tmpfs: a clone's
@@ -1056,28 +1056,9 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 async def _read_control(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> tuple[dict[str, Any], bytes]:
-    """One frame from the guest's control port: bounded, parsed as data."""
-    head_len, payload_len = PREFIX.unpack(await _exact(loop, sock, PREFIX.size))
-    if head_len > MAX_HEADER or payload_len > _MAX_CONTROL_PAYLOAD:
-        raise SandboxError(f"a guest sent a control frame too large ({head_len}+{payload_len} bytes)")
-    try:
-        header = json.loads(await _exact(loop, sock, head_len))
-    except ValueError:
-        raise SandboxError("a guest sent a malformed control frame") from None
-    if not isinstance(header, dict):
-        raise SandboxError("a guest sent a malformed control frame")
-    payload = await _exact(loop, sock, payload_len) if payload_len else b""
+    """One frame from the guest's control port: bounded, parsed as data (gvisor/standby.py's reader)."""
+    header, payload, _ = await standby._read(loop, sock, _MAX_CONTROL_PAYLOAD)
     return header, payload
-
-
-async def _exact(loop: asyncio.AbstractEventLoop, sock: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = await loop.sock_recv(sock, n - len(buf))
-        if not chunk:
-            raise SandboxError("the guest closed its control port (the VM ended)")
-        buf += chunk
-    return bytes(buf)
 
 
 def _remove_stale_states(base: str) -> None:

@@ -61,16 +61,7 @@ class Qmp:
                 msg["arguments"] = arguments
             self._writer.write(json.dumps(msg).encode() + b"\n")
             await self._writer.drain()
-            while True:
-                answer = await self._line()
-                if "event" in answer:
-                    self._keep(answer)
-                    continue
-                if "error" in answer:
-                    err = answer["error"]
-                    desc = err.get("desc") if isinstance(err, dict) else err
-                    raise QmpError(f"{command}: {desc}")
-                return answer.get("return")
+            return await self._answer(command)
 
     async def send_fd(self, name: str, fd: int, timeout: float = 30.0) -> None:
         """Give the VMM `fd` under `name` (QMP's getfd, the fd in SCM_RIGHTS): how a jailed VMM that sees
@@ -80,14 +71,20 @@ class Qmp:
             await self._writer.drain()
             msg = json.dumps({"execute": "getfd", "arguments": {"fdname": name}}).encode() + b"\n"
             socket.send_fds(self._sock, [msg], [fd])
-            while True:
-                answer = await self._line()
-                if "event" in answer:
-                    self._keep(answer)
-                    continue
-                if "error" in answer:
-                    raise QmpError(f"getfd: {answer['error']}")
-                return
+            await self._answer("getfd")
+
+    async def _answer(self, command: str) -> Any:
+        """The answer to the command just sent (events before it kept aside): its "return", or QmpError."""
+        while True:
+            answer = await self._line()
+            if "event" in answer:
+                self._keep(answer)
+                continue
+            if "error" in answer:
+                err = answer["error"]
+                desc = err.get("desc") if isinstance(err, dict) else err
+                raise QmpError(f"{command}: {desc}")
+            return answer.get("return")
 
     def _keep(self, event: dict[str, Any]) -> None:
         self.events.append(event)
