@@ -304,6 +304,24 @@ async def burst(url: str, n: int) -> tuple[float, list[float], list[str]]:
     return wall, [t for t, _ in ok], errors
 
 
+def timed_creates(server: Server, runs: int, label: str, errors: list[str],
+                  **kw: Any) -> tuple[list[float], list[float]]:
+    """`runs` creates, each with the pool full: the create's time and create -> first 1+1."""
+    creates, firsts = [], []
+    for _ in range(runs):
+        server.wait_pool_full()
+        try:
+            t = time.perf_counter()
+            sbx = create(server.url, **kw)
+            creates.append(time.perf_counter() - t)
+            first_result(sbx)
+            firsts.append(time.perf_counter() - t)
+            _kill(sbx)
+        except Exception as e:  # noqa: BLE001 - listed under the table
+            errors.append(f"{label}: {e!r}"[:300])
+    return creates, firsts
+
+
 def run(args: argparse.Namespace, server: Server, rows: list[tuple[str, str, str]], errors: list[str],
         raw: dict[str, Any]) -> None:
     url = server.url
@@ -316,35 +334,13 @@ def run(args: argparse.Namespace, server: Server, rows: list[tuple[str, str, str
     server.wait_pool_full()
 
     # cold boot: limits no standby has
-    cold_create, cold_total = [], []
-    for _ in range(args.cold):
-        server.wait_pool_full()
-        try:
-            t = time.perf_counter()
-            sbx = create(url, limits={"memoryMB": 640})
-            cold_create.append(time.perf_counter() - t)
-            first_result(sbx)
-            cold_total.append(time.perf_counter() - t)
-            _kill(sbx)
-        except Exception as e:  # noqa: BLE001 - listed under the table
-            errors.append(f"cold boot: {e!r}"[:300])
+    cold_create, cold_total = timed_creates(server, args.cold, "cold boot", errors, limits={"memoryMB": 640})
     rows.append(("cold boot: create (memoryMB 640, no standby)", seconds(cold_create), BASELINES["cold"]))
     rows.append(("  cold boot -> first 1+1", seconds(cold_total), ""))
     raw["cold_create"], raw["cold_total"] = cold_create, cold_total
 
     # restore -> first result, each with the pool full
-    creates, firsts = [], []
-    for _ in range(args.runs):
-        server.wait_pool_full()
-        try:
-            t = time.perf_counter()
-            sbx = create(url)
-            creates.append(time.perf_counter() - t)
-            first_result(sbx)
-            firsts.append(time.perf_counter() - t)
-            _kill(sbx)
-        except Exception as e:  # noqa: BLE001
-            errors.append(f"restore: {e!r}"[:300])
+    creates, firsts = timed_creates(server, args.runs, "restore", errors)
     rows.append(("restore (standby) -> first 1+1", percentiles(firsts), BASELINES["restore"]))
     rows.append(("  of which the create", percentiles(creates), ""))
     raw["restore_first"], raw["restore_create"] = firsts, creates

@@ -19,10 +19,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-import errno
 import json
 import os
-import re
 import select
 import shutil
 import socket
@@ -39,10 +37,9 @@ from agentcell.backends.base import (
     RunningSandbox,
     SandboxSpec,
     VolumeMount,
-    new_cell_sandbox_id,
     policy_parts,
 )
-from agentcell.backends.cgroup_backend import CgroupSandboxes
+from agentcell.backends.cgroup_backend import CgroupSandboxes, OwnSandboxes, kill_cgroup
 from agentcell.backends.gvisor import reap, rootfs, seccomp_extra, spec, standby, volume_points
 from agentcell.backends.gvisor.runsc import Runsc, private_null
 from agentcell.backends.linux import cgroups, host, runtime_store
@@ -65,7 +62,6 @@ READY_TIMEOUT = 60.0
 PREPARE_PARALLEL = 2  # standbys restored at once (each restore is ~0.3-0.6 s of CPU)
 STANDBYS = 4  # sandboxes restored from the template and kept frozen, ready for a create (--standbys)  # a fresh sandbox imports the whole data-science stack under gVisor (~2-4 s)
 _RENAME_CALL = (1 << 31) - 1  # the call id of restore()'s rename: never one of the server's (they count from 1)
-_ID_RE = re.compile(r"^[a-z0-9]{1,63}$")
 NO_NETWORK = ("the gvisor backend gives sandboxes no network at all (runsc --network=none: gVisor's netstack "
               "cannot be attached to a network namespace in this runsc, google/gvisor#10704); create the "
               "sandbox with allow_internet_access=False and no secrets, or use the linux backend")
@@ -117,7 +113,7 @@ class GvisorSandbox(RunningSandbox):
         return not poller.poll(0)
 
 
-class GvisorBackend(CgroupSandboxes, Backend):
+class GvisorBackend(OwnSandboxes, CgroupSandboxes, Backend):
     name = "gvisor"
     memory_snapshots = True
 
@@ -231,26 +227,10 @@ class GvisorBackend(CgroupSandboxes, Backend):
     # -- sandboxes -------------------------------------------------------------------------------
 
     def _check(self, spec_: SandboxSpec) -> None:
-        if spec_.sandbox_id and not _ID_RE.match(spec_.sandbox_id):
-            raise InvalidArgumentError(f"sandbox id must match {_ID_RE.pattern}, got {spec_.sandbox_id!r}")
-        if spec_.sandbox_id in self._sandboxes:
-            raise SandboxError(f"sandbox {spec_.sandbox_id} already exists", "already_exists")
-        try:
-            spec_.limits.validate()
-            host.check_limits(spec_.limits, self.host_budget)
-        except ValueError as e:
-            raise InvalidArgumentError(str(e)) from None
+        self._check_basics(spec_)
         if spec_.network.internet or spec_.secrets:
             raise InvalidArgumentError(NO_NETWORK)
         volume_points.check(spec_.volumes)
-        if len(self.claimed) >= self.max_sandboxes:
-            raise SandboxError("too many sandboxes on this host", "resource_exhausted")
-
-    def _new_id(self) -> str:
-        sandbox_id = new_cell_sandbox_id()
-        while sandbox_id in self._sandboxes:
-            sandbox_id = new_cell_sandbox_id()
-        return sandbox_id
 
     def _make_sandbox(self, sandbox_id: str, limits: Limits, sock: socket.socket,
                       volumes: tuple[VolumeMount, ...] = ()) -> GvisorSandbox:
@@ -402,7 +382,7 @@ class GvisorBackend(CgroupSandboxes, Backend):
             sb.killed = True
             with contextlib.suppress(OSError):
                 sb.sock.close()
-            await asyncio.to_thread(_kill_cgroup, sb.cgroups)
+            await asyncio.to_thread(kill_cgroup, sb.cgroups, reap.reap)
             if sb.pidfd >= 0:
                 os.close(sb.pidfd)
                 sb.pidfd = -1
@@ -600,22 +580,3 @@ def _thaw_and_retune(cg: cgroups.Cgroups, old: Limits, new: Limits) -> None:
     if new.memory_mb != old.memory_mb:
         path = f"{cg.dirs['unified']}/memory.max" if cg.v2 else f"{cg.dirs['memory']}/memory.limit_in_bytes"
         sc.write_file(path, str(spec.host_memory_bytes(new)))
-
-
-def _kill_cgroup(cg: cgroups.Cgroups) -> None:
-    """SIGKILL every task of the sandbox (sentry, gofer, stubs), reap them, remove the cgroups."""
-    deadline = time.monotonic() + 10
-    delay = 0.002
-    while True:
-        cg.kill_all()  # thaws first: a frozen task dies only once thawed (v1)
-        reap.reap()
-        try:
-            if cg.remove():
-                return
-        except OSError as e:
-            if e.errno not in (errno.EBUSY, errno.ENOTEMPTY):
-                raise
-        if time.monotonic() > deadline:
-            raise SandboxError(f"the cgroups of sandbox {cg.sandbox_id} stay busy; remove them by hand")
-        time.sleep(delay)
-        delay = min(delay * 2, 0.05)

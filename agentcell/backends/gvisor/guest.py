@@ -213,6 +213,28 @@ def _load_seccomp(bpf: bytes) -> None:
     sc.prctl(seccomp_filter.PR_SET_SECCOMP, seccomp_filter.SECCOMP_MODE_FILTER, ctypes.addressof(prog))
 
 
+def drop_to_agent(bpf: bytes, sandbox_id: str) -> dict[str, str]:
+    """Become the linux agent's identity in a guest kernel (this one's and the microvm guest's): uid 1000,
+    the root set permitted only (runtime/rootcaps.py), no_new_privs, the seccomp program `bpf`, the
+    sandbox's environment and home. Returns that environment."""
+    _bound_capabilities(sandbox_init.ROOT_CAPS)
+    sc.prctl(sc.PR_SET_KEEPCAPS, 1)
+    os.setgroups([])
+    os.setresgid(rootfs.SANDBOX_UID, rootfs.SANDBOX_UID, rootfs.SANDBOX_UID)
+    os.setresuid(rootfs.SANDBOX_UID, rootfs.SANDBOX_UID, rootfs.SANDBOX_UID)
+    sc.prctl(sc.PR_SET_KEEPCAPS, 0)
+    sc.prctl(sc.PR_SET_NO_NEW_PRIVS, 1)
+    sc.capset(sandbox_init.ROOT_CAPS_MASK, 0)
+    sc.prctl(sc.PR_SET_DUMPABLE, 1)
+    _load_seccomp(bpf)
+    rootcaps.GUEST_KERNEL = True  # uid 0 here is the guest kernel's root, never the host's
+    envs = sandbox_init.default_envs(sandbox_id)
+    os.environ.clear()
+    os.environ.update(envs)
+    os.chdir(rootfs.HOME)
+    return envs
+
+
 def main() -> None:
     _seal()  # first: a file open for writing on /dev would make its remount read-only fail (EBUSY)
     # the socket away from 0/1/2, which every child inherits
@@ -238,22 +260,7 @@ def main() -> None:
     global _namer
     _namer = _Namer()
     _register_rename_op()
-    keep = sandbox_init.ROOT_CAPS
-    _bound_capabilities(keep)
-    sc.prctl(sc.PR_SET_KEEPCAPS, 1)
-    os.setgroups([])
-    os.setresgid(rootfs.SANDBOX_UID, rootfs.SANDBOX_UID, rootfs.SANDBOX_UID)
-    os.setresuid(rootfs.SANDBOX_UID, rootfs.SANDBOX_UID, rootfs.SANDBOX_UID)
-    sc.prctl(sc.PR_SET_KEEPCAPS, 0)
-    sc.prctl(sc.PR_SET_NO_NEW_PRIVS, 1)
-    sc.capset(sandbox_init.ROOT_CAPS_MASK, 0)
-    sc.prctl(sc.PR_SET_DUMPABLE, 1)
-    _load_seccomp(bpf)
-    rootcaps.GUEST_KERNEL = True  # uid 0 here is the guest kernel's root, never the host's
-    envs = sandbox_init.default_envs(sandbox_id)
-    os.environ.clear()
-    os.environ.update(envs)
-    os.chdir(rootfs.HOME)
+    envs = drop_to_agent(bpf, sandbox_id)
     from agentcell.runtime import agent
 
     config = {"sandbox_id": sandbox_id, "envs": envs, "home": rootfs.HOME, "child_oom_score_adj": 0,

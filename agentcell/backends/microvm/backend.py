@@ -22,11 +22,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
+import functools
 import json
 import math
 import os
-import re
 import shutil
 import signal
 import socket
@@ -42,10 +41,9 @@ from agentcell.backends.base import (
     Limits,
     RunningSandbox,
     SandboxSpec,
-    new_cell_sandbox_id,
     policy_parts,
 )
-from agentcell.backends.cgroup_backend import CgroupSandboxes
+from agentcell.backends.cgroup_backend import CgroupSandboxes, OwnSandboxes, kill_cgroup
 from agentcell.backends.gvisor import seccomp_extra, standby
 from agentcell.backends.gvisor.backend import GVISOR_POLICY, _du
 from agentcell.backends.linux import cgroups, host, runtime_store, uids
@@ -80,7 +78,6 @@ PREPARE_PARALLEL = 2
 STANDBYS = 4
 PROBE_TIMEOUT = 20.0
 EMULATED = "emulated — no hardware isolation claim"
-_ID_RE = re.compile(r"^[a-z0-9]{1,63}$")
 _RENAME_CALL = (1 << 31) - 1
 _MAX_CONTROL_PAYLOAD = 4 << 20
 # The guest's own memory beside the tenant's: its kernel, page cache, pid 1, the agent and its warm context
@@ -142,7 +139,7 @@ class MicrovmSandbox(RunningSandbox):
         return not self.killed and self.proc is not None and self.proc.poll() is None
 
 
-class MicrovmBackend(CgroupSandboxes, Backend):
+class MicrovmBackend(OwnSandboxes, CgroupSandboxes, Backend):
     name = "microvm"
     memory_snapshots = True
 
@@ -346,27 +343,11 @@ class MicrovmBackend(CgroupSandboxes, Backend):
     # -- VMs -------------------------------------------------------------------------------------
 
     def _check(self, spec_: SandboxSpec) -> None:
-        if spec_.sandbox_id and not _ID_RE.match(spec_.sandbox_id):
-            raise InvalidArgumentError(f"sandbox id must match {_ID_RE.pattern}, got {spec_.sandbox_id!r}")
-        if spec_.sandbox_id in self._sandboxes:
-            raise SandboxError(f"sandbox {spec_.sandbox_id} already exists", "already_exists")
-        try:
-            spec_.limits.validate()
-            host.check_limits(spec_.limits, self.host_budget)
-        except ValueError as e:
-            raise InvalidArgumentError(str(e)) from None
+        self._check_basics(spec_)
         if (spec_.network.internet or spec_.secrets) and self.egress is None:
             raise InvalidArgumentError(NO_EGRESS)
         if spec_.volumes:
             raise InvalidArgumentError("the microvm backend cannot mount volumes yet; use the linux backend")
-        if len(self.claimed) >= self.max_sandboxes:
-            raise SandboxError("too many sandboxes on this host", "resource_exhausted")
-
-    def _new_id(self) -> str:
-        sandbox_id = new_cell_sandbox_id()
-        while sandbox_id in self._sandboxes:
-            sandbox_id = new_cell_sandbox_id()
-        return sandbox_id
 
     def _machine(self, limits: Limits, fds: dict[str, int]) -> vmm.Machine:
         accel = self.accel or "tcg"
@@ -503,6 +484,18 @@ class MicrovmBackend(CgroupSandboxes, Backend):
             request["pids"] = limits.pids
             request["memory_max"] = (limits.memory_mb + AGENT_BASELINE_MB) << 20
         await self._control(sb, request, os.urandom(64) if name else b"")
+
+    @staticmethod
+    async def _rename_agent(sb: MicrovmSandbox) -> None:
+        """The agent of a guest restored or claimed under another id (pid 1 renamed the guest): its
+        contexts take the new HOSTNAME and redraw their generators (guest.py _register_ops)."""
+        sb.sock.setblocking(False)
+        loop = asyncio.get_running_loop()
+        await loop.sock_sendall(sb.sock, encode_frame({"id": _RENAME_CALL, "op": "microvm.rename",
+                                                       "hostname": sb.sandbox_id}))
+        answer = await _read_frame(loop, sb.sock)
+        if answer is None or answer.get("id") != _RENAME_CALL or answer.get("error"):
+            raise SandboxError(f"sandbox {sb.sandbox_id} did not take its name: {answer}")
 
     # -- the network: a TAP on the linux backend's egress router per VM ---------------------------
 
@@ -672,11 +665,17 @@ class MicrovmBackend(CgroupSandboxes, Backend):
         self._check(spec_)
         await self._check_tunnel(spec_.secrets.tunnel)  # before a standby is taken for it
         sb: MicrovmSandbox | None = None
-        if not spec_.sandbox_id and self._pool is not None and self._claimable(spec_.limits):
+        if self._pool is not None and self._claimable(spec_.limits):
             sb = await self._pool.take()
         warm = sb is not None
+        # a given id (a sandbox resumed from its files, cold under the other backends): a standby renamed
+        renamed = warm and bool(spec_.sandbox_id)
         if sb is None:
             sb = await self._boot(spec_.sandbox_id or self._new_id(), spec_.limits)
+        elif renamed:
+            del self._sandboxes[sb.sandbox_id]  # its VMM's directory and cgroup keep the standby's name
+            sb.sandbox_id = spec_.sandbox_id
+            self._sandboxes[sb.sandbox_id] = sb
         try:
             sb.limits = spec_.limits
             if warm:
@@ -685,7 +684,8 @@ class MicrovmBackend(CgroupSandboxes, Backend):
                 sb.stopped = False
                 await asyncio.to_thread(_retune, sb.cgroups, spec_.limits)
                 async with asyncio.timeout(self.ready_timeout):
-                    await self._identity(sb, spec_.limits)  # the clock: it waited stopped
+                    # the clock (it waited stopped); a new name, boot id and randomness when renamed
+                    await self._identity(sb, spec_.limits, name=sb.sandbox_id if renamed else None)
             if spec_.files:
                 await self._untar(sb, spec_.files)
             if self.egress is not None and sb.slot >= 0:  # before the claim: the tenant's first code meets it
@@ -694,6 +694,9 @@ class MicrovmBackend(CgroupSandboxes, Backend):
             envs = {**spec_.envs, **spec_.secrets.envs()}
             if warm:
                 await standby.claim(sb.sock, sb.sandbox_id, envs, self.ready_timeout, op="microvm.claim")
+                if renamed:
+                    async with asyncio.timeout(self.ready_timeout):
+                        await self._rename_agent(sb)
             else:
                 await asyncio.get_running_loop().sock_sendall(sb.sock, encode_frame(
                     {"id": 0, "op": "claim", "envs": envs, "hostname": sb.sandbox_id}))
@@ -718,7 +721,7 @@ class MicrovmBackend(CgroupSandboxes, Backend):
                         s.close()
             if sb.qmp is not None:
                 sb.qmp.close()
-            await asyncio.to_thread(_kill_cgroup, sb.cgroups, sb.proc)
+            await asyncio.to_thread(kill_cgroup, sb.cgroups, functools.partial(_wait_briefly, sb.proc))
             _close_log(sb)
             if sb.linked and self.egress is not None:
                 # its link went with its VMM (the TAP's last fd); its rules go after the kill returns
@@ -918,13 +921,7 @@ class MicrovmBackend(CgroupSandboxes, Backend):
             await self._load(sb, os.path.join(image_dir, "memory"), ignore_shared=False)
             async with asyncio.timeout(self.ready_timeout):
                 await self._identity(sb, limits, name=sandbox_id)
-                sb.sock.setblocking(False)
-                loop = asyncio.get_running_loop()
-                await loop.sock_sendall(sb.sock, encode_frame({"id": _RENAME_CALL, "op": "microvm.rename",
-                                                               "hostname": sandbox_id}))
-                answer = await _read_frame(loop, sb.sock)
-            if answer is None or answer.get("id") != _RENAME_CALL or answer.get("error"):
-                raise SandboxError(f"sandbox {sandbox_id} restored from {image_dir} did not take its name: {answer}")
+                await self._rename_agent(sb)
             if self.egress is not None and sb.slot >= 0:  # its new link (its old address is gone): its policy
                 await self.egress.apply(sb.slot, spec_.network, sandbox_id, spec_.secrets)
         except BaseException:
@@ -1007,29 +1004,6 @@ def _retune(cg: cgroups.Cgroups, limits: Limits) -> None:
         sc.write_file(f"{cg.dirs['memory']}/memory.limit_in_bytes", memory)
 
 
-def _kill_cgroup(cg: cgroups.Cgroups, proc: subprocess.Popen[bytes] | None) -> None:
-    deadline = time.monotonic() + 10
-    delay = 0.002
-    while True:
-        with contextlib.suppress(OSError):
-            cg.kill_all()
-        if proc is not None:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=0.2)
-        try:
-            if cg.remove():
-                return
-        except FileNotFoundError:
-            return
-        except OSError as e:
-            if e.errno not in (errno.EBUSY, errno.ENOTEMPTY):
-                raise
-        if time.monotonic() > deadline:
-            raise SandboxError(f"the cgroups of sandbox {cg.sandbox_id} stay busy; remove them by hand")
-        time.sleep(delay)
-        delay = min(delay * 2, 0.05)
-
-
 def _read_log(sb: MicrovmSandbox) -> None:
     try:
         data = os.read(sb.log_fd, 1 << 16)
@@ -1067,3 +1041,10 @@ def _remove_stale_states(base: str) -> None:
         for name in os.listdir(base):
             if not cgroups.instance_alive(name):
                 shutil.rmtree(os.path.join(base, name), ignore_errors=True)
+
+
+def _wait_briefly(proc: subprocess.Popen[bytes] | None) -> None:
+    """Reap the VMM's jail (bwrap, the server's child) if it has ended."""
+    if proc is not None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=0.2)

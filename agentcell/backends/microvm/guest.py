@@ -31,12 +31,12 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from agentcell.backends.base import LIMIT_RANGES, Limits
-from agentcell.backends.linux import rootfs, runtime_store, sandbox_etc, sandbox_init
+from agentcell.backends.linux import rootfs, runtime_store, sandbox_etc
 from agentcell.backends.linux import syscalls as sc
-from agentcell.runtime import rootcaps
 from agentcell.runtime.protocol import encode_frame
 
 PORTS = "/sys/class/virtio-ports"
@@ -240,29 +240,14 @@ def _start_agent(channel: str, sandbox_id: str, limits: Limits, req: dict[str, A
         # the guest's OOM killer takes the tenant's processes before the agent (its children set 0)
         with open("/proc/self/oom_score_adj", "w") as f:
             f.write("-900")
-        fd = os.open(channel, os.O_RDWR | os.O_CLOEXEC)
+        fd = os.open(channel, os.O_RDWR | os.O_CLOEXEC)  # before /dev is replaced
         from agentcell.backends.gvisor import guest as gvisor_guest
 
+        _agent_view(gvisor_guest._seal)
         # the guest cgroup's pids.max is the process bound (set again at each claim); an RLIMIT_NPROC,
         # fixed at the template's boot, could not follow a claim's pids limit
         gvisor_guest._set_rlimits(dataclasses.replace(limits, pids=int(LIMIT_RANGES["pids"][1])))
-        bpf = base64.b64decode(req["seccomp"])
-        keep = sandbox_init.ROOT_CAPS
-        gvisor_guest._bound_capabilities(keep)
-        sc.prctl(sc.PR_SET_KEEPCAPS, 1)
-        os.setgroups([])
-        os.setresgid(rootfs.SANDBOX_UID, rootfs.SANDBOX_UID, rootfs.SANDBOX_UID)
-        os.setresuid(rootfs.SANDBOX_UID, rootfs.SANDBOX_UID, rootfs.SANDBOX_UID)
-        sc.prctl(sc.PR_SET_KEEPCAPS, 0)
-        sc.prctl(sc.PR_SET_NO_NEW_PRIVS, 1)
-        sc.capset(sandbox_init.ROOT_CAPS_MASK, 0)
-        sc.prctl(sc.PR_SET_DUMPABLE, 1)
-        gvisor_guest._load_seccomp(bpf)
-        rootcaps.GUEST_KERNEL = True  # uid 0 here is the guest kernel's root, never the host's
-        envs = sandbox_init.default_envs(sandbox_id)
-        os.environ.clear()
-        os.environ.update(envs)
-        os.chdir(rootfs.HOME)
+        envs = gvisor_guest.drop_to_agent(base64.b64decode(req["seccomp"]), sandbox_id)
         from agentcell.backends.linux import seccomp_filter
         from agentcell.runtime import agent
 
@@ -284,6 +269,43 @@ def _start_agent(channel: str, sandbox_id: str, limits: Limits, req: dict[str, A
         traceback.print_exc()
     finally:
         os._exit(1)
+
+
+def _agent_view(seal: Callable[[], None]) -> None:
+    """In the agent's mount namespace, before any tenant code: what the linux backend's sandbox sees, so
+    the guest's root meets the same walls (the guest kernel is the boundary; this keeps the behaviour).
+    A /dev of the devices a program needs (never the disks, consoles or the host's ports), no /sys, the
+    disk's own tmpfs out of sight, then gvisor/guest.py's seal: / read-only but for the overlays, the
+    home and /tmp; /proc masked as procfs.py says, but its boot_id the clone's own and its sysrq-trigger
+    left to the guest's root."""
+    flags = sc.MS_NOSUID | sc.MS_NOEXEC
+    for path in (rootfs.HOME, "/tmp"):  # on the root's overlay here: their own mounts, left writable
+        sc.mount(path, path, None, sc.MS_BIND, None)
+    sc.mount("tmpfs", "/sys", "tmpfs", flags | sc.MS_NODEV, "size=64k,mode=0755")  # over sysfs, in here only
+    dev = "/sys/dev"
+    os.mkdir(dev)
+    sc.mount("tmpfs", dev, "tmpfs", flags, "size=64k,mode=0755")
+    for name in rootfs.DEVICES:
+        with open(f"{dev}/{name}", "w"):
+            pass
+        sc.mount(f"/dev/{name}", f"{dev}/{name}", None, sc.MS_BIND, None)
+    for name in ("pts", "shm"):
+        os.mkdir(f"{dev}/{name}")
+        sc.mount(f"/dev/{name}", f"{dev}/{name}", None, sc.MS_BIND, None)
+    for link, target in (("ptmx", "pts/ptmx"), ("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"),
+                         ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):
+        os.symlink(target, f"{dev}/{link}")
+    sc.mount(dev, "/dev", None, sc.MS_MOVE, None)
+    os.rmdir(dev)
+    sc.mount(None, "/sys", None, sc.MS_REMOUNT | sc.MS_RDONLY | flags | sc.MS_NODEV, None)
+    sc.mount("tmpfs", DISK, "tmpfs", sc.MS_RDONLY | flags | sc.MS_NODEV, "size=4k,mode=0555")
+    seal()
+    # the one difference: the guest's root may crash or reboot its own VM, as on any VM (the host sees
+    # its VMM end; tests/test_microvm.py's panic)
+    sc.umount2("/proc/sysrq-trigger", sc.MNT_DETACH)
+    sc.mount(BOOT_ID, "/proc/sys/kernel/random/boot_id", None, sc.MS_BIND, None)
+    sc.mount(None, "/proc/sys/kernel/random/boot_id", None,
+             sc.MS_REMOUNT | sc.MS_BIND | sc.MS_RDONLY | flags | sc.MS_NODEV, None)
 
 
 def _register_ops() -> None:

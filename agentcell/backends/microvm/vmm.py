@@ -74,7 +74,7 @@ def qemu_argv(m: Machine, ram: str, ram_shared: bool, incoming: bool) -> list[st
         "-drive", f"id=root,file=/dev/fd/{fd['image']},format=raw,if=none,readonly=on",
         "-chardev", f"socket,id=qmp,fd={fd['qmp']}", "-mon", "chardev=qmp,mode=control",
         "-chardev", f"socket,id=agent,fd={fd['agent']}", "-chardev", f"socket,id=control,fd={fd['control']}",
-        "-chardev", "ringbuf,id=console,size=65536",
+        "-chardev", _console_chardev(),
     ]
     # every VM has its NIC (a template's clones must have its devices); its backend is the sandbox's
     # TAP on the egress router when it has one (network/router.py: connect_tap), else none (frames
@@ -124,3 +124,12 @@ def jail_argv(qemu: list[str], uid: int, accel: str, seccomp_fd: int = -1, kvm: 
              "--inh-caps=-all", "--ambient-caps=-all", "--bounding-set=-all", "--no-new-privs", "--",
              binary, *qemu[1:]]
     return argv
+
+
+def _console_chardev() -> str:
+    """The guest's serial console: a ring buffer inside the VMM (bounded; the server reads its end when a
+    boot fails), or with AGENTCELL_MICROVM_CONSOLE=log the VMM's output, whose last 16 KiB the server
+    keeps and quotes in errors: what a guest that dies at once said (an operator's debugging switch)."""
+    if os.environ.get("AGENTCELL_MICROVM_CONSOLE") == "log":
+        return "stdio,id=console,signal=off"
+    return "ringbuf,id=console,size=65536"
