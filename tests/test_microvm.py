@@ -223,10 +223,8 @@ def test_a_memory_hog_is_killed_by_the_guest_oom_killer(server: ServerProcess, n
         assert_neighbour_intact(neighbour)
         with pytest.raises(SandboxException) as ended:
             hog.wait()
-        if not gone(server, victim):  # the guest lived on: its OOM killer took the hog
+        if not gone(server, victim):  # the guest lived on: its OOM killer took the hog (in the guest cgroup)
             assert isinstance(ended.value, CommandExitException) and ended.value.exit_code in (137, -1), ended.value
-            events = victim.commands.run("cat /sys/fs/cgroup/agent/memory.events", request_timeout=SLOW).stdout
-            assert int(events.split("oom_kill ")[1].split()[0]) >= 1, events
             assert victim.run_code("1 + 1", request_timeout=SLOW).text == "2"
             peak, limit = host_memory(victim.sandbox_id)
             assert peak <= limit == (512 + microvm_backend.GUEST_OVERHEAD_MB + vmm.VMM_OVERHEAD_MB) << 20, (peak, limit)
@@ -369,14 +367,30 @@ def test_limits_are_the_guests(server: ServerProcess, neighbour: Sandbox) -> Non
         ram_mb = memory_mb + microvm_backend.GUEST_OVERHEAD_MB
         total_kib = int(sbx.commands.run("grep MemTotal /proc/meminfo").stdout.split()[1])
         assert 0.85 * ram_mb * 1024 <= total_kib <= ram_mb * 1024, total_kib
-        held = int(sbx.commands.run("cat /sys/fs/cgroup/agent/memory.max").stdout)
-        assert held == (memory_mb + microvm_backend.AGENT_BASELINE_MB) << 20, held
         assert sbx.commands.run("nproc").stdout.strip() == str(math.ceil(cpus))
         assert host_memory(sbx.sandbox_id)[1] == (ram_mb + vmm.VMM_OVERHEAD_MB) << 20  # the guest's RAM + QEMU's
         with pytest.raises(CommandExitException) as full:
             sbx.commands.run(f"dd if=/dev/zero of=/tmp/fill bs=1M count={2 * disk_mb}", request_timeout=SLOW)
         assert "No space left on device" in full.value.stderr, full.value.stderr
         sbx.commands.run("rm /tmp/fill")
+        assert sbx.run_code("21 * 2").text == "42"
+        assert_neighbour_intact(neighbour)
+    finally:
+        sbx.kill()
+
+
+def test_a_claims_memory_limit_holds_below_the_vms_ram(server: ServerProcess, neighbour: Sandbox) -> None:
+    """A standby's RAM is the template's (512 MiB + the guest's own); a claim of 256 MiB is held to it by
+    the guest cgroup (tenant and agent: 256 + 128 MiB, which the tenant cannot read: no /sys), far below
+    what the guest kernel has free."""
+    sbx = create(server, limits={"memoryMB": 256})
+    try:
+        assert sbx.commands.run("python3 -c 'x = b\"x\" * (150 << 20)'", request_timeout=SLOW).exit_code == 0
+        with pytest.raises(CommandExitException) as killed:
+            sbx.commands.run("python3 -c 'x = b\"x\" * (450 << 20)'", request_timeout=SLOW)
+        assert killed.value.exit_code in (137, -1), killed.value
+        total_kib = int(sbx.commands.run("grep MemTotal /proc/meminfo").stdout.split()[1])
+        assert total_kib > 600 << 10  # the guest had room for it: its cgroup said no
         assert sbx.run_code("21 * 2").text == "42"
         assert_neighbour_intact(neighbour)
     finally:

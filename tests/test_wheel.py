@@ -270,6 +270,43 @@ def test_agentcell_serve_from_the_wheel(installed: Path, tmp_path: Path) -> None
     assert not cache.exists() or not any(cache.iterdir())  # the shipped object: nothing compiled
 
 
+MICROVM_SMOKE = r"""
+import json, sys
+import agentcell
+from agentcell import Sandbox
+
+sbx = Sandbox.create(api_url=sys.argv[1], timeout=600, request_timeout=600)
+try:
+    sbx.run_code("x = 41")
+    print(json.dumps({"package": agentcell.__file__, "state": sbx.run_code("x + 1").text,
+                      "uid": sbx.commands.run("id -u").stdout.strip(),
+                      "guest_package": sbx.run_code("import agentcell; agentcell.__file__").text}))
+finally:
+    sbx.kill()
+"""
+
+
+@pytest.mark.skipif(shutil.which("qemu-system-x86_64") is None
+                    or not os.path.isdir(os.path.join("/var/lib/agentcell/microvm-kernel", "current")),
+                    reason="the microvm backend needs QEMU and the guest kernel (scripts/setup installs both)")
+def test_agentcell_serve_microvm_from_the_wheel(installed: Path, tmp_path: Path) -> None:
+    """`agentcell serve --backend microvm` from the venv: the guest's root image is built from the
+    installed package (never the tree), and a sandbox of it answers."""
+    env = _clean_env()
+    with ServerProcess(tmp_path / "server.log", "--backend", "microvm", "--accel", "tcg", "--standbys", "1",
+                       "--egress-uplink", "none", "--state-dir", str(tmp_path / "state"),
+                       command=[str(installed / "agentcell"), "serve"], base_env=env, cwd=tmp_path,
+                       start_timeout=900, stop_timeout=60) as srv:
+        done = subprocess.run([str(installed / "python"), "-c", MICROVM_SMOKE, srv.url], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:] + srv.log()[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["package"].startswith(str(installed.parent) + "/")
+    assert (out["state"], out["uid"]) == ("42", "1000")
+    # the guest's agentcell: the runtime store's copy of the installed package, at its neutral path
+    assert out["guest_package"].strip("'").startswith(runtime_store.NEUTRAL_ROOT + "/"), out
+
+
 def test_embedded_sandbox_from_the_wheel(installed: Path, tmp_path: Path) -> None:
     """`Sandbox.create()` with no URL: the SDK starts the venv's own server."""
     cache = tmp_path / "bpf-cache"

@@ -806,8 +806,7 @@ class MicrovmBackend(OwnSandboxes, CgroupSandboxes, Backend):
                     if header.get("event") == "data":
                         written += len(payload)
                         if written > max_bytes:
-                            # the rest of the stream would desynchronise the port: the sandbox cannot go on
-                            await self.kill(sb)
+                            await self._drain_export(sb, loop)
                             raise ResourceExhaustedError(
                                 f"the files of sandbox {sb.sandbox_id} are over {max_bytes} bytes")
                         await asyncio.to_thread(_write_all, fd, payload)
@@ -828,17 +827,34 @@ class MicrovmBackend(OwnSandboxes, CgroupSandboxes, Backend):
                 await sb.qmp.call("stop")
         return written
 
+    async def _drain_export(self, sb: MicrovmSandbox, loop: asyncio.AbstractEventLoop) -> None:
+        """The rest of an export refused for its size, read and dropped up to its "done" (at most the
+        sandbox's disk), so the control port stays in step and the sandbox goes on. A guest that does
+        not end it within the deadline is killed."""
+        assert sb.control is not None
+        try:
+            async with asyncio.timeout(self.ready_timeout):
+                while (await _read_control(loop, sb.control))[0].get("event") == "data":
+                    pass
+        except (TimeoutError, SandboxError, OSError):
+            await self.kill(sb)
+
     async def _untar(self, sb: MicrovmSandbox, archive: str) -> None:
         """A disk archive's home/ and tmp/ into the guest (tar as its root), in chunks over the control port."""
         assert sb.control is not None
         async with sb.control_lock:
             loop = asyncio.get_running_loop()
             sb.control.setblocking(False)
-            with open(archive, "rb") as f:
-                while chunk := await asyncio.to_thread(f.read, 1 << 20):
-                    await loop.sock_sendall(sb.control, encode_frame({"op": "import-chunk"}, chunk))
-            await loop.sock_sendall(sb.control, encode_frame({"op": "import"}))
-            header, _ = await _read_control(loop, sb.control)
+            try:
+                async with asyncio.timeout(self.ready_timeout):
+                    with open(archive, "rb") as f:
+                        while chunk := await asyncio.to_thread(f.read, 1 << 20):
+                            await loop.sock_sendall(sb.control, encode_frame({"op": "import-chunk"}, chunk))
+                    await loop.sock_sendall(sb.control, encode_frame({"op": "import"}))
+                    header, _ = await _read_control(loop, sb.control)
+            except TimeoutError:
+                raise SandboxError(f"sandbox {sb.sandbox_id} did not extract its files within {self.ready_timeout:g} s: "
+                                   f"{await self._console(sb)}") from None
         if header.get("event") != "done" or header.get("code") != 0:
             error = str(header.get("error") or header)[:500]
             if "No space left" in error:

@@ -93,6 +93,12 @@ class Control:
         self.buf += chunk
         return True
 
+    def has_frame(self) -> bool:
+        if len(self.buf) < 8:
+            return False
+        hlen, plen = struct.unpack(">II", self.buf[:8])
+        return len(self.buf) >= 8 + hlen + plen
+
     def recv(self) -> tuple[dict[str, Any], bytes]:
         import json
 
@@ -232,6 +238,10 @@ def _start_agent(channel: str, sandbox_id: str, limits: Limits, req: dict[str, A
         sc.unshare(sc.CLONE_NEWPID | sc.CLONE_NEWNS)
         agent_pid = os.fork()
         if agent_pid:
+            # pid 1 watches this parent: were the guest OOM killer to take it (a tenant's hog in the same
+            # cgroup), the VM would power off. It holds nothing: never its victim
+            with open("/proc/self/oom_score_adj", "w") as f:
+                f.write("-1000")
             _, status = os.waitpid(agent_pid, 0)
             os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
         # pid 1 now: a /proc of this namespace, in a mount namespace of its own
@@ -349,18 +359,50 @@ IMPORT = ["/usr/bin/tar", "-x", "--numeric-owner", "--same-permissions", "-C", "
           "--exclude=root", "--transform=s,^home,home/user,", "-f", "-"]
 
 
+class _Import:
+    """tar reading an archive on its stdin. Its complaints go to a file, never a pipe nobody reads
+    while the archive is still coming: a pipe would fill, tar stop reading, and both wait forever."""
+
+    def __init__(self) -> None:
+        import tempfile
+
+        self.err = tempfile.TemporaryFile(dir="/run")
+        self.proc = subprocess.Popen(IMPORT, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=self.err,
+                                     cwd="/")
+
+    def write(self, data: bytes) -> None:
+        assert self.proc.stdin is not None
+        with contextlib.suppress(BrokenPipeError):
+            self.proc.stdin.write(data)
+
+    def end(self) -> tuple[int, str]:
+        """tar's exit code and the last of what it said."""
+        assert self.proc.stdin is not None
+        with contextlib.suppress(BrokenPipeError):
+            self.proc.stdin.close()
+        code = self.proc.wait()
+        self.err.seek(0, os.SEEK_END)
+        self.err.seek(max(0, self.err.tell() - 1000))
+        said = self.err.read().decode(errors="replace")
+        self.err.close()
+        return code, said
+
+
 def _serve_control(ctl: Control, agent_pid: int) -> None:
     """The host's requests, one at a time, until the agent ends; then power off."""
     pidfd = os.pidfd_open(agent_pid)
     poller = select.poll()
     poller.register(pidfd, select.POLLIN)
     poller.register(ctl.fd, select.POLLIN)
-    importing: subprocess.Popen[bytes] | None = None
+    importing: _Import | None = None
     while True:
-        ready = dict(poller.poll())
+        # a frame already read whole (one read may bring several: an archive's last chunk and "import")
+        # is served before waiting on the port, which has nothing more to say about it
+        waiting = ctl.has_frame()
+        ready = dict(poller.poll(0 if waiting else None))
         if pidfd in ready:
             return
-        if ctl.fd not in ready:
+        if not waiting and ctl.fd not in ready:
             continue
         if not ctl.buf and not ctl._fill():
             continue
@@ -373,19 +415,11 @@ def _serve_control(ctl: Control, agent_pid: int) -> None:
             elif op == "export":
                 _export(ctl)
             elif op == "import-chunk":  # the archive comes in chunks into tar's stdin; "import" ends it
-                if importing is None:
-                    importing = subprocess.Popen(IMPORT, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                                                 stderr=subprocess.PIPE, cwd="/")
-                assert importing.stdin is not None
-                with contextlib.suppress(BrokenPipeError):
-                    importing.stdin.write(payload)
+                importing = importing or _Import()
+                importing.write(payload)
             elif op == "import":
-                if importing is None:
-                    importing = subprocess.Popen(IMPORT, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                                                 stderr=subprocess.PIPE, cwd="/")
-                _, err = importing.communicate()
-                ctl.send({"event": "done", "code": importing.returncode,
-                          "error": err.decode(errors="replace")[-1000:]})
+                code, said = (importing or _Import()).end()
+                ctl.send({"event": "done", "code": code, "error": said})
                 importing = None
             else:
                 ctl.send({"event": "error", "error": f"unknown op {op!r}"})
