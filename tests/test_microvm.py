@@ -345,6 +345,29 @@ def test_a_clone_keeps_the_host_clock_across_pause(server: ServerProcess) -> Non
         sbx.kill()
 
 
+def test_a_resume_from_files_takes_a_standby_under_its_own_id(server: ServerProcess) -> None:
+    """pause(mode="filesystem") then connect(): the files come back in a standby renamed to the sandbox's
+    id (a new boot), its archive streamed in chunks over the control port: more than one frame arrives in
+    one read there, each must be served (a last chunk and its "import" once waited forever)."""
+    sbx = create(server)
+    try:
+        sbx.files.write("/home/user/kept.bin", os.urandom(3 << 20))  # a few chunks of the archive
+        sbx.files.write("/tmp/note", "persisted")
+        boot = sbx.files.read("/proc/sys/kernel/random/boot_id")
+        sbx.run_code("x = 1")
+        assert sbx.pause(mode="filesystem") is True
+        sbx.connect(request_timeout=SLOW)
+        # a standby's VMM keeps its cgroup's name (docs/microvm.md); a VM booted for it would have the id's
+        assert cgroup_dirs(sbx.sandbox_id) == [], "the resume booted a VM instead of taking a standby"
+        assert sbx.files.read("/tmp/note") == "persisted"
+        assert len(sbx.files.read("/home/user/kept.bin", format="bytes")) == 3 << 20
+        assert sbx.commands.run("hostname").stdout.strip() == sbx.sandbox_id
+        assert sbx.files.read("/proc/sys/kernel/random/boot_id") != boot  # a fresh start: a new boot
+        assert "NameError" in str(sbx.run_code("x").error)
+    finally:
+        sbx.kill()
+
+
 # -- labels: TCG is emulation, and says so ------------------------------------------------------------
 
 def test_tcg_is_labelled_emulated(server: ServerProcess, neighbour: Sandbox) -> None:
