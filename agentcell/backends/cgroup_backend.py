@@ -10,7 +10,7 @@ import contextlib
 import errno
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from typing import Any
 
 from agentcell.backends.base import Capacity, RunningSandbox, SandboxSpec, SandboxStats, new_cell_sandbox_id
@@ -75,23 +75,30 @@ class OwnSandboxes:
 
     def _check_basics(self, spec_: SandboxSpec) -> None:
         """A create's id and its uniqueness, its limits within the host's, and room for one more."""
-        if spec_.sandbox_id and not ID_RE.match(spec_.sandbox_id):
-            raise InvalidArgumentError(f"sandbox id must match {ID_RE.pattern}, got {spec_.sandbox_id!r}")
-        if spec_.sandbox_id in self._sandboxes:
-            raise SandboxError(f"sandbox {spec_.sandbox_id} already exists", "already_exists")
-        try:
-            spec_.limits.validate()
-            host.check_limits(spec_.limits, self.host_budget)
-        except ValueError as e:
-            raise InvalidArgumentError(str(e)) from None
-        if len(self.claimed) >= self.max_sandboxes:
-            raise SandboxError("too many sandboxes on this host", "resource_exhausted")
+        check_create(spec_, self._sandboxes, len(self.claimed), self.host_budget, self.max_sandboxes)
 
     def _new_id(self) -> str:
         sandbox_id = new_cell_sandbox_id()
         while sandbox_id in self._sandboxes:
             sandbox_id = new_cell_sandbox_id()
         return sandbox_id
+
+
+def check_create(spec_: SandboxSpec, known: Container[str], count: int, host_budget: Any,
+                 max_sandboxes: int) -> None:
+    """What every backend checks first at a create: the id's form and that it is not taken (`known`),
+    the limits within what the backend and the host allow, and room for one more (`count` running)."""
+    if spec_.sandbox_id and not ID_RE.match(spec_.sandbox_id):
+        raise InvalidArgumentError(f"sandbox id must match {ID_RE.pattern}, got {spec_.sandbox_id!r}")
+    if spec_.sandbox_id in known:
+        raise SandboxError(f"sandbox {spec_.sandbox_id} already exists", "already_exists")
+    try:
+        spec_.limits.validate()
+        host.check_limits(spec_.limits, host_budget)
+    except ValueError as e:
+        raise InvalidArgumentError(str(e)) from None
+    if count >= max_sandboxes:
+        raise SandboxError("too many sandboxes on this host", "resource_exhausted")
 
 
 def kill_cgroup(cg: cgroups.Cgroups, reap: Callable[[], None]) -> None:

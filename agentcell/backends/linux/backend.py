@@ -36,7 +36,7 @@ from agentcell.backends.base import (
     check_pids_max,
     new_cell_sandbox_id,
 )
-from agentcell.backends.cgroup_backend import CgroupSandboxes
+from agentcell.backends.cgroup_backend import CgroupSandboxes, check_create
 from agentcell.backends.linux import (
     cgroup_delegation,
     cgroups,
@@ -77,7 +77,6 @@ IMAGE_POOLS = 8  # image templates with standbys at once (the least recently use
 PREPARE_PARALLEL = 4  # standbys prepared at once: enough to overlap each one's cgroup-join wait
 log = logging.getLogger("agentcell.backend")
 TIMING = os.environ.get("AGENTCELL_TIMING") == "1"  # debug: per-step create() stamps on stderr
-_ID_RE = re.compile(r"^[a-z0-9]{1,63}$")
 # a sandbox made from a disk archive extracts it before its agent starts: this much more time to be ready
 # (generous: ~5,000 entries/s on a slow core, an entry 512 bytes at the least)
 EXTRACT_BYTES_PER_S = 2e6
@@ -615,17 +614,7 @@ class LinuxBackend(CgroupSandboxes, Backend):
         """A standby of the pool, claimed for `spec`; or, for an id or limits no standby has, one
         prepared for it now (the same steps, on the request's path)."""
         t0 = time.perf_counter()
-        if spec.sandbox_id and not _ID_RE.match(spec.sandbox_id):
-            raise InvalidArgumentError(f"sandbox id must match {_ID_RE.pattern}, got {spec.sandbox_id!r}")
-        if spec.sandbox_id in self._owned:
-            raise SandboxError(f"sandbox {spec.sandbox_id} already exists", "already_exists")
-        try:
-            spec.limits.validate()
-            host.check_limits(spec.limits, self.host_budget)
-        except ValueError as e:
-            raise InvalidArgumentError(str(e)) from None
-        if len(self._sandboxes) >= self.max_sandboxes:
-            raise SandboxError("too many sandboxes on this host", "resource_exhausted")
+        check_create(spec, self._owned, len(self._sandboxes), self.host_budget, self.max_sandboxes)
         if (spec.network.internet or spec.secrets) and self.egress is None:
             raise InvalidArgumentError(NO_EGRESS)
         await self._check_tunnel(spec.secrets.tunnel)  # before a standby is taken for it
