@@ -66,6 +66,19 @@ class Box:
         return "".join(out)
 
 
+def _cgroup_dirs(rel: str) -> list[str]:
+    """`rel`'s directory in every cgroup hierarchy the host mounts (read here, not from the backend:
+    runsc makes a sandbox's cgroup in hierarchies agentcell does not limit with, e.g. name=systemd)."""
+    found = []
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        left, _, right = line.partition(" - ")
+        if right.split(" ", 1)[0] in ("cgroup", "cgroup2"):
+            path = os.path.join(left.split()[4], rel.lstrip("/"))
+            if os.path.isdir(path):
+                found.append(path)
+    return found
+
+
 def _runsc_processes(state: str) -> list[str]:
     out = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
     return [line for line in out.splitlines() if "runsc" in line and state in line]
@@ -137,9 +150,12 @@ async def test_kill_leaves_nothing_behind(backend: GvisorBackend) -> None:
     await backend.pause(sb)  # a frozen sandbox dies too
     pids = [int(p) for d in sb.cgroups.dirs.values() for p in Path(d, "cgroup.procs").read_text().split()]
     assert pids
+    rel = sb.cgroups.sandbox_id
+    assert len(_cgroup_dirs(rel)) >= 3  # runsc made it in memory, pids, cpu and maybe more
     await box.kill(backend)
     assert not sb.alive()
     assert not sb.cgroups.exists()
+    assert _cgroup_dirs(rel) == []  # in no hierarchy at all
     assert not os.path.exists(sb.dir)
     for pid in set(pids):
         assert not os.path.exists(f"/proc/{pid}"), pid  # gone and reaped, not zombies
@@ -254,7 +270,11 @@ async def test_sandboxes_die_with_their_server() -> None:
         await asyncio.sleep(0.2)
     assert not _runsc_processes(state)
     assert not os.path.exists(state)
-    assert not any(os.path.exists(f"/sys/fs/cgroup/{c}/{rel}") for c in ("memory", "pids", "freezer", "cpu"))
+    # the watchdog removed the tree from every hierarchy, runsc's extra ones (cpuset, name=systemd) too
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and _cgroup_dirs(rel):
+        await asyncio.sleep(0.2)
+    assert _cgroup_dirs(rel) == []
 
 
 async def test_export_files_is_a_tar_of_home_and_tmp(backend: GvisorBackend, tmp_path: Path) -> None:

@@ -93,7 +93,7 @@ class GvisorSandbox(RunningSandbox):
         self.sandbox_id = sandbox_id
         self.sock = sock
         self.dir = directory  # bundle (config.json) and runsc's --root
-        self.cgroups = cgroups.Cgroups.at(cgroup.lstrip("/"))
+        self.cgroups = cgroups.Cgroups.at(cgroup.lstrip("/"), every_hierarchy=True)  # runsc makes them all
         self.limits = limits
         self.host_pid = -1
         self.pidfd = -1

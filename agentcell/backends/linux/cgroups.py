@@ -174,6 +174,21 @@ def socket_limit_bytes(memory_mb: int) -> int:
     return max(_MIN_SOCKET_BYTES, (memory_mb << 20) // 8)
 
 
+def _v1_hierarchies() -> dict[str, str]:
+    """Every cgroup hierarchy mounted under ROOT (v1 hybrid hosts): name -> its mount. More than
+    `_v1_bases`: runsc makes a sandbox's cgroup in each one (cpuset, devices, blkio, name=systemd, ...),
+    and whatever removes a sandbox or a dead server's tree must look in all of them."""
+    found = {}
+    with contextlib.suppress(OSError), open("/proc/self/mountinfo") as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            mount = left.split()[4]
+            if right.split(" ", 1)[0] in ("cgroup", "cgroup2") and os.path.dirname(mount) == ROOT:
+                found[os.path.basename(mount)] = os.path.realpath(mount)
+    found.update(_v1_bases())
+    return found
+
+
 def _v1_bases() -> dict[str, str]:
     """controller -> its hierarchy's mount (cpu and cpuacct may share one, e.g. 'cpu,cpuacct')."""
     bases = {}
@@ -193,8 +208,10 @@ class Cgroups:
     dirs: dict[str, str]  # controller (or "unified") -> directory
 
     @classmethod
-    def at(cls, rel: str) -> Cgroups:
-        """The cgroups at `rel` (a path below each hierarchy's root, e.g. "agentcell/<inst>/<name>")."""
+    def at(cls, rel: str, every_hierarchy: bool = False) -> Cgroups:
+        """The cgroups at `rel` (a path below each hierarchy's root, e.g. "agentcell/<inst>/<name>").
+        `every_hierarchy`: on v1 also the hierarchies agentcell does not limit with, where a runtime
+        that makes its own cgroups (runsc) puts them too, so that `remove()` takes those away."""
         if rootless.active():  # an ordinary user's server: a delegated v2 subtree, else no cgroups
             delegated = delegated_root()
             if delegated is not None:
@@ -206,7 +223,8 @@ class Cgroups:
             return NoCgroups.named(rel)
         if is_v2():
             return cls(rel, True, {"unified": os.path.join(ROOT, rel)})
-        return cls(rel, False, {name: os.path.join(base, rel) for name, base in _v1_bases().items()})
+        bases = _v1_hierarchies() if every_hierarchy else _v1_bases()
+        return cls(rel, False, {name: os.path.join(base, rel) for name, base in bases.items()})
 
     def _unique_dirs(self) -> list[str]:
         return list(dict.fromkeys(self.dirs.values()))
@@ -513,7 +531,7 @@ def remove_tree(rel: str, timeout: float = 3.0) -> bool:
 def _bases() -> list[str]:
     if is_v2():
         return [root_dir()]
-    return list(dict.fromkeys(_v1_bases().values()))
+    return list(dict.fromkeys(_v1_hierarchies().values()))
 
 
 def remove_stale_instances() -> list[str]:
