@@ -22,12 +22,13 @@ the state dir and the runtime store; create latency p50/p99 per `--window`. Prin
 The goals (exit 1 when one fails): no failed session; once the traffic stops and the sandboxes are
 gone, every object count back at its baseline (taken after `--warmup` seconds of traffic); with
 `--strict` also server RSS growth < 5 % and p99 create latency of the last window <= 1.2x the first.
-Only loopback: the servers run with `--egress-uplink none`.
+Nothing leaves the machine: the egress uplink is a namespace with no route anywhere (linux), or none (gvisor).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -42,7 +43,7 @@ import threading
 import time
 import traceback
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -95,14 +96,33 @@ class Server:
                 self.proc.wait()
 
 
+@contextlib.contextmanager
+def routeless_uplink(backend: str) -> Iterator[list[str]]:
+    """The egress router's uplink: a network namespace with no route anywhere, so that sandboxes may have
+    internet access and rules (the router, its nft sets and conntrack work) and nothing leaves the
+    machine. The gvisor backend has no network: no uplink."""
+    if backend != "linux":
+        yield ["--egress-uplink", "none"]
+        return
+    name = f"acsoak{os.getpid() % 100000}-inet"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        subprocess.run(["ip", "-n", name, "link", "set", "lo", "up"], check=True)
+        yield ["--egress-uplink", f"netns:/run/netns/{name}", "--egress-dns", "198.51.100.53"]
+    finally:
+        subprocess.run(["ip", "netns", "del", name], check=False)
+
+
 def start_server(name: str, work: Path, backend: str, standbys: int, max_sandboxes: int,
-                 extra: list[str] | None = None) -> Server:
-    port = free_port()
-    state = work / f"{name}-state"
-    state.mkdir()
+                 extra: list[str] | None = None, state_dir: Path | None = None, port: int | None = None,
+                 prefix: list[str] | None = None) -> Server:
+    """`agentcell serve` on loopback; `prefix` runs it through a wrapper (e.g. into a cgroup)."""
+    port = port or free_port()
+    state = state_dir or work / f"{name}-state"
+    state.mkdir(exist_ok=True)
     log = work / f"{name}.log"
-    command = [sys.executable, "-m", "agentcell", "serve", "--port", str(port), "--backend", backend,
-               "--egress-uplink", "none", "--standbys", str(standbys), "--max-sandboxes", str(max_sandboxes),
+    command = [*(prefix or []), sys.executable, "-m", "agentcell", "serve", "--port", str(port), "--backend", backend,
+               "--standbys", str(standbys), "--max-sandboxes", str(max_sandboxes),
                "--state-dir", str(state), *(extra or [])]
     proc = subprocess.Popen(command, stdout=log.open("wb"), stderr=subprocess.STDOUT)
     return Server(name, proc, f"http://127.0.0.1:{port}", str(state), log)
@@ -334,9 +354,9 @@ class Sampler(threading.Thread):
         self.samples: list[dict[str, Any]] = []
         self.stopping = threading.Event()
 
-    def take(self) -> dict[str, Any]:
+    def take(self, runtime_store: bool = False) -> dict[str, Any]:
         counts: dict[str, Any] = {"t": time.monotonic()}
-        counts.update(census.census(every_netns=True))
+        counts.update(census.census(runtime_store=runtime_store))
         for s in self.servers:
             counts[f"{s.name}_rss_kib"] = census.status_field(s.proc.pid, "VmRSS")
             counts[f"{s.name}_fds"] = census.fd_count(s.proc.pid)
@@ -366,7 +386,7 @@ def settle(sampler: Sampler, baseline: dict[str, Any], ignore: set[str], timeout
     """Census until the object counts are back at baseline (standbys refill, reapers run) or `timeout`."""
     deadline = time.monotonic() + timeout
     while True:
-        now = sampler.take()
+        now = sampler.take(runtime_store=True)
         if not census.differences(baseline, now, ignore) or time.monotonic() > deadline:
             return now
         time.sleep(2)
@@ -445,11 +465,13 @@ def main() -> int:
     if os.geteuid() != 0:
         raise SystemExit("soak.py starts servers with the root backends: run it as root")
     work = Path(tempfile.mkdtemp(prefix="agentcell-soak-"))
+    stack = contextlib.ExitStack()
     servers: list[Server] = []
     try:
+        uplink = stack.enter_context(routeless_uplink(a.backend))
         if a.gateway:
             cells = [start_server(f"cell{n}", work, a.backend, a.standbys, 60,
-                                  ["--cell-id", f"soakcel{n}"]) for n in (1, 2)]
+                                  [*uplink, "--cell-id", f"soakcel{n}"]) for n in (1, 2)]
             servers += cells
             for s in cells:
                 s.wait_ready()
@@ -458,7 +480,7 @@ def main() -> int:
             time.sleep(3)  # the gateway's first polls mark the cells up
             urls = [servers[-1].url]
         else:
-            servers.append(start_server("server", work, a.backend, a.standbys, 60))
+            servers.append(start_server("server", work, a.backend, a.standbys, 60, uplink))
             servers[0].wait_ready()
             urls = [servers[0].url]
         control = [s.url for s in servers if s.state_dir]  # the cells: where sandboxes are listed and killed
@@ -473,7 +495,7 @@ def main() -> int:
         for url in control:
             kill_all(url)
         time.sleep(10)
-        baseline = sampler.take()
+        baseline = sampler.take(runtime_store=True)
         ignore = {f"{s.name}_rss_kib" for s in servers} | {f"{s.name}_state_bytes" for s in servers}
         ignore |= {"host_procs"}  # the machine's own processes come and go; tree counts below
         start = time.monotonic()
@@ -490,6 +512,7 @@ def main() -> int:
     finally:
         for s in reversed(servers):
             s.stop()
+        stack.close()
         if a.out is None:
             shutil.rmtree(work, ignore_errors=True)
 

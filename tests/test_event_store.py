@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from agentcell.record.events import KIND_CLASS, event
-from agentcell.record.store import RESERVED_SHARES, EventStore, Limits
+from agentcell.record.store import LOST_WITH_SERVER, RESERVED_SHARES, EventStore, Limits
 
 SHARED_PART = 1 - sum(RESERVED_SHARES.values())
 
@@ -146,15 +146,27 @@ def test_retention_rows_cap_and_restart(tmp_path: Path) -> None:
             assert len(lines) == 300 and {x["sandbox_id"] for x in lines} == {"old", "mid", "live"}
         finally:
             await store.close()
-        # a restart: the record is still there, closed; a resumed sandbox's record goes on from its last seq
+        # a restart after a crash: a record left open whose sandbox is not kept is closed with a last event
+        # saying it ended with its server; a kept (paused) sandbox's record stays open and goes on from
+        # its last seq
         again = EventStore(path)
         await again.start()
         try:
+            again.begin("kept")
+            await again.flush()
+            await again.close()
+            again = EventStore(path)
+            await again.start()
+            again.close_lost(["kept"])
+            await again.flush()
             assert again.summary("live")["ended"] is not None
-            again.begin("live")
-            again.add("live", event("sandbox.resumed", source="api"))
+            assert again.summary("kept")["ended"] is None
             last = [e async for e in again.follow("live")][-1]
-            assert last["kind"] == "sandbox.resumed" and last["seq"] == 101
+            assert last["kind"] == "sandbox.killed" and last["reason"] == LOST_WITH_SERVER and last["seq"] == 101
+            again.begin("kept")
+            again.add("kept", event("sandbox.resumed", source="api"))
+            last = [e async for e in again.follow("kept")][-1]
+            assert last["kind"] == "sandbox.resumed" and last["seq"] == 1
         finally:
             await again.close()
 

@@ -299,6 +299,10 @@ class Backend(abc.ABC):
     # with mode="full"); a backend without them answers those with a clear error, never a silent
     # filesystem-only copy
     memory_snapshots: bool = False
+    # whether export_files() reads a paused (frozen) sandbox's files without letting it run: then the
+    # server keeps a copy of a memory-paused sandbox's files on disk, which a server restarted after a
+    # crash resumes it from (its memory is lost with the server that held it)
+    files_while_frozen: bool = False
 
     @abc.abstractmethod
     async def pause(self, sandbox: RunningSandbox) -> None:

@@ -39,7 +39,7 @@ from typing import IO, Any
 import orjson
 
 from agentcell.record import quiet
-from agentcell.record.events import CLASSES, KIND_CLASS, KIND_SET
+from agentcell.record.events import CLASSES, KIND_CLASS, KIND_SET, event
 from agentcell.record.flags import FlagSet
 
 log = logging.getLogger("agentcell.events")
@@ -54,6 +54,8 @@ CREATE TABLE IF NOT EXISTS sandboxes (
 """
 # what a database made before a column existed gets when opened (each statement runs once)
 _MIGRATIONS = {"flags": "ALTER TABLE sandboxes ADD COLUMN flags TEXT"}
+# the last event of a sandbox whose server stopped without ending it (a kill -9, a crash, a power cut)
+LOST_WITH_SERVER = "its server stopped without ending it (killed, crashed or the host lost power): it ended with the server"
 _READ_CHUNK = 1000  # rows per query while a reader pages through a record
 WRITE_GATHER_S = 0.05  # the writer gathers events this long before a transaction
 ROW_BYTES = 300  # about what an event takes in the database, index included (for --events-max-mb)
@@ -201,12 +203,35 @@ class EventStore:
         for column, statement in _MIGRATIONS.items():
             if column not in columns:
                 self._db.execute(statement)
-        # a restart: records of sandboxes that were running are closed now (they are gone)
-        self._db.execute("UPDATE sandboxes SET ended = ? WHERE ended IS NULL", (time.time(),))
         self._rows = self._db.execute("SELECT COUNT(*) FROM events").fetchone()[0]
         self._from_before = {r[0] for r in self._db.execute("SELECT sandbox_id FROM sandboxes")}
         self._writer = threading.Thread(target=self._write_loop, name="agentcell-events", daemon=True)
         self._writer.start()
+
+    def close_lost(self, kept: Iterable[str]) -> None:
+        """At a start, once the kept paused sandboxes are known: every other record still open belongs to
+        a sandbox a previous run never ended (it was killed or crashed, and the sandbox died with it).
+        Each gets a last event saying so and is closed, so that a reader learns what happened to it
+        instead of finding a record that simply stops."""
+        self._queue.put(("close_lost", frozenset(kept)))
+        self._urgent.set()
+
+    def _close_lost_records(self, db: sqlite3.Connection, kept: frozenset[str]) -> None:
+        now = time.time()
+        lost = [row for row in db.execute(
+            "SELECT s.sandbox_id, COALESCE(MAX(e.seq), 0), COALESCE(MAX(e.time), s.started) FROM sandboxes s "
+            "LEFT JOIN events e ON e.sandbox_id = s.sandbox_id WHERE s.ended IS NULL GROUP BY s.sandbox_id")
+            if row[0] not in kept and row[0] not in self._records]
+        for sandbox_id, seq, last in lost:
+            e = {**event("sandbox.killed", source="api", at=now, reason=LOST_WITH_SERVER, last_event_at=last),
+                 "sandbox_id": sandbox_id, "seq": seq + 1}
+            db.execute("INSERT OR IGNORE INTO events (sandbox_id, seq, time, kind, body) VALUES (?, ?, ?, ?, ?)",
+                       (sandbox_id, seq + 1, now, e["kind"], _dumps(e)))
+            db.execute("UPDATE sandboxes SET ended = ?, events = events + 1 WHERE sandbox_id = ?", (now, sandbox_id))
+        self._rows += len(lost)
+        if lost:
+            log.warning("event store: %d sandbox(es) of a previous run ended with it (it did not stop cleanly); "
+                        "their records say so", len(lost))
 
     async def start(self) -> None:
         self.open()
@@ -412,6 +437,8 @@ class EventStore:
                             db.execute("UPDATE sandboxes SET dropped = ? WHERE sandbox_id = ?", (arg[1], arg[0]))
                         elif op == "flags":
                             db.execute("UPDATE sandboxes SET flags = ? WHERE sandbox_id = ?", (arg[1], arg[0]))
+                        elif op == "close_lost":
+                            self._close_lost_records(db, arg)
                         elif op == "flush":
                             flushed.append(arg)
                         elif op == "stop":

@@ -40,7 +40,7 @@ from agentcell.policy.model import Policy
 from agentcell.record.events import event
 from agentcell.record.store import EventStore
 from agentcell.runtime.protocol import AgentChannel
-from agentcell.server import policies
+from agentcell.server import clock, policies
 from agentcell.server.metrics import SAMPLE_INTERVAL_S, MetricsHistory, sample_due
 from agentcell.server.sandbox_state import SandboxLife, SandboxState
 
@@ -125,6 +125,9 @@ class SandboxRecord:
     paused_at: datetime | None = None
     files: Path | None = None  # the disk archive of a sandbox paused with mode "filesystem"
     image: Path | None = None  # the checkpoint of a hibernated sandbox (paused "full", its memory on disk)
+    # the files of a sandbox paused with its memory, kept in case this server dies: a restarted server
+    # resumes the sandbox from them (backends with files_while_frozen; gone at its resume or kill)
+    crash_copy: Path | None = None
     owner: str | None = None  # the tenant that created it (server/tenancy.py); None: the server has no tenancy
 
     metrics: MetricsHistory = field(init=False)  # on the record: it goes when the sandbox goes
@@ -168,7 +171,7 @@ def _secret_pairs(secrets: SecretSet) -> list[tuple[str, str]]:
 
 
 def _now() -> datetime:
-    return datetime.now(UTC)
+    return datetime.fromtimestamp(clock.STEADY.now(), UTC)  # deaf to steps of the host's clock (clock.py)
 
 
 def _image_root(d: dict[str, Any] | None) -> ImageRoot | None:
@@ -203,6 +206,8 @@ class SandboxManager:
 
     async def start(self) -> None:
         self._load_kept()
+        if self.events is not None:  # records a previous run left open, but for the sandboxes kept paused
+            self.events.close_lost(self._sandboxes)
         self._reaper = asyncio.get_running_loop().create_task(self._reap_loop())
         self._sampler = asyncio.get_running_loop().create_task(self._sample_loop())
 
@@ -243,8 +248,10 @@ class SandboxManager:
             "mask_request_host": rec.mask_request_host,
             "network": [rec.network.internet, list(rec.network.allow_out), list(rec.network.deny_out)],
             "internet_at_create": rec.internet_at_create, "lifecycle": asdict(rec.lifecycle),
-            "pause_mode": rec.pause_mode, "paused_at": rec.paused_at.isoformat() if rec.paused_at else None,
-            "files": str(rec.files) if rec.files else None, "image": str(rec.image) if rec.image else None,
+            # a memory-paused sandbox's crash copy is, for the run that loads it, a pause of its files
+            "pause_mode": rec.pause_mode if rec.on_disk else "filesystem",
+            "paused_at": rec.paused_at.isoformat() if rec.paused_at else None,
+            "files": str(rec.files or rec.crash_copy) if (rec.files or rec.crash_copy) else None, "image": str(rec.image) if rec.image else None,
             "backend": rec.backend.name, "owner": rec.owner,
             # an image template's root (its layers' paths in the template store), to resume on it
             "image_root": asdict(rec.spec.image_root) if rec.spec.image_root else None,
@@ -367,7 +374,8 @@ class SandboxManager:
         if rec.life.ended():  # killed meanwhile: what was written goes too, no record of it is kept
             await self._discard_disk(rec)
             raise SandboxGoneError(f"sandbox {rec.sandbox_id} was killed while it was written to disk")
-        self._persist(rec)
+        self._persist(rec)  # points at what was just written, not at the crash copy
+        self._discard_crash_copy(rec)
 
     @contextlib.asynccontextmanager
     async def _settled(self, rec: SandboxRecord) -> AsyncIterator[None]:
@@ -650,7 +658,30 @@ class SandboxManager:
             self._persist(rec)
         else:
             self._check_channel(rec)  # it died while it was being frozen
+            if rec.backend.files_while_frozen and not rec.spec.secrets:
+                self._spawn(self._keep_crash_copy(rec))
         self._record(rec.sandbox_id, "sandbox.paused", mode=rec.pause_mode, at_timeout=by_timeout or None)
+
+    async def _keep_crash_copy(self, rec: SandboxRecord) -> None:
+        """After a pause with memory: its files and its record on disk too, so that if this server dies
+        (kill -9, a crash, a power cut) the next one resumes the sandbox from its files instead of losing
+        it. A resume or a kill meanwhile comes first; one later waits for the copy (ms to seconds, by
+        the disk's size)."""
+        async with self._settled(rec):
+            if rec.life.ended() or rec.state is not SandboxState.PAUSED or rec.on_disk or rec.crash_copy:
+                return
+            try:
+                rec.crash_copy = await self._export(rec, "crash.tar")
+                self._persist(rec)
+            except Exception as e:  # noqa: BLE001 - it stays paused in memory, as before
+                log.warning("sandbox %s: no copy of its files for a crash of this server: %s", rec.sandbox_id, e)
+                self._discard_crash_copy(rec)
+
+    def _discard_crash_copy(self, rec: SandboxRecord) -> None:
+        if rec.crash_copy is not None:
+            with contextlib.suppress(OSError):
+                rec.crash_copy.unlink()
+            rec.crash_copy = None
 
     async def resume(self, rec: SandboxRecord, timeout: int | None, memory: bool | None = None) -> bool:
         """Resume a paused sandbox (False if it was running: then only its timeout is extended); one
@@ -679,6 +710,7 @@ class SandboxManager:
                     rec.life.to(SandboxState.PAUSED)
                 raise
             self._unpersist(rec)
+            self._discard_crash_copy(rec)
             rec.pause_mode, rec.paused_at = None, None
             rec.timeout_s = timeout if timeout is not None else rec.timeout_s
             rec.end_at = _now() + timedelta(seconds=rec.timeout_s)
@@ -703,6 +735,7 @@ class SandboxManager:
                                    "resume it with its memory (on_resume=\"restore\")")
         if rec.pause_mode == "full":  # a reboot of a frozen sandbox: its files first, then it goes
             rec.files = await self._export(rec)
+            self._discard_crash_copy(rec)
             await self._destroy_running(rec, "the sandbox was rebooted")
             rec.pause_mode = "filesystem"
         assert rec.files is not None
@@ -714,10 +747,10 @@ class SandboxManager:
             rec.files.unlink()
         rec.files = None
 
-    async def _export(self, rec: SandboxRecord) -> Path:
+    async def _export(self, rec: SandboxRecord, suffix: str = "tar") -> Path:
         """The disk archive of a frozen sandbox, in the state dir."""
         self.paused_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        path = self.paused_dir / f"{rec.sandbox_id}.tar"
+        path = self.paused_dir / f"{rec.sandbox_id}.{suffix}"
         try:
             await rec.backend.export_files(rec.running, str(path), (rec.limits.disk_limit_mb << 20) * 2 + (64 << 20))
         except BaseException:
@@ -880,6 +913,7 @@ class SandboxManager:
         if rec.image is not None:
             await asyncio.to_thread(shutil.rmtree, rec.image, True)
             rec.image = None
+        self._discard_crash_copy(rec)
         self._unpersist(rec)
 
     async def _destroy_running(self, rec: SandboxRecord, reason: str) -> None:

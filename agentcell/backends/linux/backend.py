@@ -192,6 +192,7 @@ def _export(disk_fd: int, dest: str, max_bytes: int, owners: disk_archive.Owners
 
 class LinuxBackend(CgroupSandboxes, Backend):
     name = "linux"
+    files_while_frozen = True  # export_files walks the disk through fds from the host: nothing runs
 
     def __init__(self, entry_point: str = DEFAULT_ENTRY, uid_base: int | None = None, max_sandboxes: int = 1000,
                  staging: str = rootfs.STAGING, ready_timeout: float = READY_TIMEOUT,
