@@ -217,6 +217,46 @@ def census(server_pid: int | None = None, state_dir: str | None = None, *, every
     return counts
 
 
+def _cmdline(pid: int) -> str:
+    return _read(f"/proc/{pid}/cmdline").replace("\0", " ").strip()[:120]
+
+
+def items() -> dict[str, set[str]]:
+    """What the object counts count, by name: to tell which objects a difference is (and who holds them)."""
+    found: dict[str, set[str]] = {}
+    held: dict[str, str] = {}
+    for pid in _pids():
+        for kind in NS_TYPES:
+            with contextlib.suppress(OSError):
+                ns = os.readlink(f"/proc/{pid}/ns/{kind}")
+                held.setdefault(ns, f"{ns} (pid {pid}: {_cmdline(pid)})")
+    found["namespaces"] = set(held.values())
+    cgroups = set()
+    for root in _cgroup_roots():
+        with contextlib.suppress(OSError):
+            for top in root.iterdir():
+                if top.name.startswith("agentcell") and top.is_dir():
+                    cgroups |= {d for d, _, _ in os.walk(top)}
+    found["cgroups"] = cgroups
+    found["mounts"] = {line.split(" - ")[0].split(" ", 4)[4].split()[0]
+                       for line in _read("/proc/1/mountinfo").splitlines()}
+    return found
+
+
+def new_items(before: dict[str, set[str]], after: dict[str, set[str]], limit: int = 8) -> dict[str, list[str]]:
+    """The objects `after` has that `before` had not (namespaces matched by their id alone)."""
+    out = {}
+    for key in after:
+        if key == "namespaces":
+            old = {x.split(" ", 1)[0] for x in before.get(key, set())}
+            extra = sorted(x for x in after[key] if x.split(" ", 1)[0] not in old)
+        else:
+            extra = sorted(after[key] - before.get(key, set()))
+        if extra:
+            out[key] = extra[:limit]
+    return out
+
+
 # Counts that measure use rather than objects: they may differ from the baseline without a leak.
 USE_COUNTS = {"server_rss_kib", "tree_rss_kib", "state_dir_bytes", "runtime_store_bytes", "conntrack"}
 

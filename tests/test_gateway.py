@@ -83,8 +83,11 @@ def _cell_of(sandbox_id: str) -> str:
 
 
 def _gone(r: httpx.Response, sandbox_id: str) -> bool:
-    return r.status_code == 502 and r.json() == {"sandboxId": sandbox_id, "message": "The sandbox was not found",
-                                                 "code": 502}
+    """E2B's answer for a sandbox that is not there (the SDKs look for "was not found"); the gateway may
+    say more after it (that the sandbox's cell does not answer now)."""
+    body = r.json()
+    return (r.status_code == 502 and body["sandboxId"] == sandbox_id and body["code"] == 502
+            and body["message"].startswith("The sandbox was not found"))
 
 
 # --- the cell's own additions -------------------------------------------------------------------------
@@ -254,6 +257,7 @@ def test_unknown_cell_is_not_found(gw: str) -> None:
     sid = "zzzzzzzz" + "a" * 20
     assert _gone(httpx.get(gw + "/health", headers={"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": "49983"}), sid)
     assert _gone(httpx.get(f"{gw}/sandboxes/{sid}"), sid)
+    assert httpx.get(f"{gw}/sandboxes/{sid}").json()["message"] == "The sandbox was not found"  # no cell to name
     assert httpx.get(gw + "/v2/sandboxes", headers={"X-API-KEY": "x"}).status_code == 200
 
 
@@ -688,6 +692,7 @@ def test_a_killed_cell_answers_not_found(cells: list[ServerProcess], gateways: l
     r = httpx.post(gw + "/execute", json={"code": "1"},
                    headers={"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": "49999", "X-Access-Token": token})
     assert _gone(r, sid)
+    assert f"its cell {_cell_of(sid)} does not answer now" in r.json()["message"]
     assert _gone(httpx.get(f"{gw}/sandboxes/{sid}"), sid)
     after = _samples(httpx.get(gw + "/metrics").text)
     errors = "agentcell_gateway_errors_total"

@@ -355,15 +355,16 @@ class GatewayApp:
     async def _to_sandbox(self, sandbox_id: str, scope: dict[str, Any], receive: Any, send: Any,
                           api_key: str | None, sandbox: SandboxTarget | None = None) -> None:
         cell = self.cells.route(sandbox_id)
+        lost = f"its cell {sandbox_id[:CELL_ID_LEN]} does not answer now (if the cell comes back, so may the sandbox)"
         if cell is None:
             known = self.cells.by_id.get(sandbox_id[:CELL_ID_LEN]) is not None
             self.metrics.failed("sandbox_cell_down" if known else "sandbox_cell_unknown")
-            await sandbox_not_found(sandbox_id)(scope, receive, send)
+            await sandbox_not_found(sandbox_id, lost if known else None)(scope, receive, send)
             return
         try:
             await self._forward(cell, scope, receive, send, api_key, sandbox=sandbox)
         except CellUnreachable:  # (marked down)
-            await sandbox_not_found(sandbox_id)(scope, receive, send)
+            await sandbox_not_found(sandbox_id, lost)(scope, receive, send)
         except CellFailed:  # the cell dropped the connection without an answer: it, or the sandbox, is gone
             await sandbox_not_found(sandbox_id)(scope, receive, send)
         except ClientLeft:  # its body stopped short (408 sent by the edge, or gone): the cell's request aborted

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextvars
+import errno
 import logging
 import secrets
 from collections.abc import Callable
@@ -54,8 +55,21 @@ def log_incident(what: str, exc: BaseException) -> str:
     return incident
 
 
+def _no_space(exc: BaseException | None) -> bool:
+    """Whether the server's own disk (or quota) ran out somewhere in `exc`'s chain."""
+    seen = 0
+    while exc is not None and seen < 10:
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
+
+
 def internal_error(what: str, exc: BaseException, prefix: str = "internal server error") -> HTTPError:
     incident = log_incident(what, exc)
+    if _no_space(exc):  # the operator's to mend, not a bug: say so (507, what E2B answers for a full disk)
+        return HTTPError(507, f"{prefix}: the server's disk is full (incident {incident}); its operator must make "
+                              "room under the server's state dir, then try again")
     return HTTPError(500, f"{prefix} (incident {incident}; the server log has the details)")
 
 
@@ -67,8 +81,8 @@ def from_sandbox_error(e: SandboxError) -> HTTPError:
     return HTTPError(HTTP_STATUS.get(e.code, 500), e.message)
 
 
-def sandbox_not_found(sandbox_id: str) -> JSONResponse:
+def sandbox_not_found(sandbox_id: str, why: str | None = None) -> JSONResponse:
     # The SDK looks for "was not found" and raises SandboxNotRunningException; is_running() -> False.
-    return JSONResponse(
-        {"sandboxId": sandbox_id, "message": "The sandbox was not found", "code": 502}, status_code=502
-    )
+    # `why`: what else is known (the gateway: the sandbox's cell does not answer now, it may come back).
+    message = "The sandbox was not found" + (f": {why}" if why else "")
+    return JSONResponse({"sandboxId": sandbox_id, "message": message, "code": 502}, status_code=502)
