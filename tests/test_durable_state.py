@@ -6,6 +6,7 @@ a clear message and moved aside by a real server, the good ones beside them stil
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import logging
@@ -254,6 +255,119 @@ def test_a_server_sets_torn_state_aside_and_loads_the_rest(tmp_path: Path) -> No
     line("a volume cannot be mounted", str(vol_meta), "not valid JSON", "image.ext4")
     line("the event store", "is damaged", str(events_aside), ".recover")
     shutil.rmtree(state / "volumes", ignore_errors=True)  # 64 MiB of images (the server unmounted them)
+
+
+# --- a real server killed at every step of a pause to disk and of a snapshot ---------------------------
+
+
+def _crash_at(pid: int, step: str, n: int, paths: tuple[Path, ...], threads: bool) -> subprocess.Popen[bytes]:
+    """strace attached to the running server `pid`, SIGKILLing it on entry to the n-th `step` call from now
+    (only calls on `paths`, when given: strace's -P, which follows fds too). strace counts each thread's
+    calls apart: `threads` attaches all of them (the calls made in worker threads), else the event
+    loop's only."""
+    assert STRACE is not None
+    crasher = subprocess.Popen([STRACE, *(["-f"] if threads else []), "-qq", "-o", "/dev/null", "-p", str(pid),
+                                "-e", f"trace={step}", "-e", f"inject={step}:signal=KILL:when={n}",
+                                *(a for p in paths for a in ("-P", str(p)))])
+
+    def attached() -> bool:
+        tasks = os.listdir(f"/proc/{pid}/task") if threads else [str(pid)]
+        return all(f"TracerPid:\t{crasher.pid}\n" in Path(f"/proc/{pid}/task/{t}/status").read_text() for t in tasks)
+
+    deadline = time.monotonic() + 30
+    while not attached():
+        assert crasher.poll() is None and time.monotonic() < deadline, "strace did not attach"
+        time.sleep(0.05)
+    return crasher
+
+
+def _crash_every_step(tmp_path: Path, what: str, steps: tuple[tuple[str, str, bool], ...]) -> dict[str, int]:
+    """Per (step, paths-kind, all threads?): start a server, make a sandbox with a file, attach strace to kill the server
+    at the n-th such call during `what` ("pause": to disk; "snapshot"), for n = 1, 2 ... until it
+    finishes; after each kill a new server on the same state dir must start and hold the old state (no
+    paused sandbox / snapshot) or the new one (there, with the file), never anything torn. Counts outcomes."""
+    outcomes = {"old": 0, "new": 0, "orphan": 0, "finished": 0}
+    run = itertools.count()
+    for step, only, threads in steps:
+        for n in itertools.count(1):
+            assert n < 40, f"{what} never finished under {step} injection"
+            state = tmp_path / f"state-{next(run)}"
+            one = _serve(tmp_path / f"{state.name}-one.log", state).started()
+            try:
+                sbx = Sandbox.create(api_url=one.url, timeout=300)
+                sbx.files.write("/home/user/kept.txt", "still here")
+                paths = {"archive": (state / "paused", state / "paused" / f"{sbx.sandbox_id}.tar",
+                                     state / "paused" / f"{sbx.sandbox_id}.json"),
+                         "snapshots": (state / "snapshots",), "any": ()}[only]
+                crasher = _crash_at(one.pid, step, n, paths, threads)
+                with contextlib.suppress(httpx.HTTPError):
+                    if what == "pause":
+                        httpx.post(f"{one.url}/sandboxes/{sbx.sandbox_id}/pause", json={"memory": False}, timeout=120)
+                    else:
+                        httpx.post(f"{one.url}/sandboxes/{sbx.sandbox_id}/snapshots", json={"name": "s"}, timeout=120)
+                killed = _exits_soon(one)
+            finally:
+                with contextlib.suppress(ProcessLookupError):
+                    crasher.terminate()
+                crasher.wait(timeout=30)
+                one.stop()
+            with _serve(tmp_path / f"{state.name}-two.log", state) as two:
+                api = httpx.Client(base_url=two.url, timeout=120)
+                paused = [s["sandboxID"] for s in api.get("/v2/sandboxes", params={"state": "paused"}).json()]
+                snaps = [s["snapshotID"] for s in api.get("/snapshots").json()]
+                got = paused if what == "pause" else snaps
+                assert got in ([], [sbx.sandbox_id] if what == "pause" else ["s:default"]), got
+                if got:
+                    back = Sandbox.connect(sbx.sandbox_id, api_url=two.url) if what == "pause" else \
+                        Sandbox.create("s:default", api_url=two.url)
+                    assert back.files.read("/home/user/kept.txt") == "still here"
+                    back.kill()
+                log = two.log()
+            assert "is damaged (" not in log and "Traceback" not in log, log[-4000:]  # nothing torn
+            assert not (state / "snapshots" / "damaged").exists()
+            assert len(list((state / "snapshots").iterdir())) == (len(got) if what == "snapshot" else 0)
+            # nothing left behind unnoticed: what the resume did not take is in damaged/ (or nothing is)
+            assert sorted(p.name for p in (state / "paused").glob("*")) in ([], ["damaged"])
+            aside = sorted(p.name for p in (state / "paused" / "damaged").glob("*"))
+            if not killed:  # past the last such call: it finished
+                assert got and not aside
+                outcomes["finished"] += 1
+                break
+            outcomes["new" if got else "old"] += 1
+            if aside:  # a crash after the archive, before its record: set aside, said so
+                assert not got and aside == [f"{sbx.sandbox_id}.tar"] and "has no record" in log
+                outcomes["orphan"] += 1
+            shutil.rmtree(state, ignore_errors=True)
+    return outcomes
+
+
+def _exits_soon(server: ServerProcess) -> bool:
+    """Whether the server was killed (or is dying: the answer to the request may come first)."""
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        server.proc.wait(timeout=2)
+    return server.proc.poll() is not None
+
+
+@needs_strace
+@pytest.mark.skipif(bool(os.environ.get("AGENTCELL_TEST_SERVER_URL")), reason="starts servers of its own")
+def test_a_server_killed_at_every_step_of_a_pause_to_disk(tmp_path: Path) -> None:
+    """The archive's creation and writes and its fsyncs (a worker thread's), the record's temporary file's
+    fsync, its rename and paused/'s fsync after it (the event loop's): old (no paused sandbox), an archive
+    set aside, or new."""
+    steps = (("openat", "archive", True), ("write", "archive", True), ("fsync", "any", True),
+             ("rename", "any", True), ("fsync", "any", False), ("openat", "archive", False))
+    got = _crash_every_step(tmp_path, "pause", steps)
+    assert got["old"] and got["new"] and got["orphan"] and got["finished"] == len(steps), got
+
+
+@needs_strace
+@pytest.mark.skipif(bool(os.environ.get("AGENTCELL_TEST_SERVER_URL")), reason="starts servers of its own")
+def test_a_server_killed_at_every_step_of_a_snapshot(tmp_path: Path) -> None:
+    """The fsyncs (content, snapshots/, meta.json's temporary file, the snapshot's directory), the
+    opening of snapshots/ and meta.json's rename: no snapshot (its directory removed) or the snapshot."""
+    steps = (("openat", "snapshots", True), ("fsync", "any", True), ("rename", "any", True))
+    got = _crash_every_step(tmp_path, "snapshot", steps)
+    assert got["old"] and got["new"] and got["finished"] == len(steps), got
 
 
 # --- the event store --------------------------------------------------------------------------------
