@@ -25,6 +25,7 @@ from agentcell import durable as durable_module
 from agentcell.backends.base import new_cell_sandbox_id
 from agentcell.record.events import event
 from agentcell.record.store import EventStore
+from agentcell.server.snapshots import Snapshot, SnapshotStore
 from tests.servers import SERVE, ServerProcess
 
 REPO = Path(__file__).resolve().parent.parent
@@ -133,6 +134,33 @@ def test_read_json_refuses_torn_files_clearly(tmp_path: Path) -> None:
     again = durable_module.move_aside(tmp_path / "cut.json", tmp_path / "damaged")
     assert moved == tmp_path / "damaged" / "cut.json" and moved.read_bytes() == b'{"a": [1,'
     assert again != moved and again.read_bytes() == b"again"  # never over an earlier one
+
+
+def test_a_cancelled_snapshot_commit_still_keeps_the_snapshot(tmp_path: Path) -> None:
+    """commit() fsyncs in a thread: a caller cancelled meanwhile (a client gone) leaves it to finish, and
+    the snapshot is then in the store and on disk, its reservation given back, never half-removed."""
+    async def main() -> None:
+        store = SnapshotStore(tmp_path / "snaps", 1 << 30, 10)
+        store.load()
+        tid, d, room = store.begin("n")
+        (d / "files.tar").write_bytes(b"x" * 10240)
+        snap = Snapshot(template_id=tid, name="n", mode="filesystem", backend="linux", sandbox_id="s",
+                        source_template="base", created_at=time.time(), size_bytes=10240)
+        task = asyncio.ensure_future(store.commit(snap, room))
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(100):
+            if store.find("n") is not None:
+                break
+            await asyncio.sleep(0.05)
+        assert store.find("n") is snap and store.used_bytes() == 10240
+        again = SnapshotStore(tmp_path / "snaps", 1 << 30, 10)
+        again.load()
+        assert [s.template_id for s in again.list()] == [tid]
+
+    asyncio.run(main())
 
 
 # --- a real server on a state dir with torn files of every kind ---------------------------------------

@@ -126,7 +126,7 @@ class SnapshotStore:
         """The snapshot in directory `d`, its meta.json whole and its content as meta.json says;
         TornFileError if not."""
         meta = d / "meta.json"
-        what = "a snapshot's meta.json"
+        what = f"snapshot {d.name}"
         remedy = (f"the snapshot cannot be used and is kept in {self.root / DAMAGED} for you: its files.tar (if "
                   "any) is a tar of the sandbox's files (`tar -tf` lists them); delete it once you no longer need it")
         data = durable.read_json(meta, what, remedy)
@@ -205,7 +205,8 @@ class SnapshotStore:
 
     async def commit(self, snap: Snapshot, reserved: int) -> None:
         """The snapshot exists once its meta.json does: its content goes to disk first (fsync), then
-        meta.json, atomically. Removed (and raised) if that fails."""
+        meta.json, atomically (in a thread: seconds for a large one). Removed (and raised) if that
+        fails. A cancelled caller does not stop it: the snapshot is then kept or removed all the same."""
         d = self.root / snap.template_id
 
         def write() -> None:
@@ -213,13 +214,16 @@ class SnapshotStore:
             durable.fsync_dir(self.root)  # d's own entry
             durable.write_json(d / "meta.json", asdict(snap))
 
-        try:
-            await asyncio.to_thread(write)
-        except BaseException:
-            self.abort(snap.template_id, reserved)
-            raise
-        self._reserved -= reserved
-        self._snapshots[snap.template_id] = snap
+        def done(written: asyncio.Future[None]) -> None:
+            if written.cancelled() or written.exception() is not None:
+                self.abort(snap.template_id, reserved)
+            else:
+                self._reserved -= reserved
+                self._snapshots[snap.template_id] = snap
+
+        written = asyncio.get_running_loop().run_in_executor(None, write)
+        written.add_done_callback(done)  # before the caller resumes: it answers with the snapshot's id
+        await asyncio.shield(written)
 
     def abort(self, template_id: str, reserved: int) -> None:
         self._reserved -= reserved
