@@ -27,6 +27,7 @@ import collections
 import contextlib
 import json
 import logging
+import os
 import queue
 import sqlite3
 import threading
@@ -38,6 +39,7 @@ from typing import IO, Any
 
 import orjson
 
+from agentcell import durable
 from agentcell.record import quiet
 from agentcell.record.events import CLASSES, KIND_CLASS, KIND_SET, event
 from agentcell.record.flags import FlagSet
@@ -192,6 +194,40 @@ class EventStore:
     def open(self) -> None:
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        try:
+            if self.path is not None and _emptied(self.path):
+                raise _EmptiedError("it is empty (0 bytes) and has no WAL beside it")
+            self._open_db()
+        except sqlite3.DatabaseError as e:
+            if self.path is None or not _damage(e):
+                raise
+            self._set_aside(e)
+            self._open_db()
+        self._writer = threading.Thread(target=self._write_loop, name="agentcell-events", daemon=True)
+        self._writer.start()
+
+    def _set_aside(self, error: sqlite3.DatabaseError) -> None:
+        """A damaged database (and its -wal, -shm) renamed to <name>.damaged-<UTC time>, never deleted:
+        the server starts on a new one rather than not at all (the records are history; the sandboxes
+        are the service)."""
+        assert self.path is not None
+        if self._db is not None:
+            with contextlib.suppress(sqlite3.Error):
+                self._db.close()
+            self._db = None
+        base = f"{self.path}.damaged-{durable.utc_stamp()}"
+        for suffix in ("", "-wal", "-shm"):
+            with contextlib.suppress(FileNotFoundError):
+                os.rename(f"{self.path}{suffix}", base + suffix)
+        durable.fsync_dir(self.path.parent)
+        log.error("the event store %s is damaged (%s): moved to %s (with its -wal and -shm, if any) and a new, "
+                  "empty one started. The behaviour records of earlier sandboxes are in the moved file: "
+                  "`sqlite3 %s .recover` may get some of them back; delete it once you no longer need it",
+                  self.path, error, base, base)
+
+    def _open_db(self) -> None:
+        """Connect, make or migrate the schema, read what a restart needs (sqlite3.DatabaseError if the
+        database is damaged: these reads go through every table)."""
         target = str(self.path) if self.path is not None else "file:agentcell-events?mode=memory&cache=shared"
         self._db = sqlite3.connect(target, check_same_thread=False, uri=self.path is None, isolation_level=None)
         if self.path is not None:
@@ -205,8 +241,6 @@ class EventStore:
                 self._db.execute(statement)
         self._rows = self._db.execute("SELECT COUNT(*) FROM events").fetchone()[0]
         self._from_before = {r[0] for r in self._db.execute("SELECT sandbox_id FROM sandboxes")}
-        self._writer = threading.Thread(target=self._write_loop, name="agentcell-events", daemon=True)
-        self._writer.start()
 
     def close_lost(self, kept: Iterable[str]) -> None:
         """At a start, once the kept paused sandboxes are known: every other record still open belongs to
@@ -643,6 +677,29 @@ class EventStore:
     @property
     def full(self) -> bool:
         return self._rows >= self.limits.max_rows
+
+
+class _EmptiedError(sqlite3.DatabaseError):
+    """The database file is 0 bytes with nothing to replay: whatever it held is gone."""
+
+
+def _damage(error: sqlite3.DatabaseError) -> bool:
+    """Whether the file is not a (whole) database: not a full disk, a lock, an I/O error."""
+    code = getattr(error, "sqlite_errorcode", None)
+    return isinstance(error, _EmptiedError) or (code is not None and code & 0xFF in (sqlite3.SQLITE_CORRUPT,
+                                                                                       sqlite3.SQLITE_NOTADB))
+
+
+def _emptied(path: Path) -> bool:
+    """A database cut to 0 bytes with no WAL to replay: SQLite would take it for a new one, silently.
+    (A WAL database is 0 bytes until its first checkpoint: then its -wal holds everything.)"""
+    try:
+        if path.stat().st_size:
+            return False
+    except FileNotFoundError:
+        return False
+    wal = Path(f"{path}-wal")
+    return not (wal.exists() and wal.stat().st_size)
 
 
 def _redacted(value: Any, secrets: list[tuple[str, str]]) -> Any:

@@ -890,7 +890,7 @@ class ControlPlane:
             if isinstance(e, SandboxError | OSError | NotImplementedError):
                 raise internal_error(f"snapshotting {rec.sandbox_id}", e, "the snapshot could not be taken") from None
             raise
-        self.snapshots.commit(snap, room)
+        await self.snapshots.commit(snap, room)
         return JSONResponse({"snapshotID": snap.snapshot_id, "names": snap.names}, status_code=201)
 
     async def list_snapshots(self, request: Request) -> Response:

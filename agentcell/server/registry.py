@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
-import os
 import secrets
 import shutil
 import time
@@ -30,6 +28,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from agentcell import durable
 from agentcell.backends.base import Backend, ImageRoot, Limits, RunningSandbox, SandboxSpec, VolumeMount
 from agentcell.errors import SandboxGoneError
 from agentcell.network.policy import NetworkPolicy
@@ -49,12 +48,20 @@ if TYPE_CHECKING:
 
     from agentcell.server.observer import Observer
 
+DAMAGED = "damaged"  # under paused/: kept records and archives the server cannot use, for the operator
+_KEPT_REMEDY = ("that sandbox cannot be resumed; its record and disk archive (if any) are kept in paused/damaged/ "
+                "for you: the archive is a tar of its files (`tar -tf` lists them); delete both once you no longer "
+                "need them")
 RECORD_GRACE_S = 1.0  # a killed sandbox's record takes events this long after the kill
 
 log = logging.getLogger("agentcell.server")
 
 class CapacityError(Exception):
     """The server cannot take another sandbox now (count, committed limits, or use)."""
+
+
+class _OtherBackendError(ValueError):
+    """A kept record of a sandbox whose backend this server does not run."""
 
 
 class AlreadyPausedError(Exception):
@@ -170,6 +177,12 @@ def _secret_pairs(secrets: SecretSet) -> list[tuple[str, str]]:
         [(secrets.tunnel.password, "[egress proxy password]")] if secrets.tunnel and len(secrets.tunnel.password or "") >= 8 else [])
 
 
+def _make_durable(path: Path) -> None:
+    """An archive or checkpoint just written, and its name in its directory, on disk."""
+    durable.fsync_tree(path)
+    durable.fsync_dir(path.parent)
+
+
 def _now() -> datetime:
     return datetime.fromtimestamp(clock.STEADY.now(), UTC)  # deaf to steps of the host's clock (clock.py)
 
@@ -258,11 +271,8 @@ class SandboxManager:
             "policy": rec.spec.policy.to_json() if not rec.spec.policy.empty else None,
             "volumes": [asdict(m) for m in rec.spec.volumes],  # mounted again at its resume
         }
-        path = self._record_path(rec.sandbox_id)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(data))
-        os.chmod(tmp, 0o600)
-        os.replace(tmp, path)
+        # its archive or checkpoint is on disk already (_export, _write_to_disk): the record points at it
+        durable.write_json(self._record_path(rec.sandbox_id), data)
 
     def _unpersist(self, rec: SandboxRecord) -> None:
         with contextlib.suppress(OSError):
@@ -272,10 +282,16 @@ class SandboxManager:
         """The paused sandboxes a previous server run kept on disk, paused again here."""
         if not self.paused_dir.is_dir():
             return
+        durable.remove_temps(self.paused_dir)  # a crash in the middle of a record's write
         for path in self.paused_dir.glob("*.json"):
             try:
-                d = json.loads(path.read_text())
-                backend = self.backends[d["backend"]]
+                d = durable.read_json(path, "the record of a paused sandbox", _KEPT_REMEDY)
+                backend = self.backends.get(d["backend"])
+                if backend is None:  # not damaged: kept in damaged/ all the same, the message says why
+                    raise _OtherBackendError(
+                        f"{path}: it ran on the {d['backend']} backend, which this server does not run (--backend, "
+                        "--create-backends): start one that does and move its record and archive back from "
+                        "paused/damaged/ to resume it")
                 internet, allow, deny = d["network"]
                 root = d.get("image_root")
                 spec = SandboxSpec(sandbox_id=d["sandbox_id"], limits=Limits(**d["limits"]), envs=d["envs"],
@@ -296,14 +312,56 @@ class SandboxManager:
                     owner=d.get("owner"))
                 rec.life = SandboxLife(rec.sandbox_id, SandboxState.PAUSED)
                 if not rec.on_disk or not (rec.files or rec.image).exists():  # type: ignore[union-attr]
-                    raise ValueError("its files are gone")
+                    raise durable.TornFileError(
+                        path, "the record of a paused sandbox", f"what it points at, {rec.files or rec.image}, "
+                        "is missing: a crash just after its resume or kill leaves this; that sandbox is gone",
+                        "nothing is left to resume: delete the record")
             except (OSError, ValueError, KeyError, TypeError) as e:
-                log.warning("a kept paused sandbox (%s) cannot be resumed (%s): dropped", path.name, e)
-                with contextlib.suppress(OSError):
-                    path.unlink()
+                self._set_aside(path, e)
                 continue
             self._sandboxes[rec.sandbox_id] = rec
             log.info("sandbox %s: kept paused from a previous run", rec.sandbox_id)
+        self._set_aside_orphans()
+
+    def _set_aside(self, record: Path, error: Exception) -> None:
+        """A kept record that cannot be loaded, and the archive or checkpoint of its name, moved into
+        paused/damaged/ (never deleted: the operator may want the files in the archive)."""
+        why = str(error) if isinstance(error, durable.TornFileError | _OtherBackendError) else \
+            f"{record}: the record of a paused sandbox cannot be used ({type(error).__name__}: {error}); {_KEPT_REMEDY}"
+        moved = []
+        for p in (record, *self._archives(record.stem)):
+            try:
+                moved.append(str(durable.move_aside(p, self.paused_dir / DAMAGED)))
+            except OSError as e:
+                log.error("%s could not be moved aside (%s): left where it is", p, e)
+        log.error("a kept paused sandbox cannot be resumed: %s. Moved to: %s", why, ", ".join(moved) or "nowhere")
+
+    def _archives(self, sandbox_id: str) -> list[Path]:
+        found = [self.paused_dir / f"{sandbox_id}.{suffix}" for suffix in ("tar", "crash.tar", "image")]
+        return [p for p in found if p.exists()]
+
+    def _set_aside_orphans(self) -> None:
+        """Archives and checkpoints without a record (a crash after one was written, before its record
+        was): no sandbox can be resumed from them (its token, template and limits are in the record),
+        but the files in them are someone's: moved into paused/damaged/, said in the log."""
+        kept = {p.name for r in self._sandboxes.values() for p in (r.files, r.image) if p is not None}
+        for p in sorted(self.paused_dir.iterdir()):
+            if p.name.endswith(".crash.tar") and p.name.removesuffix(".crash.tar") in self._sandboxes:
+                p.unlink()  # a crash copy its sandbox's newer archive replaced (a crash before it was removed)
+                continue
+            if p.suffix in (".tar", ".image") and p.name not in kept:
+                try:
+                    dest = durable.move_aside(p, self.paused_dir / DAMAGED)
+                except OSError as e:
+                    log.error("%s has no record and could not be moved aside (%s)", p, e)
+                    continue
+                log.error("%s has no record (a crash between writing it and its record): no sandbox can be "
+                          "resumed from it; moved to %s. Its files are there for you (`tar -tf` lists an "
+                          "archive); delete it once you no longer need it", p, dest)
+        damaged = self.paused_dir / DAMAGED
+        if damaged.is_dir() and (count := len(list(damaged.iterdir()))):
+            log.warning("%d damaged or orphaned paused-sandbox files wait in %s for you to look at and delete",
+                        count, damaged)
 
     async def _keep_paused_on_disk(self) -> None:
         """A stopping server writes its frozen sandboxes to disk (a checkpoint where the backend can,
@@ -360,6 +418,7 @@ class SandboxManager:
             await rec.backend.resume(rec.running)  # type: ignore[arg-type]
             try:
                 await rec.backend.checkpoint(rec.running, str(image), leave_running=False)  # type: ignore[arg-type]
+                await asyncio.to_thread(_make_durable, image)  # before its record points at it
             except BaseException:
                 shutil.rmtree(image, ignore_errors=True)
                 with contextlib.suppress(Exception):
@@ -753,6 +812,7 @@ class SandboxManager:
         path = self.paused_dir / f"{rec.sandbox_id}.{suffix}"
         try:
             await rec.backend.export_files(rec.running, str(path), (rec.limits.disk_limit_mb << 20) * 2 + (64 << 20))
+            await asyncio.to_thread(_make_durable, path)  # before any record points at it
         except BaseException:
             with contextlib.suppress(OSError):
                 path.unlink()

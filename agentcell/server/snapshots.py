@@ -5,7 +5,9 @@ Each snapshot is a directory under the server's state dir, `snapshots/<template 
 `meta.json` and its content: `files.tar` (a disk archive, backends/disk_archive.py: mode
 "filesystem") or `image/` (a backend's checkpoint: mode "full"). They survive a server restart.
 Together they are bounded by the operator's quota (bytes and count): a snapshot that would pass it
-is refused, and a half-written one is removed.
+is refused, and a half-written one is removed. The content is on disk (fsync) before meta.json is
+written (atomically: agentcell/durable.py); a meta.json or content found damaged at start is moved into
+`snapshots/damaged/` (docs/reliability.md).
 
 Ids follow E2B's: a snapshot is a template; its id is `<name>:default` when it was given a name,
 else `<template id>:default`; `names` lists the named forms. A create may name it by any of them,
@@ -19,9 +21,9 @@ any snapshot's template id, then another's name if only one tenant has it.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-import json
-import os
+import logging
 import re
 import shutil
 import time
@@ -29,10 +31,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agentcell import durable
 from agentcell.backends.base import Limits, new_cell_sandbox_id
 from agentcell.server.tenancy import ADMIN
 
+log = logging.getLogger("agentcell.server")
+
 TAG = "default"
+DAMAGED = "damaged"  # under snapshots/: snapshots the server cannot use, for the operator
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
 # 20 random characters, after the cell id when the server has one (a gateway routes a create by it)
 _DIR_RE = re.compile(r"^[a-z0-9]{20,64}$")
@@ -90,17 +96,56 @@ class SnapshotStore:
         self._reserved = 0  # bytes promised to snapshots being written
 
     def load(self) -> None:
-        """Read the snapshots a previous run left; remove half-written ones (no meta.json)."""
+        """Read the snapshots a previous run left. A half-written one (no meta.json: it never existed,
+        its id was never given out) is removed; one whose meta.json or content is damaged is moved
+        into damaged/ and said in the log, never deleted."""
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
-        for d in self.root.iterdir():
+        for d in sorted(self.root.iterdir()):
             if not _DIR_RE.match(d.name):
                 continue
-            try:
-                snap = Snapshot(**json.loads((d / "meta.json").read_text()))
-            except (OSError, ValueError, TypeError):
+            if not (d / "meta.json").exists():
+                log.info("snapshot %s was never finished (no meta.json: the server stopped while writing it): "
+                         "removed", d.name)
                 shutil.rmtree(d, ignore_errors=True)
                 continue
+            try:
+                snap = self._read(d)
+            except (OSError, ValueError) as e:
+                try:
+                    where = str(durable.move_aside(d, self.root / DAMAGED))
+                except OSError as moving:
+                    where = f"nowhere ({moving}): left where it is"
+                log.error("a snapshot cannot be used: %s. Moved to: %s", e, where)
+                continue
             self._snapshots[snap.template_id] = snap
+        damaged = self.root / DAMAGED
+        if damaged.is_dir() and (count := len(list(damaged.iterdir()))):
+            log.warning("%d damaged snapshots wait in %s for you to look at and delete", count, damaged)
+
+    def _read(self, d: Path) -> Snapshot:
+        """The snapshot in directory `d`, its meta.json whole and its content as meta.json says;
+        TornFileError if not."""
+        meta = d / "meta.json"
+        what = f"snapshot {d.name}"
+        remedy = (f"the snapshot cannot be used and is kept in {self.root / DAMAGED} for you: its files.tar (if "
+                  "any) is a tar of the sandbox's files (`tar -tf` lists them); delete it once you no longer need it")
+        data = durable.read_json(meta, what, remedy)
+        try:
+            snap = Snapshot(**data)
+        except TypeError as e:
+            raise durable.TornFileError(meta, what, f"not a snapshot's fields: {e}", remedy) from None
+        if snap.template_id != d.name:
+            raise durable.TornFileError(meta, what, f"it names {snap.template_id!r}, not its directory", remedy)
+        content = self.content(snap)
+        if snap.mode == "full":
+            if not content.is_dir() or not any(content.iterdir()):
+                raise durable.TornFileError(meta, what, f"its checkpoint {content} is missing or empty", remedy)
+        elif not content.is_file():
+            raise durable.TornFileError(meta, what, f"its archive {content} is missing", remedy)
+        elif (size := content.stat().st_size) != snap.size_bytes:  # cut short, or not the one it was taken with
+            raise durable.TornFileError(meta, what, f"its archive {content} is {size} bytes, meta.json says "
+                                                    f"{snap.size_bytes}", remedy)
+        return snap
 
     # --- queries ---------------------------------------------------------------------------------
 
@@ -158,13 +203,27 @@ class SnapshotStore:
         self._reserved += room
         return template_id, d, room
 
-    def commit(self, snap: Snapshot, reserved: int) -> None:
-        self._reserved -= reserved
+    async def commit(self, snap: Snapshot, reserved: int) -> None:
+        """The snapshot exists once its meta.json does: its content goes to disk first (fsync), then
+        meta.json, atomically (in a thread: seconds for a large one). Removed (and raised) if that
+        fails. A cancelled caller does not stop it: the snapshot is then kept or removed all the same."""
         d = self.root / snap.template_id
-        tmp = d / "meta.json.tmp"
-        tmp.write_text(json.dumps(asdict(snap)))
-        os.replace(tmp, d / "meta.json")  # the snapshot exists once its meta.json does
-        self._snapshots[snap.template_id] = snap
+
+        def write() -> None:
+            durable.fsync_tree(self.content(snap))
+            durable.fsync_dir(self.root)  # d's own entry
+            durable.write_json(d / "meta.json", asdict(snap))
+
+        def done(written: asyncio.Future[None]) -> None:
+            if written.cancelled() or written.exception() is not None:
+                self.abort(snap.template_id, reserved)
+            else:
+                self._reserved -= reserved
+                self._snapshots[snap.template_id] = snap
+
+        written = asyncio.get_running_loop().run_in_executor(None, write)
+        written.add_done_callback(done)  # before the caller resumes: it answers with the snapshot's id
+        await asyncio.shield(written)
 
     def abort(self, template_id: str, reserved: int) -> None:
         self._reserved -= reserved

@@ -3,7 +3,9 @@ the server (host root) at `mnt/`, the image's size being the volume's quota (the
 
 Each volume has an owner (the tenant that created it, server/tenancy.py; None without tenancy), a name
 unique per owner (E2B's `volumeMounts` name volumes), and a token: the bearer credential of its content
-API. `volume.json` (0600) keeps them across server runs; start() mounts every image again.
+API. `volume.json` (0600) keeps them across server runs; start() mounts every image again. The image
+is on disk before `volume.json` is written, atomically (agentcell/durable.py); a damaged `volume.json`
+is refused at start with a message saying where the volume's data is, and left where it is.
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import json
 import logging
 import os
 import re
@@ -23,7 +24,7 @@ from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-from agentcell import rootless
+from agentcell import durable, rootless
 from agentcell.backends.base import new_cell_sandbox_id
 
 log = logging.getLogger("agentcell.volumes")
@@ -84,6 +85,22 @@ def _reserve(fd: int, size: int) -> None:
     os.ftruncate(fd, size)
 
 
+def _read_record(meta: Path) -> Volume:
+    """A volume's volume.json; TornFileError if it is not whole."""
+    what = "a volume's record (volume.json)"
+    remedy = (f"the volume is not mounted and nothing of it was changed: its data is in {meta.parent / 'image.ext4'} "
+              "(an ext4 image: `mount -o loop,ro` it to copy what you need); write its record again from a backup, "
+              f"or remove {meta.parent} to free the space")
+    data = durable.read_json(meta, what, remedy)
+    try:
+        volume = Volume(**data)
+    except TypeError as e:
+        raise durable.TornFileError(meta, what, f"not a volume's fields: {e}", remedy) from None
+    if volume.volume_id != meta.parent.name:
+        raise durable.TornFileError(meta, what, f"it names {volume.volume_id!r}, not its directory", remedy)
+    return volume
+
+
 class VolumeStore:
     """Volumes of one server: created, found, mounted and destroyed here (blocking work in threads)."""
 
@@ -121,10 +138,12 @@ class VolumeStore:
         if not self.dir.is_dir():
             return
         for meta in sorted(self.dir.glob("*/volume.json")):
+            durable.remove_temps(meta.parent)
             try:
-                volume = Volume(**json.loads(meta.read_text()))
-            except (OSError, ValueError, TypeError) as e:
-                log.warning("volume %s: unreadable record (%s): left as it is", meta.parent.name, e)
+                volume = _read_record(meta)
+            except (OSError, ValueError) as e:
+                # left where it is (the volume's data is beside it): this says so at every start
+                log.error("a volume cannot be mounted: %s", e)
                 continue
             try:
                 await asyncio.to_thread(self._mount, volume)
@@ -220,12 +239,11 @@ class VolumeStore:
         self._mount(volume)
         with contextlib.suppress(OSError):
             os.rmdir(self.mount_dir(volume) / "lost+found")  # not the tenant's; e2fsck makes it again if needed
-        meta = home / "volume.json"
-        tmp = meta.with_suffix(".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(asdict(volume), f)
-        os.replace(tmp, meta)
+        # the image (mkfs's writes) and the directory's entries on disk before the record that makes
+        # the volume exist; the record itself is written atomically (old or new, never torn)
+        durable.fsync_tree(image)
+        durable.fsync_dir(self.dir)
+        durable.write_json(home / "volume.json", asdict(volume))
 
     async def destroy(self, volume_id: str) -> None:
         async with self._lock:
