@@ -183,8 +183,11 @@ def _v1_hierarchies() -> dict[str, str]:
         for line in f:
             left, _, right = line.partition(" - ")
             mount = left.split()[4]
-            if right.split(" ", 1)[0] in ("cgroup", "cgroup2") and os.path.dirname(mount) == ROOT:
-                found[os.path.basename(mount)] = os.path.realpath(mount)
+            kind = right.split(" ", 1)[0]
+            if kind in ("cgroup", "cgroup2") and os.path.dirname(mount) == ROOT:
+                # a hybrid host's v2 mount is not the "unified" of a v2 host (which Cgroups.dirs means by it)
+                name = os.path.basename(mount)
+                found[name if kind == "cgroup" else f"v2:{name}"] = os.path.realpath(mount)
     found.update(_v1_bases())
     return found
 
