@@ -290,12 +290,43 @@ async def main():
     be = LinuxBackend(entry_point=%r, max_sandboxes=1000)
     await be.start()
     sb = await be.create(SandboxSpec("orphan1"))
+    if sys.argv[1:] == ["paused"]:
+        await be.pause(sb)
     print(json.dumps({"pid": sb.host_pid, "cgroup": sb.cgroups.sandbox_id, "dirs": list(sb.cgroups.dirs.values()),
                       "instance": be.cgroup_parent}), flush=True)
     await asyncio.sleep(60)
 
 asyncio.run(main())
 """
+
+
+async def test_a_paused_sandbox_dies_with_the_server_too() -> None:
+    """A frozen sandbox notices nothing of its server's death (no socket EOF, no pidfd wakes a frozen
+    task): the server's watchdog kills it and removes its cgroups at once, not the next server's start
+    (before it, a paused sandbox of a SIGKILLed server held its memory until then: found by chaos.py)."""
+    import json
+    import select
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", _ORPHAN_SCRIPT % (PROBE,), "paused"],
+                            stdout=subprocess.PIPE, cwd=os.path.dirname(os.path.dirname(__file__)))
+    try:
+        assert proc.stdout is not None
+        info = json.loads(proc.stdout.readline())
+        pidfd = os.pidfd_open(info["pid"])
+        assert Cgroups.at(info["cgroup"]).frozen()
+    finally:
+        proc.kill()
+        proc.wait()
+    try:
+        assert select.select([pidfd], [], [], 10.0)[0], "the paused sandbox outlived its server"
+    finally:
+        os.close(pidfd)
+    deadline = time.monotonic() + 10
+    while any(os.path.exists(d) for d in info["dirs"]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(os.path.exists(d) for d in info["dirs"])
 
 
 async def test_sandboxes_die_with_the_server() -> None:

@@ -346,10 +346,12 @@ class SandboxManager:
         but the files in them are someone's: moved into paused/damaged/, said in the log."""
         kept = {p.name for r in self._sandboxes.values() for p in (r.files, r.image) if p is not None}
         for p in sorted(self.paused_dir.iterdir()):
+            if p.name in kept:
+                continue
             if p.name.endswith(".crash.tar") and p.name.removesuffix(".crash.tar") in self._sandboxes:
                 p.unlink()  # a crash copy its sandbox's newer archive replaced (a crash before it was removed)
                 continue
-            if p.suffix in (".tar", ".image") and p.name not in kept:
+            if p.suffix in (".tar", ".image"):
                 try:
                     dest = durable.move_aside(p, self.paused_dir / DAMAGED)
                 except OSError as e:

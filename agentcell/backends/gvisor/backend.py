@@ -42,7 +42,7 @@ from agentcell.backends.base import (
 from agentcell.backends.cgroup_backend import CgroupSandboxes, OwnSandboxes, kill_cgroup
 from agentcell.backends.gvisor import reap, rootfs, seccomp_extra, spec, standby, volume_points
 from agentcell.backends.gvisor.runsc import Runsc, private_null
-from agentcell.backends.linux import cgroups, host, runtime_store
+from agentcell.backends.linux import cgroups, host, runtime_store, watchdog
 from agentcell.backends.linux import syscalls as sc
 from agentcell.backends.linux.backend import _claimable, _read_frame
 from agentcell.backends.pool import StandbyPool
@@ -184,9 +184,7 @@ class GvisorBackend(OwnSandboxes, CgroupSandboxes, Backend):
         os.makedirs(os.path.join(self.state, "sandboxes"), mode=0o700, exist_ok=True)
         self.runsc = self.runsc.with_private_null(self.state)
         # sandboxes die with the server: see watchdog.py
-        self._watchdog = subprocess.Popen(
-            [sys.executable, "-m", "agentcell.backends.gvisor.watchdog", self.cgroup_parent, self.state],
-            stdin=subprocess.PIPE, start_new_session=True, close_fds=True)
+        self._watchdog = watchdog.start("agentcell.backends.gvisor.watchdog", self.cgroup_parent, self.state)
         self._runtime = await asyncio.to_thread(runtime_store.ensure)
         with progress.step("gvisor: preparing the sandboxes' root tree"):
             await asyncio.to_thread(rootfs.build, self.root, self._runtime)

@@ -10,20 +10,16 @@ cgroups, detaches the root tree and removes the state directory. Run as
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 
 from agentcell.backends.gvisor import rootfs
-from agentcell.backends.linux import cgroups
+from agentcell.backends.linux import watchdog
 
 
 def main(rel: str, state: str) -> int:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C meant for the server
-    while os.read(0, 4096):
-        pass
-    cgroups.kill_tree(rel)
-    cgroups.remove_tree(rel, timeout=10)
+    watchdog.wait_for_server()
+    watchdog.clear(rel)
     rootfs.remove(os.path.join(state, "root"))
     subprocess.run(["rm", "-rf", "--one-file-system", state], check=False)
     return 0

@@ -18,6 +18,7 @@ import select
 import signal
 import socket
 import stat
+import subprocess
 import sys
 import time
 from dataclasses import asdict, replace
@@ -47,6 +48,7 @@ from agentcell.backends.linux import (
     runtime_store,
     uids,
     volume_mounts,
+    watchdog,
 )
 from agentcell.backends.linux.zygote_process import DEFAULT_ENTRY, ZygoteProcess
 from agentcell.backends.pool import StandbyPool
@@ -242,6 +244,7 @@ class LinuxBackend(CgroupSandboxes, Backend):
         # the behaviour record's host-side collectors (record/linux/target.py) in their process, started by start()
         # once a recorder is attached
         self.record_process: RecordProcess | None = None
+        self._watchdog: subprocess.Popen[bytes] | None = None
         self.missing_collectors: list[tuple[str, str]] = []  # (name, why) of those that could not start here
         self.policies = LinuxPolicies(self)  # sandboxes' policies (issue 28): exec, files, processes, network ask
         self.record_denials = record_denials  # what the kernel tracer sees of refused path syscalls (serve --record-denials)
@@ -383,6 +386,8 @@ class LinuxBackend(CgroupSandboxes, Backend):
             cgroups.prepare_instance(self.instance)
         except cgroups.CgroupError as e:
             raise BackendUnavailableError(str(e)) from e
+        if not rootless.active() or cgroups.delegated_root() is not None:  # paused sandboxes die with us: watchdog.py
+            self._watchdog = watchdog.start("agentcell.backends.linux.watchdog", self.cgroup_parent)
         os.makedirs(self.staging, mode=0o755, exist_ok=True)
         os.chmod(self.staging, 0o755)
         gone = await asyncio.to_thread(Egress.remove_stale, cgroups.instance_alive)
@@ -589,6 +594,11 @@ class LinuxBackend(CgroupSandboxes, Backend):
             self.record_process = None
         with contextlib.suppress(OSError):
             await asyncio.to_thread(cgroups.remove_tree, self.cgroup_parent)
+        if self._watchdog is not None:  # it removes what is left (nothing, normally) and exits
+            assert self._watchdog.stdin is not None
+            self._watchdog.stdin.close()
+            await asyncio.to_thread(self._watchdog.wait)
+            self._watchdog = None
         cgroup_delegation.release(self.instance)  # rootless with a delegated cgroup: its directory's lock
         await asyncio.to_thread(host.release, self.cgroup_parent)  # the sysctls it raised, if it was the last
         if self._uid_range is not None:
