@@ -17,9 +17,12 @@ import contextlib
 import os
 import secrets
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+from agentcell import durable
 
 KEY_FILE = "key"
 NEXT_KEY_FILE = "key.next"
@@ -65,7 +68,7 @@ def write_key(path: str, key: Key) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-    fsync_dir(os.path.dirname(path))
+    durable.fsync_dir(Path(os.path.dirname(path)))
 
 
 def read_key(path: str) -> Key:
@@ -86,14 +89,6 @@ def read_key(path: str) -> Key:
     if len(material) != 32:
         raise VaultKeyError(f"{path}: the key is {len(material)} bytes, not 32")
     return Key(parts[2], material)
-
-
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 @dataclass

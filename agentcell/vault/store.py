@@ -21,8 +21,10 @@ import secrets
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
+from agentcell import durable
 from agentcell.vault import keyring
 from agentcell.vault.keyring import Keyring, VaultKeyError
 
@@ -168,7 +170,7 @@ class Vault:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
-        keyring.fsync_dir(self.directory)
+        durable.fsync_dir(Path(self.directory))
 
     def _settle(self, data: dict[str, Any], ring: Keyring) -> Keyring:
         """Finish or forget a rotation a crash cut short (keyring.py): the file decides which."""
@@ -179,10 +181,10 @@ class Vault:
         used = {e["value"]["key"] for entries in data["tenants"].values() for e in entries}
         if pending[0].key_id in used:  # the file was rewritten under the next key: make it the key
             os.replace(nxt, os.path.join(self.directory, keyring.KEY_FILE))
-            keyring.fsync_dir(self.directory)
+            durable.fsync_dir(Path(self.directory))
             return Keyring(pending[0], {pending[0].key_id: pending[0]})
         os.unlink(nxt)  # the file still uses the old key: the rotation never happened
-        keyring.fsync_dir(self.directory)
+        durable.fsync_dir(Path(self.directory))
         return Keyring(ring.current, {ring.current.key_id: ring.current})
 
     @staticmethod
@@ -283,7 +285,7 @@ class Vault:
                 self._write(data)
             os.replace(os.path.join(self.directory, keyring.NEXT_KEY_FILE),
                        os.path.join(self.directory, keyring.KEY_FILE))
-            keyring.fsync_dir(self.directory)
+            durable.fsync_dir(Path(self.directory))
             return count
 
     def key_id(self) -> str | None:
