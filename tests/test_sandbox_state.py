@@ -206,6 +206,12 @@ async def test_a_frozen_sandbox_written_to_disk_at_shutdown_survives_its_channel
         assert (await http.post(f"/sandboxes/{sid}/pause", json={})).status_code == 204
         rec = record_of(app, sid)
         assert rec.state is S.PAUSED and not rec.on_disk
+        if app.manager.backend.files_while_frozen:  # its crash copy (an export of its own) is taken first
+            for _ in range(200):
+                if rec.crash_copy is not None:
+                    break
+                await asyncio.sleep(0.05)
+            assert rec.crash_copy is not None and rec.crash_copy.exists()
         channel = rec.channel
         assert channel is not None
         watcher = next(t for t in app.manager._tasks
@@ -230,6 +236,7 @@ async def test_a_frozen_sandbox_written_to_disk_at_shutdown_survives_its_channel
             release.set()
             await stopping
     assert (state / "paused" / f"{sid}.json").exists()
+    assert not (state / "paused" / f"{sid}.crash.tar").exists()  # the shutdown's write replaced the crash copy
 
     async with served(state) as (app, http, _):
         r = await http.get(f"/sandboxes/{sid}")
