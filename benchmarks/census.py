@@ -35,8 +35,18 @@ UID_LOCK_DIRS = ("/run/agentcell/uids",)
 RUNTIME_STORE = "/var/lib/agentcell/runtime"
 
 
-def _pids() -> list[int]:
+def _all_pids() -> list[int]:
     return [int(name) for name in os.listdir("/proc") if name.isdigit()]
+
+
+def zombie(pid: int) -> bool:
+    return _read(f"/proc/{pid}/stat").rsplit(")", 1)[-1].split()[:1] == ["Z"]
+
+
+def _pids() -> list[int]:
+    """Every process that holds anything: a zombie holds only its pid until its parent reaps it (a
+    harness that is a subreaper, e.g. a pytest process that ran a backend in-process, may never)."""
+    return [pid for pid in _all_pids() if not zombie(pid)]
 
 
 def _read(path: str) -> str:

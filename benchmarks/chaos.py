@@ -80,7 +80,9 @@ def process_tree(root: int) -> dict[int, int | None]:
 
 
 def still_alive(tree: dict[int, int | None]) -> list[int]:
-    return [pid for pid, start in tree.items() if start is not None and _start_ticks(pid) == start]
+    """Those of `tree` still running (a zombie is dead: only its parent's wait is missing)."""
+    return [pid for pid, start in tree.items()
+            if start is not None and _start_ticks(pid) == start and not census.zombie(pid)]
 
 
 def wait_until(condition: Callable[[], bool], timeout: float, step: float = 0.2) -> float | None:
