@@ -264,7 +264,8 @@ class SandboxManager:
             # a memory-paused sandbox's crash copy is, for the run that loads it, a pause of its files
             "pause_mode": rec.pause_mode if rec.on_disk else "filesystem",
             "paused_at": rec.paused_at.isoformat() if rec.paused_at else None,
-            "files": str(rec.files or rec.crash_copy) if (rec.files or rec.crash_copy) else None, "image": str(rec.image) if rec.image else None,
+            "files": str(files) if (files := rec.files or rec.crash_copy) else None,
+            "image": str(rec.image) if rec.image else None,
             "backend": rec.backend.name, "owner": rec.owner,
             # an image template's root (its layers' paths in the template store), to resume on it
             "image_root": asdict(rec.spec.image_root) if rec.spec.image_root else None,
