@@ -42,6 +42,25 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def make_dirs(path: Path, mode: int = 0o700) -> Path:
+    """`path` made with any missing parents (mode `mode`), each new directory's entry fsynced in its
+    parent: a mkdir is a directory entry like a rename, lost in a power cut until its parent is synced,
+    and with it everything later written and synced below it (found by chaos.py power-cut)."""
+    missing = []
+    here = path
+    while not here.is_dir():
+        missing.append(here)
+        here = here.parent
+    for d in reversed(missing):
+        try:
+            d.mkdir(mode=mode)
+        except FileExistsError:
+            if not d.is_dir():
+                raise
+        fsync_dir(d.parent)
+    return path
+
+
 def fsync_tree(path: Path) -> None:
     """A file's data, or every file and directory under a directory, on disk (symlinks not followed)."""
     if not path.is_dir() or path.is_symlink():

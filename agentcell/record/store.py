@@ -195,7 +195,7 @@ class EventStore:
 
     def open(self) -> None:
         if self.path is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            durable.make_dirs(self.path.parent)
         try:
             if self.path is not None and _emptied(self.path):
                 raise _EmptiedError("it is empty (0 bytes) and has no WAL beside it")

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import os
 import stat
+from pathlib import Path
 
-from agentcell import rootless
+from agentcell import durable, rootless
 from agentcell.errors import BackendUnavailableError
 
 STATE_ROOT = "/var/lib/agentcell/state"  # a 0700 directory per user of it below
@@ -84,6 +85,7 @@ def owned_dir(path: str) -> str:
     os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
     try:
         os.mkdir(path, 0o700)
+        durable.fsync_dir(Path(path).parent)  # its entry on disk before what is written in it (a power cut)
     except FileExistsError:
         pass
     try:

@@ -417,7 +417,7 @@ class SandboxManager:
         """_persisting's work, under the record's lock."""
         if rec.backend.memory_snapshots:
             image = self.paused_dir / f"{rec.sandbox_id}.image"
-            self.paused_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+            durable.make_dirs(self.paused_dir)
             await rec.backend.resume(rec.running)  # type: ignore[arg-type]
             try:
                 await rec.backend.checkpoint(rec.running, str(image), leave_running=False)  # type: ignore[arg-type]
@@ -811,7 +811,7 @@ class SandboxManager:
 
     async def _export(self, rec: SandboxRecord, suffix: str = "tar") -> Path:
         """The disk archive of a frozen sandbox, in the state dir."""
-        self.paused_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        durable.make_dirs(self.paused_dir)
         path = self.paused_dir / f"{rec.sandbox_id}.{suffix}"
         try:
             await rec.backend.export_files(rec.running, str(path), (rec.limits.disk_limit_mb << 20) * 2 + (64 << 20))

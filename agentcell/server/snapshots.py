@@ -99,7 +99,7 @@ class SnapshotStore:
         """Read the snapshots a previous run left. A half-written one (no meta.json: it never existed,
         its id was never given out) is removed; one whose meta.json or content is damaged is moved
         into damaged/ and said in the log, never deleted."""
-        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        durable.make_dirs(self.root)
         for d in sorted(self.root.iterdir()):
             if not _DIR_RE.match(d.name):
                 continue

@@ -223,7 +223,7 @@ class VolumeStore:
         return volume
 
     def _make(self, volume: Volume) -> None:
-        self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        durable.make_dirs(self.dir)
         home = self.dir / volume.volume_id
         home.mkdir(mode=0o700)
         image = self._image(volume.volume_id)
