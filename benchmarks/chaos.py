@@ -27,6 +27,7 @@ import tempfile
 import threading
 import time
 import traceback
+from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ from typing import Any
 
 import census
 import httpx
+import lose_unsynced
 from soak import Server, routeless_uplink, start_gateway, start_server
 
 from agentcell import Sandbox
@@ -328,6 +330,68 @@ def egress_kill9(fault: Fault, uplink: list[str]) -> None:
             fault.check("refused" in other.run_code(PROBE.format(ip="198.51.100.7")).logs.stdout[0],
                         "a sandbox made after the kill is fenced too")
         sbx.kill()
+    back_to_baseline(fault, baseline)
+
+
+def _runsc_process(sandbox_id: str, part: str) -> int | None:
+    """The pid of a gvisor sandbox's runsc `part` ("boot": its Sentry; "gofer"), None if it has none."""
+    for pid in census._pids():
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().decode(errors="replace").split("\0")
+            if part in argv and any(sandbox_id in a for a in argv) and "runsc" in argv[0]:
+                return pid
+    return None
+
+
+def runsc_kill9(fault: Fault, uplink: list[str]) -> None:
+    """kill -9 of a gvisor sandbox's runsc (its Sentry; another's gofer): the sandbox is reported ended
+    (or, without its gofer, runs on), its neighbours run on, creates go on, nothing of it stays on the host."""
+    if not shutil.which("runsc"):
+        fault.check(False, "runsc is not installed (scripts/setup installs it)")
+        return
+    baseline = take_baseline(fault)
+    srv = start_server("server", fault.work, "gvisor", 1, 8, ["--egress-uplink", "none"],
+                       state_dir=fault.work / "state")
+    try:
+        srv.wait_ready()
+        neighbour = Sandbox.create(api_url=srv.url, timeout=300)
+        neighbour.run_code("n = 5")
+        for part in ("boot", "gofer"):
+            victim = Sandbox.create(api_url=srv.url, timeout=300)
+            victim.run_code("v = 1")
+            pid = _runsc_process(victim.sandbox_id, part)
+            if part == "gofer" and pid is None:
+                fault.note("a gvisor sandbox here has no gofer process to kill")
+                victim.kill()
+                continue
+            if not fault.check(pid is not None, f"the sandbox has a runsc {part} process"):
+                break
+            assert pid is not None
+            os.kill(pid, signal.SIGKILL)
+            if part == "gofer":  # the Sentry may go on without it (its root is in memory): either is fine,
+                try:             # a hang is not
+                    fine = victim.run_code("v + 1", timeout=30, request_timeout=40).text == "2"
+                except Exception:  # noqa: BLE001
+                    fine = False
+                if fine:
+                    fault.note("killed a sandbox's runsc gofer: the sandbox runs on without it")
+                    victim.kill()
+                    continue
+            ended = wait_until(lambda s=victim.sandbox_id: sandbox_gone(srv.url, s)[0] == 404, 60)
+            fault.check(ended is not None, f"the sandbox whose runsc {part} was killed is reported ended")
+            events = httpx.get(f"{srv.url}/sandboxes/{victim.sandbox_id}/events", timeout=30).text
+            fault.check('"sandbox.killed"' in events, f"its record ends with its death: {events[-400:]}")
+            gone = wait_until(lambda s=victim.sandbox_id: _runsc_process(s, "boot") is None
+                              and _runsc_process(s, "gofer") is None, 30)
+            fault.check(gone is not None, f"none of its runsc processes is left (killed its {part})")
+            if ended is not None:
+                fault.note(f"killed a sandbox's runsc {part}: reported ended {ended:.1f} s later, record closed")
+        fault.check(neighbour.run_code("n + 1").text == "6", "a neighbour runs on, its state kept")
+        with Sandbox.create(api_url=srv.url, timeout=300) as after:
+            fault.check(after.run_code("6 * 7").text == "42", "a sandbox made after runs code")
+        neighbour.kill()
+    finally:
+        srv.stop()
     back_to_baseline(fault, baseline)
 
 
@@ -630,12 +694,109 @@ def ceiling(fault: Fault, uplink: list[str], count: int = 1000, minutes: float =
     back_to_baseline(fault, baseline, timeout=300)
 
 
+def power_cut(fault: Fault, uplink: list[str]) -> None:
+    """A power cut at every step of a pause to disk and of a snapshot: the state dir on a filesystem that
+    keeps only what was fsynced (benchmarks/lose_unsynced.py). A server started on what the disk holds
+    finds the paused sandbox or snapshot whole or not at all (an archive without its record set aside,
+    said so), never torn; what the API had answered for is always there."""
+    points = int(os.environ.get("CHAOS_POWER_CUT_POINTS", "0"))  # 0: every step; CI takes a few
+    baseline = take_baseline(fault)
+    with lose_unsynced.mounted(fault.work / "fs") as fs:
+        for what, under in (("pause", "paused"), ("snapshot", "snapshots")):
+            t0 = time.monotonic()
+            dry = _cut_and_restart(fault, fs, what, under, uplink, 0)  # the cut after the API's first answer
+            total = dry["steps"]
+            fault.check(dry["answered"] and dry["outcome"] == "new" and total > 3,
+                        f"{what}: answered, then a cut: still there ({dry})")
+            cuts = list(range(1, total + 1))
+            if 0 < points < total:
+                cuts = sorted({cuts[round(i * (total - 1) / max(points - 1, 1))] for i in range(points)})
+            outcomes: Counter[str] = Counter()
+            for n in cuts:
+                outcomes[_cut_and_restart(fault, fs, what, under, uplink, n)["outcome"]] += 1
+            fault.check(outcomes["old"] > 0, f"{what}: a cut before its first step leaves the old state ({dict(outcomes)})")
+            fault.note(f"{what}: {total} steps under {under}/ ({', '.join(sorted({op for op, _ in dry['log']}))});"
+                       f" a cut before {len(cuts)} of them and one after the answer: {dict(outcomes)}, nothing torn"
+                       f" ({time.monotonic() - t0:.0f} s)")
+    back_to_baseline(fault, baseline)
+
+
+def _cut_and_restart(fault: Fault, fs: lose_unsynced.Mounted, what: str, under: str, uplink: list[str],
+                     n: int) -> dict[str, Any]:
+    """A server on the filesystem pauses (or snapshots) a sandbox, the power cut at the n-th step under
+    `under` (n 0: after the answer, nothing synced since the server started on an empty state dir); a server started on what the disk holds must find it whole or not at
+    all. Returns the outcome (old, new, orphan: an archive set aside), the steps and whether it answered."""
+    name = f"{what}-{n}"
+    (fs.path / name).mkdir()
+    fs.control("settle")  # the operator's empty state dir, on disk
+    srv = start_server(name, fault.work, "linux", 0, 8, uplink, state_dir=fs.path / name)
+    answered = False
+    try:
+        srv.wait_ready()
+        sbx = Sandbox.create(api_url=srv.url, timeout=300)
+        sbx.files.write("/home/user/kept.txt", "still here")
+        if n:  # what came before is on disk (the kernel's writeback had time); n 0: a server's first
+            fs.control("settle")  # minutes, nothing on disk but what it fsynced
+        fs.control(f"arm {n} /{name}/{under}")
+        with contextlib.suppress(httpx.HTTPError):
+            if what == "pause":
+                r = httpx.post(f"{srv.url}/sandboxes/{sbx.sandbox_id}/pause", json={"memory": False}, timeout=120)
+            else:
+                r = httpx.post(f"{srv.url}/sandboxes/{sbx.sandbox_id}/snapshots", json={"name": "s"}, timeout=120)
+            answered = r.is_success
+        cut, steps, log = fs.control("cut"), int(fs.control("steps")), fs.control("log")
+        srv.proc.kill()  # the power is off: nothing more is written
+        srv.proc.wait(30)
+        disk = fault.work / f"{name}-disk"
+        fs.control(f"image {disk} /{name}")
+        fs.control("arm 0 /-")  # the power is back, for the next run
+    finally:
+        srv.stop()
+    after = start_server(f"{name}-after", fault.work, "linux", 0, 8, uplink, state_dir=disk)
+    try:
+        try:
+            after.wait_ready()
+        except SystemExit as e:  # a state dir the server cannot start on is the fault's finding
+            raise Failed(f"{name} (cut: {cut}): no server starts on what the disk holds: {e}: "
+                         f"{after.log.read_text(errors='replace')[-1500:]}") from None
+        api = httpx.Client(base_url=after.url, timeout=120)
+        if what == "pause":
+            got = [s["sandboxID"] for s in api.get("/v2/sandboxes", params={"state": "paused"}).json()]
+            want = [sbx.sandbox_id]
+        else:
+            got = [s["snapshotID"] for s in api.get("/snapshots").json()]
+            want = ["s:default"]
+        fault.check(got in ([], want), f"{name} (cut: {cut}): the state is the old or the new one: {got}")
+        if got:
+            back = Sandbox.connect(sbx.sandbox_id, api_url=after.url) if what == "pause" else \
+                Sandbox.create("s:default", api_url=after.url)
+            fault.check(back.files.read("/home/user/kept.txt") == "still here", f"{name}: its files are whole")
+            back.kill()
+    finally:
+        after.stop()
+    text = after.log.read_text(errors="replace")
+    fault.check("is damaged (" not in text and "Traceback" not in text,
+                f"{name} (cut: {cut}): nothing torn, nothing failed at the restart: {text[-2000:]}")
+    aside = sorted(p.name for p in (disk / "paused" / "damaged").glob("*"))
+    if aside:  # a cut after the archive, before its record: set aside, said so
+        fault.check(not got and aside == [f"{sbx.sandbox_id}.tar"] and "has no record" in text,
+                    f"{name}: only an archive without its record is set aside: {aside}")
+    if answered:
+        fault.check(bool(got), f"{name} (cut: {cut}): the API answered for the {what}, and it is gone")
+    shutil.rmtree(disk, ignore_errors=True)
+    outcome = "new" if got else "orphan" if aside else "old"
+    return {"outcome": outcome, "steps": steps, "answered": answered, "cut": cut,
+            "log": [tuple(line.split(" ", 1)) for line in log.splitlines() if line]}
+
+
 FAULTS: dict[str, Callable[[Fault, list[str]], None]] = {
     "server-kill9": server_kill9,
     "zygote-kill9": zygote_kill9,
     "record-kill9": record_kill9,
     "egress-kill9": egress_kill9,
+    "runsc-kill9": runsc_kill9,
     "disk-full": disk_full,
+    "power-cut": power_cut,
     "memory-pressure": memory_pressure,
     "clock-step": clock_step,
     "cell-lost": cell_lost,
