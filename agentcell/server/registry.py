@@ -251,9 +251,15 @@ class SandboxManager:
     def _persist(self, rec: SandboxRecord) -> None:
         """Write what a later server run needs to resume a sandbox kept on disk: never its secrets,
         so a sandbox with secrets or header rules is not kept across runs."""
+        if (data := self._kept_record(rec)) is not None:
+            # its archive or checkpoint is on disk already (_export, _write_to_disk): the record points at it
+            durable.write_json(self._record_path(rec.sandbox_id), data)
+
+    def _kept_record(self, rec: SandboxRecord) -> dict | None:
+        """_persist's record (None for a sandbox with secrets: never kept)."""
         if rec.spec.secrets:
-            return
-        data = {
+            return None
+        return {
             "sandbox_id": rec.sandbox_id, "template_id": rec.template_id, "alias": rec.alias,
             "metadata": rec.metadata, "envs": rec.envs, "limits": asdict(rec.limits),
             "started_at": rec.started_at.isoformat(), "timeout_s": rec.timeout_s, "client_id": rec.client_id,
@@ -272,8 +278,6 @@ class SandboxManager:
             "policy": rec.spec.policy.to_json() if not rec.spec.policy.empty else None,
             "volumes": [asdict(m) for m in rec.spec.volumes],  # mounted again at its resume
         }
-        # its archive or checkpoint is on disk already (_export, _write_to_disk): the record points at it
-        durable.write_json(self._record_path(rec.sandbox_id), data)
 
     def _unpersist(self, rec: SandboxRecord) -> None:
         with contextlib.suppress(OSError):
@@ -734,7 +738,8 @@ class SandboxManager:
                 return
             try:
                 rec.crash_copy = await self._export(rec, "crash.tar")
-                self._persist(rec)
+                if (data := self._kept_record(rec)) is not None:  # its fsyncs off the event loop
+                    await asyncio.to_thread(durable.write_json, self._record_path(rec.sandbox_id), data)
             except Exception as e:  # noqa: BLE001 - it stays paused in memory, as before
                 log.warning("sandbox %s: no copy of its files for a crash of this server: %s", rec.sandbox_id, e)
                 self._discard_crash_copy(rec)
