@@ -300,29 +300,44 @@ asyncio.run(main())
 """
 
 
-async def test_a_paused_sandbox_dies_with_the_server_too() -> None:
-    """A frozen sandbox notices nothing of its server's death (no socket EOF, no pidfd wakes a frozen
-    task): the server's watchdog kills it and removes its cgroups at once, not the next server's start
-    (before it, a paused sandbox of a SIGKILLed server held its memory until then: found by chaos.py)."""
+def _server_killed_with_its_sandbox(*args: str) -> tuple[dict, int]:
+    """_ORPHAN_SCRIPT's server run (with `args`), its sandbox made, then the server SIGKILLed: what it
+    printed of the sandbox, and a pidfd of the sandbox taken while the server lived."""
     import json
-    import select
     import subprocess
     import sys
 
-    proc = subprocess.Popen([sys.executable, "-c", _ORPHAN_SCRIPT % (PROBE,), "paused"],
+    proc = subprocess.Popen([sys.executable, "-c", _ORPHAN_SCRIPT % (PROBE,), *args],
                             stdout=subprocess.PIPE, cwd=os.path.dirname(os.path.dirname(__file__)))
     try:
         assert proc.stdout is not None
         info = json.loads(proc.stdout.readline())
         pidfd = os.pidfd_open(info["pid"])
-        assert Cgroups.at(info["cgroup"]).frozen()
+        if args == ("paused",):
+            assert Cgroups.at(info["cgroup"]).frozen()
+        else:
+            assert all(os.path.isdir(d) for d in info["dirs"])
     finally:
         proc.kill()
         proc.wait()
+    return info, pidfd
+
+
+def _dies(pidfd: int, within: float) -> bool:
+    import select
+
     try:
-        assert select.select([pidfd], [], [], 10.0)[0], "the paused sandbox outlived its server"
+        return bool(select.select([pidfd], [], [], within)[0])
     finally:
         os.close(pidfd)
+
+
+async def test_a_paused_sandbox_dies_with_the_server_too() -> None:
+    """A frozen sandbox notices nothing of its server's death (no socket EOF, no pidfd wakes a frozen
+    task): the server's watchdog kills it and removes its cgroups at once, not the next server's start
+    (before it, a paused sandbox of a SIGKILLed server held its memory until then: found by chaos.py)."""
+    info, pidfd = _server_killed_with_its_sandbox("paused")
+    assert _dies(pidfd, 10.0), "the paused sandbox outlived its server"
     deadline = time.monotonic() + 10
     while any(os.path.exists(d) for d in info["dirs"]) and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -331,25 +346,8 @@ async def test_a_paused_sandbox_dies_with_the_server_too() -> None:
 
 async def test_sandboxes_die_with_the_server() -> None:
     """A server that is SIGKILLed takes its zygote and every sandbox along; the next start cleans up."""
-    import json
-    import select
-    import subprocess
-    import sys
-
-    proc = subprocess.Popen([sys.executable, "-c", _ORPHAN_SCRIPT % (PROBE,)],
-                            stdout=subprocess.PIPE, cwd=os.path.dirname(os.path.dirname(__file__)))
-    try:
-        assert proc.stdout is not None
-        info = json.loads(proc.stdout.readline())
-        pidfd = os.pidfd_open(info["pid"])
-        assert all(os.path.isdir(d) for d in info["dirs"])
-    finally:
-        proc.kill()
-        proc.wait()
-    try:
-        assert select.select([pidfd], [], [], 5.0)[0], "the sandbox outlived its server"
-    finally:
-        os.close(pidfd)
+    info, pidfd = _server_killed_with_its_sandbox()
+    assert _dies(pidfd, 5.0), "the sandbox outlived its server"
     be = LinuxBackend(entry_point=PROBE, max_sandboxes=1000)
     await be.start()  # finds the dead server's instance and removes it
     try:
