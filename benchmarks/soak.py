@@ -328,7 +328,8 @@ def drive(urls: list[str], backend: str, seconds: float, rate: float, burst: int
     kinds = [k for k, (_, w) in SESSIONS.items() for _ in range(w)]
     with ThreadPoolExecutor(max_workers=concurrency + burst) as pool:
         start = time.monotonic()
-        next_steady, next_burst = start, start + burst_every
+        # the first burst half-way into the first window: with --window = --burst-every each window has one
+        next_steady, next_burst = start, start + burst_every / 2
         i = 0
         while time.monotonic() - start < seconds:
             now = time.monotonic()
