@@ -43,6 +43,7 @@ The server always uses this class (`serve()` passes it as uvicorn's `http=`).
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import logging
 import time
@@ -265,6 +266,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self.at_cap_log.warning("refusing new connections: %d open (--max-connections)", len(self.connections))
             return
         self._peer = peer_credentials(transport.get_extra_info("socket"))
+        self._context = contextvars.copy_context()  # the connection's, before any request set anything
         if hasattr(transport, "max_size"):
             transport.max_size = READ_SIZE  # type: ignore[attr-defined]  # asyncio's default: 256 KiB
         super().connection_made(_CoalescingTransport(transport, self.loop, self._linger))  # type: ignore[arg-type]
@@ -381,6 +383,14 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self.transport.close()
 
     def on_response_complete(self) -> None:
+        # Called from inside the request's task: what it schedules (the keep-alive and header timers, a
+        # pipelined request's task) would capture that request's context, and with it the sandbox's record
+        # (kept alive until the timer fell due: a minute of every request's records, seen in the soak) and
+        # its other request-scoped values (a pipelined request would start with them). The connection's own
+        # context instead.
+        self._context.copy().run(self._on_response_complete)
+
+    def _on_response_complete(self) -> None:
         pipelined = bool(self.pipeline)  # the base class starts a request whose headers are in already
         super().on_response_complete()
         if not pipelined and not self.transport.is_closing():
