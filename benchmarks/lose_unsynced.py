@@ -103,7 +103,7 @@ class Disk:
         node = self._node(os.lstat(path), path)
         entries = {}
         for name in os.listdir(path):
-            with _suppress_gone():
+            with contextlib.suppress(FileNotFoundError):  # gone meanwhile
                 child = os.lstat(path / name)
                 if stat.S_ISDIR(child.st_mode) or stat.S_ISREG(child.st_mode) or stat.S_ISLNK(child.st_mode):
                     self._node(child, path / name)
@@ -142,14 +142,6 @@ class Disk:
             os.chown(path, child.uid, child.gid)
         os.chmod(dest, node.mode)
         os.chown(dest, node.uid, node.gid)
-
-
-class _suppress_gone:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind: type | None, e: BaseException | None, tb: object) -> bool:
-        return isinstance(e, FileNotFoundError)
 
 
 class Cut(Exception):
