@@ -635,10 +635,11 @@ def serve(app: GatewayApp, host: str, port: int, log_level: str = "info", header
     deadlines, connection cap, and upgrades handed over as raw connections)."""
     import uvicorn
 
-    from agentcell import logs
+    from agentcell import allocator, logs
     from agentcell.server.http_protocol import KEEP_ALIVE, guarded_protocol
 
     logs.configure(log_level, log_format)  # stderr as a SafeStream: its lines and ours quote clients
+    allocator.pin_thresholds()  # freed buffers go back to the kernel (allocator.py)
     uv = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on", ws="none",
                         log_config=None, ssl_certfile=tls[0], ssl_keyfile=tls[1],
                         access_log=False,  # server/access_log.py's lines, with the sandbox id

@@ -38,6 +38,7 @@ from typing import Any
 
 import orjson
 
+from agentcell import allocator
 from agentcell.backends.linux import child_link
 from agentcell.backends.linux import syscalls as sc
 from agentcell.network.ca import EgressCA
@@ -291,6 +292,7 @@ def _enter(netns_path: str) -> None:
 def main() -> None:
     if not child_link.die_with_parent():
         return
+    allocator.pin_thresholds()  # a helper lives as long as the server (allocator.py)
     with contextlib.suppress(OSError):
         os.nice(NICE)
     config = orjson.loads(sys.argv[2])

@@ -21,7 +21,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from agentcell import logs
+from agentcell import allocator, logs
 from agentcell.backends import get_backend
 from agentcell.backends.base import Backend, set_sandbox_id_prefix
 from agentcell.console import mount as console_mount
@@ -451,6 +451,7 @@ def serve(config: ServerConfig) -> None:
     from agentcell.server.http_protocol import KEEP_ALIVE, guarded_protocol
 
     check_exposure(config)  # before anything binds
+    allocator.pin_thresholds()  # before threads start and buffers grow: freed memory goes back
     logs.configure(config.log_level, config.log_format)  # stderr as a SafeStream: log lines quote clients
     # Each sandbox holds a socket and a pidfd in the server: a 1024-fd soft limit would cap density.
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)

@@ -34,6 +34,7 @@ from typing import Any
 
 import orjson
 
+from agentcell import allocator
 from agentcell.backends.linux import cgroups, child_link
 from agentcell.errors import BackendUnavailableError
 from agentcell.record import quiet
@@ -340,6 +341,7 @@ async def _child_main(fd: int, config: dict[str, Any]) -> None:
 def main() -> None:
     if not child_link.die_with_parent():  # the server died before we could ask
         return
+    allocator.pin_thresholds()  # a helper lives as long as the server (allocator.py)
     with contextlib.suppress(OSError):
         os.nice(NICE)
     asyncio.run(_child_main(int(sys.argv[1]), orjson.loads(sys.argv[2])))
