@@ -177,6 +177,44 @@ class RssWatch:
         return self.peak - self.base
 
 
+@pytest.mark.skipif(GUEST_KERNEL, reason="the linux backend's standbys, prepared at the lowest CPU weight")
+def test_busy_tenants_do_not_starve_other_tenants_creates(server_url: str, neighbour: Sandbox) -> None:
+    """Tenants whose code keeps every core busy (one busy loop per core, each within its 1-CPU limit);
+    then a burst of creates past the server's standbys. The standbys refilled behind the busy ones were
+    prepared at the lowest CPU weight and starved: before the fix every create that waited for one failed
+    after 10 s ("did not become ready"). A create that waits gets a preparation at the default weight."""
+    busy = []
+    try:
+        for _ in range(os.cpu_count() or 1):
+            sbx = Sandbox.create(api_url=server_url, timeout=120)
+            busy.append(sbx)
+            sbx.commands.run("sh -c 'while :; do :; done'", background=True)
+        time.sleep(2)  # the refill after the busy tenants' creates is under way, starved or not
+        took: list[float] = []
+        errors: list[BaseException] = []
+
+        def create() -> None:
+            t0 = time.monotonic()
+            try:
+                with Sandbox.create(api_url=server_url, timeout=60) as sbx:
+                    took.append(time.monotonic() - t0)
+                    assert sbx.commands.run("echo up").stdout == "up\n"
+            except BaseException as e:  # noqa: BLE001 - collected, asserted below
+                errors.append(e)
+
+        threads = [threading.Thread(target=create) for _ in range(8)]  # past the session server's 4 standbys
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, f"creates failed beside busy tenants: {errors[:2]}"
+        assert max(took) < 8, f"a create beside busy tenants took {max(took):.1f} s: {sorted(took)}"
+    finally:
+        for sbx in busy:
+            sbx.kill()
+    assert_neighbour_and_server_fine(neighbour, server_url)
+
+
 def slow_read(url: str, path: str, body: bytes, headers: dict[str, str], seconds: float) -> int:
     """POST `body` to `path` and read the response at ~40 KB/s for `seconds`; returns bytes read."""
     host, port = url.removeprefix("http://").split(":")

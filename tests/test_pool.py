@@ -102,3 +102,18 @@ async def test_a_cancelled_create_loses_no_standby() -> None:
     assert await asyncio.wait_for(pool.take(), 1) == 1  # ... and the next create gets it
     await pool.close()
     assert p.discarded == []
+
+
+async def test_a_waiting_create_gets_a_preparation_of_its_own_not_a_starved_standbys() -> None:
+    # the standbys' preparation is starved (linux: the lowest CPU weight beside busy sandboxes)
+    starved, now = Preparer(delay=30), Preparer(delay=0.02)
+    now.made = itertools.count(100)
+    pool = StandbyPool(starved.prepare, starved.discard, lambda item: True, 2, 3, prepare_now=now.prepare)
+    pool.fill()
+    await asyncio.sleep(0.05)
+    assert starved.running == 2
+    items = await asyncio.wait_for(asyncio.gather(*(pool.take() for _ in range(10))), 5)
+    assert sorted(items) == list(range(100, 110))  # each waiting create got one, none waited for a standby
+    assert now.most_running <= 3  # within the parallel bound, besides the standbys' own
+    assert starved.running == 2  # the standbys' preparations go on, for the pool
+    await pool.close()

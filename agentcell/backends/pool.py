@@ -5,6 +5,12 @@ backends/linux/sandbox_init.py): a create then only claims one. The pool keeps `
 and refills off the request path (REFILL_DELAY after a take), at most `parallel` preparations at a
 time; in a burst the first `size` creates are served at once and the rest wait, in order, for the
 preparations they started.
+
+A backend whose standbys are prepared at a low priority (linux: the lowest CPU weight, so that they yield
+to sandboxes serving someone) gives a second preparation, `prepare_now`, for the creates that wait: one
+each, at most `parallel` at a time besides the standbys' own. A create never waits on a preparation that
+busy sandboxes can starve (measured before: two tenants' busy loops kept every waiting create from its
+sandbox for 10 s, and the create failed).
 """
 
 from __future__ import annotations
@@ -26,10 +32,12 @@ REFILL_DELAY = 0.1
 
 class StandbyPool(Generic[T]):
     def __init__(self, prepare: Callable[[], Awaitable[T]], discard: Callable[[T], Awaitable[None]],
-                 usable: Callable[[T], bool], size: int, parallel: int) -> None:
+                 usable: Callable[[T], bool], size: int, parallel: int,
+                 prepare_now: Callable[[], Awaitable[T]] | None = None) -> None:
         if size < 0 or parallel < 1:
             raise ValueError("a pool needs size >= 0 and parallel >= 1")
         self._prepare = prepare
+        self._prepare_now = prepare_now
         self._discard = discard
         self._usable = usable
         self.size = size
@@ -37,7 +45,8 @@ class StandbyPool(Generic[T]):
         self._ready: collections.deque[T] = collections.deque()
         self._waiters: collections.deque[asyncio.Future[T]] = collections.deque()
         self._tasks: set[asyncio.Task[None]] = set()  # preparations and discards under way
-        self._preparing = 0
+        self._preparing = 0  # all preparations under way, those for waiting creates included
+        self._hurrying = 0  # those by prepare_now, for waiting creates
         self._closed = False
         self._failing = False  # the last preparation failed: refill only for waiting creates
 
@@ -88,17 +97,26 @@ class StandbyPool(Generic[T]):
             if not fut.done():
                 fut.cancel()
 
+    def _waiting(self) -> int:
+        return sum(1 for f in self._waiters if not f.done())
+
     def _wanted(self) -> int:
-        waiting = sum(1 for f in self._waiters if not f.done())
-        goal = waiting if self._failing else self.size + waiting
+        goal = self._waiting() if self._failing else self.size + self._waiting()
         return goal - len(self._ready) - self._preparing
 
     def _refill(self) -> None:
         if self._closed:
             return
+        if self._prepare_now is not None:  # each waiting create: a preparation of its own, not a standby's
+            for _ in range(min(self._waiting() - len(self._ready) - self._hurrying, self.parallel - self._hurrying)):
+                self._start(self._prepare_now, hurry=True)
         for _ in range(min(self._wanted(), self.parallel - self._preparing)):
-            self._preparing += 1
-            self._spawn(self._prepare_one()).add_done_callback(self._prepared)
+            self._start(self._prepare, hurry=False)
+
+    def _start(self, prepare: Callable[[], Awaitable[T]], hurry: bool) -> None:
+        self._preparing += 1
+        self._hurrying += hurry
+        self._spawn(self._prepare_one(prepare)).add_done_callback(lambda _task: self._prepared(hurry))
 
     def _spawn(self, coro: Awaitable[None]) -> asyncio.Future[None]:
         task = asyncio.ensure_future(coro)
@@ -106,13 +124,14 @@ class StandbyPool(Generic[T]):
         task.add_done_callback(self._tasks.discard)
         return task
 
-    def _prepared(self, _task: asyncio.Future[None]) -> None:
+    def _prepared(self, hurry: bool) -> None:
         self._preparing -= 1
+        self._hurrying -= hurry
         self._refill()  # now that this one is out of the count
 
-    async def _prepare_one(self) -> None:
+    async def _prepare_one(self, prepare: Callable[[], Awaitable[T]]) -> None:
         try:
-            item = await self._prepare()
+            item = await prepare()
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - the oldest waiting create gets it; the pool goes on

@@ -283,10 +283,11 @@ class LinuxBackend(CgroupSandboxes, Backend):
         # way, before the loop reads any further request: no code of the tenant's can run before it.
         asyncio.get_running_loop().call_soon(self._watch_now, sandbox)
 
-    async def _prepare_standby(self, template: str) -> LinuxSandbox:
+    async def _prepare_standby(self, template: str, yield_cpu: bool = True) -> LinuxSandbox:
         """A standby, watched by the record's collectors from now on (off any request's path). Its
-        events before a claim are not kept: a record starts at the claim (EventStore.begin)."""
-        sandbox = await self._prepare(template, self.standby_limits, self._new_id())
+        events before a claim are not kept: a record starts at the claim (EventStore.begin).
+        `yield_cpu` False: a create waits for it (pool.py), so it runs at the default CPU weight."""
+        sandbox = await self._prepare(template, self.standby_limits, self._new_id(), yield_cpu=yield_cpu)
         self._watch_now(sandbox)
         return sandbox
 
@@ -493,7 +494,8 @@ class LinuxBackend(CgroupSandboxes, Backend):
             self._bound_image_pools()
         if pool is None:
             pool = StandbyPool(lambda: self._prepare_standby(template),
-                               self.kill, LinuxSandbox.alive, self.standbys, self.prepare_parallel)
+                               self.kill, LinuxSandbox.alive, self.standbys, self.prepare_parallel,
+                               prepare_now=lambda: self._prepare_standby(template, yield_cpu=False))
             self._pools[template] = pool
         return pool
 
@@ -524,12 +526,12 @@ class LinuxBackend(CgroupSandboxes, Backend):
         self._images[key] = spec.image_root
         return key
 
-    async def _spawn(self, template: str, sock_fd: int) -> None:
+    async def _spawn(self, template: str, sock_fd: int, yield_cpu: bool) -> None:
         if template.startswith("image:"):
             template = "base"
         z = await self._zygote(template)
         try:
-            z.spawn(sock_fd)
+            z.spawn(sock_fd, yield_cpu)
             return
         except OSError as e:
             if z.alive():  # a live zygote refused the message: this create fails, nothing else
@@ -538,7 +540,7 @@ class LinuxBackend(CgroupSandboxes, Backend):
         if self._zygotes.get(template) is z:
             del self._zygotes[template]
         z.stop()
-        (await self._zygote(template)).spawn(sock_fd)
+        (await self._zygote(template)).spawn(sock_fd, yield_cpu)
 
     async def _zygote(self, template: str) -> ZygoteProcess:
         z = self._zygotes.get(template)
@@ -644,7 +646,7 @@ class LinuxBackend(CgroupSandboxes, Backend):
                 sandbox = None
         if sandbox is None:
             sandbox = await self._prepare(template, spec.limits, spec.sandbox_id or self._new_id(), spec.files,
-                                          spec.volumes)
+                                          spec.volumes, yield_cpu=False)  # on the request's path
         try:
             sandbox.limits = spec.limits
             sandbox.cgroups.set_cpu_weight(standby=False)
@@ -665,20 +667,22 @@ class LinuxBackend(CgroupSandboxes, Backend):
         return sandbox
 
     async def _prepare(self, template: str, limits: Limits, sandbox_id: str, files: str | None = None,
-                       volumes: tuple[VolumeMount, ...] = ()) -> LinuxSandbox:
+                       volumes: tuple[VolumeMount, ...] = (), yield_cpu: bool = True) -> LinuxSandbox:
         """Fork and prepare a sandbox up to its agent's "ready"; it waits for its claim. `files`: a disk
-        archive its disk starts with (extracted by the child, see rootfs.finish)."""
+        archive its disk starts with (extracted by the child, see rootfs.finish). `yield_cpu`: the
+        preparation runs at the lowest CPU weight (a standby nobody waits for yet)."""
         t0_ns = time.perf_counter_ns()
         files_fd = _open_archive(files) if files else -1
         timeout = self.ready_timeout + (os.fstat(files_fd).st_size / EXTRACT_BYTES_PER_S if files else 0)
         try:
-            return await self._prepare_with(template, limits, sandbox_id, files_fd, timeout, t0_ns, volumes)
+            return await self._prepare_with(template, limits, sandbox_id, files_fd, timeout, t0_ns, volumes,
+                                            yield_cpu)
         finally:
             if files_fd >= 0:
                 os.close(files_fd)
 
     async def _prepare_with(self, template: str, limits: Limits, sandbox_id: str, files_fd: int, timeout: float,
-                            t0_ns: int, volumes: tuple[VolumeMount, ...] = ()) -> LinuxSandbox:
+                            t0_ns: int, volumes: tuple[VolumeMount, ...] = (), yield_cpu: bool = True) -> LinuxSandbox:
         slot = self._alloc_slot()
         host_id = self.uid_base + slot
         root_id = self.uid_base + self._slot_count + slot  # the sandbox's root: a host id of its own too
@@ -700,7 +704,7 @@ class LinuxBackend(CgroupSandboxes, Backend):
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         sandbox: LinuxSandbox | None = None
         try:
-            await self._spawn(template, theirs.fileno())
+            await self._spawn(template, theirs.fileno(), yield_cpu)
             theirs.close()
             ours.setblocking(False)
             loop = asyncio.get_running_loop()

@@ -200,8 +200,10 @@ def _host_pid() -> int:
 
 
 def run_child(sock_fd: int, zygote_pid: int, server_pidfd: int, cgroup: str, staging: str,
-              resolve_entry: Callable[[str | None], Callable[..., Any]], seccomp_filter: Any) -> NoReturn:
-    """Runs in the zygote's fresh child (pid 1 of a new pid namespace). Never returns."""
+              resolve_entry: Callable[[str | None], Callable[..., Any]], seccomp_filter: Any,
+              yield_cpu: bool = True) -> NoReturn:
+    """Runs in the zygote's fresh child (pid 1 of a new pid namespace). Never returns. `yield_cpu`: a
+    standby nobody waits for yet, prepared at the lowest CPU weight."""
     step = "start"
     try:
         for sig in (signal.SIGCHLD, signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
@@ -209,6 +211,8 @@ def run_child(sock_fd: int, zygote_pid: int, server_pidfd: int, cgroup: str, sta
         # A child still being prepared dies with its zygote. The id change clears this, on purpose: a
         # prepared sandbox outlives its zygote (a replaced zygote must not take sandboxes along).
         sc.prctl(sc.PR_SET_PDEATHSIG, signal.SIGKILL)
+        if not yield_cpu and not rootless.active():
+            os.setpriority(os.PRIO_PROCESS, 0, 0)  # a create waits: not the zygote's nice, from the start
         _place_fds(sock_fd, server_pidfd)
         if os.getppid() != zygote_pid:
             os._exit(1)  # the zygote was gone before PDEATHSIG was set
@@ -221,7 +225,8 @@ def run_child(sock_fd: int, zygote_pid: int, server_pidfd: int, cgroup: str, sta
         step = "cgroups"
         cg = Cgroups.at(cgroup)
         cg.create_and_join(0)  # 0: the writer itself
-        cg.set_cpu_weight(standby=True)  # a standby yields the CPU until its claim (backend.create) ...
+        if yield_cpu:  # a standby yields the CPU until its claim (backend.create) ...
+            cg.set_cpu_weight(standby=True)
         if not rootless.active():  # (rootless: no cgroup, and lowering a nice value needs host privilege)
             os.setpriority(os.PRIO_PROCESS, 0, 0)  # ... by its cgroup's weight from now on, not the zygote's nice
         cg, cg_fds = cg.opened(SERVER_FD + 1)  # limits are written after the pivot, when /sys is out of sight

@@ -37,7 +37,8 @@ from typing import Any
 from agentcell.backends.linux import rootfs, sandbox_init, seccomp_filter
 from agentcell.backends.linux import syscalls as sc
 
-SPAWN = b"spawn"  # the backend's only message: one sandbox's socket attached
+SPAWN = b"spawn"  # the backend's message: one sandbox's socket attached; its child yields the CPU
+SPAWN_NOW = b"spawn-now"  # the same for a create that waits: the child keeps the default CPU weight
 ZYGOTE_NICE = 10
 _entries: dict[str, Callable[..., Any]] = {}
 
@@ -132,7 +133,7 @@ class Zygote:
     def _entry(self, spec: str | None) -> Callable[..., Any]:
         return resolve_entry(spec or self.default_entry)
 
-    def spawn(self, fds: list[int]) -> None:
+    def spawn(self, fds: list[int], yield_cpu: bool = True) -> None:
         """Fork a child that becomes the sandbox on the socket in `fds` (it reports itself there)."""
         if not fds:
             return
@@ -147,7 +148,7 @@ class Zygote:
                 pid = os.fork()
                 if pid == 0:
                     sandbox_init.run_child(sock_fd, os.getppid(), self.server_pidfd, cgroup, self.staging,
-                                           self._entry, self.seccomp)
+                                           self._entry, self.seccomp, yield_cpu)
             finally:
                 # only the zygote gets here: its later children must not land in that namespace too
                 sc.setns(self.pidns, sc.CLONE_NEWPID)
@@ -227,11 +228,11 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
             if not msg and not fds:
                 return 0  # the backend closed the control socket
-            if msg != SPAWN:
+            if msg not in (SPAWN, SPAWN_NOW):
                 for fd in fds:
                     os.close(fd)
                 continue
-            zygote.spawn(fds)
+            zygote.spawn(fds, yield_cpu=msg == SPAWN)
             _reap()
     finally:
         signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children being prepared die with us (PDEATHSIG)

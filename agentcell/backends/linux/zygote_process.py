@@ -29,6 +29,7 @@ from agentcell.server import progress
 
 DEFAULT_ENTRY = "agentcell.runtime.agent:serve"
 SPAWN = b"spawn"  # see zygote.SPAWN
+SPAWN_NOW = b"spawn-now"  # see zygote.SPAWN_NOW
 _ENV = {"PATH", "LANG", "LC_ALL", "PYTHONPATH", "TZ", "AGENTCELL_TIMING", rootless.ENV, cgroups.DELEGATED_ENV}
 
 
@@ -131,9 +132,10 @@ class ZygoteProcess:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def spawn(self, sock_fd: int) -> None:
-        """Ask for a sandbox on `sock_fd`. The request itself never goes through the zygote."""
-        socket.send_fds(self.ctl, [SPAWN], [sock_fd])
+    def spawn(self, sock_fd: int, yield_cpu: bool = True) -> None:
+        """Ask for a sandbox on `sock_fd` (prepared at the lowest CPU weight if `yield_cpu`). The request
+        itself never goes through the zygote."""
+        socket.send_fds(self.ctl, [SPAWN if yield_cpu else SPAWN_NOW], [sock_fd])
 
     def stop(self) -> None:
         with contextlib.suppress(OSError):
