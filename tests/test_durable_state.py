@@ -25,6 +25,7 @@ from agentcell import durable as durable_module
 from agentcell.backends.base import new_cell_sandbox_id
 from agentcell.record.events import event
 from agentcell.record.store import EventStore
+from agentcell.runtime import statedir
 from agentcell.server.snapshots import Snapshot, SnapshotStore
 from tests.servers import SERVE, ServerProcess
 
@@ -124,7 +125,8 @@ def test_a_naive_write_is_torn_by_the_same_crashes(tmp_path: Path) -> None:
 def test_only_synced_writes_survive_the_power_cut_filesystem_and_make_dirs_is_synced(tmp_path: Path) -> None:
     """benchmarks/lose_unsynced.py, the power cut's filesystem, keeps what was fsynced and nothing else;
     on it, atomic_write into a directory that plain mkdir made is lost with that directory's entry (what
-    chaos.py power-cut found of paused/), and into one durable.make_dirs made, kept."""
+    chaos.py power-cut found of paused/), and into one durable.make_dirs made, kept; so is a state dir's
+    owned directory and the parent it made (statedir.owned_dir)."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     try:
         import lose_unsynced
@@ -141,6 +143,8 @@ def test_only_synced_writes_survive_the_power_cut_filesystem_and_make_dirs_is_sy
         durable_module.atomic_write(fs.path / "a" / "plain" / "record", NEW)
         durable_module.make_dirs(fs.path / "b" / "made" / "deeper")
         durable_module.atomic_write(fs.path / "b" / "made" / "deeper" / "record", NEW)
+        ca = statedir.owned_dir(str(fs.path / "b" / "new-state-dir" / "egress-ca"))  # its missing parent made too
+        durable_module.atomic_write(Path(ca) / "key", NEW)
         fs.control("arm 1 /")
         with pytest.raises(OSError):  # the power is off: nothing more is written
             (fs.path / "after").write_bytes(NEW)
@@ -150,6 +154,7 @@ def test_only_synced_writes_survive_the_power_cut_filesystem_and_make_dirs_is_sy
     assert not (disk / "never-synced").exists() and not (disk / "after").exists()
     assert list((disk / "a").iterdir()) == []  # a/'s entries never synced: plain/, and the record in it, lost
     assert (disk / "b" / "made" / "deeper" / "record").read_bytes() == NEW
+    assert (disk / "b" / "new-state-dir" / "egress-ca" / "key").read_bytes() == NEW
 
 
 def test_read_json_refuses_torn_files_clearly(tmp_path: Path) -> None:

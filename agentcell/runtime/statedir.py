@@ -82,7 +82,7 @@ def owned_dir(path: str) -> str:
     change: for what lives under a server's --state-dir (its egress CA's key). Its parents are the
     operator's choice (a test's temporary directory under /tmp is fine)."""
     path = os.path.abspath(path)
-    os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
+    durable.make_dirs(Path(path).parent, mode=0o755)  # each new parent's entry synced too (a power cut)
     try:
         os.mkdir(path, 0o700)
         durable.fsync_dir(Path(path).parent)  # its entry on disk before what is written in it (a power cut)
