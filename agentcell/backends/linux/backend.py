@@ -480,8 +480,9 @@ class LinuxBackend(CgroupSandboxes, Backend):
 
     @property
     def _slot_count(self) -> int:
-        """Host ids needed: one per sandbox, plus the standbys ready or being prepared."""
-        return self.max_sandboxes + self.standbys + self.prepare_parallel
+        """Host ids needed: one per sandbox, plus the standbys ready or being prepared, plus the
+        preparations for creates that wait (pool.py's prepare_now: at most prepare_parallel more)."""
+        return self.max_sandboxes + self.standbys + 2 * self.prepare_parallel
 
     def standby_pools(self) -> dict[str, StandbyPool[LinuxSandbox]]:
         return dict(self._pools)
