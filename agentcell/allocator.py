@@ -12,7 +12,6 @@ glibc's starting values keeps that memory returned. Where the C library is not g
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 
 # mallopt's parameters (malloc.h)
 _M_TRIM_THRESHOLD = -1
@@ -24,11 +23,8 @@ TRIM_THRESHOLD = 128 * 1024
 
 def pin_thresholds() -> bool:
     """Fix glibc's mmap and trim thresholds at their starting values; True if glibc took them."""
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return False
     try:
-        libc = ctypes.CDLL(name)
+        libc = ctypes.CDLL(None)  # the C library this process already runs on (find_library would spawn ldconfig)
         mallopt = libc.mallopt
         libc.gnu_get_libc_version  # noqa: B018 (glibc only: musl's mallopt does nothing)
     except (OSError, AttributeError):
