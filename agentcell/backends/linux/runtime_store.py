@@ -56,6 +56,7 @@ import re
 import shutil
 import stat
 import struct
+import subprocess
 import sys
 import sysconfig
 import threading
@@ -595,11 +596,11 @@ def _hold(lock_path: str) -> int:
 
 
 @contextlib.contextmanager
-def _exclusive(path: str) -> Iterator[None]:
+def _exclusive(path: str) -> Iterator[int]:
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
+        yield fd
     finally:
         os.close(fd)
 
@@ -752,9 +753,9 @@ def _collection_due(root: str) -> bool:
 
 def _collect_when_free(root: str, keep: set[str], budget: int, log: Callable[[str], None]) -> None:
     try:
-        with _exclusive(os.path.join(root, ".build.lock")):
-            _collect(root, keep, budget, log)
-    except OSError as e:
+        with _exclusive(os.path.join(root, ".build.lock")) as lock_fd:
+            _collect(root, keep, budget, log, apart_holding=lock_fd)
+    except (OSError, subprocess.SubprocessError, ValueError) as e:
         log(f"runtime store: cleaning {root} failed: {e}")
 
 
@@ -844,8 +845,12 @@ def _build_part(part: Part, layout: Layout, root: str, objects: Objects, log: Ca
     return name
 
 
-def _collect(root: str, keep: set[str], budget: int, log: Callable[[str], None]) -> store_collect.Collected:
-    out = store_collect.collect(root, keep, budget, KEEP_UNUSED_S)
+def _collect(root: str, keep: set[str], budget: int, log: Callable[[str], None],
+             apart_holding: int | None = None) -> store_collect.Collected:
+    if apart_holding is not None:  # from a server: the scan's memory must not stay in it (collect_apart)
+        out = store_collect.collect_apart(root, keep, budget, KEEP_UNUSED_S, build_lock_fd=apart_holding)
+    else:
+        out = store_collect.collect(root, keep, budget, KEEP_UNUSED_S)
     with open(os.path.join(root, _COLLECTED), "w"):
         pass  # its mtime: when the next start that builds nothing collects again (_collection_due)
     if out.removed_parts:

@@ -11,9 +11,13 @@ objects nobody names reads those lists, not every part's tree.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
+import json
 import os
 import shutil
+import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -132,6 +136,26 @@ def collect(root: str, keep: set[str], max_bytes: int = DEFAULT_MAX_BYTES,
     return out
 
 
+APART_TIMEOUT_S = 3600  # a collection of a store on a slow disk; the build lock is held meanwhile
+
+
+def collect_apart(root: str, keep: set[str], max_bytes: int = DEFAULT_MAX_BYTES,
+                  keep_unused_s: float = KEEP_UNUSED_S, build_lock_fd: int | None = None) -> Collected:
+    """collect(), in a process of its own. Its scan (every object's name and size, every part's list of
+    names: hundreds of MB of Python objects on a store that many venvs used) then comes and goes with
+    that process: in a server's heap it would stay as the allocators' high-water mark for the server's
+    life (docs/reliability.md). `build_lock_fd`, the caller's locked build lock, is passed on: the lock
+    is held until the collection ends, even if the caller dies first. Raises OSError if it failed."""
+    spec = json.dumps({"root": root, "keep": sorted(keep), "max_bytes": max_bytes, "keep_unused_s": keep_unused_s})
+    done = subprocess.run([sys.executable, "-m", __name__, spec], capture_output=True, text=True,
+                          timeout=APART_TIMEOUT_S, check=False, stdin=subprocess.DEVNULL,
+                          pass_fds=() if build_lock_fd is None else (build_lock_fd,))
+    if done.returncode != 0:
+        raise OSError(f"the collection ({sys.executable} -m {__name__}) exited with {done.returncode}: "
+                      f"{done.stderr.strip()[-2000:]}")
+    return Collected(**json.loads(done.stdout))
+
+
 def _named(root: str) -> set[str]:
     named: set[str] = set()
     for part in part_names(root):
@@ -159,3 +183,9 @@ def _drop_stale_keys(root: str) -> None:
 def usage(root: str) -> tuple[int, int]:
     """(the objects' bytes, the number of parts)."""
     return sum(_object_sizes(root).values()), len(part_names(root))
+
+
+if __name__ == "__main__":  # collect_apart()'s process: the collection's result as JSON on stdout
+    _spec = json.loads(sys.argv[1])
+    _out = collect(_spec["root"], set(_spec["keep"]), _spec["max_bytes"], _spec["keep_unused_s"])
+    print(json.dumps(dataclasses.asdict(_out)))
