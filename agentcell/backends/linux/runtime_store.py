@@ -67,7 +67,7 @@ from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 import agentcell
-from agentcell.backends.linux import store_collect, store_objects, store_workers
+from agentcell.backends.linux import store_build_process, store_collect, store_objects, store_workers
 from agentcell.backends.linux import syscalls as sc
 from agentcell.backends.linux.store_objects import HashCache, Objects
 from agentcell.errors import BackendUnavailableError
@@ -640,10 +640,9 @@ def ensure(layout: Layout | None = None, root: str | None = None, log: Callable[
         statedir.private_dir(root)
         keys_dir = os.path.join(root, store_collect.KEYS)
         os.makedirs(keys_dir, mode=0o700, exist_ok=True)
-        walked: dict[str, list[tuple[str, os.stat_result, str]]] = {}
-        held = _held_unchanged(layout, root, keys_dir, walked, stat_keys or {})  # the usual start: no lock to wait for
+        held = _held_unchanged(layout, root, keys_dir, stat_keys or {})  # the usual start: no lock to wait for
         built = held is None
-        mounts, locks = held if held is not None else _check_and_build(layout, root, keys_dir, walked, log)
+        mounts, locks = held if held is not None else _check_and_build(layout, root, log)
         _write_key(_last_path(root, layout), json.dumps([[os.path.basename(d), t] for d, t in mounts]))
         keep = {os.path.basename(d) for d, _ in mounts}
         if collect == "now":
@@ -667,10 +666,9 @@ def stat_keys(layout: Layout) -> dict[str, str]:
 
 
 def _held_unchanged(layout: Layout, root: str, keys_dir: str,
-                    walked: dict[str, list[tuple[str, os.stat_result, str]]],
                     known: dict[str, str]) -> tuple[list[tuple[str, str]], list[int]] | None:
     """Every part found unchanged by its quick key (one stat a file) and held; None at the first
-    part that is not (its walk kept in `walked`): then _check_and_build() does it under the build lock.
+    part that is not: then _check_and_build() does it under the build lock.
     No lock is waited for here, so a start is not held up by another server's build or collection:
     a part the collector removes meanwhile is seen gone once held, and sends us the slow way."""
     mounts: list[tuple[str, str]] = []
@@ -680,8 +678,7 @@ def _held_unchanged(layout: Layout, root: str, keys_dir: str,
             with progress.step(f"runtime store: checking {part.target} ({part.source})"):
                 key = known.get(part.name)
                 if key is None:
-                    entries = walked[part.name] = list(_walk(part))
-                    key = _stat_key(part, layout, entries)
+                    key = _stat_key(part, layout, list(_walk(part)))
                 name = _read_key(os.path.join(keys_dir, f"{part.name}-{key}"))
             if name is None:
                 raise LookupError(part.name)
@@ -697,47 +694,60 @@ def _held_unchanged(layout: Layout, root: str, keys_dir: str,
     return mounts, locks
 
 
-def _check_and_build(layout: Layout, root: str, keys_dir: str,
-                     walked: dict[str, list[tuple[str, os.stat_result, str]]],
-                     log: Callable[[str], None]) -> tuple[list[tuple[str, str]], list[int]]:
-    """Under the build lock (one builder at a time, and no collector): each part found by its quick
-    key, else by its content key from the hash cache, else built; then held."""
+def _check_and_build(layout: Layout, root: str, log: Callable[[str], None]) -> tuple[list[tuple[str, str]], list[int]]:
+    """Under the build lock (one builder at a time, and no collector): each part found or built, in a
+    process of its own (store_build_process.py: the hash cache and the build's memory stay out of the
+    server's heap), handed the lock; then held here, before the lock is let go."""
     mounts: list[tuple[str, str]] = []
     locks: list[int] = []
     try:
-        with _exclusive(os.path.join(root, ".build.lock")):
-            hashes: HashCache | None = None  # loaded only if a part changed (its file: ~1 s for a few venvs)
-            objects: Objects | None = None
-            for part in layout.parts:
-                with progress.step(f"runtime store: checking {part.target} ({part.source})", unit="files") as s:
-                    entries = walked.get(part.name)
-                    if entries is None:
-                        entries = list(_walk(part))
-                    quick = os.path.join(keys_dir, f"{part.name}-{_stat_key(part, layout, entries)}")
-                    name = _read_key(quick)
-                    if name is not None and not os.path.isdir(os.path.join(root, name)):
-                        name = None
-                    if name is None:
-                        if hashes is None:
-                            hashes = HashCache(os.path.join(root, store_objects.HASHES))
-                            objects = Objects(root, hashes)
-                        if hashes.covers([st for _, st, _ in entries if stat.S_ISREG(st.st_mode)]):
-                            name = f"{part.name}-{_key(part, layout, hashes, s, entries)}"  # nothing to read
-                if name is None or not os.path.isdir(os.path.join(root, name)):
-                    # new content: built, and hashed on the way (each file read once), then keyed
-                    assert objects is not None and hashes is not None
-                    name = _build_part(part, layout, root, objects, log, entries)
+        with _exclusive(os.path.join(root, ".build.lock")) as lock_fd:
+            try:
+                names = store_build_process.run(layout, root, lock_fd, log)
+            except store_build_process.BuildRefused as e:
+                raise RuntimeStoreError(str(e)) from None
+            for part, name in zip(layout.parts, names, strict=True):
                 dest = os.path.join(root, name)  # (no collector runs meanwhile: the build lock is ours)
                 locks.append(_hold(dest + ".lock"))
-                _write_key(quick, name)
+                if not os.path.isdir(dest):
+                    raise RuntimeStoreError(f"the runtime store's build named {dest}, which is not there")
                 mounts.append((dest, part.target))
-            if hashes is not None:
-                hashes.save()
     except BaseException:
         for fd in locks:
             os.close(fd)
         raise
     return mounts, locks
+
+
+def find_or_build(layout: Layout, root: str, log: Callable[[str], None]) -> list[str]:
+    """Each part's directory name: found by its quick key, else by its content key from the hash cache,
+    else built. In store_build_process's process, whose caller holds the build lock."""
+    keys_dir = os.path.join(root, store_collect.KEYS)
+    names: list[str] = []
+    hashes: HashCache | None = None  # loaded only if a part changed (its file: ~1 s for a few venvs)
+    objects: Objects | None = None
+    for part in layout.parts:
+        with progress.step(f"runtime store: checking {part.target} ({part.source})", unit="files") as s:
+            entries = list(_walk(part))
+            quick = os.path.join(keys_dir, f"{part.name}-{_stat_key(part, layout, entries)}")
+            name = _read_key(quick)
+            if name is not None and not os.path.isdir(os.path.join(root, name)):
+                name = None
+            if name is None:
+                if hashes is None:
+                    hashes = HashCache(os.path.join(root, store_objects.HASHES))
+                    objects = Objects(root, hashes)
+                if hashes.covers([st for _, st, _ in entries if stat.S_ISREG(st.st_mode)]):
+                    name = f"{part.name}-{_key(part, layout, hashes, s, entries)}"  # nothing to read
+        if name is None or not os.path.isdir(os.path.join(root, name)):
+            # new content: built, and hashed on the way (each file read once), then keyed
+            assert objects is not None and hashes is not None
+            name = _build_part(part, layout, root, objects, log, entries)
+        _write_key(quick, name)
+        names.append(name)
+    if hashes is not None:
+        hashes.save()
+    return names
 
 
 COLLECT_EVERY_S = 3600  # a start that built nothing collects if the last collection is older than this
