@@ -20,6 +20,7 @@ import os
 import pickle
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from typing import IO, TYPE_CHECKING
 
@@ -84,9 +85,13 @@ class _ToParent(logging.Handler):
         say(self.out, record={"name": record.name, "level": record.levelno, "message": record.getMessage()})
 
 
+_saying = threading.Lock()  # progress lines come from a timer thread too: one whole line at a time
+
+
 def say(out: IO[str], **msg: object) -> None:
-    out.write(json.dumps(msg) + "\n")
-    out.flush()
+    with _saying:
+        out.write(json.dumps(msg) + "\n")
+        out.flush()
 
 
 def main() -> None:
