@@ -38,15 +38,13 @@ class BuildRefused(Exception):
 
 def run(layout: Layout, root: str, build_lock_fd: int, log: Callable[[str], None]) -> list[str]:
     """Each part's directory name in the store (found, or built now), in the order of layout.parts."""
-    proc = subprocess.Popen([sys.executable, "-m", __name__, root], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            pass_fds=(build_lock_fd,))
-    assert proc.stdin is not None and proc.stdout is not None
-    try:
+    with subprocess.Popen([sys.executable, "-m", __name__, root], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                          pass_fds=(build_lock_fd,)) as proc:  # its pipes closed and the process waited for
+        assert proc.stdin is not None and proc.stdout is not None
         proc.stdin.write(pickle.dumps(layout))
         proc.stdin.close()
         names, error = _relay(proc.stdout, log)
-    finally:
-        code = proc.wait()
+    code = proc.returncode
     if error is not None:
         kind, message = error
         raise BuildRefused(message) if kind == "refused" else BuildProcessError(message)
