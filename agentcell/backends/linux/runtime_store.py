@@ -28,8 +28,9 @@ targets): a venv made again with the same packages finds its part. Digests come 
 file list with sizes, mtimes and inodes) leads straight to the part, so an unchanged start reads no
 file and loads no cache (~0.5 s for a 70,000-file venv). A start that must look further checks and
 builds in a process of its own (store_build_process.py: the cache and the build's memory never enter
-the server's heap). A new part is hashed while it is built (each file read once). A server holds a shared lock on each part it uses; parts no server holds are removed
-when unused for a day or, least recently used first, while the store is over its budget
+the server's heap). A new part is hashed while it is built (each file read once). A server holds a
+shared lock on each part it uses; parts no server holds are removed when unused for a day or, least
+recently used first, while the store is over its budget
 (``--runtime-store-max-gb``; store_collect.py), then the objects no part names. Every wait of a second
 or more says how far it is (server/progress.py).
 
