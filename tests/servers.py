@@ -10,7 +10,9 @@ a server expected not to start (`refused`). As a context manager it waits until 
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import signal
 import socket
 import ssl
@@ -32,6 +34,28 @@ REPO = Path(__file__).resolve().parent.parent
 SERVER = (sys.executable, "-m", "agentcell.server")
 SERVE = (sys.executable, "-m", "agentcell", "serve")
 GATEWAY = (sys.executable, "-m", "agentcell", "gateway")
+
+_own_state_dirs: list[str] = []  # made for servers here; removed when the test run ends (see below)
+
+
+def _remove_own_state_dirs() -> None:
+    """At the end of the test run, the state directories made for servers (a test may restart a server
+    on its predecessor's, so not before). One with anything still mounted under it is left alone: a
+    recursive removal would go into the mount (and a test of leaks is what should find it)."""
+    with open("/proc/self/mountinfo") as f:
+        mount_points = [line.split()[4] for line in f]
+    for state in _own_state_dirs:
+        if not any(m == state or m.startswith(state + "/") for m in mount_points):
+            shutil.rmtree(state, ignore_errors=True)
+
+
+atexit.register(_remove_own_state_dirs)
+
+
+def temporary_state_dir() -> str:
+    """A new, empty state directory for a server, removed when the test run ends."""
+    _own_state_dirs.append(tempfile.mkdtemp(prefix="agentcell-state-"))
+    return _own_state_dirs[-1]
 
 
 def free_port() -> int:
@@ -76,7 +100,7 @@ class ServerProcess:
         if address_args:
             added = ["--uds", uds] if uds else [*(("--host", host) if host else ()), "--port", str(self.port)]
         if own_state_dir and "--state-dir" not in args:  # its snapshots and paused sandboxes: gone with the run
-            added += ["--state-dir", tempfile.mkdtemp(prefix="agentcell-state-")]
+            added += ["--state-dir", temporary_state_dir()]
         environ = dict(base_env if base_env is not None else user.env() if user else os.environ)
         environ["PYTHONUNBUFFERED"] = "1"
         for name, value in (env or {}).items():

@@ -28,7 +28,7 @@ import httpx
 import pytest
 
 from agentcell.system import units
-from tests.servers import ServerProcess, free_port
+from tests.servers import ServerProcess, free_port, temporary_state_dir
 
 REPO = Path(__file__).resolve().parent.parent
 USER_PYTHON = "/usr/bin/python3"
@@ -88,7 +88,7 @@ class Service(ServerProcess):
                  state: Path | None = None) -> None:
         self.dir = _readable_dir("agentcell-sock-")
         self.socket = str(self.dir / "agentcell.sock")
-        self.state = state or Path(tempfile.mkdtemp(prefix="agentcell-state-"))
+        self.state = state or Path(temporary_state_dir())
         args = ["--uds", self.socket, "--state-dir", str(self.state), "--egress-uplink", "none", "--standbys", "0",
                 "--max-sandboxes-per-user", str(QUOTA), "--max-memory-mb-per-user", str(MEMORY_QUOTA_MB), *extra]
         argv = units.service_command(sys.executable, group, args)
