@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import os
 import stat
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -118,6 +120,32 @@ def test_pause_without_memory_and_reboot(server_url: str) -> None:
         assert "NameError" in str(sbx.run_code("y").error)
     finally:
         sbx.kill()
+
+
+def test_snapshots_taken_at_once_all_succeed(server_url: str) -> None:
+    """Each snapshot holds the most its sandbox can make until it is written, not all the quota has left:
+    snapshots of several sandboxes taken at once all succeed (the second of two was refused, 429 "use all
+    of their 10240 MiB", while the first was written: found by the hour-long soak)."""
+    sandboxes = [Sandbox.create(api_url=server_url, timeout=120) for _ in range(3)]
+    try:
+        for sbx in sandboxes:  # a copy long enough for the others to begin meanwhile
+            sbx.commands.run("head -c 60000000 /dev/urandom > /home/user/big.bin")
+        barrier = threading.Barrier(len(sandboxes))
+
+        def snapshot(sbx: Sandbox) -> str:
+            barrier.wait()
+            return sbx.create_snapshot(mode="filesystem").snapshot_id
+
+        with ThreadPoolExecutor(len(sandboxes)) as pool:
+            snaps = list(pool.map(snapshot, sandboxes))  # a refusal raises here
+        for snap in snaps:
+            child = Sandbox.create(snap, api_url=server_url, timeout=60)
+            assert child.commands.run("stat -c %s /home/user/big.bin").stdout.strip() == "60000000"
+            child.kill()
+            assert Sandbox.delete_snapshot(snap, api_url=server_url)
+    finally:
+        for sbx in sandboxes:
+            sbx.kill()
 
 
 def test_snapshot_quota_refuses_and_leaves_nothing(tmp_path: Path) -> None:

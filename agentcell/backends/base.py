@@ -61,6 +61,18 @@ class Limits:
             return self.disk_mb
         return max(1, self.memory_mb - disk_headroom_mb(self.memory_mb))
 
+    @property
+    def archive_max_bytes(self) -> int:
+        """The most a disk archive of the sandbox's files may take: twice its disk (a tar's headers and
+        padding around many small files) and 64 MiB."""
+        return (self.disk_limit_mb << 20) * 2 + (64 << 20)
+
+    @property
+    def checkpoint_max_bytes(self) -> int:
+        """The most a checkpoint of the sandbox (memory, processes, files) may take: its memory and a disk
+        archive's most."""
+        return (self.memory_mb << 20) + self.archive_max_bytes
+
     def validate(self) -> None:
         """What one sandbox may have: every value in range, and the disk inside the memory."""
         self.validate_ranges()

@@ -865,7 +865,9 @@ class ControlPlane:
             self._memory_snapshots(rec.backend, 'a snapshot with mode="full" (memory)')
         full = memory is not False and rec.backend.memory_snapshots and rec.pause_mode != "filesystem"
         try:
-            template_id, directory, room = self.snapshots.begin(name or None, self.tenancy.caller(request.scope))
+            template_id, directory, room = self.snapshots.begin(
+                name or None, self.tenancy.caller(request.scope),
+                rec.limits.checkpoint_max_bytes if full else rec.limits.archive_max_bytes)
         except SnapshotError as e:
             raise HTTPError(e.status, e.message) from None
         snap = Snapshot(template_id=template_id, name=name or None, mode="full" if full else "filesystem",

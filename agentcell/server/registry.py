@@ -819,7 +819,7 @@ class SandboxManager:
         durable.make_dirs(self.paused_dir)
         path = self.paused_dir / f"{rec.sandbox_id}.{suffix}"
         try:
-            await rec.backend.export_files(rec.running, str(path), (rec.limits.disk_limit_mb << 20) * 2 + (64 << 20))
+            await rec.backend.export_files(rec.running, str(path), rec.limits.archive_max_bytes)
             await asyncio.to_thread(_make_durable, path)  # before any record points at it
         except BaseException:
             with contextlib.suppress(OSError):
@@ -903,7 +903,7 @@ class SandboxManager:
             if memory:
                 await self.checkpoint(rec, image)
             else:
-                await self.snapshot_files(rec, files, (rec.limits.disk_limit_mb << 20) * 2 + (64 << 20))
+                await self.snapshot_files(rec, files, rec.limits.archive_max_bytes)
             results = await asyncio.gather(*(one() for _ in range(count)), return_exceptions=True)
         finally:
             await asyncio.to_thread(shutil.rmtree, image, True)

@@ -181,8 +181,10 @@ class SnapshotStore:
 
     # --- mutations -------------------------------------------------------------------------------
 
-    def begin(self, name: str | None, owner: str | None = None) -> tuple[str, Path, int]:
-        """A new snapshot's id, its directory (created) and the bytes it may take; raises
+    def begin(self, name: str | None, owner: str | None, at_most: int) -> tuple[str, Path, int]:
+        """A new snapshot's id, its directory (created) and the bytes it may take: `at_most` (the most
+        its sandbox can make) or what is left of the quota, whichever is less, reserved until its commit
+        or abort (snapshots taken at once each hold their own share, never all that is left). Raises
         SnapshotError when the name is bad or taken (by `owner`'s own snapshots: names are per tenant),
         or the quota is spent."""
         if name is not None:
@@ -200,6 +202,7 @@ class SnapshotStore:
         template_id = new_cell_sandbox_id()
         d = self.root / template_id
         d.mkdir(parents=True, mode=0o700)
+        room = min(room, at_most)
         self._reserved += room
         return template_id, d, room
 
