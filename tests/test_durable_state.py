@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -182,7 +183,7 @@ def test_a_cancelled_snapshot_commit_still_keeps_the_snapshot(tmp_path: Path) ->
     async def main() -> None:
         store = SnapshotStore(tmp_path / "snaps", 1 << 30, 10)
         store.load()
-        tid, d, room = store.begin("n")
+        tid, d, room = store.begin("n", None, 1 << 20)
         (d / "files.tar").write_bytes(b"x" * 10240)
         snap = Snapshot(template_id=tid, name="n", mode="filesystem", backend="linux", sandbox_id="s",
                         source_template="base", created_at=time.time(), size_bytes=10240)
@@ -440,6 +441,40 @@ def test_a_server_killed_at_every_step_of_a_snapshot(tmp_path: Path) -> None:
         steps = (steps[1],)
     got = _crash_every_step(tmp_path, "snapshot", steps)
     assert got["old"] and got["new"] and got["finished"] == len(steps), got
+
+
+@pytest.mark.skipif(bool(os.environ.get("AGENTCELL_TEST_SERVER_URL")), reason="starts servers of its own")
+def test_a_fork_cut_short_by_a_crash_leaves_no_copy_behind(tmp_path: Path) -> None:
+    """A fork copies its sandbox to <state>/forks/ and removes the copy once its sandboxes are made: a server
+    killed in between left the copy there for good (up to twice the sandbox's disk, once per crash). The
+    next server on the state dir removes it."""
+    state = tmp_path / "state"
+    one = _serve(tmp_path / "one.log", state).started()
+    copies: list[Path] = []
+    try:
+        sbx = Sandbox.create(api_url=one.url, timeout=300)
+        sbx.commands.run("head -c 150000000 /dev/urandom > /home/user/big.bin")  # a copy that takes a while
+
+        def fork() -> None:
+            with contextlib.suppress(httpx.HTTPError):  # the server dies under it
+                httpx.post(f"{one.url}/sandboxes/{sbx.sandbox_id}/fork", json={"count": 2}, timeout=120)
+
+        threading.Thread(target=fork, daemon=True).start()
+        deadline = time.monotonic() + 60
+        while not copies and time.monotonic() < deadline:
+            copies = [p for p in (state / "forks").glob("*") if p.stat().st_size] if (state / "forks").exists() else []
+            time.sleep(0.005)
+        one.proc.kill()  # SIGKILL: mid-copy, or while the forks are being made
+        one.proc.wait(timeout=30)
+    finally:
+        one.stop()
+    assert copies, "the fork's copy was never seen under forks/"
+    assert list((state / "forks").iterdir()), "the crash left no copy: nothing was tested"
+    with _serve(tmp_path / "two.log", state) as two:
+        assert not (state / "forks").exists() or not list((state / "forks").iterdir())
+        sbx = Sandbox.create(api_url=two.url, timeout=60)  # and the server works
+        assert sbx.commands.run("echo ok").stdout == "ok\n"
+        sbx.kill()
 
 
 # --- the event store --------------------------------------------------------------------------------

@@ -218,6 +218,8 @@ class SandboxManager:
     # lifecycle -----------------------------------------------------------------------------------
 
     async def start(self) -> None:
+        # a fork's copy lives only while its sandboxes are made (fork()): any here is a dead server's
+        await asyncio.to_thread(shutil.rmtree, self.state_dir / "forks", True)
         self._load_kept()
         if self.events is not None:  # records a previous run left open, but for the sandboxes kept paused
             self.events.close_lost(self._sandboxes)
