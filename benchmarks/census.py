@@ -13,6 +13,8 @@ Each count is read from the kernel, not from the server: a leak the server forgo
 * `nft_tables`, `nft_chains`, `nft_rules`, `nft_elements`: the host netns's ruleset (`nft -j`), and
   `nft_tables_all` etc. summed over every network namespace a process holds;
 * `conntrack`: connection-tracking entries summed over every network namespace a process holds;
+* `audit_rules`: the kernel's audit rules (the behaviour record adds its own at a server's start and removes
+  them at its stop; a dead server's are removed by the next one on its uids);
 * `sandbox_uid_procs`, `sandbox_uids`: processes running as a uid at or above the automatic ranges'
   start (where servers reserve sandbox ids), and how many distinct such uids; `uid_locks`: reserved ranges;
 * `host_procs`: every process on the host;
@@ -165,6 +167,22 @@ def _nft_counts(net_pid: int | None = None) -> dict[str, int]:
     return counts
 
 
+def count_audit_rules() -> int | None:
+    """Every loaded audit rule; None where the audit netlink cannot be asked (not root, no audit)."""
+    from agentcell.record.linux import audit_netlink
+
+    try:
+        ctl = audit_netlink.AuditSocket()
+    except OSError:
+        return None
+    try:
+        return len(ctl.rules())
+    except OSError:
+        return None
+    finally:
+        ctl.close()
+
+
 def _conntrack(pid: int) -> int:
     # /proc/PID/net is that process's network namespace: the per-netns table, one line per entry
     with contextlib.suppress(OSError), open(f"/proc/{pid}/net/nf_conntrack") as f:
@@ -212,6 +230,8 @@ def census(server_pid: int | None = None, state_dir: str | None = None, *, every
     counts.update(_nft_counts())
     nets = _one_pid_per_netns(pids)
     counts["conntrack"] = sum(_conntrack(pid) for pid in nets.values())
+    if (rules := count_audit_rules()) is not None:
+        counts["audit_rules"] = rules
     if every_netns:
         for pid in nets.values():
             for key, value in _nft_counts(pid).items():

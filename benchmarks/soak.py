@@ -155,14 +155,15 @@ class Ctx:
     url: str
     backend: str
     rng: random.Random
-    create_latencies: list[tuple[float, float]]  # (when, seconds), shared: appended under the GIL
+    create_latencies: list[tuple[float, float, str]]  # (when, seconds, from what), shared
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def create(self, **kwargs: Any) -> Sandbox:
+        source = "snapshot" if "template" in kwargs else "template"  # the sessions pass one only for a snapshot
         t0 = time.monotonic()
         sbx = Sandbox.create(api_url=self.url, timeout=kwargs.pop("timeout", 300), request_timeout=120, **kwargs)
         with self.lock:
-            self.create_latencies.append((t0, time.monotonic() - t0))
+            self.create_latencies.append((t0, time.monotonic() - t0, source))
         return sbx
 
 
@@ -403,17 +404,42 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
-def windows(latencies: list[tuple[float, float]], start: float, window: float) -> list[tuple[int, float, float]]:
-    out = []
+Latency = tuple[float, float, str]  # (when, seconds, what the sandbox was made from: template or snapshot)
+
+
+def windows(latencies: list[Latency], start: float, window: float) -> list[tuple[int, float, float]]:
+    """(creates, p50, p99) per window."""
+    return [(len(dts), statistics.median(dts), pct(dts, 0.99)) for dts in _by_window(latencies, start, window)]
+
+
+def _by_window(latencies: list[Latency], start: float, window: float) -> list[list[float]]:
     by_window: dict[int, list[float]] = {}
-    for t, dt in latencies:
+    for t, dt, _ in latencies:
         by_window.setdefault(int((t - start) // window), []).append(dt)
-    for k in sorted(by_window):
-        out.append((len(by_window[k]), statistics.median(by_window[k]), pct(by_window[k], 0.99)))
-    return out
+    return [by_window[k] for k in sorted(by_window)]
 
 
-def plot(path: Path, samples: list[dict[str, Any]], lat: list[tuple[float, float]], start: float,
+def slowest(latencies: list[Latency], start: float, window: float, n: int = 3) -> list[str]:
+    """Per window, the n slowest creates and what each was made from (the p99 is one of them)."""
+    by_window: dict[int, list[Latency]] = {}
+    for lat in latencies:
+        by_window.setdefault(int((lat[0] - start) // window), []).append(lat)
+    return [" ".join(f"{dt * 1000:.0f}{src[0]}" for _, dt, src in sorted(by_window[k], key=lambda x: -x[1])[:n])
+            for k in sorted(by_window)]
+
+
+def trend(values: list[float]) -> tuple[float, float]:
+    """Least-squares slope of `values` per step, and its standard error. A window's p99 is about its second
+    slowest create: a drift shows as a slope many standard errors from 0, where two single windows differ
+    by chance alone."""
+    n = len(values)
+    xs = range(n)
+    slope, intercept = statistics.linear_regression(xs, values)
+    residual = sum((v - intercept - slope * x) ** 2 for x, v in zip(xs, values, strict=True)) / (n - 2)
+    return slope, (residual / sum((x - (n - 1) / 2) ** 2 for x in xs)) ** 0.5
+
+
+def plot(path: Path, samples: list[dict[str, Any]], lat: list[Latency], start: float,
          servers: list[Server], window: float) -> None:
     import matplotlib
 
@@ -493,7 +519,7 @@ def main() -> int:
             urls = [servers[0].url]
         control = [s.url for s in servers if s.state_dir]  # the cells: where sandboxes are listed and killed
         sampler = Sampler(servers, a.sample)
-        latencies: list[tuple[float, float]] = []
+        latencies: list[Latency] = []
         tally = Tally()
         print(f"soak: {a.minutes:g} min, {a.backend}, {'gateway + 2 cells' if a.gateway else 'one server'}, "
               f"{a.rate:g}/min + {a.burst} every {a.burst_every:g} s, <= {a.concurrency} at once; logs in {work}",
@@ -530,7 +556,7 @@ def main() -> int:
 
 
 def report(a: argparse.Namespace, servers: list[Server], baseline: dict[str, Any], end: dict[str, Any],
-           samples: list[dict[str, Any]], latencies: list[tuple[float, float]], start: float, tally: Tally,
+           samples: list[dict[str, Any]], latencies: list[Latency], start: float, tally: Tally,
            left: int, ignore: set[str]) -> int:
     ok = True
     total = sum(tally.done.values()) + sum(tally.failed.values())
@@ -542,10 +568,10 @@ def report(a: argparse.Namespace, servers: list[Server], baseline: dict[str, Any
         print("  " + err.replace("\n", "\n    "))
     if tally.failed:
         ok = False
-    print(f"\n{'window':>8} {'creates':>8} {'p50 ms':>8} {'p99 ms':>8}")
+    print(f"\n{'window':>8} {'creates':>8} {'p50 ms':>8} {'p99 ms':>8}   slowest (ms; t: from the template, s: a snapshot)")
     wins = windows(latencies, start, a.window)
-    for k, (n, p50, p99) in enumerate(wins):
-        print(f"{k * a.window / 60:>6.0f}m {n:>8} {p50 * 1000:>8.0f} {p99 * 1000:>8.0f}")
+    for k, ((n, p50, p99), slow) in enumerate(zip(wins, slowest(latencies, start, a.window), strict=True)):
+        print(f"{k * a.window / 60:>6.0f}m {n:>8} {p50 * 1000:>8.0f} {p99 * 1000:>8.0f}   {slow}")
     print(f"\n{'count':<26} {'baseline':>14} {'peak':>14} {'end':>14}")
     for key in sorted(k for k in baseline if k != "t"):
         peak = max(s.get(key, 0) for s in samples)
@@ -567,6 +593,10 @@ def report(a: argparse.Namespace, servers: list[Server], baseline: dict[str, Any
     if len(wins) >= 2:
         ratio = wins[-1][2] / wins[0][2]
         goals.append((f"p99 create, last window / first: {ratio:.2f}", ratio <= 1.2))
+    if len(wins) >= 3:
+        slope, se = trend([w[2] for w in wins])
+        print(f"p99 create over the windows: fitted slope {slope * 1000:+.0f} +- {se * 1000:.0f} ms a window "
+              f"(mean {statistics.mean(w[2] for w in wins) * 1000:.0f} ms; a second figure, not a goal)")
     for text, met in goals:
         print(f"{'met ' if met else 'MISSED'} {text}")
         if a.strict and not met:
