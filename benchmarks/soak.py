@@ -409,23 +409,24 @@ Latency = tuple[float, float, str]  # (when, seconds, what the sandbox was made 
 
 def windows(latencies: list[Latency], start: float, window: float) -> list[tuple[int, float, float]]:
     """(creates, p50, p99) per window."""
-    return [(len(dts), statistics.median(dts), pct(dts, 0.99)) for dts in _by_window(latencies, start, window)]
-
-
-def _by_window(latencies: list[Latency], start: float, window: float) -> list[list[float]]:
-    by_window: dict[int, list[float]] = {}
-    for t, dt, _ in latencies:
-        by_window.setdefault(int((t - start) // window), []).append(dt)
-    return [by_window[k] for k in sorted(by_window)]
+    out = []
+    for group in _by_window(latencies, start, window):
+        dts = [dt for _, dt, _ in group]
+        out.append((len(dts), statistics.median(dts), pct(dts, 0.99)))
+    return out
 
 
 def slowest(latencies: list[Latency], start: float, window: float, n: int = 3) -> list[str]:
     """Per window, the n slowest creates and what each was made from (the p99 is one of them)."""
+    return [" ".join(f"{dt * 1000:.0f}{src[0]}" for _, dt, src in sorted(group, key=lambda x: -x[1])[:n])
+            for group in _by_window(latencies, start, window)]
+
+
+def _by_window(latencies: list[Latency], start: float, window: float) -> list[list[Latency]]:
     by_window: dict[int, list[Latency]] = {}
     for lat in latencies:
         by_window.setdefault(int((lat[0] - start) // window), []).append(lat)
-    return [" ".join(f"{dt * 1000:.0f}{src[0]}" for _, dt, src in sorted(by_window[k], key=lambda x: -x[1])[:n])
-            for k in sorted(by_window)]
+    return [by_window[k] for k in sorted(by_window)]
 
 
 def trend(values: list[float]) -> tuple[float, float]:
