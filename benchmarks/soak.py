@@ -12,7 +12,9 @@ session creates a sandbox, does one kind of work, checks the answer and kills it
 code (state kept across cells, a matplotlib chart), commands (output of a few MB, a background command
 killed), files (1 MiB up and down, a directory of small files), pty, pause/resume (memory kept, or files
 only), snapshot → new sandbox → delete, network (rules set and changed; probes that must fail: there is
-no uplink), timeout (left to expire). Every answer is checked; a wrong one is a failed session.
+no uplink), timeout (left to expire). Every answer is checked; a wrong one is a failed session. Each
+`--window` runs the same sessions (kinds dealt in proportion to their weights from a deck shuffled by
+`--seed`, the same deal every window), so that its first and last windows differ by time alone.
 
 Measured every `--sample` seconds (benchmarks/census.py): the server's RSS and fds, kernel objects
 (cgroups, namespaces, mounts, nft objects, conntrack entries, sandbox uids, loop devices), disk under
@@ -150,12 +152,15 @@ def expect(condition: bool, what: str) -> None:
         raise WrongAnswer(what)
 
 
+Latency = tuple[float, float, str]  # (when, seconds, what the sandbox was made from: template or snapshot)
+
+
 @dataclass
 class Ctx:
     url: str
     backend: str
     rng: random.Random
-    create_latencies: list[tuple[float, float, str]]  # (when, seconds, from what), shared
+    create_latencies: list[Latency]  # shared by the sessions' threads
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def create(self, **kwargs: Any) -> Sandbox:
@@ -324,33 +329,47 @@ def run_session(kind: str, ctx: Ctx, tally: Tally) -> None:
 
 
 def drive(urls: list[str], backend: str, seconds: float, rate: float, burst: int, burst_every: float,
-          concurrency: int, seed: int, latencies: list[tuple[float, float]], tally: Tally,
-          first_burst: float | None = None) -> None:
+          concurrency: int, seed: int, latencies: list[Latency], tally: Tally,
+          first_burst: float | None = None, period: float | None = None) -> None:
     """Start sessions for `seconds`: `rate` a minute evenly, plus `burst` every `burst_every` s (the first
-    after `first_burst` s, by default half of `burst_every`)."""
-    rng = random.Random(seed)
-    kinds = [k for k, (_, w) in SESSIONS.items() for _ in range(w)]
+    after `first_burst` s, by default half of `burst_every`).
+
+    The sessions' kinds are dealt from a deck that holds each kind as often as its weight, shuffled once
+    by `seed` (the bursts from a deck of their own), and each session's own draws (sizes, values) are
+    seeded by its place in the deal; every `period` seconds the deal starts over. So each period runs the same sessions in the same order: with
+    a period that is a multiple of `burst_every` and of 60 / `rate`, the same work at the same moments
+    (which sessions a burst holds, above all), and a window compared with another differs by time alone."""
+    decks = [[k for k, (_, w) in SESSIONS.items() for _ in range(w)] for _ in range(2)]  # steady, burst
+    for n, deck in enumerate(decks):
+        random.Random(seed * 2 + n).shuffle(deck)
     with ThreadPoolExecutor(max_workers=concurrency + burst) as pool:
         start = time.monotonic()
         # the first burst half-way into the first window: with --window = --burst-every each window has one
         next_steady, next_burst = start, start + (burst_every / 2 if first_burst is None else first_burst)
         i = 0
+        dealt = [0, 0]  # places dealt in this period: steady, burst
+        current = 0  # the period being dealt
         while time.monotonic() - start < seconds:
             now = time.monotonic()
-            due = 0
+            if period and int((now - start) // period) != current:
+                current, dealt = int((now - start) // period), [0, 0]
+            due = []
             if now >= next_steady:
-                due, next_steady = 1, next_steady + 60.0 / rate
+                due, next_steady = [0], next_steady + 60.0 / rate
             if burst and now >= next_burst:
-                due, next_burst = due + burst, next_burst + burst_every
-            for _ in range(due):
+                due, next_burst = due + [1] * burst, next_burst + burst_every
+            for which in due:
+                place = dealt[which]
+                dealt[which] += 1  # a skipped session keeps its place: the others keep theirs
                 with tally.lock:
                     if tally.in_flight >= concurrency + burst:
                         tally.skipped += 1
                         continue
                     tally.in_flight += 1
                 i += 1
-                ctx = Ctx(urls[i % len(urls)], backend, random.Random(rng.random()), latencies)
-                pool.submit(run_session, rng.choice(kinds), ctx, tally)
+                rng = random.Random(seed * 1_000_003 + which * 100_003 + place)
+                pool.submit(run_session, decks[which][place % len(decks[which])],
+                            Ctx(urls[i % len(urls)], backend, rng, latencies), tally)
             time.sleep(0.05)
 
 
@@ -402,9 +421,6 @@ def settle(sampler: Sampler, baseline: dict[str, Any], ignore: set[str], timeout
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
-
-
-Latency = tuple[float, float, str]  # (when, seconds, what the sandbox was made from: template or snapshot)
 
 
 def windows(latencies: list[Latency], start: float, window: float) -> list[tuple[int, float, float]]:
@@ -541,7 +557,7 @@ def main() -> int:
         sampler.samples.append(baseline)
         sampler.start()
         drive(urls, a.backend, a.minutes * 60, a.rate, a.burst, a.burst_every, a.concurrency, a.seed, latencies,
-              tally)
+              tally, period=a.window)
         sampler.stopping.set()
         sampler.join()
         left = sum(kill_all(url) for url in control)
