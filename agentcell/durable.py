@@ -132,6 +132,14 @@ def move_aside(path: Path, into: Path) -> Path:
     return dest
 
 
+def set_aside(path: Path, into: Path) -> str:
+    """`move_aside`, said for the log: where `path` went, or why it is still where it was."""
+    try:
+        return str(move_aside(path, into))
+    except OSError as e:
+        return f"nowhere ({e}): left where it is"
+
+
 def remove_temps(directory: Path) -> list[Path]:
     """Remove what a crash during atomic_write left in `directory` (never a file's only version)."""
     gone = []

@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -28,6 +29,7 @@ from agentcell.record.events import event
 from agentcell.record.store import EventStore
 from agentcell.runtime import statedir
 from agentcell.server.snapshots import Snapshot, SnapshotStore
+from agentcell.templates.builds import BuildRegistry
 from tests.servers import SERVE, ServerProcess
 
 REPO = Path(__file__).resolve().parent.parent
@@ -128,11 +130,7 @@ def test_only_synced_writes_survive_the_power_cut_filesystem_and_make_dirs_is_sy
     on it, atomic_write into a directory that plain mkdir made is lost with that directory's entry (what
     chaos.py power-cut found of paused/), and into one durable.make_dirs made, kept; so is a state dir's
     owned directory and the parent it made (statedir.owned_dir)."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        import lose_unsynced
-    finally:
-        sys.path.remove(str(REPO / "benchmarks"))
+    lose_unsynced = _power_cut_fs()
     with lose_unsynced.mounted(tmp_path / "fs") as fs:
         (fs.path / "settled").write_bytes(OLD)
         (fs.path / "a").mkdir()
@@ -156,6 +154,34 @@ def test_only_synced_writes_survive_the_power_cut_filesystem_and_make_dirs_is_sy
     assert list((disk / "a").iterdir()) == []  # a/'s entries never synced: plain/, and the record in it, lost
     assert (disk / "b" / "made" / "deeper" / "record").read_bytes() == NEW
     assert (disk / "b" / "new-state-dir" / "egress-ca" / "key").read_bytes() == NEW
+
+
+@needs_strace
+def test_a_template_build_recorded_before_a_power_cut_is_there_after_it(tmp_path: Path) -> None:
+    """A template and its build, recorded (the API answered) on a fresh state dir, then the power cut:
+    both are on the disk afterwards. Before, the records were renamed into place unsynced, in
+    directories made by a plain mkdir: the disk held neither."""
+    lose_unsynced = _power_cut_fs()
+    with lose_unsynced.mounted(tmp_path / "fs") as fs:
+        reg = BuildRegistry(str(fs.path / "state" / "template-builds"))
+        template, build = reg.request("app", ["v1"], None, 1, 512, set())
+        reg.succeed(build)
+        fs.control("arm 1 /")
+        fs.control(f"image {tmp_path / 'disk'}")
+    again = BuildRegistry(str(tmp_path / "disk" / "state" / "template-builds"))
+    found = again.find("app", None)
+    assert found is not None and found.template_id == template.template_id
+    assert again.builds[build.build_id].status == "ready"
+
+
+def _power_cut_fs() -> Any:
+    """benchmarks/lose_unsynced.py, the power cut's filesystem."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import lose_unsynced
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    return lose_unsynced
 
 
 def test_read_json_refuses_torn_files_clearly(tmp_path: Path) -> None:

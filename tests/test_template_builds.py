@@ -619,6 +619,40 @@ def test_names_are_per_tenant(tmp_path: Path) -> None:
     assert [t.template_id for t in reg.visible("uid:1001")] == [alice.template_id]
 
 
+def test_damaged_records_are_set_aside_said_and_the_rest_load(tmp_path: Path,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    """A template's or a build's record that is not whole (cut short, empty, the wrong fields) is moved
+    into templates/damaged/ or builds/damaged/ at the start, byte for byte, and said in the log; the
+    good ones beside it load. Before, they were skipped without a word: the template was just gone."""
+    root = tmp_path / "builds"
+    reg = BuildRegistry(str(root))
+    good, good_build = reg.request("good", [], None, 1, 512, set())
+    cut, _ = reg.request("cut", [], None, 1, 512, set())
+    _, emptied = reg.request("emptied", [], None, 1, 512, set())
+    odd, _ = reg.request("odd", [], None, 1, 512, set())
+    placed = {}
+    for path, data in ((root / "templates" / f"{cut.template_id}.json", None),
+                       (root / "builds" / f"{emptied.build_id}.json", b""),
+                       (root / "templates" / f"{odd.template_id}.json", b'{"templateID": 3}')):
+        data = path.read_bytes()[:40] if data is None else data
+        path.write_bytes(data)
+        placed[path] = data
+    leftover = root / "templates" / f".{good.template_id}.json.x1y2z3.tmp"  # a crashed write's
+    leftover.write_text('{"half a rec')
+    with caplog.at_level("ERROR", logger="agentcell.templates"):
+        again = BuildRegistry(str(root))
+    assert again.find("good", None) is not None and good_build.build_id in again.builds
+    assert again.find("cut", None) is None and again.find("odd", None) is None
+    assert emptied.build_id not in again.builds
+    for path, data in placed.items():
+        assert not path.exists()
+        assert (path.parent / "damaged" / path.name).read_bytes() == data
+        [said] = [r.getMessage() for r in caplog.records if str(path) in r.getMessage()]
+        assert "damaged" in said and f"{path.parent.name}/damaged/" in said, said
+    assert not leftover.exists()
+    assert BuildRegistry(str(root)).find("good", None) is not None  # a third start: nothing more moved
+
+
 # --- helpers ----------------------------------------------------------------------------------------------
 
 

@@ -111,11 +111,7 @@ class SnapshotStore:
             try:
                 snap = self._read(d)
             except (OSError, ValueError) as e:
-                try:
-                    where = str(durable.move_aside(d, self.root / DAMAGED))
-                except OSError as moving:
-                    where = f"nowhere ({moving}): left where it is"
-                log.error("a snapshot cannot be used: %s. Moved to: %s", e, where)
+                log.error("a snapshot cannot be used: %s. Moved to: %s", e, durable.set_aside(d, self.root / DAMAGED))
                 continue
             self._snapshots[snap.template_id] = snap
         damaged = self.root / DAMAGED

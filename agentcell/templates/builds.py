@@ -22,22 +22,31 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import re
 import secrets
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from pathlib import Path
+from typing import Any, TypeVar
 
+from agentcell import durable
 from agentcell.errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError
+
+log = logging.getLogger("agentcell.templates")
 
 ALIAS = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}")
 TAG = re.compile(r"[A-Za-z0-9_.][A-Za-z0-9_.-]{0,127}")
 DEFAULT_TAG = "default"
 LEVELS = ("debug", "info", "warn", "error")
+DAMAGED = "damaged"  # under templates/ and builds/: records the server cannot read, for the operator
+_DAMAGED_REMEDY = ("what it recorded is unknown to this server; it is kept in {kind}/damaged/ for you to look at "
+                   "and delete (build the template again if it is missing)")
+R = TypeVar("R")
 MAX_LOG_ENTRIES = 100_000  # one build's; later lines are counted, not kept
 MAX_LOG_LINE = 8192
 _ID_CHARS = "abcdefghijklmnopqrstuvwxyz0123456789"
@@ -139,8 +148,8 @@ class BuildRegistry:
         self._pending = 0
         self.running: set[str] = set()  # builds this server runs (never re-read from disk meanwhile)
         self.tasks: set[asyncio.Task[None]] = set()
-        for d in ("templates", "builds"):
-            os.makedirs(os.path.join(root, d), mode=0o700, exist_ok=True)
+        for d in ("templates", "builds"):  # their entries synced too: a power cut keeps what is written below
+            durable.make_dirs(Path(root, d))
         os.chmod(root, 0o700)
         self._load()
 
@@ -150,24 +159,41 @@ class BuildRegistry:
         if not startup:  # what is gone on disk is gone here too; the builds this server runs stay its own
             self.templates = {}
             self.builds = {k: b for k, b in self.builds.items() if k in self.running}
-        for n in os.listdir(os.path.join(self.root, "templates")):
-            if n.endswith(".json"):
-                with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-                    d = _read(os.path.join(self.root, "templates", n))
-                    self.templates[d["templateID"]] = TemplateRecord(
-                        d["templateID"], d.get("owner"), list(d["names"]), d["createdAt"], d["updatedAt"],
-                        dict(d["tags"]), list(d["builds"]), d.get("cpuCount", 2), d.get("memoryMB", 1024))
-        for n in os.listdir(os.path.join(self.root, "builds")):
-            if n.endswith(".json") and (startup or n[:-5] not in self.running):
-                with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-                    d = _read(os.path.join(self.root, "builds", n))
-                    b = Build(d["buildID"], d["templateID"], d["status"], d["createdAt"], d["updatedAt"],
-                              d.get("finishedAt"), d.get("reason"), list(d.get("tags") or []), d.get("cpuCount", 2),
-                              d.get("memoryMB", 1024), d.get("storeName", ""), d.get("cell", ""))
-                    b.log = self._read_log(b.build_id)
-                    if startup and b.status in ("waiting", "building") and b.cell == self.cell:
-                        self.fail(b, "the server restarted before this build finished: build again", None)
-                    self.builds[b.build_id] = b
+        for t in self._records("templates", _template_from, startup):
+            self.templates[t.template_id] = t
+        for b in self._records("builds", _build_from, startup):
+            if not startup and b.build_id in self.running:
+                continue
+            b.log = self._read_log(b.build_id)
+            if startup and b.status in ("waiting", "building") and b.cell == self.cell:
+                self.fail(b, "the server restarted before this build finished: build again", None)
+            self.builds[b.build_id] = b
+
+    def _records(self, kind: str, parse: Callable[[dict[str, Any]], R], startup: bool) -> Iterator[R]:
+        """The records under templates/ or builds/. At the start, one that cannot be read (a disk's fault,
+        a hand edit: this module's own writes are atomic) is moved into <kind>/damaged/ and said in the
+        log; at a refresh it is only skipped (the next start moves it). A temporary file a crash left is
+        removed at the start, unless other servers write here too (it may be one of theirs)."""
+        directory = Path(self.root, kind)
+        if startup and not self.shared:
+            durable.remove_temps(directory)
+        what, remedy = f"the record of a {kind[:-1]}", _DAMAGED_REMEDY.format(kind=kind)
+        for path in sorted(directory.glob("*.json")):
+            try:
+                d = durable.read_json(path, what, remedy)
+                try:
+                    record = parse(d)
+                except (KeyError, TypeError, ValueError, AttributeError) as e:
+                    raise durable.TornFileError(path, what, f"not the fields of one ({type(e).__name__}: {e})",
+                                                remedy) from None
+            except (OSError, ValueError) as e:
+                if startup:
+                    log.error("%s. Moved to: %s", e, durable.set_aside(path, directory / DAMAGED))
+                continue
+            yield record
+        damaged = directory / DAMAGED
+        if startup and damaged.is_dir() and (count := len(list(damaged.iterdir()))):
+            log.warning("%d damaged %s records wait in %s for you to look at and delete", count, kind[:-1], damaged)
 
     def refresh(self) -> None:
         """Re-read what other servers sharing this directory wrote (a no-op unless shared)."""
@@ -379,15 +405,17 @@ class BuildRegistry:
             self._pending -= 1
 
 
-def _read(path: str) -> dict[str, Any]:
-    with open(path) as f:
-        doc: dict[str, Any] = json.load(f)
-    return doc
+def _template_from(d: dict[str, Any]) -> TemplateRecord:
+    return TemplateRecord(d["templateID"], d.get("owner"), list(d["names"]), d["createdAt"], d["updatedAt"],
+                          dict(d["tags"]), list(d["builds"]), d.get("cpuCount", 2), d.get("memoryMB", 1024))
+
+
+def _build_from(d: dict[str, Any]) -> Build:
+    return Build(d["buildID"], d["templateID"], d["status"], d["createdAt"], d["updatedAt"], d.get("finishedAt"),
+                 d.get("reason"), list(d.get("tags") or []), d.get("cpuCount", 2), d.get("memoryMB", 1024),
+                 d.get("storeName", ""), d.get("cell", ""))
 
 
 def _write(path: str, doc: dict[str, Any]) -> None:
-    tmp = f"{path}.{os.getpid()}.{time.monotonic_ns()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(doc, f, sort_keys=True)
-    os.replace(tmp, path)
+    """Atomic and durable (agentcell/durable.py): after a crash or a power cut, the old record or the new."""
+    durable.write_json(Path(path), doc)
