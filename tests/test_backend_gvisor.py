@@ -218,6 +218,35 @@ async def test_standbys_have_their_own_name_and_random_state(backend: GvisorBack
     assert seen[0][0] != seen[1][0] and seen[0][1] != seen[1][1], seen
 
 
+def _cpu_weight(sb: GvisorSandbox) -> int:
+    """Its cgroup's CPU weight, as v1's cpu.shares (v2's cpu.weight 1 and 100 are shares 2 and 1024)."""
+    for d in _cgroup_dirs(sb.cgroups.sandbox_id):
+        if os.path.exists(f"{d}/cpu.shares"):
+            return int(Path(f"{d}/cpu.shares").read_text())
+        if os.path.exists(f"{d}/cpu.weight"):
+            return {1: 2, 100: 1024}.get(int(Path(f"{d}/cpu.weight").read_text()), -1)
+    raise AssertionError(f"no CPU controller for {sb.sandbox_id}")
+
+
+async def test_a_standby_is_restored_at_the_lowest_cpu_weight_until_its_claim(backend: GvisorBackend) -> None:
+    """A standby's restore (0.3-0.6 s of CPU each) yields to the sandboxes that serve someone: the
+    pool's refill after a burst would otherwise take the CPU from the burst's own creates. Its claim
+    gives it the default weight."""
+    assert backend._pool is not None
+    async with asyncio.timeout(60):
+        while not backend._pool.ready:
+            await asyncio.sleep(0.1)
+    standby = backend._pool._ready[0]
+    assert _cpu_weight(standby) == 2
+    box = await Box.create(backend)
+    try:
+        assert box.sb is standby  # the pool's one standby, claimed
+        assert _cpu_weight(box.sb) == 1024
+        assert await box.run("6 * 7") == "42"
+    finally:
+        await box.kill(backend)
+
+
 _FRESH_KERNEL = ("ip = get_ipython(); hm = ip.history_manager; dh = ip.displayhook\n"
                  "(ip.execution_count, In, dict(Out), _i, _ii, (dh._, dh.__, dh.___), ip.events.callbacks['post_run_cell'], "
                  "sorted(k for k in globals() if k != '__builtins__'), len(__import__('linecache').cache), "

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import GUEST_KERNEL, REPO, ServerProcess
+from conftest import GUEST_KERNEL, MICROVM, REPO, ServerProcess
 from helpers import secret_scan_code
 
 from agentcell import InvalidArgumentException, Sandbox, SandboxException, TimeoutException
@@ -177,7 +177,7 @@ class RssWatch:
         return self.peak - self.base
 
 
-@pytest.mark.skipif(GUEST_KERNEL, reason="the linux backend's standbys, prepared at the lowest CPU weight")
+@pytest.mark.skipif(MICROVM, reason="standbys prepared at the lowest CPU weight: linux's and gvisor's")
 def test_busy_tenants_do_not_starve_other_tenants_creates(server_url: str, neighbour: Sandbox) -> None:
     """Tenants whose code keeps every core busy (one busy loop per core, each within its 1-CPU limit);
     then a burst of creates past the server's standbys. The standbys refilled behind the busy ones were

@@ -195,7 +195,7 @@ class GvisorBackend(OwnSandboxes, CgroupSandboxes, Backend):
             with progress.step("gvisor: booting and saving the template the standbys are restored from"):
                 await self._build_template()
             self._pool = StandbyPool(self._prepare_standby, self.kill, GvisorSandbox.alive, self.standbys,
-                                     PREPARE_PARALLEL)
+                                     PREPARE_PARALLEL, prepare_now=lambda: self._prepare_standby(yield_cpu=False))
             self._pool.fill()
 
     def standby_pools(self) -> dict[str, StandbyPool[GvisorSandbox]]:
@@ -231,12 +231,12 @@ class GvisorBackend(OwnSandboxes, CgroupSandboxes, Backend):
         volume_points.check(spec_.volumes)
 
     def _make_sandbox(self, sandbox_id: str, limits: Limits, sock: socket.socket,
-                      volumes: tuple[VolumeMount, ...] = ()) -> GvisorSandbox:
+                      volumes: tuple[VolumeMount, ...] = (), yield_cpu: bool = False) -> GvisorSandbox:
         directory = os.path.join(self.state, "sandboxes", sandbox_id)
         os.makedirs(directory, mode=0o700)
         cgroup = f"/{self.cgroup_parent}/{sandbox_id}"
         assert self._runtime is not None, "start() first"
-        config = spec.build(sandbox_id, self.root, cgroup, limits, self._runtime.layout)
+        config = spec.build(sandbox_id, self.root, cgroup, limits, self._runtime.layout, yield_cpu)
         config["mounts"] += spec.volume_mounts(volumes)
         with open(os.path.join(directory, "config.json"), "w") as f:
             json.dump(config, f)
@@ -333,11 +333,12 @@ class GvisorBackend(OwnSandboxes, CgroupSandboxes, Backend):
         print(f"agentcell: gvisor template saved in {time.perf_counter() - t0:.1f} s "
               f"({_du(self.template) >> 20} MiB)", file=sys.stderr)
 
-    async def _restore(self, image: str, sandbox_id: str, limits: Limits) -> GvisorSandbox:
-        """A new sandbox from a checkpoint image: its own id, bundle, cgroup (limits) and socket."""
+    async def _restore(self, image: str, sandbox_id: str, limits: Limits, yield_cpu: bool = False) -> GvisorSandbox:
+        """A new sandbox from a checkpoint image: its own id, bundle, cgroup (limits) and socket;
+        `yield_cpu`: restored at the lowest CPU weight (a standby nobody waits for yet)."""
         assert self.runsc is not None, "start() first"
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        sb = self._make_sandbox(sandbox_id, limits, ours)
+        sb = self._make_sandbox(sandbox_id, limits, ours, yield_cpu=yield_cpu)
         try:
             try:
                 await self.runsc.call(sb.runsc_root, "restore", "--detach", f"--image-path={image}",
@@ -351,9 +352,12 @@ class GvisorBackend(OwnSandboxes, CgroupSandboxes, Backend):
             raise
         return sb
 
-    async def _prepare_standby(self) -> GvisorSandbox:
-        """Restored from the template, named, reseeded and warmed for no tenant (standby.py), frozen."""
-        sb = await self._restore(self.template, self._new_id(), self.standby_limits)
+    async def _prepare_standby(self, yield_cpu: bool = True) -> GvisorSandbox:
+        """Restored from the template, named, reseeded and warmed for no tenant (standby.py), frozen.
+        `yield_cpu`: at the lowest CPU weight, so that the pool's refill after a burst yields to the
+        burst's creates and to sandboxes serving someone; a create that waits for its own preparation
+        (the pool's prepare_now) gets the default weight. The claim gives every standby the default."""
+        sb = await self._restore(self.template, self._new_id(), self.standby_limits, yield_cpu)
         try:
             sb.sock.setblocking(False)
             await standby.warm(sb.sock, sb.sandbox_id, self.ready_timeout)
@@ -567,8 +571,9 @@ def _du(path: str) -> int:
 
 def _thaw_and_retune(cg: cgroups.Cgroups, old: Limits, new: Limits) -> None:
     """A standby, thawed, with the memory limit and CPU quota of its claim (runsc wrote the
-    standby's at restore)."""
+    standby's at restore) and the default CPU weight (a standby's was the lowest)."""
     cg.thaw()
+    cg.set_cpu_weight(standby=False)
     if new.cpu_count != old.cpu_count:
         quota = str(max(1000, int(new.cpu_count * 100_000)))
         if cg.v2:

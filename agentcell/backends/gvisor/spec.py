@@ -7,6 +7,7 @@ from typing import Any
 from agentcell.backends.base import Limits, VolumeMount
 from agentcell.backends.linux import rootfs as linux_rootfs
 from agentcell.backends.linux import runtime_store, sandbox_init
+from agentcell.backends.linux.cgroups import LOWEST_CPU_SHARES
 
 GUEST_MODULE = "agentcell.backends.gvisor.guest"
 _CAP_NAMES = {0: "CHOWN", 1: "DAC_OVERRIDE", 2: "DAC_READ_SEARCH", 3: "FOWNER", 4: "FSETID", 5: "KILL", 6: "SETGID", 7: "SETUID",
@@ -35,8 +36,10 @@ def host_pids(limits: Limits) -> int:
     return _HOST_TASKS_BASE + _HOST_TASKS_PER_PID * limits.pids
 
 
-def build(sandbox_id: str, root: str, cgroup: str, limits: Limits, layout: runtime_store.Layout) -> dict[str, Any]:
-    """`root`: the backend's read-only tree (rootfs.build); `cgroup`: e.g. /agentcell/<instance>/<id>."""
+def build(sandbox_id: str, root: str, cgroup: str, limits: Limits, layout: runtime_store.Layout,
+          yield_cpu: bool = False) -> dict[str, Any]:
+    """`root`: the backend's read-only tree (rootfs.build); `cgroup`: e.g. /agentcell/<instance>/<id>;
+    `yield_cpu`: the lowest CPU weight (a standby nobody waits for yet: its claim gives the default back)."""
     caps = [f"CAP_{_CAP_NAMES[c]}" for c in (*sandbox_init.ROOT_CAPS, 8, 21)]  # SETPCAP: to bound the rest
     disk = f"size={limits.disk_limit_mb}m"
     bin_dir = layout.executable.rsplit("/", 1)[0]
@@ -72,7 +75,8 @@ def build(sandbox_id: str, root: str, cgroup: str, limits: Limits, layout: runti
             "cgroupsPath": cgroup,
             "resources": {
                 "memory": {"limit": host_memory_bytes(limits)},
-                "cpu": {"quota": max(1000, int(limits.cpu_count * _CPU_PERIOD_US)), "period": _CPU_PERIOD_US},
+                "cpu": {"quota": max(1000, int(limits.cpu_count * _CPU_PERIOD_US)), "period": _CPU_PERIOD_US,
+                        **({"shares": LOWEST_CPU_SHARES} if yield_cpu else {})},
                 "pids": {"limit": host_pids(limits)},
             },
             "namespaces": [{"type": t} for t in ("pid", "ipc", "uts", "mount", "network")],

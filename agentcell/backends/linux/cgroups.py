@@ -47,6 +47,9 @@ GROUP = "agentcell"
 # server into it (cgroup_delegation.py); agentcell/ is made there instead of under ROOT
 DELEGATED_ENV = "AGENTCELL_CGROUP_DELEGATED"
 _CPU_PERIOD_US = 100_000
+# a standby's preparation yields to everything else: v1's lowest cpu.shares (v2: cpu.weight 1, which
+# OCI runtimes also make of these shares)
+LOWEST_CPU_SHARES = 2
 _MIN_SOCKET_BYTES = 4 << 20
 # freezer: pause/resume (Cgroups.freeze); a host without it cannot pause sandboxes
 _V1_CONTROLLERS = ("memory", "pids", "cpu", "cpuacct", "freezer")
@@ -301,7 +304,7 @@ class Cgroups:
         if self.v2:
             sc.write_file(f"{self.dirs['unified']}/cpu.weight", "1" if standby else "100")
         else:
-            sc.write_file(f"{self.dirs['cpu']}/cpu.shares", "2" if standby else "1024")
+            sc.write_file(f"{self.dirs['cpu']}/cpu.shares", str(LOWEST_CPU_SHARES) if standby else "1024")
 
     def retune(self, old: Limits, new: Limits) -> None:
         """Change a live sandbox's memory and CPU limits from `old` to `new` (a standby's claim)."""
